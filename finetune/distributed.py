@@ -1,0 +1,150 @@
+"""Process-group facts from the launcher (accelerate launch, torchrun, or a plain `python`).
+
+We read the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and form the process
+group with torch's own API: NCCL with one GPU per process (device from LOCAL_RANK) when CUDA is present, gloo on
+CPU. We deliberately do not let accelerate's state decide: on CPU it reports `DistributedType.NO` for an FSDP
+config and lets N processes train N independent copies. Only this module and parallel.py touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from finetune.errors import LaunchError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None when single-process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+_INFO: DistInfo | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def init_distributed(*, timeout_s: int = 600) -> DistInfo:
+    """Form the process group described by the launcher's environment (idempotent)."""
+    global _INFO
+    if _INFO is not None:
+        return _INFO
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() not in ("true", "1")
+    if cuda:
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world_size > 1:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise LaunchError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set, so no process group can be formed. "
+                "Start the run with `accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py ...` "
+                "or `torchrun --nproc_per_node N finetune/run.py ...`."
+            )
+        backend = "nccl" if cuda else "gloo"
+        if not dist.is_initialized():
+            kwargs = {"device_id": device} if cuda else {}
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        if dist.get_world_size() != world_size:
+            raise LaunchError(f"process group has {dist.get_world_size()} ranks, the launcher announced {world_size}.")
+    _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
+    _check_not_silently_split(_INFO)
+    return _INFO
+
+
+def _check_not_silently_split(info: DistInfo) -> None:
+    """Refuse N processes that each think they are alone (the accelerate-on-CPU trap)."""
+    expected = _env_int("ACCELERATE_NUM_PROCESSES", 0) or _env_int("FINETUNE_EXPECT_WORLD_SIZE", 0)
+    if expected > 1 and info.world_size != expected:
+        raise LaunchError(
+            f"the launcher was asked for {expected} processes but this one sees WORLD_SIZE={info.world_size}: they would "
+            "train independent copies. Launch with a multi-process accelerate config (accelerate_configs/) or torchrun."
+        )
+
+
+def info() -> DistInfo:
+    if _INFO is None:
+        return init_distributed()
+    return _INFO
+
+
+def is_main() -> bool:
+    return _INFO is None or _INFO.is_main
+
+
+def print0(*args, **kwargs) -> None:
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Sum a few floats over all ranks (loss and token counts for logging)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device or info().device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True if `flag` is true on any rank (used for NaN checks and preemption)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=info().device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item() > 0)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: LoRA init is then identical without a broadcast."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def teardown() -> None:
+    global _INFO
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _INFO = None

@@ -1,0 +1,411 @@
+"""Parallel strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap policy, layer split.
+
+The plan is resolved and checked before any weight loads (`resolve_plan`), from the recipe, the launcher's
+environment (accelerate writes its config there as ACCELERATE_* / FSDP_* variables; torchrun sets only the ranks)
+and the model's config on the meta device. Wrapping uses torch's own APIs (`fully_shard`, `FullyShardedDataParallel`,
+`DistributedDataParallel`), so the code the CPU tests run with gloo is the code that runs on GPUs with NCCL.
+
+The FSDP + 4-bit rules, enforced here rather than documented:
+  * the packed 4-bit storage dtype = the dtype FSDP sees for every frozen base tensor = the mixed-precision param
+    dtype (otherwise FSDP's cast reinterprets packed bytes as numbers);
+  * FSDP1 flattens each unit into one tensor: one dtype and one requires_grad per unit, so every LoRA leaf is its
+    own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from finetune.distributed import DistInfo, print0
+from finetune.errors import LaunchError
+from finetune.recipe import Recipe
+
+Strategy = Literal["single", "ddp", "fsdp", "layer_split"]
+
+
+@dataclass
+class ParallelPlan:
+    strategy: Strategy
+    world_size: int
+    fsdp_version: int = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    layer_class: str | None = None
+    activation_checkpointing: bool = True
+    param_dtype: torch.dtype = torch.bfloat16
+    device_map: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.strategy == "fsdp":
+            shard = "full shard" if self.reshard_after_forward else "shard-grad-op"
+            offload = ", params offloaded to CPU" if self.cpu_offload else ""
+            return f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}), unit = {self.layer_class}"
+        if self.strategy == "ddp":
+            return f"DDP over {self.world_size} processes"
+        if self.strategy == "layer_split":
+            devices = sorted({str(d) for d in (self.device_map or {}).values()})
+            return f"layer split over {', '.join(devices) or 'one device'} in one process"
+        return "single process"
+
+
+# ---------------------------------------------------------------------------------------- launcher settings
+def _env_bool(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.strip().lower() in ("1", "true", "yes")
+
+
+def launcher_settings() -> dict:
+    """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
+    settings: dict = {}
+    if _env_bool("ACCELERATE_USE_FSDP"):
+        settings["strategy"] = "fsdp"
+        settings["fsdp_version"] = int(os.environ.get("FSDP_VERSION", "1") or 1)
+        reshard = _env_bool("FSDP_RESHARD_AFTER_FORWARD")
+        strategy_name = os.environ.get("FSDP_SHARDING_STRATEGY", "")
+        if reshard is None and strategy_name:
+            reshard = strategy_name.upper() not in ("SHARD_GRAD_OP", "2")
+        settings["reshard_after_forward"] = reshard
+        settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS")
+        settings["activation_checkpointing"] = _env_bool("FSDP_ACTIVATION_CHECKPOINTING")
+        settings["layer_class"] = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
+        settings["auto_wrap_policy"] = os.environ.get("FSDP_AUTO_WRAP_POLICY") or None
+        settings["use_orig_params"] = _env_bool("FSDP_USE_ORIG_PARAMS")
+        settings["cpu_ram_efficient_loading"] = _env_bool("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mixed and mixed != "no":
+        settings["mixed_precision"] = mixed
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+# -------------------------------------------------------------------------------------------- model facts
+def meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
+    """The model's module tree with no storage (classes and names for wrap and placement plans)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def decoder_layer_class(model: nn.Module, requested: str | None = None) -> type[nn.Module]:
+    """The class of the repeated decoder block: `requested`, else the model's `_no_split_modules`."""
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    if requested:
+        if requested not in classes:
+            layer_like = sorted(n for n in classes if "Layer" in n or "Block" in n) or sorted(classes)
+            raise LaunchError(
+                f"parallel.layer_class (or fsdp_transformer_layer_cls_to_wrap) `{requested}` is not a module class of this "
+                f"model. Its layer classes: {', '.join(layer_like)}. Fix: set it to one of those, or remove it to use the default."
+            )
+        return classes[requested]
+    base = getattr(model, "get_base_model", lambda: model)()
+    for name in getattr(base, "_no_split_modules", None) or []:
+        if name in classes:
+            return classes[name]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if lists:
+        return type(max(lists, key=len)[0])
+    raise LaunchError("cannot find the decoder layer class of this model; set parallel.layer_class.")
+
+
+def decoder_layers_path(model: nn.Module, layer_cls: type[nn.Module]) -> tuple[str, int]:
+    """Dotted name of the ModuleList holding the decoder layers, and its length."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and isinstance(module[0], layer_cls):
+            return name, len(module)
+    raise LaunchError(f"no list of {layer_cls.__name__} modules found in the model.")
+
+
+def layer_split_device_map(model: nn.Module, layer_cls: type[nn.Module], devices: list[str]) -> dict[str, str]:
+    """Place consecutive decoder layers on `devices` in balanced groups; embeddings first, head last.
+
+    Balance is by layer count (decoder layers are identical), with the first device taking one layer fewer when
+    the split is uneven, since the last device also holds the final norm, the LM head and the logits.
+    """
+    layers_path, num_layers = decoder_layers_path(model, layer_cls)
+    n = len(devices)
+    if num_layers < n:
+        raise LaunchError(f"layer split over {n} devices needs at least {n} decoder layers, the model has {num_layers}.")
+    sizes = [num_layers // n] * n
+    for i in range(num_layers % n):
+        sizes[n - 1 - i] += 1
+    plan: dict[str, str] = {}
+    index = 0
+    for device, size in zip(devices, sizes):
+        for _ in range(size):
+            plan[f"{layers_path}.{index}"] = device
+            index += 1
+    # Everything that is not a decoder layer: modules before the layer list go first, the rest last.
+    prefix = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
+    for name, module in model.named_children() if not prefix else model.get_submodule(prefix).named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        if full == layers_path:
+            continue
+        plan[full] = devices[0] if "embed" in name or "rotary" in name else devices[-1]
+    for name, _ in model.named_children():
+        if prefix and name != prefix.split(".")[0]:
+            plan[name] = devices[-1]
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- the plan + checks
+def resolve_plan(recipe: Recipe, dist: DistInfo, model_config) -> ParallelPlan:
+    """Choose and check the strategy before any weight loads; every refusal names its fix."""
+    from finetune.model import torch_dtype
+
+    launcher = launcher_settings()
+    problems: list[str] = []
+    strategy = _choose_strategy(recipe, dist, launcher, problems)
+    p = recipe.parallel
+    plan = ParallelPlan(
+        strategy=strategy,
+        world_size=dist.world_size,
+        fsdp_version=p.fsdp_version or launcher.get("fsdp_version", 2),
+        reshard_after_forward=p.reshard_after_forward if p.reshard_after_forward is not None else launcher.get("reshard_after_forward", True),
+        cpu_offload=bool(p.cpu_offload if p.cpu_offload is not None else launcher.get("cpu_offload", False)),
+        activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
+        param_dtype=torch_dtype(recipe.model.dtype),
+    )
+    _check_agreement(recipe, launcher, plan, problems)
+    _check_fsdp_rules(recipe, launcher, plan, problems)
+    if problems:
+        raise LaunchError("the parallel setup cannot work:\n" + "\n".join(f"  - {p}" for p in problems))
+    if strategy in ("fsdp", "layer_split") or p.layer_class:
+        meta = meta_model(model_config, trust_remote_code=recipe.model.trust_remote_code)
+        layer_cls = decoder_layer_class(meta, p.layer_class or launcher.get("layer_class"))
+        plan.layer_class = layer_cls.__name__
+        if strategy == "layer_split":
+            count = torch.cuda.device_count() if dist.device.type == "cuda" else 0
+            devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+            plan.device_map = layer_split_device_map(meta, layer_cls, devices)
+    if plan.cpu_offload and dist.device.type == "cpu":
+        plan.notes.append("parameter offload asked for, but the parameters already live in CPU memory: nothing to offload")
+        plan.cpu_offload = False
+    if launcher.get("cpu_ram_efficient_loading"):
+        plan.notes.append(
+            "fsdp_cpu_ram_efficient_loading: not done for 4-bit bases in v1; each rank loads and quantizes its own copy "
+            "(~0.6 bytes per parameter of CPU RAM per rank while loading)"
+        )
+    return plan
+
+
+def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str]) -> Strategy:
+    asked = recipe.parallel.strategy
+    world = dist.world_size
+    if asked == "auto":
+        if world == 1:
+            return "single"
+        return "fsdp" if launcher.get("strategy") == "fsdp" else "ddp"
+    if asked in ("ddp", "fsdp") and world == 1:
+        problems.append(
+            f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
+            f"(`accelerate launch --config_file accelerate_configs/{'fsdp2' if asked == 'fsdp' else 'ddp'}.yaml ...` or "
+            "`torchrun --nproc_per_node N ...`), or set parallel.strategy: single."
+        )
+    if asked in ("single", "layer_split") and world > 1:
+        problems.append(
+            f"parallel.strategy is `{asked}` but {world} processes were started: each would train its own copy. Fix: launch one "
+            "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp or fsdp."
+        )
+    return asked
+
+
+def _check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    """The recipe and the accelerate config must not contradict each other (neither silently wins)."""
+    p = recipe.parallel
+    if launcher.get("strategy") == "fsdp" and plan.strategy == "ddp" and p.strategy == "ddp":
+        problems.append(
+            "parallel.strategy is `ddp` but the accelerate config is an FSDP config. Fix: use accelerate_configs/ddp.yaml, "
+            "or set parallel.strategy: fsdp (or auto)."
+        )
+    if plan.strategy != "fsdp":
+        return
+    pairs = [
+        ("fsdp_version", p.fsdp_version, "fsdp_version"),
+        ("reshard_after_forward", p.reshard_after_forward, "fsdp_reshard_after_forward"),
+        ("cpu_offload", p.cpu_offload, "fsdp_offload_params"),
+        ("layer_class", p.layer_class, "fsdp_transformer_layer_cls_to_wrap"),
+    ]
+    for key, recipe_value, config_key in pairs:
+        config_value = launcher.get(key)
+        if recipe_value is not None and config_value is not None and recipe_value != config_value:
+            problems.append(
+                f"parallel.{key} is {recipe_value!r} in the recipe but the accelerate config has {config_key}: {config_value!r}. "
+                f"Fix: make them equal, or remove parallel.{key} from the recipe to follow the config."
+            )
+    config_ckpt = launcher.get("activation_checkpointing")
+    if config_ckpt is not None and config_ckpt != plan.activation_checkpointing:
+        problems.append(
+            f"the accelerate config has fsdp_activation_checkpointing: {config_ckpt} but the recipe has "
+            f"train.gradient_checkpointing / parallel.activation_checkpointing: {plan.activation_checkpointing}. Checkpointing "
+            "is applied once, by this tool, non-reentrant (reentrant recompute under FSDP re-runs the all-gathers). Fix: make them equal."
+        )
+
+
+def _check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    mixed = launcher.get("mixed_precision")
+    if mixed:
+        mixed_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, mixed)
+        if mixed_dtype != recipe.model.dtype:
+            problems.append(
+                f"the accelerate config has mixed_precision: {mixed} but the recipe has model.dtype: {recipe.model.dtype}. "
+                "FSDP would cast the packed 4-bit storage and every frozen weight to the mixed-precision dtype. Fix: set "
+                f"model.dtype: {mixed_dtype} or mixed_precision: {'bf16' if recipe.model.dtype == 'bfloat16' else 'no'} in the config."
+            )
+    if plan.strategy != "fsdp":
+        return
+    if recipe.train.optimizer != "adamw":
+        problems.append(
+            f"train.optimizer `{recipe.train.optimizer}` keeps its state in bitsandbytes' own tensors, which torch distributed "
+            "checkpointing cannot save sharded under FSDP. Fix: set train.optimizer: adamw."
+        )
+    policy = launcher.get("auto_wrap_policy")
+    if policy and policy != "TRANSFORMER_BASED_WRAP":
+        problems.append(
+            f"the accelerate config has fsdp_auto_wrap_policy: {policy}. With a frozen 4-bit base and trainable LoRA, FSDP units "
+            "must follow decoder layers (and FSDP1 needs the LoRA leaves apart). Fix: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP."
+        )
+    if plan.fsdp_version == 1 and launcher.get("use_orig_params") is True:
+        plan.notes.append("fsdp_use_orig_params: true is accepted; LoRA leaves are still wrapped as their own units")
+
+
+# ------------------------------------------------------------------------------------------------ wrapping
+def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+    """Apply the plan; returns the module the training loop calls (the PeftModel itself under FSDP2)."""
+    if plan.strategy == "fsdp" and plan.fsdp_version == 2:
+        return _wrap_fsdp2(model, plan, dist)
+    if plan.strategy == "fsdp":
+        return _wrap_fsdp1(model, plan, dist)
+    if plan.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
+        device_ids = [dist.device] if dist.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+    return model
+
+
+def _layer_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == plan.layer_class]
+
+
+def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=plan.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+    )
+    for layer in _layer_modules(model, plan):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+    layer_cls = {type(m) for m in _layer_modules(model, plan)}
+
+    def is_trainable_leaf(module: nn.Module) -> bool:
+        # LoRA A/B (and DoRA magnitude) leaves: own unit, so every flat parameter has one dtype and one requires_grad.
+        return not list(module.named_children()) and any(p.requires_grad for p in module.parameters(recurse=False))
+
+    policy = functools.partial(
+        _or_policy,
+        policies=[
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=is_trainable_leaf),
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls),
+        ],
+    )
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy.FULL_SHARD if plan.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        mixed_precision=MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=plan.param_dtype),
+        cpu_offload=CPUOffload(offload_params=plan.cpu_offload),
+        device_id=dist.device,  # required on CPU too ("FSDP needs a non-CPU accelerator device" otherwise)
+        limit_all_gathers=True,
+        use_orig_params=False,
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The PeftModel inside DDP / FSDP1 wrappers (FSDP2 wraps in place)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    while isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)):
+        model = model.module
+    return model
+
+
+def gradient_sync(model: nn.Module, *, enabled: bool):
+    """Context for one micro-batch: skip the gradient all-reduce / reduce-scatter until the last of the step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(model: nn.Module, parameters: list[nn.Parameter], max_norm: float | None) -> float:
+    """Clip by the global norm over all ranks' shards; returns the norm before clipping."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    limit = max_norm if max_norm is not None else float("inf")
+    if isinstance(model, FSDP):
+        norm = model.clip_grad_norm_(limit)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+
+
+def normalize_key(key: str) -> str:
+    """Strip every wrapper component (FSDP1 nests `_fsdp_wrapped_module.` at each unit, DDP adds `module.`)."""
+    for prefix in _WRAPPER_PREFIXES:
+        key = key.replace(prefix, "")
+    return key
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) trainable tensors with PEFT's key names, on every rank (a collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)
+    result = {}
+    for key, value in state.items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        result[normalize_key(key)] = value.detach().to("cpu").clone()
+    return result
+
+
+def report(plan: ParallelPlan) -> None:
+    print0(f"[finetune] parallel: {plan.describe()}")
+    for note in plan.notes:
+        print0(f"[finetune] note: {note}")

@@ -1,0 +1,295 @@
+"""The recipe: a closed, typed schema loaded from YAML, with `key.path=value` overrides.
+
+Every section is a pydantic model with `extra="forbid"`, so a misspelled key is an error (with the nearest
+valid key suggested), never silently ignored. All problems of a recipe are reported at once, each with the
+file and the dotted key path. Overrides from the command line are applied to the raw YAML before validation,
+so they go through exactly the same checks.
+
+Stable contract (outside scripts rely on these keys): `model.name_or_path`, `output.dir`, `train.max_steps`,
+`train.seed`, `train.learning_rate`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from finetune.errors import RecipeError
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(description="Hub id or local folder of a causal LM.")
+    gguf_file: str | None = Field(None, description="GGUF file inside name_or_path to load (dequantized) instead of safetensors.")
+    tokenizer: str | None = Field(None, description="Tokenizer hub id or folder; default: name_or_path.")
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: DType = Field("bfloat16", description="dtype of every non-quantized weight, and of the 4-bit storage.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+
+class QuantizationSection(_Section):
+    method: Literal["nf4", "fp4", "none"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: DType | None = Field(None, description="4-bit matmul dtype; default model.dtype.")
+    quant_storage: DType | None = Field(
+        None, description="dtype the packed 4-bit weights are stored in; must equal model.dtype for FSDP. Default model.dtype."
+    )
+
+
+class LoraSection(_Section):
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    rslora: bool = False
+    dora: bool = False
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+
+class DatasetSpec(_Section):
+    path: str = Field(description="Local file (.jsonl/.json/.csv/.parquet), load_from_disk folder, or `datasets` name.")
+    format: Literal["alpaca", "chat", "completion", "text"] = "alpaca"
+    split: str = "train"
+    subset: str | None = None
+    weight: float = Field(1.0, gt=0)
+    columns: dict[str, str] = Field(default_factory=dict, description="Map of our field name -> column in the data.")
+
+
+class DataSection(_Section):
+    datasets: list[DatasetSpec] = Field(min_length=1)
+    max_length: int = Field(512, gt=8)
+    system_prompt: str | None = None
+    eval_fraction: float = Field(0.05, ge=0, lt=1)
+    eval_max_rows: int = Field(64, ge=0)
+    packing: bool = False
+    overlong: Literal["truncate", "drop"] = "truncate"
+    bad_rows: Literal["skip", "error"] = "error"
+    num_workers: int = Field(0, ge=0)
+
+
+class TrainSection(_Section):
+    max_steps: int = Field(100, gt=0)
+    micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass.")
+    grad_accum: int = Field(1, gt=0)
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    seed: int = 42
+    gradient_checkpointing: bool = True
+    log_every: int = Field(1, gt=0)
+    eval_every: int = Field(0, ge=0, description="0: evaluate only at the end.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0: only the final adapter.")
+    keep_last: int = Field(2, gt=0)
+    resume: str | None = Field(None, description="`auto` (newest good checkpoint in output.dir) or a checkpoint path.")
+    nan_policy: Literal["stop", "skip"] = "stop"
+    threads: int | None = Field(None, gt=0, description="torch CPU threads per process; default: torch's choice.")
+
+
+class ParallelSection(_Section):
+    strategy: Literal["auto", "single", "ddp", "fsdp", "layer_split"] = "auto"
+    fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
+    reshard_after_forward: bool | None = Field(None, description="True: full shard; False: shard-grad-op.")
+    cpu_offload: bool | None = None
+    layer_class: str | None = Field(None, description="Decoder layer class to wrap; default from the model.")
+    activation_checkpointing: bool | None = Field(None, description="Default: train.gradient_checkpointing.")
+
+
+class OutputSection(_Section):
+    dir: str = "runs/default"
+    overwrite: bool = False
+
+
+class Recipe(_Section):
+    description: str = ""
+    model: ModelSection
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _scalar_quantization(cls, value: Any) -> Any:
+        # `quantization: none` (or `nf4`) is the short form of `quantization: {method: ...}`.
+        if isinstance(value, str) or value is None:
+            return {"method": value or "none"}
+        if value is False:
+            return {"method": "none"}
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Recipe":
+        q = self.quantization
+        if q.method != "none":
+            storage = q.quant_storage or self.model.dtype
+            if storage != self.model.dtype:
+                raise ValueError(
+                    f"quantization.quant_storage ({storage}) must equal model.dtype ({self.model.dtype}): FSDP shards the "
+                    "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
+                    f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
+                )
+        if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
+            raise ValueError(
+                f"train.warmup_steps ({self.train.warmup_steps}) must be below train.max_steps ({self.train.max_steps})."
+            )
+        return self
+
+    # Resolved values used by the stages (one place for the defaults that depend on other keys).
+    @property
+    def compute_dtype(self) -> str:
+        return self.quantization.compute_dtype or self.model.dtype
+
+
+_SCHEMA_ROOT = Recipe
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _schema_at(path: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that holds the keys at `path` (for key suggestions)."""
+    current: type[BaseModel] | None = _SCHEMA_ROOT
+    for part in path:
+        if current is None or isinstance(part, int):
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        nested = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested and getattr(annotation, "__origin__", None) is list:
+            nested = [a for a in annotation.__args__ if isinstance(a, type) and issubclass(a, BaseModel)]
+        current = nested[0] if nested else None
+    return current
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if close:
+        return f" Did you mean `{close[0]}`?"
+    return f" Valid keys here: {', '.join(candidates)}."
+
+
+def _format_errors(error: ValidationError, source: str) -> str:
+    lines = []
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if p not in ("function-after[_cross_field()]",))
+        dotted = ".".join(str(p) for p in loc) or "(recipe)"
+        if item["type"] == "extra_forbidden":
+            parent = _schema_at(loc[:-1])
+            hint = _suggest(str(loc[-1]), _field_names(parent)) if parent else ""
+            lines.append(f"  {dotted}: unknown key.{hint}")
+        elif item["type"] == "missing":
+            lines.append(f"  {dotted}: required key is missing.")
+        else:
+            got = item.get("input")
+            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"  {dotted}: {msg}{got_text}")
+    plural = "s" if len(lines) > 1 else ""
+    return f"{source}: {len(lines)} problem{plural} in the recipe:\n" + "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.max_steps=50` -> (["train", "max_steps"], 50). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise RecipeError(f"override `{text}`: expected KEY.PATH=VALUE, for example train.max_steps=50.")
+    key, _, raw = text.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override `{text}`: the value is not valid YAML ({exc.problem}).") from None
+    return parts, value
+
+
+def apply_override(raw: dict, parts: list[str], value: Any, text: str) -> None:
+    """Set a dotted key in the raw recipe dict; the key must exist in the schema (typos are caught here too)."""
+    node: Any = raw
+    schema: type[BaseModel] | None = _SCHEMA_ROOT
+    for depth, part in enumerate(parts):
+        if schema is not None and part not in schema.model_fields and not isinstance(node, list):
+            where = ".".join(parts[:depth]) or "the top level"
+            raise RecipeError(
+                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{_suggest(part, _field_names(schema))}"
+                f" (keys under {where})"
+            )
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"override `{text}`: `{part}` is not an index of the list (it has {len(node)} items).")
+            if last:
+                node[int(part)] = value
+                return
+            node = node[int(part)]
+            schema = _schema_at(tuple(p for p in parts[: depth + 1] if not p.isdigit()))
+            continue
+        if last:
+            node[part] = value
+            return
+        if not isinstance(node.get(part), (dict, list)):
+            node[part] = {} if node.get(part) is None else node[part]
+            if not isinstance(node[part], (dict, list)):
+                raise RecipeError(f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section.")
+        node = node[part]
+        schema = _schema_at(tuple(p for p in parts[: depth + 1] if not p.isdigit()))
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        hint = " (it is a folder)" if path.is_dir() else ""
+        raise RecipeError(
+            f"{path}: recipe file not found{hint}. Pass the path of a YAML recipe, e.g. recipes/quickstart.yaml; "
+            "`finetune recipes` lists the library."
+        )
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. Fix the YAML at that place.") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {type(raw).__name__}.")
+    return raw
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, override and validate a recipe; raise RecipeError listing every problem at once."""
+    raw = read_yaml(path)
+    for text in overrides:
+        parts, value = parse_override(text)
+        apply_override(raw, parts, value, text)
+    return validate_recipe(raw, source=str(path))
+
+
+def validate_recipe(raw: dict, *, source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_format_errors(exc, source)) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,82 @@
+"""The spine of a run: recipe -> model (4-bit base + LoRA) -> parallel wrap -> data -> train -> adapter.
+
+    accelerate launch [--config_file accelerate_configs/fsdp2.yaml] finetune/run.py RECIPE.yaml [key.path=value ...]
+    torchrun --nproc_per_node 2 finetune/run.py RECIPE.yaml ...
+    finetune train RECIPE.yaml ...          (same function, one process)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from finetune import distributed  # noqa: E402
+from finetune.errors import EXIT_USER_ERROR, FinetuneError  # noqa: E402
+
+
+def run(recipe_path: str, overrides: list[str]) -> dict:
+    """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
+    from finetune import checkpoint, data, model, parallel, recipe as recipes, train
+
+    recipe = recipes.load_recipe(recipe_path, overrides)
+    info = distributed.init_distributed()
+    out_dir = Path(recipe.output.dir)
+    problem = checkpoint.output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume) \
+        if info.is_main else None
+    problem = distributed.broadcast_object(problem)
+    if problem:
+        raise checkpoint.CheckpointError(problem)
+    plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
+    parallel.report(plan)
+    if info.is_main:
+        checkpoint.take_output_dir(out_dir)
+        (out_dir / "recipe.yaml").write_text(recipes.recipe_to_yaml(recipe))
+    try:
+        tokenizer = model.load_tokenizer(recipe)
+        train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
+        distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples "
+                           f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped)")
+        distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
+        peft_model = model.build_model(recipe, device=info.device, device_map=plan.device_map,
+                                       gradient_checkpointing=plan.activation_checkpointing)
+        trainable, total = model.count_parameters(peft_model)
+        distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
+        wrapped = parallel.wrap(peft_model, plan, info)
+        distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
+        result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir)
+        state = parallel.trainable_state_dict(wrapped)  # collective: every rank takes part
+        if info.is_main:
+            checkpoint.save_adapter(peft_model, state, out_dir / "adapter")
+            tokenizer.save_pretrained(out_dir / "adapter")
+        distributed.barrier()
+    finally:
+        if info.is_main:
+            checkpoint.release_output_dir(out_dir)
+    summary = {"steps": result.steps, "first_loss": result.losses[0], "last_loss": result.losses[-1],
+               "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
+               "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
+    distributed.print0(f"[finetune] done: {summary}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else EXIT_USER_ERROR
+    try:
+        run(argv[0], argv[1:])
+    except FinetuneError as exc:
+        print(f"finetune: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    finally:
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

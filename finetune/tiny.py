@@ -1,0 +1,87 @@
+"""Tiny models and tokenizers built locally, for tests, the offline smoke quickstart and benchmarks.
+
+No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
+special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
+family (llama, qwen2, mistral, gemma, qwen3), saved with `save_pretrained` so it loads like any hub model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Instruction: add the two numbers. Input: 12 and 30. Response: 42",
+    "What is the capital of France? The capital of France is Paris.",
+    "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789",
+    "Reverse the word: hello -> olleh. Reverse the word: model -> ledom.",
+    "### Instruction:\n### Input:\n### Response:\n user assistant system",
+]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with ChatML specials, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+_FAMILY_KWARGS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+}
+
+
+def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in _FAMILY_KWARGS:
+        raise ValueError(f"family must be one of {sorted(_FAMILY_KWARGS)}, got {family!r}")
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **_FAMILY_KWARGS[family],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,179 @@
+"""The training loop, top to bottom, and evaluate().
+
+Loss normalization: the loss of an optimizer step is (sum of token losses over every micro-batch on every rank)
+divided by (number of trained tokens in that whole step). Each micro-batch backpropagates its token-loss sum
+times world_size / global_tokens, because DDP and FSDP average gradients over ranks. So a step gives the same
+gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padding or the tokens per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from finetune import distributed
+from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches
+from finetune.errors import FinetuneError
+from finetune.parallel import clip_grad_norm, gradient_sync
+from finetune.recipe import Recipe
+
+
+class NumericalFault(FinetuneError):
+    """The loss or the gradient became NaN/inf."""
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only; other ranks hold a no-op)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def write(self, **record) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def lr_lambda(recipe: Recipe):
+    """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak."""
+    t = recipe.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if recipe.train.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(parameters, lr=recipe.train.learning_rate, weight_decay=recipe.train.weight_decay)
+    return torch.optim.AdamW(parameters, lr=recipe.train.learning_rate, weight_decay=recipe.train.weight_decay)
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over the trained tokens of a batch, and their count."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    logits = logits[:, :-1]
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total, int((labels != IGNORE_INDEX).sum())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> float | None:
+    """Token-weighted mean loss over the held-out examples, identical for any world size."""
+    if not examples:
+        return None
+    info = distributed.info()
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in eval_batches(
+        examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank, world_size=info.world_size, pad_id=pad_id
+    ):
+        batch_loss, batch_tokens = loss_sum(model, batch, info.device)
+        total, count = total + float(batch_loss), count + batch_tokens
+    total, count = distributed.all_reduce_sum([total, count])
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
+          out_dir: Path) -> TrainResult:
+    """Run recipe.train.max_steps optimizer steps; log to metrics.jsonl and a progress bar on rank 0."""
+    from tqdm.auto import tqdm
+
+    info, t = distributed.info(), recipe.train
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(recipe, parameters)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+    stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
+                         world_size=info.world_size, seed=t.seed, pad_id=pad_id)
+    batches = iter(stream)
+    metrics = MetricsLog(out_dir / "metrics.jsonl" if info.is_main else None)
+    result = TrainResult()
+    interactive = sys.stderr.isatty()
+    progress = tqdm(total=t.max_steps, disable=not (info.is_main and interactive), desc="train", dynamic_ncols=True)
+    print_every = max(1, t.max_steps // 10)
+    model.train()
+    started = time.perf_counter()
+    for step in range(1, t.max_steps + 1):
+        step_start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(t.grad_accum)]
+        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+        local_seen = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+        global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
+        step_loss = 0.0
+        for index, batch in enumerate(micro_batches):
+            with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                batch_loss, _ = loss_sum(model, batch, info.device)
+                (batch_loss * info.world_size / max(global_tokens, 1)).backward()
+            step_loss += float(batch_loss.detach())
+        grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
+        loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            optimizer.zero_grad(set_to_none=True)
+            if t.nan_policy == "stop":
+                raise NumericalFault(
+                    f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped, no adapter written over a "
+                    "good one. Fix: lower train.learning_rate, check the data, or set train.nan_policy: skip."
+                )
+            distributed.print0(f"[finetune] step {step}: non-finite loss/gradient, step skipped")
+            continue
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        elapsed = time.perf_counter() - step_start
+        result.steps, result.tokens = step, result.tokens + int(global_seen)
+        result.losses.append(loss)
+        lr = scheduler.get_last_lr()[0]
+        if step % t.log_every == 0 or step == t.max_steps:
+            metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                          tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
+        progress.update(1)
+        if not interactive and (step % print_every == 0 or step == 1):
+            distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
+        if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+            eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
+            if eval_loss is not None:
+                result.eval_losses.append((step, eval_loss))
+                metrics.write(step=step, eval_loss=round(eval_loss, 6))
+                distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+    progress.close()
+    result.seconds = time.perf_counter() - started
+    return result
