@@ -99,28 +99,35 @@ def release_output_dir(out_dir: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- adapter
-def adapter_tensors(peft_model, trainable_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PEFT's on-disk key names (adapter name removed) for the gathered trainable tensors."""
+def adapter_key_map(peft_model) -> dict[str, str]:
+    """Model parameter name -> PEFT's on-disk key, computed by PEFT itself on the unwrapped model.
+
+    Call before the parallel wrap: PEFT finds adapter tensors by walking the module tree, and FSDP1 inserts
+    `_fsdp_wrapped_module` levels into it, after which PEFT silently selects nothing (an empty adapter).
+    """
     from peft.utils import get_peft_model_state_dict
 
-    tensors = get_peft_model_state_dict(peft_model, state_dict=trainable_state)
-    return {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+    trainable = {name: param for name, param in peft_model.named_parameters() if param.requires_grad}
+    tagged = {name: torch.tensor([index]) for index, name in enumerate(trainable)}
+    on_disk = get_peft_model_state_dict(peft_model, state_dict=tagged)
+    names = list(trainable)
+    return {names[int(value.item())]: key for key, value in on_disk.items()}
 
 
-def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path) -> dict[str, torch.Tensor]:
+def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path) -> dict:
     """Write a standard PEFT adapter folder atomically, read it back and compare. Rank 0 only."""
     from safetensors.torch import load_file, save_file
 
-    tensors = adapter_tensors(peft_model, trainable_state)
-    expected = sum(1 for n, p in peft_model.named_parameters() if p.requires_grad)
-    if not tensors or len(tensors) != expected:
+    missing = [name for name in key_map if name not in trainable_state]
+    if not key_map or missing:
         raise RuntimeError(
-            f"adapter gather produced {len(tensors)} tensors, expected {expected}: refusing to write a partial adapter"
+            f"adapter gather is missing {len(missing)} of {len(key_map)} tensors (e.g. {missing[:2]}): refusing to write a partial adapter"
         )
+    tensors = {key_map[name]: trainable_state[name].detach().to("cpu").contiguous() for name in key_map}
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the adapter has NaN/inf values ({bad[0]} and {len(bad) - 1} more); not written over {out_dir}.")
-    config = copy.deepcopy(peft_model.peft_config["default"])
+    config = copy.deepcopy(peft_config)
     config.inference_mode = True
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -161,8 +161,10 @@ def prepare_for_kbit_training(model: nn.Module, *, gradient_checkpointing: bool)
     model.config.use_cache = False
     if gradient_checkpointing:
         # Non-reentrant: the reentrant variant re-runs FSDP's all-gathers and drops grads of inputs that need none.
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
 

@@ -75,11 +75,12 @@ def launcher_settings() -> dict:
         if reshard is None and strategy_name:
             reshard = strategy_name.upper() not in ("SHARD_GRAD_OP", "2")
         settings["reshard_after_forward"] = reshard
-        settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS")
-        settings["activation_checkpointing"] = _env_bool("FSDP_ACTIVATION_CHECKPOINTING")
+        # accelerate writes these two as "false" even when the config file does not mention them, so only an
+        # explicit "true" is a statement of the config that the recipe may contradict.
+        settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS") or None
+        settings["activation_checkpointing"] = _env_bool("FSDP_ACTIVATION_CHECKPOINTING") or None
         settings["layer_class"] = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
         settings["auto_wrap_policy"] = os.environ.get("FSDP_AUTO_WRAP_POLICY") or None
-        settings["use_orig_params"] = _env_bool("FSDP_USE_ORIG_PARAMS")
         settings["cpu_ram_efficient_loading"] = _env_bool("FSDP_CPU_RAM_EFFICIENT_LOADING")
     mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
     if mixed and mixed != "no":
@@ -274,8 +275,6 @@ def _check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, proble
             f"the accelerate config has fsdp_auto_wrap_policy: {policy}. With a frozen 4-bit base and trainable LoRA, FSDP units "
             "must follow decoder layers (and FSDP1 needs the LoRA leaves apart). Fix: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP."
         )
-    if plan.fsdp_version == 1 and launcher.get("use_orig_params") is True:
-        plan.notes.append("fsdp_use_orig_params: true is accepted; LoRA leaves are still wrapped as their own units")
 
 
 # ------------------------------------------------------------------------------------------------ wrapping

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,12 +46,13 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                                        gradient_checkpointing=plan.activation_checkpointing)
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
+        key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info)
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir)
         state = parallel.trainable_state_dict(wrapped)  # collective: every rank takes part
         if info.is_main:
-            checkpoint.save_adapter(peft_model, state, out_dir / "adapter")
+            checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
         distributed.barrier()
     finally:
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(argv[0], argv[1:])
     except FinetuneError as exc:
-        print(f"finetune: error: {exc}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        text = str(exc) if rank == 0 else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
+        print(f"finetune: error: {text}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     finally:
         distributed.teardown()
