@@ -124,7 +124,10 @@ def _field(row: dict, spec: DatasetSpec, name: str):
     return row.get(spec.columns.get(name, name))
 
 
-def _check_columns(row: dict, spec: DatasetSpec, where: str) -> None:
+def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
+    """The row is an object with every field its format needs (no tokenizer needed)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be an object with fields, got {type(row).__name__}.")
     required, _ = FORMAT_FIELDS[spec.format]
     missing = [spec.columns.get(name, name) for name in required if _field(row, spec, name) in (None, "")]
     if missing:
@@ -169,9 +172,7 @@ def _chat_segments(messages: list[dict], tokenizer, where: str) -> list[tuple[st
 
 def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str) -> list[tuple[str, bool]]:
     """Row -> [(text, trained)] for the dataset's format."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be an object with fields, got {type(row).__name__}.")
-    _check_columns(row, spec, where)
+    check_row(row, spec, where)
     eos = tokenizer.eos_token or ""
     if spec.format == "text":
         return [(str(_field(row, spec, "text")) + eos, True)]

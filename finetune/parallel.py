@@ -57,21 +57,45 @@ class ParallelPlan:
 
 
 # ---------------------------------------------------------------------------------------- launcher settings
-def _env_bool(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    return value.strip().lower() in ("1", "true", "yes")
+def accelerate_config_env(path: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file PATH` would give its workers (the parts we read)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(open(path)) or {}
+    except FileNotFoundError:
+        raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
+    except yaml.YAMLError as exc:
+        raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
+    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1))}
+    if config.get("mixed_precision"):
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
+    if config.get("distributed_type") == "FSDP":
+        env["ACCELERATE_USE_FSDP"] = "true"
+        fsdp = config.get("fsdp_config") or {}
+        env["FSDP_VERSION"] = str(fsdp.get("fsdp_version", 1))
+        for key, value in fsdp.items():
+            if key != "fsdp_version" and key.startswith("fsdp_"):
+                env[key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
 
 
-def launcher_settings() -> dict:
+def launcher_settings(env: dict[str, str] | None = None) -> dict:
     """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
+    env = os.environ if env is None else env
+
+    def _env_bool(name: str) -> bool | None:
+        value = env.get(name)
+        if value is None or value == "":
+            return None
+        return value.strip().lower() in ("1", "true", "yes")
+
     settings: dict = {}
     if _env_bool("ACCELERATE_USE_FSDP"):
         settings["strategy"] = "fsdp"
-        settings["fsdp_version"] = int(os.environ.get("FSDP_VERSION", "1") or 1)
+        settings["fsdp_version"] = int(env.get("FSDP_VERSION", "1") or 1)
         reshard = _env_bool("FSDP_RESHARD_AFTER_FORWARD")
-        strategy_name = os.environ.get("FSDP_SHARDING_STRATEGY", "")
+        strategy_name = env.get("FSDP_SHARDING_STRATEGY", "")
         if reshard is None and strategy_name:
             reshard = strategy_name.upper() not in ("SHARD_GRAD_OP", "2")
         settings["reshard_after_forward"] = reshard
@@ -79,10 +103,10 @@ def launcher_settings() -> dict:
         # explicit "true" is a statement of the config that the recipe may contradict.
         settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS") or None
         settings["activation_checkpointing"] = _env_bool("FSDP_ACTIVATION_CHECKPOINTING") or None
-        settings["layer_class"] = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
-        settings["auto_wrap_policy"] = os.environ.get("FSDP_AUTO_WRAP_POLICY") or None
+        settings["layer_class"] = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
+        settings["auto_wrap_policy"] = env.get("FSDP_AUTO_WRAP_POLICY") or None
         settings["cpu_ram_efficient_loading"] = _env_bool("FSDP_CPU_RAM_EFFICIENT_LOADING")
-    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    mixed = env.get("ACCELERATE_MIXED_PRECISION")
     if mixed and mixed != "no":
         settings["mixed_precision"] = mixed
     return {k: v for k, v in settings.items() if v is not None}
@@ -159,11 +183,11 @@ def layer_split_device_map(model: nn.Module, layer_cls: type[nn.Module], devices
 
 
 # ------------------------------------------------------------------------------------------- the plan + checks
-def resolve_plan(recipe: Recipe, dist: DistInfo, model_config) -> ParallelPlan:
+def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict | None = None) -> ParallelPlan:
     """Choose and check the strategy before any weight loads; every refusal names its fix."""
     from finetune.model import torch_dtype
 
-    launcher = launcher_settings()
+    launcher = launcher_settings() if launcher is None else launcher
     problems: list[str] = []
     strategy = _choose_strategy(recipe, dist, launcher, problems)
     p = recipe.parallel
