@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny models and tokenizers built locally (no download), data and recipe writers, launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_PY = REPO / "finetune" / "run.py"
+
+# Never reach for the hub from the tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from finetune.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    from finetune.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), family="qwen2")
+
+
+def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        rows.append({"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "data" / "train.jsonl", addition_rows())
+
+
+def recipe_dict(model_dir: Path, data_path: Path, out_dir: Path, **sections) -> dict:
+    """A small, fast, deterministic recipe (fp32, no dropout); `sections` update each section's keys."""
+    recipe = {
+        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+        "data": {"datasets": [{"path": str(data_path), "format": "alpaca"}], "max_length": 128},
+        "train": {"max_steps": 6, "micro_batch_size": 4, "learning_rate": 3e-3, "gradient_checkpointing": True},
+        "output": {"dir": str(out_dir)},
+    }
+    for section, values in sections.items():
+        recipe.setdefault(section, {}).update(values)
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "FSDP_", "ACCELERATE_"))}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd or REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py RECIPE ...` as a user runs it."""
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"),
+            "--main_process_port", str(free_port()), str(RUN_PY), str(recipe), *overrides]
+    return run_cmd(args, timeout=timeout)
+
+
+def torchrun(recipe: Path, *overrides: str, nproc: int = 2, nnodes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+            f"--master_port={free_port()}", str(RUN_PY), str(recipe), *overrides]
+    return run_cmd(args, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
