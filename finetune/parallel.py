@@ -414,18 +414,38 @@ def normalize_key(key: str) -> str:
     return key
 
 
-def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) trainable tensors with PEFT's key names, on every rank (a collective under FSDP)."""
+def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
+    """The full (unsharded) tensors of the trainable parameters `names` (model names, wrappers stripped), on every rank.
+
+    A collective under FSDP: every rank must call it. `ignore_frozen_params` is a hint only (a single-process
+    model still returns its frozen weights), hence the explicit `names`.
+    """
+    names = set(names)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)
     state = get_model_state_dict(model, options=options)
     result = {}
     for key, value in state.items():
+        if normalize_key(key) not in names:
+            continue
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         result[normalize_key(key)] = value.detach().to("cpu").clone()
     return result
+
+
+def local_parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters this rank actually holds (its shard under FSDP), split frozen / trainable."""
+    frozen = trainable = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        size = local.numel() * local.element_size()
+        if param.requires_grad:
+            trainable += size
+        else:
+            frozen += size
+    return {"frozen_bytes": frozen, "trainable_bytes": trainable}
 
 
 def report(plan: ParallelPlan) -> None:

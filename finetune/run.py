@@ -48,9 +48,12 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info)
+        rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
+                      **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir)
-        state = parallel.trainable_state_dict(wrapped)  # collective: every rank takes part
+        state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
+        write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
             checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
@@ -63,6 +66,17 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
     distributed.print0(f"[finetune] done: {summary}")
     return summary
+
+
+def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
+    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS, LoRA checksum."""
+    import json
+    import resource
+
+    stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
+    (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))
 
 
 def main(argv: list[str] | None = None) -> int:

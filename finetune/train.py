@@ -83,7 +83,8 @@ def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.opt
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over the trained tokens of a batch, and their count."""
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    inputs = {k: v for k, v in batch.items() if k != "labels"}  # input_ids + attention_mask or position_ids (packed)
+    logits = model(**inputs, use_cache=False).logits
     labels = batch["labels"][:, 1:]
     logits = logits[:, :-1]
     total = F.cross_entropy(
@@ -134,7 +135,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
         step_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(t.grad_accum)]
         local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
-        local_seen = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+        local_seen = sum(int((b["labels"] != IGNORE_INDEX).sum() if "attention_mask" not in b else b["attention_mask"].sum())
+                         for b in micro_batches)
         global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
         step_loss = 0.0
         for index, batch in enumerate(micro_batches):
