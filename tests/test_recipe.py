@@ -1,0 +1,108 @@
+"""The recipe schema: closed, typed, every problem at once, overrides through the same validation."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from finetune.errors import RecipeError
+from finetune.recipe import Recipe, load_recipe, parse_override, recipe_to_yaml, validate_recipe
+
+BASE = {
+    "model": {"name_or_path": "some/model"},
+    "data": {"datasets": [{"path": "data.jsonl"}]},
+}
+
+
+def write(tmp_path, recipe: dict | str, name: str = "r.yaml"):
+    path = tmp_path / name
+    path.write_text(recipe if isinstance(recipe, str) else yaml.safe_dump(recipe))
+    return path
+
+
+def test_minimal_recipe_gets_defaults(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE))
+    assert recipe.quantization.method == "nf4" and recipe.quantization.double_quant
+    assert recipe.lora.target_modules == "all-linear"
+    assert recipe.model.trust_remote_code is False
+    assert recipe.compute_dtype == "bfloat16"
+
+
+def test_stable_contract_keys_exist():
+    # Outside scripts rely on these exact paths.
+    for section, key in [("model", "name_or_path"), ("output", "dir"), ("train", "max_steps"), ("train", "seed"),
+                         ("train", "learning_rate")]:
+        assert key in Recipe.model_fields[section].annotation.model_fields
+
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    raw = {**BASE, "train": {"learnig_rate": 1e-4}}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write(tmp_path, raw))
+    text = str(err.value)
+    assert "r.yaml" in text and "train.learnig_rate: unknown key" in text and "`learning_rate`" in text
+
+
+def test_unknown_section_suggests_nearest(tmp_path):
+    with pytest.raises(RecipeError, match="trian: unknown key. Did you mean `train`"):
+        load_recipe(write(tmp_path, {**BASE, "trian": {}}))
+
+
+def test_all_problems_listed_at_once(tmp_path):
+    raw = {**BASE, "train": {"max_steps": -1, "learning_rate": "fast"}, "lora": {"r": 0}}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write(tmp_path, raw))
+    text = str(err.value)
+    assert "3 problems" in text
+    assert "train.max_steps" in text and "train.learning_rate" in text and "lora.r" in text
+
+
+def test_missing_required_section(tmp_path):
+    with pytest.raises(RecipeError, match="data: required key is missing"):
+        load_recipe(write(tmp_path, {"model": {"name_or_path": "x"}}))
+
+
+def test_missing_file_and_yaml_syntax(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match=r"r.yaml: line \d+, column \d+: YAML syntax error"):
+        load_recipe(write(tmp_path, "model:\n  name_or_path: [unclosed\n"))
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        load_recipe(write(tmp_path, "- just\n- a list\n"))
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    path = write(tmp_path, BASE)
+    recipe = load_recipe(path, ["train.max_steps=7", "output.dir=runs/x", "lora.target_modules=[q_proj, v_proj]"])
+    assert recipe.train.max_steps == 7 and recipe.output.dir == "runs/x"
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(RecipeError, match="`train.max_step` is not a recipe key. Did you mean `max_steps`"):
+        load_recipe(path, ["train.max_step=7"])
+    with pytest.raises(RecipeError, match="train.max_steps"):
+        load_recipe(path, ["train.max_steps=many"])
+    with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):
+        load_recipe(path, ["train.max_steps"])
+    assert load_recipe(path, ["train.learning_rate=1e-4"]).train.learning_rate == 1e-4  # YAML 1.1 string, coerced
+    recipe = load_recipe(path, ["data.datasets.0.format=chat"])
+    assert recipe.data.datasets[0].format == "chat"
+
+
+def test_parse_override_values():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a.b=true") == (["a", "b"], True)
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("a.b=") == (["a", "b"], None)
+
+
+def test_quantization_short_form_and_storage_rule(tmp_path):
+    recipe = load_recipe(write(tmp_path, {**BASE, "quantization": "none"}))
+    assert recipe.quantization.method == "none"
+    bad = {**BASE, "model": {"name_or_path": "x", "dtype": "bfloat16"}, "quantization": {"quant_storage": "float32"}}
+    with pytest.raises(RecipeError, match="quant_storage .* must equal model.dtype"):
+        load_recipe(write(tmp_path, bad))
+
+
+def test_resolved_recipe_round_trips():
+    recipe = validate_recipe(BASE)
+    again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)))
+    assert again == recipe
