@@ -68,10 +68,12 @@ def load_config(recipe: Recipe):
     """The model's config only (no weights): used by pre-flight checks and the planner."""
     from transformers import AutoConfig
 
+    if recipe.model.gguf_file:
+        from finetune.gguf import cached_config
+
+        return cached_config(recipe.model.name_or_path, recipe.model.gguf_file)
     offline_guard(recipe.model.name_or_path)
     try:
-        if recipe.model.gguf_file:
-            return AutoConfig.from_pretrained(recipe.model.name_or_path, gguf_file=recipe.model.gguf_file, **_hub_kwargs(recipe))
         return AutoConfig.from_pretrained(recipe.model.name_or_path, **_hub_kwargs(recipe))
     except (OSError, ValueError) as exc:
         raise _load_error("config", recipe.model.name_or_path, exc) from None
@@ -81,6 +83,10 @@ def load_tokenizer(recipe: Recipe):
     from transformers import AutoTokenizer
 
     name = recipe.model.tokenizer or recipe.model.name_or_path
+    if recipe.model.gguf_file and not recipe.model.tokenizer:
+        from finetune.gguf import converted_folder  # the tokenizer rebuilt from the GGUF vocabulary
+
+        name = str(converted_folder(recipe.model.name_or_path, recipe.model.gguf_file))
     offline_guard(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **_hub_kwargs(recipe))
@@ -120,16 +126,19 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
         quantization_config=quantization_config(recipe),
         **_hub_kwargs(recipe),
     )
+    name = recipe.model.name_or_path
     if recipe.model.gguf_file:
-        kwargs["gguf_file"] = recipe.model.gguf_file
+        from finetune.gguf import converted_folder  # dequantized once into a cached transformers folder
+
+        name = str(converted_folder(recipe.model.name_or_path, recipe.model.gguf_file))
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif device.type == "cuda":
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
-        raise _load_error("model", recipe.model.name_or_path, exc) from None
+        raise _load_error("model", name, exc) from None
     keep_4bit_weights_trainable_on_cpu(model)
     return model
 
