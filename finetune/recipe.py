@@ -62,8 +62,14 @@ class DatasetSpec(_Section):
     format: Literal["alpaca", "chat", "completion", "text"] = "alpaca"
     split: str = "train"
     subset: str | None = None
-    weight: float = Field(1.0, gt=0)
-    columns: dict[str, str] = Field(default_factory=dict, description="Map of our field name -> column in the data.")
+    weight: float = Field(1.0, gt=0, description="Mixing weight: 2 repeats the train examples, 0.5 takes half.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Map of our field name -> column in the data (instruction, input, output, system, prompt, completion, "
+        "text, messages; for chat turns also role and content).",
+    )
+    system_prompt: str | None = Field(None, description="System prompt for this dataset; default data.system_prompt.")
+    max_rows: int | None = Field(None, gt=0, description="Read only the first N rows (previews, quick runs).")
 
 
 class DataSection(_Section):
@@ -72,10 +78,11 @@ class DataSection(_Section):
     system_prompt: str | None = None
     eval_fraction: float = Field(0.05, ge=0, lt=1)
     eval_max_rows: int = Field(64, ge=0)
-    packing: bool = False
+    packing: bool = Field(False, description="Several examples per row, position ids restarting per example.")
     overlong: Literal["truncate", "drop"] = "truncate"
-    bad_rows: Literal["skip", "error"] = "error"
-    num_workers: int = Field(0, ge=0)
+    bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
+    num_workers: int = Field(0, ge=0, description="Processes rendering rows (chat templates) for large data; 0: in-process.")
+    cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
 
 
 class TrainSection(_Section):
