@@ -25,18 +25,10 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
 
     recipe = recipes.load_recipe(recipe_path, overrides)
     info = distributed.init_distributed()
-    out_dir = Path(recipe.output.dir)
-    problem = checkpoint.output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume) \
-        if info.is_main else None
-    problem = distributed.broadcast_object(problem)
-    if problem:
-        raise checkpoint.CheckpointError(problem)
-    plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
-    parallel.report(plan)
-    if info.is_main:
-        checkpoint.take_output_dir(out_dir)
-        (out_dir / "recipe.yaml").write_text(recipes.recipe_to_yaml(recipe))
-    try:
+    with checkpoint.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
+        out_dir = folder.path
+        plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
+        parallel.report(plan)
         tokenizer = model.load_tokenizer(recipe)
         train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
         distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples "
@@ -51,32 +43,22 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
                       **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
-        result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir)
+        if info.is_main:
+            checkpoint.begin_outputs(folder, recipes.recipe_to_yaml(recipe))
+        result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir,
+                             trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe())
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
-        write_rank_stats(out_dir, rank_stats, state)
+        checkpoint.write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
             checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
         distributed.barrier()
-    finally:
-        if info.is_main:
-            checkpoint.release_output_dir(out_dir)
-    summary = {"steps": result.steps, "first_loss": result.losses[0], "last_loss": result.losses[-1],
+    summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
+               "last_loss": result.losses[-1] if result.losses else None,
                "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
     distributed.print0(f"[finetune] done: {summary}")
     return summary
-
-
-def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
-    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS, LoRA checksum."""
-    import json
-    import resource
-
-    stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
-    (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
-    (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ.get("RANK", "0") or 0)
         text = str(exc) if rank == 0 else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
         print(f"finetune: error: {text}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)  # Preempted: 128 + signal number
     finally:
         distributed.teardown()
     return 0

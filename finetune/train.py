@@ -10,24 +10,63 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune import distributed
+from finetune import checkpoint, distributed
 from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches
 from finetune.errors import FinetuneError
 from finetune.parallel import clip_grad_norm, gradient_sync
-from finetune.recipe import Recipe
+from finetune.recipe import Recipe, recipe_to_yaml
 
 
 class NumericalFault(FinetuneError):
     """The loss or the gradient became NaN/inf."""
+
+
+class Preempted(FinetuneError):
+    """SIGTERM/SIGINT: the run finished its step, wrote a checkpoint and stopped. Exit code 128 + signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `received`: the loop finishes the step, checkpoints, then stops.
+
+    A second SIGINT (an impatient Ctrl-C) interrupts at once. Outside the main thread (signals cannot be caught
+    there) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        distributed.print0(f"[finetune] {signal.Signals(signum).name} received: finishing this step, then checkpointing")
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 @dataclass
@@ -113,69 +152,140 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 
 def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
-          out_dir: Path) -> TrainResult:
-    """Run recipe.train.max_steps optimizer steps; log to metrics.jsonl and a progress bar on rank 0."""
+          out_dir: Path, trainable_names: list[str] | None = None, resume_from: Path | None = None,
+          parallel: str = "single process") -> TrainResult:
+    """Run optimizer steps up to recipe.train.max_steps (from a checkpoint's step when resuming); log to metrics.jsonl.
+
+    Checkpoints every train.save_every steps, at the last step, and when SIGTERM/SIGINT arrives (then raises Preempted).
+    `trainable_names`: the model's names of the trainable parameters (given by run.py: under FSDP1 the wrapped model
+    only exposes flat parameters).
+    """
     from tqdm.auto import tqdm
 
     info, t = distributed.info(), recipe.train
+    names = set(trainable_names or [name for name, param in model.named_parameters() if param.requires_grad])
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(recipe, parameters)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
                          world_size=info.world_size, seed=t.seed, pad_id=pad_id)
+    result = TrainResult()
+    first_step = 1
+    if resume_from is not None:
+        first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
+                            max_steps=t.max_steps) + 1
     batches = iter(stream)
     metrics = MetricsLog(out_dir / "metrics.jsonl" if info.is_main else None)
-    result = TrainResult()
+    recipe_yaml = recipe_to_yaml(recipe)
     interactive = sys.stderr.isatty()
-    progress = tqdm(total=t.max_steps, disable=not (info.is_main and interactive), desc="train", dynamic_ncols=True)
+    progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
+                    dynamic_ncols=True)
     print_every = max(1, t.max_steps // 10)
+    verify_next_save = True  # the first checkpoint of every process is read back and compared
     model.train()
     started = time.perf_counter()
-    for step in range(1, t.max_steps + 1):
-        step_start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(t.grad_accum)]
-        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
-        local_seen = sum(int((b["labels"] != IGNORE_INDEX).sum() if "attention_mask" not in b else b["attention_mask"].sum())
-                         for b in micro_batches)
-        global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
-        step_loss = 0.0
-        for index, batch in enumerate(micro_batches):
-            with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                batch_loss, _ = loss_sum(model, batch, info.device)
-                (batch_loss * info.world_size / max(global_tokens, 1)).backward()
-            step_loss += float(batch_loss.detach())
-        grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
-        loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    with StopSignals() as signals:
+        for step in range(first_step, t.max_steps + 1):
+            step_start = time.perf_counter()
+            micro_batches = [next(batches) for _ in range(t.grad_accum)]
+            local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+            local_seen = sum(int((b["labels"] != IGNORE_INDEX).sum() if "attention_mask" not in b else b["attention_mask"].sum())
+                             for b in micro_batches)
+            global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
+            step_loss = 0.0
+            for index, batch in enumerate(micro_batches):
+                with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                    batch_loss, _ = loss_sum(model, batch, info.device)
+                    (batch_loss * info.world_size / max(global_tokens, 1)).backward()
+                step_loss += float(batch_loss.detach())
+            grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
+            loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            if finite:
+                optimizer.step()
+                scheduler.step()
+                result.steps, result.tokens = step, result.tokens + int(global_seen)
+                result.losses.append(loss)
+            else:
+                # Never step on a NaN/inf: the parameters (and so every checkpoint and the adapter) stay finite.
+                handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
             optimizer.zero_grad(set_to_none=True)
-            if t.nan_policy == "stop":
-                raise NumericalFault(
-                    f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped, no adapter written over a "
-                    "good one. Fix: lower train.learning_rate, check the data, or set train.nan_policy: skip."
-                )
-            distributed.print0(f"[finetune] step {step}: non-finite loss/gradient, step skipped")
-            continue
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
-        elapsed = time.perf_counter() - step_start
-        result.steps, result.tokens = step, result.tokens + int(global_seen)
-        result.losses.append(loss)
-        lr = scheduler.get_last_lr()[0]
-        if step % t.log_every == 0 or step == t.max_steps:
-            metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
-                          tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
-        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
-        progress.update(1)
-        if not interactive and (step % print_every == 0 or step == 1):
-            distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
-        if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-            eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
-            if eval_loss is not None:
-                result.eval_losses.append((step, eval_loss))
-                metrics.write(step=step, eval_loss=round(eval_loss, 6))
-                distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+            elapsed = time.perf_counter() - step_start
+            lr = scheduler.get_last_lr()[0]
+            if finite and (step % t.log_every == 0 or step == t.max_steps):
+                metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                              tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
+            progress.update(1)
+            if not interactive and (step % print_every == 0 or step == first_step):
+                distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
+            if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
+                if eval_loss is not None:
+                    result.eval_losses.append((step, eval_loss))
+                    metrics.write(step=step, eval_loss=round(eval_loss, 6))
+                    distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+
+            stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
+            if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
+                saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
+                                                   keep_last=t.keep_last, verify=verify_next_save)
+                verify_next_save = False
+            if stop:
+                progress.close()
+                raise preempted(signals.received, step, saved)
     progress.close()
     result.seconds = time.perf_counter() - started
     return result
+
+
+def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: MetricsLog) -> None:
+    """nan_policy stop: raise with the way back; skip: log the skipped step and go on."""
+    if recipe.train.nan_policy == "stop":
+        good = [path.name for _, path in checkpoint.list_checkpoints(out_dir)]
+        kept = f"the newest checkpoint ({good[-1]}) is kept" if good else "no checkpoint was written yet"
+        raise NumericalFault(
+            f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped before the optimizer step, so no "
+            f"NaN reaches the adapter ({kept}). Fix: lower train.learning_rate (now {recipe.train.learning_rate}) or "
+            "set train.max_grad_norm, check the data, then continue with train.resume=auto; or set train.nan_policy: skip."
+        )
+    metrics.write(step=step, skipped="non-finite loss or gradient", loss=str(loss), grad_norm=str(grad_norm))
+    distributed.print0(f"[finetune] step {step}: loss {loss} / gradient norm {grad_norm} not finite, step skipped "
+                       "(train.nan_policy: skip)")
+
+
+def trainer_state(step: int, scheduler, stream: BatchStream, result: TrainResult, world_size: int, parallel: str) -> dict:
+    """Everything besides tensors that an exact resume needs (JSON)."""
+    return {"step": step, "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "losses": result.losses,
+            "eval_losses": result.eval_losses, "tokens": result.tokens, "world_size": world_size, "strategy": parallel}
+
+
+def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStream, names: set[str], result: TrainResult,
+           *, parallel: str, max_steps: int) -> int:
+    """Restore model, optimizer, scheduler, data position, RNG and progress from a checkpoint; return its step."""
+    info = distributed.info()
+    state = checkpoint.load_checkpoint(path, model, optimizer, names)
+    scheduler.load_state_dict(state["scheduler"])
+    stream.load_state_dict(state["data"])
+    result.steps, result.tokens = state["step"], state["tokens"]
+    result.losses = list(state["losses"])
+    result.eval_losses = [tuple(item) for item in state["eval_losses"]]
+    message = f"[finetune] resumed from {path} at step {state['step']}"
+    if state["world_size"] != info.world_size or state["strategy"] != parallel:
+        message += (f" (saved by {state['strategy']}, now {parallel}: adapter and optimizer state resharded, data position "
+                    "converted" + (", RNG of the new ranks seeded" if info.world_size > state["world_size"] else "") + ")")
+    distributed.print0(message)
+    if state["step"] >= max_steps:
+        distributed.print0(f"[finetune] the checkpoint already reached train.max_steps ({max_steps}); nothing left to train")
+    return state["step"]
+
+
+def preempted(signum: int | None, step: int, saved: Path) -> Preempted:
+    name = signal.Signals(signum).name if signum else "a stop signal on another rank"
+    return Preempted(
+        f"stopped by {name} after step {step}; checkpoint written to {saved}. To continue, run the same command again "
+        "with `train.resume=auto` added (or set train.resume: auto in the recipe).",
+        signum or signal.SIGTERM,
+    )
