@@ -100,11 +100,22 @@ class TrainSection(_Section):
     gradient_checkpointing: bool = True
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end.")
-    save_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0: only the final adapter.")
-    keep_last: int = Field(2, gt=0)
-    resume: str | None = Field(None, description="`auto` (newest good checkpoint in output.dir) or a checkpoint path.")
-    nan_policy: Literal["stop", "skip"] = "stop"
+    save_every: int = Field(
+        100, ge=0, description="Checkpoint every N steps; one is also written at the last step and on SIGTERM/SIGINT. 0: only those."
+    )
+    keep_last: int = Field(2, gt=0, description="Checkpoints kept in output.dir/checkpoints (older ones are removed).")
+    resume: str | None = Field(
+        None, description="`auto`: continue from the newest good checkpoint in output.dir, if any; or a checkpoint / run folder."
+    )
+    nan_policy: Literal["stop", "skip"] = Field("stop", description="A NaN/inf loss or gradient: stop the run, or skip the step.")
     threads: int | None = Field(None, gt=0, description="torch CPU threads per process; default: torch's choice.")
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_target(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be `auto` or the path of a checkpoint or run folder (leave it out to start fresh)")
+        return value.strip() if value is not None else None
 
 
 class ParallelSection(_Section):
@@ -117,8 +128,8 @@ class ParallelSection(_Section):
 
 
 class OutputSection(_Section):
-    dir: str = "runs/default"
-    overwrite: bool = False
+    dir: str = Field("runs/default", description="Run folder: adapter/, checkpoints/, metrics.jsonl, recipe.yaml.")
+    overwrite: bool = Field(False, description="Replace a finished (or unfinished) run already in output.dir.")
 
 
 class Recipe(_Section):
