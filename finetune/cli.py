@@ -34,7 +34,12 @@ def resolve_recipe_path(name: str) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = resolve_recipe_path(args.recipe)
     if args.accelerate_config or (args.num_processes or 1) > 1:
-        # Several processes: hand over to accelerate's launcher, which runs finetune/run.py in each.
+        # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
+        # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
+        from finetune.validate import validate
+
+        validate(recipe, list(args.overrides), num_processes=args.num_processes or 1,
+                 accelerate_config=args.accelerate_config, check_data=False)
         command = [sys.executable, "-m", "accelerate.commands.launch"]
         if args.accelerate_config:
             command += ["--config_file", args.accelerate_config]

@@ -1,0 +1,166 @@
+"""Real multi-process runs on CPU (gloo) through the real launchers: FSDP2, FSDP1, DDP, torchrun, 2 "nodes".
+
+Nothing of torch.distributed is mocked. Every strategy trains the same recipe with the same global batch
+(1 x 4 rows or 2 x 2 rows per step) and must give the same losses and the same adapter as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import (
+    RUN_PY,
+    accelerate_launch,
+    addition_rows,
+    child_env,
+    free_port,
+    recipe_dict,
+    run_cmd,
+    torchrun,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+STEPS = ["train.max_steps=5", "train.eval_every=5"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    data_path = write_jsonl(root / "train.jsonl", addition_rows(48))
+    recipe = write_recipe(root / "recipe.yaml", recipe_dict(tiny_llama, data_path, root / "unused"))
+    return root, recipe
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """One run per strategy (module-scoped: each costs ~10 s of two processes)."""
+    root, recipe = setup
+    out = {}
+    out["single"] = root / "single"
+    _ok(run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={out['single']}", *STEPS]))
+    for name in ("cpu_fsdp2", "cpu_fsdp1", "cpu_ddp"):
+        out[name] = root / name
+        _ok(accelerate_launch(name, recipe, f"output.dir={out[name]}", "train.micro_batch_size=2", *STEPS))
+    return out
+
+
+def rank_stats(run_dir) -> list[dict]:
+    return [json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in range(len(list((run_dir / "ranks").iterdir())))]
+
+
+def adapter(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("name,strategy", [("cpu_fsdp2", "fsdp"), ("cpu_fsdp1", "fsdp"), ("cpu_ddp", "ddp")])
+def test_world_size_and_strategy(runs, name, strategy):
+    stats = rank_stats(runs[name])
+    assert [s["rank"] for s in stats] == [0, 1]
+    assert all(s["world_size"] == 2 and s["strategy"] == strategy for s in stats)
+
+
+@pytest.mark.parametrize("name", ["cpu_fsdp2", "cpu_fsdp1"])
+def test_fsdp_ranks_hold_half_of_the_base(runs, name):
+    whole = rank_stats(runs["single"])[0]["frozen_bytes"]
+    for stats in rank_stats(runs[name]):
+        # FSDP pads each flat parameter / shard to the world size: "about half".
+        assert 0.45 * whole <= stats["frozen_bytes"] <= 0.56 * whole, (stats, whole)
+
+
+def test_ddp_ranks_hold_everything(runs):
+    whole = rank_stats(runs["single"])[0]["frozen_bytes"]
+    assert all(s["frozen_bytes"] == whole for s in rank_stats(runs["cpu_ddp"]))
+
+
+@pytest.mark.parametrize("name", ["cpu_fsdp2", "cpu_fsdp1", "cpu_ddp"])
+def test_lora_identical_across_ranks(runs, name):
+    checksums = {s["lora_checksum"] for s in rank_stats(runs[name])}
+    assert len(checksums) == 1
+
+
+@pytest.mark.parametrize("name", ["cpu_fsdp2", "cpu_fsdp1", "cpu_ddp"])
+def test_losses_and_adapter_match_single_process(runs, name):
+    assert train_losses(runs[name]) == pytest.approx(train_losses(runs["single"]), abs=1e-4)
+    reference, candidate = adapter(runs["single"]), adapter(runs[name])
+    assert candidate.keys() == reference.keys() and len(reference) == 28
+    for key in reference:
+        assert torch.allclose(candidate[key], reference[key], atol=1e-4), key
+
+
+def test_torchrun_fsdp(setup, runs):
+    root, recipe = setup
+    out = root / "torchrun"
+    _ok(torchrun(recipe, f"output.dir={out}", "train.micro_batch_size=2", "parallel.strategy=fsdp", *STEPS))
+    assert {s["strategy"] for s in rank_stats(out)} == {"fsdp"}
+    assert train_losses(out) == pytest.approx(train_losses(runs["single"]), abs=1e-4)
+
+
+def test_two_nodes_on_loopback_match_one_node(setup, runs):
+    """torchrun --nnodes 2 --nproc_per_node 1, rendezvous on 127.0.0.1: same adapter as 1 node x 2 processes."""
+    root, recipe = setup
+    out, port = root / "two-nodes", free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+             "--master_addr=127.0.0.1", f"--master_port={port}", str(RUN_PY), str(recipe), f"output.dir={out}",
+             "train.micro_batch_size=2", "parallel.strategy=fsdp", *STEPS],
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), results[0][1][-3000:] + results[1][1][-3000:]
+    assert [s["world_size"] for s in rank_stats(out)] == [2, 2]
+    reference = adapter(runs["cpu_fsdp2"])
+    for key, value in adapter(out).items():
+        assert torch.allclose(value, reference[key], atol=1e-5), key
+
+
+def test_fsdp_with_one_process_is_refused(setup):
+    root, recipe = setup
+    result = run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={root / 'x'}", "parallel.strategy=fsdp"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "only 1 process was started" in result.stderr and "accelerate launch" in result.stderr
+    assert not (root / "x" / "adapter").exists()
+
+
+def no_traceback_from_us(stderr: str) -> bool:
+    """accelerate's launcher prints its own ChildFailedError report when a worker exits non-zero; our code must not
+    add a traceback (user errors are one paragraph, exit code 2)."""
+    return "finetune/" not in "".join(line for line in stderr.splitlines(True) if line.lstrip().startswith("File "))
+
+
+def test_unknown_layer_class_is_refused(setup):
+    root, recipe = setup
+    result = accelerate_launch("cpu_fsdp2", recipe, f"output.dir={root / 'y'}", "parallel.layer_class=LlamaBlock")
+    assert result.returncode != 0 and no_traceback_from_us(result.stderr)
+    assert "`LlamaBlock` is not a module class of this model" in result.stderr and "LlamaDecoderLayer" in result.stderr
+
+
+def test_finetune_train_checks_before_launching(setup):
+    """`finetune train --accelerate-config` runs the pre-flight checks in the parent: exit 2, no launcher noise."""
+    root, recipe = setup
+    result = run_cmd([sys.executable, "-m", "finetune", "train", str(recipe), "--accelerate-config",
+                      "accelerate_configs/cpu_fsdp2.yaml", f"output.dir={root / 'w'}", "parallel.strategy=ddp"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "accelerate config is an FSDP config" in result.stderr
+
+
+def test_strategy_contradicting_the_accelerate_config_is_refused(setup):
+    root, recipe = setup
+    result = accelerate_launch("cpu_fsdp2", recipe, f"output.dir={root / 'z'}", "parallel.strategy=ddp")
+    assert result.returncode != 0 and no_traceback_from_us(result.stderr)
+    assert "accelerate config is an FSDP config" in result.stderr
