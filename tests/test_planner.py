@@ -1,0 +1,189 @@
+"""The memory planner: against published figures (architecture numbers written here) and against real CPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import accelerate_launch, alpaca_file, recipe_dict, write_recipe  # noqa: F401  (fixture re-export)
+from finetune import planner
+from finetune.architectures import stored_config, stored_config_dict, stored_names
+from finetune.cli import main as cli_main
+from finetune.errors import FinetuneError
+from finetune.planner import GB, GiB, Hardware, estimate, facts_from_config, held_parameter_bytes
+from finetune.recipe import validate_recipe
+
+LLAMA2_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False)
+
+
+def _config(fields: dict):
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _recipe(name: str = "x", **sections):
+    raw = {"model": {"name_or_path": name, "dtype": "bfloat16"}, "data": {"datasets": [{"path": "x.jsonl"}]}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return validate_recipe(raw)
+
+
+# ------------------------------------------------------------------------------------------ stored numbers
+@pytest.mark.parametrize("name,billions", [
+    ("meta-llama/Llama-3.1-8B-Instruct", 8.030), ("meta-llama/Llama-3.1-70B-Instruct", 70.554),
+    ("meta-llama/Llama-2-7b-hf", 6.738), ("meta-llama/Llama-2-70b-hf", 68.977),
+    ("mistralai/Mistral-7B-Instruct-v0.3", 7.248), ("Qwen/Qwen2.5-7B-Instruct", 7.616),
+    ("Qwen/Qwen2.5-14B-Instruct", 14.770), ("Qwen/Qwen2.5-32B-Instruct", 32.764), ("Qwen/Qwen2.5-72B-Instruct", 72.706),
+    ("google/gemma-2-9b-it", 9.242), ("microsoft/phi-4", 14.660), ("HuggingFaceTB/SmolLM2-135M-Instruct", 0.134515),
+])
+def test_stored_architectures_have_the_published_parameter_counts(name, billions):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = stored_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=2e-3)
+    assert stored_config_dict(name)["model_type"] == config.model_type
+    assert len(stored_names()) == 12 and stored_config("nobody/unknown-model") is None
+
+
+# ------------------------------------------------------------------------------------------- published figures
+def _llama2_70b_peft_docs(key: str) -> float:
+    """PEFT docs setup: 2 GPUs, FSDP1, bf16, LoRA r=8 all-linear dropout 0.1, batch 2 x 2048, checkpointing."""
+    recipe = _recipe(lora={"r": 8, "alpha": 16, "dropout": 0.1}, data={"max_length": 2048},
+                     train={"micro_batch_size": 2}, parallel={"fsdp_version": 1})
+    facts = facts_from_config(_config(LLAMA2_70B), recipe, fsdp_version=1)
+    return estimate(facts, recipe, key, Hardware(2, 80 * GB), per_rank_full_load=False).peak_bytes / GB
+
+
+def test_llama2_70b_fsdp_without_offload_matches_peft_docs():
+    assert _llama2_70b_peft_docs("fsdp") == pytest.approx(35.6, rel=0.15)
+
+
+def test_llama2_70b_fsdp_offload_saves_what_peft_docs_report():
+    """19.6 GB with offload is not reproduced (docs/planner.md): the planner is lower; the saving itself must match."""
+    with_offload, without = _llama2_70b_peft_docs("fsdp_offload"), _llama2_70b_peft_docs("fsdp")
+    assert with_offload < 19.6
+    assert without - with_offload == pytest.approx(35.6 - 19.6, rel=0.15)
+
+
+def test_llama2_7b_batch1_context512_matches_fsdp_qlora_benchmark():
+    """fsdp_qlora: r=64 all-linear, bf16 LoRA, batch 1 x 512; allocator peak (no CUDA context) 4.98 GiB."""
+    recipe = _recipe(lora={"r": 64, "alpha": 16, "dropout": 0.1}, data={"max_length": 512}, train={"micro_batch_size": 1})
+    facts = facts_from_config(_config(LLAMA2_7B), recipe, fsdp_version=1)
+    result = estimate(facts, recipe, "single", Hardware(1, 24 * GiB))
+    allocator_peak = (result.peak_bytes - planner.CUDA_CONTEXT_BYTES) / GiB
+    assert allocator_peak == pytest.approx(4.98, rel=0.15)
+
+
+def test_llama31_8b_torchtune_figure_and_our_full_vocab_loss():
+    """torchtune's 7.4 GiB uses a chunked bf16 loss; ours upcasts full-vocab logits, which the planner must show."""
+    recipe = _recipe(lora={"r": 8, "alpha": 16, "dropout": 0.0,
+                           "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+                     data={"max_length": 2048, "packing": True}, train={"micro_batch_size": 2})
+    facts = facts_from_config(_config(LLAMA31_8B), recipe)
+    result = estimate(facts, recipe, "single", Hardware(1, 24 * GiB))
+    model_state = result.parts["base"] + result.parts["quant_state"] + result.parts["lora_grads_adamw"]
+    assert model_state / GiB == pytest.approx(5.46, rel=0.05)  # 4-bit linears + bf16 embed/head + LoRA states
+    assert result.parts["logits_loss"] / GiB == pytest.approx(12 * 4096 * 128256 / GiB, rel=1e-6)
+    assert result.peak_bytes / GiB > 7.4  # this toolkit needs more than torchtune here, by its logits
+
+
+# -------------------------------------------------------------------------------------------------- decisions
+def test_decide_prefers_ddp_then_fsdp_then_offload():
+    small = _recipe(data={"max_length": 512}, train={"micro_batch_size": 1})
+    decision = planner.decide(small, _config(LLAMA2_7B), gpus_per_node=2, gpu_memory_bytes=24 * GB)
+    assert (decision.strategy, decision.cpu_offload, decision.fits) == ("ddp", False, True)
+    assert decision.max_micro_batch >= 1 and "DDP" in decision.table
+    single = planner.decide(small, _config(LLAMA2_7B), gpus_per_node=1, gpu_memory_bytes=24 * GB)
+    assert single.strategy == "single" and single.fits
+    big = _recipe(data={"max_length": 1024}, train={"micro_batch_size": 1})
+    d = planner.decide(big, _config(LLAMA2_70B), gpus_per_node=8, gpu_memory_bytes=40 * GB, per_rank_full_load=False)
+    assert (d.strategy, d.cpu_offload) == ("fsdp", False)
+    d = planner.decide(big, _config(LLAMA2_70B), gpus_per_node=2, gpu_memory_bytes=24 * GB, per_rank_full_load=False)
+    assert (d.strategy, d.cpu_offload, d.fits) == ("fsdp", True, True)
+    nothing = planner.decide(big, _config(LLAMA2_70B), gpus_per_node=1, gpu_memory_bytes=24 * GB)
+    assert not nothing.fits and "short" in nothing.summary
+
+
+def test_unknown_architecture_gets_a_labelled_generic_estimate():
+    config = {"model_type": "my-new-arch", "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000,
+              "num_attention_heads": 32, "intermediate_size": 11008}
+    recipe = _recipe()
+    generic = planner.generic_facts(config, recipe, name="me/new")
+    known = facts_from_config(_config(LLAMA2_7B), recipe)
+    assert generic.generic and generic.total_bytes() == known.total_bytes()
+    assert generic.quant_state_bytes == known.quant_state_bytes
+    with pytest.raises(FinetuneError, match="hidden_size"):
+        planner.generic_facts({"model_type": "x"}, recipe, name="me/broken")
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory", "24XB"), ("--gpus", "two"), ("--nodes", "0"),
+                                        ("--cpu-memory", "-1GiB")])
+def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys, flag, value):
+    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": "meta-llama/Llama-2-7b-hf"},
+                                               "data": {"datasets": [{"path": "x.jsonl"}]}})
+    assert cli_main(["plan", str(recipe), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Fix" in err
+
+
+def test_plan_cli_json_for_a_stored_model(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"},
+                                               "data": {"datasets": [{"path": "x.jsonl"}], "max_length": 1024}})
+    assert cli_main(["plan", str(recipe), "train.micro_batch_size=1", "--gpus", "2", "--gpu-memory", "24GiB", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["strategy"] == "ddp" and payload["fits"] and payload["max_micro_batch"] >= 1
+    assert planner.parse_size("80GB", "--gpu-memory") == 80 * GB and planner.parse_size("24GiB", "x") == 24 * GiB
+
+
+def test_unreadable_model_config_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{not json")
+    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": str(tmp_path / "model")},
+                                               "data": {"datasets": [{"path": "x.jsonl"}]}})
+    assert cli_main(["plan", str(recipe)]) == 2
+    assert "model.name_or_path" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ measured on CPU
+def _baseline_rss() -> int:
+    """Peak RSS of a process that imports what a run imports and does nothing else (the runtime's own memory)."""
+    code = ("import resource, torch, transformers, peft, bitsandbytes, accelerate, datasets; "
+            "import finetune.run, finetune.train, finetune.data, finetune.model, finetune.parallel; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("config,strategy", [("cpu_fsdp2", "fsdp"), ("cpu_ddp", "ddp")])
+def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, config, strategy):
+    out = tmp_path / "run"
+    raw = recipe_dict(tiny_llama, alpaca_file, out, train={"max_steps": 2})
+    result = accelerate_launch(config, write_recipe(tmp_path / "r.yaml", raw))
+    assert result.returncode == 0, result.stderr[-2000:]
+    recipe = validate_recipe(raw)
+    from transformers import AutoConfig
+
+    facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
+    baseline = _baseline_rss()
+    for rank in (0, 1):
+        measured = json.loads((out / "ranks" / f"rank{rank}.json").read_text())
+        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank)
+        assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
+            (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)
+        cpu = estimate(facts, recipe, "fsdp" if strategy == "fsdp" else "ddp", Hardware(2, 24 * GiB))
+        dynamic = sum(v for k, v in cpu.parts.items() if k != "overhead")
+        assert measured["peak_rss_bytes"] == pytest.approx(baseline + dynamic, rel=0.15), (baseline, dynamic, measured)
