@@ -12,6 +12,7 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,13 +81,37 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     return _INFO
 
 
+def _launcher_asked_processes() -> int:
+    """How many processes the parent `accelerate launch` / torchrun command line asked for (0 if unknown).
+
+    accelerate without a multi-process config on a CPU-only machine quietly starts ONE process for
+    `--num_processes 2` and sets no RANK/WORLD_SIZE; only the parent's command line still says what was asked.
+    """
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 0
+    if not any("accelerate" in part or "torch.distributed.run" in part or "torchrun" in part for part in argv[:3]):
+        return 0
+    for index, part in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes", "--nproc_per_node", "--nproc-per-node"):
+            if part == flag and index + 1 < len(argv) and argv[index + 1].isdigit():
+                return int(argv[index + 1])
+            if part.startswith(flag + "=") and part.split("=", 1)[1].isdigit():
+                return int(part.split("=", 1)[1])
+    return 0
+
+
 def _check_not_silently_split(info: DistInfo) -> None:
-    """Refuse N processes that each think they are alone (the accelerate-on-CPU trap)."""
-    expected = _env_int("ACCELERATE_NUM_PROCESSES", 0) or _env_int("FINETUNE_EXPECT_WORLD_SIZE", 0)
-    if expected > 1 and info.world_size != expected:
+    """Refuse processes that do not form the group the launcher was asked for (the accelerate-on-CPU traps)."""
+    asked = _env_int("FINETUNE_EXPECT_WORLD_SIZE", 0) or _launcher_asked_processes()
+    if asked > 1 and info.world_size == 1:
         raise LaunchError(
-            f"the launcher was asked for {expected} processes but this one sees WORLD_SIZE={info.world_size}: they would "
-            "train independent copies. Launch with a multi-process accelerate config (accelerate_configs/) or torchrun."
+            f"the launcher was asked for {asked} processes but this process sees no process group (WORLD_SIZE unset): "
+            "accelerate without a multi-process config starts a single process on a CPU-only machine, and several "
+            "such processes would train independent copies. Fix: launch with a config from accelerate_configs/ "
+            "(e.g. `accelerate launch --config_file accelerate_configs/cpu_ddp.yaml ...`, or fsdp2.yaml on GPUs), "
+            "or `torchrun --nproc_per_node N finetune/run.py ...`."
         )
 
 

@@ -164,3 +164,13 @@ def test_strategy_contradicting_the_accelerate_config_is_refused(setup):
     result = accelerate_launch("cpu_fsdp2", recipe, f"output.dir={root / 'z'}", "parallel.strategy=ddp")
     assert result.returncode != 0 and no_traceback_from_us(result.stderr)
     assert "accelerate config is an FSDP config" in result.stderr
+
+
+def test_silent_single_process_split_is_refused(setup):
+    """`accelerate launch --num_processes 2` without a multi-process config starts one process on CPU: refuse it."""
+    root, recipe = setup
+    result = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", str(RUN_PY),
+                      str(recipe), f"output.dir={root / 'v'}"])
+    assert result.returncode != 0 and no_traceback_from_us(result.stderr)
+    assert "asked for 2 processes but this process sees no process group" in result.stderr
+    assert not (root / "v" / "adapter").exists()
