@@ -1,0 +1,91 @@
+"""Per-rank peak memory and step time of DDP vs FSDP2 vs FSDP1 at 2 ranks, same model, data and global batch.
+
+    python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12]
+
+Runs each strategy through `accelerate launch` with the CPU configs (gloo) and reads what every rank wrote:
+parameter bytes it holds (`ranks/rank{r}.json`), peak RSS, and step times from metrics.jsonl. Prints figures and
+ratios against DDP, measured in this one session. On a GPU machine pass --gpu to use accelerate_configs/ddp.yaml and
+fsdp2.yaml / fsdp1.yaml (peak figures are then GPU allocator peaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
+    from finetune.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(root / "model", hidden_size=hidden, num_layers=layers)
+    rng = random.Random(0)
+    rows = [{"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)}
+            for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(256))]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "model": {"name_or_path": str(model_dir), "dtype": dtype},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
+        "data": {"datasets": [{"path": str(root / "data.jsonl")}], "max_length": 128},
+        "train": {"micro_batch_size": 4, "learning_rate": 1e-3, "eval_every": 0, "save_every": 0},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_strategy(config: str, recipe: Path, out: Path, steps: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+               str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]
+    step_times = [b - a for a, b in zip(elapsed, elapsed[1:])][2:]  # skip warm-up steps
+    peak_key = "peak_gpu_bytes" if "peak_gpu_bytes" in ranks[0] else "peak_rss_bytes"
+    return {
+        "params_mb": max(r["frozen_bytes"] + r["trainable_bytes"] for r in ranks) / 2**20,
+        "peak_mb": max(r[peak_key] for r in ranks) / 2**20,
+        "step_s": statistics.median(step_times),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--gpu", action="store_true")
+    args = parser.parse_args()
+    prefix = "" if args.gpu else "cpu_"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        recipe = write_inputs(root, args.hidden_size, args.layers, "bfloat16" if args.gpu else "float32")
+        results = {name: run_strategy(f"{prefix}{name}.yaml", recipe, root / name, args.steps)
+                   for name in ("ddp", "fsdp2", "fsdp1")}
+    base = results["ddp"]
+    print(f"model: llama hidden {args.hidden_size} x {args.layers} layers, 4-bit NF4 + LoRA r16, 2 ranks, "
+          f"global batch 8 x 128 tokens, {'GPU' if args.gpu else 'CPU gloo'}")
+    print(f"{'strategy':10} {'params/rank MB':>15} {'peak/rank MB':>13} {'step s':>8} {'params vs DDP':>14} "
+          f"{'peak vs DDP':>12} {'step vs DDP':>12}")
+    for name, r in results.items():
+        print(f"{name:10} {r['params_mb']:15.2f} {r['peak_mb']:13.1f} {r['step_s']:8.3f} "
+              f"{r['params_mb'] / base['params_mb']:14.2f} {r['peak_mb'] / base['peak_mb']:12.2f} "
+              f"{r['step_s'] / base['step_s']:12.2f}")
+
+
+if __name__ == "__main__":
+    main()
