@@ -153,8 +153,8 @@ def decoder_layers_path(model: nn.Module, layer_cls: type[nn.Module]) -> tuple[s
 def layer_split_device_map(model: nn.Module, layer_cls: type[nn.Module], devices: list[str]) -> dict[str, str]:
     """Place consecutive decoder layers on `devices` in balanced groups; embeddings first, head last.
 
-    Balance is by layer count (decoder layers are identical), with the first device taking one layer fewer when
-    the split is uneven, since the last device also holds the final norm, the LM head and the logits.
+    Balance is by layer count (decoder layers are identical); when the split is uneven the extra layers go to the
+    first devices, since the last one also holds the final norm, the LM head and the full-vocabulary logits.
     """
     layers_path, num_layers = decoder_layers_path(model, layer_cls)
     n = len(devices)
@@ -162,7 +162,7 @@ def layer_split_device_map(model: nn.Module, layer_cls: type[nn.Module], devices
         raise LaunchError(f"layer split over {n} devices needs at least {n} decoder layers, the model has {num_layers}.")
     sizes = [num_layers // n] * n
     for i in range(num_layers % n):
-        sizes[n - 1 - i] += 1
+        sizes[i] += 1
     plan: dict[str, str] = {}
     index = 0
     for device, size in zip(devices, sizes):
