@@ -131,7 +131,7 @@ def test_unknown_architecture_gets_a_labelled_generic_estimate():
 
 
 @pytest.mark.parametrize("flag,value", [("--gpu-memory", "24XB"), ("--gpus", "two"), ("--nodes", "0"),
-                                        ("--cpu-memory", "-1GiB")])
+                                        ("--cpu-memory", "lots")])
 def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys, flag, value):
     recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": "meta-llama/Llama-2-7b-hf"},
                                                "data": {"datasets": [{"path": "x.jsonl"}]}})
