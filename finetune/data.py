@@ -344,14 +344,32 @@ def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> Example:
 
 def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024) -> list[Example]:
     """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     examples = []
     for first in range(0, len(all_segments), chunk):
         part = all_segments[first : first + chunk]
         texts = ["".join(text for text, _ in segments) for segments in part]
+        if backend is not None:  # straight to the Rust tokenizer: skips transformers' per-row Python conversion
+            for segments, encoding in zip(part, backend.encode_batch(texts, add_special_tokens=False)):
+                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), tokenizer))
+            continue
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for segments, ids, offsets in zip(part, encoded["input_ids"], encoded["offset_mapping"]):
             examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), tokenizer))
     return examples
+
+
+def _labels_from_encoding(encoding, segments: list[tuple[str, bool]]) -> list[int]:
+    """`_labels` in O(trained spans): the tokens holding a span's first and last characters bound its tokens."""
+    ids, labels, position = encoding.ids, [IGNORE_INDEX] * len(encoding.ids), 0
+    for text, trained in segments:
+        if trained and text:
+            first, last = encoding.char_to_token(position), encoding.char_to_token(position + len(text) - 1)
+            if first is None or last is None:  # a character no token covers (a normalizer dropped it): the slow way
+                return _labels(ids, encoding.offsets, segments)
+            labels[first : last + 1] = ids[first : last + 1]
+        position += len(text)
+    return labels
 
 
 def _render_rows(rows: list, places: list[str], spec: DatasetSpec, tokenizer, system_prompt: str | None,
@@ -425,7 +443,7 @@ def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[lis
                 continue
             counts["truncated"] += 1
             example = Example(example.input_ids[: data.max_length], example.labels[: data.max_length])
-        if example.num_trained > 0:
+        if any(label != IGNORE_INDEX for label in example.labels):
             examples.append(example)
         else:  # e.g. the answer was cut off by truncation: nothing to learn from the row
             counts["skipped"] += 1
