@@ -72,6 +72,14 @@ def load_config(recipe: Recipe):
         from finetune.gguf import cached_config
 
         return cached_config(recipe.model.name_or_path, recipe.model.gguf_file)
+    if not is_local(recipe.model.name_or_path) and not recipe.model.revision:
+        # Architecture numbers stored in the repo for the recipe library: pre-flight checks and the planner work
+        # offline and without a hub round trip. The weights still come from the hub (or its cache) when training.
+        from finetune.architectures import stored_config
+
+        stored = stored_config(recipe.model.name_or_path)
+        if stored is not None:
+            return stored
     offline_guard(recipe.model.name_or_path)
     try:
         return AutoConfig.from_pretrained(recipe.model.name_or_path, **_hub_kwargs(recipe))

@@ -183,13 +183,28 @@ def layer_split_device_map(model: nn.Module, layer_cls: type[nn.Module], devices
 
 
 # ------------------------------------------------------------------------------------------- the plan + checks
-def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict | None = None) -> ParallelPlan:
-    """Choose and check the strategy before any weight loads; every refusal names its fix."""
+def detect_gpus(dist: DistInfo) -> tuple[int, int] | None:
+    """(GPUs per node, bytes per GPU) when this process runs on CUDA, else None (nothing to plan memory for)."""
+    if dist.device.type != "cuda":
+        return None
+    per_node = dist.local_world_size if dist.world_size > 1 else torch.cuda.device_count()
+    return per_node, torch.cuda.get_device_properties(dist.device).total_memory
+
+
+def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict | None = None,
+                 gpus: tuple[int, int] | None = None) -> ParallelPlan:
+    """Choose and check the strategy before any weight loads; every refusal names its fix.
+
+    `gpus` = (GPUs per node, bytes per GPU) turns on the memory planner: `strategy: auto` then follows its decision,
+    and an explicit strategy it says will not fit gets a warning with the figures (an error with `parallel.strict`).
+    """
     from finetune.model import torch_dtype
 
     launcher = launcher_settings() if launcher is None else launcher
     problems: list[str] = []
-    strategy = _choose_strategy(recipe, dist, launcher, problems)
+    gpus = gpus or detect_gpus(dist)
+    decision = _planner_decision(recipe, dist, model_config, gpus) if gpus else None
+    strategy = _choose_strategy(recipe, dist, launcher, problems, decision)
     p = recipe.parallel
     plan = ParallelPlan(
         strategy=strategy,
@@ -200,6 +215,8 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
         param_dtype=torch_dtype(recipe.model.dtype),
     )
+    if decision is not None:
+        _apply_decision(recipe, plan, decision, launcher, problems)
     _check_agreement(recipe, launcher, plan, problems)
     _check_fsdp_rules(recipe, launcher, plan, problems)
     if problems:
@@ -223,13 +240,26 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
     return plan
 
 
-def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str]) -> Strategy:
+def _planner_decision(recipe: Recipe, dist: DistInfo, model_config, gpus: tuple[int, int]):
+    from finetune.planner import decide
+
+    per_node, memory = gpus
+    return decide(recipe, model_config, gpus_per_node=per_node, gpu_memory_bytes=memory, nodes=dist.num_nodes)
+
+
+def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str], decision=None) -> Strategy:
     asked = recipe.parallel.strategy
     world = dist.world_size
     if asked == "auto":
         if world == 1:
-            return "single"
-        return "fsdp" if launcher.get("strategy") == "fsdp" else "ddp"
+            # One process: the planner may spread layers over the GPUs it sees when one GPU is not enough.
+            return "layer_split" if decision is not None and decision.strategy == "layer_split" else "single"
+        if launcher.get("strategy") == "fsdp":
+            return "fsdp"
+        if decision is None:
+            return "ddp"
+        ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
+        return "ddp" if ddp is not None and ddp.fits else "fsdp"  # DDP when it fits (faster), else shard
     if asked in ("ddp", "fsdp") and world == 1:
         problems.append(
             f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
@@ -242,6 +272,30 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp or fsdp."
         )
     return asked
+
+
+def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict, problems: list[str]) -> None:
+    """Print the planner's figures; follow its offload advice under `auto`; warn (or refuse) when it will not fit."""
+    print0(f"[finetune] planner: {decision.summary}\n{decision.table}")
+    by_key = {e.strategy: e for e in decision.estimates}
+    auto = recipe.parallel.strategy == "auto"
+    unset = recipe.parallel.cpu_offload is None and launcher.get("cpu_offload") is None
+    if auto and unset and plan.strategy == "fsdp" and not by_key["fsdp"].fits and by_key["fsdp_offload"].fits:
+        plan.cpu_offload = True
+        plan.notes.append("the planner turned on CPU offload of parameters: FSDP without it does not fit")
+    key = {"single": "single", "ddp": "ddp", "layer_split": "layer_split"}.get(plan.strategy)
+    if key is None:
+        key = "fsdp_offload" if plan.cpu_offload else ("fsdp" if plan.reshard_after_forward else "fsdp_grad_op")
+    chosen = by_key.get(key)
+    if chosen is None or chosen.fits:
+        return
+    text = (f"the memory planner estimates {chosen.label} needs {chosen.peak_bytes / 2**30:.1f} GiB per GPU, more than "
+            f"fits ({-chosen.margin_bytes / 2**30:.1f} GiB short). {decision.summary}")
+    if recipe.parallel.strict:
+        problems.append(text + " Fix: pick the strategy it recommends, lower the batch or sequence length, or set "
+                        "parallel.strict: false to try anyway.")
+    else:
+        plan.notes.append("WARNING: " + text)
 
 
 def _check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:

@@ -147,3 +147,31 @@ def test_normalize_key_strips_every_wrapper():
     key = "_fsdp_wrapped_module.base_model.model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.lora_A._fsdp_wrapped_module.default.weight"
     assert parallel.normalize_key(key) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert parallel.normalize_key("module.base_model.x") == "base_model.x"
+
+
+GiB = 2**30
+
+
+def test_auto_follows_the_planner_with_gpus(tiny_llama, capsys):
+    """With GPUs present (given here as (per node, bytes)), `auto` uses the planner and prints its figures."""
+    r = recipe(tiny_llama)
+    config = load_config(r)
+    assert parallel.resolve_plan(r, dist(2), config, launcher={}, gpus=(2, 24 * GiB)).strategy == "ddp"
+    assert parallel.resolve_plan(r, dist(1), config, launcher={}, gpus=(1, 24 * GiB)).strategy == "single"
+    out = capsys.readouterr().out
+    assert "planner:" in out and "fits" in out
+
+
+def test_explicit_strategy_that_will_not_fit_warns_or_refuses(tiny_llama):
+    big = {"name_or_path": "meta-llama/Llama-2-70b-hf", "dtype": "bfloat16"}
+    loose = validate_recipe({"model": big, "data": {"datasets": [{"path": "x.jsonl"}]}, "parallel": {"strategy": "ddp"}})
+    result = parallel.resolve_plan(loose, dist(2), load_config(loose), launcher={}, gpus=(2, 24 * GiB))
+    assert result.strategy == "ddp" and any(n.startswith("WARNING: the memory planner") for n in result.notes)
+    strict = validate_recipe({"model": big, "data": {"datasets": [{"path": "x.jsonl"}]},
+                              "parallel": {"strategy": "ddp", "strict": True}})
+    with pytest.raises(LaunchError, match="memory planner estimates .* GiB short"):
+        parallel.resolve_plan(strict, dist(2), load_config(strict), launcher={}, gpus=(2, 24 * GiB))
+    auto = validate_recipe({"model": big, "data": {"datasets": [{"path": "x.jsonl"}]}})
+    # 70B on 2 x 24 GB: DDP does not fit, so auto shards; on 2 x 80 GB a replica fits and auto picks DDP.
+    assert parallel.resolve_plan(auto, dist(2), load_config(auto), launcher={}, gpus=(2, 24 * GiB)).strategy == "fsdp"
+    assert parallel.resolve_plan(auto, dist(2), load_config(auto), launcher={}, gpus=(2, 80 * GiB)).strategy == "ddp"
