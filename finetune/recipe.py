@@ -125,6 +125,7 @@ class ParallelSection(_Section):
     cpu_offload: bool | None = None
     layer_class: str | None = Field(None, description="Decoder layer class to wrap; default from the model.")
     activation_checkpointing: bool | None = Field(None, description="Default: train.gradient_checkpointing.")
+    strict: bool = Field(False, description="On GPUs: refuse (instead of warn) a strategy the planner says will not fit.")
 
 
 class OutputSection(_Section):
