@@ -683,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--library-table", action="store_true", help="print the docs table for the recipe library")
     args = parser.parse_args(argv)
     if args.library_table:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # stored numbers or local folders only: never wait on the hub
         print(library_table())
         return 0
     parser.print_help()
