@@ -139,7 +139,7 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2) 
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-    except Exception as exc:  # any architecture transformers cannot build: estimate, never crash
+    except Exception as exc:  # noqa: BLE001  (any architecture transformers cannot build: estimate, never crash)
         facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version)
         facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
         return facts
@@ -263,7 +263,7 @@ def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, r
     each unit (decoder layer, LoRA leaf, root) into one tensor padded to a multiple of the world size.
     """
     held = {"frozen_bytes": 0, "trainable_bytes": 0}
-    key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"  # noqa: E731
+    key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"
     if strategy != "fsdp" or world_size == 1:
         for t in facts.tensors:
             held[key(t)] += t.nbytes
@@ -454,7 +454,7 @@ def estimates_for(facts: ModelFacts, recipe, hw: Hardware, **kwargs) -> list[Est
     return [estimate(facts, recipe, key, hw, **kwargs) for key in keys]
 
 
-def _gib(nbytes: int | float) -> str:
+def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f} GiB"
 
 
@@ -512,7 +512,7 @@ def choose(estimates: list[Estimate], hw: Hardware) -> Estimate:
 
 def largest_micro_batch(facts: ModelFacts, recipe, key: str, hw: Hardware, *, limit: int = 512, **kwargs) -> int:
     """The largest micro-batch at data.max_length for which strategy `key` fits (0: not even 1)."""
-    fits = lambda b: estimate(facts, recipe, key, hw, micro_batch=b, **kwargs).fits  # noqa: E731
+    fits = lambda b: estimate(facts, recipe, key, hw, micro_batch=b, **kwargs).fits
     if not fits(1):
         return 0
     low, high = 1, 2

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import accelerate_launch, recipe_dict, write_recipe
 
-from conftest import accelerate_launch, alpaca_file, recipe_dict, write_recipe  # noqa: F401  (fixture re-export)
 from finetune import planner
 from finetune.architectures import stored_config, stored_config_dict, stored_names
 from finetune.cli import main as cli_main
