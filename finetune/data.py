@@ -769,6 +769,16 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
 
 
+def real_token_count(batch: dict[str, torch.Tensor], pad_id: int) -> int:
+    """Non-pad tokens of a batch (for tokens/s): the attention mask's sum, or for packed rows everything before
+    each row's padding tail (trailing pad ids with ignored labels)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    filler = (batch["input_ids"] == pad_id) & (batch["labels"] == IGNORE_INDEX)
+    positions = torch.arange(1, filler.size(1) + 1) * (~filler).long()
+    return int(positions.max(dim=1).values.sum())
+
+
 def epoch_permutation(count: int, seed: int, epoch: int) -> list[int]:
     """The global order of one epoch: the same on every rank and for every world size."""
     generator = torch.Generator().manual_seed(seed + epoch)

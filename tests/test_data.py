@@ -247,6 +247,8 @@ def test_packed_batch_has_position_ids_not_attention_mask():
     assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[IGNORE_INDEX, 7, 8, 9, IGNORE_INDEX], [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5]]
+    assert data.real_token_count(batch, pad_id=0) == 9
+    assert data.real_token_count(collate([Example([1, 2], [1, 2]), Example([3], [3])], pad_id=0), pad_id=0) == 3
 
 
 def _loss(model, batches) -> tuple[float, int]:
