@@ -52,9 +52,11 @@ def _check_data(recipe) -> str:
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
-        train, evaluation, stats = data.build_examples(recipe, tokenizer)
-        return (f"{stats.rows} rows -> {len(train)} train / {len(evaluation)} eval examples "
-                f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped)")
+        _, _, stats = data.build_examples(recipe, tokenizer)
+        packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
+        return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
+                f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped; "
+                f"batch efficiency {stats.batch_efficiency:.1%})")
     total = 0
     for spec in recipe.data.datasets:
         if not Path(spec.path).expanduser().exists():
