@@ -29,6 +29,7 @@ import random
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,8 +414,15 @@ def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, na
 
 
 def _single() -> bool:
-    """No process group: DCP reads and writes in this process alone (and says so in a warning unless told)."""
+    """No process group: DCP reads and writes in this process alone."""
     return distributed.info().backend is None
+
+
+def _dcp(operation: Callable, state: dict, path: Path) -> None:
+    """dcp.save / dcp.load on `path`, without DCP's warning that a single process is a single process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        operation(state, checkpoint_id=path, no_dist=_single())
 
 
 def _local(value: Any) -> Any:
@@ -483,7 +491,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     state = trainable_state(model, optimizer, names)
     if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in state["model"].values())):
         raise CheckpointError(f"step {step}: the adapter has NaN/inf values; checkpoint not written (older ones kept).")
-    dcp.save(state, checkpoint_id=tmp / "trainable", no_dist=_single())
+    _dcp(dcp.save, state, tmp / "trainable")
     rng_file = tmp / "rng" / f"rank{info.rank}.pt"
     torch.save(rng_state(), rng_file)
     with open(rng_file, "rb") as handle:
@@ -554,7 +562,7 @@ def verify_readback(path: Path, saved: dict) -> None:
     for _, value in _leaves(template):
         if isinstance(_local(value), torch.Tensor):
             _local(value).zero_()
-    dcp.load(template, checkpoint_id=path / "trainable", no_dist=_single())
+    _dcp(dcp.load, template, path / "trainable")
     saved_leaves, loaded_leaves = dict(_leaves(saved)), dict(_leaves(template))
     differs = [key for key, value in saved_leaves.items() if not _same(_local(value), _local(loaded_leaves.get(key)))]
     if distributed.any_rank(bool(differs)):
@@ -582,7 +590,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     state = trainable_state(model, optimizer, names)
     try:
-        dcp.load(state, checkpoint_id=path / "trainable", no_dist=_single())
+        _dcp(dcp.load, state, path / "trainable")
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP wraps per-rank failures
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"train.resume: checkpoint {path} does not fit this model ({reason}).") from None

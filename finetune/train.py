@@ -283,9 +283,9 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
 
 
 def preempted(signum: int | None, step: int, saved: Path) -> Preempted:
-    name = signal.Signals(signum).name if signum else "a stop signal on another rank"
+    name = signal.Signals(signum).name if signum else "a signal to another rank"
     return Preempted(
-        f"stopped by {name} after step {step}; checkpoint written to {saved}. To continue, run the same command again "
-        "with `train.resume=auto` added (or set train.resume: auto in the recipe).",
+        f"stopped by {name} after step {step}, checkpoint saved. To continue, run the same command with "
+        f"train.resume=auto added (or set train.resume: auto in the recipe). Checkpoint: {saved}",
         signum or signal.SIGTERM,
     )
