@@ -109,6 +109,16 @@ class TrainSection(_Section):
     )
     nan_policy: Literal["stop", "skip"] = Field("stop", description="A NaN/inf loss or gradient: stop the run, or skip the step.")
     threads: int | None = Field(None, gt=0, description="torch CPU threads per process; default: torch's choice.")
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list, description="Experiment trackers fed from rank 0, besides metrics.jsonl (always written)."
+    )
+    run_name: str | None = Field(None, description="Run name shown by the trackers; default: the name of output.dir.")
+    tensorboard_dir: str | None = Field(None, description="TensorBoard log folder; default: output.dir/tensorboard.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else a file store in output.dir/mlruns."
+    )
+    mlflow_experiment: str = Field("finetune", description="MLflow experiment name.")
+    wandb_project: str = Field("finetune", description="Weights & Biases project (offline mode without an API key).")
 
     @field_validator("resume")
     @classmethod
