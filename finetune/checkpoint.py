@@ -405,7 +405,8 @@ def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, na
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    with _quiet_torch_distributed():
+        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     model_state = {key: value for key, value in model_state.items() if key in names}
     missing = sorted(set(names) - set(model_state))
     if missing:
@@ -418,10 +419,20 @@ def _single() -> bool:
     return distributed.info().backend is None
 
 
-def _dcp(operation: Callable, state: dict, path: Path) -> None:
-    """dcp.save / dcp.load on `path`, without DCP's warning that a single process is a single process."""
+@contextlib.contextmanager
+def _quiet_torch_distributed() -> Iterator[None]:
+    """Silence torch's deprecation chatter of FSDP1 state dicts (ShardedTensor) and DCP's single-process notice:
+    dozens of lines per rank and checkpoint that say nothing about this run."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        for message in ("torch.distributed is disabled", "Please use DTensor instead", ".*_get_pg_default_device",
+                        "Multiple backends are registered"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def _dcp(operation: Callable, state: dict, path: Path) -> None:
+    """dcp.save / dcp.load on `path`, in this process alone when there is no process group."""
+    with _quiet_torch_distributed():
         operation(state, checkpoint_id=path, no_dist=_single())
 
 
@@ -598,8 +609,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     level = fsdp_log.level
     fsdp_log.setLevel(logging.ERROR)  # FSDP1 warns once per frozen base weight that it is not in a trainable-only state
     try:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False, ignore_frozen_params=True))
+        with _quiet_torch_distributed():
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=False, ignore_frozen_params=True))
     finally:
         fsdp_log.setLevel(level)
     rng_file = path / "rng" / f"rank{distributed.info().rank}.pt"

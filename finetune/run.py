@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)
         text = str(exc) if rank == 0 else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
-        print(f"finetune: error: {text}", file=sys.stderr, flush=True)
-        return getattr(exc, "exit_code", EXIT_USER_ERROR)  # Preempted: 128 + signal number
+        kind = "" if hasattr(exc, "exit_code") else "error: "  # Preempted (exit 128 + signal) is no error
+        print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)
     finally:
         distributed.teardown()
     return 0

@@ -224,7 +224,8 @@ def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_r
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[1], signal.SIGTERM)
     code, output = finish(process, log)
-    assert code != 0 and "Traceback" not in output, output[-3000:]
+    # Workers exit 143 (128 + SIGTERM); torchrun then prints its own ChildFailedError report, but no frame of ours.
+    assert code != 0 and f'File "{RUN_PY.parent}' not in output, output[-3000:]
     assert "stopped by SIGTERM after step" in output and "train.resume=auto" in output, output[-3000:]
     assert "stopped by a signal to another rank" in output  # rank 0 stopped too, after the same step
     [(step, path)] = checkpoint.list_checkpoints(run)  # save_every=0: only the preemption checkpoint
