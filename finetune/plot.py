@@ -1,0 +1,104 @@
+"""Charts of runs from their metrics.jsonl: loss (train and eval) and learning rate against steps.
+
+    finetune plot runs/a                  -> runs/a/plot.png
+    finetune plot runs/a runs/b --out x.png   (runs compared on one chart; default compare.png)
+
+At the end of a run, run.py calls `plot_run(out_dir)`, which writes `<out_dir>/plot.png` and never fails the
+finished run: without matplotlib, or on any plotting problem, it prints one warning line. matplotlib draws with
+its headless Agg backend (no display on training machines).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+
+def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Series of a run folder: train loss, eval loss and learning rate as (step, value) lists."""
+    folder = Path(run_dir)
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        what = "does not exist" if not folder.exists() else "has no metrics.jsonl"
+        raise FinetuneError(f"{folder}: {what}; `finetune plot` takes run folders (output.dir of a run), "
+                            "which hold metrics.jsonl.")
+    series: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "lr": []}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a run killed while writing leaves a partial last line
+        for key, points in series.items():
+            value = record.get(key) if isinstance(record, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and "step" in record:
+                points.append((int(record["step"]), float(value)))
+    if not series["loss"] and not series["eval_loss"]:
+        raise FinetuneError(f"{folder}: metrics.jsonl holds no loss yet (no logged step); nothing to plot.")
+    return series
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend; ImportError when matplotlib is not installed."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """One PNG: loss (train solid, eval dashed with markers) above, learning rate below, one colour per run."""
+    runs = [(Path(d), read_run(d)) for d in run_dirs]  # every folder checked before drawing anything
+    plt = _pyplot()
+    figure, (loss_axes, lr_axes) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[3, 1.3])
+    for index, (folder, series) in enumerate(runs):
+        color = f"C{index % 10}"
+        name = folder.resolve().name
+        if series["loss"]:
+            loss_axes.plot(*zip(*series["loss"]), color=color, linewidth=1.4, label=f"{name} train")
+        if series["eval_loss"]:
+            loss_axes.plot(*zip(*series["eval_loss"]), color=color, linestyle="--", marker="o", label=f"{name} eval")
+        if series["lr"]:
+            lr_axes.plot(*zip(*series["lr"]), color=color, label=name)
+    loss_axes.set_ylabel("loss (per trained token)")
+    loss_axes.set_title("training runs" if len(runs) > 1 else runs[0][0].resolve().name)
+    loss_axes.grid(alpha=0.3)
+    loss_axes.legend(fontsize=8)
+    lr_axes.set_ylabel("learning rate")
+    lr_axes.set_xlabel("optimizer step")
+    lr_axes.grid(alpha=0.3)
+    lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def plot_run(out_dir: str | Path) -> Path | None:
+    """`<out_dir>/plot.png` at the end of a run; a warning instead of an error, whatever goes wrong."""
+    try:
+        return plot_runs([out_dir], Path(out_dir) / "plot.png")
+    except ImportError:
+        reason = "matplotlib is not installed (`pip install matplotlib`)"
+    except Exception as exc:  # noqa: BLE001 - the run is finished and saved; a chart must not fail it
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    print(f"[finetune] warning: no plot.png ({reason}); metrics.jsonl has the numbers.", file=sys.stderr, flush=True)
+    return None
+
+
+def cli_plot(args) -> int:
+    """`finetune plot RUN_DIR [RUN_DIR ...] [--out PNG]`."""
+    runs = list(args.runs)
+    out = args.out or (Path(runs[0]) / "plot.png" if len(runs) == 1 else Path("compare.png"))
+    try:
+        path = plot_runs(runs, out)
+    except ImportError:
+        raise FinetuneError("`finetune plot` needs matplotlib: `pip install matplotlib`.") from None
+    print(f"plot written to {path}")
+    return 0
