@@ -11,7 +11,8 @@ all ranks then take the same number of steps.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -62,15 +63,30 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batch = _left_padded(prompts, pad_id, device)
     output = model.generate(
-        **batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad_id,
-        eos_token_id=tokenizer.eos_token_id, temperature=None, top_p=None, top_k=None,
+        **batch,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=pad_id,
+        eos_token_id=tokenizer.eos_token_id,
+        temperature=None,
+        top_p=None,
+        top_k=None,
     )
     new_tokens = output[:, batch["input_ids"].shape[1] :]
     return [tokenizer.decode(row, skip_special_tokens=True) for row in new_tokens]
 
 
-def generation_eval(model, tokenizer, rows: Sequence[Any], *, max_new_tokens: int = 32, metric: Metric = "exact_match",
-                    batch_size: int = 16, samples: int = 3) -> dict:
+def generation_eval(
+    model,
+    tokenizer,
+    rows: Sequence[Any],
+    *,
+    max_new_tokens: int = 32,
+    metric: Metric = "exact_match",
+    batch_size: int = 16,
+    samples: int = 3,
+) -> dict:
     """Score greedy generations on `rows`; returns {metric, score, correct, total, samples: [...]}.
 
     The model is put in eval mode for the call and restored afterwards. On CPU, load 4-bit models through
@@ -92,10 +108,19 @@ def generation_eval(model, tokenizer, rows: Sequence[Any], *, max_new_tokens: in
     judge = METRICS[metric]
     correct = [judge(text, reference) for text, (_, reference) in zip(generated, pairs)]
     shown = [
-        {"prompt": tokenizer.decode(prompt[-40:], skip_special_tokens=True)[-120:], "reference": reference,
-         "generated": text.strip(), "correct": ok}
+        {
+            "prompt": tokenizer.decode(prompt[-40:], skip_special_tokens=True)[-120:],
+            "reference": reference,
+            "generated": text.strip(),
+            "correct": ok,
+        }
         for (prompt, reference), text, ok in list(zip(pairs, generated, correct))[:samples]
     ]
     total = len(pairs)
-    return {"metric": metric, "score": sum(correct) / total if total else 0.0, "correct": sum(correct), "total": total,
-            "samples": shown}
+    return {
+        "metric": metric,
+        "score": sum(correct) / total if total else 0.0,
+        "correct": sum(correct),
+        "total": total,
+        "samples": shown,
+    }

@@ -18,8 +18,8 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from finetune.errors import ModelLoadError
 
@@ -85,8 +85,15 @@ def cache_key(gguf_path: Path) -> str:
     import transformers
 
     stat = gguf_path.stat()
-    text = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, CONVERTER_VERSION,
-                       transformers.__version__.split(".")[0]])
+    text = json.dumps(
+        [
+            str(gguf_path.resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            CONVERTER_VERSION,
+            transformers.__version__.split(".")[0],
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -183,7 +190,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
     with atomic_dir(target) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=config.pad_token_id).save_pretrained(tmp)
+        GenerationConfig(
+            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=config.pad_token_id
+        ).save_pretrained(tmp)
         (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter_version": CONVERTER_VERSION}))
 
 
@@ -208,17 +217,25 @@ def build_tokenizer(reader):
     bpe = models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     specials = [tokens[i] for i, kind in enumerate(types) if kind == GGUF_CONTROL_TOKEN]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     ids = _token_ids(reader)
-    name = lambda key: tokens[ids[key]] if ids[key] is not None else None  # noqa: E731
+    name = lambda key: tokens[ids[key]] if ids[key] is not None else None
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unknown"),
-        pad_token=name("padding") or name("eos"), add_bos_token=False, add_eos_token=False,
+        tokenizer_object=tokenizer,
+        bos_token=name("bos"),
+        eos_token=name("eos"),
+        unk_token=name("unknown"),
+        pad_token=name("padding") or name("eos"),
+        add_bos_token=False,
+        add_eos_token=False,
     )
     fast.chat_template = _field(reader, "tokenizer.chat_template") or CHATML_TEMPLATE
     return fast

@@ -60,8 +60,12 @@ def describe(path: Path) -> dict:
 
     raw = read_yaml(path)
     model = raw.get("model") or {}
-    return {"name": path.stem, "model": str(model.get("name_or_path", "?")), "accelerate": expected_accelerate_config(path),
-            "description": str(raw.get("description", "")).strip()}
+    return {
+        "name": path.stem,
+        "model": str(model.get("name_or_path", "?")),
+        "accelerate": expected_accelerate_config(path),
+        "description": str(raw.get("description", "")).strip(),
+    }
 
 
 def _require(name: str | None) -> Path:
@@ -95,7 +99,9 @@ def copy_recipe(name: str | None, dest: str | None) -> Path:
     if target.is_dir():
         target = target / source.name
     if target.exists():
-        raise LibraryError(f"{target} already exists; nothing was overwritten. Choose another destination or remove it.")
+        raise LibraryError(
+            f"{target} already exists; nothing was overwritten. Choose another destination or remove it."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "x") as handle:  # "x": fails instead of overwriting a file created meanwhile
         handle.write(source.read_text())

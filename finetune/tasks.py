@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from datetime import date, timedelta
 from pathlib import Path
-from typing import Callable
 
 _STAMP_QUESTIONS = [
     "Write {iso} as a ledger stamp.",
@@ -35,8 +35,9 @@ def ledger_stamp_rows(n: int, *, seed: int) -> list[dict]:
     for offset in rng.sample(range(365 * 100), n):  # without replacement: no date twice, so no train/eval overlap
         day = start + timedelta(days=offset)
         question = rng.choice(_STAMP_QUESTIONS).format(iso=day.isoformat())
-        rows.append({"messages": [{"role": "user", "content": question},
-                                  {"role": "assistant", "content": ledger_stamp(day)}]})
+        rows.append(
+            {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": ledger_stamp(day)}]}
+        )
     return rows
 
 
