@@ -143,6 +143,16 @@ class OutputSection(_Section):
     overwrite: bool = Field(False, description="Replace a finished (or unfinished) run already in output.dir.")
 
 
+class EvalSection(_Section):
+    generation_rows: int = Field(
+        0, ge=0, description="Held-out examples answered greedily before and after training and scored (0: off)."
+    )
+    metric: Literal["exact_match", "contains", "prefix_match"] = Field(
+        "exact_match", description="How a generated answer is compared with the held-out reference answer."
+    )
+    max_new_tokens: int = Field(32, gt=0, description="Longest generated answer, in tokens.")
+
+
 class Recipe(_Section):
     description: str = ""
     model: ModelSection
@@ -152,6 +162,7 @@ class Recipe(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
     @field_validator("quantization", mode="before")
     @classmethod
