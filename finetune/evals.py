@@ -124,3 +124,52 @@ def generation_eval(
         "total": total,
         "samples": shown,
     }
+
+
+# ------------------------------------------------------------------------------- metrics.jsonl contract (run.py)
+def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recipe, *, phase: str) -> dict | None:
+    """The recipe's generation eval (`eval.generation_rows` held-out examples) as a metrics.jsonl record, or None if off.
+
+    run.py calls it with phase "before" (after the model is built, before the first step) and "after" (after the last
+    step) and writes the record with MetricsLog.write(**record).
+    """
+    rows = list(eval_examples)[: recipe.eval.generation_rows]
+    if not rows:
+        return None
+    result = generation_eval(
+        model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric
+    )
+    return metrics_record(phase, result)
+
+
+def metrics_record(phase: str, result: dict) -> dict:
+    """One flat metrics.jsonl record of a generation eval: phase, metric, score, correct, total, first sample."""
+    record = {
+        "phase": phase,
+        "generation_metric": result["metric"],
+        "generation_score": round(result["score"], 4),
+        "generation_correct": result["correct"],
+        "generation_total": result["total"],
+    }
+    if result["samples"]:
+        record["generation_sample"] = result["samples"][0]
+    return record
+
+
+def read_generation_evals(metrics_path) -> dict[str, dict]:
+    """{"before": record, "after": record} from a run's metrics.jsonl (the last record of each phase)."""
+    import json
+    from pathlib import Path
+
+    found: dict[str, dict] = {}
+    path = Path(metrics_path)
+    if not path.is_file():
+        return found
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "generation_score" in record:
+            found[str(record.get("phase"))] = record
+    return found
