@@ -246,19 +246,19 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
             release_output_dir(out_dir, remove_if_empty=folder.created)
 
 
-def begin_outputs(folder: RunFolder, recipe_yaml: str) -> None:
-    """Rank 0, once the model is built: clear a replaced run's files (fresh start) or trim metrics past the checkpoint.
+def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:
+    """Rank 0, when training is about to start: clear a replaced run's files (fresh start) or trim the metrics past
+    the checkpoint (resume); write recipe.yaml.
 
-    Done this late so that a run failing on its inputs (data, model, launcher) changes nothing in output.dir.
+    Done this late so that a run failing on its inputs (data, model, launcher, checkpoint) changes nothing in output.dir.
     """
-    out_dir = folder.path
-    if folder.resume_from is None:
+    if resume_from is None:
         for name in ("adapter", CHECKPOINTS, "ranks"):
             shutil.rmtree(out_dir / name, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (out_dir / "metrics.jsonl").unlink()
     else:
-        resumed_step = json.loads((folder.resume_from / MANIFEST).read_text())["step"]
+        resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
         _trim_metrics(out_dir / "metrics.jsonl", resumed_step)
     (out_dir / "recipe.yaml").write_text(recipe_yaml)
 

@@ -43,8 +43,6 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
                       **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
-        if info.is_main:
-            checkpoint.begin_outputs(folder, recipes.recipe_to_yaml(recipe))
         result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir,
                              trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe())
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part

@@ -174,9 +174,11 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if resume_from is not None:
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
                             max_steps=t.max_steps) + 1
+    recipe_yaml = recipe_to_yaml(recipe)
+    if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
+        checkpoint.begin_outputs(out_dir, recipe_yaml, resume_from)
     batches = iter(stream)
     metrics = MetricsLog(out_dir / "metrics.jsonl" if info.is_main else None)
-    recipe_yaml = recipe_to_yaml(recipe)
     interactive = sys.stderr.isatty()
     progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
                     dynamic_ncols=True)

@@ -45,8 +45,8 @@ def command(recipe: Path, out_dir: Path, strategy: str, *extra: str) -> list[str
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
     """A run in its own session (a timed-out one is killed with its process group)."""
-    handle = open(log, "w")
-    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+    with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
