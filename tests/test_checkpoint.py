@@ -93,7 +93,8 @@ def assert_same_adapter(a: dict, b: dict, *, exact: bool) -> None:
         if exact:
             assert torch.equal(a[key], b[key]), f"{key} differs (max {float((a[key] - b[key]).abs().max())})"
         else:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+            # 1 vs 2 processes sum in another order; Adam turns that into ~2.5e-5 on LoRA values of ~1e-2.
+            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
@@ -188,7 +189,8 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(base_re
 
 
 def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_root, tmp_path):
-    """An FSDP2 checkpoint of 2 processes continued by 1 process ends near the uninterrupted 1-process run."""
+    """An FSDP2 checkpoint of 2 processes continued by 1 process ends near the uninterrupted 1-process run (and nearer
+    still to the 2-process one, whose first steps it shares)."""
     single = kill_and_resume("single", base_recipe, runs_root)
     sharded = kill_and_resume("fsdp2", base_recipe, runs_root)
     run = tmp_path / "run"
@@ -196,6 +198,7 @@ def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_r
     output = run_to_end(command(base_recipe, run, "single", "train.resume=auto"), tmp_path / "resume.log")
     assert "now single process: adapter and optimizer state resharded" in output, output[-2000:]
     assert_same_adapter(adapter(single["ref"]), adapter(run), exact=False)
+    assert_same_adapter(adapter(sharded["ref"]), adapter(run), exact=False)
 
 
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
