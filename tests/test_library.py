@@ -1,0 +1,84 @@
+"""The recipe library: every recipe validates offline, names a real accelerate config, and list/show/copy work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import main, resolve_recipe_path
+from finetune.library import expected_accelerate_config, library_dir, recipe_names, recipe_path
+from finetune.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+EXPECTED = {"quickstart", "llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "gemma-2-9b"}
+
+
+def test_library_has_the_promised_recipes():
+    assert library_dir() == REPO / "recipes"
+    assert EXPECTED <= set(recipe_names())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_validates_offline(path: Path):
+    recipe = load_recipe(path)  # schema and cross-field checks, no network, no weights
+    assert recipe.description.strip() and "\n" not in recipe.description, "a one-line description is required"
+    config = expected_accelerate_config(path)
+    assert config is not None, f"{path.name}: the first comment lines must name accelerate_configs/<config>.yaml"
+    assert (REPO / config).is_file(), f"{path.name} names {config}, which does not exist"
+    if path.stem == "quickstart":
+        assert recipe.model.gguf_file and recipe.model.name_or_path.startswith("pkg:")
+        return
+    assert recipe.model.name_or_path.count("/") == 1, "library recipes name a real hub id (org/name)"
+    assert recipe.quantization.method == "nf4" and recipe.model.dtype == "bfloat16"
+    assert all(not Path(spec.path).exists() and "/" in spec.path for spec in recipe.data.datasets), "a public dataset"
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p.stem != "quickstart"], ids=lambda p: p.stem)
+def test_recipe_model_architecture_is_stored(path: Path):
+    """The planner needs the architecture offline: where it is stored, it must be the model the recipe names."""
+    architectures = pytest.importorskip("finetune.architectures")
+    name = load_recipe(path).model.name_or_path
+    config = architectures.stored_config(name)
+    if config is None:
+        pytest.skip(f"no stored architecture for {name} in finetune/architectures yet")
+    assert config.num_hidden_layers > 0 and config.vocab_size > 1000
+
+
+def test_list_shows_every_recipe_with_its_purpose(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for path in RECIPES:
+        assert path.stem in out
+        assert load_recipe(path).description in out
+
+
+def test_show_prints_the_file(capsys):
+    assert main(["recipes", "show", "quickstart"]) == 0
+    assert capsys.readouterr().out == (REPO / "recipes" / "quickstart.yaml").read_text()
+
+
+def test_unknown_name_exits_2_and_lists_known(capsys):
+    assert main(["recipes", "show", "no-such-recipe"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-recipe" in err and "quickstart" in err
+
+
+def test_copy_to_file_and_folder_never_overwrites(tmp_path, capsys):
+    source = (REPO / "recipes" / "mistral-7b.yaml").read_text()
+    assert main(["recipes", "copy", "mistral-7b", str(tmp_path / "mine.yaml")]) == 0
+    assert (tmp_path / "mine.yaml").read_text() == source
+    assert main(["recipes", "copy", "mistral-7b", str(tmp_path)]) == 0
+    assert (tmp_path / "mistral-7b.yaml").read_text() == source
+    (tmp_path / "mine.yaml").write_text("edited")
+    assert main(["recipes", "copy", "quickstart", str(tmp_path / "mine.yaml")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "mine.yaml").read_text() == "edited"
+
+
+def test_names_resolve_to_library_files():
+    assert recipe_path("quickstart") == REPO / "recipes" / "quickstart.yaml"
+    assert recipe_path("quickstart.yaml") == REPO / "recipes" / "quickstart.yaml"
+    assert recipe_path("nope") is None
+    assert resolve_recipe_path("qwen2.5-7b") == str(REPO / "recipes" / "qwen2.5-7b.yaml")
