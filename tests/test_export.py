@@ -69,7 +69,7 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     report = capsys.readouterr().out
     assert "max abs logit diff" in report and "saved bf16 model" in report
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
-        assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}
+        assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118 (not a dict)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
 
@@ -116,7 +116,9 @@ def test_existing_output_is_never_overwritten(trained_run, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("family, kwargs, words", [("qwen2", {}, "model_type"), ("llama", {"hidden_size": 32}, "hidden_size")])
+@pytest.mark.parametrize(
+    "family, kwargs, words", [("qwen2", {}, "model_type"), ("llama", {"hidden_size": 32}, "hidden_size")]
+)
 def test_merge_onto_another_architecture_exits_2(trained_run, tmp_path, capsys, family, kwargs, words):
     from finetune.tiny import build_tiny_model
 
