@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FinetuneError as exc:
-        print(f"finetune: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        code = getattr(exc, "exit_code", EXIT_USER_ERROR)  # preemption: 128 + signal, and not an "error"
+        print(f"finetune: {'error: ' if code == EXIT_USER_ERROR else ''}{exc}", file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:
         print("finetune: interrupted", file=sys.stderr)
         return 130

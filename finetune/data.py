@@ -178,6 +178,10 @@ def _load_folder_rows(path: Path, spec: DatasetSpec) -> list[dict]:
 def _load_hub_rows(spec: DatasetSpec) -> list[dict]:
     import datasets
 
+    from finetune.hub import use_cache_only_if_unreachable
+
+    use_cache_only_if_unreachable()  # offline: the `datasets` cache only, failing at once instead of retrying
+
     try:
         return list(datasets.load_dataset(spec.path, spec.subset, split=spec.split))
     except Exception as exc:  # noqa: BLE001  datasets raises many types for offline / missing names

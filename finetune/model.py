@@ -44,7 +44,8 @@ def _load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
         fix = f"check that {name} is a saved transformers folder (config.json, weights, tokenizer files)."
     else:
         fix = (
-            "this looks like a hub id and it could not be fetched (offline, gated or misspelled). Download it where the hub "
+            "this looks like a hub id and it is neither in the local cache nor fetchable now (offline, gated or "
+            "misspelled). Download it where the hub "
             f"is reachable (`hf download {name} --local-dir DIR`) and set model.name_or_path to DIR, or set "
             "HF_HUB_OFFLINE=1 to use only the local cache."
         )
@@ -53,15 +54,12 @@ def _load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
 
 
 def offline_guard(name_or_path: str) -> None:
-    """Fail fast (not hang) when a hub id is not cached and the hub cannot be reached.
-
-    huggingface_hub retries for minutes on an unreachable network; we honour HF_HUB_OFFLINE, and otherwise
-    give its HTTP calls a short timeout so an offline machine answers within seconds.
-    """
+    """Fail fast (not hang) when a hub id is needed and the hub cannot be reached: use the local cache only."""
     if is_local(name_or_path):
         return
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    from finetune.hub import use_cache_only_if_unreachable
+
+    use_cache_only_if_unreachable()
 
 
 def load_config(recipe: Recipe):

@@ -240,12 +240,10 @@ def test_strategy_single_under_torchrun_is_refused_on_every_rank(workspace):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="model.py: huggingface_hub retries an unreachable hub ~23 s (5 retries); "
-                   "fix described in docs/checkpoints.md (probe the endpoint, then local_files_only)")
 def test_hub_model_without_offline_flag_fails_within_seconds(workspace):
     env = child_env(HF_HUB_OFFLINE="0", HF_DATASETS_OFFLINE="0")
     started = time.monotonic()
     result = _run([sys.executable, str(RUN_PY), str(workspace.recipe()), "model.name_or_path=no-such-org/no-such-model"],
-                  env=env, timeout=20)  # today: TimeoutExpired (an xfail) instead of waiting the retries out
+                  env=env, timeout=20)
     _check_process(result, "no-such-org/no-such-model")
     assert time.monotonic() - started < 15
