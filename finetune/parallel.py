@@ -444,6 +444,52 @@ def gradient_sync(model: nn.Module, *, enabled: bool):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def generation_model(model: nn.Module):
+    """The module to call `.generate()` on, for every rank together (FSDP forwards are collectives).
+
+    DDP: the inner module (no collectives in a forward). FSDP2: generate() calls inner modules, so the root's
+    unshard hooks must wrap `generate` too (register_fsdp_forward_method). FSDP1: the full parameters are gathered
+    for the duration (summon_full_params): a full 4-bit copy per rank, as in loading.
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, "generate")
+        yield model
+    elif isinstance(model, FSDP):
+        yield _GreedyThroughRoot(model)
+    else:
+        yield unwrap(model)
+
+
+class _GreedyThroughRoot(nn.Module):
+    """`generate(input_ids, attention_mask, max_new_tokens, ...)` as plain greedy decoding by full forwards of the
+    root module (no KV cache: fine for the short answers of an eval). Every rank runs every step, so the FSDP
+    collectives line up whatever each rank's rows are."""
+
+    def __init__(self, root: nn.Module):
+        super().__init__()
+        self.root = root  # a child module: .eval()/.train()/.parameters() reach the real model
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None, **_ignored) -> torch.Tensor:
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
+            logits = self.root(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                               use_cache=False).logits
+            token = logits[:, -1].argmax(-1)
+            if eos_token_id is not None:
+                token = torch.where(finished, torch.full_like(token, pad_token_id or eos_token_id), token)
+                finished |= token == eos_token_id
+            input_ids = torch.cat([input_ids, token[:, None]], dim=1)
+            attention_mask = torch.cat([attention_mask, (~finished | (token == eos_token_id))[:, None].long()], dim=1)
+        return input_ids
+
+
 def clip_grad_norm(model: nn.Module, parameters: list[nn.Parameter], max_norm: float | None) -> float:
     """Clip by the global norm over all ranks' shards; returns the norm before clipping."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

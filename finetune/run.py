@@ -21,7 +21,7 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError  # noqa: E402
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, model, parallel, recipe as recipes, train
+    from finetune import checkpoint, data, model, parallel, plot, recipe as recipes, train
 
     recipe = recipes.load_recipe(recipe_path, overrides)
     info = distributed.init_distributed()
@@ -31,11 +31,15 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         parallel.report(plan)
         tokenizer = model.load_tokenizer(recipe)
         train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
-        distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples "
-                           f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped)")
+        packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
+        distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
+                           f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
+                           f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         peft_model = model.build_model(recipe, device=info.device, device_map=plan.device_map,
                                        gradient_checkpointing=plan.activation_checkpointing)
+        if recipe.data.packing:
+            data.verify_packing(peft_model, device=info.device)  # the attention really keeps packed examples apart
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
@@ -44,12 +48,14 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                       **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir,
-                             trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe())
+                             trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe(),
+                             tokenizer=tokenizer)
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
         checkpoint.write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
             checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
+            plot.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
         distributed.barrier()
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,

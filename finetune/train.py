@@ -8,7 +8,6 @@ gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padd
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -23,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune import checkpoint, distributed
-from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches
+from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches, real_token_count
 from finetune.errors import FinetuneError
 from finetune.parallel import clip_grad_norm, gradient_sync
 from finetune.recipe import Recipe, recipe_to_yaml
+from finetune.tracking import Trackers
 
 
 class NumericalFault(FinetuneError):
@@ -76,23 +76,11 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl (rank 0 only; other ranks hold a no-op)."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-
-    def write(self, **record) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
 
 
 def lr_lambda(recipe: Recipe):
@@ -153,7 +141,7 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
           out_dir: Path, trainable_names: list[str] | None = None, resume_from: Path | None = None,
-          parallel: str = "single process") -> TrainResult:
+          parallel: str = "single process", tokenizer=None) -> TrainResult:
     """Run optimizer steps up to recipe.train.max_steps (from a checkpoint's step when resuming); log to metrics.jsonl.
 
     Checkpoints every train.save_every steps, at the last step, and when SIGTERM/SIGINT arrives (then raises Preempted).
@@ -178,7 +166,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         checkpoint.begin_outputs(out_dir, recipe_yaml, resume_from)
     batches = iter(stream)
-    metrics = MetricsLog(out_dir / "metrics.jsonl" if info.is_main else None)
+    metrics = Trackers(recipe, out_dir, is_main=info.is_main)
+    if first_step == 1:
+        generation_eval(model, tokenizer, eval_examples, recipe, "before", metrics)
     interactive = sys.stderr.isatty()
     progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
                     dynamic_ncols=True)
@@ -191,8 +181,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
             step_start = time.perf_counter()
             micro_batches = [next(batches) for _ in range(t.grad_accum)]
             local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
-            local_seen = sum(int((b["labels"] != IGNORE_INDEX).sum() if "attention_mask" not in b else b["attention_mask"].sum())
-                             for b in micro_batches)
+            local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
             global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
             step_loss = 0.0
             for index, batch in enumerate(micro_batches):
@@ -237,13 +226,33 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 verify_next_save = False
             if stop:
                 progress.close()
+                metrics.close()
                 raise preempted(signals.received, step, saved)
     progress.close()
     result.seconds = time.perf_counter() - started
+    result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
+    metrics.close()
     return result
 
 
-def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: MetricsLog) -> None:
+def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,
+                    metrics: Trackers) -> dict | None:
+    """Greedy answers to `eval.generation_rows` held-out prompts, scored (exact match...), before and after training."""
+    if tokenizer is None or not recipe.eval.generation_rows or not eval_examples:
+        return None
+    from finetune import evals
+    from finetune.parallel import generation_model
+
+    with generation_model(model) as generator:
+        record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase)
+    if record is not None:
+        metrics.write(**record)
+        distributed.print0(f"[finetune] generation eval {phase}: {record['generation_metric']} "
+                           f"{record['generation_score']:.0%} ({record['generation_correct']}/{record['generation_total']})")
+    return record
+
+
+def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: Trackers) -> None:
     """nan_policy stop: raise with the way back; skip: log the skipped step and go on."""
     if recipe.train.nan_policy == "stop":
         good = [path.name for _, path in checkpoint.list_checkpoints(out_dir)]
