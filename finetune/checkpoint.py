@@ -275,12 +275,23 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     _write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
+def current_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
-    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS, LoRA checksum."""
+    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS (and peak GPU memory on
+    CUDA), LoRA checksum."""
     import resource
 
     stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                  lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
+    if torch.cuda.is_available():
+        stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
     (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))
 

@@ -9,7 +9,6 @@ optimizer's master weights, except under FSDP1, which needs one dtype per flat p
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -21,6 +20,13 @@ from finetune.recipe import Recipe
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def import_backends() -> None:
+    """Import the modelling libraries now (transformers' model classes, PEFT, bitsandbytes)."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
 
 def torch_dtype(name: str) -> torch.dtype:

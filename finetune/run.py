@@ -36,6 +36,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                            f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
                            f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
+        model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
+        rss_before_model = checkpoint.current_rss_bytes()
         peft_model = model.build_model(recipe, device=info.device, device_map=plan.device_map,
                                        gradient_checkpointing=plan.activation_checkpointing)
         if recipe.data.packing:
@@ -45,7 +47,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info)
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
-                      **parallel.local_parameter_bytes(wrapped)}
+                      "rss_before_model_bytes": rss_before_model, **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir,
                              trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe(),
