@@ -93,8 +93,9 @@ def assert_same_adapter(a: dict, b: dict, *, exact: bool) -> None:
         if exact:
             assert torch.equal(a[key], b[key]), f"{key} differs (max {float((a[key] - b[key]).abs().max())})"
         else:
-            # 1 vs 2 processes sum in another order; Adam turns that into ~2.5e-5 on LoRA values of ~1e-2.
-            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4, msg=key)
+            # 1 vs 2 processes sum in another order; Adam turns that into ~2.5e-5 per step on LoRA values of ~1e-2,
+            # and where the kill lands decides how many steps ran with 2 processes. A wrong reshard is off by ~1e-2.
+            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=5e-4)
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
