@@ -236,7 +236,7 @@ def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
     else:
         command = [sys.executable, *worker]
     started = time.perf_counter()
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
