@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 quickstart: $(STAMP)
-	$(BIN)/finetune quickstart
+	$(BIN)/finetune quickstart output.overwrite=true
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
