@@ -240,22 +240,43 @@ def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
-    end = reports[0]["step_end"]
-    tokens = sum(sum(r["step_tokens"][1:steps]) for r in reports)  # steps 2..N on every rank
-    return {**config, "steps": steps, "tokens_per_s": tokens / (end[steps - 1] - end[0]),
+    return {**config, "steps": steps, **throughput(reports, steps),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in reports), "eval_loss": reports[0]["eval_loss"],
             "wall_s": time.perf_counter() - started}
 
 
+def throughput(reports: list[dict], steps: int) -> dict[str, float]:
+    """tokens/s over steps 2..N (all ranks' tokens), and the median of per-step rates: robust to other processes'
+    bursts on a shared machine, which stall single steps."""
+    end = reports[0]["step_end"]
+    per_step = [sum(r["step_tokens"][k] for r in reports) for k in range(steps)]
+    rates = sorted(per_step[k] / (end[k] - end[k - 1]) for k in range(1, steps))
+    return {"tokens_per_s": sum(per_step[1:]) / (end[steps - 1] - end[0]), "median_tokens_per_s": rates[len(rates) // 2]}
+
+
+def summarize(root: Path) -> list[dict]:
+    """Figures of the runs kept under `root` (--keep), from their reports, in run order."""
+    results = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and list(p.glob("bench_rank*.json"))):
+        _, runner, mode, strategy = folder.name.split("-", 3)
+        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("bench_rank*.json"))]
+        steps = len(reports[0]["step_end"])
+        results.append({"runner": runner, "mode": mode, "strategy": strategy, "procs": 1 if strategy == "single" else 2,
+                        "steps": steps, **throughput(reports, steps), "eval_loss": reports[0]["eval_loss"],
+                        "peak_rss_mb": max(r["peak_rss_mb"] for r in reports)})
+    return results
+
+
 def table(results: list[dict]) -> str:
     """Markdown table; ratios against `ours` (1 process) in the same mode."""
-    lines = ["| runner | mode | processes | tokens/s | peak RSS (MB) | eval loss | tokens/s vs ours | RSS vs ours |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [("| runner | mode | processes | tokens/s (median step) | tokens/s (mean) | peak RSS (MB) | eval loss | "
+             "tokens/s vs ours (median) | RSS vs ours |"), "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         base = next((b for b in results if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), r)
         procs = "1" if r["procs"] == 1 else f"{r['procs']} ({r['strategy'].upper()})"
-        lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
-                     f"{r['eval_loss']:.4f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+        lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['median_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['peak_rss_mb']:.0f} | {r['eval_loss']:.4g} | "
+                     f"{r['median_tokens_per_s'] / base['median_tokens_per_s']:.2f}x | "
                      f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
     return "\n".join(lines)
 
@@ -269,7 +290,11 @@ def main() -> None:
     parser.add_argument("--distributed", action="store_true", help="also 2-process DDP and FSDP2 runs of ours")
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--keep", help="keep run folders under this path")
+    parser.add_argument("--summarize", help="print the table of the runs kept under this path, run nothing")
     args = parser.parse_args()
+    if args.summarize:
+        print(table(summarize(Path(args.summarize))))
+        return
     only, modes = args.only.split(","), args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
@@ -279,7 +304,8 @@ def main() -> None:
         for index, config in enumerate(configurations(only, modes, args.distributed)):
             result = launch(config, recipe, root / f"{index:02d}-{config['runner']}-{config['mode']}-{config['strategy']}",
                             steps[config["mode"]])
-            print(f"{result['runner']:>13} {result['mode']:>8} {result['strategy']:>6}: {result['tokens_per_s']:7.1f} tokens/s, "
+            print(f"{result['runner']:>13} {result['mode']:>8} {result['strategy']:>6}: {result['median_tokens_per_s']:7.1f} "
+                  f"tokens/s (median step; mean {result['tokens_per_s']:.1f}), "
                   f"peak RSS {result['peak_rss_mb']:6.0f} MB, eval loss {result['eval_loss']:.4f} "
                   f"({result['steps']} steps, {result['wall_s']:.0f} s)", flush=True)
             results.append(result)
