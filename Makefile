@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart test test-fast lint bench gpu-smoke clean
+.PHONY: install quickstart test test-fast lint bench bench-peers gpu-smoke clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ddp_vs_fsdp.py
+
+# This project vs TRL's SFTTrainer vs a minimal PEFT loop (TRL is a benchmark-only dependency).
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/bench_peers.py
 
 gpu-smoke: $(STAMP)
 	bash benchmarks/gpu_smoke.sh

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from finetune import checkpoint, distributed
 from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches, real_token_count
 from finetune.errors import FinetuneError
+from finetune.loss import token_loss_sum
 from finetune.parallel import clip_grad_norm, gradient_sync
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers
@@ -108,16 +108,13 @@ def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.opt
 
 
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over the trained tokens of a batch, and their count."""
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    inputs = {k: v for k, v in batch.items() if k != "labels"}  # input_ids + attention_mask or position_ids (packed)
-    logits = model(**inputs, use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    logits = logits[:, :-1]
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return total, int((labels != IGNORE_INDEX).sum())
+    """Sum of next-token cross-entropy over the trained tokens of a batch, and their count.
+
+    Computed inside the model's forward on the trained positions only, a chunk at a time (finetune/loss.py): the
+    (batch x length x vocabulary) fp32 logits are never built, which is most of a QLoRA step's memory and a large
+    part of its CPU time. Same value as the plain full-logits cross-entropy (tests/test_loss.py).
+    """
+    return token_loss_sum(model, batch, device)
 
 
 @torch.no_grad()
@@ -167,72 +164,73 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
         checkpoint.begin_outputs(out_dir, recipe_yaml, resume_from)
     batches = iter(stream)
     metrics = Trackers(recipe, out_dir, is_main=info.is_main)
-    if first_step == 1:
-        generation_eval(model, tokenizer, eval_examples, recipe, "before", metrics)
-    interactive = sys.stderr.isatty()
-    progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
-                    dynamic_ncols=True)
-    print_every = max(1, t.max_steps // 10)
-    verify_next_save = True  # the first checkpoint of every process is read back and compared
-    model.train()
-    started = time.perf_counter()
-    with StopSignals() as signals:
-        for step in range(first_step, t.max_steps + 1):
-            step_start = time.perf_counter()
-            micro_batches = [next(batches) for _ in range(t.grad_accum)]
-            local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
-            local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
-            global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
-            step_loss = 0.0
-            for index, batch in enumerate(micro_batches):
-                with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                    batch_loss, _ = loss_sum(model, batch, info.device)
-                    (batch_loss * info.world_size / max(global_tokens, 1)).backward()
-                step_loss += float(batch_loss.detach())
-            grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
-            loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if finite:
-                optimizer.step()
-                scheduler.step()
-                result.steps, result.tokens = step, result.tokens + int(global_seen)
-                result.losses.append(loss)
-            else:
-                # Never step on a NaN/inf: the parameters (and so every checkpoint and the adapter) stay finite.
-                handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
-            optimizer.zero_grad(set_to_none=True)
+    try:  # trackers are closed however the run ends (done, preempted, numerical fault)
+        if first_step == 1:
+            generation_eval(model, tokenizer, eval_examples, recipe, "before", metrics)
+        interactive = sys.stderr.isatty()
+        progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
+                        dynamic_ncols=True)
+        print_every = max(1, t.max_steps // 10)
+        verify_next_save = True  # the first checkpoint of every process is read back and compared
+        model.train()
+        started = time.perf_counter()
+        with StopSignals() as signals:
+            for step in range(first_step, t.max_steps + 1):
+                step_start = time.perf_counter()
+                micro_batches = [next(batches) for _ in range(t.grad_accum)]
+                local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+                local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
+                global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
+                step_loss = 0.0
+                for index, batch in enumerate(micro_batches):
+                    with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                        batch_loss, _ = loss_sum(model, batch, info.device)
+                        (batch_loss * info.world_size / max(global_tokens, 1)).backward()
+                    step_loss += float(batch_loss.detach())
+                grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
+                loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if finite:
+                    optimizer.step()
+                    scheduler.step()
+                    result.steps, result.tokens = step, result.tokens + int(global_seen)
+                    result.losses.append(loss)
+                else:
+                    # Never step on a NaN/inf: the parameters (and so every checkpoint and the adapter) stay finite.
+                    handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
+                optimizer.zero_grad(set_to_none=True)
 
-            elapsed = time.perf_counter() - step_start
-            lr = scheduler.get_last_lr()[0]
-            if finite and (step % t.log_every == 0 or step == t.max_steps):
-                metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
-                              tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
-            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
-            progress.update(1)
-            if not interactive and (step % print_every == 0 or step == first_step):
-                distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
-            if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
-                if eval_loss is not None:
-                    result.eval_losses.append((step, eval_loss))
-                    metrics.write(step=step, eval_loss=round(eval_loss, 6))
-                    distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+                elapsed = time.perf_counter() - step_start
+                lr = scheduler.get_last_lr()[0]
+                if finite and (step % t.log_every == 0 or step == t.max_steps):
+                    metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                                  tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
+                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
+                progress.update(1)
+                if not interactive and (step % print_every == 0 or step == first_step):
+                    distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
+                if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
+                    if eval_loss is not None:
+                        result.eval_losses.append((step, eval_loss))
+                        metrics.write(step=step, eval_loss=round(eval_loss, 6))
+                        distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
 
-            stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
-            if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
-                state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
-                saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
-                                                   keep_last=t.keep_last, verify=verify_next_save)
-                verify_next_save = False
-            if stop:
-                progress.close()
-                metrics.close()
-                raise preempted(signals.received, step, saved)
-    progress.close()
-    result.seconds = time.perf_counter() - started
-    result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
-    metrics.close()
-    return result
+                stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
+                if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                    state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
+                    saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
+                                                       keep_last=t.keep_last, verify=verify_next_save)
+                    verify_next_save = False
+                if stop:
+                    progress.close()
+                    raise preempted(signals.received, step, saved)
+        progress.close()
+        result.seconds = time.perf_counter() - started
+        result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
+        return result
+    finally:
+        metrics.close()
 
 
 def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,
