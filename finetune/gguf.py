@@ -38,9 +38,9 @@ CHATML_TEMPLATE = (
 
 
 def cache_root() -> Path:
-    """Where converted folders live: $FINETUNE_CACHE_DIR/gguf, else ~/.cache/finetune/gguf (XDG_CACHE_HOME honoured)."""
-    if os.environ.get("FINETUNE_CACHE_DIR"):
-        return Path(os.environ["FINETUNE_CACHE_DIR"]).expanduser() / "gguf"
+    """Where converted folders live: $FINETUNE_CACHE/gguf, else ~/.cache/finetune/gguf (XDG_CACHE_HOME honoured)."""
+    if os.environ.get("FINETUNE_CACHE"):
+        return Path(os.environ["FINETUNE_CACHE"]).expanduser() / "gguf"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "finetune" / "gguf"
 
