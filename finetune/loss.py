@@ -103,6 +103,7 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             if request is None:
                 return original(hidden_states, *args, **kwargs)
             targets, softcap = request
+            targets = targets.to(hidden_states.device)  # layer split: the head lives on the last GPU
             trainable = any(p.requires_grad for p in head.parameters())
             return head_loss(original, hidden_states, targets, trainable_head=trainable, softcap=softcap, chunk=chunk)
 
