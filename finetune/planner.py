@@ -39,7 +39,7 @@ NESTED_BLOCK = 256  # absmax values per fp32 second-level absmax (double quant)
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
 SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
-LOSS_BYTES_PER_LOGIT = 12  # train.loss_sum: logits + reshape copy + fp32 copy + fp32 log-softmax (or their backward)
+LOSS_BYTES_PER_LOGIT = 12  # per fp32 logit of a loss chunk: logits, exp/softmax, and the gradient built from them
 StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
 
 
@@ -337,7 +337,17 @@ def _batch_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: 
         activations = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes + int(1.5 * per_layer)
     else:
         activations = facts.num_layers * per_layer + int(0.5 * per_layer)
-    return {"activations": activations, "logits_loss": LOSS_BYTES_PER_LOGIT * tokens * facts.vocab}
+    return {"activations": activations, "logits_loss": loss_bytes(tokens, facts)}
+
+
+def loss_bytes(tokens: int, facts: ModelFacts) -> int:
+    """Memory of the loss as finetune/loss.py computes it: one chunk of fp32 logits at a time (never the full
+    batch x length x vocabulary), plus the fp32 gradient w.r.t. the hidden states of every trained position, kept for
+    backward (all positions counted: an upper bound, instruction data trains only the answers)."""
+    from finetune.loss import CHUNK_LOGIT_ELEMENTS
+
+    chunk_tokens = min(tokens, max(16, CHUNK_LOGIT_ELEMENTS // max(1, facts.vocab)))
+    return LOSS_BYTES_PER_LOGIT * chunk_tokens * facts.vocab + 4 * tokens * facts.hidden
 
 
 def _unit_sizes(facts: ModelFacts) -> tuple[int, int]:
