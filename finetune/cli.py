@@ -15,6 +15,7 @@ from pathlib import Path
 
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
+
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML (a path, or the name of a recipe in the library)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=50")

@@ -175,7 +175,7 @@ class Recipe(_Section):
         return value
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "Recipe":
+    def _cross_field(self) -> Recipe:
         q = self.quantization
         if q.method != "none":
             storage = q.quant_storage or self.model.dtype

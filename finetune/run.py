@@ -15,13 +15,14 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune import distributed  # noqa: E402
-from finetune.errors import EXIT_USER_ERROR, FinetuneError  # noqa: E402
+from finetune import distributed
+from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, model, parallel, plot, recipe as recipes, train
+    from finetune import checkpoint, data, model, parallel, plot, train
+    from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
     info = distributed.init_distributed()
