@@ -24,8 +24,6 @@ from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe import Recipe
 
 VERIFY_PROMPT = "What is the capital of France? Answer in one word."
-# Names of wrapper modules that leak into parameter names when an adapter is gathered from a wrapped model.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -91,9 +89,9 @@ def resolve_source(path: str | Path) -> Source:
 
 def normalize_key(key: str) -> str:
     """A parameter name from any wrapping (FSDP1, checkpointing, compile, in-memory PEFT) -> PEFT's on-disk key."""
-    for part in _WRAPPER_PARTS:
-        key = key.replace(part, "")
-    key = key.removeprefix("module.")
+    from finetune.parallel import normalize_key as strip_wrappers
+
+    key = strip_wrappers(key)
     key = key.replace(".default.", ".")  # in-memory PEFT names carry the adapter name; files do not
     return key if key.startswith("base_model.model.") else "base_model.model." + key
 

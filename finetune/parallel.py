@@ -504,14 +504,15 @@ def clip_grad_norm(model: nn.Module, parameters: list[nn.Parameter], max_norm: f
     return float(norm)
 
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def normalize_key(key: str) -> str:
-    """Strip every wrapper component (FSDP1 nests `_fsdp_wrapped_module.` at each unit, DDP adds `module.`)."""
-    for prefix in _WRAPPER_PREFIXES:
-        key = key.replace(prefix, "")
-    return key
+    """Strip every wrapper component: FSDP1 nests `_fsdp_wrapped_module.` at each unit, activation checkpointing and
+    torch.compile add theirs, DDP prefixes `module.`."""
+    for part in _WRAPPER_PARTS:
+        key = key.replace(part, "")
+    return key.removeprefix("module.")
 
 
 def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
