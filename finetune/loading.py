@@ -22,9 +22,9 @@ from a generator seeded by (train.seed, module name), so every loader and every 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
                 f"{path} does not exist. Fix: download the missing shard (or the whole model) again."
             )
         with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 index.files[name] = path
                 index.shapes[name] = tuple(handle.get_slice(name).get_shape())
     return index

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
