@@ -154,6 +154,7 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
     with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
                                                 trust_remote_code=recipe.model.trust_remote_code)
+    base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
     bnb_config = model_stage.quantization_config(recipe)
     if bnb_config is not None:
         from transformers.quantizers import AutoHfQuantizer
@@ -342,12 +343,18 @@ def alive_tensor_bytes() -> int:
     Deterministic accounting for tests and benchmarks: what loading keeps, whatever the allocator does.
     """
     import gc
+    import warnings
+
+    from torch.distributed.tensor import DTensor
 
     seen: set[int] = set()
     total = 0
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta or hasattr(obj, "_local_tensor"):
-            continue
+    with warnings.catch_warnings():  # isinstance() on some deprecated module-level objects warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if type(obj) is DTensor or obj.is_meta:
+            continue  # a DTensor's local shard is a tensor of its own, counted there
         try:
             storage = obj.untyped_storage()
         except (RuntimeError, NotImplementedError):
