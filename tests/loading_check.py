@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from finetune import distributed, loading, parallel  # noqa: E402
-from finetune.recipe import Recipe  # noqa: E402
+from finetune import distributed, loading, parallel
+from finetune.recipe import Recipe
 
 
 def held_tensors(model) -> dict[str, torch.Tensor]:

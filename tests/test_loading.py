@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_PY, addition_rows, free_port, recipe_dict, run_cmd, torchrun, train_losses, write_jsonl, write_recipe
+from conftest import (
+    RUN_PY,
+    addition_rows,
+    free_port,
+    recipe_dict,
+    run_cmd,
+    torchrun,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
 from safetensors.torch import load_file, save_file
 
 CHECK = Path(__file__).resolve().parent / "loading_check.py"
