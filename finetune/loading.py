@@ -39,7 +39,7 @@ SINGLE_FILE = "model.safetensors"
 # --------------------------------------------------------------------------------------------- the checkpoint
 @dataclass
 class CheckpointIndex:
-    """Where each tensor of a safetensors checkpoint lives, with its shape and dtype (from the file headers only)."""
+    """Where each tensor of a safetensors checkpoint lives, and its shape (from the file headers only)."""
 
     folder: Path
     files: dict[str, Path] = field(default_factory=dict)
@@ -259,6 +259,8 @@ class Materializer:
             alive = alive_tensor_bytes()
             self.peak_alive_bytes = max(self.peak_alive_bytes, alive)
             self.trace_log.append((self.names.get(id(root), "?") or "root", alive))
+        if self.names.get(id(root)) == "":  # the root unit is built last: the checkpoint files can be closed
+            self.reader.close()
 
     def _parameter(self, module: nn.Module, name: str, attr: str, param: nn.Parameter) -> None:
         owners = self.aliases.get(name, [(module, attr)])
