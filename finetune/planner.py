@@ -7,7 +7,7 @@ How it counts (docs/planner.md has the derivations and the checks against publis
   * parameters, tensor by tensor, from the model built on the meta device (no weights): every nn.Linear except
     the LM head becomes a packed NF4 tensor of (n + 1) // (2 * itemsize) storage elements, plus its quantization
     state (one absmax per 64 weights: uint8 with double quant plus an fp32 absmax per 256 blocks, else fp32);
-    embeddings, LM head, norms and biases stay in model.dtype; LoRA A/B per target in fp32 (model.dtype under FSDP1);
+    embeddings, LM head, norms and biases stay in model.dtype; LoRA A/B per target in fp32 (every strategy);
   * sharding exactly as torch does it: FSDP2 chunks every tensor along dim 0, FSDP1 pads each unit's flat
     parameter to a multiple of the world size; the quantization state is not a parameter, so every rank holds all of it;
   * gradients and AdamW state (two moments) for the LoRA parameters, sharded like them, on the CPU with offload;
@@ -152,7 +152,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int) ->
     dtype_bytes = DTYPE_BYTES[recipe.model.dtype]
     quantized = recipe.quantization.method != "none"
     storage_bytes = DTYPE_BYTES[recipe.quantization.quant_storage or recipe.model.dtype]
-    lora_bytes = dtype_bytes if fsdp_version == 1 else 4  # FSDP1 needs one dtype per flat parameter
+    lora_bytes = 4  # PEFT's fp32 master weights under every strategy (FSDP1: each LoRA leaf is a unit of its own)
     layers_path, num_layers = _layers_list(model)
     output = model.get_output_embeddings()
     tensors: list[Tensor] = []

@@ -158,10 +158,14 @@ def test_unreadable_model_config_is_a_clear_error(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ measured on CPU
-@pytest.mark.parametrize("config,strategy", [("cpu_fsdp2", "fsdp"), ("cpu_ddp", "ddp")])
-def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, config, strategy):
+@pytest.mark.parametrize("config,strategy,fsdp_version", [("fsdp2", "fsdp", 2), ("fsdp1", "fsdp", 1), ("ddp", "ddp", 2)])
+def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, config, strategy,
+                                                            fsdp_version):
+    """The shipped configs (bf16) as shipped: the planner's per-rank bytes are exact, its peak close."""
+    from shipped import recipe_dtype
+
     out = tmp_path / "run"
-    raw = recipe_dict(tiny_llama, alpaca_file, out, train={"max_steps": 2})
+    raw = recipe_dict(tiny_llama, alpaca_file, out, model={"dtype": recipe_dtype(config)}, train={"max_steps": 2})
     result = accelerate_launch(config, write_recipe(tmp_path / "r.yaml", raw))
     assert result.returncode == 0, result.stderr[-2000:]
     recipe = validate_recipe(raw)
@@ -170,7 +174,7 @@ def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_f
     facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
     for rank in (0, 1):
         measured = json.loads((out / "ranks" / f"rank{rank}.json").read_text())
-        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank)
+        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
         assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
             (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)
         cpu = estimate(facts, recipe, "fsdp" if strategy == "fsdp" else "ddp", Hardware(2, 24 * GiB))
@@ -179,3 +183,11 @@ def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_f
         # in the run itself; the planner predicts what comes on top of it.
         baseline = measured["rss_before_model_bytes"]
         assert measured["peak_rss_bytes"] == pytest.approx(baseline + dynamic, rel=0.15), (baseline, dynamic, measured)
+
+
+def test_plan_refuses_data_parallel_with_the_same_paragraph(capsys):
+    """`finetune plan R parallel.strategy=dp`: the refusal training gives, with the DDP command (exit 2)."""
+    assert cli_main(["plan", "llama-3.1-8b", "parallel.strategy=dp", "--gpus", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "(torch.nn.DataParallel) is not supported" in err and "GIL" in err and "Traceback" not in err
+    assert "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes N finetune/run.py " in err
