@@ -349,6 +349,14 @@ def _check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, proble
             f"train.optimizer `{recipe.train.optimizer}` keeps its state in bitsandbytes' own tensors, which torch distributed "
             "checkpointing cannot save sharded under FSDP. Fix: set train.optimizer: adamw."
         )
+    if plan.fsdp_version == 1 and recipe.lora.dora and plan.param_dtype != torch.float32:
+        # DoRA reads lora_A/lora_B.weight inside the magnitude's forward, outside their own FSDP1 units: their
+        # gradients then bypass FSDP1's mixed-precision handling and stay in the compute dtype (AdamW fails on them).
+        problems.append(
+            f"lora.dora under FSDP1 with model.dtype: {recipe.model.dtype}: DoRA uses the LoRA weights outside their FSDP1 "
+            "units, whose gradients then miss FSDP1's mixed-precision handling. Fix: use FSDP2 (accelerate_configs/"
+            "fsdp2.yaml, or parallel.fsdp_version: 2), or set lora.dora: false."
+        )
     policy = launcher.get("auto_wrap_policy")
     if policy and policy != "TRANSFORMER_BASED_WRAP":
         problems.append(

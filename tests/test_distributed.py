@@ -124,10 +124,10 @@ def test_generation_eval_runs_under_every_strategy(runs, name):
     assert [r["generation_sample"]["generated"] for r in records] == [r["generation_sample"]["generated"] for r in reference]
 
 
-# bf16 rounding of the LoRA path: one process and DDP compute it in fp32 (PEFT's fp32 LoRA, no autocast), FSDP1 and
-# FSDP2 in bf16 (their param_dtype); measured differences over 3-5 steps are <= 6e-4 on losses of ~6 that fall by
-# ~0.03-0.07 per step, so this tolerance is ~20x tighter than one step of learning.
-BF16_LOSS_TOLERANCE = 2e-3
+# bf16 rounding: one process and DDP compute the LoRA path in fp32 (PEFT's fp32 LoRA, no autocast), FSDP1 and FSDP2
+# in bf16 (their param_dtype), and the ranks sum in another order. Measured over these 3 steps (losses ~6.1 falling
+# 0.02-0.09 per step): at most 1.4e-3 from the single process (FSDP2, Llama, step 3), 6e-4 between FSDP1 and FSDP2.
+BF16_LOSS_TOLERANCE = 3e-3
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
