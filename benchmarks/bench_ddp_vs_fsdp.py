@@ -2,10 +2,11 @@
 
     python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12]
 
-Runs each strategy through `accelerate launch` with the CPU configs (gloo) and reads what every rank wrote:
-parameter bytes it holds (`ranks/rank{r}.json`), peak RSS, and step times from metrics.jsonl. Prints figures and
-ratios against DDP, measured in this one session. On a GPU machine pass --gpu to use accelerate_configs/ddp.yaml and
-fsdp2.yaml / fsdp1.yaml (peak figures are then GPU allocator peaks).
+Runs each strategy through `accelerate launch` with the shipped accelerate_configs/ddp.yaml, fsdp2.yaml and
+fsdp1.yaml and reads what every rank wrote: parameter bytes it holds (`ranks/rank{r}.json`), peak RSS, and step times
+from metrics.jsonl. Prints figures and ratios against DDP, measured in this one session. On CPU (gloo) the launch
+adds ACCELERATE_USE_CPU=true and `--mixed_precision no` with an fp32 recipe (the figures in docs/distributed.md);
+on a GPU machine pass --gpu to run the configs as shipped, bf16 (peak figures are then GPU allocator peaks).
 """
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
     return path
 
 
-def run_strategy(config: str, recipe: Path, out: Path, steps: int) -> dict:
+def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cpu_flags = []
+    if not gpu:
+        env["ACCELERATE_USE_CPU"] = "true"  # not `--cpu`: that flag starts one process whatever the config says
+        cpu_flags = ["--mixed_precision", "no", "--num_processes", "2"]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-               str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+               *cpu_flags, str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}"]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
@@ -70,11 +75,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
-    prefix = "" if args.gpu else "cpu_"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers, "bfloat16" if args.gpu else "float32")
-        results = {name: run_strategy(f"{prefix}{name}.yaml", recipe, root / name, args.steps)
+        results = {name: run_strategy(f"{name}.yaml", recipe, root / name, args.steps, gpu=args.gpu)
                    for name in ("ddp", "fsdp2", "fsdp1")}
     base = results["ddp"]
     print(f"model: llama hidden {args.hidden_size} x {args.layers} layers, 4-bit NF4 + LoRA r16, 2 ranks, "

@@ -110,7 +110,8 @@ def _check_not_silently_split(info: DistInfo) -> None:
             f"the launcher was asked for {asked} processes but this process sees no process group (WORLD_SIZE unset): "
             "accelerate without a multi-process config starts a single process on a CPU-only machine, and several "
             "such processes would train independent copies. Fix: launch with a config from accelerate_configs/ "
-            "(e.g. `accelerate launch --config_file accelerate_configs/cpu_ddp.yaml ...`, or fsdp2.yaml on GPUs), "
+            "(e.g. `accelerate launch --config_file accelerate_configs/ddp.yaml ...`; on a CPU-only machine with "
+            "ACCELERATE_USE_CPU=true in the environment, not `--cpu`, which starts one process), "
             "or `torchrun --nproc_per_node N finetune/run.py ...`."
         )
 

@@ -3,7 +3,8 @@
 Dtype rule (what makes FSDP sharding of a 4-bit model possible): every non-trainable tensor of the base, the
 packed 4-bit weights included (`bnb_4bit_quant_storage`), is stored in `model.dtype`. FSDP then sees one dtype
 for the whole base and its mixed-precision cast of it is a no-op. LoRA weights stay fp32 (PEFT's default) as the
-optimizer's master weights, except under FSDP1, which needs one dtype per flat parameter (see parallel.py).
+optimizer's master weights under every strategy (FSDP1 keeps them in units of their own, one dtype per flat
+parameter; FSDP computes with them in model.dtype, see parallel.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ The FSDP + 4-bit rules, enforced here rather than documented:
   * the packed 4-bit storage dtype = the dtype FSDP sees for every frozen base tensor = the mixed-precision param
     dtype (otherwise FSDP's cast reinterprets packed bytes as numbers);
   * FSDP1 flattens each unit into one tensor: one dtype and one requires_grad per unit, so every LoRA leaf is its
-    own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model.py).
+    own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model.py);
+  * FSDP1 and FSDP2 compute in model.dtype (LoRA included) and reduce gradients in fp32; FSDP1 must cast every
+    unit's inputs for that (see `_fsdp1_mixed_precision`).
 """
 
 from __future__ import annotations
@@ -348,6 +350,14 @@ def _check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, proble
             f"train.optimizer `{recipe.train.optimizer}` keeps its state in bitsandbytes' own tensors, which torch distributed "
             "checkpointing cannot save sharded under FSDP. Fix: set train.optimizer: adamw."
         )
+    if plan.fsdp_version == 1 and recipe.lora.dora and plan.param_dtype != torch.float32:
+        # DoRA reads lora_A/lora_B.weight inside the magnitude's forward, outside their own FSDP1 units: their
+        # gradients then bypass FSDP1's mixed-precision handling and stay in the compute dtype (AdamW fails on them).
+        problems.append(
+            f"lora.dora under FSDP1 with model.dtype: {recipe.model.dtype}: DoRA uses the LoRA weights outside their FSDP1 "
+            "units, whose gradients then miss FSDP1's mixed-precision handling. Fix: use FSDP2 (accelerate_configs/"
+            "fsdp2.yaml, or parallel.fsdp_version: 2), or set lora.dora: false."
+        )
     policy = launcher.get("auto_wrap_policy")
     if policy and policy != "TRANSFORMER_BASED_WRAP":
         problems.append(
@@ -407,7 +417,7 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
 
 
 def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
 
@@ -428,13 +438,34 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         model,
         auto_wrap_policy=policy,
         sharding_strategy=ShardingStrategy.FULL_SHARD if plan.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
-        mixed_precision=MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=plan.param_dtype),
+        mixed_precision=_fsdp1_mixed_precision(plan),
         cpu_offload=CPUOffload(offload_params=plan.cpu_offload),
         device_id=dist.device,  # required on CPU too ("FSDP needs a non-CPU accelerator device" otherwise)
         limit_all_gathers=True,
         use_orig_params=False,
         param_init_fn=materialize,  # sharded loading: called per unit, on its modules, before the unit is flattened
     )
+
+
+def _fsdp1_mixed_precision(plan: ParallelPlan):
+    """FSDP1's precision, the same as FSDP2's: fp32 LoRA master weights, compute in model.dtype, fp32 reductions.
+
+    The LoRA leaves keep PEFT's fp32 (their own units, so one dtype per flat parameter): the optimizer updates fp32
+    shards, and small updates are not rounded away in bf16. Each unit's forward runs on its parameters cast to
+    `param_dtype` (the 4-bit storage dtype; a no-op for the base), and gradients are reduced in fp32.
+
+    `cast_forward_inputs=True` is what makes a bf16 run work at all: PEFT's 4-bit LoRA layer casts its input to
+    `lora_A.weight.dtype` before calling lora_A. Outside the unit's own forward FSDP1 shows the fp32 flat parameter,
+    so the input becomes fp32, and inside the forward the weight is bf16: F.linear fails with "expected m1 and m2 to
+    have the same dtype, but got: float != c10::BFloat16" (the training loop uses no autocast, on any device). FSDP1
+    casts only the root's inputs by default; FSDP2's MixedPrecisionPolicy casts every unit's, which is why FSDP2 ran.
+    Casting every unit's floating inputs to `param_dtype` computes the LoRA path in bf16 exactly as FSDP2 does (and
+    as autocast would), so FSDP1 and FSDP2 train the same loss curve (tests/test_shipped_configs.py).
+    """
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=plan.param_dtype,
+                          cast_forward_inputs=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -7,7 +7,7 @@ How it counts (docs/planner.md has the derivations and the checks against publis
   * parameters, tensor by tensor, from the model built on the meta device (no weights): every nn.Linear except
     the LM head becomes a packed NF4 tensor of (n + 1) // (2 * itemsize) storage elements, plus its quantization
     state (one absmax per 64 weights: uint8 with double quant plus an fp32 absmax per 256 blocks, else fp32);
-    embeddings, LM head, norms and biases stay in model.dtype; LoRA A/B per target in fp32 (model.dtype under FSDP1);
+    embeddings, LM head, norms and biases stay in model.dtype; LoRA A/B per target in fp32 (every strategy);
   * sharding exactly as torch does it: FSDP2 chunks every tensor along dim 0, FSDP1 pads each unit's flat
     parameter to a multiple of the world size; the quantization state is not a parameter, so every rank holds all of it;
   * gradients and AdamW state (two moments) for the LoRA parameters, sharded like them, on the CPU with offload;
@@ -132,8 +132,12 @@ def quant_state_bytes(numel: int, *, double_quant: bool) -> int:
     return 4 * blocks + 64
 
 
-def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2) -> ModelFacts:
-    """Tensor-by-tensor facts from the model built on the meta device; generic facts if it cannot be built."""
+def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:
+    """Tensor-by-tensor facts from the model built on the meta device; generic facts if it cannot be built.
+
+    `lora_bytes`: bytes per LoRA weight. 4: PEFT's fp32 master weights, which finetune keeps under every strategy
+    (FSDP1 too: each LoRA leaf is a unit of its own). 2 models a peer that keeps LoRA in bf16 (published figures).
+    """
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -141,19 +145,18 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2) 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     except Exception as exc:  # noqa: BLE001  (any architecture transformers cannot build: estimate, never crash)
-        facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version)
+        facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
         facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
         return facts
-    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version)
+    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
 
 
-def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int) -> ModelFacts:
+def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lora_bytes: int = 4) -> ModelFacts:
     from torch import nn
 
     dtype_bytes = DTYPE_BYTES[recipe.model.dtype]
     quantized = recipe.quantization.method != "none"
     storage_bytes = DTYPE_BYTES[recipe.quantization.quant_storage or recipe.model.dtype]
-    lora_bytes = dtype_bytes if fsdp_version == 1 else 4  # FSDP1 needs one dtype per flat parameter
     layers_path, num_layers = _layers_list(model)
     output = model.get_output_embeddings()
     tensors: list[Tensor] = []
@@ -197,7 +200,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int) ->
     return facts
 
 
-def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2) -> ModelFacts:
+def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:
     """A Llama-shaped estimate from the config's sizes (attention q/k/v/o, gated MLP, two norms per layer)."""
     get = (lambda key, default=None: config.get(key, default)) if isinstance(config, dict) else \
         (lambda key, default=None: getattr(config, key, default))
@@ -220,7 +223,7 @@ def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2) -> M
     model = _generic_meta_model(shapes, layers, vocab, hidden, config_dict["tie_word_embeddings"])
     fake_config = argparse.Namespace(**config_dict, num_key_value_heads=kv_dim // (hidden // heads), head_dim=hidden // heads,
                                      model_type=get("model_type", "unknown"), name_or_path=name)
-    facts = _facts_from_model(model, fake_config, recipe, name=name, fsdp_version=fsdp_version)
+    facts = _facts_from_model(model, fake_config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
     facts.generic = True
     return facts
 

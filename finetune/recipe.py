@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from finetune.errors import RecipeError
 
@@ -157,6 +158,7 @@ class EvalSection(_Section):
 
 
 class Recipe(_Section):
+    _notes: list[str] = PrivateAttr(default_factory=list)
     description: str = ""
     model: ModelSection
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
@@ -189,10 +191,20 @@ class Recipe(_Section):
                     f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
                 )
         if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
-            raise ValueError(
-                f"train.warmup_steps ({self.train.warmup_steps}) must be below train.max_steps ({self.train.max_steps})."
+            # A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a
+            # normal request: warm up over the run instead of refusing it, and say so.
+            asked, clamped = self.train.warmup_steps, self.train.max_steps - 1
+            self.train.warmup_steps = clamped
+            self._notes.append(
+                f"train.warmup_steps ({asked}) is not below train.max_steps ({self.train.max_steps}): warming up over "
+                f"{clamped} step{'s' if clamped != 1 else ''} instead."
             )
         return self
+
+    @property
+    def notes(self) -> list[str]:
+        """What validation adjusted in the recipe (printed once by `load_recipe`)."""
+        return list(self._notes)
 
     # Resolved values used by the stages (one place for the defaults that depend on other keys).
     @property
@@ -231,12 +243,44 @@ def _suggest(key: str, candidates: list[str]) -> str:
     return f" Valid keys here: {', '.join(candidates)}."
 
 
+DATA_PARALLEL_NAMES = ("dp", "data_parallel", "data-parallel", "dataparallel")
+
+
+def data_parallel_refusal(source: str, asked: str = "dp") -> str:
+    """Why `parallel.strategy: dp` (torch.nn.DataParallel) is refused, and the DDP command that replaces it."""
+    recipe = source if source.endswith((".yaml", ".yml")) else "RECIPE.yaml"
+    gpus = _visible_gpu_count()
+    count = str(gpus) if gpus > 1 else "N"
+    where = "" if gpus > 1 else " (N = the number of GPUs of this machine)"
+    return (
+        f"`{asked}` (torch.nn.DataParallel) is not supported: one Python process drives every GPU, so the GIL serializes "
+        "their work; each step scatters the batch from GPU 0 and gathers outputs and gradients back onto it (GPU 0 runs "
+        "out of memory first); the model, 4-bit base included, is replicated to every GPU again on every step; and it "
+        "cannot span machines. DDP does the same job with one process per GPU and none of these costs. Fix: remove "
+        "parallel.strategy (or set it to ddp) and run "
+        f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {count} finetune/run.py {recipe}`"
+        f"{where}."
+    )
+
+
+def _visible_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
 def _format_errors(error: ValidationError, source: str) -> str:
     lines = []
     for item in error.errors():
         loc = tuple(p for p in item["loc"] if p not in ("function-after[_cross_field()]",))
         dotted = ".".join(str(p) for p in loc) or "(recipe)"
-        if item["type"] == "extra_forbidden":
+        asked = item.get("input")
+        if loc == ("parallel", "strategy") and isinstance(asked, str) and asked.strip().lower() in DATA_PARALLEL_NAMES:
+            lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
+        elif item["type"] == "extra_forbidden":
             parent = _schema_at(loc[:-1])
             hint = _suggest(str(loc[-1]), _field_names(parent)) if parent else ""
             lines.append(f"  {dotted}: unknown key.{hint}")
@@ -329,9 +373,13 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 
 def validate_recipe(raw: dict, *, source: str = "<recipe>") -> Recipe:
     try:
-        return Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_format_errors(exc, source)) from None
+    if os.environ.get("RANK", "0") in ("", "0"):  # once per run, not once per rank
+        for note in recipe.notes:
+            print(f"[finetune] note: {note}", file=sys.stderr, flush=True)  # stderr: `plan --json` stays JSON
+    return recipe
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -105,10 +105,43 @@ def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env
 
 
 def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py RECIPE ...` as a user runs it."""
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"),
-            "--main_process_port", str(free_port()), str(RUN_PY), str(recipe), *overrides]
-    return run_cmd(args, timeout=timeout)
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py RECIPE ...` as a user runs it:
+    the shipped file unchanged, plus only what this CPU machine needs (tests/shipped.py has the row per file)."""
+    from shipped import launch
+
+    return launch(config, recipe, *overrides, timeout=timeout)
+
+
+SHIPPED_STEPS = 3
+SHIPPED_GLOBAL_BATCH = 4  # rows per optimizer step, whatever the number of processes
+
+
+@pytest.fixture(scope="session")
+def shipped_run(tiny_llama, tiny_qwen2, tmp_path_factory):
+    """`run(config, family, checkpointing) -> (run folder, CompletedProcess)`: a tiny model trained for SHIPPED_STEPS steps
+    under a shipped accelerate config, at the same global batch for every config; each run once per session (the
+    config tests and the loss-equality tests share them)."""
+    from shipped import ACCELERATE_CONFIG_RUNS, config_file, recipe_dtype
+
+    models = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+    root = tmp_path_factory.mktemp("shipped")
+    data = write_jsonl(root / "train.jsonl", addition_rows(48))
+    done: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(config: str, family: str = "llama", checkpointing: bool = True):
+        config = config_file(config)
+        key = (config, family, checkpointing)
+        if key not in done:
+            name = f"{config.removesuffix('.yaml')}-{family}-{'ckpt' if checkpointing else 'no-ckpt'}"
+            micro_batch = SHIPPED_GLOBAL_BATCH // ACCELERATE_CONFIG_RUNS[config].processes
+            recipe = recipe_dict(models[family], data, root / name, model={"dtype": recipe_dtype(config)},
+                                 train={"max_steps": SHIPPED_STEPS, "micro_batch_size": micro_batch,
+                                        "gradient_checkpointing": checkpointing, "eval_every": SHIPPED_STEPS},
+                                 eval={"generation_rows": 2, "max_new_tokens": 2})
+            done[key] = (root / name, accelerate_launch(config, write_recipe(root / f"{name}.yaml", recipe)))
+        return done[key]
+
+    return run
 
 
 def torchrun(recipe: Path, *overrides: str, nproc: int = 2, nnodes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -126,7 +126,7 @@ CASES: dict[str, Case] = {
     "dropout above 1": lambda ws: ([str(ws.recipe(lora={"dropout": 1.5}))], "lora.dropout"),
     "quant storage mismatch": lambda ws: ([str(ws.recipe(quantization={"quant_storage": "bfloat16"}))],
                                           "quantization.quant_storage"),
-    "warmup past the end": lambda ws: ([str(ws.recipe(train={"warmup_steps": 50}))], "train.warmup_steps"),
+    "warmup negative": lambda ws: ([str(ws.recipe(train={"warmup_steps": -1}))], "train.warmup_steps"),
     "unknown optimizer": lambda ws: ([str(ws.recipe(train={"optimizer": "sgd"}))], "train.optimizer"),
     "keep_last zero": lambda ws: ([str(ws.recipe(train={"keep_last": 0}))], "train.keep_last"),
     "save_every negative": lambda ws: ([str(ws.recipe(train={"save_every": -5}))], "train.save_every"),
@@ -165,6 +165,10 @@ CASES: dict[str, Case] = {
     "hub model offline": lambda ws: ([str(ws.recipe()), "model.name_or_path=no-such-org/no-such-model"],
                                      "no-such-org/no-such-model"),
     "ddp with one process": lambda ws: ([str(ws.recipe()), "parallel.strategy=ddp"], "parallel.strategy is `ddp`"),
+    "DataParallel (dp)": lambda ws: ([str(ws.recipe()), "parallel.strategy=dp"],
+                                     "--config_file accelerate_configs/ddp.yaml --num_processes"),
+    "DataParallel in the file": lambda ws: ([str(ws.recipe(parallel={"strategy": "data_parallel"}))],
+                                            "`data_parallel` (torch.nn.DataParallel) is not supported"),
 }
 
 

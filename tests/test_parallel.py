@@ -93,6 +93,16 @@ def test_wrap_policy_and_sharded_optimizer_checks(tiny_llama):
         parallel.resolve_plan(r, dist(2), load_config(r), launcher={})
 
 
+def test_dora_under_fsdp1_in_bf16_is_refused(tiny_llama):
+    launcher = parallel.launcher_settings({**FSDP2_ENV, "FSDP_VERSION": "1", "ACCELERATE_MIXED_PRECISION": "bf16"})
+    r = validate_recipe({"model": {"name_or_path": str(tiny_llama), "dtype": "bfloat16"}, "lora": {"dora": True},
+                         "data": {"datasets": [{"path": "x.jsonl"}]}})
+    with pytest.raises(LaunchError, match="lora.dora under FSDP1 .* Fix: use FSDP2"):
+        parallel.resolve_plan(r, dist(2), load_config(r), launcher=launcher)
+    fsdp2 = parallel.launcher_settings({**FSDP2_ENV, "ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert parallel.resolve_plan(r, dist(2), load_config(r), launcher=fsdp2).fsdp_version == 2
+
+
 def test_all_problems_reported_together(tiny_llama):
     launcher = parallel.launcher_settings({**FSDP2_ENV, "ACCELERATE_MIXED_PRECISION": "bf16"})
     with pytest.raises(LaunchError) as err:

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import accelerate_launch, recipe_dict, write_recipe
+import yaml
+from conftest import recipe_dict, torchrun, write_recipe
 
 from finetune import planner
 from finetune.architectures import stored_config, stored_config_dict, stored_names
@@ -62,7 +63,7 @@ def _llama2_70b_peft_docs(key: str) -> float:
     """PEFT docs setup: 2 GPUs, FSDP1, bf16, LoRA r=8 all-linear dropout 0.1, batch 2 x 2048, checkpointing."""
     recipe = _recipe(lora={"r": 8, "alpha": 16, "dropout": 0.1}, data={"max_length": 2048},
                      train={"micro_batch_size": 2}, parallel={"fsdp_version": 1})
-    facts = facts_from_config(_config(LLAMA2_70B), recipe, fsdp_version=1)
+    facts = facts_from_config(_config(LLAMA2_70B), recipe, fsdp_version=1, lora_bytes=2)  # PEFT casts LoRA to bf16 there
     return estimate(facts, recipe, key, Hardware(2, 80 * GB), per_rank_full_load=False).peak_bytes / GB
 
 
@@ -80,7 +81,7 @@ def test_llama2_70b_fsdp_offload_saves_what_peft_docs_report():
 def test_llama2_7b_batch1_context512_matches_fsdp_qlora_benchmark():
     """fsdp_qlora: r=64 all-linear, bf16 LoRA, batch 1 x 512; allocator peak (no CUDA context) 4.98 GiB."""
     recipe = _recipe(lora={"r": 64, "alpha": 16, "dropout": 0.1}, data={"max_length": 512}, train={"micro_batch_size": 1})
-    facts = facts_from_config(_config(LLAMA2_7B), recipe, fsdp_version=1)
+    facts = facts_from_config(_config(LLAMA2_7B), recipe, lora_bytes=2)  # fsdp_qlora keeps LoRA in bf16
     result = estimate(facts, recipe, "single", Hardware(1, 24 * GiB))
     allocator_peak = (result.peak_bytes - planner.CUDA_CONTEXT_BYTES) / GiB
     assert allocator_peak == pytest.approx(4.98, rel=0.15)
@@ -159,11 +160,14 @@ def test_unreadable_model_config_is_a_clear_error(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ measured on CPU
-@pytest.mark.parametrize("config,strategy", [("cpu_fsdp2", "fsdp"), ("cpu_ddp", "ddp")])
-def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, config, strategy):
+@pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 2), ("fsdp", 1), ("ddp", 2)])
+def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, strategy, fsdp_version):
+    """fp32 runs (the strategy set in the recipe, torchrun): per-rank bytes exact, peak RSS close. The shipped bf16
+    configs are checked for bytes below."""
     out = tmp_path / "run"
-    raw = recipe_dict(tiny_llama, alpaca_file, out, train={"max_steps": 2})
-    result = accelerate_launch(config, write_recipe(tmp_path / "r.yaml", raw))
+    parallel = {"strategy": strategy, "fsdp_version": fsdp_version} if strategy == "fsdp" else {"strategy": strategy}
+    raw = recipe_dict(tiny_llama, alpaca_file, out, train={"max_steps": 2}, parallel=parallel)
+    result = torchrun(write_recipe(tmp_path / "r.yaml", raw))
     assert result.returncode == 0, result.stderr[-2000:]
     recipe = validate_recipe(raw)
     from transformers import AutoConfig
@@ -171,7 +175,7 @@ def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_f
     facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
     for rank in (0, 1):
         measured = json.loads((out / "ranks" / f"rank{rank}.json").read_text())
-        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank)
+        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
         assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
             (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)
         cpu = estimate(facts, recipe, "fsdp" if strategy == "fsdp" else "ddp", Hardware(2, 24 * GiB))
@@ -204,3 +208,28 @@ def test_sharded_loading_lets_70b_start_on_two_24gb_gpus():
     assert planner.estimate(facts, recipe, "fsdp_offload", hw, per_rank_full_load=True).load_peak_bytes > 35 * GiB
     off = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"sharded_loading": False})})
     assert not planner.estimate(facts, off, "fsdp_offload", hw).fits
+
+
+def test_plan_refuses_data_parallel_with_the_same_paragraph(capsys):
+    """`finetune plan R parallel.strategy=dp`: the refusal training gives, with the DDP command (exit 2)."""
+    assert cli_main(["plan", "llama-3.1-8b", "parallel.strategy=dp", "--gpus", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "(torch.nn.DataParallel) is not supported" in err and "GIL" in err and "Traceback" not in err
+    assert "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes N finetune/run.py " in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,strategy,fsdp_version", [("fsdp1", "fsdp", 1), ("fsdp2", "fsdp", 2), ("ddp", "ddp", 2)])
+def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, tiny_llama, config, strategy, fsdp_version):
+    """Under the shipped configs (bf16 base, fp32 LoRA master weights, FSDP1 included) the planner's bytes are exact."""
+    run_dir, result = shipped_run(config, "llama", True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from transformers import AutoConfig
+
+    recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
+    facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
+    for rank in (0, 1):
+        measured = json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())
+        predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
+        assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
+            (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)

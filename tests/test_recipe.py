@@ -106,3 +106,28 @@ def test_resolved_recipe_round_trips():
     recipe = validate_recipe(BASE)
     again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)))
     assert again == recipe
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_a_note(tmp_path, capsys):
+    """A smoke run of a long recipe (`train.max_steps=3` on 30 warmup steps) works: warmup over the run, said once."""
+    path = write(tmp_path, {**BASE, "train": {"warmup_steps": 30, "max_steps": 100}})
+    assert load_recipe(path).train.warmup_steps == 30
+    capsys.readouterr()
+    recipe = load_recipe(path, ["train.max_steps=3"])
+    assert recipe.train.warmup_steps == 2 and recipe.train.max_steps == 3
+    assert "train.warmup_steps (30) is not below train.max_steps (3): warming up over 2 steps instead" in capsys.readouterr().err
+    assert load_recipe(path, ["train.max_steps=1"]).train.warmup_steps == 0
+    assert yaml.safe_load(recipe_to_yaml(recipe))["train"]["warmup_steps"] == 2  # the resolved recipe says what ran
+
+
+def test_data_parallel_is_refused_with_the_ddp_command(tmp_path):
+    path = write(tmp_path, {**BASE, "parallel": {"strategy": "dp"}})
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    text = str(err.value)
+    for reason in ("GIL", "GPU 0", "replicated to every GPU again on every step", "cannot span machines"):
+        assert reason in text
+    assert f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes N finetune/run.py {path}`" in text
+    assert text.count("\n") == 1  # the file line, then one paragraph
+    with pytest.raises(RecipeError, match="`data_parallel` \\(torch.nn.DataParallel\\) is not supported"):
+        load_recipe(path, ["parallel.strategy=data_parallel"])
