@@ -19,7 +19,7 @@ GREEN, RESET = "\033[32m", "\033[0m"
 def cli_data(args: argparse.Namespace) -> int:
     """The `finetune data` verb: load the recipe and tokenizer, prepare the data, print the preview."""
     from finetune import data, model
-    from finetune.cli import resolve_recipe_path
+    from finetune.library import resolve_recipe_path
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
