@@ -1,4 +1,4 @@
-"""The `finetune` command: train, validate, plan, data, export, generate, recipes, quickstart, plot.
+"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot.
 
 Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
 imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p.add_argument("dest", nargs="?")
     p.set_defaults(func=_delegate("library", "cli_recipes"))
+
+    p = verbs.add_parser("runs", help="the runs of an MLflow store (run folders or a URI) with their final losses")
+    p.add_argument("where", nargs="*", help="run folder, folder of run folders, or tracking URI (default: "
+                   "$MLFLOW_TRACKING_URI, else runs/)")
+    p.set_defaults(func=_delegate("runs", "cli_runs"))
 
     p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
     p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")

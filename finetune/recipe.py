@@ -115,7 +115,8 @@ class TrainSection(_Section):
     run_name: str | None = Field(None, description="Run name shown by the trackers; default: the name of output.dir.")
     tensorboard_dir: str | None = Field(None, description="TensorBoard log folder; default: output.dir/tensorboard.")
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else a file store in output.dir/mlruns."
+        None, description="MLflow tracking URI (sqlite:///..., http://server, file:...); default: $MLFLOW_TRACKING_URI, "
+        "else a SQLite store in output.dir/mlflow.db."
     )
     mlflow_experiment: str = Field("finetune", description="MLflow experiment name.")
     wandb_project: str = Field("finetune", description="Weights & Biases project (offline mode without an API key).")

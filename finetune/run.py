@@ -21,7 +21,7 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, model, parallel, plot, train
+    from finetune import checkpoint, data, model, parallel, plot, tracking, train
     from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
@@ -59,6 +59,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
             checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
             plot.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
+            tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,
