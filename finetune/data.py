@@ -94,6 +94,7 @@ class PreparedData:
     train: list[Example]
     eval: list[Example]
     stats: DataStats
+    eval_files: list[Example] = field(default_factory=list)  # the examples of data.eval_datasets (first in `eval`)
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -559,9 +560,10 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
                                   "examples": len(dataset), "weight": spec.weight, "cached": counts["cached"]})
         examples += dataset
         origin += [index] * len(dataset)
+    eval_files = eval_file_examples(recipe, tokenizer, stats)
     train_ids, eval_ids = split_eval_indices(len(examples), recipe)
     train = _mix([examples[i] for i in train_ids], [origin[i] for i in train_ids], recipe)
-    evaluation = [examples[i] for i in eval_ids]
+    evaluation = eval_files + [examples[i] for i in eval_ids]  # files first: the generation eval takes the first rows
     sequences = train
     if recipe.data.packing:
         problem = packing_problem(recipe.model.attn_implementation)
@@ -569,7 +571,77 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
             raise DataError(problem)
         sequences = pack_examples(train, recipe.data.max_length)
     _fill_stats(stats, examples, train, evaluation, sequences, recipe)
-    return PreparedData(examples, sequences, evaluation, stats)
+    return PreparedData(examples, sequences, evaluation, stats, eval_files)
+
+
+def eval_file_examples(recipe: Recipe, tokenizer, stats: DataStats) -> list[Example]:
+    """The examples of data.eval_datasets (tokenized like training data, cached, never weighted, packed or capped)."""
+    found: list[Example] = []
+    for index, spec in enumerate(recipe.data.eval_datasets):
+        key = f"data.eval_datasets[{index}]"
+        try:
+            dataset, counts = dataset_examples(spec, recipe, tokenizer)
+        except DataError as exc:  # the loaders name data.datasets; this is an eval file
+            raise DataError(str(exc).replace("data.datasets path", f"{key} path", 1)) from None
+        for name in ("rows", "skipped", "truncated", "dropped"):
+            setattr(stats, name, getattr(stats, name) + counts[name])
+        stats.skipped_reasons += counts["skipped_reasons"]
+        stats.cached_datasets += int(counts["cached"])
+        if not dataset:
+            first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
+            raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
+                            f"{counts['dropped']} dropped as too long).{first}")
+        stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": counts["rows"], "role": "eval",
+                                  "examples": len(dataset), "weight": spec.weight, "cached": counts["cached"]})
+        found += dataset
+    return found
+
+
+def check_local_files(recipe: Recipe) -> None:
+    """Before anything loads: every local data file (train and eval) exists, has a supported type, and its first rows
+    have the fields its format needs. Hub names are checked when they load."""
+    for key, specs in (("data.datasets", recipe.data.datasets), ("data.eval_datasets", recipe.data.eval_datasets)):
+        for index, spec in enumerate(specs):
+            path = Path(spec.path).expanduser()
+            where = f"{key}[{index}] path `{spec.path}`"
+            looks_local = spec.path.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".json", ".csv", ".parquet")
+            if not path.exists():
+                if looks_local:
+                    raise DataError(f"{where}: file not found (relative paths are read from {Path.cwd()}).")
+                continue
+            if path.is_file() and path.suffix not in (".jsonl", ".json", ".csv", ".parquet"):
+                raise DataError(f"{where}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv or .parquet.")
+            if path.is_file() and path.suffix == ".jsonl":
+                _check_first_lines(path, spec, where, bad_rows=recipe.data.bad_rows)
+
+
+def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: str, lines: int = 20) -> None:
+    """The first lines of a JSON Lines file parse (unless bad_rows: skip) and, together, have the fields of the
+    dataset's format: a file in another format fails here, in seconds, before a tokenizer or a model loads."""
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(itertools.islice(handle, lines), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if bad_rows == "error":
+                    raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); a "
+                                    "JSON Lines file holds one JSON object per line.") from None
+    objects = [row for row in rows if isinstance(row, dict)]
+    if rows and not objects:
+        raise DataError(f"{where}: the rows are {type(rows[0]).__name__}s, not objects with the fields of format "
+                        f"`{spec.format}`.")
+    required, _ = FORMAT_FIELDS[spec.format]
+    for name in required:
+        if objects and all(_column(spec, name, row) not in row for row in objects):
+            fields = sorted({key for row in objects for key in row})
+            raise DataError(
+                f"{where}: no row has the `{_column(spec, name, objects[0])}` field that format `{spec.format}` needs "
+                f"(fields: {', '.join(fields) or 'none'}). Set the dataset's format (alpaca | chat | completion | "
+                "text) or map the columns with `columns:`."
+            )
 
 
 def build_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Example], DataStats]:

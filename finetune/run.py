@@ -25,6 +25,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
+    data.check_local_files(recipe)  # missing / wrong-format data files: exit 2 before anything loads
     info = distributed.init_distributed()
     with checkpoint.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
         out_dir = folder.path
