@@ -161,6 +161,16 @@ def any_rank(flag: bool) -> bool:
     return bool(tensor.item() > 0)
 
 
+def check_same_on_all_ranks(value: float, what: str) -> None:
+    """Raise if `value` differs between ranks (e.g. a checksum of the LoRA start: ranks that start apart diverge)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, float(value))
+    if any(v != values[0] for v in values):
+        raise RuntimeError(f"{what} differ between ranks: {values}")
+
+
 def seed_everything(seed: int) -> None:
     """Same seed on every rank: LoRA init is then identical without a broadcast."""
     random.seed(seed)

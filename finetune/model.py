@@ -9,6 +9,8 @@ optimizer's master weights, except under FSDP1, which needs one dtype per flat p
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from pathlib import Path
 
 import torch
@@ -206,10 +208,11 @@ def lora_config(recipe: Recipe):
 
 
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards."""
+    """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`."""
     from peft import get_peft_model
 
     peft_model = get_peft_model(model, lora_config(recipe))
+    init_lora_weights(peft_model, recipe.train.seed)
     return peft_model
 
 
@@ -220,8 +223,69 @@ def build_model(recipe: Recipe, *, device: torch.device, device_map: dict | None
     return attach_lora(base, recipe)
 
 
+# ------------------------------------------------------------------------------------------- LoRA init, seeded
+def lora_tensor_name(model_name: str) -> str:
+    """The module path of a LoRA tensor without PEFT's wrapper levels: the same for every loader and wrapper."""
+    return model_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(lora_tensor_name(name).encode())) % (2**63)
+
+
+def init_lora_tensor(tensor: torch.Tensor, name: str, seed: int) -> bool:
+    """PEFT's default LoRA init (A: kaiming-uniform with a=sqrt(5), B: zeros), A drawn from a generator seeded by
+    (seed, name). Returns False for tensors that are not A/B matrices (DoRA magnitudes keep PEFT's values).
+
+    Why not PEFT's own draw from the global generator: its values depend on the order in which modules are created
+    and on the device of the base (PEFT rounds the init through the base's dtype). Seeding by name makes the
+    adapter's start the same for the per-rank loader and sharded loading, on every rank and every device.
+    """
+    if ".lora_A." in name or ".lora_embedding_A." in name:
+        generator = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+        nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        return True
+    if ".lora_B." in name or ".lora_embedding_B." in name:
+        nn.init.zeros_(tensor)
+        return True
+    return False
+
+
+def lora_fingerprint(tensor: torch.Tensor, name: str) -> float:
+    """A float that changes with any LoRA value and with its name (summed over tensors, compared across ranks)."""
+    weight = 1.0 + (zlib.crc32(lora_tensor_name(name).encode()) % 997) / 997.0
+    return float(tensor.detach().to("cpu", torch.float64).sum()) * weight
+
+
+def init_lora_weights(model: nn.Module, seed: int) -> float:
+    """Initialise every LoRA A/B tensor of a loaded PeftModel from its seed; returns the checksum of the LoRA start."""
+    checksum = 0.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" not in name:
+                continue
+            value = param.detach().to("cpu", copy=True)
+            init_lora_tensor(value, name, seed)
+            param.copy_(value.to(param.device))
+            checksum += lora_fingerprint(value, name)
+    return checksum
+
+
+def lora_checksum(model: nn.Module) -> float:
+    """The fingerprint of the LoRA tensors as they are now (compare across ranks: all must start the same)."""
+    return sum(lora_fingerprint(p, name) for name, p in model.named_parameters() if ".lora_" in name)
+
+
+def stored_numel(param: torch.Tensor) -> int:
+    """Elements as stored after loading: a 4-bit weight not quantized yet (meta skeleton) counts its packed size."""
+    if type(param).__name__ == "Params4bit" and not getattr(param, "bnb_quantized", True):
+        packed_bytes = (param.numel() + 1) // 2  # two 4-bit values per byte
+        return -(-packed_bytes // param.quant_storage.itemsize)
+    return param.numel()
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) element counts as stored (a packed 4-bit weight counts its storage elements)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(stored_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(stored_numel(p) for p in model.parameters())
     return trainable, total

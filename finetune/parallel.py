@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +42,7 @@ class ParallelPlan:
     activation_checkpointing: bool = True
     param_dtype: torch.dtype = torch.bfloat16
     device_map: dict | None = None
+    sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -232,11 +234,10 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
     if plan.cpu_offload and dist.device.type == "cpu":
         plan.notes.append("parameter offload asked for, but the parameters already live in CPU memory: nothing to offload")
         plan.cpu_offload = False
-    if launcher.get("cpu_ram_efficient_loading"):
-        plan.notes.append(
-            "fsdp_cpu_ram_efficient_loading: not done for 4-bit bases in v1; each rank loads and quantizes its own copy "
-            "(~0.6 bytes per parameter of CPU RAM per rank while loading)"
-        )
+    plan.sharded_loading = strategy == "fsdp" and p.sharded_loading and not recipe.lora.dora
+    if strategy == "fsdp" and not plan.sharded_loading:
+        why = "lora.dora: DoRA's magnitudes come from the full weights" if recipe.lora.dora else "parallel.sharded_loading: false"
+        plan.notes.append(f"{why}: every rank loads and quantizes the full base before FSDP shards it")
     return plan
 
 
@@ -356,12 +357,21 @@ def _check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, proble
 
 
 # ------------------------------------------------------------------------------------------------ wrapping
-def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
-    """Apply the plan; returns the module the training loop calls (the PeftModel itself under FSDP2)."""
+def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
+         materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply the plan; returns the module the training loop calls (the PeftModel itself under FSDP2).
+
+    `materialize` (sharded loading): `model` is a meta-device skeleton and `materialize(unit)` builds a unit's
+    tensors from the checkpoint. Each unit is built right before FSDP shards it, so a rank holds at most its shard
+    plus one unit: FSDP2 builds and shards each decoder layer, then the root; FSDP1 calls it as `param_init_fn`,
+    which FSDP runs for each unit just before flattening and sharding it.
+    """
     if plan.strategy == "fsdp" and plan.fsdp_version == 2:
-        return _wrap_fsdp2(model, plan, dist)
+        return _wrap_fsdp2(model, plan, dist, materialize)
     if plan.strategy == "fsdp":
-        return _wrap_fsdp1(model, plan, dist)
+        return _wrap_fsdp1(model, plan, dist, materialize)
+    if materialize is not None:
+        raise ValueError("a meta-device skeleton can only be built by the FSDP wrap")
     if plan.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -375,7 +385,7 @@ def _layer_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == plan.layer_class]
 
 
-def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -387,12 +397,16 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Modu
         offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
     )
     for layer in _layer_modules(model, plan):
+        if materialize is not None:
+            materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
         fully_shard(layer, **options)
+    if materialize is not None:
+        materialize(model)  # what is left: embeddings, final norm, LM head
     fully_shard(model, **options)
     return model
 
 
-def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
@@ -419,6 +433,7 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Modu
         device_id=dist.device,  # required on CPU too ("FSDP needs a non-CPU accelerator device" otherwise)
         limit_all_gathers=True,
         use_orig_params=False,
+        param_init_fn=materialize,  # sharded loading: called per unit, on its modules, before the unit is flattened
     )
 
 

@@ -21,7 +21,7 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, model, parallel, plot, tracking, train
+    from finetune import checkpoint, data, loading, model, parallel, plot, tracking, train
     from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
@@ -40,14 +40,17 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = checkpoint.current_rss_bytes()
-        peft_model = model.build_model(recipe, device=info.device, device_map=plan.device_map,
-                                       gradient_checkpointing=plan.activation_checkpointing)
-        if recipe.data.packing:
-            data.verify_packing(peft_model, device=info.device)  # the attention really keeps packed examples apart
+        # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
+        loaded = loading.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
+                                    gradient_checkpointing=plan.activation_checkpointing)
+        peft_model = loaded.model
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
-        wrapped = parallel.wrap(peft_model, plan, info)
+        wrapped = parallel.wrap(peft_model, plan, info, materialize=loaded.materialize)
+        distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
+        if recipe.data.packing:
+            data.verify_packing(wrapped, device=info.device)  # the attention really keeps packed examples apart
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
                       "rss_before_model_bytes": rss_before_model, **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank

@@ -15,7 +15,7 @@ from finetune.recipe import validate_recipe
 
 # Golden losses of the seeded 6-step run below (tiny llama, fp32, CPU). A change here is a behaviour change:
 # regenerate only on purpose (print train_losses(out) and paste).
-GOLDEN_LOSSES = [6.216224, 6.155324, 6.027889, 5.98385, 5.917407, 5.920078]
+GOLDEN_LOSSES = [6.216225, 6.159138, 6.036042, 5.998447, 5.92866, 5.927394]  # LoRA A seeded per module name (model.init_lora_tensor)
 
 
 @pytest.fixture(scope="module")
