@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
-from finetune.library import resolve_accelerate_config, resolve_recipe_path  # resolve_recipe_path: re-exported
+from finetune.library import resolve_accelerate_config, resolve_recipe_path
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import main, resolve_recipe_path
-from finetune.library import expected_accelerate_config, library_dir, recipe_names, recipe_path
+from finetune.cli import main
+from finetune.library import expected_accelerate_config, library_dir, recipe_names, recipe_path, resolve_recipe_path
 from finetune.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,3 +119,21 @@ def test_wheel_carries_the_library(tmp_path):
     expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.py")}
     expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.json")}
     assert expected - names == set()
+
+
+def test_no_stage_imports_the_cli():
+    """The CLI sits on top: a module below it importing it closes an import circle (planner -> cli -> run ...)."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "finetune").rglob("*.py")):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "finetune":
+                names = [f"finetune.{alias.name}" for alias in node.names]
+            if "finetune.cli" in names:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []
