@@ -19,7 +19,9 @@ wheel=$(ls "$work"/dist/finetune-*.whl)
 
 step "installing it into a fresh venv ($(wc -l < "$work/requirements.txt") runtime packages, --no-deps)"
 rm -rf "$work/venv"
-python3 -m venv "$work/venv"
+# The dev venv's own interpreter (its closure holds wheels for that Python), not whatever python3 is on PATH.
+base_python=$("$dev_python" -c 'import sys; print(getattr(sys, "_base_executable", sys.executable))')
+"$base_python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip install -q --no-deps)
 if ! "${pip[@]}" -r "$work/requirements.txt" "$wheel" 2>"$work/pip.err"; then
   # torch's CPU build (a +cpu version) may only be on PyTorch's CPU index, as in the Makefile.
