@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU smoke check: a small Llama-shaped model built from a config (no hub), 4-bit NF4 + LoRA in bf16, trained
-# through finetune/run.py on one GPU; prints tokens/s and peak GPU memory. Needs a CUDA machine; ~1-2 minutes.
+# through finetune/run.py on one GPU; prints tokens/s and peak GPU memory. Then sharded loading (FSDP2, one rank, as
+# run.py loads under FSDP) with the GPU allocator's peak checked against the planner's load figure (within 15%).
+# Needs a CUDA machine; ~1-2 minutes.
 #   bash benchmarks/gpu_smoke.sh [HIDDEN] [LAYERS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,4 +40,13 @@ print(f"GPU smoke: {len(metrics)} steps, loss {metrics[0]['loss']:.3f} -> {metri
       f"median {tps:.0f} tokens/s, peak GPU memory {stats.get('peak_gpu_bytes', 0) / 2**20:.0f} MiB, "
       f"held parameters {(stats['frozen_bytes'] + stats['trainable_bytes']) / 2**20:.1f} MiB")
 assert metrics[-1]["loss"] < metrics[0]["loss"], "loss did not fall"
+PY
+$PY -m torch.distributed.run --nproc_per_node 1 --master_port 29651 benchmarks/bench_loading.py --worker sharded "$WORK/model" "$WORK"
+$PY - "$WORK" <<'PY'
+import json, sys
+r = json.load(open(f"{sys.argv[1]}/sharded-w1-rank0.json"))
+ratio = r["peak_gpu_allocated"] / r["planner_sharded_load"]
+print(f"GPU load (sharded, FSDP2): peak allocated {r['peak_gpu_allocated'] / 2**20:.0f} MiB, planner "
+      f"{r['planner_sharded_load'] / 2**20:.0f} MiB (ratio {ratio:.2f}), {r['load_s']:.1f} s")
+assert 0.85 <= ratio <= 1.15, "the planner's load term is off by more than 15% on this GPU"
 PY

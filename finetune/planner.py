@@ -86,6 +86,7 @@ class ModelFacts:
     quant_state_bytes: int
     lora_inputs: list[tuple[str, int]]  # (target name in a layer, in_features): per-layer LoRA targets
     lora_rank: int
+    unit_load_bytes: int = 0  # the largest FSDP unit (a layer, or the root) in model.dtype, before quantization
     eager_attention: bool = False  # scores of size seq x seq are kept (attention softcapping)
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     notes: list[str] = field(default_factory=list)
@@ -159,8 +160,10 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int) ->
     qstate = 0
     lora_inputs: list[tuple[str, int]] = []
     linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unit_load: dict[str, int] = {}
     for pname, param in model.named_parameters():
         unit = _unit_of(pname, layers_path)
+        unit_load[unit] = unit_load.get(unit, 0) + param.numel() * dtype_bytes  # as read, before quantization
         owner = linear_weights.get(id(param))
         is_output = owner is not None and owner[1] is output
         if owner is not None and quantized and not is_output:
@@ -185,7 +188,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int) ->
         generic=False, num_layers=num_layers, hidden=config.hidden_size,
         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
         heads=heads, kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
-        lora_inputs=lora_inputs, lora_rank=recipe.lora.r,
+        lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
         eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
     )
@@ -320,6 +323,7 @@ class Estimate:
     cpu_bytes_per_node: int
     fits: bool = False
     margin_bytes: int = 0
+    load_peak_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -393,11 +397,12 @@ class Hardware:
 
 
 def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: int | None = None,
-             per_rank_full_load: bool = True) -> Estimate:
+             per_rank_full_load: bool | None = None) -> Estimate:
     """Peak bytes per GPU of strategy `key` (a STRATEGIES key) for the recipe's micro-batch and sequence length.
 
-    `per_rank_full_load`: each rank loads and quantizes a full copy of the base on its GPU before wrapping (the v1
-    loader); the load peak then counts against the GPU whatever the strategy.
+    Loading counts too (`_load_peak`): FSDP strategies load sharded (parallel.sharded_loading, the default), the others
+    load a full copy per rank. `per_rank_full_load`: True counts a full copy for every strategy (the v1 loader),
+    False leaves loading out (training peak only).
     """
     world = {"single": 1, "layer_split": 1}.get(key, hw.total_gpus)
     devices = hw.gpus_per_node if key == "layer_split" else 1
@@ -425,20 +430,33 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
     result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
                       cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
-    load_peak = _load_peak(facts, devices) if per_rank_full_load else 0
+    sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
+    load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, world, sharded=sharded)
+    result.load_peak_bytes = load_peak
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, load_peak)
     result.fits = result.margin_bytes >= 0
     if load_peak > result.peak_bytes:
-        result.notes.append(f"loading needs {_gib(load_peak)} per GPU (each rank quantizes a full copy of the base on its GPU)")
+        how = ("its shard + one layer being quantized + the quant state" if sharded
+               else "each rank quantizes a full copy of the base on its GPU")
+        result.notes.append(f"loading needs {_gib(load_peak)} per GPU ({how})")
     if hw.cpu_memory_bytes and result.cpu_bytes_per_node > hw.cpu_memory_bytes:
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
     return result
 
 
-def _load_peak(facts: ModelFacts, devices: int) -> int:
-    """GPU bytes while loading: the 4-bit base and its quant state + the largest tensor before quantization."""
+def _load_peak(facts: ModelFacts, key: str, devices: int, world: int, *, sharded: bool) -> int:
+    """GPU bytes while loading.
+
+    Per-rank loader: the whole 4-bit base and its quant state + the largest tensor before quantization.
+    Sharded loading (finetune/loading.py): this rank's shard (none on the GPU with CPU offload) + the quant state
+    (not a parameter: whole on every rank) + the largest unit as read in model.dtype (a layer, or the embeddings
+    and LM head), which is built and quantized on the GPU and then sharded.
+    """
+    if sharded:
+        shard = 0 if key == "fsdp_offload" else facts.total_bytes(trainable=False) // world
+        return shard + facts.quant_state_bytes + facts.unit_load_bytes + CUDA_CONTEXT_BYTES
     largest = max(t.numel for t in facts.tensors) * facts.dtype_bytes
     frozen = facts.total_bytes(trainable=False) + facts.quant_state_bytes
     return frozen // devices + largest + CUDA_CONTEXT_BYTES
@@ -471,12 +489,12 @@ def _gib(nbytes: float) -> str:
 def format_table(estimates: list[Estimate], hw: Hardware) -> str:
     """Fixed-width table: one row per strategy, the parts of the peak, margin and verdict."""
     head = ["strategy", "GPUs", "base", "qstate", "LoRA+opt", "gathered", "activ.", "logits", "overhead", "peak/GPU",
-            "margin", "fits"]
+            "load/GPU", "CPU/node", "margin", "fits"]
     rows = []
     for e in estimates:
         p = e.parts
         cells = [p["base"], p["quant_state"], p["lora_grads_adamw"], p["fsdp_unsharded"], p["activations"],
-                 p["logits_loss"], p["overhead"], e.peak_bytes]
+                 p["logits_loss"], p["overhead"], e.peak_bytes, e.load_peak_bytes, e.cpu_bytes_per_node]
         verdict = "yes" if e.fits else "NO"
         rows.append([e.label, str(e.world_size), *[f"{c / GiB:.1f}" for c in cells], f"{e.margin_bytes / GiB:+.1f}", verdict])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -536,7 +554,7 @@ def largest_micro_batch(facts: ModelFacts, recipe, key: str, hw: Hardware, *, li
 
 
 def decide(recipe, model_config, *, gpus_per_node: int, gpu_memory_bytes: int, nodes: int = 1,
-           cpu_memory_bytes: int | None = None, per_rank_full_load: bool = True) -> Decision:
+           cpu_memory_bytes: int | None = None, per_rank_full_load: bool | None = None) -> Decision:
     """Choose the strategy for `parallel.strategy: auto` from the model's config and the GPUs present."""
     hw = Hardware(gpus_per_node, gpu_memory_bytes, nodes, cpu_memory_bytes)
     fsdp_version = recipe.parallel.fsdp_version or 2
@@ -558,7 +576,8 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
     shape = f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens"
     if chosen.fits:
         text = (f"{name}: {chosen.label} on {chosen.world_size} GPU(s) fits, {_gib(chosen.peak_bytes)} of "
-                f"{_gib(hw.gpu_memory_bytes)} per GPU at {shape}; largest micro-batch that fits: {max_batch}.")
+                f"{_gib(hw.gpu_memory_bytes)} per GPU and {_gib(chosen.cpu_bytes_per_node)} of CPU RAM per node at "
+                f"{shape}; largest micro-batch that fits: {max_batch}.")
     else:
         text = (f"{name}: nothing fits on {hw.total_gpus} x {_gib(hw.gpu_memory_bytes)} at {shape}; closest is "
                 f"{chosen.label} at {_gib(chosen.peak_bytes)} per GPU ({_gib(-chosen.margin_bytes)} short).")
@@ -637,7 +656,8 @@ def cli_plan(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------------- library table
-LIBRARY_HARDWARE = [("1x24 GB", 1, 24 * GB), ("2x24 GB", 2, 24 * GB), ("4x48 GB", 4, 48 * GB), ("8x80 GB", 8, 80 * GB)]
+LIBRARY_HARDWARE = [("1x24 GB", 1, 24 * GB), ("2x24 GB", 2, 24 * GB), ("4x24 GB", 4, 24 * GB), ("8x24 GB", 8, 24 * GB),
+                    ("4x48 GB", 4, 48 * GB), ("8x80 GB", 8, 80 * GB)]
 TYPICAL_RECIPE = {"lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
                   "data": {"max_length": 2048}, "train": {"micro_batch_size": 1, "gradient_checkpointing": True}}
 
@@ -667,7 +687,8 @@ def _library_entries() -> list[tuple[str, object]]:
 
 
 def library_table() -> str:
-    """Markdown: for each library recipe, the strategy the planner picks on 1x24, 2x24, 4x48 and 8x80 GB."""
+    """Markdown: for each library recipe, the strategy the planner picks on 1, 2, 4 and 8 x 24 GB, 4x48 and 8x80 GB
+    (with CPU offload, the CPU RAM per machine too)."""
     header = "| recipe | model | " + " | ".join(label for label, _, _ in LIBRARY_HARDWARE) + " |"
     lines = [header, "|" + "---|" * (2 + len(LIBRARY_HARDWARE))]
     for label, recipe in _library_entries():
@@ -680,11 +701,13 @@ def library_table() -> str:
         for _, gpus, memory in LIBRARY_HARDWARE:
             d = decide(recipe, config, gpus_per_node=gpus, gpu_memory_bytes=memory)
             chosen = next(e for e in d.estimates if STRATEGIES[e.strategy] in d.summary) if d.fits else None
-            cells.append(f"{chosen.label}, {chosen.peak_bytes / GiB:.1f} GiB, mb<={d.max_micro_batch}" if chosen
+            ram = f", {chosen.cpu_bytes_per_node / GiB:.0f} GiB RAM" if chosen and chosen.strategy == "fsdp_offload" else ""
+            cells.append(f"{chosen.label}, {chosen.peak_bytes / GiB:.1f} GiB{ram}, mb<={d.max_micro_batch}" if chosen
                          else "does not fit")
         lines.append(f"| {label} | {recipe.model.name_or_path} | " + " | ".join(cells) + " |")
     shape = "micro-batch 1 x 2048 tokens, LoRA r=16 all-linear, gradient checkpointing"
-    lines.append(f"\nPeak per GPU at the recipe's shape ({shape} for the typical recipe); mb<=N: largest micro-batch that fits.")
+    lines.append(f"\nPeak per GPU at the recipe's shape ({shape} for the typical recipe), loading included; with CPU "
+                 "offload, the CPU RAM the machine needs; mb<=N: largest micro-batch that fits.")
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info, materialize=loaded.materialize)
+        loading.release_freed_memory()  # what loading and wrapping freed goes back to the OS, not to the heap
         distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
         if recipe.data.packing:
             data.verify_packing(wrapped, device=info.device)  # the attention really keeps packed examples apart

@@ -55,8 +55,11 @@ _FAMILY_KWARGS = {
 }
 
 
-def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
-    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path."""
+def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                     tie_word_embeddings: bool = False, max_shard_size: str | None = None):
+    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path.
+
+    `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,7 +76,7 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -82,6 +85,6 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import accelerate_launch, recipe_dict, write_recipe
@@ -179,3 +180,27 @@ def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_f
         # in the run itself; the planner predicts what comes on top of it.
         baseline = measured["rss_before_model_bytes"]
         assert measured["peak_rss_bytes"] == pytest.approx(baseline + dynamic, rel=0.15), (baseline, dynamic, measured)
+
+
+def test_sharded_loading_lets_70b_start_on_two_24gb_gpus():
+    """The load peak under FSDP is the rank's shard + one unit + quant state; the v1 per-rank load was the whole base."""
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(str(Path(__file__).resolve().parent.parent / "recipes" / "llama-3.1-70b.yaml"))
+    config = planner.model_config_for(recipe)
+    decision = planner.decide(recipe, config, gpus_per_node=2, gpu_memory_bytes=24 * GiB)
+    assert (decision.strategy, decision.cpu_offload, decision.fits) == ("fsdp", True, True)
+    assert "CPU RAM per node" in decision.summary
+    facts = facts_from_config(config, recipe)
+    hw = planner.Hardware(2, 24 * GiB)
+    offload = planner.estimate(facts, recipe, "fsdp_offload", hw)
+    full = planner.estimate(facts, recipe, "fsdp", hw)
+    unit = facts.unit_load_bytes
+    assert offload.load_peak_bytes == facts.quant_state_bytes + unit + planner.CUDA_CONTEXT_BYTES
+    assert full.load_peak_bytes == facts.total_bytes(trainable=False) // 2 + facts.quant_state_bytes + unit + planner.CUDA_CONTEXT_BYTES
+    # The v1 loader (each rank quantizes the whole base) cannot start there, whatever the strategy.
+    v1 = planner.decide(recipe, config, gpus_per_node=2, gpu_memory_bytes=24 * GiB, per_rank_full_load=True)
+    assert v1.strategy != "fsdp" or not v1.fits
+    assert planner.estimate(facts, recipe, "fsdp_offload", hw, per_rank_full_load=True).load_peak_bytes > 35 * GiB
+    off = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"sharded_loading": False})})
+    assert not planner.estimate(facts, off, "fsdp_offload", hw).fits
