@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart test test-fast lint bench bench-peers gpu-smoke clean
+.PHONY: install quickstart test test-fast wheel-check lint bench bench-peers gpu-smoke clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The wheel as a user gets it: built, installed into a fresh venv (runtime dependencies only, at the versions of
+# $(VENV), --no-deps from local wheels), then recipes list/copy, a tiny run, a 2-process run and an export from an
+# empty folder outside the checkout. WHEEL_CHECK_DIR keeps the venv and runs for a look afterwards.
+wheel-check: $(STAMP)
+	bash .ci/wheel_smoke.sh $(abspath $(BIN))/python $(WHEEL_CHECK_DIR)
+
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests benchmarks
 
@@ -53,4 +59,4 @@ gpu-smoke: $(STAMP)
 	bash benchmarks/gpu_smoke.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build dist

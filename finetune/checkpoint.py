@@ -16,22 +16,23 @@ Layout of output.dir:
 Only trainable state is saved, never the base weights. Every checkpoint is written into a hidden temporary folder,
 flushed, renamed into place, and only then given its manifest: a folder without a valid manifest (killed mid-save,
 truncated, tampered) is detected, reported, and skipped in favour of the newest good one.
+
+This module holds the training checkpoints (finding, checking, saving, loading). The other jobs of the run folder
+live beside it and are re-exported here for callers: finetune/files.py (crash-safe writes, on_main),
+finetune/run_folder.py (the output-folder guard, recipe.yaml, rank stats) and finetune/adapter_files.py (the adapter).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import random
 import shutil
-import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,30 @@ import numpy as np
 import torch
 
 from finetune import distributed
-from finetune.errors import CheckpointError, FinetuneError
+from finetune.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter
+from finetune.errors import CheckpointError
+from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, atomic_dir, on_main
+from finetune.run_folder import (
+    LOCK_FILE,
+    RunFolder,
+    begin_outputs,
+    claim_output_dir,
+    current_rss_bytes,
+    output_dir_problem,
+    release_output_dir,
+    take_output_dir,
+    write_rank_stats,
+)
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-LOCK_FILE = ".finetune.lock"
+__all__ = [  # the training checkpoints, and the run-folder jobs re-exported for callers (checkpoint.X)
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "CHECKPOINTS", "LOCK_FILE", "MANIFEST", "STEP_PREFIX", "TRAINER_STATE",
+    "RunFolder", "adapter_key_map", "atomic_dir", "begin_outputs", "check_compatible", "checkpoint_dir",
+    "checkpoint_problem", "claim_output_dir", "current_rss_bytes", "list_checkpoints", "load_checkpoint",
+    "newest_good_checkpoint", "on_main", "output_dir_problem", "prune_checkpoints", "release_output_dir",
+    "resume_source", "rng_state", "save_adapter", "save_checkpoint", "set_rng_state", "take_output_dir",
+    "trainable_state", "verify_readback", "write_rank_stats",
+]
+
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -54,246 +74,6 @@ SHAPE_KEYS = (("lora", "r"), ("lora", "target_modules"), ("lora", "dora"), ("lor
 NOTED_KEYS = (("model", "name_or_path"), ("model", "dtype"), ("quantization", "method"), ("lora", "alpha"),
               ("lora", "rslora"), ("train", "seed"), ("train", "micro_batch_size"), ("train", "grad_accum"),
               ("train", "learning_rate"), ("train", "lr_schedule"), ("data", "datasets"), ("data", "packing"))
-
-
-# ------------------------------------------------------------------------------------------------ file helpers
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename inside `folder` durable (POSIX: fsync the directory itself)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _replace_dir(source: Path, target: Path) -> None:
-    """Move `source` to `target` in one rename; an existing `target` is moved aside first and removed after."""
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(source, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(source, target)
-    _fsync_dir(target.parent)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: Path, *, replace: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder; on success it replaces `target` in one rename (the old one removed after)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if target.exists() and not replace:
-            raise CheckpointError(f"{target} already exists; choose another folder or remove it first.")
-        _replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
-def on_main(function: Callable[[], Any]) -> Any:
-    """Run `function` on rank 0 only and give its result (or its FinetuneError) to every rank.
-
-    A rank-0 check that raised alone would leave the other ranks waiting in the next collective forever.
-    """
-    outcome: tuple[str, Any] | None = None
-    if distributed.is_main():
-        try:
-            outcome = ("ok", function())
-        except FinetuneError as exc:
-            outcome = ("error", (type(exc), str(exc)))
-    outcome = distributed.broadcast_object(outcome)
-    if outcome[0] == "error":
-        error_type, message = outcome[1]
-        raise error_type(message)
-    return outcome[1]
-
-
-# ------------------------------------------------------------------------------------------- output folder
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return pid > 0
-
-
-def _lock_owner(out_dir: Path) -> dict | None:
-    """The live run holding `out_dir` (pid, host), or None when free or the holder is gone."""
-    try:
-        owner = json.loads((out_dir / LOCK_FILE).read_text())
-    except (OSError, json.JSONDecodeError, ValueError):
-        return None
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return owner if isinstance(owner, dict) and owner.get("host") else None  # another host: assume alive
-    return owner if _pid_alive(int(owner.get("pid", -1))) else None
-
-
-def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) -> str | None:
-    """Why this run may not write into `out_dir` (None when it may). Checked on rank 0 before anything loads."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        return f"output.dir {out_dir} is a file, not a folder. Fix: choose another output.dir."
-    owner = _lock_owner(out_dir)
-    if owner:
-        return (
-            f"output.dir {out_dir} is in use by a running run (pid {owner.get('pid')} on {owner.get('host')}). Wait for it, "
-            f"stop it, or choose another output.dir. (If no such run exists, delete {out_dir / LOCK_FILE}.)"
-        )
-    if overwrite or resume is not None:
-        return None
-    if (out_dir / "adapter" / ADAPTER_WEIGHTS).exists():
-        return (
-            f"output.dir {out_dir} already holds a finished run (adapter/). Nothing was changed. Fix: choose another "
-            "output.dir, pass output.overwrite=true to replace it, or train.resume=auto to continue it."
-        )
-    if list_checkpoints(out_dir):
-        return (
-            f"output.dir {out_dir} holds checkpoints of a run that did not finish. Nothing was changed. Fix: pass "
-            "train.resume=auto to continue it, output.overwrite=true to start over, or choose another output.dir."
-        )
-    return None
-
-
-def take_output_dir(out_dir: Path) -> bool:
-    """Create the lock file exclusively (a second run racing for the folder loses). True if we created `out_dir`."""
-    created = not out_dir.exists()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        lock = out_dir / LOCK_FILE
-        if lock.exists() and _lock_owner(out_dir) is None:
-            lock.unlink()  # left by a killed run
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        raise CheckpointError(f"output.dir {out_dir} was just taken by another run; choose another output.dir.") from None
-    except OSError as exc:
-        raise CheckpointError(f"output.dir {out_dir}: cannot write there ({exc.strerror}). Fix: choose a writable folder.") from None
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
-    return created
-
-
-def release_output_dir(out_dir: Path, *, remove_if_empty: bool = False) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        (out_dir / LOCK_FILE).unlink()
-    if remove_if_empty:
-        with contextlib.suppress(OSError):
-            out_dir.rmdir()  # only succeeds when empty: a run that failed before writing anything leaves no trace
-
-
-@dataclass
-class RunFolder:
-    """The claimed output folder and the checkpoint this run resumes from (None: a fresh start)."""
-
-    path: Path
-    resume_from: Path | None
-    created: bool = False
-
-
-@contextlib.contextmanager
-def claim_output_dir(recipe) -> Iterator[RunFolder]:
-    """Check output.dir and the resume source (before any weight loads), lock the folder, release it at the end.
-
-    Collective: rank 0 decides and every rank gets the same answer (or the same error).
-    """
-    out_dir = Path(recipe.output.dir)
-
-    def decide() -> tuple[str | None, bool]:
-        problem = output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume)
-        if problem:
-            raise CheckpointError(problem)
-        source = resume_source(recipe)
-        return (str(source) if source else None), take_output_dir(out_dir)
-
-    source, created = on_main(decide)
-    folder = RunFolder(out_dir, Path(source) if source else None, created)
-    try:
-        yield folder
-    finally:
-        if distributed.is_main():
-            release_output_dir(out_dir, remove_if_empty=folder.created)
-
-
-def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:
-    """Rank 0, when training is about to start: clear a replaced run's files (fresh start) or trim the metrics past
-    the checkpoint (resume); write recipe.yaml.
-
-    Done this late so that a run failing on its inputs (data, model, launcher, checkpoint) changes nothing in output.dir.
-    """
-    if resume_from is None:
-        for name in ("adapter", CHECKPOINTS, "ranks"):
-            shutil.rmtree(out_dir / name, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            (out_dir / "metrics.jsonl").unlink()
-    else:
-        resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
-        _trim_metrics(out_dir / "metrics.jsonl", resumed_step)
-    (out_dir / "recipe.yaml").write_text(recipe_yaml)
-
-
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after the checkpoint (written by the killed run): they are trained again."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
-    _write_text_atomic(path, "".join(line + "\n" for line in kept))
-
-
-def current_rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
-    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS (and peak GPU memory on
-    CUDA), LoRA checksum."""
-    import resource
-
-    stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
-    if torch.cuda.is_available():
-        stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
-    (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))
 
 
 # ------------------------------------------------------------------------------------ finding checkpoints
@@ -629,52 +409,3 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / TRAINER_STATE).read_text())
-
-
-# -------------------------------------------------------------------------------------------------- adapter
-def adapter_key_map(peft_model) -> dict[str, str]:
-    """Model parameter name -> PEFT's on-disk key, computed by PEFT itself on the unwrapped model.
-
-    Call before the parallel wrap: PEFT finds adapter tensors by walking the module tree, and FSDP1 inserts
-    `_fsdp_wrapped_module` levels into it, after which PEFT silently selects nothing (an empty adapter).
-    """
-    from peft.utils import get_peft_model_state_dict
-
-    trainable = {name: param for name, param in peft_model.named_parameters() if param.requires_grad}
-    tagged = {name: torch.tensor([index]) for index, name in enumerate(trainable)}
-    on_disk = get_peft_model_state_dict(peft_model, state_dict=tagged)
-    names = list(trainable)
-    return {names[int(value.item())]: key for key, value in on_disk.items()}
-
-
-def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path) -> dict:
-    """Write a standard PEFT adapter folder atomically, read it back and compare. Rank 0 only."""
-    from safetensors.torch import load_file, save_file
-
-    missing = [name for name in key_map if name not in trainable_state]
-    if not key_map or missing:
-        raise RuntimeError(
-            f"adapter gather is missing {len(missing)} of {len(key_map)} tensors (e.g. {missing[:2]}): refusing to write a partial adapter"
-        )
-    tensors = {key_map[name]: trainable_state[name].detach().to("cpu").contiguous() for name in key_map}
-    bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise CheckpointError(f"the adapter has NaN/inf values ({bad[0]} and {len(bad) - 1} more); not written over {out_dir}.")
-    config = copy.deepcopy(peft_config)
-    config.inference_mode = True
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config.save_pretrained(str(tmp))
-        _verify_adapter_files(tmp, tensors, load_file)
-    return tensors
-
-
-def _verify_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], load_file) -> None:
-    written = load_file(str(folder / ADAPTER_WEIGHTS))
-    if written.keys() != tensors.keys():
-        raise RuntimeError(f"adapter read back with {len(written)} tensors, {len(tensors)} were saved")
-    for key, value in tensors.items():
-        if not torch.equal(written[key], value):
-            raise RuntimeError(f"adapter tensor {key} differs after reading it back")
-    if not (folder / ADAPTER_CONFIG).exists():
-        raise RuntimeError("adapter_config.json was not written")

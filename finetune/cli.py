@@ -1,4 +1,4 @@
-"""The `finetune` command: train, validate, plan, data, export, generate, recipes, quickstart, plot.
+"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot.
 
 Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
 imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
+from finetune.library import resolve_accelerate_config, resolve_recipe_path
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -21,19 +22,11 @@ def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=50")
 
 
-def resolve_recipe_path(name: str) -> str:
-    """A path as given, or a library recipe by name (`quickstart` -> recipes/quickstart.yaml)."""
-    if Path(name).exists() or name.endswith((".yaml", ".yml")):
-        return name
-    from finetune.library import recipe_path
-
-    found = recipe_path(name)
-    return str(found) if found else name
-
-
 # ----------------------------------------------------------------------------------------------------- verbs
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = resolve_recipe_path(args.recipe)
+    if args.accelerate_config:
+        args.accelerate_config = resolve_accelerate_config(args.accelerate_config)
     if args.accelerate_config or (args.num_processes or 1) > 1:
         # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
         # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
@@ -59,8 +52,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from finetune.validate import validate
 
+    config = resolve_accelerate_config(args.accelerate_config) if args.accelerate_config else None
     report = validate(resolve_recipe_path(args.recipe), list(args.overrides), num_processes=args.num_processes,
-                      accelerate_config=args.accelerate_config)
+                      accelerate_config=config)
     print(report)
     return 0
 
@@ -93,14 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("train", help="train a recipe (one process, or several through accelerate)")
     _add_recipe_args(p)
-    p.add_argument("--accelerate-config", help="accelerate config file: launch through `accelerate launch`")
+    p.add_argument("--accelerate-config", help="accelerate config: a file, or a library config by name (fsdp2, ddp, cpu_fsdp2, ...); launches "
+                   "through `accelerate launch`")
     p.add_argument("--num-processes", type=int, help="processes to launch (with accelerate)")
     p.set_defaults(func=cmd_train)
 
     p = verbs.add_parser("validate", help="check a recipe (schema, files, parallel setup) without loading weights")
     _add_recipe_args(p)
     p.add_argument("--num-processes", type=int, default=1, help="processes the run will have (default 1)")
-    p.add_argument("--accelerate-config", help="accelerate config file the run will use (checked against the recipe)")
+    p.add_argument("--accelerate-config", help="accelerate config (file or library name) the run will use (checked against the recipe)")
     p.set_defaults(func=cmd_validate)
 
     p = verbs.add_parser("plan", help="memory plan: which strategy fits on which GPUs")
@@ -138,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p.add_argument("dest", nargs="?")
     p.set_defaults(func=_delegate("library", "cli_recipes"))
+
+    p = verbs.add_parser("runs", help="the runs of an MLflow store (run folders or a URI) with their final losses")
+    p.add_argument("where", nargs="*", help="run folder, folder of run folders, or tracking URI (default: "
+                   "$MLFLOW_TRACKING_URI, else runs/)")
+    p.set_defaults(func=_delegate("runs", "cli_runs"))
 
     p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
     p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")

@@ -1,7 +1,7 @@
 """Generation-based evaluation: greedy answers to held-out prompts, scored by a simple metric.
 
 A loss on held-out data says the model got less surprised; this says whether it now gives the right answer. Rows
-are either tokenized examples from data.py (the prompt is everything before the first trained token, the reference
+are either tokenized examples from finetune/data (the prompt is everything before the first trained token, the reference
 is the first trained span, e.g. the first assistant turn) or `{"prompt": text, "answer": text}` dicts whose prompt
 is already rendered (chat template applied). Generation is greedy, so the score is deterministic.
 

@@ -7,7 +7,9 @@ Source: a run folder (holding adapter/ and recipe.yaml) or an adapter folder. Th
 run's recipe (so GGUF bases resolve exactly as in training), else the adapter's base_model_name_or_path.
 Every export is written into a temporary folder and renamed into place (an existing output is never touched), and a
 verify step says what it compared: the adapter's keys and shapes against a PeftModel built for the base, and for a
-merge the reloaded model's logits against base + adapter on a fixed prompt.
+merge the reloaded model's logits against base + adapter on a fixed prompt. Every export also says where the adapter
+runs (PEFT, merged transformers, vLLM, llama.cpp; finetune/runtimes.py), printed and written as runtimes.json and
+RUNTIMES.md into the export folder.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from finetune.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe import Recipe
+from finetune.runtimes import adapter_verdicts, write_report
 
 VERIFY_PROMPT = "What is the capital of France? Answer in one word."
 _TOKENIZER_FILES = (
@@ -310,7 +313,8 @@ def export_adapter(source: Source, out: Path, *, base: str | None = None) -> str
     fits = check_adapter_fits(tensors, config, source, base)
     with atomic_dir(out, replace=False) as tmp:
         write_clean_adapter(tmp, tensors, source, base)
-    return f"verify: adapter read back bit-identical; {fits}."
+        runtimes = write_report(tmp, adapter_verdicts(tmp, config, merged=False), merged=False)
+    return f"verify: adapter read back bit-identical; {fits}.\n{runtimes}"
 
 
 def prompt_ids(tokenizer) -> torch.Tensor:
@@ -369,9 +373,11 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         effect = (reference - base_logits).abs().max().item()
         _require_close(in_memory, relative=1e-4)
         _require_close(saved, relative=2e-2)
+        runtimes = write_report(tmp, adapter_verdicts(Path(adapter_tmp), config, merged=True), merged=True)
     return (
         f"verify: {fits}; prompt {VERIFY_PROMPT!r} ({ids.shape[1]} tokens): "
-        f"{_describe(in_memory)}; {_describe(saved)}; the adapter itself moves the logits by up to {effect:.3g}."
+        f"{_describe(in_memory)}; {_describe(saved)}; the adapter itself moves the logits by up to {effect:.3g}.\n"
+        f"{runtimes}"
     )
 
 

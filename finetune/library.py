@@ -1,4 +1,4 @@
-"""The recipe library: ready-made recipes under recipes/, listed, shown and copied out by `finetune recipes`.
+"""The recipe library: ready-made recipes and accelerate configs, listed, shown and copied out by `finetune recipes`.
 
     finetune recipes                      one line per recipe: name, model, accelerate config, purpose
     finetune recipes show NAME            the recipe file as it is (comments included)
@@ -6,11 +6,18 @@
 
 Each recipe's first comment line names the accelerate config it expects (`# accelerate config: ...`), and its
 `description` key is the one-line purpose.
+
+Where the files are: the repository keeps them at the top (recipes/, accelerate_configs/); a wheel carries them as
+package data inside the package (finetune/recipes/, finetune/accelerate_configs/, mapped in pyproject.toml), found
+through importlib.resources. A checkout (editable install, or PYTHONPATH) has no such folders inside the package, so
+the lookup falls back to the checkout's top-level folders. Recipe and config names resolve here, below the CLI and
+the stages, so any module may turn `quickstart` or `fsdp2` into a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import os
 import re
 from pathlib import Path
@@ -24,11 +31,29 @@ class LibraryError(FinetuneError):
     """A library recipe name or copy destination is wrong."""
 
 
+def data_dir(name: str) -> Path:
+    """The library folder `name` (recipes, accelerate_configs): package data in a wheel, else the checkout's folder."""
+    packaged = importlib.resources.files("finetune") / name
+    if packaged.is_dir():
+        # pip installs wheels unpacked, so the package data is a real folder (accelerate needs real file paths).
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / name
+
+
 def library_dir() -> Path:
-    """recipes/ next to the package (a source checkout or an editable install); $FINETUNE_RECIPES overrides it."""
+    """The recipe library folder; $FINETUNE_RECIPES overrides it."""
     if os.environ.get("FINETUNE_RECIPES"):
         return Path(os.environ["FINETUNE_RECIPES"]).expanduser()
-    return Path(__file__).resolve().parent.parent / "recipes"
+    return data_dir("recipes")
+
+
+def accelerate_configs_dir() -> Path:
+    return data_dir("accelerate_configs")
+
+
+def accelerate_config_names() -> list[str]:
+    folder = accelerate_configs_dir()
+    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 def recipe_names() -> list[str]:
@@ -41,6 +66,28 @@ def recipe_path(name: str) -> Path | None:
     stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
     path = library_dir() / f"{stem}.yaml"
     return path if stem and path.is_file() else None
+
+
+def resolve_recipe_path(name: str) -> str:
+    """A path as given, or a library recipe by name (`quickstart` -> the library's quickstart.yaml)."""
+    if Path(name).exists() or name.endswith((".yaml", ".yml")):
+        return name
+    found = recipe_path(name)
+    return str(found) if found else name
+
+
+def resolve_accelerate_config(name: str) -> str:
+    """An accelerate config file as given, or a library config by name (`fsdp2`, `fsdp2.yaml`,
+    `accelerate_configs/fsdp2.yaml` from outside a checkout); unknown names raise with the list of known ones."""
+    if Path(name).is_file():
+        return name
+    stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
+    path = accelerate_configs_dir() / f"{stem}.yaml"
+    if stem and path.is_file():
+        return str(path)
+    known = ", ".join(accelerate_config_names()) or f"none found in {accelerate_configs_dir()}"
+    raise LibraryError(f"--accelerate-config {name}: no such file, and no library config of that name. "
+                       f"Give a file path or one of the library's configs: {known}.")
 
 
 def expected_accelerate_config(path: Path) -> str | None:
@@ -87,6 +134,9 @@ def list_recipes() -> str:
     lines.append("")
     lines.append("finetune recipes show NAME   print one (model, accelerate config, data, settings)")
     lines.append("finetune recipes copy NAME DEST   copy one out to edit")
+    configs = accelerate_config_names()
+    if configs:
+        lines.append(f"accelerate configs (finetune train NAME --accelerate-config CONFIG): {', '.join(configs)}")
     return "\n".join(lines)
 
 

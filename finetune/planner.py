@@ -635,7 +635,7 @@ def model_config_for(recipe):
 
 def cli_plan(args: argparse.Namespace) -> int:
     """`finetune plan RECIPE [overrides] --gpus N --gpu-memory 24GiB --nodes M --cpu-memory 128GiB [--json]`."""
-    from finetune.cli import resolve_recipe_path
+    from finetune.library import resolve_recipe_path
     from finetune.recipe import load_recipe
 
     gpus = parse_count(args.gpus, "--gpus")

@@ -19,10 +19,11 @@ GREEN, RESET = "\033[32m", "\033[0m"
 def cli_data(args: argparse.Namespace) -> int:
     """The `finetune data` verb: load the recipe and tokenizer, prepare the data, print the preview."""
     from finetune import data, model
-    from finetune.cli import resolve_recipe_path
+    from finetune.library import resolve_recipe_path
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
+    data.check_local_files(recipe)
     tokenizer = model.load_tokenizer(recipe)
     prepared = data.prepare(recipe, tokenizer)
     print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty()))
@@ -34,6 +35,10 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
     parts = []
     for number, example in enumerate(prepared.examples[: max(rows, 0)], start=1):
         parts.append(f"--- example {number} ({len(example.input_ids)} tokens, {example.num_trained} trained) ---")
+        parts.append(mark_trained(example, tokenizer, color=color))
+    for number, example in enumerate(prepared.eval_files[: max(min(rows, 2), 0)], start=1):
+        parts.append(f"--- eval example {number} (data.eval_datasets; {len(example.input_ids)} tokens, "
+                     f"{example.num_trained} scored) ---")
         parts.append(mark_trained(example, tokenizer, color=color))
     parts.append(format_stats(prepared, recipe))
     return "\n".join(parts)
@@ -66,14 +71,19 @@ def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
     lines = ["--- statistics ---"]
     for item in stats.per_dataset:
         source = "tokenization cache" if item["cached"] else "tokenized now"
-        lines.append(f"dataset {item['path']} ({item['format']}, weight {item['weight']}): {item['rows']} rows -> "
+        role = "eval dataset" if item.get("role") == "eval" else "dataset"
+        weight = "" if item.get("role") == "eval" else f", weight {item['weight']}"
+        lines.append(f"{role} {item['path']} ({item['format']}{weight}): {item['rows']} rows -> "
                      f"{item['examples']} examples ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
     trained_share = stats.trained_tokens / max(stats.total_tokens, 1)
     lines.append(f"tokens per example: min {stats.tokens_min} / median {stats.tokens_median:g} / max {stats.tokens_max}; "
                  f"{stats.total_tokens} tokens, {stats.trained_tokens} trained ({trained_share:.1%})")
-    lines.append(f"examples: {stats.train_examples} train, {stats.eval_examples} eval")
+    held_out = stats.eval_examples - len(prepared.eval_files)
+    eval_parts = ([f"{len(prepared.eval_files)} from data.eval_datasets"] if prepared.eval_files else []) + (
+        [f"{held_out} held out (eval_fraction {data.eval_fraction})"] if held_out or not prepared.eval_files else [])
+    lines.append(f"examples: {stats.train_examples} train, {stats.eval_examples} eval ({' + '.join(eval_parts)})")
     if data.packing:
         lines.append(f"packing: on, {stats.train_examples} examples in {stats.train_sequences} rows of <= {data.max_length} "
                      f"tokens; efficiency {stats.batch_efficiency:.1%} non-pad tokens (unpacked: {stats.unpacked_efficiency:.1%})")

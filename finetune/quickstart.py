@@ -36,7 +36,10 @@ def quickstart_recipe() -> Path:
 
     path = recipe_path("quickstart")
     if path is None:
-        raise FinetuneError("recipes/quickstart.yaml not found: run the quickstart from a checkout of the repository.")
+        from finetune.library import library_dir
+
+        raise FinetuneError(f"quickstart.yaml not found in the recipe library ({library_dir()}): reinstall the package "
+                            "(`pip install finetune`), or unset $FINETUNE_RECIPES if it points elsewhere.")
     return path
 
 

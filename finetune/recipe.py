@@ -75,15 +75,29 @@ class DatasetSpec(_Section):
 
 class DataSection(_Section):
     datasets: list[DatasetSpec] = Field(min_length=1)
+    eval_datasets: list[DatasetSpec] = Field(
+        default_factory=list, description="Evaluation data, same fields as `datasets` (weight unused): evaluated instead "
+        "of the held-out eval_fraction, or besides it when eval_fraction is set too. Used by the generation eval first."
+    )
     max_length: int = Field(512, gt=8)
     system_prompt: str | None = None
-    eval_fraction: float = Field(0.05, ge=0, lt=1)
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="Share of the training rows held out for evaluation "
+                                 "(at most eval_max_rows); 0 when eval_datasets is set and this is not.")
     eval_max_rows: int = Field(64, ge=0)
     packing: bool = Field(False, description="Several examples per row, position ids restarting per example.")
     overlong: Literal["truncate", "drop"] = "truncate"
     bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
     num_workers: int = Field(0, ge=0, description="Processes rendering rows (chat templates) for large data; 0: in-process.")
     cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_files_replace_the_fraction(cls, values):
+        """Eval files given and no eval_fraction: evaluate on the files only (no training rows held out). The resolved
+        recipe then says eval_fraction: 0.0, so a reload (export, generate) splits the same way."""
+        if isinstance(values, dict) and values.get("eval_datasets") and "eval_fraction" not in values:
+            values = {**values, "eval_fraction": 0.0}
+        return values
 
 
 class TrainSection(_Section):
@@ -116,7 +130,8 @@ class TrainSection(_Section):
     run_name: str | None = Field(None, description="Run name shown by the trackers; default: the name of output.dir.")
     tensorboard_dir: str | None = Field(None, description="TensorBoard log folder; default: output.dir/tensorboard.")
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else a file store in output.dir/mlruns."
+        None, description="MLflow tracking URI (sqlite:///..., http://server, file:...); default: $MLFLOW_TRACKING_URI, "
+        "else a SQLite store in output.dir/mlflow.db."
     )
     mlflow_experiment: str = Field("finetune", description="MLflow experiment name.")
     wandb_project: str = Field("finetune", description="Weights & Biases project (offline mode without an API key).")

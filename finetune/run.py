@@ -21,10 +21,11 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, loading, model, parallel, plot, train
+    from finetune import checkpoint, data, loading, model, parallel, plot, tracking, train
     from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
+    data.check_local_files(recipe)  # missing / wrong-format data files: exit 2 before anything loads
     info = distributed.init_distributed()
     with checkpoint.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
         out_dir = folder.path
@@ -63,6 +64,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
             checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
             plot.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
+            tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,

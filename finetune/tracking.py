@@ -3,12 +3,12 @@
     train:
       trackers: [tensorboard, mlflow, wandb]
       run_name: my-run                  # default: the name of output.dir
-      mlflow_tracking_uri: http://...   # default: $MLFLOW_TRACKING_URI, else file:<output.dir>/mlruns
+      mlflow_tracking_uri: http://...   # default: $MLFLOW_TRACKING_URI, else sqlite:///<output.dir>/mlflow.db
 
 `Trackers.write(**record)` has the call shape of the loop's metrics log (`write(step=..., loss=..., lr=...)`).
 Only rank 0 writes anything. A tracker is a convenience, the run is the product: a tracker that is not installed,
 cannot reach its server or fails at step 10,000 costs one warning line and is switched off; training goes on and
-metrics.jsonl still holds every record.
+metrics.jsonl still holds every record. MLflow in detail: docs/tracking.md.
 """
 
 from __future__ import annotations
@@ -67,15 +67,18 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         self.writer.flush()
         self.writer.close()
 
 
 def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
-    """The recipe's URI, else $MLFLOW_TRACKING_URI, else a file store in the run folder."""
+    """The recipe's URI, else $MLFLOW_TRACKING_URI, else a SQLite store in the run folder (output.dir/mlflow.db).
+
+    MLflow 3 keeps the plain-file store (`file:...`) only in maintenance mode; it still works when asked for by URI.
+    """
     uri = recipe.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or f"file:{(out_dir / 'mlruns').resolve()}"
+    return uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
 
 
 def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:
@@ -88,32 +91,78 @@ def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:
         pass
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI (None for other stores and in-memory databases)."""
+    if not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: mlartifacts/ next to the database file.
+
+    Without it MLflow would use ./mlruns of whatever folder the run was started from.
+    Other stores (a server, the file store) decide themselves.
+    """
+    database = sqlite_file(uri)
+    return (database.resolve().parent / "mlartifacts").as_uri() if database else None
+
+
+def prepare_mlflow_env(uri: str) -> None:
+    """Environment and logging for MLflow's client: fast failure on a dead server, the file store allowed when asked."""
+    import logging
+
+    if uri.startswith("file:") or "://" not in uri:
+        # mlflow 3.x refuses the file store unless told it is wanted; the user's URI asked for exactly that.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a dead server costs seconds, not minutes
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables...", per migration
+        logging.getLogger(name).setLevel(logging.WARNING)
+    database = sqlite_file(uri)
+    if database is not None and not database.parent.is_dir():
+        raise OSError(f"the folder of the SQLite store ({database.parent}) does not exist")
+
+
 class MlflowTracker:
-    """A run in an MLflow tracking store: the recipe as params, metrics per step. Uses the client API, not
-    mlflow's process-global active run, so nothing leaks into user code that also uses mlflow."""
+    """One run in an MLflow tracking store: the recipe as params, run facts as tags, metrics per step. Uses the
+    client API, not mlflow's process-global active run, so nothing leaks into user code that also uses mlflow.
+
+    A resumed training run passes the saved `run_id` and continues that MLflow run (its status goes back to
+    RUNNING); `close(status)` ends it as FINISHED, or KILLED (preempted) / FAILED."""
 
     name = "mlflow"
 
-    def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any], run_id: str | None):
-        if uri.startswith("file:") or "://" not in uri:
-            # mlflow 3.x refuses the file store unless told it is wanted; a local folder is exactly what we want here.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a dead server costs seconds, not minutes
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
+                 run_id: str | None):
+        prepare_mlflow_env(uri)
         check_reachable(uri)
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 
         self._metric, self.uri = Metric, uri
         self.client = MlflowClient(tracking_uri=uri)
-        if run_id is None:
-            found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-            items = [Param(key, str(value)[:6000]) for key, value in params.items()]
-            for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(run_id, params=items[start : start + 100])
-        self.run_id = run_id
+        if run_id is not None and self._continue(run_id):
+            self.run_id = run_id
+            return
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = (found.experiment_id if found else
+                         self.client.create_experiment(experiment, artifact_location=artifact_location(uri)))
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        items = [Param(key, str(value)[:6000]) for key, value in params.items()]
+        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
+
+    def _continue(self, run_id: str) -> bool:
+        """Reopen the saved run; False (a new run is started) when this store does not have it."""
+        try:
+            self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - MlflowException (unknown id): another store than the first start used
+            warn(f"MLflow run {run_id} (trackers.json) is not in {self.uri}; the resumed run starts a new MLflow run.")
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         import time
@@ -121,8 +170,38 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def run_tags(*, strategy: str, world_size: int, device: str) -> dict[str, str]:
+    """What ran where: strategy, world size, device type, library versions (MLflow tags)."""
+    import platform
+    from importlib import metadata
+
+    tags = {"strategy": strategy, "world_size": str(world_size), "device": device_name(device),
+            "python": platform.python_version()}
+    for package in ("finetune", "torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"):
+        try:
+            tags[f"version.{package}"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return tags
+
+
+def device_name(device: str) -> str:
+    """`NVIDIA H100 80GB HBM3` for a CUDA device, else the CPU's name (or just `cpu`)."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def ui_line(uri: str) -> str:
+    return f"[finetune] MLflow: mlflow ui --backend-store-uri {uri}   (the UI needs the full `pip install mlflow`)"
 
 
 class WandbTracker:
@@ -141,8 +220,8 @@ class WandbTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 # ------------------------------------------------------------------------------------------------- the facade
@@ -152,8 +231,9 @@ class Trackers:
     Drop-in for the loop's metrics log: `write(step=..., loss=..., ...)`, then `close()` at the end of the run.
     """
 
-    def __init__(self, recipe: Recipe, out_dir: str | Path, *, is_main: bool):
+    def __init__(self, recipe: Recipe, out_dir: str | Path, *, is_main: bool, tags: dict[str, str] | None = None):
         self.out_dir = Path(out_dir)
+        self.tags = tags or {}
         self.path = self.out_dir / "metrics.jsonl" if is_main else None
         self.backends: list = []
         self.mlflow_uri: str | None = None
@@ -167,6 +247,8 @@ class Trackers:
             if backend is not None:
                 self.backends.append(backend)
         ids = {b.name: b.run_id for b in self.backends if getattr(b, "run_id", None)}
+        if "mlflow" in ids:
+            ids["mlflow_uri"] = self.mlflow_uri  # for the artifacts after training and for `finetune runs`
         if ids:
             (self.out_dir / STATE_FILE).write_text(json.dumps(ids))
 
@@ -187,7 +269,7 @@ class Trackers:
         if name == "mlflow":
             self.mlflow_uri = mlflow_uri(recipe, self.out_dir)
             return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name,
-                                 flatten(config), run_id)
+                                 flatten(config), self.tags, run_id)
         if name == "wandb":
             return WandbTracker(recipe.train.wandb_project, self.run_name, config, self.out_dir, run_id)
         raise ValueError(f"unknown tracker {name!r}")
@@ -197,8 +279,10 @@ class Trackers:
         try:
             return call()
         except ImportError as exc:
-            package = {"tensorboard": "tensorboard", "mlflow": "mlflow"}.get(name, name)
-            warn(f"train.trackers: {name} is not installed ({exc.name or exc}); `pip install {package}` to use it. "
+            package = {"tensorboard": "tensorboard", "mlflow": "'finetune[trackers]'"}.get(name, name)
+            missing = exc.name or exc
+            needs = " (the SQLite store needs sqlalchemy and alembic)" if missing in ("sqlalchemy", "alembic") else ""
+            warn(f"train.trackers: {name} is not installed ({missing}){needs}; `pip install {package}` to use it. "
                  "Training goes on; metrics.jsonl has every metric.")
         except Exception as exc:  # noqa: BLE001 - a tracker must never stop a run
             where = f" (tracking URI {self.mlflow_uri})" if name == "mlflow" else ""
@@ -220,8 +304,47 @@ class Trackers:
         for backend in list(self.backends):
             self._guard(backend.name, "log", lambda backend=backend: backend.log(metrics, step))
 
-    def close(self) -> None:
-        """Flush and end every tracker run (idempotent)."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush and end every tracker run (idempotent). `status`: FINISHED, KILLED (preempted) or FAILED.
+
+        A finished run's artifacts come afterwards (log_run_artifacts); a run that ends otherwise prints the
+        `mlflow ui` line here, as it gets no further."""
+        live_mlflow = any(b.name == "mlflow" for b in self.backends)
         for backend in list(self.backends):
-            self._guard(backend.name, "close", backend.close)
+            self._guard(backend.name, "close", lambda backend=backend: backend.close(status))
         self.backends = []
+        if live_mlflow and status != "FINISHED":
+            print(ui_line(self.mlflow_uri), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ after the training
+def log_run_artifacts(out_dir: str | Path) -> None:
+    """Adapter, recipe and plot of a finished run into its MLflow run (rank 0, after the adapter is written).
+
+    Does nothing for a run without MLflow; a failure is one warning line (the files are in the run folder anyway).
+    """
+    out_dir = Path(out_dir)
+    try:
+        saved = json.loads((out_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if "mlflow" not in saved or "mlflow_uri" not in saved:
+        return
+    uri, run_id = saved["mlflow_uri"], saved["mlflow"]
+    try:
+        prepare_mlflow_env(uri)
+        check_reachable(uri)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        if (out_dir / "adapter").is_dir():
+            client.log_artifacts(run_id, str(out_dir / "adapter"), artifact_path="adapter")
+        for name in ("recipe.yaml", "plot.png"):
+            if (out_dir / name).is_file():
+                client.log_artifact(run_id, str(out_dir / name))
+    except Exception as exc:  # noqa: BLE001 - the run is done and its files are on disk; the tracker is a convenience
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warn(f"train.trackers: mlflow (tracking URI {uri}) failed to store the artifacts ({type(exc).__name__}: "
+             f"{reason}); they are in {out_dir}.")
+        return
+    print(ui_line(uri), flush=True)

@@ -26,7 +26,7 @@ from finetune.errors import FinetuneError
 from finetune.loss import token_loss_sum
 from finetune.parallel import clip_grad_norm, gradient_sync
 from finetune.recipe import Recipe, recipe_to_yaml
-from finetune.tracking import Trackers
+from finetune.tracking import Trackers, run_tags
 
 
 class NumericalFault(FinetuneError):
@@ -163,7 +163,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         checkpoint.begin_outputs(out_dir, recipe_yaml, resume_from)
     batches = iter(stream)
-    metrics = Trackers(recipe, out_dir, is_main=info.is_main)
+    tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
+    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags)
+    status = "FAILED"  # what the trackers record unless the run finishes or is preempted
     try:  # trackers are closed however the run ends (done, preempted, numerical fault)
         if first_step == 1:
             generation_eval(model, tokenizer, eval_examples, recipe, "before", metrics)
@@ -228,9 +230,13 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
         progress.close()
         result.seconds = time.perf_counter() - started
         result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
+        status = "FINISHED"
         return result
+    except (Preempted, KeyboardInterrupt):
+        status = "KILLED"
+        raise
     finally:
-        metrics.close()
+        metrics.close(status=status)
 
 
 def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,

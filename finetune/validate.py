@@ -21,6 +21,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int = 1, 
              check_data: bool = True) -> str:
     """Raise FinetuneError on the first failing stage; return a short report of what was checked."""
     recipe = load_recipe(recipe_path, overrides)
+    data.check_local_files(recipe)  # a missing or wrong-format data file fails before anything else is read
     lines = [f"{recipe_path}: recipe OK ({recipe.description or 'no description'})"]
 
     config = model.load_config(recipe)
@@ -58,7 +59,7 @@ def _check_data(recipe) -> str:
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped; "
                 f"batch efficiency {stats.batch_efficiency:.1%})")
     total = 0
-    for spec in recipe.data.datasets:
+    for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():
             continue  # a `datasets` hub name: checked when the run loads it
         rows = data.load_rows(spec)

@@ -366,7 +366,7 @@ def test_second_build_reads_the_cache(tmp_path, tokenizer, monkeypatch):
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("re-tokenized although the cache holds this dataset")
 
-    monkeypatch.setattr(data, "tokenize_many", no_tokenizing)
+    monkeypatch.setattr(data.cache, "tokenize_many", no_tokenizing)  # where the cache stage looks it up
     again, again_eval, again_stats = data.build_examples(recipe, tokenizer)
     assert again_stats.cached_datasets == 1
     assert [(e.input_ids, e.labels) for e in again + again_eval] == [(e.input_ids, e.labels) for e in train + evaluation]

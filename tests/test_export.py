@@ -43,7 +43,9 @@ def test_clean_adapter_loads_in_plain_peft(trained_run, tiny_llama, tmp_path, ca
 
     out = tmp_path / "adapter"
     assert main(["export", str(trained_run), str(out)]) == 0
-    assert "verify:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "verify:" in printed and "Where this adapter runs" in printed
+    assert {item["status"] for item in json.loads((out / "runtimes.json").read_text())} == {"valid"}
     tensors = load_file(str(out / "adapter_model.safetensors"))
     assert tensors and all(k.startswith("base_model.model.") and ".default." not in k for k in tensors)
     config = json.loads((out / "adapter_config.json").read_text())
@@ -68,6 +70,8 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     assert main(["export", str(trained_run), str(out), "--merge"]) == 0
     report = capsys.readouterr().out
     assert "max abs logit diff" in report and "saved bf16 model" in report
+    runtimes = {item["runtime"]: item["status"] for item in json.loads((out / "runtimes.json").read_text())}
+    assert runtimes["transformers (merged model, no PEFT)"] == "valid" and "the adapter merged into this model" in report
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
         assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118 (not a dict)
     config = json.loads((out / "config.json").read_text())

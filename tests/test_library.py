@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import main, resolve_recipe_path
-from finetune.library import expected_accelerate_config, library_dir, recipe_names, recipe_path
+from finetune.cli import main
+from finetune.library import expected_accelerate_config, library_dir, recipe_names, recipe_path, resolve_recipe_path
 from finetune.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +82,58 @@ def test_names_resolve_to_library_files():
     assert recipe_path("quickstart.yaml") == REPO / "recipes" / "quickstart.yaml"
     assert recipe_path("nope") is None
     assert resolve_recipe_path("qwen2.5-7b") == str(REPO / "recipes" / "qwen2.5-7b.yaml")
+
+
+def test_accelerate_configs_resolve_by_name(capsys):
+    from finetune.library import accelerate_config_names, resolve_accelerate_config
+
+    assert set(accelerate_config_names()) == {p.stem for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    assert resolve_accelerate_config("fsdp2") == str(REPO / "accelerate_configs" / "fsdp2.yaml")
+    assert resolve_accelerate_config("cpu_ddp.yaml") == str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+    # The README's checkout path still works from any folder: the library config of that name.
+    assert resolve_accelerate_config("accelerate_configs/ddp.yaml").endswith("accelerate_configs/ddp.yaml")
+    assert main(["validate", "quickstart", "--accelerate-config", "fsdp3"]) == 2
+    err = capsys.readouterr().err
+    assert "fsdp3" in err and "fsdp2" in err and "Traceback" not in err
+
+
+def test_wheel_carries_the_library(tmp_path):
+    """`pip wheel` of the project holds every recipe, accelerate config and module (the package-dir mapping)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("finetune", "recipes", "accelerate_configs"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("finetune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"finetune/recipes/{p.name}" for p in RECIPES}
+    expected |= {f"finetune/accelerate_configs/{p.name}" for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.py")}
+    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.json")}
+    assert expected - names == set()
+
+
+def test_no_stage_imports_the_cli():
+    """The CLI sits on top: a module below it importing it closes an import circle (planner -> cli -> run ...)."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "finetune").rglob("*.py")):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "finetune":
+                names = [f"finetune.{alias.name}" for alias in node.names]
+            if "finetune.cli" in names:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []

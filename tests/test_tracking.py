@@ -1,5 +1,7 @@
-"""Trackers: metrics.jsonl always; real TensorBoard event files and a real MLflow file store read back; a missing
-tracker, an unreachable MLflow server or a tracker failing mid-run cost one warning line and never stop the run."""
+"""Trackers: metrics.jsonl always; real TensorBoard event files and real MLflow stores (SQLite by default, the file
+store when asked) read back; a missing tracker, an unreachable MLflow server, an unwritable store or a tracker failing
+mid-run cost one warning line and never stop the run; a preempted training run is KILLED in MLflow and its resume
+continues the same MLflow run; `finetune runs` lists a store."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import sys
 import time
 
 import pytest
-from conftest import free_port
+from conftest import child_env, free_port, recipe_dict, run_cmd, write_recipe
 
+from finetune.cli import main
 from finetune.errors import RecipeError
 from finetune.recipe import validate_recipe
-from finetune.tracking import Trackers
+from finetune.tracking import Trackers, log_run_artifacts, run_tags
 
 RECORDS = [
     {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.5, "tokens": 100},
@@ -62,16 +65,18 @@ def test_tensorboard_event_files(tmp_path, capsys):
     assert [(e.step, round(e.value, 5)) for e in events.Scalars("eval_loss")] == [(2, 2.2)]
 
 
-def test_mlflow_file_store_params_metrics_resume(tmp_path, capsys, monkeypatch):
+def test_mlflow_file_store_when_asked_params_metrics_resume(tmp_path, capsys, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
     out.mkdir()
-    recipe = make_recipe(tmp_path, trackers=["mlflow"], run_name="bench-1")
+    uri = f"file:{out / 'mlruns'}"
+    recipe = make_recipe(tmp_path, trackers=["mlflow"], run_name="bench-1", mlflow_tracking_uri=uri)
     write_all(Trackers(recipe, out, is_main=True))
     assert warnings_of(capsys) == []
-    client = MlflowClient(tracking_uri=f"file:{out / 'mlruns'}")
+    assert not (out / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=uri)
     run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
     run = client.get_run(run_id)
     assert run.info.run_name == "bench-1" and run.info.status == "FINISHED"
@@ -131,3 +136,114 @@ def test_tracker_failing_mid_run_is_switched_off(tmp_path, capsys):
 def test_unknown_tracker_is_a_recipe_error(tmp_path):
     with pytest.raises(RecipeError, match="train.trackers"):
         make_recipe(tmp_path, trackers=["neptune"])
+
+
+def test_mlflow_default_is_sqlite_in_the_run_folder_with_tags_status_and_resume(tmp_path, capsys, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working folder (MLflow's default artifact root is ./mlruns)
+    out = tmp_path / "run"
+    out.mkdir()
+    recipe = make_recipe(tmp_path, trackers=["mlflow"])
+    tags = run_tags(strategy="DDP over 2 processes", world_size=2, device="cpu")
+    trackers = Trackers(recipe, out, is_main=True, tags=tags)
+    trackers.write(step=1, loss=2.5, lr=1e-4, grad_norm=1.5, tokens_per_s=900.0)
+    trackers.close(status="KILLED")  # what train.py passes for a preempted run
+    uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    assert json.loads((out / "trackers.json").read_text())["mlflow_uri"] == uri
+    assert uri in capsys.readouterr().out  # the `mlflow ui --backend-store-uri ...` line of a run that stops early
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.info.run_name == "run"
+    assert run.data.tags["strategy"] == "DDP over 2 processes" and run.data.tags["world_size"] == "2"
+    assert run.data.tags["device"].startswith("cpu") and run.data.tags["version.torch"].startswith("2.")
+    assert run.data.params["output.dir"] == str(tmp_path / "run")
+    assert set(run.data.metrics) == {"loss", "lr", "grad_norm", "tokens_per_s"}
+
+    resumed = Trackers(recipe, out, is_main=True, tags=tags)  # the resume: same MLflow run, RUNNING again
+    assert client.get_run(run_id).info.status == "RUNNING"
+    resumed.write(step=2, loss=2.0)
+    resumed.write(step=2, eval_loss=2.1)
+    resumed.close()
+    (out / "recipe.yaml").write_text("train: {}\n")
+    (out / "adapter").mkdir()
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    log_run_artifacts(out)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and len(client.search_runs([run.info.experiment_id])) == 1
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+    assert {a.path for a in client.list_artifacts(run_id)} == {"adapter", "recipe.yaml"}
+    assert (out / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    assert f"mlflow ui --backend-store-uri {uri}" in capsys.readouterr().out
+    assert warnings_of(capsys) == []
+
+    assert main(["runs", str(tmp_path)]) == 0  # a folder of run folders
+    listing = capsys.readouterr().out
+    row = next(line for line in listing.splitlines() if run_id in line)
+    assert row.split()[:5] == ["finetune", "run", "FINISHED", "2.0000", "2.1000"] and "DDP over 2 processes" in row
+
+
+def test_unwritable_mlflow_store_is_one_warning(tmp_path, capsys):
+    uri = "sqlite:////proc/finetune-test/mlflow.db"  # /proc takes no new files, not even from root
+    out = tmp_path / "run"
+    out.mkdir()
+    write_all(Trackers(make_recipe(tmp_path, trackers=["mlflow"], mlflow_tracking_uri=uri), out, is_main=True))
+    lines = warnings_of(capsys)
+    assert len(lines) == 1 and uri in lines[0] and "Training goes on" in lines[0]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(RECORDS)
+
+
+def test_runs_without_a_store_is_a_clear_error(tmp_path, capsys):
+    assert main(["runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no MLflow store" in err and "train.trackers: [mlflow]" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_training_run_preempted_then_resumed_is_one_mlflow_run(tiny_llama, alpaca_file, tmp_path):
+    """A real run: SIGTERM -> the MLflow run is KILLED; `train.resume=auto` continues it to FINISHED with the
+    recipe as params, the run's facts as tags, and the adapter, recipe and plot as artifacts."""
+    import signal
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, alpaca_file, run, train={
+        "max_steps": 120, "log_every": 1, "save_every": 0, "trackers": ["mlflow"], "gradient_checkpointing": False}))
+    command = [sys.executable, "-m", "finetune", "train", str(recipe)]
+    env = child_env()
+    env.pop("MLFLOW_TRACKING_URI", None)
+    with open(tmp_path / "first.log", "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "first.log").read_text()[-3000:]
+    uri = f"sqlite:///{(run / 'mlflow.db').resolve()}"
+    assert f"mlflow ui --backend-store-uri {uri}" in (tmp_path / "first.log").read_text()
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    resumed = run_cmd([*command, "train.resume=auto"], cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"mlflow ui --backend-store-uri {uri}" in resumed.stdout
+    assert "warning: train.trackers" not in resumed.stderr + (tmp_path / "first.log").read_text()
+    found = client.search_runs([client.get_run(run_id).info.experiment_id])
+    assert [r.info.run_id for r in found] == [run_id], "the resume continued the same MLflow run"
+    finished = client.get_run(run_id)
+    assert finished.info.status == "FINISHED"
+    assert finished.data.params["train.max_steps"] == "120" and finished.data.params["lora.r"] == "8"
+    assert finished.data.tags["strategy"] == "single process" and finished.data.tags["world_size"] == "1"
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"} <= set(finished.data.metrics)
+    steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 120, "one loss per step, across the preemption"
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"adapter", "recipe.yaml", "plot.png"} <= artifacts
+    assert "adapter/adapter_model.safetensors" in {a.path for a in client.list_artifacts(run_id, "adapter")}

@@ -1,0 +1,52 @@
+"""What the data stage produces: tokenized examples (ids, labels, packed position ids) and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Example:
+    """One training row: token ids, labels (IGNORE_INDEX where untrained), position ids when packed."""
+
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int] | None = None
+
+    @property
+    def num_trained(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    skipped: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    train_examples: int = 0
+    eval_examples: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+    train_sequences: int = 0  # rows the BatchStream walks over: packed rows, or train_examples unpacked
+    tokens_min: int = 0
+    tokens_median: float = 0.0
+    tokens_max: int = 0
+    total_tokens: int = 0
+    trained_tokens: int = 0
+    batch_efficiency: float = 0.0  # non-pad / all tokens of the train micro-batches of one epoch, as the run collates
+    unpacked_efficiency: float = 0.0  # the same without packing, for comparison
+    cached_datasets: int = 0  # datasets read from the tokenization cache instead of tokenized
+    per_dataset: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class PreparedData:
+    """Everything `prepare` builds: the examples before packing (for previews) and what training consumes."""
+
+    examples: list[Example]
+    train: list[Example]
+    eval: list[Example]
+    stats: DataStats
+    eval_files: list[Example] = field(default_factory=list)  # the examples of data.eval_datasets (first in `eval`)

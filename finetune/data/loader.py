@@ -1,0 +1,121 @@
+"""Batches: collation and padding, the per-rank sampler with an exact resume position, eval batches."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.errors import DataError
+
+
+# ------------------------------------------------------------------------------------------------- batching
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row; padding is never trained.
+
+    Unpacked rows carry an attention_mask. Packed rows carry position_ids instead (no attention_mask: transformers
+    derives the per-example block mask from restarting positions only when the mask is absent); the padding tail
+    gets its own restarting positions, so it is a separate pseudo-example that no real token attends to.
+    """
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    packed = any(e.position_ids is not None for e in examples)
+    extra = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        input_ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        if packed:
+            positions = example.position_ids if example.position_ids is not None else range(n)
+            extra[row, :n] = torch.tensor(list(positions))
+            extra[row, n:] = torch.arange(width - n)
+        else:
+            extra[row, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+
+
+def real_token_count(batch: dict[str, torch.Tensor], pad_id: int) -> int:
+    """Non-pad tokens of a batch (for tokens/s): the attention mask's sum, or for packed rows everything before
+    each row's padding tail (trailing pad ids with ignored labels)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    filler = (batch["input_ids"] == pad_id) & (batch["labels"] == IGNORE_INDEX)
+    positions = torch.arange(1, filler.size(1) + 1) * (~filler).long()
+    return int(positions.max(dim=1).values.sum())
+
+
+def epoch_permutation(count: int, seed: int, epoch: int) -> list[int]:
+    """The global order of one epoch: the same on every rank and for every world size."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(count, generator=generator).tolist()
+
+
+class BatchStream:
+    """Endless micro-batches for one rank: a seeded shuffle per epoch, each rank a disjoint, strided share.
+
+    The global order is the same for every world size: global micro-batch g of size B*W holds rows
+    perm[g*B*W : (g+1)*B*W], and rank r takes every W-th of them. So 1 process with batch 4 and 2 processes
+    with batch 2 see the same rows per optimizer step. Position (epoch, cursor) is resumable state. The rows
+    past the last whole global batch of an epoch are left out of that epoch (a different set each epoch).
+    """
+
+    def __init__(self, examples: list[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int, pad_id: int):
+        global_batch = micro_batch_size * world_size
+        if len(examples) < global_batch:
+            raise DataError(
+                f"only {len(examples)} training rows for a global micro-batch of {global_batch} "
+                f"(train.micro_batch_size={micro_batch_size} x {world_size} processes; with data.packing a row holds "
+                "several examples). Add data or lower the batch size."
+            )
+        self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
+        self.seed, self.pad_id = seed, pad_id
+        self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
+        self.batches_per_epoch = len(examples) // global_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning (its shuffle is seed + epoch)."""
+        self.epoch, self.cursor = epoch, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            perm = epoch_permutation(len(self.examples), self.seed, self.epoch)
+            while self.cursor < self.batches_per_epoch:
+                start = self.cursor * self.batch * self.world
+                rows = perm[start : start + self.batch * self.world][self.rank :: self.world]
+                self.cursor += 1
+                yield collate([self.examples[i] for i in rows], self.pad_id)
+            self.epoch, self.cursor = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world, "micro_batch_size": self.batch,
+                "rows": len(self.examples), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where the saving run stopped, even if it had another world size or micro-batch size."""
+        for key, mine in (("rows", len(self.examples)), ("seed", self.seed)):
+            if key in state and state[key] != mine:
+                raise DataError(f"resume: the checkpoint's data stream had {key}={state[key]}, this run has {mine}: the "
+                                "data, data settings or seed changed since the checkpoint, so the position in the data "
+                                "cannot be restored. Resume with the same data and recipe, or start a new run.")
+        # Position is kept in global micro-batches of the saving run; convert if the global batch changed.
+        saved_global = state["world_size"] * state["micro_batch_size"]
+        rows_seen = state["cursor"] * saved_global
+        self.epoch = state["epoch"]
+        self.cursor = math.ceil(rows_seen / (self.batch * self.world))
+
+
+def eval_batches(examples: list[Example], *, micro_batch_size: int, rank: int, world_size: int, pad_id: int):
+    """This rank's share of the eval set, in order.
+
+    Every rank runs the same number of batches (FSDP needs every rank in every forward): a short share is topped
+    up with a copy of an example whose labels are all ignored, which changes neither loss sum nor token count.
+    """
+    per_rank = math.ceil(len(examples) / world_size)
+    share = examples[rank::world_size]
+    filler = Example(examples[0].input_ids, [IGNORE_INDEX] * len(examples[0].input_ids)) if examples else None
+    share = share + [filler] * (per_rank - len(share))
+    for start in range(0, per_rank, micro_batch_size):
+        yield collate(share[start : start + micro_batch_size], pad_id)

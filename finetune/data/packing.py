@@ -1,0 +1,136 @@
+"""Packing: several examples per row with restarting position ids, and the check that attention keeps them apart."""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+
+import torch
+
+from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.loader import epoch_permutation
+from finetune.errors import DataError
+
+# Attention implementations that turn restarting position_ids (with no attention_mask) into a block-diagonal mask
+# in transformers 5: sdpa/eager/flex through masking_utils.find_packed_sequence_indices, flash through cu_seqlens.
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+def packing_problem(attn_implementation: str) -> str | None:
+    """Why packed rows would let examples attend to each other with this setup, or None when packing is exact."""
+    from importlib.metadata import version
+
+    # Checked by version, not by importing masking_utils: that import pulls in torch._dynamo (seconds).
+    if int(version("transformers").split(".")[0]) < 5:
+        return ("data.packing needs transformers 5 (masking_utils.find_packed_sequence_indices builds the per-example "
+                "mask from restarting position_ids); this transformers cannot keep packed examples apart. Upgrade "
+                "transformers or set data.packing: false.")
+    if attn_implementation not in PACKING_ATTENTION:
+        return (f"data.packing: model.attn_implementation `{attn_implementation}` is not known to keep packed examples "
+                f"apart (ones that do: {', '.join(PACKING_ATTENTION)}). Set model.attn_implementation: sdpa or "
+                "data.packing: false.")
+    return None
+
+
+def pack_examples(examples: list[Example], max_length: int) -> list[Example]:
+    """Pack whole examples into as few rows of at most max_length tokens as best-fit-decreasing needs, balanced.
+
+    Best fit decreasing (each example, longest first, into the fullest row it still fits in) finds how many rows
+    are needed. The examples are then dealt again, longest first, to the least loaded of that many rows, so the
+    rows come out nearly equally long and a micro-batch pads almost nothing (if balancing needs more rows than
+    best fit, best fit is kept). Examples are never split, so none loses its beginning; position ids restart at
+    0 per example so the attention mask built from them keeps examples apart.
+    """
+    sizes = [len(e.input_ids) for e in examples]
+    if any(size > max_length for size in sizes):
+        raise ValueError(f"an example of {max(sizes)} tokens exceeds max_length {max_length}; apply the length policy first")
+    order = sorted(range(len(examples)), key=lambda i: (-sizes[i], i))
+    rows = _best_fit_rows(order, sizes, max_length)
+    balanced = _balanced_rows(order, sizes, max_length, len(rows))
+    if len(balanced) == len(rows):
+        rows = balanced
+    return [concat_examples([examples[i] for i in members]) for members in rows]
+
+
+def _best_fit_rows(order: list[int], sizes: list[int], max_length: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, row index), sorted: best fit is a binary search
+    for i in order:
+        at = bisect_left(free, (sizes[i], -1))
+        if at == len(free):
+            rows.append([i])
+            left, row = max_length - sizes[i], len(rows) - 1
+        else:
+            left, row = free.pop(at)
+            rows[row].append(i)
+            left -= sizes[i]
+        if left > 0:
+            insort(free, (left, row))
+    return rows
+
+
+def _balanced_rows(order: list[int], sizes: list[int], max_length: int, count: int) -> list[list[int]]:
+    """Longest first to the least loaded row (a new row when even that one is too full)."""
+    rows: list[list[int]] = [[] for _ in range(count)]
+    loads = [(0, row) for row in range(count)]  # a heap of (tokens, row)
+    for i in order:
+        load, row = heapq.heappop(loads)
+        if load + sizes[i] > max_length:
+            heapq.heappush(loads, (load, row))
+            load, row = 0, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        heapq.heappush(loads, (load + sizes[i], row))
+    return rows
+
+
+def concat_examples(examples: list[Example]) -> Example:
+    """One packed row: ids and labels joined, positions restarting per example.
+
+    The first token of each example is never a target (in an unpacked batch nothing predicts it), so its label
+    is ignored here too: otherwise the last token of one example would be trained to predict the next example.
+    """
+    ids, labels, positions = [], [], []
+    for example in examples:
+        ids += example.input_ids
+        labels += [IGNORE_INDEX] + example.labels[1:]
+        positions += range(len(example.input_ids))
+    return Example(ids, labels, positions)
+
+
+def batch_efficiency(sequences: list[Example], *, micro_batch_size: int, seed: int) -> float:
+    """Non-pad tokens / all tokens over the micro-batches of epoch 0, in the order BatchStream takes them."""
+    if not sequences:
+        return 0.0
+    order = epoch_permutation(len(sequences), seed, 0)
+    real = padded = 0
+    for start in range(0, len(order), micro_batch_size):
+        lengths = [len(sequences[i].input_ids) for i in order[start : start + micro_batch_size]]
+        real, padded = real + sum(lengths), padded + max(lengths) * len(lengths)
+    return real / padded
+
+
+def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
+    """Run two short examples packed and apart through `model`; raise DataError if the logits differ.
+
+    The check that the model's attention really honours restarting position ids (a model with its own mask code,
+    or remote code, may not). Every rank must call it (it runs a forward). Returns the largest logit difference.
+    """
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, vocab, (n,), generator=generator) for n in (5, 7))
+    packed = {"input_ids": torch.cat([first, second])[None].to(device),
+              "position_ids": torch.tensor(list(range(5)) + list(range(7)))[None].to(device)}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        together = model(**packed, use_cache=False).logits[0].float()
+        apart = torch.cat([model(input_ids=x[None].to(device), use_cache=False).logits[0].float() for x in (first, second)])
+    model.train(was_training)
+    difference = float((together - apart).abs().max())
+    if difference > 1e-2 * max(1.0, float(apart.abs().max())):
+        raise DataError(f"data.packing: this model's attention ({getattr(model.config, '_attn_implementation', '?')}) "
+                        f"lets packed examples see each other (logits differ by {difference:.3g}). Set "
+                        "model.attn_implementation: sdpa or data.packing: false.")
+    return difference

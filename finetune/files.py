@@ -1,0 +1,101 @@
+"""Crash-safe writes shared by the run folder, checkpoints, the adapter and exports; rank-0 decisions.
+
+Temporary folder + fsync + rename, so a reader sees a whole folder or none; on_main runs a decision on rank 0 and
+gives every rank its answer (or its error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from finetune import distributed
+from finetune.errors import CheckpointError, FinetuneError
+
+
+# ------------------------------------------------------------------------------------------------ file helpers
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable (POSIX: fsync the directory itself)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _replace_dir(source: Path, target: Path) -> None:
+    """Move `source` to `target` in one rename; an existing `target` is moved aside first and removed after."""
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(source, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(source, target)
+    _fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path, *, replace: bool = True) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces `target` in one rename (the old one removed after)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if target.exists() and not replace:
+            raise CheckpointError(f"{target} already exists; choose another folder or remove it first.")
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def on_main(function: Callable[[], Any]) -> Any:
+    """Run `function` on rank 0 only and give its result (or its FinetuneError) to every rank.
+
+    A rank-0 check that raised alone would leave the other ranks waiting in the next collective forever.
+    """
+    outcome: tuple[str, Any] | None = None
+    if distributed.is_main():
+        try:
+            outcome = ("ok", function())
+        except FinetuneError as exc:
+            outcome = ("error", (type(exc), str(exc)))
+    outcome = distributed.broadcast_object(outcome)
+    if outcome[0] == "error":
+        error_type, message = outcome[1]
+        raise error_type(message)
+    return outcome[1]

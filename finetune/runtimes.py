@@ -1,0 +1,206 @@
+"""Where an exported adapter runs: plain PEFT, merged transformers, vLLM, llama.cpp's convert_lora_to_gguf.py.
+
+Each runtime's rules are taken from its own source (cited per rule below and in docs/recipes.md); an adapter a runtime
+would refuse, or load with a wrong scale, is flagged with the reason and, where there is one, the fix. PEFT is checked
+by loading the written adapter into a PeftModel built for the base (on the meta device: no base weights needed).
+
+    status  valid    loads and computes what training computed
+            needs    loads once the runtime is started with a flag (the flag is in the reason)
+            invalid  refused, or loaded with a wrong result
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+REPORT_JSON = "runtimes.json"
+REPORT_TEXT = "RUNTIMES.md"
+
+# vllm/config/lora.py: `MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]`, `max_lora_rank = 16`.
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_DEFAULT_MAX_RANK = 16
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+@dataclass
+class Verdict:
+    runtime: str
+    status: str  # valid | needs | invalid
+    reasons: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        detail = "; ".join(self.reasons)
+        return f"{self.runtime}: {self.status.upper()}" + (f" - {detail}" if detail else "")
+
+
+def lora_modules(tensor_names: list[str]) -> list[str]:
+    """Module paths that carry LoRA A/B matrices (`model.layers.0.self_attn.q_proj`)."""
+    found = {name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for name in tensor_names if ".lora_" in name}
+    return sorted(found)
+
+
+def _patterns(config: dict) -> tuple[dict, dict]:
+    return config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+
+
+def vllm_verdict(config: dict, tensor_names: list[str]) -> Verdict:
+    """vLLM's rules: vllm/lora/peft_helper.py (PEFTHelper._validate_features, validate_legal, __post_init__) and
+    vllm/lora/utils.py (get_supported_lora_modules: every linear layer, plus the model's embedding_modules)."""
+    reasons, status = [], "valid"
+    rank_pattern, alpha_pattern = _patterns(config)
+    if config.get("use_dora"):
+        status, reasons = "invalid", [*reasons, "DoRA: vLLM refuses it (`vLLM does not yet support DoRA.`)"]
+    if config.get("modules_to_save"):
+        status = "invalid"
+        reasons.append(f"modules_to_save {config['modules_to_save']}: vLLM refuses it (`vLLM only supports "
+                       "modules_to_save being None.`)")
+    if rank_pattern or alpha_pattern:
+        status = "invalid"
+        reasons.append("rank_pattern/alpha_pattern: vLLM reads one r and one lora_alpha and scales every module by "
+                       "lora_alpha/r (PEFTHelper drops the patterns), so the listed modules get the wrong scale")
+    ranks = [config.get("r", 0), *rank_pattern.values()]
+    rank = max(int(r) for r in ranks)
+    if rank > VLLM_RANKS[-1]:
+        status = "invalid"
+        reasons.append(f"rank {rank} > {VLLM_RANKS[-1]}, the largest max_lora_rank vLLM accepts")
+    elif rank > VLLM_DEFAULT_MAX_RANK:
+        flag = next(r for r in VLLM_RANKS if r >= rank)
+        status = "needs" if status == "valid" else status
+        reasons.append(f"rank {rank} > vLLM's default max_lora_rank {VLLM_DEFAULT_MAX_RANK}: start vLLM with "
+                       f"--max-lora-rank {flag}")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        status = "needs" if status == "valid" else status
+        reasons.append("adapter bias: vLLM loads it only with bias enabled (LoRAConfig.bias_enabled, --enable-lora-bias)")
+    outside = [m for m in lora_modules(tensor_names) if m.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]
+    if outside:
+        status = "needs" if status == "valid" else status
+        reasons.append(f"LoRA on {', '.join(sorted({m.rsplit('.', 1)[-1] for m in outside}))}: vLLM takes it only where "
+                       "the model class lists it in embedding_modules (varies by model and version); check before serving")
+    if config.get("use_rslora") and status != "invalid":
+        reasons.append("rsLoRA: vLLM scales by lora_alpha/sqrt(r), as PEFT does")
+    if status == "valid" and not reasons:
+        reasons.append(f"LoRA on linear layers only, rank {rank} <= {VLLM_DEFAULT_MAX_RANK}")
+    return Verdict("vLLM (LoRA adapter, enable_lora=True)", status, reasons)
+
+
+def llama_cpp_verdict(config: dict, tensor_names: list[str], *, tied_embeddings: bool) -> Verdict:
+    """llama.cpp's rules: convert_lora_to_gguf.py (reads lparams["lora_alpha"]; accepts only .lora_A.weight /
+    .lora_B.weight names, exits on any other tensor; raises on lm_head when the base ties it to the embeddings) and
+    src/llama-adapter.h (get_scale: adapter_scale * alpha / rank, rank from the tensor, one alpha per file)."""
+    reasons, status = [], "valid"
+    if "lora_alpha" not in config:
+        status = "invalid"
+        reasons.append("adapter_config.json has no lora_alpha, which the converter reads (KeyError)")
+    if config.get("use_dora"):
+        status = "invalid"
+        reasons.append("DoRA: its lora_magnitude_vector tensors are not lora_A/lora_B; the converter stops "
+                       "(`Unexpected name ...: Not a lora_A or lora_B tensor`)")
+    if config.get("modules_to_save"):
+        status = "invalid"
+        reasons.append(f"modules_to_save {config['modules_to_save']}: full weights in the adapter; the converter stops "
+                       "on them (`Embeddings is present in the adapter`)")
+    # The converter skips `.base_layer.weight` (PEFT saves the base layer of a targeted embedding/lm_head with it).
+    odd = [n for n in tensor_names if not n.endswith(LORA_SUFFIXES) and "lora_magnitude_vector" not in n
+           and "lora_embedding_" not in n and ".base_layer.weight" not in n and not _saved_module(n, config)]
+    if odd:
+        status = "invalid"
+        reasons.append(f"{len(odd)} tensor(s) not named .lora_A.weight/.lora_B.weight (e.g. {odd[0]}); the converter "
+                       "stops on them")
+    if tied_embeddings and any(m.endswith("lm_head") for m in lora_modules(tensor_names)):
+        status = "invalid"
+        reasons.append("LoRA on lm_head of a base with tied embeddings: the GGUF base has no separate output tensor "
+                       "(`lm_head is present in adapter, but is ignored in base model`)")
+    rank_pattern, alpha_pattern = _patterns(config)
+    if config.get("use_rslora"):
+        status = "invalid"
+        r, alpha = config.get("r", 1), config.get("lora_alpha", 1)
+        reasons.append(f"rsLoRA: llama.cpp scales by alpha/rank, not alpha/sqrt(rank), so the update is {r ** 0.5:g}x too "
+                       f"small. Fix: convert a copy whose adapter_config.json says lora_alpha {alpha * r ** 0.5:g} "
+                       f"(alpha*sqrt(r)), or load it with --lora-scaled FILE {r ** 0.5:g}")
+    if alpha_pattern:
+        status = "invalid"
+        reasons.append(f"alpha_pattern {alpha_pattern}: a GGUF adapter has one alpha, so those modules get the wrong "
+                       "scale")
+    if rank_pattern and status == "valid":
+        reasons.append("rank_pattern: fine, llama.cpp reads each module's rank from its tensors")
+    if status == "valid" and not reasons:
+        reasons.append("lora_A/lora_B tensors only, lora_alpha set, plain alpha/r scaling")
+    return Verdict("llama.cpp (convert_lora_to_gguf.py -> GGUF adapter)", status, reasons)
+
+
+def _saved_module(name: str, config: dict) -> bool:
+    """A modules_to_save weight (already reported by its own rule)."""
+    return any(f".{module}." in f".{name}" for module in config.get("modules_to_save") or [])
+
+
+def check_peft_load(folder: Path, base_config) -> Verdict:
+    """Load the written adapter with PEFT's own loader into a PeftModel of the base and compare every tensor.
+
+    The base is built on the meta device (no weights, any size); the adapter tensors are assigned from the file, so
+    what PEFT loaded can be compared with what was written, and missing or unexpected keys are PEFT's own findings."""
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    name = "PEFT (PeftModel.from_pretrained)"
+    written = load_peft_weights(str(folder), device="cpu")
+    peft_config = PeftConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(base_config)
+    peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    _materialize_adapter(peft_model, written)
+    result = set_peft_model_state_dict(peft_model, written)
+    unexpected = list(result.unexpected_keys)
+    missing = [key for key in result.missing_keys if "lora_" in key or "modules_to_save" in key]
+    loaded = get_peft_model_state_dict(peft_model)
+    differ = [key for key, value in written.items()
+              if key not in loaded or loaded[key].is_meta or not torch.equal(loaded[key], value)]
+    if unexpected or missing or differ:
+        example = (unexpected or missing or differ)[0]
+        reason = (f"PEFT's loader: {len(unexpected)} unexpected, {len(missing)} missing, {len(differ)} different "
+                  f"tensor(s) (e.g. {example})")
+        return Verdict(name, "invalid", [reason])
+    reason = f"PEFT's loader took all {len(written)} tensors into a PeftModel of the base, each equal to the file"
+    return Verdict(name, "valid", [reason])
+
+
+def _materialize_adapter(peft_model, written: dict) -> None:
+    """Give the adapter's own parameters (LoRA, DoRA magnitudes, modules_to_save copies, base layers saved with the
+    adapter) real CPU storage; the rest of the base stays on the meta device."""
+    for name, param in list(peft_model.named_parameters(remove_duplicate=False)):  # tied lm_head is a duplicate
+        if param.is_meta and ("lora_" in name or "modules_to_save" in name or name in written):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = peft_model.get_submodule(parent_name)
+            setattr(parent, leaf, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=False))
+
+
+def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict]:
+    """Every runtime's verdict on the adapter in `folder` (for --merge: the adapter that was merged)."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())
+    text_config = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+    tied = bool(getattr(text_config, "tie_word_embeddings", getattr(base_config, "tie_word_embeddings", False)))
+    verdicts = [check_peft_load(folder, base_config)]
+    if merged:
+        verdicts.append(Verdict("transformers (merged model, no PEFT)", "valid",
+                                ["reloaded with AutoModelForCausalLM and its logits compared with base + adapter"]))
+    verdicts += [vllm_verdict(config, names), llama_cpp_verdict(config, names, tied_embeddings=tied)]
+    return verdicts
+
+
+def write_report(out: Path, verdicts: list[Verdict], *, merged: bool) -> str:
+    """runtimes.json and RUNTIMES.md into the export folder; returns the text that is printed."""
+    subject = "the adapter merged into this model" if merged else "this adapter"
+    lines = [f"Where {subject} runs (checked by finetune export against each runtime's rules):", ""]
+    lines += [f"- {verdict.line()}" for verdict in verdicts]
+    text = "\n".join(lines)
+    (out / REPORT_JSON).write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
+    (out / REPORT_TEXT).write_text(text + "\n")
+    return text
