@@ -38,7 +38,7 @@ case $installed in "$work"/venv/*) ;; *) echo "finetune imported from $installed
 
 step "finetune recipes"
 "$bin/finetune" recipes | tee recipes.txt
-grep -q "^quickstart " recipes.txt && grep -q "cpu_fsdp2" recipes.txt
+grep -q "^quickstart " recipes.txt && grep -q "fsdp2" recipes.txt
 
 step "finetune recipes copy (twice: the second must refuse)"
 "$bin/finetune" recipes copy quickstart mine.yaml
@@ -50,9 +50,9 @@ step "finetune quickstart --tiny (a tiny training run of the library's quickstar
 "$bin/finetune" quickstart --tiny --out runs/quickstart
 test -f runs/quickstart/adapter/adapter_model.safetensors
 
-step "finetune train mine.yaml --accelerate-config cpu_ddp (a library config by name, 2 processes)"
-"$bin/finetune" train mine.yaml --accelerate-config cpu_ddp model.name_or_path=runs/quickstart/tiny-model \
-  model.gguf_file=null model.dtype=float32 train.max_steps=2 train.warmup_steps=0 train.micro_batch_size=2 \
+step "finetune train mine.yaml --accelerate-config ddp (a library config by name, 2 processes; CPU switch only)"
+ACCELERATE_USE_CPU=true "$bin/finetune" train mine.yaml --accelerate-config ddp model.name_or_path=runs/quickstart/tiny-model \
+  model.gguf_file=null model.dtype=bfloat16 train.max_steps=2 train.warmup_steps=0 train.micro_batch_size=2 \
   eval.generation_rows=0 output.dir=runs/ddp
 test -f runs/ddp/adapter/adapter_model.safetensors
 

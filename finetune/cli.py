@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("train", help="train a recipe (one process, or several through accelerate)")
     _add_recipe_args(p)
-    p.add_argument("--accelerate-config", help="accelerate config: a file, or a library config by name (fsdp2, ddp, cpu_fsdp2, ...); launches "
+    p.add_argument("--accelerate-config", help="accelerate config: a file, or a library config by name (fsdp2, fsdp1, ddp, ...); launches "
                    "through `accelerate launch`")
     p.add_argument("--num-processes", type=int, help="processes to launch (with accelerate)")
     p.set_defaults(func=cmd_train)

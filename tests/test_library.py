@@ -89,7 +89,7 @@ def test_accelerate_configs_resolve_by_name(capsys):
 
     assert set(accelerate_config_names()) == {p.stem for p in (REPO / "accelerate_configs").glob("*.yaml")}
     assert resolve_accelerate_config("fsdp2") == str(REPO / "accelerate_configs" / "fsdp2.yaml")
-    assert resolve_accelerate_config("cpu_ddp.yaml") == str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+    assert resolve_accelerate_config("ddp.yaml") == str(REPO / "accelerate_configs" / "ddp.yaml")
     # The README's checkout path still works from any folder: the library config of that name.
     assert resolve_accelerate_config("accelerate_configs/ddp.yaml").endswith("accelerate_configs/ddp.yaml")
     assert main(["validate", "quickstart", "--accelerate-config", "fsdp3"]) == 2
