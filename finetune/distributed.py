@@ -179,8 +179,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def teardown() -> None:
+def teardown(*, clean: bool = False) -> None:
+    """Close the process group. `clean` (every rank finished the run): meet once more first, so no rank closes its
+    connections while a peer's transport threads still finish the last collective. A gloo run was seen, once under
+    heavy load, to abort at exit ("terminate called without an active exception") after training had finished."""
     global _INFO
     if dist.is_available() and dist.is_initialized():
+        if clean:
+            import gc
+
+            dist.barrier()
+            gc.collect()  # drop finished async work objects (they hold tensors) while the interpreter is whole
         dist.destroy_process_group()
     _INFO = None

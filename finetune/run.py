@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else EXIT_USER_ERROR
+    clean = False
     try:
         run(argv[0], argv[1:])
+        clean = True
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)
         text = str(exc) if rank == 0 else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
         return getattr(exc, "exit_code", EXIT_USER_ERROR)
     finally:
-        distributed.teardown()
+        distributed.teardown(clean=clean)
     return 0
 
 
