@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def launcher_settings(env) -> dict:
                 "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
                 "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
                 "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
-                "zero3_init": env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT")}
+                "zero3_init": env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
+                "use_cpu": "true" if (env.get("ACCELERATE_USE_CPU") or "").strip().lower() in ("1", "true", "yes") else None}
     return {k: v for k, v in settings.items() if v not in (None, "", "none") or k == "strategy"}
 
 
@@ -123,7 +125,7 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
                         f"not installed. Fix: {INSTALL_HINT}; or use parallel.strategy: fsdp.")
         return ZeroSettings(stage=p.zero_stage or 3)
     env_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
-    if env_cpu and launcher.get("strategy") == "deepspeed":
+    if (env_cpu or launcher.get("use_cpu")) and launcher.get("strategy") == "deepspeed":
         problems.append("ACCELERATE_USE_CPU is set (or use_cpu: true in the accelerate config) together with a DeepSpeed "
                         "config: accelerate then silently runs plain CPU DDP instead of DeepSpeed. Fix: unset "
                         "ACCELERATE_USE_CPU and keep use_cpu: false; DeepSpeed runs on the CPU by itself where there is no GPU.")
@@ -304,6 +306,8 @@ def initialize(model: nn.Module, settings: ZeroSettings) -> nn.Module:
     import deepspeed
 
     _skip_shm_op_build()
+    # DeepSpeed calls the collectives torch renamed (all_gather_into_tensor...): one FutureWarning per call and rank.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=settings.engine_config,
@@ -360,8 +364,11 @@ def trainable_state_dict(engine, names) -> dict[str, torch.Tensor]:
 
 
 def local_parameter_bytes(engine) -> dict[str, int]:
-    """Bytes of parameters this rank holds: its ZeRO-3 partitions (`ds_tensor`) plus anything left gathered."""
-    frozen = trainable = gathered = 0
+    """Bytes of parameters this rank holds: its ZeRO-3 partitions (`ds_tensor`) plus anything left gathered.
+
+    `packed_4bit_*`: the bitsandbytes weights alone, this rank's partitions and their whole size (ds_numel).
+    """
+    frozen = trainable = gathered = packed_held = packed_whole = 0
     for param in engine.module.parameters():
         partition = getattr(param, "ds_tensor", None)
         size = param.data.numel() * param.data.element_size()
@@ -372,7 +379,11 @@ def local_parameter_bytes(engine) -> dict[str, int]:
             trainable += size
         else:
             frozen += size
-    return {"frozen_bytes": frozen, "trainable_bytes": trainable, "gathered_bytes": gathered}
+        if type(param).__name__ == "Params4bit":
+            packed_held += size
+            packed_whole += getattr(param, "ds_numel", param.numel()) * param.element_size()
+    return {"frozen_bytes": frozen, "trainable_bytes": trainable, "gathered_bytes": gathered,
+            "packed_4bit_bytes": packed_held, "packed_4bit_whole_bytes": packed_whole}
 
 
 def generation_module(engine) -> nn.Module:

@@ -269,6 +269,8 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             return "layer_split" if decision is not None and decision.strategy == "layer_split" else "single"
         if launcher.get("strategy") in ("fsdp", "deepspeed"):
             return launcher["strategy"]
+        if recipe.parallel.zero_stage is not None or recipe.parallel.deepspeed_config:
+            return "deepspeed"  # torchrun / the deepspeed launcher: the recipe's DeepSpeed keys say which engine
         if decision is None:
             return "ddp"
         ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
