@@ -38,6 +38,9 @@ from finetune.errors import CheckpointError, LaunchError
 INSTALL_HINT = "pip install 'finetune[deepspeed]' (or pip install deepspeed==0.19.8)"
 CHECKPOINT_FOLDER = "deepspeed"  # inside checkpoints/step-N/
 CHECKPOINT_TAG = "state"
+# Gradient reduce, all-gather and ZeRO-3 prefetch buckets, in elements (DeepSpeed's default 5e8 would allocate gigabytes
+# for a LoRA's few million gradients). The planner counts them.
+BUCKET_ELEMENTS = 50_000_000
 # Keys of a DeepSpeed JSON that the recipe owns (value must agree or be "auto") and sections it refuses.
 BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum",
               "gradient_clipping": "train.max_grad_norm", "train_batch_size": "train.micro_batch_size x train.grad_accum x processes"}
@@ -252,10 +255,9 @@ def engine_config(recipe, settings: ZeroSettings, *, world_size: int) -> dict:
     """The config deepspeed.initialize gets: the recipe's batch and clipping, the ZeRO section, quiet logging."""
     t = recipe.train
     zero = {"stage": settings.stage,
-            # DeepSpeed's default buckets (5e8 elements) allocate gigabytes for a LoRA's few million gradients.
-            "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+            "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
     if settings.stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": 50_000_000, "stage3_gather_16bit_weights_on_model_save": False})
+        zero.update({"stage3_prefetch_bucket_size": BUCKET_ELEMENTS, "stage3_gather_16bit_weights_on_model_save": False})
     if settings.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if settings.offload_params:
