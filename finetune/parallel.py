@@ -43,8 +43,8 @@ class ParallelPlan:
     layer_class: str | None = None
     activation_checkpointing: bool = True
     param_dtype: torch.dtype = torch.bfloat16
-    device_map: dict | None = None
     zero: engine_deepspeed.ZeroSettings | None = None  # strategy deepspeed
+    device_map: dict | None = None
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -389,14 +389,14 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
         return _wrap_fsdp2(model, plan, dist)
     if plan.strategy == "fsdp":
         return _wrap_fsdp1(model, plan, dist)
-    if plan.strategy == "deepspeed":
-        return engine_deepspeed.initialize(model, plan.zero)
     if plan.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
         device_ids = [dist.device] if dist.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+    if plan.strategy == "deepspeed":
+        return engine_deepspeed.initialize(model, plan.zero)  # partitions the model under ZeRO-3
     return model
 
 

@@ -297,6 +297,30 @@ def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, r
     return held
 
 
+def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
+               persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
+    """base / LoRA+optimizer / gathered bytes per GPU under DeepSpeed ZeRO-`stage` (same columns as FSDP's).
+
+    ZeRO-3 partitions every tensor on its own (numel / world, padded), except those under the persistence threshold,
+    which stay whole (norms; LoRA A/B of rank r x 4096 = 65k elements at r 16: whole too). Gathered: the largest
+    tensor (embedding or LM head, gathered alone) + one decoder layer + the prefetch bucket. ZeRO-2 keeps every
+    parameter whole like DDP and partitions the fp32 master copy, gradients and AdamW moments (16 bytes per LoRA
+    element / world); both hold one gradient reduce bucket (fp32).
+    """
+    held = held_parameter_bytes(facts, strategy=f"zero{stage}", world_size=world_size,
+                                persistence_threshold=persistence_threshold)
+    frozen, trainable = held["frozen_bytes"], held["trainable_bytes"]
+    lora_numel = facts.trainable_numel
+    optimizer = math.ceil(16 * lora_numel / world_size)  # fp32 master + gradient + two AdamW moments, partitioned
+    reduce_bucket = 4 * min(ZERO_REDUCE_BUCKET, lora_numel)
+    gathered = reduce_bucket
+    if stage == 3:
+        layer_unit, _ = _unit_sizes(facts)
+        largest = max(t.nbytes for t in facts.tensors)
+        gathered += largest + layer_unit + min(ZERO_PREFETCH_BUCKET * facts.dtype_bytes, layer_unit)
+    return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
+
+
 def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
     """Bytes autograd keeps per token for one decoder layer (no checkpointing).
 
@@ -454,30 +478,6 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
     return result
-
-
-def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
-               persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
-    """base / LoRA+optimizer / gathered bytes per GPU under DeepSpeed ZeRO-`stage` (same columns as FSDP's).
-
-    ZeRO-3 partitions every tensor on its own (numel / world, padded), except those under the persistence threshold,
-    which stay whole (norms; LoRA A/B of rank r x 4096 = 65k elements at r 16: whole too). Gathered: the largest
-    tensor (embedding or LM head, gathered alone) + one decoder layer + the prefetch bucket. ZeRO-2 keeps every
-    parameter whole like DDP and partitions the fp32 master copy, gradients and AdamW moments (16 bytes per LoRA
-    element / world); both hold one gradient reduce bucket (fp32).
-    """
-    held = held_parameter_bytes(facts, strategy=f"zero{stage}", world_size=world_size,
-                                persistence_threshold=persistence_threshold)
-    frozen, trainable = held["frozen_bytes"], held["trainable_bytes"]
-    lora_numel = facts.trainable_numel
-    optimizer = math.ceil(16 * lora_numel / world_size)  # fp32 master + gradient + two AdamW moments, partitioned
-    reduce_bucket = 4 * min(ZERO_REDUCE_BUCKET, lora_numel)
-    gathered = reduce_bucket
-    if stage == 3:
-        layer_unit, _ = _unit_sizes(facts)
-        largest = max(t.nbytes for t in facts.tensors)
-        gathered += largest + layer_unit + min(ZERO_PREFETCH_BUCKET * facts.dtype_bytes, layer_unit)
-    return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
 
 
 def _load_peak(facts: ModelFacts, devices: int) -> int:
