@@ -195,4 +195,3 @@ def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_f
         # in the run itself; the planner predicts what comes on top of it.
         baseline = measured["rss_before_model_bytes"]
         assert measured["peak_rss_bytes"] == pytest.approx(baseline + dynamic, rel=0.15), (baseline, dynamic, measured)
-
