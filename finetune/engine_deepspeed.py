@@ -83,7 +83,7 @@ def accelerate_config_env(config: dict) -> dict[str, str]:
         if ds.get(key) is not None:
             env[name] = str(ds[key]).lower() if isinstance(ds[key], bool) else str(ds[key])
     if config.get("use_cpu"):
-        env["ACCELERATE_USE_CPU"] = "true"  # accelerate's Accelerator would drop DeepSpeed: resolve() refuses it
+        env["ACCELERATE_USE_CPU"] = "true"  # DeepSpeed on the CPU (accelerate's Accelerator would drop it: not used)
     return env
 
 
@@ -129,9 +129,8 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
         return ZeroSettings(stage=p.zero_stage or 3)
     env_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
     if (env_cpu or launcher.get("use_cpu")) and launcher.get("strategy") == "deepspeed":
-        problems.append("ACCELERATE_USE_CPU is set (or use_cpu: true in the accelerate config) together with a DeepSpeed "
-                        "config: accelerate then silently runs plain CPU DDP instead of DeepSpeed. Fix: unset "
-                        "ACCELERATE_USE_CPU and keep use_cpu: false; DeepSpeed runs on the CPU by itself where there is no GPU.")
+        # accelerate's own Accelerator would quietly run plain CPU DDP here; finetune builds the engine itself.
+        notes.append("ACCELERATE_USE_CPU: DeepSpeed runs on the CPU over gloo (not accelerate's fallback to CPU DDP)")
     config_file, where = _config_file(p, launcher, problems)
     user = read_config_file(config_file, where) if config_file else {}
     zero_section = dict(user.get("zero_optimization") or {})
@@ -158,7 +157,7 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
                             config_file=config_file, zero_section=zero_section, learning_rate=t.learning_rate,
                             weight_decay=t.weight_decay)
     settings.engine_config = engine_config(recipe, settings, world_size=world_size)
-    _validate_with_deepspeed(settings, config_file or "the DeepSpeed settings", problems)
+    _validate_with_deepspeed(settings, config_file or "the DeepSpeed settings", problems, device_type=device_type)
     return settings
 
 
@@ -270,12 +269,19 @@ def engine_config(recipe, settings: ZeroSettings, *, world_size: int) -> dict:
             "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
 
 
-def _validate_with_deepspeed(settings: ZeroSettings, where: str, problems: list[str]) -> None:
+def _validate_with_deepspeed(settings: ZeroSettings, where: str, problems: list[str], *, device_type: str) -> None:
     """The installed DeepSpeed's own schema for the ZeRO section: unknown or unsupported keys are named."""
     from pydantic import ValidationError
 
-    _use_cpu_accelerator_without_gpu()
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    # Only validating (maybe in `finetune train`'s parent, whose environment the workers inherit): the accelerator
+    # choice is set for the import alone, so a GPU machine's workers still pick CUDA.
+    previous = os.environ.get("DS_ACCELERATOR")
+    _choose_accelerator("cpu" if not torch.cuda.is_available() else device_type)
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    finally:
+        if previous is None:
+            os.environ.pop("DS_ACCELERATOR", None)
 
     try:
         DeepSpeedZeroConfig(**settings.engine_config["zero_optimization"])
@@ -287,9 +293,10 @@ def _validate_with_deepspeed(settings: ZeroSettings, where: str, problems: list[
 
 
 # ----------------------------------------------------------------------------------------------- the engine
-def _use_cpu_accelerator_without_gpu() -> None:
-    """DeepSpeed guesses its accelerator at import and warns on a CPU-only machine; say it (before the import)."""
-    if not torch.cuda.is_available():
+def _choose_accelerator(device_type: str) -> None:
+    """DeepSpeed picks its accelerator at import (CUDA when it sees one): a CPU run (no GPU, or ACCELERATE_USE_CPU)
+    must say so before the import, or its tensors and finetune's process group would be on different devices."""
+    if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -302,9 +309,9 @@ def _skip_shm_op_build() -> None:
     backend.build_shm_op = lambda: None
 
 
-def initialize(model: nn.Module, settings: ZeroSettings) -> nn.Module:
+def initialize(model: nn.Module, settings: ZeroSettings, *, device_type: str) -> nn.Module:
     """Wrap the PeftModel in a DeepSpeed engine with the recipe's torch AdamW (partitions it under ZeRO-3)."""
-    _use_cpu_accelerator_without_gpu()
+    _choose_accelerator(device_type)
     import deepspeed
 
     _skip_shm_op_build()

@@ -396,7 +396,7 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
         device_ids = [dist.device] if dist.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
     if plan.strategy == "deepspeed":
-        return engine_deepspeed.initialize(model, plan.zero)  # partitions the model under ZeRO-3
+        return engine_deepspeed.initialize(model, plan.zero, device_type=dist.device.type)  # ZeRO-3 partitions it
     return model
 
 
