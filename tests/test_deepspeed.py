@@ -267,6 +267,21 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     assert _snapshot(tmp_path / "killed") == before
 
 
+def test_nan_loss_under_zero3_stops_before_the_update(setup, tmp_path):
+    """ZeRO computes the gradient norm inside its step and skips an update whose norm is NaN/inf; the loop then applies
+    train.nan_policy (stop): no NaN reaches a checkpoint or the adapter."""
+    from finetune import checkpoint
+
+    _, recipe = setup
+    run = tmp_path / "run"
+    result = torchrun(recipe, f"output.dir={run}", "parallel.strategy=deepspeed", *TWO, "train.max_steps=3",
+                      "train.learning_rate=1e30", "train.save_every=1")
+    assert result.returncode != 0 and "is not finite; stopped before the optimizer step" in result.stderr, result.stderr[-3000:]
+    assert not (run / "adapter").exists()
+    checkpoints = checkpoint.list_checkpoints(run)
+    assert checkpoints and all(checkpoint.checkpoint_problem(path) is None for _, path in checkpoints)
+
+
 # ------------------------------------------------------------------------------------- pre-flight refusals
 def _snapshot(root: Path) -> list[str]:
     """Every file and its size, but the lock a killed run leaves behind (the next run clears it)."""
