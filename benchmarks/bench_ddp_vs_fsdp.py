@@ -1,17 +1,24 @@
-"""Per-rank peak memory and step time of DDP vs FSDP2 vs FSDP1 at 2 ranks, same model, data and global batch.
+"""Per-rank peak memory and step time of DDP vs FSDP2 vs FSDP1 vs DeepSpeed ZeRO-2 / ZeRO-3 at 2 ranks, same model,
+data and global batch.
 
-    python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12]
+    python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12] [--no-deepspeed]
 
 Runs each strategy through `accelerate launch` with the shipped accelerate_configs/ddp.yaml, fsdp2.yaml and
 fsdp1.yaml and reads what every rank wrote: parameter bytes it holds (`ranks/rank{r}.json`), peak RSS, and step times
 from metrics.jsonl. Prints figures and ratios against DDP, measured in this one session. On CPU (gloo) the launch
 adds ACCELERATE_USE_CPU=true and `--mixed_precision no` with an fp32 recipe (the figures in docs/distributed.md);
 on a GPU machine pass --gpu to run the configs as shipped, bf16 (peak figures are then GPU allocator peaks).
+
+The DeepSpeed rows run the shipped accelerate_configs/deepspeed_zero{2,3}.yaml the same way, with a DeepSpeed JSON
+that sets the ZeRO-3 persistence thresholds to 0: at this model size every tensor is below DeepSpeed's default
+threshold (1e5 elements) and would stay whole on every rank, unlike the projections of any real model. They need
+`pip install 'finetune[deepspeed]'` (`--no-deepspeed` leaves them out).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -45,21 +52,21 @@ def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
     return path
 
 
-def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool) -> dict:
+def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool, overrides: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cpu_flags = []
     if not gpu:
         env["ACCELERATE_USE_CPU"] = "true"  # not `--cpu`: that flag starts one process whatever the config says
         cpu_flags = ["--mixed_precision", "no", "--num_processes", "2"]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-               *cpu_flags, str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}"]
+               *cpu_flags, str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}", *overrides]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]
-    step_times = [b - a for a, b in zip(elapsed, elapsed[1:])][2:]  # skip warm-up steps
+    step_times = [b - a for a, b in itertools.pairwise(elapsed)][2:]  # skip warm-up steps
     peak_key = "peak_gpu_bytes" if "peak_gpu_bytes" in ranks[0] else "peak_rss_bytes"
     return {
         "params_mb": max(r["frozen_bytes"] + r["trainable_bytes"] for r in ranks) / 2**20,
@@ -74,12 +81,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave out the DeepSpeed ZeRO-2/3 rows")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers, "bfloat16" if args.gpu else "float32")
         results = {name: run_strategy(f"{name}.yaml", recipe, root / name, args.steps, gpu=args.gpu)
                    for name in ("ddp", "fsdp2", "fsdp1")}
+        if not args.no_deepspeed:
+            tuning = root / "zero3_tuning.json"
+            tuning.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0,
+                                                                "stage3_model_persistence_threshold": 0}}))
+            for stage in (2, 3):
+                results[f"zero{stage}"] = run_strategy(f"deepspeed_zero{stage}.yaml", recipe, root / f"zero{stage}", args.steps,
+                                                       gpu=args.gpu, overrides=(f"parallel.deepspeed_config={tuning}",))
     base = results["ddp"]
     print(f"model: llama hidden {args.hidden_size} x {args.layers} layers, 4-bit NF4 + LoRA r16, 2 ranks, "
           f"global batch 8 x 128 tokens, {'GPU' if args.gpu else 'CPU gloo'}")

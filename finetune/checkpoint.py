@@ -7,6 +7,8 @@ Layout of output.dir:
     checkpoints/step-00000040/
         trainable/              torch.distributed.checkpoint (DCP) of {"model": LoRA tensors, "optim": optimizer state};
                                 under FSDP every rank writes its own shard, and a load reshards to any world size
+        deepspeed/              instead of trainable/ under DeepSpeed: its own checkpoint (one ZeRO partition file per
+                                rank; loads into the same number of ranks and ZeRO stage only)
         rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
         trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
         recipe.yaml             the resolved recipe of the run that wrote it
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from finetune import distributed
+from finetune import distributed, engine_deepspeed
 from finetune.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter
 from finetune.errors import CheckpointError
 from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, atomic_dir, on_main
@@ -290,10 +292,15 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
         (tmp / "rng").mkdir(parents=True)
 
     on_main(_as_checkpoint_error(make_tmp, f"cannot create {tmp}"))
-    state = trainable_state(model, optimizer, names)
-    if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in state["model"].values())):
+    deepspeed = engine_deepspeed.is_engine(model)
+    state = trainable_state(model, optimizer, names) if not deepspeed else None
+    tensors = state["model"] if state else engine_deepspeed.trainable_state_dict(model, names)
+    if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in tensors.values())):
         raise CheckpointError(f"step {step}: the adapter has NaN/inf values; checkpoint not written (older ones kept).")
-    _dcp(dcp.save, state, tmp / "trainable")
+    if deepspeed:
+        engine_deepspeed.save_state(model, tmp / engine_deepspeed.CHECKPOINT_FOLDER)
+    else:
+        _dcp(dcp.save, state, tmp / "trainable")
     rng_file = tmp / "rng" / f"rank{info.rank}.pt"
     torch.save(rng_state(), rng_file)
     with open(rng_file, "rb") as handle:
@@ -310,6 +317,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
         return size
 
     size = on_main(_as_checkpoint_error(publish, f"cannot write checkpoint {final}"))
+    verify = verify and not deepspeed  # DeepSpeed's files are covered by the manifest's checksums only
     if verify:
         verify_readback(final, state)
     distributed.print0(f"[finetune] checkpoint {final} saved ({size / 1e6:.2f} MB, {time.perf_counter() - started:.2f} s"
@@ -390,6 +398,15 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    if engine_deepspeed.is_engine(model):
+        engine_deepspeed.load_state(model, path / engine_deepspeed.CHECKPOINT_FOLDER,
+                                    saved_world_size=trainer_state["world_size"], saved_strategy=trainer_state["strategy"])
+        _load_rng(path)
+        return trainer_state
+    if not (path / "trainable").is_dir():
+        raise CheckpointError(f"train.resume: checkpoint {path} was written by {trainer_state['strategy']} (DeepSpeed's own "
+                              "format). Fix: resume it with the same DeepSpeed setup and number of processes, or start a new run.")
     state = trainable_state(model, optimizer, names)
     try:
         _dcp(dcp.load, state, path / "trainable")
@@ -405,7 +422,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                            options=StateDictOptions(strict=False, ignore_frozen_params=True))
     finally:
         fsdp_log.setLevel(level)
+    _load_rng(path)
+    return trainer_state
+
+
+def _load_rng(path: Path) -> None:
     rng_file = path / "rng" / f"rank{distributed.info().rank}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=True))
-    return json.loads((path / TRAINER_STATE).read_text())

@@ -1,4 +1,5 @@
-"""Parallel strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap policy, layer split.
+"""Parallel strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap policy, DeepSpeed ZeRO-2/3
+(its glue lives in engine_deepspeed.py), layer split.
 
 The plan is resolved and checked before any weight loads (`resolve_plan`), from the recipe, the launcher's
 environment (accelerate writes its config there as ACCELERATE_* / FSDP_* variables; torchrun sets only the ranks)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +28,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from finetune import engine_deepspeed
 from finetune.distributed import DistInfo, print0
 from finetune.errors import LaunchError
 from finetune.recipe import Recipe
 
-Strategy = Literal["single", "ddp", "fsdp", "layer_split"]
+Strategy = Literal["single", "ddp", "fsdp", "deepspeed", "layer_split"]
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ParallelPlan:
     layer_class: str | None = None
     activation_checkpointing: bool = True
     param_dtype: torch.dtype = torch.bfloat16
+    zero: engine_deepspeed.ZeroSettings | None = None  # strategy deepspeed
     device_map: dict | None = None
     sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
     notes: list[str] = field(default_factory=list)
@@ -54,6 +58,8 @@ class ParallelPlan:
             return f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}), unit = {self.layer_class}"
         if self.strategy == "ddp":
             return f"DDP over {self.world_size} processes"
+        if self.strategy == "deepspeed":
+            return f"DeepSpeed {self.zero.describe()} over {self.world_size} processes"
         if self.strategy == "layer_split":
             devices = sorted({str(d) for d in (self.device_map or {}).values()})
             return f"layer split over {', '.join(devices) or 'one device'} in one process"
@@ -81,6 +87,8 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         for key, value in fsdp.items():
             if key != "fsdp_version" and key.startswith("fsdp_"):
                 env[key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    if config.get("distributed_type") == "DEEPSPEED":
+        env.update(engine_deepspeed.accelerate_config_env(config))
     return env
 
 
@@ -110,6 +118,7 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
         settings["layer_class"] = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
         settings["auto_wrap_policy"] = env.get("FSDP_AUTO_WRAP_POLICY") or None
         settings["cpu_ram_efficient_loading"] = _env_bool("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    settings.update(engine_deepspeed.launcher_settings(env))
     mixed = env.get("ACCELERATE_MIXED_PRECISION")
     if mixed and mixed != "no":
         settings["mixed_precision"] = mixed
@@ -223,6 +232,10 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         _apply_decision(recipe, plan, decision, launcher, problems)
     _check_agreement(recipe, launcher, plan, problems)
     _check_fsdp_rules(recipe, launcher, plan, problems)
+    if strategy == "deepspeed":
+        plan.zero = engine_deepspeed.resolve(recipe, launcher, world_size=dist.world_size, device_type=dist.device.type,
+                                             problems=problems, notes=plan.notes)
+        plan.cpu_offload = plan.zero.offload_params
     if problems:
         raise LaunchError("the parallel setup cannot work:\n" + "\n".join(f"  - {p}" for p in problems))
     if strategy in ("fsdp", "layer_split") or p.layer_class:
@@ -233,7 +246,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
             count = torch.cuda.device_count() if dist.device.type == "cuda" else 0
             devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
             plan.device_map = layer_split_device_map(meta, layer_cls, devices)
-    if plan.cpu_offload and dist.device.type == "cpu":
+    if plan.cpu_offload and dist.device.type == "cpu" and strategy != "deepspeed":
         plan.notes.append("parameter offload asked for, but the parameters already live in CPU memory: nothing to offload")
         plan.cpu_offload = False
     plan.sharded_loading = strategy == "fsdp" and p.sharded_loading and not recipe.lora.dora
@@ -257,22 +270,26 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
         if world == 1:
             # One process: the planner may spread layers over the GPUs it sees when one GPU is not enough.
             return "layer_split" if decision is not None and decision.strategy == "layer_split" else "single"
-        if launcher.get("strategy") == "fsdp":
-            return "fsdp"
+        if launcher.get("strategy") in ("fsdp", "deepspeed"):
+            return launcher["strategy"]
+        if recipe.parallel.zero_stage is not None or recipe.parallel.deepspeed_config:
+            return "deepspeed"  # torchrun / the deepspeed launcher: the recipe's DeepSpeed keys say which engine
         if decision is None:
             return "ddp"
         ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
         return "ddp" if ddp is not None and ddp.fits else "fsdp"  # DDP when it fits (faster), else shard
-    if asked in ("ddp", "fsdp") and world == 1:
+    if asked in ("ddp", "fsdp", "deepspeed") and world == 1:
+        config = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3"}[asked]
         problems.append(
             f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
-            f"(`accelerate launch --config_file accelerate_configs/{'fsdp2' if asked == 'fsdp' else 'ddp'}.yaml ...` or "
+            f"(`accelerate launch --config_file accelerate_configs/{config}.yaml ...` or "
             "`torchrun --nproc_per_node N ...`), or set parallel.strategy: single."
         )
     if asked in ("single", "layer_split") and world > 1:
         problems.append(
             f"parallel.strategy is `{asked}` but {world} processes were started: each would train its own copy. Fix: launch one "
-            "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp or fsdp."
+            "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp, "
+            "fsdp or deepspeed."
         )
     return asked
 
@@ -287,7 +304,10 @@ def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict
         plan.cpu_offload = True
         plan.notes.append("the planner turned on CPU offload of parameters: FSDP without it does not fit")
     key = {"single": "single", "ddp": "ddp", "layer_split": "layer_split"}.get(plan.strategy)
-    if key is None:
+    if plan.strategy == "deepspeed":
+        stage = recipe.parallel.zero_stage or int(launcher.get("zero_stage") or 3)
+        key = "zero3" if stage == 3 else "zero2"
+    elif key is None:
         key = "fsdp_offload" if plan.cpu_offload else ("fsdp" if plan.reshard_after_forward else "fsdp_grad_op")
     chosen = by_key.get(key)
     if chosen is None or chosen.fits:
@@ -304,10 +324,17 @@ def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict
 def _check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
     """The recipe and the accelerate config must not contradict each other (neither silently wins)."""
     p = recipe.parallel
-    if launcher.get("strategy") == "fsdp" and plan.strategy == "ddp" and p.strategy == "ddp":
+    config_kind = launcher.get("strategy")
+    if config_kind in ("fsdp", "deepspeed") and p.strategy not in ("auto", config_kind):
+        name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
         problems.append(
-            "parallel.strategy is `ddp` but the accelerate config is an FSDP config. Fix: use accelerate_configs/ddp.yaml, "
-            "or set parallel.strategy: fsdp (or auto)."
+            f"parallel.strategy is `{p.strategy}` but the accelerate config is {name} config. Fix: use the accelerate config "
+            f"of that strategy (accelerate_configs/), or set parallel.strategy: {config_kind} (or auto)."
+        )
+    if plan.strategy != "deepspeed" and (p.zero_stage is not None or p.deepspeed_config):
+        problems.append(
+            f"parallel.zero_stage / parallel.deepspeed_config are set but the strategy is {plan.strategy}. Fix: set "
+            "parallel.strategy: deepspeed (or launch with a DeepSpeed accelerate config), or remove them."
         )
     if plan.strategy != "fsdp":
         return
@@ -388,6 +415,8 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
         # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
         device_ids = [dist.device] if dist.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+    if plan.strategy == "deepspeed":
+        return engine_deepspeed.initialize(model, plan.zero, device_type=dist.device.type)  # ZeRO-3 partitions it
     return model
 
 
@@ -469,19 +498,27 @@ def _fsdp1_mixed_precision(plan: ParallelPlan):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The PeftModel inside DDP / FSDP1 wrappers (FSDP2 wraps in place)."""
+    """The PeftModel inside DDP / FSDP1 / DeepSpeed wrappers (FSDP2 wraps in place)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    if engine_deepspeed.is_engine(model):
+        return model.module
     while isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)):
         model = model.module
     return model
 
 
 def gradient_sync(model: nn.Module, *, enabled: bool):
-    """Context for one micro-batch: skip the gradient all-reduce / reduce-scatter until the last of the step."""
+    """Context for one micro-batch: skip the gradient all-reduce / reduce-scatter until the last of the step.
+
+    DeepSpeed ZeRO-2/3 reduce-scatter at every micro-batch (they have no no_sync); they are told where the step ends.
+    """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    if engine_deepspeed.is_engine(model):
+        engine_deepspeed.set_boundary(model, last=enabled)
+        return contextlib.nullcontext()
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
@@ -506,6 +543,8 @@ def generation_model(model: nn.Module):
         yield model
     elif isinstance(model, FSDP):
         yield _GreedyThroughRoot(model)
+    elif engine_deepspeed.is_engine(model) and model.zero_optimization_stage() == 3:
+        yield _GreedyThroughRoot(engine_deepspeed.generation_module(model))  # forwards gather: same count on every rank
     else:
         yield unwrap(model)
 
@@ -534,6 +573,36 @@ class _GreedyThroughRoot(nn.Module):
             input_ids = torch.cat([input_ids, token[:, None]], dim=1)
             attention_mask = torch.cat([attention_mask, (~finished | (token == eos_token_id))[:, None].long()], dim=1)
         return input_ids
+
+
+def backward(model: nn.Module, loss: torch.Tensor) -> None:
+    """Backpropagate one micro-batch's (already normalized) loss."""
+    if engine_deepspeed.is_engine(model):
+        engine_deepspeed.backward(model, loss)
+    else:
+        loss.backward()
+
+
+def engine_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
+    """The torch optimizer an engine was built with (DeepSpeed), so the scheduler can drive its learning rate."""
+    return engine_deepspeed.torch_optimizer(model) if engine_deepspeed.is_engine(model) else None
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter],
+                   max_norm: float | None, *, allowed: bool) -> tuple[float, bool]:
+    """Clip, step and zero the gradients, unless the loss (`allowed`) or the gradient norm is not finite.
+
+    Returns (gradient norm before clipping, whether the parameters were updated). Under DeepSpeed the engine clips and
+    steps, and skips the update itself when the norm is NaN/inf.
+    """
+    if engine_deepspeed.is_engine(model):
+        return engine_deepspeed.optimizer_step(model)
+    norm = clip_grad_norm(model, parameters, max_norm)
+    stepped = allowed and math.isfinite(norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, stepped
 
 
 def clip_grad_norm(model: nn.Module, parameters: list[nn.Parameter], max_norm: float | None) -> float:
@@ -568,6 +637,8 @@ def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
     model still returns its frozen weights), hence the explicit `names`.
     """
     names = set(names)
+    if engine_deepspeed.is_engine(model):
+        return engine_deepspeed.trainable_state_dict(model, names)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)
@@ -583,7 +654,9 @@ def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
 
 
 def local_parameter_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of parameters this rank actually holds (its shard under FSDP), split frozen / trainable."""
+    """Bytes of parameters this rank actually holds (its shard under FSDP and ZeRO-3), split frozen / trainable."""
+    if engine_deepspeed.is_engine(model):
+        return engine_deepspeed.local_parameter_bytes(model)
     frozen = trainable = 0
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param

@@ -15,7 +15,11 @@ How it counts (docs/planner.md has the derivations and the checks against publis
     intermediates, the fp32 LoRA input copies), all layers without checkpointing, layer inputs + one recomputed
     layer with it; logits and loss buffers as train.loss_sum makes them (model-dtype logits, a copy, an fp32 copy,
     fp32 log-softmax: 12 bytes per token and vocabulary entry);
-  * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation.
+  * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
+  * DeepSpeed ZeRO-3 / ZeRO-2 (`zero_parts`): the memory model of FSDP full shard / shard-grad-op, partitioned per
+    tensor (each padded to the world size), plus what DeepSpeed adds: tensors under stage3_param_persistence_threshold
+    stay whole on every rank, the prefetch bucket of gathered parameters, the gradient reduce bucket, and an fp32
+    master copy of the LoRA weights. Listed for comparison; `strategy: auto` never picks an optional engine.
 An architecture transformers cannot build gets a generic Llama-shaped estimate, labelled as such.
 """
 
@@ -29,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from finetune.engine_deepspeed import BUCKET_ELEMENTS
 from finetune.errors import FinetuneError
 
 GiB = 1024**3
@@ -41,6 +46,9 @@ FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + t
 SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
 LOSS_BYTES_PER_LOGIT = 12  # per fp32 logit of a loss chunk: logits, exp/softmax, and the gradient built from them
 StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
+# DeepSpeed's ZeRO-3 default persistence threshold (0.19) and finetune's bucket sizes, in elements.
+ZERO_PERSISTENCE_THRESHOLD = 100_000
+ZERO_PREFETCH_BUCKET = ZERO_REDUCE_BUCKET = BUCKET_ELEMENTS
 
 
 class PlanError(FinetuneError):
@@ -262,14 +270,20 @@ def _generic_meta_model(shapes: dict, layers: int, vocab: int, hidden: int, tied
 
 # -------------------------------------------------------------------------------------------- per-rank bytes
 def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, rank: int = 0,
-                         fsdp_version: int = 2) -> dict[str, int]:
+                         fsdp_version: int = 2, persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
     """Parameter bytes one rank holds after wrapping, split frozen / trainable: what parallel.local_parameter_bytes reports.
 
     FSDP2 shards every tensor along dim 0 in torch.chunk pieces (the last ranks may get fewer rows); FSDP1 flattens
-    each unit (decoder layer, LoRA leaf, root) into one tensor padded to a multiple of the world size.
+    each unit (decoder layer, LoRA leaf, root) into one tensor padded to a multiple of the world size. ZeRO-3
+    partitions each tensor flat (numel / world, padded), except those under its persistence threshold.
     """
     held = {"frozen_bytes": 0, "trainable_bytes": 0}
     key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"
+    if strategy == "zero3" and world_size > 1:
+        for t in facts.tensors:
+            whole = t.numel < persistence_threshold
+            held[key(t)] += t.nbytes if whole else math.ceil(t.numel / world_size) * t.elem_bytes
+        return held
     if strategy != "fsdp" or world_size == 1:
         for t in facts.tensors:
             held[key(t)] += t.nbytes
@@ -287,6 +301,30 @@ def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, r
     for (_, trainable), (numel, elem_bytes) in units.items():
         held["trainable_bytes" if trainable else "frozen_bytes"] += math.ceil(numel / world_size) * elem_bytes
     return held
+
+
+def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
+               persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
+    """base / LoRA+optimizer / gathered bytes per GPU under DeepSpeed ZeRO-`stage` (same columns as FSDP's).
+
+    ZeRO-3 partitions every tensor on its own (numel / world, padded), except those under the persistence threshold,
+    which stay whole (norms; LoRA A/B of rank r x 4096 = 65k elements at r 16: whole too). Gathered: the largest
+    tensor (embedding or LM head, gathered alone) + one decoder layer + the prefetch bucket. ZeRO-2 keeps every
+    parameter whole like DDP and partitions the fp32 master copy, gradients and AdamW moments (16 bytes per LoRA
+    element / world); both hold one gradient reduce bucket (fp32).
+    """
+    held = held_parameter_bytes(facts, strategy=f"zero{stage}", world_size=world_size,
+                                persistence_threshold=persistence_threshold)
+    frozen, trainable = held["frozen_bytes"], held["trainable_bytes"]
+    lora_numel = facts.trainable_numel
+    optimizer = math.ceil(16 * lora_numel / world_size)  # fp32 master + gradient + two AdamW moments, partitioned
+    reduce_bucket = 4 * min(ZERO_REDUCE_BUCKET, lora_numel)
+    gathered = reduce_bucket
+    if stage == 3:
+        layer_unit, _ = _unit_sizes(facts)
+        largest = max(t.nbytes for t in facts.tensors)
+        gathered += largest + layer_unit + min(ZERO_PREFETCH_BUCKET * facts.dtype_bytes, layer_unit)
+    return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
 
 
 def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
@@ -383,7 +421,10 @@ STRATEGIES: dict[str, str] = {
     "fsdp_grad_op": "FSDP shard-grad-op",
     "fsdp_offload": "FSDP + CPU offload",
     "layer_split": "layer split",
+    "zero3": "DeepSpeed ZeRO-3",
+    "zero2": "DeepSpeed ZeRO-2",
 }
+
 PROCESS_CPU_BYTES = 3 * GiB  # python + torch + CUDA host libraries + tokenizer/data, per process
 
 
@@ -425,6 +466,8 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         "activations": batch["activations"] // devices,
         "logits_loss": batch["logits_loss"],  # on the last device under layer split
     }
+    if key.startswith("zero"):
+        parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
     if fsdp:
         # Full shard: the root unit (embeddings, head) stays gathered; two layer units in flight (current + prefetch).
         # Shard-grad-op keeps every gathered unit until backward ends: the whole model, unsharded.
@@ -479,7 +522,7 @@ def estimates_for(facts: ModelFacts, recipe, hw: Hardware, **kwargs) -> list[Est
     """Every strategy that this hardware can run (DDP/FSDP need 2+ GPUs, layer split 2+ GPUs in one node)."""
     keys = ["single"]
     if hw.total_gpus > 1:
-        keys += ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload"]
+        keys += ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero3", "zero2"]
     if hw.gpus_per_node > 1:
         keys.append("layer_split")
     return [estimate(facts, recipe, key, hw, **kwargs) for key in keys]

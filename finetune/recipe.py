@@ -145,10 +145,18 @@ class TrainSection(_Section):
 
 
 class ParallelSection(_Section):
-    strategy: Literal["auto", "single", "ddp", "fsdp", "layer_split"] = "auto"
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "layer_split"] = "auto"
     fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
     reshard_after_forward: bool | None = Field(None, description="True: full shard; False: shard-grad-op.")
     cpu_offload: bool | None = None
+    zero_stage: Literal[2, 3] | None = Field(
+        None, description="DeepSpeed ZeRO stage (strategy deepspeed): 3 shards everything, 2 optimizer state and gradients. "
+        "Default: the DeepSpeed config's, else 3."
+    )
+    deepspeed_config: str | None = Field(
+        None, description="A DeepSpeed JSON config (strategy deepspeed): its zero_optimization tuning is used; batch "
+        "sizes, optimizer and clipping come from the recipe. Default: the accelerate config's deepspeed_config_file."
+    )
     layer_class: str | None = Field(None, description="Decoder layer class to wrap; default from the model.")
     activation_checkpointing: bool | None = Field(None, description="Default: train.gradient_checkpointing.")
     strict: bool = Field(False, description="On GPUs: refuse (instead of warn) a strategy the planner says will not fit.")

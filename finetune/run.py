@@ -2,6 +2,7 @@
 
     accelerate launch [--config_file accelerate_configs/fsdp2.yaml] finetune/run.py RECIPE.yaml [key.path=value ...]
     torchrun --nproc_per_node 2 finetune/run.py RECIPE.yaml ...
+    deepspeed --num_gpus 2 finetune/run.py RECIPE.yaml parallel.strategy=deepspeed ...
     finetune train RECIPE.yaml ...          (same function, one process)
 """
 
@@ -76,6 +77,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The `deepspeed` launcher passes --local_rank=N to its workers; the rank comes from the environment (LOCAL_RANK).
+    argv = [arg for arg in argv if not arg.startswith(("--local_rank=", "--local-rank="))]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else EXIT_USER_ERROR

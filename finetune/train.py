@@ -2,7 +2,7 @@
 
 Loss normalization: the loss of an optimizer step is (sum of token losses over every micro-batch on every rank)
 divided by (number of trained tokens in that whole step). Each micro-batch backpropagates its token-loss sum
-times world_size / global_tokens, because DDP and FSDP average gradients over ranks. So a step gives the same
+times world_size / global_tokens, because DDP, FSDP and DeepSpeed average gradients over ranks. So a step gives the same
 gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padding or the tokens per rank.
 """
 
@@ -24,7 +24,7 @@ from finetune import checkpoint, distributed
 from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches, real_token_count
 from finetune.errors import FinetuneError
 from finetune.loss import token_loss_sum
-from finetune.parallel import clip_grad_norm, gradient_sync
+from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
 
@@ -150,7 +150,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     info, t = distributed.info(), recipe.train
     names = set(trainable_names or [name for name, param in model.named_parameters() if param.requires_grad])
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(recipe, parameters)
+    optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
                          world_size=info.world_size, seed=t.seed, pad_id=pad_id)
@@ -187,20 +187,17 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 for index, batch in enumerate(micro_batches):
                     with gradient_sync(model, enabled=index == len(micro_batches) - 1):
                         batch_loss, _ = loss_sum(model, batch, info.device)
-                        (batch_loss * info.world_size / max(global_tokens, 1)).backward()
+                        backward(model, batch_loss * info.world_size / max(global_tokens, 1))
                     step_loss += float(batch_loss.detach())
-                grad_norm = clip_grad_norm(model, parameters, t.max_grad_norm)
                 loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
-                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                # Clip, step, zero the gradients; never step on a NaN/inf, so every checkpoint and the adapter stay finite.
+                grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm, allowed=math.isfinite(loss))
                 if finite:
-                    optimizer.step()
                     scheduler.step()
                     result.steps, result.tokens = step, result.tokens + int(global_seen)
                     result.losses.append(loss)
                 else:
-                    # Never step on a NaN/inf: the parameters (and so every checkpoint and the adapter) stay finite.
                     handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
-                optimizer.zero_grad(set_to_none=True)
 
                 elapsed = time.perf_counter() - step_start
                 lr = scheduler.get_last_lr()[0]

@@ -8,7 +8,7 @@ file itself goes to `accelerate launch --config_file` unchanged:
   * the process count (`--num_processes`; the shipped files say how many GPUs);
   * for a multi-machine template, one `accelerate launch` per machine on this one: `--machine_rank`,
     `--main_process_ip 127.0.0.1` and a free `--main_process_port` (the values the file tells users to set per machine);
-  * `env` / `flags`: anything else a future row (a DeepSpeed config) needs on CPU, stated in the row.
+  * `env` / `flags`: anything else a row needs on CPU, stated in the row (the DeepSpeed configs need nothing more).
 The recipe's model.dtype must equal the config's mixed precision and its gradient checkpointing must agree with
 fsdp_activation_checkpointing (finetune checks both): `recipe_dtype` and `checkpointing_choices` read them from the file.
 """
@@ -43,6 +43,10 @@ ACCELERATE_CONFIG_RUNS: dict[str, CpuLaunch] = {
     "fsdp1.yaml": CpuLaunch(processes=2),
     "fsdp2.yaml": CpuLaunch(processes=2),
     "multi_node.yaml": CpuLaunch(processes=2, machines=2),  # 2 "machines" x 1 process on loopback
+    # DeepSpeed on CPU needs nothing more: finetune drives the engine itself (DeepSpeed's CPU accelerator, gloo), so
+    # ACCELERATE_USE_CPU does not turn it into accelerate's CPU DDP.
+    "deepspeed_zero2.yaml": CpuLaunch(processes=2),
+    "deepspeed_zero3.yaml": CpuLaunch(processes=2),
 }
 
 
@@ -73,6 +77,8 @@ def expected_strategy(name: str) -> str:
     kind = settings(name).get("distributed_type")
     if kind == "FSDP":
         return "fsdp"
+    if kind == "DEEPSPEED":
+        return "deepspeed"
     return "ddp" if ACCELERATE_CONFIG_RUNS[config_file(name)].processes > 1 else "single"
 
 

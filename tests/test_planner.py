@@ -159,6 +159,22 @@ def test_unreadable_model_config_is_a_clear_error(tmp_path, capsys):
     assert "model.name_or_path" in capsys.readouterr().err
 
 
+def test_deepspeed_zero_rows_follow_the_fsdp_memory_model():
+    """ZeRO-3 holds the base like FSDP full shard (per tensor instead of per dim-0 chunk), ZeRO-2 like DDP; both are
+    listed by `finetune plan` and never chosen by `auto` (an optional engine)."""
+    recipe = _recipe(data={"max_length": 2048}, train={"micro_batch_size": 1})
+    decision = planner.decide(recipe, _config(LLAMA31_8B), gpus_per_node=2, gpu_memory_bytes=24 * GB)
+    by_key = {e.strategy: e for e in decision.estimates}
+    assert "DeepSpeed ZeRO-3" in decision.table and "DeepSpeed ZeRO-2" in decision.table
+    assert by_key["zero3"].parts["base"] == pytest.approx(by_key["fsdp"].parts["base"], rel=0.01)
+    assert by_key["zero2"].parts["base"] == by_key["ddp"].parts["base"]
+    # What DeepSpeed adds: ZeRO-3 gathers one tensor at a time (the 1 GiB embedding, not FSDP's whole root unit), ZeRO-2
+    # keeps nothing gathered but its fp32 reduce bucket; both keep the sub-threshold LoRA tensors whole.
+    assert 1.0 * GiB < by_key["zero3"].parts["fsdp_unsharded"] < by_key["fsdp"].parts["fsdp_unsharded"]
+    assert by_key["zero2"].parts["fsdp_unsharded"] == 4 * planner.facts_from_config(_config(LLAMA31_8B), recipe).trainable_numel
+    assert decision.strategy == "ddp"
+
+
 # ------------------------------------------------------------------------------------------ measured on CPU
 @pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 2), ("fsdp", 1), ("ddp", 2)])
 def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, strategy, fsdp_version):
