@@ -72,7 +72,8 @@ def accelerate_config_env(path: str) -> dict[str, str]:
     import yaml
 
     try:
-        config = yaml.safe_load(open(path)) or {}
+        with open(path) as handle:
+            config = yaml.safe_load(handle) or {}
     except FileNotFoundError:
         raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
     except yaml.YAMLError as exc:
@@ -429,12 +430,12 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    options = dict(
-        mesh=mesh,
-        reshard_after_forward=plan.reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
-    )
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+    }
     for layer in _layer_modules(model, plan):
         if materialize is not None:
             materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard

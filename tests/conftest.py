@@ -101,7 +101,8 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd or REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd or REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:

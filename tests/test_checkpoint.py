@@ -89,13 +89,13 @@ def adapter(out_dir: Path) -> dict[str, torch.Tensor]:
 
 def assert_same_adapter(a: dict, b: dict, *, exact: bool) -> None:
     assert a.keys() == b.keys() and len(a) > 0
-    for key in a:
+    for key, value in a.items():
         if exact:
-            assert torch.equal(a[key], b[key]), f"{key} differs (max {float((a[key] - b[key]).abs().max())})"
+            assert torch.equal(value, b[key]), f"{key} differs (max {float((value - b[key]).abs().max())})"
         else:
             # 1 vs 2 processes sum in another order; Adam turns that into ~2.5e-5 per step on LoRA values of ~1e-2,
             # and where the kill lands decides how many steps ran with 2 processes. A wrong reshard is off by ~1e-2.
-            torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=5e-4)
+            torch.testing.assert_close(value, b[key], rtol=1e-3, atol=5e-4)
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
