@@ -13,21 +13,27 @@ from finetune.recipe import Recipe
 
 
 # ------------------------------------------------------------------------------------------------ the datasets
+def _count(stats: DataStats, dataset: list, counts: dict, spec, key: str, *, role: str | None = None) -> None:
+    """Add one file's counts to `stats`; a file with no usable rows is an error naming its recipe key."""
+    for name in ("rows", "skipped", "truncated", "dropped"):
+        setattr(stats, name, getattr(stats, name) + counts[name])
+    stats.skipped_reasons += counts["skipped_reasons"]
+    stats.cached_datasets += int(counts["cached"])
+    if not dataset:
+        first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
+        raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
+                        f"{counts['dropped']} dropped as too long).{first}")
+    entry = {"path": spec.path, "format": spec.format, "rows": counts["rows"], "examples": len(dataset),
+             "weight": spec.weight, "cached": counts["cached"]}
+    stats.per_dataset.append({**entry, "role": role} if role else entry)
+
+
 def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     """Every dataset tokenized (or from the cache), the eval set split off, weights applied, train rows packed."""
     stats, examples, origin = DataStats(), [], []
     for index, spec in enumerate(recipe.data.datasets):
         dataset, counts = dataset_examples(spec, recipe, tokenizer)
-        for name in ("rows", "skipped", "truncated", "dropped"):
-            setattr(stats, name, getattr(stats, name) + counts[name])
-        stats.skipped_reasons += counts["skipped_reasons"]
-        stats.cached_datasets += int(counts["cached"])
-        if not dataset:
-            first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
-            raise DataError(f"data.datasets[{index}] ({spec.path}): no usable rows ({counts['rows']} read, "
-                            f"{counts['skipped']} skipped, {counts['dropped']} dropped as too long).{first}")
-        stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": counts["rows"],
-                                  "examples": len(dataset), "weight": spec.weight, "cached": counts["cached"]})
+        _count(stats, dataset, counts, spec, f"data.datasets[{index}]")
         examples += dataset
         origin += [index] * len(dataset)
     eval_files = eval_file_examples(recipe, tokenizer, stats)
@@ -53,16 +59,7 @@ def eval_file_examples(recipe: Recipe, tokenizer, stats: DataStats) -> list[Exam
             dataset, counts = dataset_examples(spec, recipe, tokenizer)
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
             raise DataError(str(exc).replace("data.datasets path", f"{key} path", 1)) from None
-        for name in ("rows", "skipped", "truncated", "dropped"):
-            setattr(stats, name, getattr(stats, name) + counts[name])
-        stats.skipped_reasons += counts["skipped_reasons"]
-        stats.cached_datasets += int(counts["cached"])
-        if not dataset:
-            first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
-            raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
-                            f"{counts['dropped']} dropped as too long).{first}")
-        stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": counts["rows"], "role": "eval",
-                                  "examples": len(dataset), "weight": spec.weight, "cached": counts["cached"]})
+        _count(stats, dataset, counts, spec, key, role="eval")
         found += dataset
     return found
 
