@@ -214,6 +214,10 @@ def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
 
     peft_model = get_peft_model(model, lora_config(recipe))
     init_lora_weights(peft_model, recipe.train.seed)
+    if recipe.lora.fused:
+        from finetune.lora_fused import use_fused_lora
+
+        use_fused_lora(peft_model)  # falls back to PEFT's forward per call where it does not apply (lora_fused.py)
     return peft_model
 
 

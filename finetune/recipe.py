@@ -56,6 +56,9 @@ class LoraSection(_Section):
     rslora: bool = False
     dora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
+    fused: bool = Field(
+        True, description="LoRA through finetune's fused autograd function (compute in model.dtype, fp32 master "
+        "weights, dropout mask regenerated, no fp32 input copies). False: PEFT's own forward.")
 
 
 class DatasetSpec(_Section):
