@@ -332,7 +332,10 @@ def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int)
 
     fp32 copies of the norm inputs (RMSNorm upcasts), attention q/k/v/out (+ seq x seq scores when attention is
     eager), the three MLP intermediates, and per LoRA target the input cast to the LoRA dtype (+ dropout mask) and
-    the rank-r output. The 4-bit matmul saves only its (already counted) weight.
+    the rank-r output. The 4-bit matmul saves only its (already counted) weight. With the fused LoRA path
+    (lora.fused, finetune/lora_fused.py) a target keeps the layer input in model.dtype, shared by the targets that
+    read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no dropout mask. (FSDP1 and ZeRO-3
+    fall back to PEFT's forward at run time; the estimate counts the fused path for them too.)
     """
     a = facts.dtype_bytes
     lora_bytes = 4 if a == 2 else a
@@ -345,6 +348,10 @@ def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int)
     shared_inputs: set[str] = set()
     for target, in_features in facts.lora_inputs:
         group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}.get(target, target)
+        if getattr(recipe.lora, "fused", False):
+            per_token += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
+            shared_inputs.add(group)
+            continue
         if lora_bytes == a and not dropout and group in shared_inputs:
             per_token += 4 * facts.lora_rank  # same input tensor as a sibling target: saved once
             continue
