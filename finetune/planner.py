@@ -327,37 +327,42 @@ def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
     return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
 
 
-def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
-    """Bytes autograd keeps per token for one decoder layer (no checkpointing).
+def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> dict[str, int]:
+    """Bytes autograd keeps per token for one decoder layer (no checkpointing), by kind.
 
-    fp32 copies of the norm inputs (RMSNorm upcasts), attention q/k/v/out (+ seq x seq scores when attention is
-    eager), the three MLP intermediates, and per LoRA target the input cast to the LoRA dtype (+ dropout mask) and
-    the rank-r output. The 4-bit matmul saves only its (already counted) weight. With the fused LoRA path
-    (lora.fused, finetune/lora_fused.py) a target keeps the layer input in model.dtype, shared by the targets that
-    read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no dropout mask. (FSDP1 and ZeRO-3
-    fall back to PEFT's forward at run time; the estimate counts the fused path for them too.)
+    norms: fp32 copies of the norm inputs (RMSNorm upcasts); attention: q/k/v/out and the log-sum-exp (+ seq x seq
+    scores when attention is eager); mlp: the three MLP intermediates; lora: per LoRA target the input cast to the LoRA
+    dtype (+ dropout mask) and the rank-r output. The 4-bit matmul saves only its weight (bitsandbytes' MatMul4Bit).
+    With the fused LoRA path (lora.fused, finetune/lora_fused.py) a target keeps the layer input in model.dtype,
+    shared by the targets that read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no
+    dropout mask. (FSDP1 and ZeRO-3 fall back to PEFT's forward at run time; the estimate counts the fused path for
+    them too.) benchmarks/memory_breakdown.py measures the same kinds with autograd's saved-tensor hooks.
     """
     a = facts.dtype_bytes
     lora_bytes = 4 if a == 2 else a
     dropout = recipe.lora.dropout > 0
-    per_token = (2 + facts.extra_norms) * 4 * facts.hidden
-    per_token += a * (2 * facts.hidden + 2 * facts.kv_dim) + 4 * facts.heads
-    per_token += 3 * a * facts.intermediate
-    if facts.eager_attention:
-        per_token += 3 * a * facts.heads * seq_len  # scores, softcapped scores, probabilities
+    parts = {"norms": (2 + facts.extra_norms) * 4 * facts.hidden,
+             "attention": a * (2 * facts.hidden + 2 * facts.kv_dim) + 4 * facts.heads
+             + (3 * a * facts.heads * seq_len if facts.eager_attention else 0),  # scores, capped scores, probabilities
+             "mlp": 3 * a * facts.intermediate, "lora": 0}
     shared_inputs: set[str] = set()
     for target, in_features in facts.lora_inputs:
         group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}.get(target, target)
         if getattr(recipe.lora, "fused", False):
-            per_token += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
+            parts["lora"] += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
             shared_inputs.add(group)
             continue
         if lora_bytes == a and not dropout and group in shared_inputs:
-            per_token += 4 * facts.lora_rank  # same input tensor as a sibling target: saved once
+            parts["lora"] += 4 * facts.lora_rank  # same input tensor as a sibling target: saved once
             continue
         shared_inputs.add(group)
-        per_token += lora_bytes * in_features + (in_features if dropout else 0) + 4 * facts.lora_rank
-    return per_token
+        parts["lora"] += lora_bytes * in_features + (in_features if dropout else 0) + 4 * facts.lora_rank
+    return parts
+
+
+def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (no checkpointing): the sum of the parts above."""
+    return sum(activation_parts_per_token_layer(facts, recipe, seq_len=seq_len).values())
 
 
 @dataclass

@@ -41,8 +41,39 @@ def ledger_stamp_rows(n: int, *, seed: int) -> list[dict]:
     return rows
 
 
+_PAYEES = ["Harbor Bakery", "North Rail", "City Water", "Atlas Print", "Mill & Sons", "Quarry Hall", "Pine Clinic",
+           "Orbit Telecom", "Red Kite Books", "Lumen Power", "Saltmarsh Co-op", "Vale Transit"]
+
+
+def ledger_report_rows(n: int, *, seed: int) -> list[dict]:
+    """A statement of 2 to 7 dated payments -> the same payments as ledger lines (stamp, payee, cents) and the total.
+
+    Rows of realistic length for benchmarks: ~250 to ~450 tokens per chat with SmolLM2's tokenizer, about half of them
+    in the answer (the trained part), unlike ledger_stamp's ~50-token chats.
+    """
+    rng = random.Random(seed)
+    start = date(1950, 1, 1)
+    rows = []
+    for index in range(n):
+        entries = []
+        for _ in range(rng.randint(2, 7)):
+            day = start + timedelta(days=rng.randrange(365 * 100))
+            entries.append((day, rng.choice(_PAYEES), rng.randint(100, 999_999)))
+        statement = "\n".join(f"- {day.isoformat()}: paid {payee} ${cents // 100:,}.{cents % 100:02d}"
+                              for day, payee, cents in entries)
+        answer = "\n".join(f"{ledger_stamp(day)} | {payee.upper()} | {cents} c" for day, payee, cents in entries)
+        total = sum(cents for _, _, cents in entries)
+        rows.append({"messages": [
+            {"role": "user", "content": f"Statement #{index + 1:05d}. Rewrite these payments as ledger lines and give the "
+                                        f"total in cents.\n{statement}"},
+            {"role": "assistant", "content": f"{answer}\nTOTAL {total} c"},
+        ]})
+    return rows
+
+
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "ledger_stamp": ledger_stamp_rows,
+    "ledger_report": ledger_report_rows,
 }
 
 

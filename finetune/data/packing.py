@@ -112,10 +112,14 @@ def batch_efficiency(sequences: list[Example], *, micro_batch_size: int, seed: i
 
 
 def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
-    """Run two short examples packed and apart through `model`; raise DataError if the logits differ.
+    """Run two short examples packed and apart through `model`; raise DataError if the packed logits differ.
 
     The check that the model's attention really honours restarting position ids (a model with its own mask code,
-    or remote code, may not). Every rank must call it (it runs a forward). Returns the largest logit difference.
+    or remote code, may not). Every rank must call it (it runs a forward). Returns the mean absolute logit
+    difference relative to the logits' standard deviation. The limit is on that mean, not on the largest
+    difference: a bf16 model's packed and separate forwards round differently (SmolLM2-135M: largest difference
+    0.375 on logits up to 35, mean 0.006 of a standard deviation), while examples that see each other move the
+    second example's logits by about one standard deviation (measured 0.6).
     """
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
@@ -128,9 +132,12 @@ def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
         together = model(**packed, use_cache=False).logits[0].float()
         apart = torch.cat([model(input_ids=x[None].to(device), use_cache=False).logits[0].float() for x in (first, second)])
     model.train(was_training)
-    difference = float((together - apart).abs().max())
-    if difference > 1e-2 * max(1.0, float(apart.abs().max())):
-        raise DataError(f"data.packing: this model's attention ({getattr(model.config, '_attn_implementation', '?')}) "
-                        f"lets packed examples see each other (logits differ by {difference:.3g}). Set "
-                        "model.attn_implementation: sdpa or data.packing: false.")
+    difference = float((together - apart).abs().mean() / apart.std().clamp_min(1e-6))
+    if difference > 0.05:
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+        raise DataError(f"data.packing: this model's attention ({implementation}) lets packed examples see each other: "
+                        f"two examples packed into one row give logits {difference:.2f} standard deviations away from "
+                        "the same examples run apart (numerical noise is below 0.05). The model's own attention code "
+                        "ignores restarting position_ids. Set data.packing: false, or model.attn_implementation: sdpa "
+                        "if the model supports it.")
     return difference
