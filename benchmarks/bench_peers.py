@@ -1,20 +1,27 @@
 """This project vs TRL's SFTTrainer vs a minimal hand-written PEFT loop: same model, data and hyperparameters.
 
-    python benchmarks/bench_peers.py                      # SmolLM2-135M-Instruct (quickstart GGUF), all runners
-    python benchmarks/bench_peers.py --tiny --epochs 1    # a tiny random model: a smoke run of the harness
+    python benchmarks/bench_peers.py                      # every runner, unpacked and packed, 3 repeats, + memory parts
+    python benchmarks/bench_peers.py --tiny --steps 4 --repeats 1     # a tiny random model: a smoke run of the harness
     python benchmarks/bench_peers.py --only ours,trl --modes packed --distributed
+    python benchmarks/bench_peers.py --summarize results.json         # the tables of an earlier --json run
 
-Work: QLoRA (NF4 base, bf16, LoRA r16 on all linear layers) of the quickstart model on 172 chats of the quickstart
-task (finetune/tasks.py, 155 train / 17 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%),
-no gradient checkpointing, the same number of epochs for every runner. Each runner is a separate process:
-  * ours            finetune/run.py (its main(), the recipe below), packed and not;
-  * ours+chunked    the same with finetune.loss.token_loss_sum in place of train.loss_sum (monkeypatched);
+Work: QLoRA (NF4 base, bf16, LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
+quickstart's model) on the ledger_report task (finetune/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
+them trained; 180 train / 20 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%), no
+gradient checkpointing, the same number of steps for every runner. Each run is a fresh process:
+  * ours            finetune/run.py (its main(), the recipe below): the fused LoRA path, the chunked loss;
+  * ours-peft       the same with lora.fused=false: PEFT's own LoRA forward (what v1 ran);
   * trl             SFTTrainer (TRL is a benchmark dependency only) on the same tokenized rows and loss mask,
                     bf16, padding-free BFD packing when packed, LoRA via peft_config;
-  * peft            model(**batch, labels) + AdamW: the loop of PEFT's QLoRA examples (prepare_model_for_kbit_training).
+  * peft            model(**batch, labels) + AdamW: the loop of PEFT's QLoRA examples (prepare_model_for_kbit_training),
+                    on our batches (packed: the same rows, position ids restarting per example, no attention mask).
+The repeats are interleaved (every runner once, then again) so a slow spell of the machine hits all runners alike.
 Figures, the same way for every runner: training tokens/s = non-pad tokens of steps 2..N over their wall time (step 1
-is warm-up); peak RSS of the process (max over ranks); eval loss = token-weighted mean next-token loss over the held-out
-answers after the last step (the same function for all). Ratios are against `ours` in the same mode.
+is warm-up), and the median of the per-step rates; peak RSS of the process (max over ranks); eval loss = token-weighted
+mean next-token loss over the held-out answers after the last step (the same function for all); "other CPU" = the
+share of the machine's CPU time that other processes used during the run (from /proc/stat minus this run's own
+CPU time): above a few percent the run was contended. Ratios are against `ours` in the same mode. After the tables,
+benchmarks/memory_breakdown.py's per-part peak of `ours` in each mode, with the planner's estimate of each part.
 """
 
 from __future__ import annotations
@@ -53,9 +60,10 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report") -> Path
     recipe = {
         "model": model,
         "quantization": {"method": "nf4", "double_quant": True},
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"},
         "data": {"datasets": [{"path": str(data), "format": "chat"}], "system_prompt": SYSTEM_PROMPT, "max_length": 512,
                  "eval_fraction": 0.1, "eval_max_rows": 32, "cache": False},
+        "eval": {"generation_rows": 0},
         "train": {"micro_batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 5, "lr_schedule": "cosine",
                   "gradient_checkpointing": False, "log_every": 1, "eval_every": 0, "save_every": 0, "seed": 42},
         "parallel": {"strategy": "single"},
@@ -102,15 +110,13 @@ def write_report(out: Path, **report) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- runners
-def worker_ours(recipe_path: Path, out: Path, overrides: list[str], *, chunked: bool) -> None:
-    """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries."""
-    from finetune import data, run, train
+def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
+    """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries and
+    noting the peak RSS before and after the final evaluation and the checkpoint (which phase sets the peak)."""
+    from finetune import checkpoint, data, run, train
 
-    if chunked:
-        from finetune.loss import token_loss_sum
-
-        train.loss_sum = token_loss_sum  # what the lead's one-line change in train.py will do
     tokens: list[int] = []
+    phases: dict[str, float] = {}
     original_iter = data.BatchStream.__iter__
 
     def counting_iter(stream):
@@ -118,12 +124,22 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str], *, chunked: 
             tokens.append(data.real_token_count(batch, stream.pad_id))
             yield batch
 
+    def noting(name: str, function):
+        def wrapper(*args, **kwargs):
+            phases.setdefault(f"before_{name}", peak_rss_mb())
+            value = function(*args, **kwargs)
+            phases[f"after_{name}"] = peak_rss_mb()
+            return value
+        return wrapper
+
     data.BatchStream.__iter__ = counting_iter
+    train.evaluate = noting("eval", train.evaluate)
+    checkpoint.save_checkpoint = noting("checkpoint", checkpoint.save_checkpoint)
     code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
     if code != 0:
         raise SystemExit(code)
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    write_report(out, step_tokens=tokens, step_end=[m["elapsed_s"] for m in metrics if "elapsed_s" in m],
+    write_report(out, step_tokens=tokens, step_end=[m["elapsed_s"] for m in metrics if "elapsed_s" in m], phases=phases,
                  eval_loss=next((m["eval_loss"] for m in reversed(metrics) if "eval_loss" in m), None))
 
 
@@ -205,24 +221,32 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
+RUNNERS = ("ours", "ours-peft", "trl", "peft")
+
+
 def configurations(only: list[str], modes: list[str], distributed: bool) -> list[dict]:
     """(runner, mode, processes) in the order they run; 2-process runs keep the global batch at 4 (2 per rank)."""
     configs = []
     for mode in modes:
-        for runner in ("ours", "ours+chunked", "trl", "peft"):
-            if runner in only:
-                configs.append({"runner": runner, "mode": mode, "procs": 1, "strategy": "single"})
-        if distributed:
-            for runner in ("ours", "ours+chunked"):
-                if runner in only:
-                    configs += [{"runner": runner, "mode": mode, "procs": 2, "strategy": strategy}
-                                for strategy in ("ddp", "fsdp2")]
+        configs += [{"runner": runner, "mode": mode, "procs": 1, "strategy": "single"} for runner in RUNNERS if runner in only]
+        if distributed and "ours" in only:
+            configs += [{"runner": "ours", "mode": mode, "procs": 2, "strategy": strategy} for strategy in ("ddp", "fsdp2")]
     return configs
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process's finished children)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return busy, children.ru_utime + children.ru_stime
 
 
 def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
     """Run one configuration in fresh processes; returns the figures read back from their reports."""
     overrides = [f"train.max_steps={steps}", f"data.packing={str(config['mode'] == 'packed').lower()}"]
+    if config["runner"] == "ours-peft":
+        overrides.append("lora.fused=false")
     if config["procs"] > 1:
         overrides += ["train.micro_batch_size=2", "parallel.strategy=" + config["strategy"].rstrip("12")]
         overrides += ["parallel.fsdp_version=2"] if config["strategy"] == "fsdp2" else []
@@ -236,14 +260,18 @@ def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
                    "--master_port=29533", *worker]
     else:
         command = [sys.executable, *worker]
+    busy_before, own_before = cpu_seconds()
     started = time.perf_counter()
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    busy_after, own_after = cpu_seconds()
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    other = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall * os.cpu_count())
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
-    return {**config, "steps": steps, **throughput(reports, steps),
+    return {**config, "steps": steps, **throughput(reports, steps), "other_cpu": other,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in reports), "eval_loss": reports[0]["eval_loss"],
-            "wall_s": time.perf_counter() - started}
+            "phases": reports[0].get("phases", {}), "wall_s": wall}
 
 
 def throughput(reports: list[dict], steps: int) -> dict[str, float]:
@@ -255,65 +283,117 @@ def throughput(reports: list[dict], steps: int) -> dict[str, float]:
     return {"tokens_per_s": sum(per_step[1:]) / (end[steps - 1] - end[0]), "median_tokens_per_s": rates[len(rates) // 2]}
 
 
-def summarize(root: Path) -> list[dict]:
-    """Figures of the runs kept under `root` (--keep), from their reports, in run order."""
-    results = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and list(p.glob("bench_rank*.json"))):
-        _, runner, mode, strategy = folder.name.split("-", 3)
-        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("bench_rank*.json"))]
-        steps = len(reports[0]["step_end"])
-        results.append({"runner": runner, "mode": mode, "strategy": strategy, "procs": 1 if strategy == "single" else 2,
-                        "steps": steps, **throughput(reports, steps), "eval_loss": reports[0]["eval_loss"],
-                        "peak_rss_mb": max(r["peak_rss_mb"] for r in reports)})
-    return results
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def combine(results: list[dict]) -> list[dict]:
+    """One row per (runner, mode, processes): medians over the repeats and their spread (min..max)."""
+    rows: dict[tuple, list[dict]] = {}
+    for r in results:
+        rows.setdefault((r["runner"], r["mode"], r["procs"], r["strategy"]), []).append(r)
+    combined = []
+    for (runner, mode, procs, strategy), runs in rows.items():
+        row = {"runner": runner, "mode": mode, "procs": procs, "strategy": strategy, "repeats": len(runs)}
+        for key in ("median_tokens_per_s", "tokens_per_s", "peak_rss_mb", "eval_loss", "other_cpu"):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key], row[key + "_range"] = (_median(values), (min(values), max(values))) if values else (None, None)
+        combined.append(row)
+    return combined
 
 
 def table(results: list[dict]) -> str:
-    """Markdown table; ratios against `ours` (1 process) in the same mode."""
-    lines = [("| runner | mode | processes | tokens/s (median step) | tokens/s (mean) | peak RSS (MB) | eval loss | "
-             "tokens/s vs ours (median) | RSS vs ours |"), "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        base = next((b for b in results if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), r)
+    """Markdown table of the combined rows; ratios against `ours` (1 process) in the same mode."""
+    rows = combine(results)
+    lines = [("| runner | mode | processes | tokens/s, median step (range) | tokens/s, mean | peak RSS MB (range) | "
+              "eval loss | other CPU | tokens/s vs ours | RSS vs ours |"), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next((b for b in rows if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), r)
         procs = "1" if r["procs"] == 1 else f"{r['procs']} ({r['strategy'].upper()})"
-        lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['median_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['peak_rss_mb']:.0f} | {r['eval_loss']:.4g} | "
+        low, high = r["median_tokens_per_s_range"]
+        rss_low, rss_high = r["peak_rss_mb_range"]
+        lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['median_tokens_per_s']:.0f} ({low:.0f}-{high:.0f}) | "
+                     f"{r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} ({rss_low:.0f}-{rss_high:.0f}) | "
+                     f"{r['eval_loss']:.4f} | {r['other_cpu']:.0%} | "
                      f"{r['median_tokens_per_s'] / base['median_tokens_per_s']:.2f}x | "
                      f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
     return "\n".join(lines)
 
 
+def phase_table(results: list[dict]) -> str:
+    """Which phase of `ours` sets its peak RSS: training, the final evaluation, or the checkpoint."""
+    lines = ["| runner | mode | peak RSS after training (MB) | after the final eval | after the checkpoint |",
+             "|---|---|---:|---:|---:|"]
+    for r in combine([r for r in results if r.get("phases")]):
+        runs = [x for x in results if x["runner"] == r["runner"] and x["mode"] == r["mode"] and x["procs"] == r["procs"]]
+        phases = runs[0]["phases"]
+        lines.append(f"| {r['runner']} | {r['mode']} | {phases.get('before_eval', 0):.0f} | {phases.get('after_eval', 0):.0f} | "
+                     f"{phases.get('after_checkpoint', 0):.0f} |")
+    return "\n".join(lines)
+
+
+def breakdown(recipe: Path, mode: str, out: Path) -> dict:
+    """benchmarks/memory_breakdown.py on the `ours` recipe in a fresh process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, str(Path(__file__).resolve().parent / "memory_breakdown.py"), str(recipe),
+               f"data.packing={str(mode == 'packed').lower()}", "--json", str(out)]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"memory breakdown ({mode}) failed:\n{result.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def report(results: list[dict], breakdowns: list[dict]) -> str:
+    from memory_breakdown import format_breakdown
+
+    parts = [table(results), "", phase_table(results)]
+    parts += ["\n" + format_breakdown(b) for b in breakdowns]
+    return "\n".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
-    parser.add_argument("--epochs", type=float, default=2.0, help="epochs over the 155 train chats (default 2)")
-    parser.add_argument("--only", default="ours,ours+chunked,trl,peft", help="comma-separated runners")
+    parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/tasks.py)")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run, the same for every runner")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
+    parser.add_argument("--only", default=",".join(RUNNERS), help="comma-separated runners")
     parser.add_argument("--modes", default="unpacked,packed", help="comma-separated: unpacked, packed")
     parser.add_argument("--distributed", action="store_true", help="also 2-process DDP and FSDP2 runs of ours")
-    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the per-part memory breakdown")
+    parser.add_argument("--json", help="write every run's figures here as JSON")
     parser.add_argument("--keep", help="keep run folders under this path")
-    parser.add_argument("--summarize", help="print the table of the runs kept under this path, run nothing")
+    parser.add_argument("--summarize", help="print the tables of an earlier --json file, run nothing")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.summarize:
-        print(table(summarize(Path(args.summarize))))
+        saved = json.loads(Path(args.summarize).read_text())
+        print(report(saved["runs"], saved["breakdowns"]))
         return
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (step 1 is warm-up)")
     only, modes = args.only.split(","), args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        recipe = write_inputs(root, tiny=args.tiny)
-        steps = {mode: max(8, round(args.epochs * steps_per_epoch(recipe, packed=mode == "packed"))) for mode in modes}
-        results = []
-        for index, config in enumerate(configurations(only, modes, args.distributed)):
-            result = launch(config, recipe, root / f"{index:02d}-{config['runner']}-{config['mode']}-{config['strategy']}",
-                            steps[config["mode"]])
-            print(f"{result['runner']:>13} {result['mode']:>8} {result['strategy']:>6}: {result['median_tokens_per_s']:7.1f} "
-                  f"tokens/s (median step; mean {result['tokens_per_s']:.1f}), "
-                  f"peak RSS {result['peak_rss_mb']:6.0f} MB, eval loss {result['eval_loss']:.4f} "
-                  f"({result['steps']} steps, {result['wall_s']:.0f} s)", flush=True)
-            results.append(result)
+        recipe = write_inputs(root, tiny=args.tiny, task=args.task)
+        results, breakdowns = [], []
+        for repeat in range(args.repeats):
+            for index, config in enumerate(configurations(only, modes, args.distributed)):
+                name = f"r{repeat}-{index:02d}-{config['runner']}-{config['mode']}-{config['strategy']}"
+                result = launch(config, recipe, root / name, args.steps)
+                print(f"{repeat + 1}/{args.repeats} {result['runner']:>9} {result['mode']:>8} {result['strategy']:>6}: "
+                      f"{result['median_tokens_per_s']:7.1f} tokens/s (median step; mean {result['tokens_per_s']:.1f}), "
+                      f"peak RSS {result['peak_rss_mb']:6.0f} MB, eval loss {result['eval_loss']:.4f}, other CPU "
+                      f"{result['other_cpu']:.0%} ({args.steps} steps, {result['wall_s']:.0f} s)", flush=True)
+                results.append(result)
+        if not args.no_breakdown and "ours" in only:
+            breakdowns = [breakdown(recipe, mode, root / f"breakdown-{mode}.json") for mode in modes]
     print()
-    print(table(results))
+    print(report(results, breakdowns))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": results, "breakdowns": breakdowns}, indent=1))
 
 
 def worker_main(argv: list[str]) -> None:
@@ -324,7 +404,7 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--mode", required=True)
     args, overrides = parser.parse_known_args(argv)
     if args.worker.startswith("ours"):
-        worker_ours(args.recipe, args.out, overrides, chunked=args.worker == "ours+chunked")
+        worker_ours(args.recipe, args.out, overrides)
     elif args.worker == "trl":
         worker_trl(args.recipe, args.out, overrides, packed=args.mode == "packed")
     else:

@@ -223,7 +223,8 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
 
     tokens, seq_len = int(batch["input_ids"].numel()), int(batch["input_ids"].shape[1])
     facts = planner.facts_from_config(planner.model_config_for(recipe), recipe)
-    per_token = planner.activation_parts_per_token_layer(facts, recipe, seq_len=seq_len)
+    # On CPU torch's dropout keeps its mask in the input's dtype (fp32 under PEFT's forward); CUDA keeps a bool mask.
+    per_token = planner.activation_parts_per_token_layer(facts, recipe, seq_len=seq_len, dropout_mask_bytes=4)
     estimate = planner.estimate(facts, recipe, "single", planner.Hardware(1, 1 << 50), per_rank_full_load=False)
     planned = {"base": estimate.parts["base"], "quant_state": estimate.parts["quant_state"],
                "lora_grads_adamw": estimate.parts["lora_grads_adamw"],
@@ -268,8 +269,8 @@ ROWS = [("runtime", "runtime (torch, transformers, peft, bitsandbytes imported)"
 
 def format_breakdown(result: dict) -> str:
     measured, planned = result["measured"], result["planner"]
-    lines = [f"Memory of one training step: batch {result['batch'][0]} x {result['batch'][1]} tokens "
-             f"({'packed' if result['packed'] else 'unpacked'}, {'fused' if result['fused'] else 'PEFT'} LoRA forward)",
+    lines = [(f"Memory of one training step: batch {result['batch'][0]} x {result['batch'][1]} tokens "
+             f"({'packed' if result['packed'] else 'unpacked'}, {'fused' if result['fused'] else 'PEFT'} LoRA forward)"),
              "", "| part | measured (MiB) | planner (MiB) | planner / measured |", "|---|---:|---:|---:|"]
     for key, label in ROWS:
         if key not in measured:

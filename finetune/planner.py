@@ -11,10 +11,11 @@ How it counts (docs/planner.md has the derivations and the checks against publis
   * sharding exactly as torch does it: FSDP2 chunks every tensor along dim 0, FSDP1 pads each unit's flat
     parameter to a multiple of the world size; the quantization state is not a parameter, so every rank holds all of it;
   * gradients and AdamW state (two moments) for the LoRA parameters, sharded like them, on the CPU with offload;
-  * activations per token and decoder layer (what autograd saves: fp32 norm inputs, attention q/k/v/out, MLP
-    intermediates, the fp32 LoRA input copies), all layers without checkpointing, layer inputs + one recomputed
-    layer with it; logits and loss buffers as train.loss_sum makes them (model-dtype logits, a copy, an fp32 copy,
-    fp32 log-softmax: 12 bytes per token and vocabulary entry);
+  * activations per token and decoder layer, by kind (what autograd saves: fp32 norm inputs, attention q/k/v/out and
+    the SDPA mask, MLP intermediates, the LoRA inputs and rank-r projections), all layers without checkpointing,
+    layer inputs + one recomputed layer with it; the loss as finetune/loss.py makes it (one chunk of logits at 16
+    bytes per logit, the kept gradient of the hidden states). benchmarks/memory_breakdown.py measures each kind;
+    docs/benchmarks.md has the comparison;
   * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
   * DeepSpeed ZeRO-3 / ZeRO-2 (`zero_parts`): the memory model of FSDP full shard / shard-grad-op, partitioned per
     tensor (each padded to the world size), plus what DeepSpeed adds: tensors under stage3_param_persistence_threshold
@@ -44,7 +45,7 @@ NESTED_BLOCK = 256  # absmax values per fp32 second-level absmax (double quant)
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
 SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
-LOSS_BYTES_PER_LOGIT = 12  # per fp32 logit of a loss chunk: logits, exp/softmax, and the gradient built from them
+LOSS_BYTES_PER_LOGIT = 16  # per logit of a loss chunk: model-dtype logits, the fp32 copy, log-softmax, its gradient (measured 15.4, benchmarks/memory_breakdown.py)
 StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
 # DeepSpeed's ZeRO-3 default persistence threshold (0.19) and finetune's bucket sizes, in elements.
 ZERO_PERSISTENCE_THRESHOLD = 100_000
@@ -327,25 +328,34 @@ def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
     return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
 
 
-def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> dict[str, int]:
+def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int, dropout_mask_bytes: int = 1) -> dict[str, int]:
     """Bytes autograd keeps per token for one decoder layer (no checkpointing), by kind.
 
     norms: fp32 copies of the norm inputs (RMSNorm upcasts); attention: q/k/v/out and the log-sum-exp (+ seq x seq
     scores when attention is eager); mlp: the three MLP intermediates; lora: per LoRA target the input cast to the LoRA
     dtype (+ dropout mask) and the rank-r output. The 4-bit matmul saves only its weight (bitsandbytes' MatMul4Bit).
+    With a mask (padded micro-batches, packed rows; not flash-attention, which takes sequence lengths), transformers'
+    sdpa path repeats k/v to every query head (no GQA kernel with a mask) and SDPA keeps its own copy of the
+    (batch, 1, seq, seq) mask in each layer. SDPA's output is what o_proj reads: saved once, under attention.
     With the fused LoRA path (lora.fused, finetune/lora_fused.py) a target keeps the layer input in model.dtype,
     shared by the targets that read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no
     dropout mask. (FSDP1 and ZeRO-3 fall back to PEFT's forward at run time; the estimate counts the fused path for
     them too.) benchmarks/memory_breakdown.py measures the same kinds with autograd's saved-tensor hooks.
+    `dropout_mask_bytes`: PEFT's dropout mask per element; 1 on GPUs (CUDA's fused dropout keeps a bool mask), the
+    LoRA dtype's size on CPU (torch multiplies by a mask of the input's dtype there).
     """
     a = facts.dtype_bytes
     lora_bytes = 4 if a == 2 else a
     dropout = recipe.lora.dropout > 0
+    flash = recipe.model.attn_implementation.startswith("flash")
+    masked = not flash and (recipe.data.packing or recipe.train.micro_batch_size > 1)
+    kv = facts.hidden if masked and not facts.eager_attention else facts.kv_dim
     parts = {"norms": (2 + facts.extra_norms) * 4 * facts.hidden,
-             "attention": a * (2 * facts.hidden + 2 * facts.kv_dim) + 4 * facts.heads
+             "attention": a * (2 * facts.hidden + 2 * kv) + 4 * facts.heads + (a * seq_len if masked else 0)
              + (3 * a * facts.heads * seq_len if facts.eager_attention else 0),  # scores, capped scores, probabilities
              "mlp": 3 * a * facts.intermediate, "lora": 0}
-    shared_inputs: set[str] = set()
+    # o_proj's input is the attention output (saved there) unless eager attention makes a transposed copy.
+    shared_inputs: set[str] = set() if facts.eager_attention else {"o_proj"}
     for target, in_features in facts.lora_inputs:
         group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}.get(target, target)
         if getattr(recipe.lora, "fused", False):
@@ -356,7 +366,7 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int)
             parts["lora"] += 4 * facts.lora_rank  # same input tensor as a sibling target: saved once
             continue
         shared_inputs.add(group)
-        parts["lora"] += lora_bytes * in_features + (in_features if dropout else 0) + 4 * facts.lora_rank
+        parts["lora"] += lora_bytes * in_features + (dropout_mask_bytes * in_features if dropout else 0) + 4 * facts.lora_rank
     return parts
 
 
