@@ -16,7 +16,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from memory_breakdown import LAYER_KINDS, format_breakdown, measure  # noqa: E402
+from memory_breakdown import LAYER_KINDS, format_breakdown, measure
 
 
 @pytest.fixture(scope="module")
