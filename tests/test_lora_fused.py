@@ -77,15 +77,15 @@ def test_recipe_can_turn_it_off(tiny_llama, tmp_path):
     assert not any("forward" in m.__dict__ for m in peft_model.modules())
 
 
-def test_keep_mask_rate_and_reproducibility():
+def test_drop_mask_rate_and_reproducibility():
     """16 random bits per element: the drop rate is p (within sampling noise), the same seed gives the same mask."""
-    from finetune.lora_fused import keep_mask
+    from finetune.lora_fused import drop_mask
 
     x = torch.empty(1000, 999)
     for p in (0.05, 0.1, 0.5):
-        keep = keep_mask(x, p, seed=3)
+        keep = ~drop_mask(x, p, seed=3)
         assert abs(float(keep.float().mean()) - (1 - p)) < 0.003, p  # 999,000 draws: sd ~ 0.0005
-        assert torch.equal(keep, keep_mask(x, p, seed=3))
-        assert not torch.equal(keep, keep_mask(x, p, seed=4))
-    rows = keep_mask(x, 0.5, seed=9).float().mean(dim=1)  # no structure along the last dimension or across rows
+        assert torch.equal(keep, ~drop_mask(x, p, seed=3))
+        assert not torch.equal(keep, ~drop_mask(x, p, seed=4))
+    rows = drop_mask(x, 0.5, seed=9).float().mean(dim=1)  # no structure along the last dimension or across rows
     assert float(rows.std()) < 0.03
