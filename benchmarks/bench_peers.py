@@ -87,6 +87,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def device():
+    """The GPU of this process when there is one (LOCAL_RANK), else the CPU: every runner trains on the same device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
+    return torch.device("cpu")
+
+
 def held_out_loss(model, examples, pad_id: int) -> float:
     """Token-weighted mean next-token loss over the held-out answers (what finetune's evaluate() computes)."""
     import torch
@@ -98,7 +107,7 @@ def held_out_loss(model, examples, pad_id: int) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in eval_batches(examples, micro_batch_size=4, rank=0, world_size=1, pad_id=pad_id):
-            value, tokens = loss_sum(model, batch, torch.device("cpu"))
+            value, tokens = loss_sum(model, batch, device())
             total, count = total + float(value), count + tokens
     return total / max(count, 1)
 
@@ -106,7 +115,10 @@ def held_out_loss(model, examples, pad_id: int) -> float:
 def write_report(out: Path, **report) -> None:
     rank = int(os.environ.get("RANK", "0") or 0)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_rank{rank}.json").write_text(json.dumps({**report, "peak_rss_mb": peak_rss_mb()}))
+    import torch
+
+    gpu = {"peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}
+    (out / f"bench_rank{rank}.json").write_text(json.dumps({**report, **gpu, "peak_rss_mb": peak_rss_mb()}))
 
 
 # ------------------------------------------------------------------------------------------------- runners
@@ -145,7 +157,6 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
 
 def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bool) -> None:
     """SFTTrainer on the same tokenized rows and loss mask; its own packing (BFD, padding-free) when packed."""
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -176,9 +187,9 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bo
         learning_rate=t.learning_rate, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
         warmup_steps=t.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True,
         gradient_checkpointing=False, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
-        use_cpu=True, dataloader_num_workers=0, seed=t.seed, disable_tqdm=True,
+        use_cpu=device().type == "cpu", dataloader_num_workers=0, seed=t.seed, disable_tqdm=True,
     )
-    base = model.load_base_model(recipe, device=torch.device("cpu"))
+    base = model.load_base_model(recipe, device=device())
     trainer = Counting(model=base, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                        peft_config=model.lora_config(recipe), callbacks=[Clock()])
     trainer.train()
@@ -197,7 +208,7 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     recipe = load_recipe(recipe_path, overrides)
     tokenizer = model.load_tokenizer(recipe)
     train_examples, eval_examples, _ = data.build_examples(recipe, tokenizer)  # packed when data.packing
-    base = model.load_base_model(recipe, device=torch.device("cpu"))
+    base = model.load_base_model(recipe, device=device())
     base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     peft_model = get_peft_model(base, model.lora_config(recipe))
     parameters = [p for p in peft_model.parameters() if p.requires_grad]
@@ -210,7 +221,7 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     for _ in range(recipe.train.max_steps):
         batch = next(stream)
         tokens.append(data.real_token_count(batch, tokenizer.pad_token_id))
-        peft_model(**batch).loss.backward()
+        peft_model(**{k: v.to(device()) for k, v in batch.items()}).loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         scheduler.step()
@@ -271,6 +282,7 @@ def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
     return {**config, "steps": steps, **throughput(reports, steps), "other_cpu": other,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in reports), "eval_loss": reports[0]["eval_loss"],
+            "peak_gpu_mb": max((r.get("peak_gpu_mb", 0) for r in reports), default=0),
             "phases": reports[0].get("phases", {}), "wall_s": wall}
 
 

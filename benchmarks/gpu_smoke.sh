@@ -2,7 +2,8 @@
 # GPU smoke check: a small Llama-shaped model built from a config (no hub), 4-bit NF4 + LoRA in bf16, trained
 # through finetune/run.py on one GPU; prints tokens/s and peak GPU memory. Then sharded loading (FSDP2, one rank, as
 # run.py loads under FSDP) with the GPU allocator's peak checked against the planner's load figure (within 15%).
-# Needs a CUDA machine; ~1-2 minutes.
+# Last, the peer comparison on this GPU: this project against the plain PEFT loop (benchmarks/bench_peers.py, same
+# model, data and steps; SmolLM2-135M from the quickstart package). Needs a CUDA machine; ~3-4 minutes.
 #   bash benchmarks/gpu_smoke.sh [HIDDEN] [LAYERS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,4 +50,15 @@ ratio = r["peak_gpu_allocated"] / r["planner_sharded_load"]
 print(f"GPU load (sharded, FSDP2): peak allocated {r['peak_gpu_allocated'] / 2**20:.0f} MiB, planner "
       f"{r['planner_sharded_load'] / 2**20:.0f} MiB (ratio {ratio:.2f}), {r['load_s']:.1f} s")
 assert 0.85 <= ratio <= 1.15, "the planner's load term is off by more than 15% on this GPU"
+PY
+$PY benchmarks/bench_peers.py --only ours,peft --repeats 1 --steps 10 --no-breakdown --json "$WORK/peers.json"
+$PY - "$WORK/peers.json" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+for mode in ("unpacked", "packed"):
+    ours, peft = (next(r for r in runs if r["runner"] == name and r["mode"] == mode) for name in ("ours", "peft"))
+    print(f"GPU peers ({mode}): ours {ours['median_tokens_per_s']:.0f} tokens/s, {ours['peak_gpu_mb']:.0f} MiB; plain PEFT "
+          f"loop {peft['median_tokens_per_s']:.0f} tokens/s, {peft['peak_gpu_mb']:.0f} MiB "
+          f"(speed {ours['median_tokens_per_s'] / peft['median_tokens_per_s']:.2f}x, memory "
+          f"{ours['peak_gpu_mb'] / peft['peak_gpu_mb']:.2f}x)")
 PY

@@ -96,7 +96,9 @@ def test_llama31_8b_torchtune_figure_with_our_chunked_loss():
     result = estimate(facts, recipe, "single", Hardware(1, 24 * GiB))
     model_state = result.parts["base"] + result.parts["quant_state"] + result.parts["lora_grads_adamw"]
     assert model_state / GiB == pytest.approx(5.46, rel=0.05)  # 4-bit linears + bf16 embed/head + LoRA states
-    chunk_tokens = 2**24 // 128256  # finetune/loss.py: one 64 MB chunk of fp32 logits at a time
+    from finetune.loss import CHUNK_LOGIT_ELEMENTS
+
+    chunk_tokens = CHUNK_LOGIT_ELEMENTS // 128256  # finetune/loss.py: one chunk of fp32 logits at a time
     assert result.parts["logits_loss"] == 16 * chunk_tokens * 128256 + 4 * 4096 * 4096
     allocated = result.peak_bytes - result.parts["overhead"]  # torchtune reports allocator figures: no CUDA context
     assert allocated / GiB == pytest.approx(7.4, rel=0.15)
