@@ -115,6 +115,26 @@ def live_bytes_mode():
             self.mark_live = self.mark_peak = 0
             self._seen: set[int] = set()
 
+        def __enter__(self):
+            """Storages alive before the window (weights, optimizer state, the batch) are not the step's: their views
+            and in-place updates inside the window must not count. They are held until the window ends, so their
+            ids cannot be reused by new storages meanwhile."""
+            import gc
+            import warnings
+
+            import torch
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+            self._before = [t.untyped_storage() for t in tensors if not t.is_meta]
+            self._before_ids = {id(storage) for storage in self._before}
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            self._before, self._before_ids = [], set()
+            return super().__exit__(*exc)
+
         def _free(self, key: int, nbytes: int) -> None:
             self._seen.discard(key)
             self.live -= nbytes
@@ -135,7 +155,7 @@ def live_bytes_mode():
                     continue
                 storage = tensor.untyped_storage()
                 key = id(storage)
-                if key in self._seen or storage.nbytes() == 0:
+                if key in self._seen or key in self._before_ids or storage.nbytes() == 0:
                     continue
                 self._seen.add(key)
                 self.live += storage.nbytes()

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-# fp32 logits per chunk: 16 MB, ~85 tokens at a 49k vocabulary. The chunk's transient (16 bytes per logit) is alive
-# at the step's peak, with every activation. SmolLM2-135M, 4 x 484 packed tokens on 2 CPU cores: 2**22 against
-# 2**24 cut peak RSS by 174 MB (5%) at the same speed (273 vs 267 tokens/s); benchmarks/memory_breakdown.py.
-CHUNK_LOGIT_ELEMENTS = 2**22
+# fp32 logits per chunk: 64 MB, ~340 tokens at a 49k vocabulary. The chunk's transient (12 bytes per logit, measured
+# by benchmarks/memory_breakdown.py) is alive at the step's peak with every activation. 2**22 was measured too
+# (docs/benchmarks.md): peak RSS -5% unpacked, -1% packed, speed within the noise; not worth the smaller matmuls.
+CHUNK_LOGIT_ELEMENTS = 2**24
 _TARGETS = "_finetune_loss_targets"
 _PATCHED = "_finetune_chunked_loss"
 

@@ -13,7 +13,7 @@ How it counts (docs/planner.md has the derivations and the checks against publis
   * gradients and AdamW state (two moments) for the LoRA parameters, sharded like them, on the CPU with offload;
   * activations per token and decoder layer, by kind (what autograd saves: fp32 norm inputs, attention q/k/v/out and
     the SDPA mask, MLP intermediates, the LoRA inputs and rank-r projections), all layers without checkpointing,
-    layer inputs + one recomputed layer with it; the loss as finetune/loss.py makes it (one chunk of logits at 16
+    layer inputs + one recomputed layer with it; the loss as finetune/loss.py makes it (one chunk of logits at 12
     bytes per logit, the kept gradient of the hidden states). benchmarks/memory_breakdown.py measures each kind;
     docs/benchmarks.md has the comparison;
   * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
@@ -45,7 +45,7 @@ NESTED_BLOCK = 256  # absmax values per fp32 second-level absmax (double quant)
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
 SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
-LOSS_BYTES_PER_LOGIT = 16  # per logit of a loss chunk: model-dtype logits, the fp32 copy, log-softmax, its gradient (measured 15.4, benchmarks/memory_breakdown.py)
+LOSS_BYTES_PER_LOGIT = 12  # per logit of a loss chunk: fp32 logits, log-softmax, its gradient (measured 12.1-12.4, benchmarks/memory_breakdown.py)
 StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
 # DeepSpeed's ZeRO-3 default persistence threshold (0.19) and finetune's bucket sizes, in elements.
 ZERO_PERSISTENCE_THRESHOLD = 100_000
