@@ -121,7 +121,8 @@ def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
     0.375 on logits up to 35, mean 0.006 of a standard deviation), while examples that see each other move the
     second example's logits by about one standard deviation (measured 0.6).
     """
-    vocab = model.get_input_embeddings().num_embeddings
+    inner = getattr(model, "module", model)  # DDP keeps the model in .module (FSDP forwards attributes, DDP does not)
+    vocab = inner.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     first, second = (torch.randint(0, vocab, (n,), generator=generator) for n in (5, 7))
     packed = {"input_ids": torch.cat([first, second])[None].to(device),
@@ -134,7 +135,7 @@ def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
     model.train(was_training)
     difference = float((together - apart).abs().mean() / apart.std().clamp_min(1e-6))
     if difference > 0.05:
-        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+        implementation = getattr(getattr(inner, "config", None), "_attn_implementation", "?")
         raise DataError(f"data.packing: this model's attention ({implementation}) lets packed examples see each other: "
                         f"two examples packed into one row give logits {difference:.2f} standard deviations away from "
                         "the same examples run apart (numerical noise is below 0.05). The model's own attention code "
