@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -295,12 +296,6 @@ def throughput(reports: list[dict], steps: int) -> dict[str, float]:
     return {"tokens_per_s": sum(per_step[1:]) / (end[steps - 1] - end[0]), "median_tokens_per_s": rates[len(rates) // 2]}
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def combine(results: list[dict]) -> list[dict]:
     """One row per (runner, mode, processes): medians over the repeats and their spread (min..max)."""
     rows: dict[tuple, list[dict]] = {}
@@ -311,7 +306,7 @@ def combine(results: list[dict]) -> list[dict]:
         row = {"runner": runner, "mode": mode, "procs": procs, "strategy": strategy, "repeats": len(runs)}
         for key in ("median_tokens_per_s", "tokens_per_s", "peak_rss_mb", "eval_loss", "other_cpu"):
             values = [r[key] for r in runs if r.get(key) is not None]
-            row[key], row[key + "_range"] = (_median(values), (min(values), max(values))) if values else (None, None)
+            row[key], row[key + "_range"] = (statistics.median(values), (min(values), max(values))) if values else (None, None)
         combined.append(row)
     return combined
 

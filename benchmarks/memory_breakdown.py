@@ -23,6 +23,7 @@ kinds (activation_parts_per_token_layer) times tokens times layers, and its loss
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
@@ -195,10 +196,7 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     def step(counting=None, saved=None):
         if counting is not None:
             counting.mark()
-        if saved is not None:
-            with saved:
-                value, _ = train.loss_sum(peft_model, batch, cpu)
-        else:
+        with saved if saved is not None else contextlib.nullcontext():
             value, _ = train.loss_sum(peft_model, batch, cpu)
         forward_peak = counting.peak if counting is not None else 0
         value.backward()
