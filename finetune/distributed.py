@@ -3,7 +3,7 @@
 We read the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and form the process
 group with torch's own API: NCCL with one GPU per process (device from LOCAL_RANK) when CUDA is present, gloo on
 CPU. We deliberately do not let accelerate's state decide: on CPU it reports `DistributedType.NO` for an FSDP
-config and lets N processes train N independent copies. Only this module and parallel.py touch torch.distributed.
+config and lets N processes train N independent copies. Only this module and finetune/parallel/ touch torch.distributed.
 """
 
 from __future__ import annotations

@@ -22,13 +22,13 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
-    from finetune import checkpoint, data, loading, model, parallel, plot, tracking, train
+    from finetune import data, model, outputs, parallel, tracking, training
     from finetune import recipe as recipes
 
     recipe = recipes.load_recipe(recipe_path, overrides)
     data.check_local_files(recipe)  # missing / wrong-format data files: exit 2 before anything loads
     info = distributed.init_distributed()
-    with checkpoint.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
+    with outputs.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
         out_dir = folder.path
         plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
         parallel.report(plan)
@@ -40,31 +40,31 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                            f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
-        rss_before_model = checkpoint.current_rss_bytes()
+        rss_before_model = outputs.current_rss_bytes()
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
-        loaded = loading.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
-                                    gradient_checkpointing=plan.activation_checkpointing)
+        loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
+                                  gradient_checkpointing=plan.activation_checkpointing)
         peft_model = loaded.model
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
-        key_map = checkpoint.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
+        key_map = outputs.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info, materialize=loaded.materialize)
-        loading.release_freed_memory()  # what loading and wrapping freed goes back to the OS, not to the heap
+        model.release_freed_memory()  # what loading and wrapping freed goes back to the OS, not to the heap
         distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
         if recipe.data.packing:
             data.verify_packing(wrapped, device=info.device)  # the attention really keeps packed examples apart
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
                       "rss_before_model_bytes": rss_before_model, **parallel.local_parameter_bytes(wrapped)}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
-        result = train.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id, out_dir=out_dir,
-                             trainable_names=list(key_map), resume_from=folder.resume_from, parallel=plan.describe(),
-                             tokenizer=tokenizer)
+        result = training.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id,
+                                out_dir=out_dir, trainable_names=list(key_map), resume_from=folder.resume_from,
+                                parallel=plan.describe(), tokenizer=tokenizer)
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
-        checkpoint.write_rank_stats(out_dir, rank_stats, state)
+        outputs.write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
-            checkpoint.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
+            outputs.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
-            plot.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
+            tracking.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
             tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,

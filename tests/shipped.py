@@ -1,6 +1,6 @@
 """The shipped accelerate configs, run as shipped on a CPU machine: one row per file, and the launcher the suite uses.
 
-Every file in accelerate_configs/ needs a row in ACCELERATE_CONFIG_RUNS (tests/test_shipped.py fails for a file
+Every file in accelerate_configs/ needs a row in ACCELERATE_CONFIG_RUNS (tests/parallel/test_shipped.py fails for a file
 without one, and trains every row). A row says only what a CPU-only machine needs on top of the shipped file; the
 file itself goes to `accelerate launch --config_file` unchanged:
   * the CPU switch, ACCELERATE_USE_CPU=true, for every row (accelerate's own `--cpu` flag is no good: it starts one

@@ -22,7 +22,8 @@ import pytest
 import yaml
 from conftest import REPO, RUN_PY, addition_rows, child_env, free_port, recipe_dict, write_jsonl, write_recipe
 
-from finetune import checkpoint, cli
+from finetune import cli, outputs
+from finetune.outputs import checkpoint
 
 
 @dataclass
@@ -76,7 +77,7 @@ Case = Callable[[Workspace], tuple[list[str], str]]
 
 def _finished_run(ws: Workspace) -> tuple[list[str], str]:
     (ws.root / "out" / "adapter").mkdir(parents=True)
-    (ws.root / "out" / "adapter" / checkpoint.ADAPTER_WEIGHTS).write_bytes(b"weights")
+    (ws.root / "out" / "adapter" / outputs.ADAPTER_WEIGHTS).write_bytes(b"weights")
     return [str(ws.recipe())], "already holds a finished run"
 
 
@@ -87,7 +88,7 @@ def _unfinished_run(ws: Workspace) -> tuple[list[str], str]:
 
 def _busy_run(ws: Workspace) -> tuple[list[str], str]:
     (ws.root / "out").mkdir()
-    (ws.root / "out" / checkpoint.LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    (ws.root / "out" / outputs.LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     return [str(ws.recipe())], f"is in use by a running run (pid {os.getpid()}"
 
 

@@ -1,0 +1,12 @@
+"""The `finetune` command and its verbs. Nothing under finetune/ imports this package (tests/test_architecture.py).
+
+    command.py     the parser and the dispatch (`finetune.cli:main` is the console script)
+    validate.py    `validate`: every pre-flight check of a run, no weights      plan.py      `plan`, the library table
+    preview.py     `data`: rendered examples with their trained spans          library.py   `recipes`: the library
+    generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)
+    tiny.py        `tiny-model`: tiny random models + tokenizers for tests, smoke runs and benchmarks
+"""
+
+from finetune.cli.command import main
+
+__all__ = ["main"]

@@ -1,0 +1,202 @@
+"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot.
+
+Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
+imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
+(FinetuneError) print one paragraph and exit 2; there is no traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
+from finetune.errors import EXIT_USER_ERROR, FinetuneError
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (a path, or the name of a recipe in the library)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=50")
+
+
+# ----------------------------------------------------------------------------------------------------- verbs
+def cmd_train(args: argparse.Namespace) -> int:
+    recipe = resolve_recipe_path(args.recipe)
+    if args.accelerate_config:
+        args.accelerate_config = resolve_accelerate_config(args.accelerate_config)
+    if args.accelerate_config or (args.num_processes or 1) > 1:
+        # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
+        # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
+        from finetune.cli.validate import validate
+
+        validate(recipe, list(args.overrides), num_processes=args.num_processes or 1,
+                 accelerate_config=args.accelerate_config, check_data=False)
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        if args.accelerate_config:
+            command += ["--config_file", args.accelerate_config]
+        if args.num_processes:
+            command += ["--num_processes", str(args.num_processes)]
+        script = Path(__file__).resolve().parent.parent / "run.py"
+        command += [str(script)]
+        command += [recipe, *args.overrides]
+        return subprocess.call(command)
+    from finetune.run import run
+
+    run(recipe, list(args.overrides))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from finetune.cli.validate import validate
+
+    config = resolve_accelerate_config(args.accelerate_config) if args.accelerate_config else None
+    report = validate(resolve_recipe_path(args.recipe), list(args.overrides), num_processes=args.num_processes,
+                      accelerate_config=config)
+    print(report)
+    return 0
+
+
+def _delegate(module: str, function: str):
+    """A verb implemented in the module that owns its work (imported only when the verb runs)."""
+
+    def verb(args: argparse.Namespace) -> int:
+        try:
+            target = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError) as exc:
+            raise FinetuneError(f"`finetune {args.verb}` is not available in this build ({exc}).") from None
+        return int(target(args) or 0)
+
+    return verb
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from finetune.cli.tiny import build_tiny_model
+
+    path = build_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers)
+    print(f"tiny {args.family} model + tokenizer written to {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="QLoRA fine-tuning sharded by FSDP.")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    _add_run_verbs(verbs)
+    _add_look_verbs(verbs)
+    _add_output_verbs(verbs)
+    return parser
+
+
+def _add_run_verbs(verbs) -> None:
+    """train, validate: a recipe run, or every check it makes first."""
+    p = verbs.add_parser("train", help="train a recipe (one process, or several through accelerate)")
+    _add_recipe_args(p)
+    p.add_argument("--accelerate-config", help="accelerate config: a file, or a library config by name (fsdp2, fsdp1, ddp, ...); launches "
+                   "through `accelerate launch`")
+    p.add_argument("--num-processes", type=int, help="processes to launch (with accelerate)")
+    p.set_defaults(func=cmd_train)
+
+    p = verbs.add_parser("validate", help="check a recipe (schema, files, parallel setup) without loading weights")
+    _add_recipe_args(p)
+    p.add_argument("--num-processes", type=int, default=1, help="processes the run will have (default 1)")
+    p.add_argument("--accelerate-config", help="accelerate config (file or library name) the run will use (checked against the recipe)")
+    p.set_defaults(func=cmd_validate)
+
+
+def _add_look_verbs(verbs) -> None:
+    """plan, data: what a recipe will cost and what it trains on, before any weight loads."""
+    p = verbs.add_parser("plan", help="memory plan: which strategy fits on which GPUs")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--gpus", default="1", help="GPUs per node (default 1)")
+    p.add_argument("--gpu-memory", default="24GiB", help="memory per GPU, e.g. 24GiB, 80GB (default 24GiB)")
+    p.add_argument("--nodes", default="1", help="number of nodes (default 1)")
+    p.add_argument("--cpu-memory", default=None, help="CPU RAM per node, e.g. 128GiB")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_delegate("finetune.cli.plan", "cli_plan"))
+
+    p = verbs.add_parser("data", help="preview rendered examples with trained spans, and data statistics")
+    _add_recipe_args(p)
+    p.add_argument("--rows", type=int, default=3, help="examples to show (default 3)")
+    p.set_defaults(func=_delegate("finetune.cli.preview", "cli_data"))
+
+
+def _add_output_verbs(verbs) -> None:
+    """export, generate, recipes, runs, quickstart, plot, tiny-model: what runs produce, and where to start."""
+    p = verbs.add_parser("export", help="export a run's adapter, or merge it into a full bf16 model")
+    p.add_argument("source", help="run folder or adapter folder")
+    p.add_argument("out", help="output folder (must not exist)")
+    p.add_argument("--merge", action="store_true", help="merge into the base and save a full model + tokenizer")
+    p.add_argument("--base", help="base model folder or hub id (default: from the adapter/run)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload to this hub repo")
+    p.set_defaults(func=_delegate("finetune.outputs.export", "cli_export"))
+
+    p = verbs.add_parser("generate", help="generate with a run's adapter (or chat interactively)")
+    p.add_argument("source", help="run folder or adapter folder")
+    p.add_argument("--prompt", action="append", help="prompt (repeatable); none: interactive chat")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
+    p.set_defaults(func=_delegate("finetune.cli.generate", "cli_generate"))
+
+    p = verbs.add_parser("recipes", help="the recipe library: list, show NAME, copy NAME DEST")
+    p.add_argument("action", nargs="?", default="list", choices=["list", "show", "copy"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("dest", nargs="?")
+    p.set_defaults(func=_delegate("finetune.cli.library", "cli_recipes"))
+
+    p = verbs.add_parser("runs", help="the runs of an MLflow store (run folders or a URI) with their final losses")
+    p.add_argument("where", nargs="*", help="run folder, folder of run folders, or tracking URI (default: "
+                   "$MLFLOW_TRACKING_URI, else runs/)")
+    p.set_defaults(func=_delegate("finetune.tracking.runs", "cli_runs"))
+
+    p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
+    p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
+    p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_delegate("finetune.cli.quickstart", "cli_quickstart"))
+
+    p = verbs.add_parser("plot", help="plot loss and learning rate of one or more runs into a PNG")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default=None, help="PNG path (default: plot.png in the first run, or compare.png)")
+    p.set_defaults(func=_delegate("finetune.tracking.plot", "cli_plot"))
+
+    p = verbs.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (tests, smoke runs)")
+    p.add_argument("out")
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma"])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.set_defaults(func=cmd_tiny_model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come after options (`validate r.yaml --num-processes 2 train.max_steps=5`): collect the leftovers.
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if item.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        return args.func(args)
+    except FinetuneError as exc:
+        code = getattr(exc, "exit_code", EXIT_USER_ERROR)  # preemption: 128 + signal, and not an "error"
+        print(f"finetune: {'error: ' if code == EXIT_USER_ERROR else ''}{exc}", file=sys.stderr, flush=True)
+        return code
+    except KeyboardInterrupt:
+        print("finetune: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        from finetune import distributed
+
+        distributed.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`finetune plan`: the memory plan of a recipe on given GPUs; and the recipe library's fit table for the docs.
+
+    finetune plan RECIPE [overrides] --gpus 2 --gpu-memory 24GiB [--nodes 1] [--cpu-memory 128GiB] [--json]
+    python -m finetune.cli.plan --library-table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from finetune.cli.library import library_dir, resolve_recipe_path
+from finetune.errors import FinetuneError
+from finetune.planner.facts import GB, GiB, model_config_for
+from finetune.planner.fit import decide, parse_count, parse_size
+from finetune.planner.memory import STRATEGIES
+
+
+def cli_plan(args: argparse.Namespace) -> int:
+    """`finetune plan RECIPE [overrides] --gpus N --gpu-memory 24GiB --nodes M --cpu-memory 128GiB [--json]`."""
+    from finetune.recipe import load_recipe
+
+    gpus = parse_count(args.gpus, "--gpus")
+    gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
+    nodes = parse_count(args.nodes, "--nodes")
+    cpu_memory = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+    recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
+    decision = decide(recipe, model_config_for(recipe), gpus_per_node=gpus, gpu_memory_bytes=gpu_memory, nodes=nodes,
+                      cpu_memory_bytes=cpu_memory)
+    if args.json:
+        payload = asdict(decision)
+        payload.pop("table")
+        for item in payload["estimates"]:
+            item["peak_bytes"] = sum(item["parts"].values())
+        print(json.dumps(payload, indent=2))
+    else:
+        print(decision.table)
+        print()
+        print(decision.summary)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- library table
+LIBRARY_HARDWARE = [("1x24 GB", 1, 24 * GB), ("2x24 GB", 2, 24 * GB), ("4x24 GB", 4, 24 * GB), ("8x24 GB", 8, 24 * GB),
+                    ("4x48 GB", 4, 48 * GB), ("8x80 GB", 8, 80 * GB)]
+TYPICAL_RECIPE = {"lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+                  "data": {"max_length": 2048}, "train": {"micro_batch_size": 1, "gradient_checkpointing": True}}
+
+
+def _library_entries() -> list[tuple[str, object]]:
+    """(label, recipe) for every recipes/*.yaml, or a typical QLoRA recipe per stored architecture if there are none."""
+    from finetune.model.architectures import stored_names
+    from finetune.recipe import load_recipe, validate_recipe
+
+    recipes_dir = library_dir()
+    entries = []
+    for path in sorted(recipes_dir.glob("*.yaml")):
+        try:
+            entries.append((path.stem, load_recipe(path)))
+        except FinetuneError as exc:
+            print(f"skipped {path.name}: {str(exc).splitlines()[0]}", file=sys.stderr)
+    if entries:
+        return entries
+    for name in stored_names():
+        raw = {"model": {"name_or_path": name}, "data": {"datasets": [{"path": "train.jsonl"}]}}
+        for section, values in TYPICAL_RECIPE.items():
+            raw.setdefault(section, {}).update(values)
+        entries.append((name, validate_recipe(raw, source=f"typical QLoRA recipe for {name}")))
+    return entries
+
+
+def library_table() -> str:
+    """Markdown: for each library recipe, the strategy the planner picks on 1, 2, 4 and 8 x 24 GB, 4x48 and 8x80 GB
+    (with CPU offload, the CPU RAM per machine too)."""
+    header = "| recipe | model | " + " | ".join(label for label, _, _ in LIBRARY_HARDWARE) + " |"
+    lines = [header, "|" + "---|" * (2 + len(LIBRARY_HARDWARE))]
+    for label, recipe in _library_entries():
+        try:
+            config = model_config_for(recipe)
+        except FinetuneError as exc:
+            lines.append(f"| {label} | {recipe.model.name_or_path} | " + f"config not readable: {str(exc)[:60]} |")
+            continue
+        cells = []
+        for _, gpus, memory in LIBRARY_HARDWARE:
+            d = decide(recipe, config, gpus_per_node=gpus, gpu_memory_bytes=memory)
+            chosen = next(e for e in d.estimates if STRATEGIES[e.strategy] in d.summary) if d.fits else None
+            ram = f", {chosen.cpu_bytes_per_node / GiB:.0f} GiB RAM" if chosen and chosen.strategy == "fsdp_offload" else ""
+            cells.append(f"{chosen.label}, {chosen.peak_bytes / GiB:.1f} GiB{ram}, mb<={d.max_micro_batch}" if chosen
+                         else "does not fit")
+        lines.append(f"| {label} | {recipe.model.name_or_path} | " + " | ".join(cells) + " |")
+    shape = "micro-batch 1 x 2048 tokens, LoRA r=16 all-linear, gradient checkpointing"
+    lines.append(f"\nPeak per GPU at the recipe's shape ({shape} for the typical recipe), loading included; with CPU "
+                 "offload, the CPU RAM the machine needs; mb<=N: largest micro-batch that fits.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m finetune.cli.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--library-table", action="store_true", help="print the docs table for the recipe library")
+    args = parser.parse_args(argv)
+    if args.library_table:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # stored numbers or local folders only: never wait on the hub
+        print(library_table())
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

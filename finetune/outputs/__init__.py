@@ -1,0 +1,24 @@
+"""Outputs: what a run writes and what comes out of it, each written atomically (nothing the user had is lost).
+
+    run_folder.py     claim_output_dir (one run per folder, a lock), begin_outputs, output_dir_problem, rank stats
+    step_folders.py   the checkpoints a run folder holds, each checked against its manifest; resume_source
+    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
+    export.py         `finetune export`: a clean adapter, or a merged model verified after writing
+    runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
+"""
+
+from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter
+from finetune.outputs.run_folder import (
+    LOCK_FILE,
+    begin_outputs,
+    claim_output_dir,
+    current_rss_bytes,
+    output_dir_problem,
+    write_rank_stats,
+)
+
+__all__ = [
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LOCK_FILE", "adapter_key_map", "begin_outputs", "claim_output_dir",
+    "current_rss_bytes", "output_dir_problem", "save_adapter", "write_rank_stats",
+]

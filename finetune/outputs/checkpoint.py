@@ -1,0 +1,292 @@
+"""Writing what a run produces and reading it back: the output folder guard, training checkpoints, the adapter.
+
+Layout of output.dir:
+
+    .finetune.lock              pid + host of the run that uses the folder (a second run is refused)
+    recipe.yaml  metrics.jsonl  ranks/rank{r}.json
+    checkpoints/step-00000040/
+        trainable/              torch.distributed.checkpoint (DCP) of {"model": LoRA tensors, "optim": optimizer state};
+                                under FSDP every rank writes its own shard, and a load reshards to any world size
+        deepspeed/              instead of trainable/ under DeepSpeed: its own checkpoint (one ZeRO partition file per
+                                rank; loads into the same number of ranks and ZeRO stage only)
+        rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
+        trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
+        recipe.yaml             the resolved recipe of the run that wrote it
+        manifest.json           written last: every file with its size and sha256
+    adapter/                    the standard PEFT adapter (the result)
+
+Only trainable state is saved, never the base weights. Every checkpoint is written into a hidden temporary folder,
+flushed, renamed into place, and only then given its manifest: a folder without a valid manifest (killed mid-save,
+truncated, tampered) is detected, reported, and skipped in favour of the newest good one.
+
+This module saves and loads the training checkpoints; finding them and choosing the one a resume takes is
+finetune/outputs/step_folders.py, the output-folder guard finetune/outputs/run_folder.py, the adapter files
+finetune/outputs/adapter_files.py, crash-safe writes finetune/files.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune import distributed
+from finetune.errors import CheckpointError
+from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, on_main
+from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, STEP_PREFIX, TRAINER_STATE, list_checkpoints
+from finetune.parallel import zero
+
+
+# ------------------------------------------------------------------------------------ training state
+def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> dict:
+    """{"model": the trainable tensors, "optim": the optimizer state}, keyed by the model's own parameter names.
+
+    Under FSDP the tensors are this rank's shards (DTensor / ShardedTensor), so DCP writes one file per rank and
+    reshards on load. `ignore_frozen_params` drops the frozen base weights; the filter by `names` also drops the
+    buffers and bitsandbytes quantization state that are not parameters.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    with _quiet_torch_distributed():
+        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    model_state = {key: value for key, value in model_state.items() if key in names}
+    missing = sorted(set(names) - set(model_state))
+    if missing:
+        raise RuntimeError(f"trainable state is missing {len(missing)} of {len(names)} tensors (e.g. {missing[0]})")
+    return {"model": model_state, "optim": optim_state}
+
+
+def _single() -> bool:
+    """No process group: DCP reads and writes in this process alone."""
+    return distributed.info().backend is None
+
+
+@contextlib.contextmanager
+def _quiet_torch_distributed() -> Iterator[None]:
+    """Silence torch's deprecation chatter of FSDP1 state dicts (ShardedTensor) and DCP's single-process notice:
+    dozens of lines per rank and checkpoint that say nothing about this run."""
+    with warnings.catch_warnings():
+        for message in ("torch.distributed is disabled", "Please use DTensor instead", ".*_get_pg_default_device",
+                        "Multiple backends are registered"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def _dcp(operation: Callable, state: dict, path: Path) -> None:
+    """dcp.save / dcp.load on `path`, in this process alone when there is no process group."""
+    with _quiet_torch_distributed():
+        operation(state, checkpoint_id=path, no_dist=_single())
+
+
+def _local(value: Any) -> Any:
+    """This rank's part of a (possibly sharded) tensor."""
+    if hasattr(value, "to_local"):  # DTensor (FSDP2, FSDP1 optimizer state)
+        return value.to_local()
+    if hasattr(value, "local_tensor"):  # ShardedTensor (FSDP1 model state)
+        return value.local_tensor() if value.local_shards() else torch.empty(0)
+    return value
+
+
+def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+
+def rng_state() -> dict:
+    """Every random generator this process uses, in types `torch.load(weights_only=True)` accepts."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / CHECKPOINTS / f"{STEP_PREFIX}{step:08d}"
+
+
+def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
+                    trainer_state: dict, recipe_yaml: str, *, keep_last: int, verify: bool = False) -> Path:
+    """Write checkpoints/step-N atomically (collective: every rank writes its shard and its RNG state).
+
+    Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last.
+    With `verify`, every rank then reads its part back and compares it with what it saved.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    started, info = time.perf_counter(), distributed.info()
+    final = checkpoint_dir(out_dir, step)
+    tmp = final.parent / f".{final.name}.tmp"
+
+    def make_tmp() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+
+    on_main(_as_checkpoint_error(make_tmp, f"cannot create {tmp}"))
+    deepspeed = zero.is_engine(model)
+    state = trainable_state(model, optimizer, names) if not deepspeed else None
+    tensors = state["model"] if state else zero.trainable_state_dict(model, names)
+    if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in tensors.values())):
+        raise CheckpointError(f"step {step}: the adapter has NaN/inf values; checkpoint not written (older ones kept).")
+    if deepspeed:
+        zero.save_state(model, tmp / zero.CHECKPOINT_FOLDER)
+    else:
+        _dcp(dcp.save, state, tmp / "trainable")
+    rng_file = tmp / "rng" / f"rank{info.rank}.pt"
+    torch.save(rng_state(), rng_file)
+    with open(rng_file, "rb") as handle:
+        os.fsync(handle.fileno())
+    distributed.barrier()
+
+    def publish() -> int:
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+        _fsync_tree(tmp)
+        _replace_dir(tmp, final)
+        size = _write_manifest(final, step, trainer_state)
+        prune_checkpoints(out_dir, keep_last=keep_last, newest=step)
+        return size
+
+    size = on_main(_as_checkpoint_error(publish, f"cannot write checkpoint {final}"))
+    verify = verify and not deepspeed  # DeepSpeed's files are covered by the manifest's checksums only
+    if verify:
+        verify_readback(final, state)
+    distributed.print0(f"[finetune] checkpoint {final} saved ({size / 1e6:.2f} MB, {time.perf_counter() - started:.2f} s"
+                       f"{', read back and compared' if verify else ''})")
+    return final
+
+
+def _as_checkpoint_error(function: Callable[[], Any], what: str) -> Callable[[], Any]:
+    """Turn an OSError (disk full, permissions) into a CheckpointError that on_main can hand to every rank."""
+    def wrapped() -> Any:
+        try:
+            return function()
+        except OSError as exc:
+            raise CheckpointError(f"{what}: {exc.strerror or exc}. Older checkpoints are kept.") from None
+    return wrapped
+
+
+def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:
+    """manifest.json: every file with size and sha256, written last (its presence marks a complete checkpoint)."""
+    files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST}
+    manifest = {"format": 1, "step": step, "world_size": trainer_state.get("world_size"),
+                "strategy": trainer_state.get("strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    _write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
+    return sum(entry["bytes"] for entry in files.values())
+
+
+def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int) -> None:
+    """Keep the `keep_last` newest checkpoints up to step `newest`; remove older ones, leftovers of interrupted saves,
+    and checkpoints of steps after `newest` (a timeline abandoned by resuming from an earlier checkpoint)."""
+    root = Path(out_dir) / CHECKPOINTS
+    for leftover in root.glob(f".{STEP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    checkpoints = list_checkpoints(out_dir)
+    for step, path in checkpoints:
+        if step > newest:
+            distributed.print0(f"[finetune] removing {path}: it is after the step this run resumed from")
+            shutil.rmtree(path, ignore_errors=True)
+    kept = [path for step, path in checkpoints if step <= newest]
+    for path in kept[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def verify_readback(path: Path, saved: dict) -> None:
+    """Every rank loads its part of the checkpoint into zeroed copies and compares with what it saved.
+
+    Catches a checkpoint that holds only rank 0's slice, or tensors that do not survive the round trip.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    template = copy.deepcopy(saved)
+    for _, value in _leaves(template):
+        if isinstance(_local(value), torch.Tensor):
+            _local(value).zero_()
+    _dcp(dcp.load, template, path / "trainable")
+    saved_leaves, loaded_leaves = dict(_leaves(saved)), dict(_leaves(template))
+    differs = [key for key, value in saved_leaves.items() if not _same(_local(value), _local(loaded_leaves.get(key)))]
+    if distributed.any_rank(bool(differs)):
+        where = f"rank {distributed.info().rank}: {differs[0]}" if differs else "another rank"
+        raise CheckpointError(f"checkpoint {path} read back differs from what was saved ({where}). It cannot be trusted; "
+                              "this is a bug in the parallel setup, please report it.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> dict:
+    """Load trainable weights, optimizer state and this rank's RNG state from `path`; return the trainer state.
+
+    DCP reshards to the current world size and strategy. A rank that did not exist in the saving run keeps its seed.
+    """
+    import logging
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    if zero.is_engine(model):
+        zero.load_state(model, path / zero.CHECKPOINT_FOLDER,
+                                    saved_world_size=trainer_state["world_size"], saved_strategy=trainer_state["strategy"])
+        _load_rng(path)
+        return trainer_state
+    if not (path / "trainable").is_dir():
+        raise CheckpointError(f"train.resume: checkpoint {path} was written by {trainer_state['strategy']} (DeepSpeed's own "
+                              "format). Fix: resume it with the same DeepSpeed setup and number of processes, or start a new run.")
+    state = trainable_state(model, optimizer, names)
+    try:
+        _dcp(dcp.load, state, path / "trainable")
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP wraps per-rank failures
+        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"train.resume: checkpoint {path} does not fit this model ({reason}).") from None
+    fsdp_log = logging.getLogger("torch.distributed.fsdp._state_dict_utils")
+    level = fsdp_log.level
+    fsdp_log.setLevel(logging.ERROR)  # FSDP1 warns once per frozen base weight that it is not in a trainable-only state
+    try:
+        with _quiet_torch_distributed():
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=False, ignore_frozen_params=True))
+    finally:
+        fsdp_log.setLevel(level)
+    _load_rng(path)
+    return trainer_state
+
+
+def _load_rng(path: Path) -> None:
+    rng_file = path / "rng" / f"rank{distributed.info().rank}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=True))

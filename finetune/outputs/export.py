@@ -1,0 +1,443 @@
+"""Export a trained adapter: a clean standard PEFT adapter, or (`--merge`) a full bf16 model, verified after writing.
+
+    finetune export runs/x exported-adapter          clean adapter (+ tokenizer), checked against the base's structure
+    finetune export runs/x merged --merge            base in full precision + adapter, merged, saved as bf16 safetensors
+
+Source: a run folder (holding adapter/ and recipe.yaml) or an adapter folder. The base comes from --base, else the
+run's recipe (so GGUF bases resolve exactly as in training), else the adapter's base_model_name_or_path.
+Every export is written into a temporary folder and renamed into place (an existing output is never touched), and a
+verify step says what it compared: the adapter's keys and shapes against a PeftModel built for the base, and for a
+merge the reloaded model's logits against base + adapter on a fixed prompt. Every export also says where the adapter
+runs (PEFT, merged transformers, vLLM, llama.cpp; finetune/outputs/runtimes.py), printed and written as runtimes.json and
+RUNTIMES.md into the export folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.errors import FinetuneError, RecipeError
+from finetune.files import atomic_dir
+from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from finetune.outputs.runtimes import adapter_verdicts, write_report
+from finetune.recipe import Recipe
+
+VERIFY_PROMPT = "What is the capital of France? Answer in one word."
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class ExportError(FinetuneError):
+    """The export source, base or output folder cannot be used as asked."""
+
+
+@dataclass
+class Source:
+    """What an export or generation starts from: the adapter folder and, when known, the run's recipe."""
+
+    adapter_dir: Path
+    recipe: Recipe | None
+    adapter_config: dict
+
+    @property
+    def base_name(self) -> str:
+        if self.recipe is not None:
+            model = self.recipe.model
+            return f"{model.name_or_path} ({model.gguf_file})" if model.gguf_file else model.name_or_path
+        return str(self.adapter_config.get("base_model_name_or_path") or "?")
+
+
+# ------------------------------------------------------------------------------------------------- the source
+def resolve_source(path: str | Path) -> Source:
+    """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter."""
+    from finetune.recipe import load_recipe
+
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ExportError(
+            f"{folder}: not found. Pass a run folder (output.dir of a finished run) or an adapter folder."
+        )
+    adapter_dir = folder / "adapter" if (folder / "adapter" / ADAPTER_CONFIG).exists() else folder
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    if not (adapter_dir / ADAPTER_CONFIG).exists() or not weights.exists() or weights.stat().st_size == 0:
+        raise ExportError(
+            f"{folder}: holds no adapter (looked for {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in {folder}/adapter and "
+            f"{folder}). The run did not finish or saved nothing. Fix: point at a finished run folder or an adapter folder "
+            "(a checkpoint's adapter works too)."
+        )
+    recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
+    recipe = None
+    if recipe_file is not None:
+        try:
+            recipe = load_recipe(recipe_file)
+        except RecipeError as exc:
+            print(
+                f"[finetune] note: {recipe_file} is not a valid recipe any more ({str(exc).splitlines()[0]}); "
+                "using the adapter's base_model_name_or_path"
+            )
+    return Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))
+
+
+def normalize_key(key: str) -> str:
+    """A parameter name from any wrapping (FSDP1, checkpointing, compile, in-memory PEFT) -> PEFT's on-disk key."""
+    from finetune.parallel import normalize_key as strip_wrappers
+
+    key = strip_wrappers(key)
+    key = key.replace(".default.", ".")  # in-memory PEFT names carry the adapter name; files do not
+    return key if key.startswith("base_model.model.") else "base_model.model." + key
+
+
+def clean_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under normalized keys; ExportError when empty, duplicated or not finite."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in raw.items():
+        clean = normalize_key(key)
+        if clean in tensors:
+            raise ExportError(
+                f"{adapter_dir}: keys {key} and another both normalize to {clean}; the adapter file is damaged."
+            )
+        tensors[clean] = value.contiguous()
+    if not tensors or not any("lora_" in key for key in tensors):
+        raise ExportError(
+            f"{adapter_dir}/{ADAPTER_WEIGHTS}: holds no LoRA tensors ({len(tensors)} tensors). Nothing to export."
+        )
+    bad = [key for key, value in tensors.items() if not torch.isfinite(value).all()]
+    if bad:
+        raise ExportError(f"{adapter_dir}: tensor {bad[0]} (and {len(bad) - 1} more) has NaN/inf values; not exported.")
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------------- the base
+def base_config(source: Source, base: str | None):
+    """The base model's config (no weights): --base, else the run's recipe, else the adapter's base."""
+    from transformers import AutoConfig
+
+    from finetune.model import load_config
+
+    if base is None and source.recipe is not None:
+        return load_config(source.recipe)
+    name = base or source.adapter_config.get("base_model_name_or_path")
+    if not name:
+        raise ExportError(
+            f"{source.adapter_dir}: the adapter names no base model. Fix: pass --base MODEL_FOLDER_OR_HUB_ID."
+        )
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"--base `{name}`: cannot read its config ({str(exc).splitlines()[0][:200]}). Fix: pass a model "
+            "folder (config.json + weights) or a reachable hub id."
+        ) from None
+
+
+def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.dtype = torch.float32):
+    """The base with every weight in `dtype` (no 4-bit): what a merge needs so that W + BA is exact."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import load_base_model
+
+    if base is None and source.recipe is not None:
+        update = {
+            "quantization": source.recipe.quantization.model_copy(update={"method": "none"}),
+            "model": source.recipe.model.model_copy(update={"dtype": "float32"}),
+        }
+        model = load_base_model(source.recipe.model_copy(update=update), device=torch.device("cpu"))
+        return model.to(dtype)
+    name = base or source.adapter_config["base_model_name_or_path"]
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"base `{name}`: cannot load it ({str(exc).splitlines()[0][:200]}). Fix: pass --base."
+        ) from None
+
+
+def load_tokenizer_for(source: Source, base: str | None):
+    """The run's tokenizer (saved next to the adapter), else the recipe's, else the base's."""
+    from transformers import AutoTokenizer
+
+    from finetune.model import load_tokenizer
+
+    if (source.adapter_dir / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(source.adapter_dir)
+    if base is None and source.recipe is not None:
+        return load_tokenizer(source.recipe)
+    return AutoTokenizer.from_pretrained(base or source.adapter_config["base_model_name_or_path"])
+
+
+# ------------------------------------------------------------------------------------------------- the checks
+_ARCH_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def trained_base_config(source: Source):
+    """Config of the base the adapter was trained on, when it can be read offline (else None: the shape check remains)."""
+    from transformers import AutoConfig
+
+    from finetune.model import load_config
+
+    try:
+        if source.recipe is not None:
+            return load_config(source.recipe)
+        name = source.adapter_config.get("base_model_name_or_path")
+        return AutoConfig.from_pretrained(name) if name and Path(name).is_dir() else None
+    except (FinetuneError, OSError, ValueError):
+        return None
+
+
+def check_base_matches(source: Source, config, base: str | None, tokenizer=None) -> None:
+    """ExportError when --base differs in architecture or vocabulary from the base the adapter was trained on."""
+    given = _text_config(config)
+    if base is not None:
+        trained = trained_base_config(source)
+        if trained is not None:
+            trained = _text_config(trained)
+            diffs = [
+                f"{name} {getattr(trained, name, None)} (trained) vs {getattr(given, name, None)} (--base)"
+                for name in _ARCH_FIELDS
+                if getattr(trained, name, None) != getattr(given, name, None)
+            ]
+            if diffs:
+                raise ExportError(
+                    f"--base `{base}`: not the architecture/vocabulary the adapter was trained on ({source.base_name}): "
+                    f"{'; '.join(diffs)}. Nothing was written. Fix: omit --base, or pass the base the run used."
+                )
+    if tokenizer is not None and len(tokenizer) > given.vocab_size:
+        raise ExportError(
+            f"base {base or source.base_name}: vocabulary of {given.vocab_size} tokens, but the run's tokenizer has "
+            f"{len(tokenizer)}: a different vocabulary. Nothing was written. Fix: merge onto the base the run used."
+        )
+
+
+def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, ...]]:
+    """On-disk adapter keys and shapes that PEFT expects for this base config (built on the meta device: no weights)."""
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    peft_config = PeftConfig.from_pretrained(str(adapter_dir))
+    peft_config.inference_mode = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        peft_model = get_peft_model(model, peft_config)
+    return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(peft_model).items()}
+
+
+def check_adapter_fits(tensors: dict[str, torch.Tensor], config, source: Source, base: str | None) -> str:
+    """ExportError unless the adapter's keys and shapes are exactly those of a PeftModel for the base; returns a summary."""
+    expected = expected_adapter_shapes(config, source.adapter_dir)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [
+        f"{k} {tuple(tensors[k].shape)} vs {expected[k]}"
+        for k in expected
+        if k in tensors and tuple(tensors[k].shape) != expected[k]
+    ]
+    if missing or unexpected or wrong:
+        detail = "; ".join(
+            part
+            for part in (
+                f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+                f"{len(unexpected)} not in the base (e.g. {unexpected[0]})" if unexpected else "",
+                f"{len(wrong)} of another shape (e.g. {wrong[0]})" if wrong else "",
+            )
+            if part
+        )
+        raise ExportError(
+            f"{source.adapter_dir}: the adapter does not fit base {base or source.base_name} "
+            f"({_text_config(config).model_type}): {detail}. Nothing was written. Fix: use the base the run was trained on "
+            "(omit --base), or export from the right run."
+        )
+    return f"{len(tensors)} tensors: keys and shapes equal to a PeftModel built for the base ({_text_config(config).model_type})"
+
+
+def check_out_free(out: Path) -> None:
+    if out.exists():
+        raise ExportError(
+            f"{out}: already exists; nothing was overwritten. Fix: choose a new output folder or remove it."
+        )
+
+
+# ------------------------------------------------------------------------------------------------- the writes
+def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: Source, base: str | None) -> None:
+    """A standard PEFT adapter folder (+ the run's tokenizer files), read back and compared."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = dict(source.adapter_config, inference_mode=True)
+    if base is not None:
+        config["base_model_name_or_path"] = base
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in _TOKENIZER_FILES:
+        if (source.adapter_dir / name).is_file():
+            shutil.copy2(source.adapter_dir / name, folder / name)
+    written = load_file(str(folder / ADAPTER_WEIGHTS))
+    if written.keys() != tensors.keys() or any(not torch.equal(written[k], v) for k, v in tensors.items()):
+        raise RuntimeError(f"{folder}: the adapter read back differs from what was written")
+
+
+def export_adapter(source: Source, out: Path, *, base: str | None = None) -> str:
+    """Clean standard adapter into `out`; returns the verify line."""
+    check_out_free(out)
+    tensors = clean_adapter_tensors(source.adapter_dir)
+    config = base_config(source, base)
+    check_base_matches(source, config, base)
+    fits = check_adapter_fits(tensors, config, source, base)
+    with atomic_dir(out, replace=False) as tmp:
+        write_clean_adapter(tmp, tensors, source, base)
+        runtimes = write_report(tmp, adapter_verdicts(tmp, config, merged=False), merged=False)
+    return f"verify: adapter read back bit-identical; {fits}.\n{runtimes}"
+
+
+def prompt_ids(tokenizer) -> torch.Tensor:
+    """The fixed verify prompt, rendered with the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": VERIFY_PROMPT}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = VERIFY_PROMPT
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def compare_logits(name: str, got: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Max abs difference, its size relative to the logits' range, and top-1 agreement over the prompt positions."""
+    diff = (got - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    agree = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return {"compared": name, "max_abs_diff": diff, "relative": diff / max(scale, 1e-6), "top1_agreement": agree}
+
+
+def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
+    """Base in fp32 + adapter, merged, saved as bf16 safetensors + tokenizer; reloaded with plain transformers and compared."""
+    import tempfile
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    check_out_free(out)
+    tensors = clean_adapter_tensors(source.adapter_dir)
+    config = base_config(source, base)
+    tokenizer = load_tokenizer_for(source, base)
+    check_base_matches(source, config, base, tokenizer)
+    fits = check_adapter_fits(tensors, config, source, base)
+    model = load_full_precision_base(source, base)
+    ids = prompt_ids(tokenizer)
+    base_logits = _logits(model, ids)
+    with tempfile.TemporaryDirectory() as adapter_tmp, atomic_dir(out, replace=False) as tmp:
+        write_clean_adapter(Path(adapter_tmp), tensors, source, base)
+        peft_model = PeftModel.from_pretrained(model, adapter_tmp)
+        reference = _logits(peft_model, ids)
+        merged = peft_model.merge_and_unload()
+        in_memory = compare_logits("merged fp32 model vs base + adapter", _logits(merged, ids), reference)
+        merged.to(torch.bfloat16)
+        merged.config.dtype = torch.bfloat16
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # plain transformers, no PEFT
+        saved = compare_logits("saved bf16 model (reloaded) vs base + adapter", _logits(reloaded, ids), reference)
+        effect = (reference - base_logits).abs().max().item()
+        _require_close(in_memory, relative=1e-4)
+        _require_close(saved, relative=2e-2)
+        runtimes = write_report(tmp, adapter_verdicts(Path(adapter_tmp), config, merged=True), merged=True)
+    return (
+        f"verify: {fits}; prompt {VERIFY_PROMPT!r} ({ids.shape[1]} tokens): "
+        f"{_describe(in_memory)}; {_describe(saved)}; the adapter itself moves the logits by up to {effect:.3g}.\n"
+        f"{runtimes}"
+    )
+
+
+def _describe(result: dict) -> str:
+    return (
+        f"{result['compared']}: max abs logit diff {result['max_abs_diff']:.3g} "
+        f"({result['relative']:.2%} of the logit range), top-1 agreement {result['top1_agreement']:.0%}"
+    )
+
+
+def _require_close(result: dict, *, relative: float) -> None:
+    if result["relative"] > relative or result["top1_agreement"] < 0.9:
+        raise ExportError(
+            f"export verification failed, nothing was written: {_describe(result)} (allowed: {relative:.2%} "
+            "of the range, 90% top-1 agreement). Report this with the run's recipe."
+        )
+
+
+def push_to_hub(out: Path, repo: str) -> str:
+    """Upload the exported folder to a hub repo; ExportError (the export itself stays) when that is not possible."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise ExportError(
+            f"--push-to-hub {repo}: HF_HUB_OFFLINE is set, so nothing was uploaded. The export in {out} is "
+            f"complete; upload it later where the hub is reachable: `hf upload {repo} {out}`."
+        )
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True, private=True)
+        api.upload_folder(folder_path=str(out), repo_id=repo, commit_message="finetune export")
+    except Exception as exc:  # noqa: BLE001 - network, auth and hub errors come in many types; all mean "not uploaded"
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ExportError(
+            f"--push-to-hub {repo}: upload failed ({reason}). The export in {out} is complete; check "
+            f"the network and `hf auth login`, then `hf upload {repo} {out}`."
+        ) from None
+    return f"uploaded {out} to https://huggingface.co/{repo} (private)"
+
+
+def cli_export(args: argparse.Namespace) -> int:
+    """`finetune export SOURCE OUT [--merge] [--base B] [--push-to-hub REPO]`."""
+    out = Path(args.out).expanduser()
+    check_out_free(out)
+    source = resolve_source(args.source)
+    base = getattr(args, "base", None)
+    if args.merge:
+        print(
+            f"[finetune] merging {source.adapter_dir} into {base or source.base_name} (full precision, saved as bf16)"
+        )
+        report = export_merged(source, out, base=base)
+    else:
+        report = export_adapter(source, out, base=base)
+    print(f"[finetune] exported {'merged model' if args.merge else 'adapter'} to {out}")
+    print(f"[finetune] {report}")
+    if getattr(args, "push_to_hub", None):
+        print(f"[finetune] {push_to_hub(out, args.push_to_hub)}")
+    return 0

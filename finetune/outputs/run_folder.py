@@ -1,0 +1,184 @@
+"""The output-folder guard: one run per output.dir (a lock), what a fresh start clears, per-rank facts.
+
+claim_output_dir checks output.dir and the resume source before any weight loads; the files of a replaced run are
+cleared only when training is about to start (begin_outputs), so a run failing on its inputs changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import distributed
+from finetune.errors import CheckpointError
+from finetune.files import _write_text_atomic, on_main
+from finetune.outputs.adapter_files import ADAPTER_WEIGHTS
+from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
+
+LOCK_FILE = ".finetune.lock"
+
+
+# ------------------------------------------------------------------------------------------- output folder
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return pid > 0
+
+
+def _lock_owner(out_dir: Path) -> dict | None:
+    """The live run holding `out_dir` (pid, host), or None when free or the holder is gone."""
+    try:
+        owner = json.loads((out_dir / LOCK_FILE).read_text())
+    except (OSError, json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
+        return owner if isinstance(owner, dict) and owner.get("host") else None  # another host: assume alive
+    return owner if _pid_alive(int(owner.get("pid", -1))) else None
+
+
+def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) -> str | None:
+    """Why this run may not write into `out_dir` (None when it may). Checked on rank 0 before anything loads."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"output.dir {out_dir} is a file, not a folder. Fix: choose another output.dir."
+    owner = _lock_owner(out_dir)
+    if owner:
+        return (
+            f"output.dir {out_dir} is in use by a running run (pid {owner.get('pid')} on {owner.get('host')}). Wait for it, "
+            f"stop it, or choose another output.dir. (If no such run exists, delete {out_dir / LOCK_FILE}.)"
+        )
+    if overwrite or resume is not None:
+        return None
+    if (out_dir / "adapter" / ADAPTER_WEIGHTS).exists():
+        return (
+            f"output.dir {out_dir} already holds a finished run (adapter/). Nothing was changed. Fix: choose another "
+            "output.dir, pass output.overwrite=true to replace it, or train.resume=auto to continue it."
+        )
+    if list_checkpoints(out_dir):
+        return (
+            f"output.dir {out_dir} holds checkpoints of a run that did not finish. Nothing was changed. Fix: pass "
+            "train.resume=auto to continue it, output.overwrite=true to start over, or choose another output.dir."
+        )
+    return None
+
+
+def take_output_dir(out_dir: Path) -> bool:
+    """Create the lock file exclusively (a second run racing for the folder loses). True if we created `out_dir`."""
+    created = not out_dir.exists()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = out_dir / LOCK_FILE
+        if lock.exists() and _lock_owner(out_dir) is None:
+            lock.unlink()  # left by a killed run
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        raise CheckpointError(f"output.dir {out_dir} was just taken by another run; choose another output.dir.") from None
+    except OSError as exc:
+        raise CheckpointError(f"output.dir {out_dir}: cannot write there ({exc.strerror}). Fix: choose a writable folder.") from None
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+    return created
+
+
+def release_output_dir(out_dir: Path, *, remove_if_empty: bool = False) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / LOCK_FILE).unlink()
+    if remove_if_empty:
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()  # only succeeds when empty: a run that failed before writing anything leaves no trace
+
+
+@dataclass
+class RunFolder:
+    """The claimed output folder and the checkpoint this run resumes from (None: a fresh start)."""
+
+    path: Path
+    resume_from: Path | None
+    created: bool = False
+
+
+@contextlib.contextmanager
+def claim_output_dir(recipe) -> Iterator[RunFolder]:
+    """Check output.dir and the resume source (before any weight loads), lock the folder, release it at the end.
+
+    Collective: rank 0 decides and every rank gets the same answer (or the same error).
+    """
+    out_dir = Path(recipe.output.dir)
+
+    def decide() -> tuple[str | None, bool]:
+        problem = output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume)
+        if problem:
+            raise CheckpointError(problem)
+        source = resume_source(recipe)
+        return (str(source) if source else None), take_output_dir(out_dir)
+
+    source, created = on_main(decide)
+    folder = RunFolder(out_dir, Path(source) if source else None, created)
+    try:
+        yield folder
+    finally:
+        if distributed.is_main():
+            release_output_dir(out_dir, remove_if_empty=folder.created)
+
+
+def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:
+    """Rank 0, when training is about to start: clear a replaced run's files (fresh start) or trim the metrics past
+    the checkpoint (resume); write recipe.yaml.
+
+    Done this late so that a run failing on its inputs (data, model, launcher, checkpoint) changes nothing in output.dir.
+    """
+    if resume_from is None:
+        for name in ("adapter", CHECKPOINTS, "ranks"):
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (out_dir / "metrics.jsonl").unlink()
+    else:
+        resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
+        _trim_metrics(out_dir / "metrics.jsonl", resumed_step)
+    (out_dir / "recipe.yaml").write_text(recipe_yaml)
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop records of steps after the checkpoint (written by the killed run): they are trained again."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+    _write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def current_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
+    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS (and peak GPU memory on
+    CUDA), LoRA checksum."""
+    import resource
+
+    stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
+    if torch.cuda.is_available():
+        stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))

@@ -1,0 +1,93 @@
+"""Pre-flight checks of a parallel plan: the recipe, the accelerate config and the FSDP + 4-bit rules agree.
+
+The FSDP + 4-bit rules, enforced here rather than documented:
+  * the packed 4-bit storage dtype = the dtype FSDP sees for every frozen base tensor = the mixed-precision param
+    dtype (otherwise FSDP's cast reinterprets packed bytes as numbers);
+  * FSDP1 flattens each unit into one tensor: one dtype and one requires_grad per unit, so every LoRA leaf is its
+    own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model/base.py);
+  * FSDP1 and FSDP2 compute in model.dtype (LoRA included) and reduce gradients in fp32; FSDP1 must cast every
+    unit's inputs for that (see `fsdp1_mixed_precision` in finetune/parallel/wrap.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from finetune.recipe import Recipe
+
+if TYPE_CHECKING:  # the plan's module runs these checks: a type only, not an import at run time
+    from finetune.parallel.plan import ParallelPlan
+
+
+def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    """The recipe and the accelerate config must not contradict each other (neither silently wins)."""
+    p = recipe.parallel
+    config_kind = launcher.get("strategy")
+    if config_kind in ("fsdp", "deepspeed") and p.strategy not in ("auto", config_kind):
+        name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
+        problems.append(
+            f"parallel.strategy is `{p.strategy}` but the accelerate config is {name} config. Fix: use the accelerate config "
+            f"of that strategy (accelerate_configs/), or set parallel.strategy: {config_kind} (or auto)."
+        )
+    if plan.strategy != "deepspeed" and (p.zero_stage is not None or p.deepspeed_config):
+        problems.append(
+            f"parallel.zero_stage / parallel.deepspeed_config are set but the strategy is {plan.strategy}. Fix: set "
+            "parallel.strategy: deepspeed (or launch with a DeepSpeed accelerate config), or remove them."
+        )
+    if plan.strategy != "fsdp":
+        return
+    pairs = [
+        ("fsdp_version", p.fsdp_version, "fsdp_version"),
+        ("reshard_after_forward", p.reshard_after_forward, "fsdp_reshard_after_forward"),
+        ("cpu_offload", p.cpu_offload, "fsdp_offload_params"),
+        ("layer_class", p.layer_class, "fsdp_transformer_layer_cls_to_wrap"),
+    ]
+    for key, recipe_value, config_key in pairs:
+        config_value = launcher.get(key)
+        if recipe_value is not None and config_value is not None and recipe_value != config_value:
+            problems.append(
+                f"parallel.{key} is {recipe_value!r} in the recipe but the accelerate config has {config_key}: {config_value!r}. "
+                f"Fix: make them equal, or remove parallel.{key} from the recipe to follow the config."
+            )
+    config_ckpt = launcher.get("activation_checkpointing")
+    if config_ckpt is not None and config_ckpt != plan.activation_checkpointing:
+        problems.append(
+            f"the accelerate config has fsdp_activation_checkpointing: {config_ckpt} but the recipe has "
+            f"train.gradient_checkpointing / parallel.activation_checkpointing: {plan.activation_checkpointing}. Checkpointing "
+            "is applied once, by this tool, non-reentrant (reentrant recompute under FSDP re-runs the all-gathers). Fix: make them equal."
+        )
+
+
+def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    mixed = launcher.get("mixed_precision")
+    if mixed:
+        mixed_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, mixed)
+        if mixed_dtype != recipe.model.dtype:
+            problems.append(
+                f"the accelerate config has mixed_precision: {mixed} but the recipe has model.dtype: {recipe.model.dtype}. "
+                "FSDP would cast the packed 4-bit storage and every frozen weight to the mixed-precision dtype. Fix: set "
+                f"model.dtype: {mixed_dtype} or mixed_precision: {'bf16' if recipe.model.dtype == 'bfloat16' else 'no'} in the config."
+            )
+    if plan.strategy != "fsdp":
+        return
+    if recipe.train.optimizer != "adamw":
+        problems.append(
+            f"train.optimizer `{recipe.train.optimizer}` keeps its state in bitsandbytes' own tensors, which torch distributed "
+            "checkpointing cannot save sharded under FSDP. Fix: set train.optimizer: adamw."
+        )
+    if plan.fsdp_version == 1 and recipe.lora.dora and plan.param_dtype != torch.float32:
+        # DoRA reads lora_A/lora_B.weight inside the magnitude's forward, outside their own FSDP1 units: their
+        # gradients then bypass FSDP1's mixed-precision handling and stay in the compute dtype (AdamW fails on them).
+        problems.append(
+            f"lora.dora under FSDP1 with model.dtype: {recipe.model.dtype}: DoRA uses the LoRA weights outside their FSDP1 "
+            "units, whose gradients then miss FSDP1's mixed-precision handling. Fix: use FSDP2 (accelerate_configs/"
+            "fsdp2.yaml, or parallel.fsdp_version: 2), or set lora.dora: false."
+        )
+    policy = launcher.get("auto_wrap_policy")
+    if policy and policy != "TRANSFORMER_BASED_WRAP":
+        problems.append(
+            f"the accelerate config has fsdp_auto_wrap_policy: {policy}. With a frozen 4-bit base and trainable LoRA, FSDP units "
+            "must follow decoder layers (and FSDP1 needs the LoRA leaves apart). Fix: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP."
+        )

@@ -1,0 +1,185 @@
+"""The parallel plan: which strategy this run uses, chosen and checked before any weight loads.
+
+`resolve_plan` reads the recipe, the launcher's environment (finetune/parallel/launcher.py) and the model's config on
+the meta device; with GPUs in sight the memory planner (finetune/planner/) decides `strategy: auto` and warns when an
+explicit strategy will not fit. Every refusal names its fix (the checks are finetune/parallel/checks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from finetune.distributed import DistInfo, print0
+from finetune.errors import LaunchError
+from finetune.parallel import zero
+from finetune.parallel.checks import check_agreement, check_fsdp_rules
+from finetune.parallel.launcher import launcher_settings
+from finetune.parallel.layers import decoder_layer_class, layer_split_device_map, meta_model
+from finetune.recipe import Recipe
+
+Strategy = Literal["single", "ddp", "fsdp", "deepspeed", "layer_split"]
+
+
+@dataclass
+class ParallelPlan:
+    strategy: Strategy
+    world_size: int
+    fsdp_version: int = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    layer_class: str | None = None
+    activation_checkpointing: bool = True
+    param_dtype: torch.dtype = torch.bfloat16
+    zero: zero.ZeroSettings | None = None  # strategy deepspeed
+    device_map: dict | None = None
+    sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.strategy == "fsdp":
+            shard = "full shard" if self.reshard_after_forward else "shard-grad-op"
+            offload = ", params offloaded to CPU" if self.cpu_offload else ""
+            return f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}), unit = {self.layer_class}"
+        if self.strategy == "ddp":
+            return f"DDP over {self.world_size} processes"
+        if self.strategy == "deepspeed":
+            return f"DeepSpeed {self.zero.describe()} over {self.world_size} processes"
+        if self.strategy == "layer_split":
+            devices = sorted({str(d) for d in (self.device_map or {}).values()})
+            return f"layer split over {', '.join(devices) or 'one device'} in one process"
+        return "single process"
+
+
+# ------------------------------------------------------------------------------------------- the plan + checks
+def detect_gpus(dist: DistInfo) -> tuple[int, int] | None:
+    """(GPUs per node, bytes per GPU) when this process runs on CUDA, else None (nothing to plan memory for)."""
+    if dist.device.type != "cuda":
+        return None
+    per_node = dist.local_world_size if dist.world_size > 1 else torch.cuda.device_count()
+    return per_node, torch.cuda.get_device_properties(dist.device).total_memory
+
+
+def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict | None = None,
+                 gpus: tuple[int, int] | None = None) -> ParallelPlan:
+    """Choose and check the strategy before any weight loads; every refusal names its fix.
+
+    `gpus` = (GPUs per node, bytes per GPU) turns on the memory planner: `strategy: auto` then follows its decision,
+    and an explicit strategy it says will not fit gets a warning with the figures (an error with `parallel.strict`).
+    """
+    from finetune.model import torch_dtype
+
+    launcher = launcher_settings() if launcher is None else launcher
+    problems: list[str] = []
+    gpus = gpus or detect_gpus(dist)
+    decision = _planner_decision(recipe, dist, model_config, gpus) if gpus else None
+    strategy = _choose_strategy(recipe, dist, launcher, problems, decision)
+    p = recipe.parallel
+    plan = ParallelPlan(
+        strategy=strategy,
+        world_size=dist.world_size,
+        fsdp_version=p.fsdp_version or launcher.get("fsdp_version", 2),
+        reshard_after_forward=p.reshard_after_forward if p.reshard_after_forward is not None else launcher.get("reshard_after_forward", True),
+        cpu_offload=bool(p.cpu_offload if p.cpu_offload is not None else launcher.get("cpu_offload", False)),
+        activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
+        param_dtype=torch_dtype(recipe.model.dtype),
+    )
+    if decision is not None:
+        _apply_decision(recipe, plan, decision, launcher, problems)
+    check_agreement(recipe, launcher, plan, problems)
+    check_fsdp_rules(recipe, launcher, plan, problems)
+    if strategy == "deepspeed":
+        plan.zero = zero.resolve(recipe, launcher, world_size=dist.world_size, device_type=dist.device.type,
+                                             problems=problems, notes=plan.notes)
+        plan.cpu_offload = plan.zero.offload_params
+    if problems:
+        raise LaunchError("the parallel setup cannot work:\n" + "\n".join(f"  - {p}" for p in problems))
+    if strategy in ("fsdp", "layer_split") or p.layer_class:
+        meta = meta_model(model_config, trust_remote_code=recipe.model.trust_remote_code)
+        layer_cls = decoder_layer_class(meta, p.layer_class or launcher.get("layer_class"))
+        plan.layer_class = layer_cls.__name__
+        if strategy == "layer_split":
+            count = torch.cuda.device_count() if dist.device.type == "cuda" else 0
+            devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+            plan.device_map = layer_split_device_map(meta, layer_cls, devices)
+    if plan.cpu_offload and dist.device.type == "cpu" and strategy != "deepspeed":
+        plan.notes.append("parameter offload asked for, but the parameters already live in CPU memory: nothing to offload")
+        plan.cpu_offload = False
+    plan.sharded_loading = strategy == "fsdp" and p.sharded_loading and not recipe.lora.dora
+    if strategy == "fsdp" and not plan.sharded_loading:
+        why = "lora.dora: DoRA's magnitudes come from the full weights" if recipe.lora.dora else "parallel.sharded_loading: false"
+        plan.notes.append(f"{why}: every rank loads and quantizes the full base before FSDP shards it")
+    return plan
+
+
+def _planner_decision(recipe: Recipe, dist: DistInfo, model_config, gpus: tuple[int, int]):
+    from finetune.planner import decide
+
+    per_node, memory = gpus
+    return decide(recipe, model_config, gpus_per_node=per_node, gpu_memory_bytes=memory, nodes=dist.num_nodes)
+
+
+def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str], decision=None) -> Strategy:
+    asked = recipe.parallel.strategy
+    world = dist.world_size
+    if asked == "auto":
+        if world == 1:
+            # One process: the planner may spread layers over the GPUs it sees when one GPU is not enough.
+            return "layer_split" if decision is not None and decision.strategy == "layer_split" else "single"
+        if launcher.get("strategy") in ("fsdp", "deepspeed"):
+            return launcher["strategy"]
+        if recipe.parallel.zero_stage is not None or recipe.parallel.deepspeed_config:
+            return "deepspeed"  # torchrun / the deepspeed launcher: the recipe's DeepSpeed keys say which engine
+        if decision is None:
+            return "ddp"
+        ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
+        return "ddp" if ddp is not None and ddp.fits else "fsdp"  # DDP when it fits (faster), else shard
+    if asked in ("ddp", "fsdp", "deepspeed") and world == 1:
+        config = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3"}[asked]
+        problems.append(
+            f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
+            f"(`accelerate launch --config_file accelerate_configs/{config}.yaml ...` or "
+            "`torchrun --nproc_per_node N ...`), or set parallel.strategy: single."
+        )
+    if asked in ("single", "layer_split") and world > 1:
+        problems.append(
+            f"parallel.strategy is `{asked}` but {world} processes were started: each would train its own copy. Fix: launch one "
+            "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp, "
+            "fsdp or deepspeed."
+        )
+    return asked
+
+
+def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict, problems: list[str]) -> None:
+    """Print the planner's figures; follow its offload advice under `auto`; warn (or refuse) when it will not fit."""
+    print0(f"[finetune] planner: {decision.summary}\n{decision.table}")
+    by_key = {e.strategy: e for e in decision.estimates}
+    auto = recipe.parallel.strategy == "auto"
+    unset = recipe.parallel.cpu_offload is None and launcher.get("cpu_offload") is None
+    if auto and unset and plan.strategy == "fsdp" and not by_key["fsdp"].fits and by_key["fsdp_offload"].fits:
+        plan.cpu_offload = True
+        plan.notes.append("the planner turned on CPU offload of parameters: FSDP without it does not fit")
+    key = {"single": "single", "ddp": "ddp", "layer_split": "layer_split"}.get(plan.strategy)
+    if plan.strategy == "deepspeed":
+        stage = recipe.parallel.zero_stage or int(launcher.get("zero_stage") or 3)
+        key = "zero3" if stage == 3 else "zero2"
+    elif key is None:
+        key = "fsdp_offload" if plan.cpu_offload else ("fsdp" if plan.reshard_after_forward else "fsdp_grad_op")
+    chosen = by_key.get(key)
+    if chosen is None or chosen.fits:
+        return
+    text = (f"the memory planner estimates {chosen.label} needs {chosen.peak_bytes / 2**30:.1f} GiB per GPU, more than "
+            f"fits ({-chosen.margin_bytes / 2**30:.1f} GiB short). {decision.summary}")
+    if recipe.parallel.strict:
+        problems.append(text + " Fix: pick the strategy it recommends, lower the batch or sequence length, or set "
+                        "parallel.strict: false to try anyway.")
+    else:
+        plan.notes.append("WARNING: " + text)
+
+
+def report(plan: ParallelPlan) -> None:
+    print0(f"[finetune] parallel: {plan.describe()}")
+    for note in plan.notes:
+        print0(f"[finetune] note: {note}")

@@ -1,0 +1,124 @@
+"""One training step through the wrappers: gradient sync per micro-batch, backward, clip + optimizer step, and
+generation (evals) through FSDP and ZeRO-3, where every forward is a collective."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from finetune.parallel import zero
+from finetune.parallel.wrap import unwrap
+
+
+def gradient_sync(model: nn.Module, *, enabled: bool):
+    """Context for one micro-batch: skip the gradient all-reduce / reduce-scatter until the last of the step.
+
+    DeepSpeed ZeRO-2/3 reduce-scatter at every micro-batch (they have no no_sync); they are told where the step ends.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if zero.is_engine(model):
+        zero.set_boundary(model, last=enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def generation_model(model: nn.Module):
+    """The module to call `.generate()` on, for every rank together (FSDP forwards are collectives).
+
+    DDP: the inner module (no collectives in a forward). FSDP2: generate() calls inner modules, so the root's
+    unshard hooks must wrap `generate` too (register_fsdp_forward_method). FSDP1: the full parameters are gathered
+    for the duration (summon_full_params): a full 4-bit copy per rank, as in loading.
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, "generate")
+        yield model
+    elif isinstance(model, FSDP):
+        yield _GreedyThroughRoot(model)
+    elif zero.is_engine(model) and model.zero_optimization_stage() == 3:
+        yield _GreedyThroughRoot(zero.generation_module(model))  # forwards gather: same count on every rank
+    else:
+        yield unwrap(model)
+
+
+class _GreedyThroughRoot(nn.Module):
+    """`generate(input_ids, attention_mask, max_new_tokens, ...)` as plain greedy decoding by full forwards of the
+    root module (no KV cache: fine for the short answers of an eval). Every rank runs every step, so the FSDP
+    collectives line up whatever each rank's rows are."""
+
+    def __init__(self, root: nn.Module):
+        super().__init__()
+        self.root = root  # a child module: .eval()/.train()/.parameters() reach the real model
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None, **_ignored) -> torch.Tensor:
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
+            logits = self.root(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                               use_cache=False).logits
+            token = logits[:, -1].argmax(-1)
+            if eos_token_id is not None:
+                token = torch.where(finished, torch.full_like(token, pad_token_id or eos_token_id), token)
+                finished |= token == eos_token_id
+            input_ids = torch.cat([input_ids, token[:, None]], dim=1)
+            attention_mask = torch.cat([attention_mask, (~finished | (token == eos_token_id))[:, None].long()], dim=1)
+        return input_ids
+
+
+def backward(model: nn.Module, loss: torch.Tensor) -> None:
+    """Backpropagate one micro-batch's (already normalized) loss."""
+    if zero.is_engine(model):
+        zero.backward(model, loss)
+    else:
+        loss.backward()
+
+
+def engine_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
+    """The torch optimizer an engine was built with (DeepSpeed), so the scheduler can drive its learning rate."""
+    return zero.torch_optimizer(model) if zero.is_engine(model) else None
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter],
+                   max_norm: float | None, *, allowed: bool) -> tuple[float, bool]:
+    """Clip, step and zero the gradients, unless the loss (`allowed`) or the gradient norm is not finite.
+
+    Returns (gradient norm before clipping, whether the parameters were updated). Under DeepSpeed the engine clips and
+    steps, and skips the update itself when the norm is NaN/inf.
+    """
+    if zero.is_engine(model):
+        return zero.optimizer_step(model)
+    norm = clip_grad_norm(model, parameters, max_norm)
+    stepped = allowed and math.isfinite(norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, stepped
+
+
+def clip_grad_norm(model: nn.Module, parameters: list[nn.Parameter], max_norm: float | None) -> float:
+    """Clip by the global norm over all ranks' shards; returns the norm before clipping."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    limit = max_norm if max_norm is not None else float("inf")
+    if isinstance(model, FSDP):
+        norm = model.clip_grad_norm_(limit)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,132 @@
+"""Applying the plan: FSDP2 (`fully_shard` per decoder layer), FSDP1 (`FullyShardedDataParallel` with the transformer
+auto-wrap policy), DDP, DeepSpeed (finetune/parallel/zero.py), layer split (placed at load time), and unwrapping.
+
+Wrapping uses torch's own APIs, so the code the CPU tests run with gloo is the code that runs on GPUs with NCCL.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from finetune.distributed import DistInfo
+from finetune.parallel import zero
+from finetune.parallel.plan import ParallelPlan
+
+
+# ------------------------------------------------------------------------------------------------ wrapping
+def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
+         materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply the plan; returns the module the training loop calls (the PeftModel itself under FSDP2).
+
+    `materialize` (sharded loading): `model` is a meta-device skeleton and `materialize(unit)` builds a unit's
+    tensors from the checkpoint. Each unit is built right before FSDP shards it, so a rank holds at most its shard
+    plus one unit: FSDP2 builds and shards each decoder layer, then the root; FSDP1 calls it as `param_init_fn`,
+    which FSDP runs for each unit just before flattening and sharding it.
+    """
+    if plan.strategy == "fsdp" and plan.fsdp_version == 2:
+        return _wrap_fsdp2(model, plan, dist, materialize)
+    if plan.strategy == "fsdp":
+        return _wrap_fsdp1(model, plan, dist, materialize)
+    if materialize is not None:
+        raise ValueError("a meta-device skeleton can only be built by the FSDP wrap")
+    if plan.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
+        device_ids = [dist.device] if dist.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+    if plan.strategy == "deepspeed":
+        return zero.initialize(model, plan.zero, device_type=dist.device.type)  # ZeRO-3 partitions it
+    return model
+
+
+def _layer_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == plan.layer_class]
+
+
+def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+    }
+    for layer in _layer_modules(model, plan):
+        if materialize is not None:
+            materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
+        fully_shard(layer, **options)
+    if materialize is not None:
+        materialize(model)  # what is left: embeddings, final norm, LM head
+    fully_shard(model, **options)
+    return model
+
+
+def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+    layer_cls = {type(m) for m in _layer_modules(model, plan)}
+
+    def is_trainable_leaf(module: nn.Module) -> bool:
+        # LoRA A/B (and DoRA magnitude) leaves: own unit, so every flat parameter has one dtype and one requires_grad.
+        return not list(module.named_children()) and any(p.requires_grad for p in module.parameters(recurse=False))
+
+    policy = functools.partial(
+        _or_policy,
+        policies=[
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=is_trainable_leaf),
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls),
+        ],
+    )
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy.FULL_SHARD if plan.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP,
+        mixed_precision=fsdp1_mixed_precision(plan),
+        cpu_offload=CPUOffload(offload_params=plan.cpu_offload),
+        device_id=dist.device,  # required on CPU too ("FSDP needs a non-CPU accelerator device" otherwise)
+        limit_all_gathers=True,
+        use_orig_params=False,
+        param_init_fn=materialize,  # sharded loading: called per unit, on its modules, before the unit is flattened
+    )
+
+
+def fsdp1_mixed_precision(plan: ParallelPlan):
+    """FSDP1's precision, the same as FSDP2's: fp32 LoRA master weights, compute in model.dtype, fp32 reductions.
+
+    The LoRA leaves keep PEFT's fp32 (their own units, so one dtype per flat parameter): the optimizer updates fp32
+    shards, and small updates are not rounded away in bf16. Each unit's forward runs on its parameters cast to
+    `param_dtype` (the 4-bit storage dtype; a no-op for the base), and gradients are reduced in fp32.
+
+    `cast_forward_inputs=True` is what makes a bf16 run work at all: PEFT's 4-bit LoRA layer casts its input to
+    `lora_A.weight.dtype` before calling lora_A. Outside the unit's own forward FSDP1 shows the fp32 flat parameter,
+    so the input becomes fp32, and inside the forward the weight is bf16: F.linear fails with "expected m1 and m2 to
+    have the same dtype, but got: float != c10::BFloat16" (the training loop uses no autocast, on any device). FSDP1
+    casts only the root's inputs by default; FSDP2's MixedPrecisionPolicy casts every unit's, which is why FSDP2 ran.
+    Casting every unit's floating inputs to `param_dtype` computes the LoRA path in bf16 exactly as FSDP2 does (and
+    as autocast would), so FSDP1 and FSDP2 train the same loss curve (tests/parallel/test_shipped.py).
+    """
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=plan.param_dtype,
+                          cast_forward_inputs=True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The PeftModel inside DDP / FSDP1 / DeepSpeed wrappers (FSDP2 wraps in place)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if zero.is_engine(model):
+        return model.module
+    while isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)):
+        model = model.module
+    return model

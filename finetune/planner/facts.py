@@ -1,0 +1,253 @@
+"""Facts of a model for the memory model: every tensor with its stored bytes and its FSDP unit, from the config alone.
+
+The model is built on the meta device (no weights); an architecture transformers cannot build gets a generic
+Llama-shaped skeleton, labelled as such. `model_config_for` reads stored architecture numbers first (offline).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass, field
+
+from finetune.errors import FinetuneError
+
+GiB = 1024**3
+GB = 1000**3
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+NF4_BLOCK = 64  # weights per absmax
+NESTED_BLOCK = 256  # absmax values per fp32 second-level absmax (double quant)
+
+
+class PlanError(FinetuneError):
+    """A plan input (flag, recipe or model config) cannot be used."""
+
+
+# ------------------------------------------------------------------------------------------------ model facts
+@dataclass
+class Tensor:
+    """One parameter as stored after loading: `rows` x `row_elems` elements of `elem_bytes` each."""
+
+    name: str
+    rows: int
+    row_elems: int
+    elem_bytes: int
+    trainable: bool
+    unit: str  # FSDP unit: "layer{i}", "lora:{name}" or "root"
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_elems
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+
+@dataclass
+class ModelFacts:
+    """What memory depends on, for one model + recipe (quantization, LoRA, dtype)."""
+
+    name: str
+    model_type: str
+    generic: bool  # True: a Llama-shaped estimate, the architecture was not built
+    num_layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_dim: int
+    dtype_bytes: int
+    tensors: list[Tensor]
+    quant_state_bytes: int
+    lora_inputs: list[tuple[str, int]]  # (target name in a layer, in_features): per-layer LoRA targets
+    lora_rank: int
+    unit_load_bytes: int = 0  # the largest FSDP unit (a layer, or the root) in model.dtype, before quantization
+    eager_attention: bool = False  # scores of size seq x seq are kept (attention softcapping)
+    extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
+    notes: list[str] = field(default_factory=list)
+
+    def total_bytes(self, *, trainable: bool | None = None) -> int:
+        return sum(t.nbytes for t in self.tensors if trainable is None or t.trainable == trainable)
+
+    def unit_bytes(self, unit_prefix: str) -> int:
+        return sum(t.nbytes for t in self.tensors if t.unit == unit_prefix)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(t.numel for t in self.tensors if t.trainable)
+
+
+def _lora_targets(name: str, is_output: bool, target_modules) -> bool:
+    """PEFT's matching: `all-linear` is every Linear but the output layer; a list matches the name's suffix."""
+    if target_modules == "all-linear":
+        return not is_output
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def _layers_list(model) -> tuple[str, int]:
+    """Dotted name and length of the longest ModuleList (the decoder layers)."""
+    from torch import nn
+
+    lists = [(n, len(m)) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return "", 0
+    return max(lists, key=lambda item: item[1])
+
+
+def _unit_of(name: str, layers_path: str) -> str:
+    match = re.match(re.escape(layers_path) + r"\.(\d+)\.", name) if layers_path else None
+    return f"layer{match.group(1)}" if match else "root"
+
+
+def quant_state_bytes(numel: int, *, double_quant: bool) -> int:
+    """Bytes of bitsandbytes' QuantState for one 4-bit weight (absmax, nested absmax, offset, NF4 code)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if double_quant:
+        return blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 + 64
+    return 4 * blocks + 64
+
+
+def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:
+    """Tensor-by-tensor facts from the model built on the meta device; generic facts if it cannot be built.
+
+    `lora_bytes`: bytes per LoRA weight. 4: PEFT's fp32 master weights, which finetune keeps under every strategy
+    (FSDP1 too: each LoRA leaf is a unit of its own). 2 models a peer that keeps LoRA in bf16 (published figures).
+    """
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001  (any architecture transformers cannot build: estimate, never crash)
+        facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+        facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
+        return facts
+    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+
+
+def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lora_bytes: int = 4) -> ModelFacts:
+    from torch import nn
+
+    dtype_bytes = DTYPE_BYTES[recipe.model.dtype]
+    quantized = recipe.quantization.method != "none"
+    storage_bytes = DTYPE_BYTES[recipe.quantization.quant_storage or recipe.model.dtype]
+    layers_path, num_layers = _layers_list(model)
+    output = model.get_output_embeddings()
+    tensors: list[Tensor] = []
+    qstate = 0
+    lora_inputs: list[tuple[str, int]] = []
+    linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unit_load: dict[str, int] = {}
+    for pname, param in model.named_parameters():
+        unit = _unit_of(pname, layers_path)
+        unit_load[unit] = unit_load.get(unit, 0) + param.numel() * dtype_bytes  # as read, before quantization
+        owner = linear_weights.get(id(param))
+        is_output = owner is not None and owner[1] is output
+        if owner is not None and quantized and not is_output:
+            numel = param.numel()
+            tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit))
+            qstate += quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
+        else:
+            shape = tuple(param.shape) or (1,)
+            tensors.append(Tensor(pname, shape[0], math.prod(shape[1:]), dtype_bytes, False, unit))
+        if owner is not None and _lora_targets(owner[0], is_output, recipe.lora.target_modules):
+            module, r = owner[1], recipe.lora.r
+            tensors.append(Tensor(f"{owner[0]}.lora_A", r, module.in_features, lora_bytes, True, f"lora:{owner[0]}.A"))
+            tensors.append(Tensor(f"{owner[0]}.lora_B", module.out_features, r, lora_bytes, True, f"lora:{owner[0]}.B"))
+            if unit == "layer0":
+                lora_inputs.append((owner[0].rsplit(".", 1)[-1], module.in_features))
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attn_impl = recipe.model.attn_implementation
+    facts = ModelFacts(
+        name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
+        generic=False, num_layers=num_layers, hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
+        heads=heads, kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
+        lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
+        eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
+        extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
+    )
+    if not layers_path:
+        facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
+    return facts
+
+
+def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:
+    """A Llama-shaped estimate from the config's sizes (attention q/k/v/o, gated MLP, two norms per layer)."""
+    get = (lambda key, default=None: config.get(key, default)) if isinstance(config, dict) else \
+        (lambda key, default=None: getattr(config, key, default))
+    hidden = get("hidden_size") or get("n_embd") or get("d_model")
+    layers = get("num_hidden_layers") or get("n_layer") or get("num_layers")
+    vocab = get("vocab_size")
+    if not (hidden and layers and vocab):
+        raise PlanError(
+            f"model `{name}`: its config has no hidden_size / num_hidden_layers / vocab_size (or n_embd / n_layer), so not "
+            "even a generic estimate is possible. Fix: point model.name_or_path at a causal LM whose config.json has them."
+        )
+    heads = get("num_attention_heads") or get("n_head") or max(1, hidden // 128)
+    kv_dim = (get("num_key_value_heads") or heads) * (get("head_dim") or hidden // heads)
+    inter = get("intermediate_size") or get("n_inner") or 4 * hidden
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv_dim, hidden), "self_attn.v_proj": (kv_dim, hidden),
+              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    config_dict = {"hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab, "num_attention_heads": heads,
+                   "intermediate_size": inter, "tie_word_embeddings": bool(get("tie_word_embeddings", False))}
+    model = _generic_meta_model(shapes, layers, vocab, hidden, config_dict["tie_word_embeddings"])
+    fake_config = argparse.Namespace(**config_dict, num_key_value_heads=kv_dim // (hidden // heads), head_dim=hidden // heads,
+                                     model_type=get("model_type", "unknown"), name_or_path=name)
+    facts = _facts_from_model(model, fake_config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+    facts.generic = True
+    return facts
+
+
+def _generic_meta_model(shapes: dict, layers: int, vocab: int, hidden: int, tied: bool):
+    """A Llama-shaped module tree on the meta device (no storage), named like transformers' models."""
+    import torch
+    from torch import nn
+
+    class GenericCausalLM(nn.Module):
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head
+
+    def block() -> nn.Module:
+        layer = nn.Module()
+        for key, (out_f, in_f) in shapes.items():
+            group, proj = key.split(".")
+            if not hasattr(layer, group):
+                layer.add_module(group, nn.Module())
+            getattr(layer, group).add_module(proj, nn.Linear(in_f, out_f, bias=False))
+        layer.input_layernorm = nn.Parameter(torch.empty(hidden))
+        layer.post_attention_layernorm = nn.Parameter(torch.empty(hidden))
+        return layer
+
+    with torch.device("meta"):
+        root = GenericCausalLM()
+        root.model = nn.Module()
+        root.model.embed_tokens = nn.Embedding(vocab, hidden)
+        root.model.layers = nn.ModuleList([block() for _ in range(layers)])
+        root.model.norm = nn.Parameter(torch.empty(hidden))
+        root.lm_head = nn.Linear(hidden, vocab, bias=False)
+    if tied:
+        root.lm_head.weight = root.model.embed_tokens.weight
+    return root
+
+
+def model_config_for(recipe):
+    """The model's config: stored architecture numbers first (offline), else the local folder or the hub."""
+    from finetune.model.architectures import stored_config, stored_names
+
+    name = recipe.model.name_or_path
+    from finetune import model as model_stage
+
+    if not model_stage.is_local(name):
+        stored = stored_config(name)
+        if stored is not None:
+            return stored
+    try:
+        return model_stage.load_config(recipe)
+    except FinetuneError as exc:
+        raise PlanError(f"{exc} The planner also has stored numbers for: {', '.join(stored_names())}.") from None

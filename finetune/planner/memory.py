@@ -1,0 +1,333 @@
+"""The memory model: per-rank bytes of a QLoRA recipe for every strategy, the load peak and the CPU RAM.
+
+How it counts (docs/planner.md has the derivations and the checks against published figures):
+  * parameters, tensor by tensor, from the model built on the meta device (no weights): every nn.Linear except
+    the LM head becomes a packed NF4 tensor of (n + 1) // (2 * itemsize) storage elements, plus its quantization
+    state (one absmax per 64 weights: uint8 with double quant plus an fp32 absmax per 256 blocks, else fp32);
+    embeddings, LM head, norms and biases stay in model.dtype; LoRA A/B per target in fp32 (every strategy);
+  * sharding exactly as torch does it: FSDP2 chunks every tensor along dim 0, FSDP1 pads each unit's flat
+    parameter to a multiple of the world size; the quantization state is not a parameter, so every rank holds all of it;
+  * gradients and AdamW state (two moments) for the LoRA parameters, sharded like them, on the CPU with offload;
+  * activations per token and decoder layer, by kind (what autograd saves: fp32 norm inputs, attention q/k/v/out and
+    the SDPA mask, MLP intermediates, the LoRA inputs and rank-r projections), all layers without checkpointing,
+    layer inputs + one recomputed layer with it; the loss as finetune/training/loss.py makes it (one chunk of logits at 12
+    bytes per logit, the kept gradient of the hidden states). benchmarks/memory_breakdown.py measures each kind;
+    docs/benchmarks.md has the comparison;
+  * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
+  * DeepSpeed ZeRO-3 / ZeRO-2 (`zero_parts`): the memory model of FSDP full shard / shard-grad-op, partitioned per
+    tensor (each padded to the world size), plus what DeepSpeed adds: tensors under stage3_param_persistence_threshold
+    stay whole on every rank, the prefetch bucket of gathered parameters, the gradient reduce bucket, and an fp32
+    master copy of the LoRA weights. Listed for comparison; `strategy: auto` never picks an optional engine.
+An architecture transformers cannot build gets a generic Llama-shaped estimate, labelled as such.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from finetune.planner.facts import GiB, ModelFacts
+
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
+FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
+SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
+LOSS_BYTES_PER_LOGIT = 12  # per logit of a loss chunk: fp32 logits, log-softmax, its gradient (measured 12.1-12.4, benchmarks/memory_breakdown.py)
+
+
+StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
+
+# Sizes chosen for memory that the engines use as they are and the memory model counts: the loss works on chunks of
+# at most CHUNK_LOGIT_ELEMENTS logits (finetune/training/loss.py), DeepSpeed's gather and reduce buckets hold
+# BUCKET_ELEMENTS elements (finetune/parallel/zero.py). Defined here so that the model and the engines cannot drift.
+CHUNK_LOGIT_ELEMENTS = 2**24
+BUCKET_ELEMENTS = 50_000_000
+# DeepSpeed's ZeRO-3 default persistence threshold (0.19) and finetune's bucket sizes, in elements.
+ZERO_PERSISTENCE_THRESHOLD = 100_000
+ZERO_PREFETCH_BUCKET = ZERO_REDUCE_BUCKET = BUCKET_ELEMENTS
+
+
+# -------------------------------------------------------------------------------------------- per-rank bytes
+def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, rank: int = 0,
+                         fsdp_version: int = 2, persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
+    """Parameter bytes one rank holds after wrapping, split frozen / trainable: what parallel.local_parameter_bytes reports.
+
+    FSDP2 shards every tensor along dim 0 in torch.chunk pieces (the last ranks may get fewer rows); FSDP1 flattens
+    each unit (decoder layer, LoRA leaf, root) into one tensor padded to a multiple of the world size. ZeRO-3
+    partitions each tensor flat (numel / world, padded), except those under its persistence threshold.
+    """
+    held = {"frozen_bytes": 0, "trainable_bytes": 0}
+    key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"
+    if strategy == "zero3" and world_size > 1:
+        for t in facts.tensors:
+            whole = t.numel < persistence_threshold
+            held[key(t)] += t.nbytes if whole else math.ceil(t.numel / world_size) * t.elem_bytes
+        return held
+    if strategy != "fsdp" or world_size == 1:
+        for t in facts.tensors:
+            held[key(t)] += t.nbytes
+        return held
+    if fsdp_version == 2:
+        for t in facts.tensors:
+            chunk = math.ceil(t.rows / world_size)
+            rows = max(0, min(chunk, t.rows - rank * chunk))
+            held[key(t)] += rows * t.row_elems * t.elem_bytes
+        return held
+    units: dict[tuple[str, bool], list[int]] = {}
+    for t in facts.tensors:
+        entry = units.setdefault((t.unit, t.trainable), [0, t.elem_bytes])
+        entry[0] += t.numel
+    for (_, trainable), (numel, elem_bytes) in units.items():
+        held["trainable_bytes" if trainable else "frozen_bytes"] += math.ceil(numel / world_size) * elem_bytes
+    return held
+
+
+def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
+               persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
+    """base / LoRA+optimizer / gathered bytes per GPU under DeepSpeed ZeRO-`stage` (same columns as FSDP's).
+
+    ZeRO-3 partitions every tensor on its own (numel / world, padded), except those under the persistence threshold,
+    which stay whole (norms; LoRA A/B of rank r x 4096 = 65k elements at r 16: whole too). Gathered: the largest
+    tensor (embedding or LM head, gathered alone) + one decoder layer + the prefetch bucket. ZeRO-2 keeps every
+    parameter whole like DDP and partitions the fp32 master copy, gradients and AdamW moments (16 bytes per LoRA
+    element / world); both hold one gradient reduce bucket (fp32).
+    """
+    held = held_parameter_bytes(facts, strategy=f"zero{stage}", world_size=world_size,
+                                persistence_threshold=persistence_threshold)
+    frozen, trainable = held["frozen_bytes"], held["trainable_bytes"]
+    lora_numel = facts.trainable_numel
+    optimizer = math.ceil(16 * lora_numel / world_size)  # fp32 master + gradient + two AdamW moments, partitioned
+    reduce_bucket = 4 * min(ZERO_REDUCE_BUCKET, lora_numel)
+    gathered = reduce_bucket
+    if stage == 3:
+        layer_unit, _ = _unit_sizes(facts)
+        largest = max(t.nbytes for t in facts.tensors)
+        gathered += largest + layer_unit + min(ZERO_PREFETCH_BUCKET * facts.dtype_bytes, layer_unit)
+    return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
+
+
+def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int, dropout_mask_bytes: int = 1) -> dict[str, int]:
+    """Bytes autograd keeps per token for one decoder layer (no checkpointing), by kind.
+
+    norms: fp32 copies of the norm inputs (RMSNorm upcasts); attention: q/k/v/out and the log-sum-exp (+ seq x seq
+    scores when attention is eager); mlp: the three MLP intermediates; lora: per LoRA target the input cast to the LoRA
+    dtype (+ dropout mask) and the rank-r output. The 4-bit matmul saves only its weight (bitsandbytes' MatMul4Bit).
+    With a mask (padded micro-batches, packed rows; not flash-attention, which takes sequence lengths), transformers'
+    sdpa path repeats k/v to every query head (no GQA kernel with a mask) and SDPA keeps its own copy of the
+    (batch, 1, seq, seq) mask in each layer. SDPA's output is what o_proj reads: saved once, under attention.
+    With the fused LoRA path (lora.fused, finetune/model/lora_fused.py) a target keeps the layer input in model.dtype,
+    shared by the targets that read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no
+    dropout mask. (FSDP1 and ZeRO-3 fall back to PEFT's forward at run time; the estimate counts the fused path for
+    them too.) benchmarks/memory_breakdown.py measures the same kinds with autograd's saved-tensor hooks.
+    `dropout_mask_bytes`: PEFT's dropout mask per element; 1 on GPUs (CUDA's fused dropout keeps a bool mask), the
+    LoRA dtype's size on CPU (torch multiplies by a mask of the input's dtype there).
+    """
+    a = facts.dtype_bytes
+    lora_bytes = 4 if a == 2 else a
+    dropout = recipe.lora.dropout > 0
+    flash = recipe.model.attn_implementation.startswith("flash")
+    masked = not flash and (recipe.data.packing or recipe.train.micro_batch_size > 1)
+    kv = facts.hidden if masked and not facts.eager_attention else facts.kv_dim
+    parts = {"norms": (2 + facts.extra_norms) * 4 * facts.hidden,
+             "attention": a * (2 * facts.hidden + 2 * kv) + 4 * facts.heads + (a * seq_len if masked else 0)
+             + (3 * a * facts.heads * seq_len if facts.eager_attention else 0),  # scores, capped scores, probabilities
+             "mlp": 3 * a * facts.intermediate, "lora": 0}
+    # o_proj's input is the attention output (saved there) unless eager attention makes a transposed copy.
+    shared_inputs: set[str] = set() if facts.eager_attention else {"o_proj"}
+    for target, in_features in facts.lora_inputs:
+        group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}.get(target, target)
+        if getattr(recipe.lora, "fused", False):
+            parts["lora"] += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
+            shared_inputs.add(group)
+            continue
+        if lora_bytes == a and not dropout and group in shared_inputs:
+            parts["lora"] += 4 * facts.lora_rank  # same input tensor as a sibling target: saved once
+            continue
+        shared_inputs.add(group)
+        parts["lora"] += lora_bytes * in_features + (dropout_mask_bytes * in_features if dropout else 0) + 4 * facts.lora_rank
+    return parts
+
+
+def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (no checkpointing): the sum of the parts above."""
+    return sum(activation_parts_per_token_layer(facts, recipe, seq_len=seq_len).values())
+
+
+@dataclass
+class Estimate:
+    """Peak memory of one strategy, per GPU, in bytes; `parts` says where it goes."""
+
+    strategy: str
+    label: str
+    world_size: int
+    parts: dict[str, int]
+    cpu_bytes_per_node: int
+    fits: bool = False
+    margin_bytes: int = 0
+    load_peak_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.parts.values())
+
+
+def _batch_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: bool) -> dict[str, int]:
+    """Activations and logits/loss buffers for one micro-batch at data.max_length."""
+    seq = recipe.data.max_length
+    tokens = micro_batch * seq
+    per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq)
+    if checkpointing:
+        # Each layer keeps its input; backward recomputes one layer at a time (its activations + their grads).
+        activations = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes + int(1.5 * per_layer)
+    else:
+        activations = facts.num_layers * per_layer + int(0.5 * per_layer)
+    return {"activations": activations, "logits_loss": loss_bytes(tokens, facts)}
+
+
+def loss_bytes(tokens: int, facts: ModelFacts) -> int:
+    """Memory of the loss as finetune/training/loss.py computes it: one chunk of fp32 logits at a time (never the full
+    batch x length x vocabulary), plus the fp32 gradient w.r.t. the hidden states of every trained position, kept for
+    backward (all positions counted: an upper bound, instruction data trains only the answers)."""
+
+    chunk_tokens = min(tokens, max(16, CHUNK_LOGIT_ELEMENTS // max(1, facts.vocab)))
+    return LOSS_BYTES_PER_LOGIT * chunk_tokens * facts.vocab + 4 * tokens * facts.hidden
+
+
+def _unit_sizes(facts: ModelFacts) -> tuple[int, int]:
+    """(bytes of the largest decoder-layer unit incl. its LoRA, bytes of the root unit), unsharded."""
+    layers: dict[str, int] = {}
+    root = 0
+    for t in facts.tensors:
+        if t.unit.startswith("layer"):
+            layers[t.unit] = layers.get(t.unit, 0) + t.nbytes
+        elif t.unit.startswith("lora:"):
+            match = re.search(r"\.(\d+)\.", t.unit)
+            if match:
+                layers[f"layer{match.group(1)}"] = layers.get(f"layer{match.group(1)}", 0) + t.nbytes
+            else:
+                root += t.nbytes
+        else:
+            root += t.nbytes
+    return (max(layers.values()) if layers else 0), root
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+STRATEGIES: dict[str, str] = {
+    "single": "single GPU",
+    "ddp": "DDP",
+    "fsdp": "FSDP full shard",
+    "fsdp_grad_op": "FSDP shard-grad-op",
+    "fsdp_offload": "FSDP + CPU offload",
+    "layer_split": "layer split",
+    "zero3": "DeepSpeed ZeRO-3",
+    "zero2": "DeepSpeed ZeRO-2",
+}
+
+PROCESS_CPU_BYTES = 3 * GiB  # python + torch + CUDA host libraries + tokenizer/data, per process
+
+
+@dataclass
+class Hardware:
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    nodes: int = 1
+    cpu_memory_bytes: int | None = None
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: int | None = None,
+             per_rank_full_load: bool | None = None) -> Estimate:
+    """Peak bytes per GPU of strategy `key` (a STRATEGIES key) for the recipe's micro-batch and sequence length.
+
+    Loading counts too (`_load_peak`): FSDP strategies load sharded (parallel.sharded_loading, the default), the others
+    load a full copy per rank. `per_rank_full_load`: True counts a full copy for every strategy (the v1 loader),
+    False leaves loading out (training peak only).
+    """
+    world = {"single": 1, "layer_split": 1}.get(key, hw.total_gpus)
+    devices = hw.gpus_per_node if key == "layer_split" else 1
+    fsdp = key.startswith("fsdp")
+    offload = key == "fsdp_offload"
+    checkpointing = recipe.parallel.activation_checkpointing
+    checkpointing = recipe.train.gradient_checkpointing if checkpointing is None else checkpointing
+    batch = _batch_terms(facts, recipe, micro_batch=micro_batch or recipe.train.micro_batch_size, checkpointing=checkpointing)
+    held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=world)
+    layer_unit, root_unit = _unit_sizes(facts)
+    parts = {
+        "base": 0 if offload else (held["frozen_bytes"] - root_unit) // devices + root_unit if key == "layer_split"
+        else 0 if offload else held["frozen_bytes"],
+        "quant_state": facts.quant_state_bytes // devices,
+        "lora_grads_adamw": 0 if offload else 4 * held["trainable_bytes"] // devices + (held["trainable_bytes"] if key == "ddp" else 0),
+        "fsdp_unsharded": 0,
+        "activations": batch["activations"] // devices,
+        "logits_loss": batch["logits_loss"],  # on the last device under layer split
+    }
+    if key.startswith("zero"):
+        parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
+    if fsdp:
+        # Full shard: the root unit (embeddings, head) stays gathered; two layer units in flight (current + prefetch).
+        # Shard-grad-op keeps every gathered unit until backward ends: the whole model, unsharded.
+        parts["fsdp_unsharded"] = facts.total_bytes() if key == "fsdp_grad_op" else root_unit + 2 * layer_unit
+    dynamic = parts["activations"] + parts["logits_loss"] + parts["fsdp_unsharded"]
+    parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
+    result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
+                      cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
+    sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
+    load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, world, sharded=sharded)
+    result.load_peak_bytes = load_peak
+    usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
+    result.margin_bytes = usable - max(result.peak_bytes, load_peak)
+    result.fits = result.margin_bytes >= 0
+    if load_peak > result.peak_bytes:
+        how = ("its shard + one layer being quantized + the quant state" if sharded
+               else "each rank quantizes a full copy of the base on its GPU")
+        result.notes.append(f"loading needs {_gib(load_peak)} per GPU ({how})")
+    if hw.cpu_memory_bytes and result.cpu_bytes_per_node > hw.cpu_memory_bytes:
+        result.fits = False
+        result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
+    return result
+
+
+def _load_peak(facts: ModelFacts, key: str, devices: int, world: int, *, sharded: bool) -> int:
+    """GPU bytes while loading.
+
+    Per-rank loader: the whole 4-bit base and its quant state + the largest tensor before quantization.
+    Sharded loading (finetune/model/loading.py): this rank's shard (none on the GPU with CPU offload) + the quant state
+    (not a parameter: whole on every rank) + the largest unit as read in model.dtype (a layer, or the embeddings
+    and LM head), which is built and quantized on the GPU and then sharded.
+    """
+    if sharded:
+        shard = 0 if key == "fsdp_offload" else facts.total_bytes(trainable=False) // world
+        return shard + facts.quant_state_bytes + facts.unit_load_bytes + CUDA_CONTEXT_BYTES
+    largest = max(t.numel for t in facts.tensors) * facts.dtype_bytes
+    frozen = facts.total_bytes(trainable=False) + facts.quant_state_bytes
+    return frozen // devices + largest + CUDA_CONTEXT_BYTES
+
+
+def _cpu_bytes_per_node(facts: ModelFacts, key: str, hw: Hardware, held: dict[str, int]) -> int:
+    """CPU RAM per node: each process's runtime + one tensor being loaded, plus offloaded shards and optimizer."""
+    processes = 1 if key in ("single", "layer_split") else hw.gpus_per_node
+    largest = max(t.numel for t in facts.tensors) * facts.dtype_bytes
+    per_process = PROCESS_CPU_BYTES + 2 * largest
+    if key == "fsdp_offload":
+        per_process += held["frozen_bytes"] + 4 * held["trainable_bytes"]
+    return processes * per_process
+
+
+def estimates_for(facts: ModelFacts, recipe, hw: Hardware, **kwargs) -> list[Estimate]:
+    """Every strategy that this hardware can run (DDP/FSDP need 2+ GPUs, layer split 2+ GPUs in one node)."""
+    keys = ["single"]
+    if hw.total_gpus > 1:
+        keys += ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero3", "zero2"]
+    if hw.gpus_per_node > 1:
+        keys.append("layer_split")
+    return [estimate(facts, recipe, key, hw, **kwargs) for key in keys]
+

@@ -1,0 +1,11 @@
+"""Tracking: metrics.jsonl always, TensorBoard / MLflow / W&B when the recipe asks; the run's plot; `finetune runs`.
+
+    trackers.py   Trackers (every backend behind one log call), log_run_artifacts, the MLflow store
+    plot.py       plot.png of a run (loss and learning rate against steps), `finetune plot`
+    runs.py       `finetune runs`: an MLflow store's runs with their final losses
+"""
+
+from finetune.tracking.plot import plot_run
+from finetune.tracking.trackers import Trackers, log_run_artifacts, run_tags
+
+__all__ = ["Trackers", "log_run_artifacts", "plot_run", "run_tags"]

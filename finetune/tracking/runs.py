@@ -1,0 +1,107 @@
+"""`finetune runs`: the runs of an MLflow tracking store with their final losses, for people who do not open a UI.
+
+    finetune runs                          $MLFLOW_TRACKING_URI, else every run folder under runs/
+    finetune runs runs/x                   a run folder (its output.dir/mlflow.db, or the store in its trackers.json)
+    finetune runs runs/                    every run folder inside
+    finetune runs sqlite:///abs/mlflow.db  a store by URI (also http://server, file:/path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+from finetune.tracking.trackers import STATE_FILE, check_reachable, prepare_mlflow_env, ui_line
+
+
+class RunsError(FinetuneError):
+    """No MLflow store where the user pointed, or the store cannot be read."""
+
+
+def folder_store(folder: Path) -> str | None:
+    """The MLflow store of a run folder: the URI its run used (trackers.json), else its own mlflow.db."""
+    try:
+        uri = json.loads((folder / STATE_FILE).read_text()).get("mlflow_uri")
+    except (OSError, ValueError):
+        uri = None
+    if uri:
+        return uri
+    database = folder / "mlflow.db"
+    return f"sqlite:///{database.resolve()}" if database.is_file() else None
+
+
+def find_stores(where: str) -> list[str]:
+    """URIs of the MLflow stores `where` names: a URI, a .db file, a run folder, or a folder of run folders."""
+    if "://" in where or where.startswith("file:"):
+        return [where]
+    path = Path(where).expanduser()
+    if path.is_file() and path.suffix == ".db":
+        return [f"sqlite:///{path.resolve()}"]
+    if path.is_dir():
+        own = folder_store(path)
+        if own:
+            return [own]
+        return list(dict.fromkeys(uri for child in sorted(path.iterdir()) if child.is_dir()
+                                  for uri in [folder_store(child)] if uri))
+    return []
+
+
+def store_rows(uri: str) -> list[dict]:
+    """One row per run of the store, oldest first: name, status, final loss / eval loss, strategy, start, id."""
+    prepare_mlflow_env(uri)
+    check_reachable(uri)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = {e.experiment_id: e.name for e in client.search_experiments()}
+    runs = client.search_runs(list(experiments), order_by=["attributes.start_time ASC"]) if experiments else []
+    return [{
+        "experiment": experiments.get(run.info.experiment_id, "?"),
+        "name": run.info.run_name or "?",
+        "status": run.info.status,
+        "loss": run.data.metrics.get("loss"),
+        "eval_loss": run.data.metrics.get("eval_loss"),
+        "strategy": run.data.tags.get("strategy", ""),
+        "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(run.info.start_time / 1000)),
+        "run_id": run.info.run_id,
+    } for run in runs]
+
+
+def format_rows(rows: list[dict]) -> str:
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    table = [("experiment", "run", "status", "loss", "eval loss", "strategy", "started", "run id")]
+    table += [(r["experiment"], r["name"], r["status"], number(r["loss"]), number(r["eval_loss"]), r["strategy"],
+               r["started"], r["run_id"]) for r in rows]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table)
+
+
+def cli_runs(args: argparse.Namespace) -> int:
+    places = args.where or [os.environ.get("MLFLOW_TRACKING_URI") or "runs"]
+    stores = list(dict.fromkeys(uri for where in places for uri in find_stores(where)))
+    if not stores:
+        raise RunsError(f"no MLflow store in {', '.join(places)}: a run writes one when its recipe has "
+                        "`train.trackers: [mlflow]` (default store: output.dir/mlflow.db). Pass a run folder, a folder "
+                        "of run folders, or a tracking URI (sqlite:///path/mlflow.db, http://host:5000).")
+    if importlib.util.find_spec("mlflow") is None:
+        raise RunsError("`finetune runs` reads MLflow stores and needs mlflow: pip install 'finetune[trackers]'.")
+    for index, uri in enumerate(stores):
+        try:
+            rows = store_rows(uri)
+        except Exception as exc:  # noqa: BLE001 - one line per unreadable store, the others are still listed
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            print(f"{uri}: cannot be read ({type(exc).__name__}: {reason})")
+            continue
+        print(("\n" if index else "") + f"{uri}: {len(rows)} run{'s' if len(rows) != 1 else ''}")
+        if rows:
+            print(format_rows(rows))
+    if len(stores) == 1:
+        print(ui_line(stores[0]))
+    return 0

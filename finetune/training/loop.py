@@ -1,0 +1,307 @@
+"""The training loop, top to bottom, and evaluate().
+
+Loss normalization: the loss of an optimizer step is (sum of token losses over every micro-batch on every rank)
+divided by (number of trained tokens in that whole step). Each micro-batch backpropagates its token-loss sum
+times world_size / global_tokens, because DDP, FSDP and DeepSpeed average gradients over ranks. So a step gives the same
+gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padding or the tokens per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import torch
+from torch import nn
+
+from finetune import distributed, outputs
+from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches, real_token_count
+from finetune.errors import FinetuneError
+from finetune.outputs import checkpoint, step_folders
+from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
+from finetune.recipe import Recipe, recipe_to_yaml
+from finetune.tracking import Trackers, run_tags
+from finetune.training.loss import token_loss_sum
+
+
+class NumericalFault(FinetuneError):
+    """The loss or the gradient became NaN/inf."""
+
+
+class Preempted(FinetuneError):
+    """SIGTERM/SIGINT: the run finished its step, wrote a checkpoint and stopped. Exit code 128 + signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `received`: the loop finishes the step, checkpoints, then stops.
+
+    A second SIGINT (an impatient Ctrl-C) interrupts at once. Outside the main thread (signals cannot be caught
+    there) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        distributed.print0(f"[finetune] {signal.Signals(signum).name} received: finishing this step, then checkpointing")
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def lr_lambda(recipe: Recipe):
+    """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak."""
+    t = recipe.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if recipe.train.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(parameters, lr=recipe.train.learning_rate, weight_decay=recipe.train.weight_decay)
+    return torch.optim.AdamW(parameters, lr=recipe.train.learning_rate, weight_decay=recipe.train.weight_decay)
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over the trained tokens of a batch, and their count.
+
+    Computed inside the model's forward on the trained positions only, a chunk at a time (finetune/training/loss.py): the
+    (batch x length x vocabulary) fp32 logits are never built, which is most of a QLoRA step's memory and a large
+    part of its CPU time. Same value as the plain full-logits cross-entropy (tests/training/test_loss.py).
+    """
+    return token_loss_sum(model, batch, device)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> float | None:
+    """Token-weighted mean loss over the held-out examples, identical for any world size."""
+    if not examples:
+        return None
+    info = distributed.info()
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in eval_batches(
+        examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank, world_size=info.world_size, pad_id=pad_id
+    ):
+        batch_loss, batch_tokens = loss_sum(model, batch, info.device)
+        total, count = total + float(batch_loss), count + batch_tokens
+    total, count = distributed.all_reduce_sum([total, count])
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
+          out_dir: Path, trainable_names: list[str] | None = None, resume_from: Path | None = None,
+          parallel: str = "single process", tokenizer=None) -> TrainResult:
+    """Run optimizer steps up to recipe.train.max_steps (from a checkpoint's step when resuming); log to metrics.jsonl.
+
+    Checkpoints every train.save_every steps, at the last step, and when SIGTERM/SIGINT arrives (then raises Preempted).
+    `trainable_names`: the model's names of the trainable parameters (given by run.py: under FSDP1 the wrapped model
+    only exposes flat parameters).
+
+    Kept whole: this is the training loop, the one place a reader sees the whole step on one screen (accumulation with
+    the gradient sync, clipping, the optimizer and scheduler step, logging, eval and checkpoint cadence).
+    """
+    from tqdm.auto import tqdm
+
+    info, t = distributed.info(), recipe.train
+    names = set(trainable_names or [name for name, param in model.named_parameters() if param.requires_grad])
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+    stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
+                         world_size=info.world_size, seed=t.seed, pad_id=pad_id)
+    result = TrainResult()
+    first_step = 1
+    if resume_from is not None:
+        first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
+                            max_steps=t.max_steps) + 1
+    recipe_yaml = recipe_to_yaml(recipe)
+    if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
+        outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
+    batches = iter(stream)
+    tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
+    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags)
+    status = "FAILED"  # what the trackers record unless the run finishes or is preempted
+    try:  # trackers are closed however the run ends (done, preempted, numerical fault)
+        if first_step == 1:
+            generation_eval(model, tokenizer, eval_examples, recipe, "before", metrics)
+        interactive = sys.stderr.isatty()
+        progress = tqdm(total=t.max_steps, initial=first_step - 1, disable=not (info.is_main and interactive), desc="train",
+                        dynamic_ncols=True)
+        print_every = max(1, t.max_steps // 10)
+        verify_next_save = True  # the first checkpoint of every process is read back and compared
+        model.train()
+        started = time.perf_counter()
+        with StopSignals() as signals:
+            for step in range(first_step, t.max_steps + 1):
+                step_start = time.perf_counter()
+                micro_batches = [next(batches) for _ in range(t.grad_accum)]
+                local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+                local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
+                global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
+                step_loss = 0.0
+                for index, batch in enumerate(micro_batches):
+                    with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                        batch_loss, _ = loss_sum(model, batch, info.device)
+                        backward(model, batch_loss * info.world_size / max(global_tokens, 1))
+                    step_loss += float(batch_loss.detach())
+                loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
+                # Clip, step, zero the gradients; never step on a NaN/inf, so every checkpoint and the adapter stay finite.
+                grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm, allowed=math.isfinite(loss))
+                if finite:
+                    scheduler.step()
+                    result.steps, result.tokens = step, result.tokens + int(global_seen)
+                    result.losses.append(loss)
+                else:
+                    handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
+
+                elapsed = time.perf_counter() - step_start
+                lr = scheduler.get_last_lr()[0]
+                if finite and (step % t.log_every == 0 or step == t.max_steps):
+                    metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                                  tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
+                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
+                progress.update(1)
+                if not interactive and (step % print_every == 0 or step == first_step):
+                    distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
+                if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
+                    if eval_loss is not None:
+                        result.eval_losses.append((step, eval_loss))
+                        metrics.write(step=step, eval_loss=round(eval_loss, 6))
+                        distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+
+                stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
+                if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                    state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
+                    saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
+                                                       keep_last=t.keep_last, verify=verify_next_save)
+                    verify_next_save = False
+                if stop:
+                    progress.close()
+                    raise preempted(signals.received, step, saved)
+        progress.close()
+        result.seconds = time.perf_counter() - started
+        result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
+        status = "FINISHED"
+        return result
+    except (Preempted, KeyboardInterrupt):
+        status = "KILLED"
+        raise
+    finally:
+        metrics.close(status=status)
+
+
+def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,
+                    metrics: Trackers) -> dict | None:
+    """Greedy answers to `eval.generation_rows` held-out prompts, scored (exact match...), before and after training."""
+    if tokenizer is None or not recipe.eval.generation_rows or not eval_examples:
+        return None
+    from finetune.parallel import generation_model
+    from finetune.training import evals
+
+    with generation_model(model) as generator:
+        record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase)
+    if record is not None:
+        metrics.write(**record)
+        distributed.print0(f"[finetune] generation eval {phase}: {record['generation_metric']} "
+                           f"{record['generation_score']:.0%} ({record['generation_correct']}/{record['generation_total']})")
+    return record
+
+
+def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: Trackers) -> None:
+    """nan_policy stop: raise with the way back; skip: log the skipped step and go on."""
+    if recipe.train.nan_policy == "stop":
+        good = [path.name for _, path in step_folders.list_checkpoints(out_dir)]
+        kept = f"the newest checkpoint ({good[-1]}) is kept" if good else "no checkpoint was written yet"
+        raise NumericalFault(
+            f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped before the optimizer step, so no "
+            f"NaN reaches the adapter ({kept}). Fix: lower train.learning_rate (now {recipe.train.learning_rate}) or "
+            "set train.max_grad_norm, check the data, then continue with train.resume=auto; or set train.nan_policy: skip."
+        )
+    metrics.write(step=step, skipped="non-finite loss or gradient", loss=str(loss), grad_norm=str(grad_norm))
+    distributed.print0(f"[finetune] step {step}: loss {loss} / gradient norm {grad_norm} not finite, step skipped "
+                       "(train.nan_policy: skip)")
+
+
+def trainer_state(step: int, scheduler, stream: BatchStream, result: TrainResult, world_size: int, parallel: str) -> dict:
+    """Everything besides tensors that an exact resume needs (JSON)."""
+    return {"step": step, "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "losses": result.losses,
+            "eval_losses": result.eval_losses, "tokens": result.tokens, "world_size": world_size, "strategy": parallel}
+
+
+def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStream, names: set[str], result: TrainResult,
+           *, parallel: str, max_steps: int) -> int:
+    """Restore model, optimizer, scheduler, data position, RNG and progress from a checkpoint; return its step."""
+    info = distributed.info()
+    state = checkpoint.load_checkpoint(path, model, optimizer, names)
+    scheduler.load_state_dict(state["scheduler"])
+    stream.load_state_dict(state["data"])
+    result.steps, result.tokens = state["step"], state["tokens"]
+    result.losses = list(state["losses"])
+    result.eval_losses = [tuple(item) for item in state["eval_losses"]]
+    message = f"[finetune] resumed from {path} at step {state['step']}"
+    if state["world_size"] != info.world_size or state["strategy"] != parallel:
+        message += (f" (saved by {state['strategy']}, now {parallel}: adapter and optimizer state resharded, data position "
+                    "converted" + (", RNG of the new ranks seeded" if info.world_size > state["world_size"] else "") + ")")
+    distributed.print0(message)
+    if state["step"] >= max_steps:
+        distributed.print0(f"[finetune] the checkpoint already reached train.max_steps ({max_steps}); nothing left to train")
+    return state["step"]
+
+
+def preempted(signum: int | None, step: int, saved: Path) -> Preempted:
+    name = signal.Signals(signum).name if signum else "a signal to another rank"
+    return Preempted(
+        f"stopped by {name} after step {step}, checkpoint saved. To continue, run the same command with "
+        f"train.resume=auto added (or set train.resume: auto in the recipe). Checkpoint: {saved}",
+        signum or signal.SIGTERM,
+    )

@@ -1,0 +1,146 @@
+"""Token loss without full-vocabulary fp32 logits: only trained positions, a chunk at a time, inside the forward.
+
+`token_loss_sum(model, batch, device)` returns what `train.loss_sum` returns (sum of next-token cross-entropy over
+labels != -100, and the count of those tokens), but never builds the (batch x length x vocab) logits. With a 49k
+vocabulary those logits, upcast to fp32 for the loss and kept for backward, are the largest tensors of a QLoRA step
+(several GB at batch 4 x 512) and the softmax over them costs more time than the LoRA layers on a CPU.
+
+How, and why it works under every wrapper:
+  * The LM head's `forward` is replaced on the instance (module tree and state-dict keys unchanged). While a
+    loss is requested, the head receives the final hidden states inside the model's own forward, keeps the
+    positions whose next token is trained (instruction data trains answers only: often a fraction of the row),
+    and computes the cross-entropy chunk by chunk. It returns the loss sum, which the model hands back as
+    `.logits`. So the head's weights are used only inside the root forward, where FSDP1 and FSDP2 have them
+    unsharded (calling the head outside the root forward would see shards), and the loss is a forward output,
+    on which DDP and FSDP hang their backward hooks.
+  * Each chunk's gradient with respect to its hidden states is computed right away (softmax - one-hot, times the
+    head weight) and only that small (tokens x hidden) gradient is kept for backward; the chunk's logits are
+    freed at once. Peak extra memory: one chunk of fp32 logits, whatever the batch size or length.
+  * A trainable head (LoRA on lm_head, or a trained head) falls back to an ordinary autograd path over the trained
+    positions, so its parameters still get their gradients.
+Outside `token_loss_sum` (evaluation scripts, generation) the head behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from finetune.planner.memory import CHUNK_LOGIT_ELEMENTS
+
+IGNORE_INDEX = -100
+# CHUNK_LOGIT_ELEMENTS (finetune/planner/memory.py, beside the memory model that counts it): fp32 logits per chunk: 64 MB, ~340 tokens at a 49k vocabulary. The chunk's transient (12 bytes per logit, measured
+# by benchmarks/memory_breakdown.py) is alive at the step's peak with every activation. 2**22 was measured too
+# (docs/benchmarks.md): peak RSS -5% unpacked, -1% packed, speed within the noise; not worth the smaller matmuls.
+_TARGETS = "_finetune_loss_targets"
+_PATCHED = "_finetune_chunked_loss"
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum of cross-entropy of head(hidden) against targets; gradient w.r.t. hidden computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grads = []
+        for start in range(0, hidden.size(0), chunk):
+            piece = hidden[start : start + chunk].detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap)
+                (grad,) = torch.autograd.grad(loss, piece)
+            grads.append(grad)
+            total += loss.detach()
+        ctx.save_for_backward(torch.cat(grads))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_output).to(grad_hidden.dtype), None, None, None, None
+
+
+def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Cross-entropy sum of one chunk, logits upcast to fp32 exactly as train.loss_sum does."""
+    logits = head_forward(hidden).float()
+    if softcap is not None:  # Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def head_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, *, trainable_head: bool,
+              softcap: float | None, chunk: int) -> torch.Tensor:
+    """Loss sum of next-token prediction from final hidden states (B, T, H) and shifted targets (B, T-1)."""
+    keep = targets != IGNORE_INDEX
+    selected, wanted = hidden[:, :-1][keep], targets[keep]
+    if selected.size(0) == 0:
+        return hidden.sum() * 0.0  # still a graph through every layer: each rank's backward must reach every unit
+    if not torch.is_grad_enabled():
+        return sum(_chunk_loss(head_forward, selected[s : s + chunk], wanted[s : s + chunk], softcap)
+                   for s in range(0, selected.size(0), chunk))
+    if trainable_head or not selected.requires_grad:
+        return _chunk_loss(head_forward, selected, wanted, softcap)  # ordinary autograd: head parameters get grads
+    return _ChunkedHeadLoss.apply(selected, wanted, head_forward, chunk, softcap)
+
+
+def causal_lm(model: nn.Module) -> nn.Module | None:
+    """The transformers causal LM inside PeftModel / DDP / FSDP wrappers (the module that owns the LM head)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("ForCausalLM") and callable(getattr(module, "get_output_embeddings", None)):
+            return module
+    return None
+
+
+def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """Patch the LM head of `model` once (idempotent); returns (causal LM, head), or None if there is no head."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if lm is not None else None
+    if head is None:
+        return None
+    if not getattr(head, _PATCHED, False):
+        original = head.forward
+        vocab = int(getattr(lm.config, "vocab_size", 0) or 50_000)
+        chunk = max(16, CHUNK_LOGIT_ELEMENTS // vocab)
+
+        def forward(hidden_states: torch.Tensor, *args, **kwargs):
+            request = head.__dict__.get(_TARGETS)
+            if request is None:
+                return original(hidden_states, *args, **kwargs)
+            targets, softcap = request
+            targets = targets.to(hidden_states.device)  # layer split: the head lives on the last GPU
+            trainable = any(p.requires_grad for p in head.parameters())
+            return head_loss(original, hidden_states, targets, trainable_head=trainable, softcap=softcap, chunk=chunk)
+
+        head.forward = forward
+        setattr(head, _PATCHED, True)
+    return lm, head
+
+
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over the trained tokens of a batch, and their count (= train.loss_sum).
+
+    `model`: a PeftModel / causal LM, plain or wrapped in DDP, FSDP1 or FSDP2. Batch keys other than `labels` are
+    model inputs (input_ids plus attention_mask, or position_ids for packed rows).
+    """
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    targets = batch["labels"][:, 1:]
+    count = int((targets != IGNORE_INDEX).sum())
+    found = install(model)
+    if found is None:  # not a transformers causal LM: the plain way
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return total, count
+    lm, head = found
+    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    head.__dict__[_TARGETS] = (targets, softcap)
+    if softcap is not None:
+        lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
+    try:
+        total = model(**inputs, use_cache=False).logits
+    finally:
+        head.__dict__.pop(_TARGETS, None)
+        if softcap is not None:
+            lm.config.final_logit_softcapping = softcap
+    return total.reshape(()), count

@@ -1,0 +1,140 @@
+"""The recipe library: every recipe validates offline, names a real accelerate config, and list/show/copy work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import main
+from finetune.cli.library import expected_accelerate_config, library_dir, recipe_names, recipe_path, resolve_recipe_path
+from finetune.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+EXPECTED = {"quickstart", "llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "gemma-2-9b"}
+
+
+def test_library_has_the_promised_recipes():
+    assert library_dir() == REPO / "recipes"
+    assert EXPECTED <= set(recipe_names())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_validates_offline(path: Path):
+    recipe = load_recipe(path)  # schema and cross-field checks, no network, no weights
+    assert recipe.description.strip() and "\n" not in recipe.description, "a one-line description is required"
+    config = expected_accelerate_config(path)
+    assert config is not None, f"{path.name}: the first comment lines must name accelerate_configs/<config>.yaml"
+    assert (REPO / config).is_file(), f"{path.name} names {config}, which does not exist"
+    if path.stem == "quickstart":
+        assert recipe.model.gguf_file and recipe.model.name_or_path.startswith("pkg:")
+        return
+    assert recipe.model.name_or_path.count("/") == 1, "library recipes name a real hub id (org/name)"
+    assert recipe.quantization.method == "nf4" and recipe.model.dtype == "bfloat16"
+    assert all(not Path(spec.path).exists() and "/" in spec.path for spec in recipe.data.datasets), "a public dataset"
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p.stem != "quickstart"], ids=lambda p: p.stem)
+def test_recipe_model_architecture_is_stored(path: Path):
+    """The planner needs the architecture offline: where it is stored, it must be the model the recipe names."""
+    architectures = pytest.importorskip("finetune.model.architectures")
+    name = load_recipe(path).model.name_or_path
+    config = architectures.stored_config(name)
+    if config is None:
+        pytest.skip(f"no stored architecture for {name} in finetune/model/architectures yet")
+    assert config.num_hidden_layers > 0 and config.vocab_size > 1000
+
+
+def test_list_shows_every_recipe_with_its_purpose(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for path in RECIPES:
+        assert path.stem in out
+        assert load_recipe(path).description in out
+
+
+def test_show_prints_the_file(capsys):
+    assert main(["recipes", "show", "quickstart"]) == 0
+    assert capsys.readouterr().out == (REPO / "recipes" / "quickstart.yaml").read_text()
+
+
+def test_unknown_name_exits_2_and_lists_known(capsys):
+    assert main(["recipes", "show", "no-such-recipe"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-recipe" in err and "quickstart" in err
+
+
+def test_copy_to_file_and_folder_never_overwrites(tmp_path, capsys):
+    source = (REPO / "recipes" / "mistral-7b.yaml").read_text()
+    assert main(["recipes", "copy", "mistral-7b", str(tmp_path / "mine.yaml")]) == 0
+    assert (tmp_path / "mine.yaml").read_text() == source
+    assert main(["recipes", "copy", "mistral-7b", str(tmp_path)]) == 0
+    assert (tmp_path / "mistral-7b.yaml").read_text() == source
+    (tmp_path / "mine.yaml").write_text("edited")
+    assert main(["recipes", "copy", "quickstart", str(tmp_path / "mine.yaml")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "mine.yaml").read_text() == "edited"
+
+
+def test_names_resolve_to_library_files():
+    assert recipe_path("quickstart") == REPO / "recipes" / "quickstart.yaml"
+    assert recipe_path("quickstart.yaml") == REPO / "recipes" / "quickstart.yaml"
+    assert recipe_path("nope") is None
+    assert resolve_recipe_path("qwen2.5-7b") == str(REPO / "recipes" / "qwen2.5-7b.yaml")
+
+
+def test_accelerate_configs_resolve_by_name(capsys):
+    from finetune.cli.library import accelerate_config_names, resolve_accelerate_config
+
+    assert set(accelerate_config_names()) == {p.stem for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    assert resolve_accelerate_config("fsdp2") == str(REPO / "accelerate_configs" / "fsdp2.yaml")
+    assert resolve_accelerate_config("ddp.yaml") == str(REPO / "accelerate_configs" / "ddp.yaml")
+    # The README's checkout path still works from any folder: the library config of that name.
+    assert resolve_accelerate_config("accelerate_configs/ddp.yaml").endswith("accelerate_configs/ddp.yaml")
+    assert main(["validate", "quickstart", "--accelerate-config", "fsdp3"]) == 2
+    err = capsys.readouterr().err
+    assert "fsdp3" in err and "fsdp2" in err and "Traceback" not in err
+
+
+def test_wheel_carries_the_library(tmp_path):
+    """`pip wheel` of the project holds every recipe, accelerate config and module (the package-dir mapping)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("finetune", "recipes", "accelerate_configs"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("finetune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"finetune/recipes/{p.name}" for p in RECIPES}
+    expected |= {f"finetune/accelerate_configs/{p.name}" for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.py")}
+    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.json")}
+    assert expected - names == set()
+
+
+def test_no_stage_imports_the_cli():
+    """The CLI sits on top: a module below it importing it closes an import circle (planner -> cli -> run ...).
+    tests/test_architecture.py checks the rest of the house rules."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "finetune").rglob("*.py")):
+        if path.relative_to(REPO / "finetune").parts[0] in ("cli", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "finetune":
+                names = [f"finetune.{alias.name}" for alias in node.names]
+            if "finetune.cli" in names:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []

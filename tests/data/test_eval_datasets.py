@@ -1,0 +1,99 @@
+"""data.eval_datasets: evaluation files instead of (or besides) the held-out fraction, in the loss eval, the
+generation eval and `finetune data`; a missing or wrong-format eval file exits 2 before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
+
+from finetune import data
+from finetune.cli import main
+from finetune.cli.tiny import build_tokenizer
+from finetune.recipe import load_recipe, validate_recipe
+
+EVAL_ROWS = [{"instruction": "Subtract the numbers.", "input": f"{a} minus {a - 1}", "output": "1"} for a in range(10, 16)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+
+
+def recipe_with(tmp_path, **data_section):
+    train = write_jsonl(tmp_path / "train.jsonl", addition_rows(40))
+    raw = {"model": {"name_or_path": "some/model"},
+           "data": {"datasets": [{"path": str(train)}], "max_length": 128, **data_section}}
+    return validate_recipe(raw)
+
+
+def test_eval_files_replace_the_held_out_fraction(tmp_path):
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+    recipe = recipe_with(tmp_path, eval_datasets=[{"path": str(eval_path)}])
+    assert recipe.data.eval_fraction == 0.0  # resolved, so the run folder's recipe.yaml splits the same way
+    tokenizer = build_tokenizer()
+    prepared = data.prepare(recipe, tokenizer)
+    assert prepared.stats.train_examples == 40 and len(prepared.eval) == len(EVAL_ROWS) == len(prepared.eval_files)
+    assert "Subtract" in tokenizer.decode(prepared.eval[0].input_ids)
+    assert [item.get("role") for item in prepared.stats.per_dataset] == [None, "eval"]
+
+
+def test_eval_files_besides_the_fraction_when_both_are_set(tmp_path):
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+    recipe = recipe_with(tmp_path, eval_datasets=[{"path": str(eval_path)}], eval_fraction=0.1)
+    train, evaluation, stats = data.build_examples(recipe, build_tokenizer())
+    assert len(train) == 36 and len(evaluation) == len(EVAL_ROWS) + 4 and stats.eval_examples == len(evaluation)
+
+
+def test_preview_shows_the_eval_files(tmp_path, tiny_llama, capsys):
+    from finetune.cli.preview import cli_data
+
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+    train = write_jsonl(tmp_path / "train.jsonl", addition_rows(40))
+    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": str(tiny_llama)}, "data": {
+        "datasets": [{"path": str(train)}], "eval_datasets": [{"path": str(eval_path)}], "max_length": 128}})
+    assert cli_data(argparse.Namespace(recipe=str(recipe), overrides=[], rows=2)) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- eval example") == 2 and "10 minus 9" in out
+    assert f"eval dataset {eval_path} (alpaca): 6 rows -> 6 examples" in out
+    assert "examples: 40 train, 6 eval (6 from data.eval_datasets)" in out
+
+
+@pytest.mark.parametrize("problem", ["missing", "wrong format", "not json lines", "unsupported type"])
+def test_bad_eval_file_exits_2_before_anything_loads(tmp_path, capsys, problem):
+    eval_path = tmp_path / {"unsupported type": "eval.txt"}.get(problem, "eval.jsonl")
+    if problem == "wrong format":  # chat rows in a dataset declared alpaca
+        write_jsonl(eval_path, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    elif problem == "not json lines":
+        eval_path.write_text("instruction,output\nhi,yo\n")
+    elif problem == "unsupported type":
+        eval_path.write_text("hi\n")
+    train = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    # The model folder does not exist: a run that got past the data check would fail on it instead.
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tmp_path / "no-model", train, tmp_path / "run",
+                                                           data={"eval_datasets": [{"path": str(eval_path)}]}))
+    for verb in ("train", "validate", "data"):
+        assert main([verb, str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert "data.eval_datasets[0] path" in err and str(eval_path.name) in err and "Traceback" not in err, err
+        assert "no-model" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_loss_and_generation_evals_use_the_eval_file(tiny_llama, tmp_path):
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+    train = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(
+        tiny_llama, train, out, data={"eval_datasets": [{"path": str(eval_path)}]},
+        train={"max_steps": 2}, eval={"generation_rows": 2, "max_new_tokens": 2}))
+    assert main(["train", str(recipe)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in r for r in records)
+    generation = [r for r in records if "generation_total" in r]
+    assert [r["generation_total"] for r in generation] == [2, 2]
+    assert all("minus" in r["generation_sample"]["prompt"] for r in generation)
+    assert load_recipe(out / "recipe.yaml").data.eval_fraction == 0.0

@@ -1,0 +1,113 @@
+"""Run under torchrun (2 ranks): load one model with the per-rank loader and with sharded loading, wrap both with
+FSDP (version argv[2]), and write what each rank holds to argv[3]/rank{R}.json:
+
+  * mismatches: local shards (packed 4-bit bytes, norms, embeddings, LoRA) and bitsandbytes quant states
+    (absmax, nested absmax and code) that are not bitwise equal between the two loaders;
+  * the tensor bytes alive on the rank (gc accounting of every storage, loading.alive_tensor_bytes) right after the
+    per-rank loader returned, and at the worst moment of sharded loading (right after a unit was built, before
+    FSDP sharded it), both minus what was alive before loading;
+  * the bound those must respect: this rank's shard of the base + the largest unit in model.dtype + the quant
+    state (whole on every rank) + the full LoRA tensors.
+
+Used by tests/model/test_loading.py; not a test module itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from finetune import distributed, parallel
+from finetune.model import loading
+from finetune.recipe import Recipe
+
+
+def held_tensors(model) -> dict[str, torch.Tensor]:
+    """Every local parameter shard (FSDP1: the flat parameters) and every quant-state tensor, by a stable name."""
+    held = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        held[parallel.normalize_key(name)] = local.detach().reshape(-1).view(torch.uint8).clone()
+    for name, module in model.named_modules():
+        state = getattr(module, "quant_state", None)
+        if state is None:
+            continue
+        parts = {"absmax": state.absmax, "code": state.code}
+        if state.state2 is not None:
+            parts.update(nested_absmax=state.state2.absmax, nested_code=state.state2.code, offset=state.offset)
+        for part, tensor in parts.items():
+            held[f"{parallel.normalize_key(name)}.quant_state.{part}"] = tensor.detach().reshape(-1).view(torch.uint8).clone()
+    return held
+
+
+def unit_bytes(skeleton, layer_class: str, dtype_bytes: int) -> int:
+    """The largest unit (a decoder layer, or everything outside the layers) in model.dtype, before quantization."""
+    layers = [m for m in skeleton.modules() if type(m).__name__ == layer_class]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+
+    def size(named) -> int:
+        return sum(p.numel() * dtype_bytes for name, p in named if ".lora_" not in name)
+
+    largest_layer = max(size(layer.named_parameters()) for layer in layers)
+    return max(largest_layer, size((n, p) for n, p in skeleton.named_parameters() if id(p) not in in_layers))
+
+
+def main() -> None:
+    model_dir, fsdp_version, out_dir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    info = distributed.init_distributed()
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": model_dir, "dtype": "bfloat16"},
+        "lora": {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
+        "data": {"datasets": [{"path": "unused.jsonl", "format": "alpaca"}]},
+        "train": {"gradient_checkpointing": False},
+    })
+    from finetune.model import load_config
+
+    config = load_config(recipe)
+    meta = parallel.meta_model(config)
+    plan = parallel.ParallelPlan(strategy="fsdp", world_size=info.world_size, fsdp_version=fsdp_version,
+                                 layer_class=parallel.decoder_layer_class(meta).__name__, param_dtype=torch.bfloat16,
+                                 activation_checkpointing=False)
+
+    def load(sharded: bool):
+        distributed.seed_everything(0)
+        gc.collect()
+        before = loading.alive_tensor_bytes()
+        loaded = loading.load_model(recipe, sharded=sharded, device=info.device, device_map=None,
+                                    gradient_checkpointing=False, trace=sharded)
+        after_load = loading.alive_tensor_bytes() - before
+        lora_bytes = sum(p.numel() * 4 for n, p in loaded.model.named_parameters() if ".lora_" in n)
+        largest_unit = unit_bytes(loaded.model, plan.layer_class, 2) if sharded else 0
+        wrapped = parallel.wrap(loaded.model, plan, info, materialize=loaded.materialize)
+        figures = {"after_load": after_load, "lora_bytes": lora_bytes, "largest_unit": largest_unit,
+                   "checksum": loaded.lora_checksum(),
+                   "held_after_wrap": loading.alive_tensor_bytes() - before, **parallel.local_parameter_bytes(wrapped)}
+        if sharded:
+            figures["peak_while_loading"] = loaded.builder.peak_alive_bytes - before
+            figures["trace"] = [(name, alive - before) for name, alive in loaded.builder.trace_log]
+        return wrapped, figures
+
+    old_model, old = load(sharded=False)
+    old_held = held_tensors(old_model)
+    quant_state = sum(t.numel() for k, t in old_held.items() if ".quant_state." in k)
+    del old_model
+    new_model, new = load(sharded=True)
+    new_held = held_tensors(new_model)
+    mismatches = sorted(k for k in old_held.keys() | new_held.keys()
+                        if k not in old_held or k not in new_held or not torch.equal(old_held[k], new_held[k]))
+    result = {"rank": info.rank, "compared": len(old_held), "mismatches": mismatches, "old": old, "new": new,
+              "quant_state_bytes": quant_state,
+              "bound": new["frozen_bytes"] + new["largest_unit"] + quant_state + new["lora_bytes"]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result, indent=1))
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()

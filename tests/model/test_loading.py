@@ -1,0 +1,180 @@
+"""Sharded loading under FSDP (finetune/model/loading.py): the same weights as the per-rank loader, bitwise, at a
+fraction of the memory; the same training; bad checkpoints refused before anything is read.
+
+The invariants run in real 2-rank torchrun processes (tests/model/loading_check.py) on tiny models with many thin
+layers, as large models have: a Llama-style model saved as a sharded checkpoint with an index file, and a
+Qwen2-style model with tied embeddings (the LM head is built from the embeddings' tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    RUN_PY,
+    addition_rows,
+    free_port,
+    recipe_dict,
+    run_cmd,
+    torchrun,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
+from safetensors.torch import load_file, save_file
+
+CHECK = Path(__file__).resolve().parent / "loading_check.py"
+
+
+@pytest.fixture(scope="module")
+def many_layer_models(tmp_path_factory):
+    from finetune.cli.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("many-layers")
+    return {
+        "llama-sharded-index": build_tiny_model(root / "llama", family="llama", hidden_size=128, num_layers=16,
+                                                max_shard_size="300KB"),
+        "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", hidden_size=128, num_layers=16,
+                                       tie_word_embeddings=True),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name,fsdp_version", [("llama-sharded-index", 2), ("llama-sharded-index", 1),
+                                                     ("qwen2-tied", 2), ("qwen2-tied", 1)])
+def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models, model_name, fsdp_version, tmp_path):
+    model_dir = many_layer_models[model_name]
+    if model_name.startswith("llama"):
+        assert (model_dir / "model.safetensors.index.json").exists()
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(CHECK),
+            str(model_dir), str(fsdp_version), str(tmp_path)]
+    result = run_cmd(args, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # Bitwise: every local shard (FSDP1: flat parameters) and every quant state tensor.
+        assert report["compared"] > 100
+        assert report["mismatches"] == []
+        old, new = report["old"], report["new"]
+        assert new["checksum"] == old["checksum"]  # LoRA starts the same
+        assert new["frozen_bytes"] == old["frozen_bytes"]
+        assert new["frozen_bytes"] * 2 == pytest.approx(old["after_load"] - report["quant_state_bytes"] - old["lora_bytes"], rel=0.02)
+        # Memory: shard + one unit + quant state + LoRA bounds sharded loading; the per-rank loader breaks it.
+        assert new["peak_while_loading"] <= report["bound"], report["new"]["trace"]
+        assert old["after_load"] > report["bound"] * 1.2
+        assert new["after_load"] < 4096  # the skeleton holds no weights (only the rotary buffers)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(many_layer_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader-runs")
+    data = write_jsonl(root / "train.jsonl", addition_rows(48))
+    recipe = recipe_dict(many_layer_models["qwen2-tied"], data, root / "unused")
+    recipe["model"]["dtype"] = "bfloat16"
+    recipe["train"].update(max_steps=8, micro_batch_size=2)
+    recipe["parallel"] = {"strategy": "fsdp"}
+    path = write_recipe(root / "recipe.yaml", recipe)
+    runs = {}
+    for sharded in (True, False):
+        runs[sharded] = root / f"sharded-{sharded}"
+        result = torchrun(path, f"output.dir={runs[sharded]}", f"parallel.sharded_loading={str(sharded).lower()}")
+        assert result.returncode == 0, result.stderr[-4000:]
+    return runs
+
+
+@pytest.mark.slow
+def test_training_is_the_same_with_either_loader(fsdp_runs):
+    sharded, per_rank = train_losses(fsdp_runs[True]), train_losses(fsdp_runs[False])
+    assert len(sharded) == 8
+    assert sharded == pytest.approx(per_rank, abs=1e-6)
+    a = load_file(str(fsdp_runs[True] / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(fsdp_runs[False] / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert a[key].numel() > 0
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ bad checkpoints
+def _skeleton_and_index(model_dir: Path):
+    from finetune.model import load_config, loading
+    from finetune.recipe import Recipe
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
+                                    "data": {"datasets": [{"path": "x.jsonl", "format": "alpaca"}]}})
+    skeleton = loading.build_skeleton(recipe, load_config(recipe), gradient_checkpointing=False)
+    return skeleton, loading.checkpoint_index(model_dir)
+
+
+def _copy_model(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def test_missing_tensor_and_wrong_shape_are_named(tiny_llama, tmp_path):
+    from finetune.errors import ModelLoadError
+    from finetune.model import loading
+
+    model_dir = _copy_model(tiny_llama, tmp_path / "m")
+    state = load_file(str(model_dir / "model.safetensors"))
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:, :32].contiguous()
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    skeleton, index = _skeleton_and_index(model_dir)
+    with pytest.raises(ModelLoadError) as error:
+        loading.check_checkpoint(skeleton, index)
+    text = str(error.value)
+    assert "model.layers.1.mlp.up_proj.weight: missing" in text
+    assert "model.layers.0.self_attn.q_proj.weight in model.safetensors: shape [64, 32], the config needs [64, 64]" in text
+
+
+def test_index_naming_a_missing_shard_is_named(many_layer_models, tmp_path):
+    from finetune.errors import ModelLoadError
+    from finetune.model import loading
+
+    model_dir = _copy_model(many_layer_models["llama-sharded-index"], tmp_path / "m")
+    shard = sorted(model_dir.glob("model-*.safetensors"))[2]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=rf"names the shard {shard.name} .*does not exist"):
+        loading.checkpoint_index(model_dir)
+
+
+def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, tmp_path):
+    from finetune.errors import ModelLoadError
+    from finetune.model import loading
+
+    model_dir = _copy_model(tiny_llama, tmp_path / "m")
+    state = load_file(str(model_dir / "model.safetensors"))
+    torch.save(state, model_dir / "pytorch_model.bin")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError) as error:
+        loading.checkpoint_index(model_dir)
+    assert f"python -m finetune.model.loading convert {model_dir}" in str(error.value)
+    result = run_cmd([sys.executable, "-m", "finetune.model.loading", "convert", str(model_dir)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    converted = load_file(str(model_dir / "model.safetensors"))
+    assert converted.keys() == state.keys()
+    assert all(torch.equal(converted[k], state[k]) for k in state)
+    assert loading.checkpoint_index(model_dir).shapes
+
+
+@pytest.mark.slow
+def test_bad_checkpoint_under_fsdp_exits_2_and_leaves_output_dir_alone(tiny_llama, tmp_path):
+    model_dir = _copy_model(tiny_llama, tmp_path / "m")
+    state = load_file(str(model_dir / "model.safetensors"))
+    state.pop("model.norm.weight")
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(16))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(model_dir, data, out, parallel={"strategy": "fsdp"}))
+    result = torchrun(recipe)
+    assert result.returncode != 0
+    assert "model.norm.weight: missing" in result.stderr
+    assert f'File "{RUN_PY.parent}' not in result.stderr  # one paragraph per rank, no traceback of ours
+    assert not out.exists()  # the run folder it created is removed again

