@@ -17,7 +17,7 @@ from finetune.data.templates import FORMAT_FIELDS, _column, _render_rows, tokeni
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
-CACHE_VERSION = 1  # bump when rendering or labelling changes: old cache entries are then never read
+CACHE_VERSION = 2  # 2: a reason for every skipped row. Bump when rendering or labelling changes: old cache entries are then never read
 
 
 # ------------------------------------------------------------------------------------------- one dataset, cached
@@ -51,10 +51,11 @@ def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[lis
     reasons = broken + [item for item in rendered if isinstance(item, str)]
     if reasons and data.bad_rows == "error":
         raise DataError(reasons[0])
-    counts = {"rows": len(rows) + len(broken), "skipped": len(reasons), "truncated": 0, "dropped": 0,
-              "skipped_reasons": reasons[:20]}
+    counts = {"rows": len(rows) + len(broken), "skipped": len(reasons), "truncated": 0, "dropped": 0}
+    kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
     examples = []
-    for example in tokenize_many([item for item in rendered if not isinstance(item, str)], tokenizer):
+    for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (place for _, place in kept)):
+        full = example
         if len(example.input_ids) > data.max_length:
             if data.overlong == "drop":
                 counts["dropped"] += 1
@@ -63,9 +64,24 @@ def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[lis
             example = Example(example.input_ids[: data.max_length], example.labels[: data.max_length])
         if any(label != IGNORE_INDEX for label in example.labels):
             examples.append(example)
-        else:  # e.g. the answer was cut off by truncation: nothing to learn from the row
-            counts["skipped"] += 1
+            continue
+        # Nothing to learn from the row: its answer lies past max_length (or it has no trained token at all).
+        reason = _untrained_reason(full, f"{spec.path} {place}", data.max_length)
+        if data.bad_rows == "error":
+            raise DataError(f"{reason} Fix: raise data.max_length, set data.overlong: drop to leave such rows out, or "
+                            "data.bad_rows: skip to skip them with a count.")
+        counts["skipped"] += 1
+        reasons.append(reason)
+    counts["skipped_reasons"] = reasons[:20]  # every skip has its reason; the cache stores and returns the same
     return examples, counts
+
+
+def _untrained_reason(example: Example, where: str, max_length: int) -> str:
+    trained = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
+    if trained is None:
+        return f"{where}: no trained token (the answer is empty after rendering)."
+    return (f"{where}: the answer starts at token {trained} of max_length {max_length}, so truncation leaves nothing "
+            "to learn from this row.")
 
 
 def cache_dir() -> Path:

@@ -426,3 +426,36 @@ def test_preview_marks_trained_spans_and_prints_statistics(tmp_path, tiny_llama,
     assert "rows: 40 read, 0 skipped, 0 truncated, 0 dropped" in out
     assert "tokens per example: min " in out and "packing: on, 38 examples in " in out
     assert "steps per epoch: " in out
+
+
+def test_a_row_truncated_away_has_its_reason_and_a_cached_run_equals_a_fresh_one(tmp_path, tiny_llama, capsys):
+    """validate, data, train (cache hit) on a file whose line 31 has its answer past max_length: under
+    `bad_rows: error` every command refuses that row with the fix (exit 2); under `skip` each counts it with its reason,
+    and the cached run reports exactly what the fresh one did (the cache once lost the reason: IndexError)."""
+    from finetune.cli import main
+
+    long_row = {"instruction": "Add the two numbers.", "input": " and ".join(["7"] * 60), "output": "420"}
+    path = write_jsonl(tmp_path / "train.jsonl", addition_rows(30) + [long_row] + addition_rows(9, seed=3))
+    recipe = write_recipe(tmp_path / "r.yaml", {
+        "model": {"name_or_path": str(tiny_llama)}, "data": {"datasets": [{"path": str(path)}], "max_length": 48},
+        "train": {"max_steps": 2, "micro_batch_size": 2}, "output": {"dir": str(tmp_path / "run")}})
+    for verb in (["validate"], ["data"], ["train"]):
+        capsys.readouterr()
+        assert main([*verb, str(recipe)]) == 2, verb
+        err = capsys.readouterr().err
+        assert f"{path} line 31: the answer starts at token" in err and "of max_length 48" in err, (verb, err)
+        assert "Fix: raise data.max_length" in err and "Traceback" not in err
+
+    skip = ["data.bad_rows=skip", "output.overwrite=true"]
+    assert main(["validate", str(recipe), *skip]) == 0
+    assert "(1 skipped, " in capsys.readouterr().out
+    assert main(["data", str(recipe), *skip]) == 0
+    assert f"skipped: {path} line 31: the answer starts at token" in capsys.readouterr().out
+
+    def data_line(*overrides: str) -> str:
+        capsys.readouterr()
+        assert main(["train", str(recipe), *skip, *overrides]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[finetune] data:"))
+
+    fresh, cached = data_line("data.cache=false"), data_line()
+    assert fresh == cached and "1 skipped" in cached, (fresh, cached)
