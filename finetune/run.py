@@ -16,7 +16,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune import distributed
+from finetune import distributed, quiet
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 
@@ -31,6 +31,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     with outputs.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
         out_dir = folder.path
         plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
+        if plan.strategy != "deepspeed":
+            quiet.keep_deepspeed_out()
         parallel.report(plan)
         tokenizer = model.load_tokenizer(recipe)
         train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else EXIT_USER_ERROR
     clean = False
+    quiet.install()
     try:
         run(argv[0], argv[1:])
         clean = True

@@ -82,7 +82,7 @@ def expected_strategy(name: str) -> str:
     return "ddp" if ACCELERATE_CONFIG_RUNS[config_file(name)].processes > 1 else "single"
 
 
-def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/NAME finetune/run.py RECIPE ...` with only the row's CPU needs.
 
     A multi-machine row starts one launcher per machine and waits for all; the result joins their outputs and has the
@@ -95,12 +95,12 @@ def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300) -> subp
     script = [str(RUN_PY), str(recipe), *overrides]
     if row.machines == 1:
         args = [*base, "--main_process_port", str(free_port()), *script]
-        return subprocess.run(args, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(args, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     port = free_port()
     machines = [
         subprocess.Popen([*base, "--num_machines", str(row.machines), "--machine_rank", str(rank), "--main_process_ip",
                           "127.0.0.1", "--main_process_port", str(port), *script],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(row.machines)
     ]
     try:

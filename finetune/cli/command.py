@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
+from finetune import quiet
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 
@@ -83,6 +85,8 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="QLoRA fine-tuning sharded by FSDP.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also show the libraries' warnings and progress "
+                        "bars (anywhere on the line; or FINETUNE_VERBOSE=1)")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     _add_run_verbs(verbs)
     _add_look_verbs(verbs)
@@ -101,7 +105,8 @@ def _add_run_verbs(verbs) -> None:
 
     p = verbs.add_parser("validate", help="check a recipe (schema, files, parallel setup) without loading weights")
     _add_recipe_args(p)
-    p.add_argument("--num-processes", type=int, default=1, help="processes the run will have (default 1)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes the run will have (default: those of "
+                   "the accelerate config the recipe names in its comments, else 1)")
     p.add_argument("--accelerate-config", help="accelerate config (file or library name) the run will use (checked against the recipe)")
     p.set_defaults(func=cmd_validate)
 
@@ -172,6 +177,11 @@ def _add_output_verbs(verbs) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv or "-v" in argv:  # anywhere on the line; the processes a launch starts inherit it
+        argv = [item for item in argv if item not in ("--verbose", "-v")]
+        os.environ[quiet.VERBOSE_ENV] = "1"
+    quiet.install()
     parser = build_parser()
     # Overrides may come after options (`validate r.yaml --num-processes 2 train.max_steps=5`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
@@ -183,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USER_ERROR
+    if args.verb != "train":  # train decides in finetune/run.py, once its strategy is known
+        quiet.keep_deepspeed_out()
     try:
         return args.func(args)
     except FinetuneError as exc:

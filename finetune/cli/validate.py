@@ -13,16 +13,34 @@ import torch
 
 from finetune import data, model, outputs, parallel
 from finetune.distributed import DistInfo
-from finetune.errors import FinetuneError
+from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+from finetune.errors import DataError, FinetuneError
 from finetune.recipe import load_recipe
 
 
-def validate(recipe_path: str, overrides: list[str], *, num_processes: int = 1, accelerate_config: str | None = None,
-             check_data: bool = True) -> str:
-    """Raise FinetuneError on the first failing stage; return a short report of what was checked."""
+def validate(recipe_path: str, overrides: list[str], *, num_processes: int | None = None,
+             accelerate_config: str | None = None, check_data: bool = True) -> str:
+    """Raise FinetuneError on the first failing stage; return a short report of what was checked.
+
+    The launch checked is the one given (`num_processes`, `accelerate_config`), else the one the recipe names in its
+    leading comments (`# accelerate config: accelerate_configs/fsdp2.yaml`, as every library recipe does), else one
+    process; the report says which.
+    """
     recipe = load_recipe(recipe_path, overrides)
-    data.check_local_files(recipe)  # a missing or wrong-format data file fails before anything else is read
+    try:
+        data.check_local_files(recipe)  # a missing or wrong-format data file fails before anything else is read
+    except DataError as exc:
+        origin = _data_origin(Path(recipe_path))
+        raise DataError(f"{exc} {origin}" if origin and "file not found" in str(exc) else str(exc)) from None
     lines = [f"{recipe_path}: recipe OK ({recipe.description or 'no description'})"]
+    launch = "as given"
+    if num_processes is None and accelerate_config is None:
+        named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
+        if named:
+            accelerate_config, launch = resolve_accelerate_config(named), f"as the recipe names it ({named})"
+        else:
+            launch = "one process (the recipe names no accelerate config; --num-processes N or --accelerate-config to check another)"
+    num_processes = num_processes or 1
 
     config = model.load_config(recipe)
     lines.append(f"  model: {recipe.model.name_or_path} ({getattr(config, 'model_type', '?')}, "
@@ -36,6 +54,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int = 1, 
     info = DistInfo(rank=0, world_size=num_processes, local_rank=0, local_world_size=num_processes,
                     device=torch.device("cpu"), backend=None)
     plan = parallel.resolve_plan(recipe, info, config, launcher=launcher)
+    lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
 
     if check_data:
@@ -46,6 +65,18 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int = 1, 
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")
     return "\n".join(lines)
+
+
+def _data_origin(recipe_path: Path) -> str | None:
+    """What a recipe's leading comments say about where its data file comes from ("The data file is written by ...")."""
+    if not recipe_path.is_file():
+        return None
+    for line in recipe_path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if "data file is written by" in line:
+            return f"This recipe says: {line.lstrip('# ').strip()} Run that first, or point the path at your own file."
+    return None
 
 
 def _check_data(recipe) -> str:

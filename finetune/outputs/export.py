@@ -344,7 +344,16 @@ def compare_logits(name: str, got: torch.Tensor, reference: torch.Tensor) -> dic
 
 
 def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
-    """Base in fp32 + adapter, merged, saved as bf16 safetensors + tokenizer; reloaded with plain transformers and compared."""
+    """Base in fp32 + adapter, merged, saved as bf16 safetensors + tokenizer; reloaded with plain transformers and compared.
+
+    Two checks, each against what its step can change (nothing is written unless both pass):
+      * the merge: the merged fp32 model against base + adapter (PEFT's forward): equal up to fp32 arithmetic;
+      * the save: the folder reloaded by plain transformers against the merged model rounded to bf16 in memory: the
+        same weights and config, so the same logits up to fp32 arithmetic.
+    How far bf16 rounding moves the logits from base + adapter is reported, not judged: it is the storage format's
+    doing, not the merge's, and on a bf16 base it is a few percent of the logit range (each merged weight W + BA is
+    rounded again; SmolLM2-135M after 16 steps: 2.6%, top-1 98%). It once refused correct merges.
+    """
     import tempfile
 
     from peft import PeftModel
@@ -365,21 +374,33 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         reference = _logits(peft_model, ids)
         merged = peft_model.merge_and_unload()
         in_memory = compare_logits("merged fp32 model vs base + adapter", _logits(merged, ids), reference)
-        merged.to(torch.bfloat16)
+        _require_close(in_memory, relative=1e-4)
+        _cast_parameters(merged, torch.bfloat16)
         merged.config.dtype = torch.bfloat16
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # plain transformers, no PEFT
-        saved = compare_logits("saved bf16 model (reloaded) vs base + adapter", _logits(reloaded, ids), reference)
+        rounded = _logits(_cast_parameters(merged, torch.float32), ids)  # the bf16 weights, exactly, computed in fp32
+        reloaded = _logits(AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32), ids)  # plain transformers
+        saved = compare_logits("saved model (reloaded) vs the merged model in bf16", reloaded, rounded)
+        _require_close(saved, relative=1e-4)
+        storage = compare_logits("bf16 storage vs base + adapter", reloaded, reference)
         effect = (reference - base_logits).abs().max().item()
-        _require_close(in_memory, relative=1e-4)
-        _require_close(saved, relative=2e-2)
         runtimes = write_report(tmp, adapter_verdicts(Path(adapter_tmp), config, merged=True), merged=True)
     return (
         f"verify: {fits}; prompt {VERIFY_PROMPT!r} ({ids.shape[1]} tokens): "
-        f"{_describe(in_memory)}; {_describe(saved)}; the adapter itself moves the logits by up to {effect:.3g}.\n"
+        f"{_describe(in_memory)}; {_describe(saved)}; {_describe(storage)} (rounding, reported only); the adapter "
+        f"itself moves the logits by up to {effect:.3g}.\n"
         f"{runtimes}"
     )
+
+
+@torch.no_grad()
+def _cast_parameters(model, dtype: torch.dtype):
+    """Parameters only: buffers such as rotary `inv_freq` stay fp32, as a reload recomputes them (`model.to` would
+    round them to bf16 too and move every position's angle)."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def _describe(result: dict) -> str:

@@ -69,7 +69,7 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     out = tmp_path / "merged"
     assert main(["export", str(trained_run), str(out), "--merge"]) == 0
     report = capsys.readouterr().out
-    assert "max abs logit diff" in report and "saved bf16 model" in report
+    assert "max abs logit diff" in report and "saved model (reloaded) vs the merged model in bf16" in report
     runtimes = {item["runtime"]: item["status"] for item in json.loads((out / "runtimes.json").read_text())}
     assert runtimes["transformers (merged model, no PEFT)"] == "valid" and "the adapter merged into this model" in report
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
@@ -83,6 +83,44 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     got = _logits(merged, _ids())
     assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("where", ["merge", "save"])
+def test_a_wrong_merge_or_save_is_refused_and_nothing_is_written(trained_run, tmp_path, monkeypatch, capsys, where):
+    """One merged tensor corrupted, in memory after PEFT's merge or in the saved file: the verification names the step
+    and nothing is written (the tolerances measure what each step can change, not bf16 rounding)."""
+    from peft.tuners.tuners_utils import BaseTuner
+    from safetensors.torch import load_file, save_file
+    from transformers import PreTrainedModel
+
+    if where == "merge":
+        merge = BaseTuner.merge_and_unload  # what PeftModel.merge_and_unload calls
+
+        def wrong_merge(self, *args, **kwargs):
+            merged = merge(self, *args, **kwargs)
+            weight = merged.model.layers[0].self_attn.q_proj.weight
+            weight.data += 0.05 * weight.data.abs().mean()  # as if one layer's update were applied twice
+            return merged
+
+        monkeypatch.setattr(BaseTuner, "merge_and_unload", wrong_merge)
+    else:
+        save = PreTrainedModel.save_pretrained
+
+        def damaging_save(self, folder, *args, **kwargs):
+            save(self, folder, *args, **kwargs)
+            path = Path(folder) / "model.safetensors"
+            tensors = load_file(str(path))
+            name = next(k for k in tensors if k.endswith("layers.1.mlp.down_proj.weight"))
+            tensors[name] = tensors[name] * 1.25
+            save_file(tensors, str(path), metadata={"format": "pt"})
+
+        monkeypatch.setattr(PreTrainedModel, "save_pretrained", damaging_save)
+    out = tmp_path / "merged"
+    assert main(["export", str(trained_run), str(out), "--merge"]) == 2
+    err = capsys.readouterr().err
+    expected = "merged fp32 model vs base + adapter" if where == "merge" else "saved model (reloaded) vs the merged model"
+    assert "export verification failed, nothing was written" in err and expected in err, err
+    assert not out.exists() and not list(tmp_path.glob(".merged*"))
 
 
 def test_wrapper_prefixed_keys_are_normalized(trained_run, tmp_path):

@@ -1,0 +1,55 @@
+"""Quiet by default (finetune/quiet.py): a run shows finetune's own lines, the libraries' noise only with --verbose;
+and DeepSpeed is imported only by processes that use it (real 2-process DDP, real export)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import addition_rows, child_env, free_port, recipe_dict, run_cmd, write_jsonl, write_recipe
+
+NOISE = ("FutureWarning", "Failed to load CPU gemm_4bit_forward", "Loading weights", "real_accelerator")
+WORKER = """
+import json, os, sys
+from finetune.run import main
+code = main(sys.argv[1:])
+rank = os.environ["RANK"]
+open(os.path.join(os.environ["REPORT_DIR"], f"rank{rank}.json"), "w").write(json.dumps(
+    {"code": code, "deepspeed": "deepspeed" in sys.modules, "accelerate": "accelerate" in sys.modules}))
+"""
+
+
+@pytest.fixture
+def recipe(tiny_llama, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", addition_rows(32))
+    return write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, data, tmp_path / "run", train={"max_steps": 2},
+                                                        lora={"dropout": 0.05}))
+
+
+@pytest.mark.slow
+def test_a_run_prints_only_its_own_lines_unless_verbose(recipe):
+    quiet = run_cmd([sys.executable, "-m", "finetune", "train", str(recipe)])
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert not [word for word in NOISE if word in quiet.stdout + quiet.stderr], quiet.stderr[-2000:]
+    loud = run_cmd([sys.executable, "-m", "finetune", "train", str(recipe), "output.overwrite=true", "--verbose"])
+    assert loud.returncode == 0 and "is_gradient_checkpointing" in loud.stderr, loud.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_ddp_and_export_never_import_deepspeed(recipe, tmp_path):
+    pytest.importorskip("deepspeed")  # installed (make install does): the case where an import could happen
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            str(worker), str(recipe), "parallel.strategy=ddp"]
+    result = run_cmd(args, env=child_env(REPORT_DIR=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report == {"code": 0, "deepspeed": False, "accelerate": True}, report  # accelerate is imported: it asks
+    export = ("import sys\nfrom finetune.cli import main\n"
+              f"code = main(['export', {str(tmp_path / 'run')!r}, {str(tmp_path / 'merged')!r}, '--merge'])\n"
+              "print('RESULT', code, 'deepspeed' in sys.modules)\n")
+    result = run_cmd([sys.executable, "-c", export])
+    assert "RESULT 0 False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
