@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
 from finetune import quiet
+from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 

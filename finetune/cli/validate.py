@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from finetune import data, model, outputs, parallel
-from finetune.distributed import DistInfo
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
 from finetune.recipe import load_recipe
 
