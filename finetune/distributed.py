@@ -58,7 +58,8 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() not in ("true", "1")
     if cuda:
-        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        check_one_gpu_per_process(local_world, torch.cuda.device_count())
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -70,7 +71,7 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
                 "Start the run with `accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py ...` "
                 "or `torchrun --nproc_per_node N finetune/run.py ...`."
             )
-        backend = "nccl" if cuda else "gloo"
+        backend = process_group_backend(cuda=cuda)
         if not dist.is_initialized():
             kwargs = {"device_id": device} if cuda else {}
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -79,6 +80,31 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
+
+
+def process_group_backend(*, cuda: bool) -> str:
+    """gloo on CPU; on GPUs NCCL for CUDA tensors and gloo for CPU tensors.
+
+    With CPU offload (FSDP2's CPUOffloadPolicy, FSDP1's CPUOffload, ZeRO offload) the gradients live in CPU memory,
+    so clipping's norm all-reduce runs on CPU tensors: an NCCL-only group fails there with "No backend type
+    associated with device type cpu" (pytorch #148532, torchtune #1977). Every collective on a CUDA tensor still
+    goes through NCCL.
+    """
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def check_one_gpu_per_process(local_processes: int, visible_gpus: int) -> None:
+    """One GPU per process on a node: more processes than visible GPUs would put two ranks on one GPU, which NCCL
+    refuses mid-start ("Duplicate GPU detected"); refuse it first, with the counts and the fix."""
+    if local_processes > visible_gpus:
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f"CUDA_VISIBLE_DEVICES={seen}" if seen is not None else "CUDA_VISIBLE_DEVICES unset"
+        raise LaunchError(
+            f"{local_processes} processes were started on this node but it sees {visible_gpus} GPU(s) ({where}): two "
+            "ranks would share a GPU, which NCCL refuses. Fix: start at most one process per visible GPU "
+            f"(accelerate's --num_processes / num_processes, torchrun's --nproc_per_node {visible_gpus}), or make "
+            "more GPUs visible in CUDA_VISIBLE_DEVICES."
+        )
 
 
 def _launcher_asked_processes() -> int:
@@ -136,12 +162,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float], device: torch.device | None = None) -> list[float]:
-    """Sum a few floats over all ranks (loss and token counts for logging)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device or info().device)
-    dist.all_reduce(tensor)
+def all_reduce_sum(values: list, device: torch.device | None = None) -> list[float]:
+    """Sum a few numbers over all ranks (loss and token counts for logging); 0-d tensors among them stay on their
+    device until the one host transfer at the end."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if device is None:
+        tensors = [v.device for v in values if isinstance(v, torch.Tensor)]
+        device = info().device if initialized else (tensors[0] if tensors else torch.device("cpu"))
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in values])
+    if initialized:
+        dist.all_reduce(tensor)
     return tensor.tolist()
 
 

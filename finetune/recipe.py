@@ -208,6 +208,14 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _cross_field(self) -> Recipe:
         q = self.quantization
+        for key, value in (("model.dtype", self.model.dtype), ("quantization.compute_dtype", q.compute_dtype)):
+            if value == "float16":
+                # The loop has no loss scaler: small LoRA gradients underflow to zero in fp16, with no error.
+                raise ValueError(
+                    f"{key}: float16 is not supported for training: without loss scaling the LoRA gradients underflow "
+                    "silently. Fix: bfloat16 (GPUs from Ampere on, and CPUs), or float32 on GPUs without bf16 "
+                    "(V100, T4); with an accelerate config, set its mixed_precision to bf16 or no to match."
+                )
         if q.method != "none":
             storage = q.quant_storage or self.model.dtype
             if storage != self.model.dtype:

@@ -131,3 +131,12 @@ def test_data_parallel_is_refused_with_the_ddp_command(tmp_path):
     assert text.count("\n") == 1  # the file line, then one paragraph
     with pytest.raises(RecipeError, match="`data_parallel` \\(torch.nn.DataParallel\\) is not supported"):
         load_recipe(path, ["parallel.strategy=data_parallel"])
+
+
+@pytest.mark.parametrize("section, key", [("model", "dtype"), ("quantization", "compute_dtype")])
+def test_fp16_training_is_refused_with_the_reason(section, key):
+    """No loss scaling in the loop: fp16 LoRA gradients would underflow silently."""
+    raw = {"model": {"name_or_path": "m"}, "data": {"datasets": [{"path": "a.jsonl"}]}}
+    raw.setdefault(section, {})[key] = "float16"
+    with pytest.raises(RecipeError, match=rf"{section}.{key}: float16 is not supported for training.*Fix: bfloat16"):
+        validate_recipe(raw, source="r.yaml")

@@ -1,9 +1,10 @@
-"""The `finetune` command and its verbs. Nothing under finetune/ imports this package (tests/test_architecture.py).
+"""The `finetune` command and its verbs. Nothing under finetune/ imports this package (tests/cli/test_library.py).
 
     command.py     the parser and the dispatch (`finetune.cli:main` is the console script)
     validate.py    `validate`: every pre-flight check of a run, no weights      plan.py      `plan`, the library table
     preview.py     `data`: rendered examples with their trained spans          library.py   `recipes`: the library
     generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)
+    export.py      `export`: a clean adapter or a verified merge (the work is finetune/outputs/export.py)
     tiny.py        `tiny-model`: tiny random models + tokenizers for tests, smoke runs and benchmarks
 """
 

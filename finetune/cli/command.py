@@ -137,7 +137,7 @@ def _add_output_verbs(verbs) -> None:
     p.add_argument("--merge", action="store_true", help="merge into the base and save a full model + tokenizer")
     p.add_argument("--base", help="base model folder or hub id (default: from the adapter/run)")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload to this hub repo")
-    p.set_defaults(func=_delegate("finetune.outputs.export", "cli_export"))
+    p.set_defaults(func=_delegate("finetune.cli.export", "cli_export"))
 
     p = verbs.add_parser("generate", help="generate with a run's adapter (or chat interactively)")
     p.add_argument("source", help="run folder or adapter folder")

@@ -12,6 +12,7 @@ from finetune.model.base import (
     count_parameters,
     import_backends,
     is_local,
+    keep_4bit_weights_trainable_on_cpu,
     load_base_model,
     load_config,
     load_tokenizer,
@@ -21,5 +22,5 @@ from finetune.model.base import (
 )
 from finetune.model.loading import LoadedModel, load_model, release_freed_memory
 
-__all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "load_base_model", "load_config", "load_model",
+__all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
            "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype"]

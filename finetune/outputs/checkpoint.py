@@ -116,7 +116,9 @@ def rng_state() -> dict:
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
                        "has_gauss": int(has_gauss), "cached": float(cached)}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's device only: the state of every visible GPU would not restore where fewer GPUs are visible
+        # ("invalid device ordinal"), and a rank draws its dropout masks on its own GPU alone.
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -127,7 +129,10 @@ def set_rng_state(state: dict) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # checkpoints of earlier versions: one state per visible GPU
+            cuda = cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:

@@ -14,7 +14,6 @@ RUNTIMES.md into the export folder.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -442,23 +441,3 @@ def push_to_hub(out: Path, repo: str) -> str:
             f"the network and `hf auth login`, then `hf upload {repo} {out}`."
         ) from None
     return f"uploaded {out} to https://huggingface.co/{repo} (private)"
-
-
-def cli_export(args: argparse.Namespace) -> int:
-    """`finetune export SOURCE OUT [--merge] [--base B] [--push-to-hub REPO]`."""
-    out = Path(args.out).expanduser()
-    check_out_free(out)
-    source = resolve_source(args.source)
-    base = getattr(args, "base", None)
-    if args.merge:
-        print(
-            f"[finetune] merging {source.adapter_dir} into {base or source.base_name} (full precision, saved as bf16)"
-        )
-        report = export_merged(source, out, base=base)
-    else:
-        report = export_adapter(source, out, base=base)
-    print(f"[finetune] exported {'merged model' if args.merge else 'adapter'} to {out}")
-    print(f"[finetune] {report}")
-    if getattr(args, "push_to_hub", None):
-        print(f"[finetune] {push_to_hub(out, args.push_to_hub)}")
-    return 0

@@ -171,14 +171,25 @@ def current_rss_bytes() -> int:
         return 0
 
 
+def gpu_memory_peaks() -> dict:
+    """Peak allocated and reserved bytes on every GPU this process used (layer split spreads over several), summed
+    and per device; empty without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    used = [i for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_reserved(i) > 0]
+    allocated = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in used}
+    reserved = {f"cuda:{i}": torch.cuda.max_memory_reserved(i) for i in used}
+    return {"peak_gpu_bytes": sum(allocated.values()), "peak_gpu_reserved_bytes": sum(reserved.values()),
+            "peak_gpu_bytes_by_device": allocated, "peak_gpu_reserved_bytes_by_device": reserved}
+
+
 def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
-    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS (and peak GPU memory on
-    CUDA), LoRA checksum."""
+    """Per-rank facts for tests and the planner's checks: held parameter bytes, peak RSS (and peak GPU memory,
+    allocated and reserved, over every GPU the rank used), LoRA checksum."""
     import resource
 
     stats = dict(stats, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                  lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
-    if torch.cuda.is_available():
-        stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    stats.update(gpu_memory_peaks())
     (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
     (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))

@@ -75,6 +75,7 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
 
     layer_cls = {type(m) for m in _layer_modules(model, plan)}
+    keep_lora_inputs_in_compute_dtype(model)
 
     def is_trainable_leaf(module: nn.Module) -> bool:
         # LoRA A/B (and DoRA magnitude) leaves: own unit, so every flat parameter has one dtype and one requires_grad.
@@ -100,6 +101,22 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     )
 
 
+def keep_lora_inputs_in_compute_dtype(model: nn.Module) -> None:
+    """Under FSDP1, PEFT must not cast a LoRA layer's input to `lora_A.weight.dtype` before dropout.
+
+    That dtype is not fixed under FSDP1: in the forward the LoRA leaf's unit shows its fp32 flat parameter, so the
+    input goes to dropout in fp32; when activation checkpointing recomputes the layer in the backward, the unit is
+    unsharded in the compute dtype, so the same input goes to dropout in bf16. torch's checkpoint then refuses the
+    recomputation ("Recomputed values ... have different metadata": saved float32, recomputed bfloat16), in the first
+    backward of every FSDP1 run with lora.dropout > 0 and checkpointing on. Without PEFT's cast the input stays in
+    the compute dtype both times (it is the base layer's input) and the unit's own forward casts it for lora_A as
+    before (`cast_forward_inputs`), so nothing else changes.
+    """
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):  # PEFT's LoRA layers (peft.helpers.disable_input_dtype_casting)
+            module.cast_input_dtype_enabled = False
+
+
 def fsdp1_mixed_precision(plan: ParallelPlan):
     """FSDP1's precision, the same as FSDP2's: fp32 LoRA master weights, compute in model.dtype, fp32 reductions.
 
@@ -117,7 +134,9 @@ def fsdp1_mixed_precision(plan: ParallelPlan):
     """
     from torch.distributed.fsdp import MixedPrecision
 
-    return MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=plan.param_dtype,
+    # buffer_dtype None: buffers keep their own dtype. A bf16 rotary `inv_freq` is off by ~0.2% per frequency, ~1.7
+    # rad of angle at position 1000; FSDP2 (and a single process) never cast buffers.
+    return MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=torch.float32, buffer_dtype=None,
                           cast_forward_inputs=True)
 
 

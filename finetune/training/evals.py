@@ -57,9 +57,14 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 
 
 @torch.no_grad()
-def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -> list[str]:
-    """Greedy continuations of token-id prompts (left-padded into one batch), decoded without special tokens."""
-    device = next(model.parameters()).device
+def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
+                   device: torch.device | None = None) -> list[str]:
+    """Greedy continuations of token-id prompts (left-padded into one batch), decoded without special tokens.
+
+    `device`: where the inputs go, the rank's compute device in a run. Only a plain model (`finetune generate`) may
+    leave it to the first parameter's device: under CPU offload that is the CPU while the forward runs on the GPU.
+    """
+    device = device or next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batch = _left_padded(prompts, pad_id, device)
     output = model.generate(
@@ -86,6 +91,7 @@ def generation_eval(
     metric: Metric = "exact_match",
     batch_size: int = 16,
     samples: int = 3,
+    device: torch.device | None = None,
 ) -> dict:
     """Score greedy generations on `rows`; returns {metric, score, correct, total, samples: [...]}.
 
@@ -102,7 +108,7 @@ def generation_eval(
     try:
         for start in range(0, len(pairs), batch_size):
             chunk = [prompt for prompt, _ in pairs[start : start + batch_size]]
-            generated += generate_batch(model, tokenizer, chunk, max_new_tokens=max_new_tokens)
+            generated += generate_batch(model, tokenizer, chunk, max_new_tokens=max_new_tokens, device=device)
     finally:
         model.train(was_training)
     judge = METRICS[metric]
@@ -127,7 +133,8 @@ def generation_eval(
 
 
 # ------------------------------------------------------------------------------- metrics.jsonl contract (run.py)
-def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recipe, *, phase: str) -> dict | None:
+def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recipe, *, phase: str,
+                           device: torch.device | None = None) -> dict | None:
     """The recipe's generation eval (`eval.generation_rows` held-out examples) as a metrics.jsonl record, or None if off.
 
     run.py calls it with phase "before" (after the model is built, before the first step) and "after" (after the last
@@ -137,7 +144,7 @@ def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recip
     if not rows:
         return None
     result = generation_eval(
-        model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric
+        model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric, device=device
     )
     return metrics_record(phase, result)
 

@@ -187,12 +187,12 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
                 local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                 global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
-                step_loss = 0.0
-                for index, batch in enumerate(micro_batches):
+                step_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # on the device: no host sync per
+                for index, batch in enumerate(micro_batches):                          # micro-batch, one per step
                     with gradient_sync(model, enabled=index == len(micro_batches) - 1):
                         batch_loss, _ = loss_sum(model, batch, info.device)
                         backward(model, batch_loss * info.world_size / max(global_tokens, 1))
-                    step_loss += float(batch_loss.detach())
+                    step_loss += batch_loss.detach().to(step_loss.device, torch.float64)
                 loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
                 # Clip, step, zero the gradients; never step on a NaN/inf, so every checkpoint and the adapter stay finite.
                 grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm, allowed=math.isfinite(loss))
@@ -249,7 +249,8 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
     from finetune.training import evals
 
     with generation_model(model) as generator:
-        record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase)
+        record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase,
+                                              device=distributed.info().device)
     if record is not None:
         metrics.write(**record)
         distributed.print0(f"[finetune] generation eval {phase}: {record['generation_metric']} "

@@ -1,7 +1,8 @@
 """What ships is what is tested: every accelerate config and every library recipe trains, as shipped, on CPU.
 
-* Every file in accelerate_configs/ trains a tiny Llama and a tiny Qwen2 (two decoder-layer classes), with gradient
-  checkpointing on and off where the config allows, through `accelerate launch --config_file` with the shipped file
+* Every file in accelerate_configs/ trains a tiny Llama, Qwen2 and Gemma (three decoder-layer classes) with the
+  library's LoRA settings (dropout 0.05: tests/conftest.py LIBRARY_LORA), with gradient checkpointing on and off
+  where the config allows (Gemma: on, the case that crashed FSDP1), through `accelerate launch --config_file` with the shipped file
   and only the CPU needs of its row in tests/shipped.py (CPU switch, process count, per-machine flags).
 * Every recipes/*.yaml trains 2 steps with its own settings under the accelerate config it names; only the weights
   (a tiny random model of its own architecture, scaled down from finetune/model/architectures) and the data (a local file
@@ -25,10 +26,10 @@ from shipped import ACCELERATE_CONFIG_RUNS, CONFIG_DIR, checkpointing_choices, e
 from finetune.cli.library import expected_accelerate_config
 from finetune.recipe import DatasetSpec, load_recipe
 
-# Two architectures with different decoder-layer classes (tests/conftest.py builds them with finetune/cli/tiny.py).
-FAMILIES = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+# Three architectures with different decoder-layer classes (tests/conftest.py builds them with finetune/cli/tiny.py).
+FAMILIES = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "gemma": "GemmaDecoderLayer"}
 CONFIG_CASES = [(config, family, checkpointing) for config in sorted(ACCELERATE_CONFIG_RUNS) for family in FAMILIES
-                for checkpointing in checkpointing_choices(config)]
+                for checkpointing in checkpointing_choices(config) if family != "gemma" or checkpointing]
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 # Library recipes whose model is not a hub id with stored architecture numbers: the architecture they load.
@@ -147,8 +148,15 @@ def test_every_shipped_file_is_trained_by_the_suite():
     for config in sorted(shipped):
         cases = [case for case in CONFIG_CASES if case[0] == config]
         layer_classes = {FAMILIES[family] for _, family, _ in cases}
-        assert len(layer_classes) >= 2, f"{config}: trained on fewer than two decoder-layer classes"
+        assert len(layer_classes) >= 3 and "GemmaDecoderLayer" in layer_classes, (
+            f"{config}: trained on fewer than three decoder-layer classes, or without Gemma's")
         assert {checkpointing for _, _, checkpointing in cases} == set(checkpointing_choices(config)), config
+    from conftest import LIBRARY_LORA
+
+    library_dropout = {load_recipe(path).lora.dropout for path in RECIPES if path.stem != "quickstart"}
+    assert library_dropout == {LIBRARY_LORA["dropout"]}, (
+        f"the library's recipes use lora.dropout {library_dropout}; the shipped-config table trains with "
+        f"{LIBRARY_LORA['dropout']} (tests/conftest.py LIBRARY_LORA): make them agree")
     trained_recipes = {path.name for path in RECIPES}
     assert trained_recipes == {path.name for path in (REPO / "recipes").glob("*.yaml")}
     from finetune.model.architectures import stored_file

@@ -92,3 +92,29 @@ def test_loss_falls_on_a_fixed_dataset(cli_run):
     out, _, _ = cli_run
     losses = train_losses(out)
     assert losses[-1] < losses[0] - 0.2
+
+
+def test_one_host_sync_per_step_whatever_the_accumulation(tiny_llama, alpaca_file, tmp_path, monkeypatch):
+    """The step's loss stays on the device until the one all-reduce of the step: no `float(loss)` per micro-batch
+    (32 host syncs a step in the 70B recipe on a GPU). Counted on CPU by patching Tensor.__float__ / Tensor.item,
+    the ops that would each wait for the GPU; generation eval and evaluation are off so only the loop is counted."""
+    calls = []
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _o=original, _n=name: calls.append(_n) or _o(self))
+    distributed.init_distributed()
+
+    def count(grad_accum: int) -> int:
+        recipe = validate_recipe(recipe_dict(tiny_llama, alpaca_file, tmp_path / f"out{grad_accum}", train={
+            "max_steps": 2, "micro_batch_size": 2, "grad_accum": grad_accum, "eval_every": 0, "save_every": 0},
+            data={"eval_fraction": 0.0}))
+        tokenizer = model.load_tokenizer(recipe)
+        train_examples, eval_examples, _ = data.build_examples(recipe, tokenizer)
+        peft_model = model.build_model(recipe, device=torch.device("cpu"), gradient_checkpointing=False)
+        (tmp_path / f"out{grad_accum}").mkdir()
+        calls.clear()
+        training.train(peft_model, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id,
+                       out_dir=tmp_path / f"out{grad_accum}")
+        return len(calls)
+
+    assert count(4) == count(1), "host syncs grow with the number of micro-batches"
