@@ -104,9 +104,15 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
             count = torch.cuda.device_count() if dist.device.type == "cuda" else 0
             devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
             plan.device_map = layer_split_device_map(meta, layer_cls, devices)
-    if plan.cpu_offload and dist.device.type == "cpu" and strategy != "deepspeed":
-        plan.notes.append("parameter offload asked for, but the parameters already live in CPU memory: nothing to offload")
-        plan.cpu_offload = False
+    if plan.cpu_offload and dist.device.type == "cpu" and strategy == "fsdp":
+        if plan.fsdp_version == 2:
+            # Kept on: FSDP2's offload code (CPU-resident shards and gradients, the norm over them) runs as on GPUs,
+            # unpinned, so the CPU suite exercises it; it only saves memory where the compute device is a GPU.
+            plan.notes.append("parameter offload on a CPU-only machine: the offload code runs, but saves no memory here")
+        else:  # FSDP1's CPUOffload always pins host memory, which needs an accelerator
+            plan.notes.append("parameter offload asked for, but FSDP1 pins offloaded memory and this machine has no "
+                              "GPU: offload off (the parameters already live in CPU memory)")
+            plan.cpu_offload = False
     plan.sharded_loading = strategy == "fsdp" and p.sharded_loading and not recipe.lora.dora
     if strategy == "fsdp" and not plan.sharded_loading:
         why = "lora.dora: DoRA's magnitudes come from the full weights" if recipe.lora.dora else "parallel.sharded_loading: false"

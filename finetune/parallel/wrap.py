@@ -57,7 +57,8 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         "mesh": mesh,
         "reshard_after_forward": plan.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32),
-        "offload_policy": CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+        # Pinned host memory needs an accelerator; on a CPU-only machine the same policy runs unpinned.
+        "offload_policy": CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if plan.cpu_offload else OffloadPolicy(),
     }
     for layer in _layer_modules(model, plan):
         if materialize is not None:

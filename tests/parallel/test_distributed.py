@@ -307,3 +307,17 @@ def test_memory_report_covers_every_gpu_the_rank_used(monkeypatch):
     peaks = gpu_memory_peaks()
     assert peaks["peak_gpu_bytes"] == 12 and peaks["peak_gpu_reserved_bytes"] == 17
     assert peaks["peak_gpu_bytes_by_device"] == {"cuda:0": 5, "cuda:1": 7}
+
+
+def test_fsdp2_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
+    """FSDP2 with CPUOffloadPolicy (unpinned on CPU) trains, clips and steps on CPU-resident shards and gradients: the
+    same losses and adapter as FSDP2 without offload. On CPU the offload used to be switched off, so not even gloo ran
+    this code; on GPUs its norm all-reduce on CPU gradients needs the gloo half of the process group."""
+    root, recipe = setup
+    out = root / "fsdp2-offload"
+    result = _ok(torchrun(recipe, f"output.dir={out}", "train.micro_batch_size=2", *STRATEGIES["fsdp2"],
+                          "parallel.cpu_offload=true", *STEPS))
+    assert "params offloaded to CPU" in result.stdout
+    assert train_losses(out) == pytest.approx(train_losses(runs["fsdp2"]), abs=1e-6)
+    got, reference = adapter(out), adapter(runs["fsdp2"])
+    assert got.keys() == reference.keys() and all(torch.allclose(got[k], reference[k], atol=1e-6) for k in got)
