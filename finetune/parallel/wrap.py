@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from finetune.distributed import DistInfo
-from finetune.parallel import zero
+from finetune.distributed import DistInfo, print0
+from finetune.parallel import byte_guard, zero
 from finetune.parallel.plan import ParallelPlan
 
 
@@ -60,13 +60,26 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         # Pinned host memory needs an accelerator; on a CPU-only machine the same policy runs unpinned.
         "offload_policy": CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if plan.cpu_offload else OffloadPolicy(),
     }
-    for layer in _layer_modules(model, plan):
+    as_bytes = None  # decided on the first unit: does this device's copy keep packed 4-bit bytes intact?
+    checksums = []
+    for index, layer in enumerate(_layer_modules(model, plan)):
         if materialize is not None:
             materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
+        if as_bytes is None and byte_guard.packed_parameters(layer):
+            as_bytes = not byte_guard.probe_copy(layer)
+            if as_bytes:
+                plan.notes.append("this device's copies rewrite NaN bit patterns (CUDA does, pytorch #159333): the "
+                                  "packed 4-bit weights are all-gathered as uint8 under FSDP2 (same bytes, no copy)")
+                print0(f"[finetune] note: {plan.notes[-1]}")
+        if as_bytes:
+            byte_guard.store_as_bytes(layer)
+        checksums.append((index, layer, byte_guard.unit_checksums(layer)))
         fully_shard(layer, **options)
     if materialize is not None:
         materialize(model)  # what is left: embeddings, final norm, LM head
     fully_shard(model, **options)
+    for index, layer, before in checksums:  # one unshard per unit through the copy path training uses
+        byte_guard.verify_unit(layer, before, label=f"decoder layer {index} ({plan.layer_class})")
     return model
 
 

@@ -1,0 +1,91 @@
+"""The packed 4-bit bytes under FSDP2: checked at wrap time, never trained on silently when a copy changed them.
+
+A 4-bit weight stored in a floating dtype (`quant_storage: bfloat16`, what FSDP needs for one dtype per unit) is
+packed nibbles that FSDP2 moves as bf16 numbers: its all-gather copies them with `torch._foreach_copy_`. CUDA's copy
+writes every NaN as one canonical pattern (pytorch #159333); CPU keeps the bits, which is why the CPU suite never saw
+it. About 0.1% of the packed elements are NaN patterns (197 of 262,144 on a random 1024 x 1024 layer), and each
+rewritten one decodes as different 4-bit values: a wrong base model, no error (bitsandbytes #1945).
+
+What this module does, per rank, at wrap time:
+  * `probe_copy`: before the first unit is sharded, copy its packed tensors with the op FSDP2 uses, on the device
+    training uses, and compare the bytes. When the copy rewrites them, every unit's packed weights are re-viewed as
+    uint8 before sharding (the same bytes, no copy): FSDP2 leaves non-floating parameters out of mixed precision and
+    all-gathers a unit of mixed dtypes as uint8, so nothing reinterprets them (bitsandbytes reads the bytes either way).
+  * `unit_checksums` before `fully_shard`, `verify_unit` after: one unshard of the unit through the path training
+    uses gives back exactly the bytes it had; otherwise the run is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from finetune.errors import LaunchError
+
+_CHUNK = 1 << 24  # bytes per step of the checksum (bounded transient memory on the GPU)
+
+
+def packed_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The 4-bit packed weights of `module` (bitsandbytes Params4bit: they carry a quant_state)."""
+    return [(name, p) for name, p in module.named_parameters() if getattr(p, "quant_state", None) is not None]
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """Position-weighted sum of the bytes: any rewritten byte changes it (computed on the tensor's device)."""
+    data, total = _bytes(tensor), 0
+    for start in range(0, data.numel(), _CHUNK):
+        chunk = data[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65_521 + 1
+        total += int((chunk * weights).sum())
+    return total
+
+
+def probe_copy(module: nn.Module) -> bool:
+    """True when this device's `_foreach_copy_` (FSDP2's all-gather copy) keeps the packed bytes of `module` intact."""
+    packed = [p.data for _, p in packed_parameters(module) if p.data.is_floating_point()]
+    if not packed:
+        return True
+    with torch.no_grad():
+        copies = [torch.empty_like(t) for t in packed]
+        torch._foreach_copy_(copies, packed)
+    return all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(copies, packed))
+
+
+def store_as_bytes(module: nn.Module) -> int:
+    """Re-view every floating-point packed weight of `module` as uint8 (same memory, same bytes); returns the count."""
+    count = 0
+    for _, param in packed_parameters(module):
+        if param.data.is_floating_point():
+            # (n, 1) as bitsandbytes stores packed weights (it asserts the trailing 1): n bf16 -> 2n bytes
+            param.data = param.data.view(torch.uint8).reshape(-1, 1)
+            count += 1
+    return count
+
+
+def unit_checksums(module: nn.Module) -> dict[str, int]:
+    return {name: checksum(param) for name, param in packed_parameters(module)}
+
+
+def verify_unit(unit: nn.Module, before: dict[str, int], *, label: str) -> None:
+    """Unshard `unit` once (a collective: every rank calls it), compare its packed bytes with `before`, reshard."""
+    if not before:
+        return
+    unit.unshard()
+    try:  # by name: an unsharded parameter is a plain tensor, without the quant_state that marks the packed ones
+        after = {name: checksum(unit.get_parameter(name)) for name in before}
+    finally:
+        unit.reshard()
+    changed = sorted(name for name, value in before.items() if after.get(name) != value)
+    if changed:
+        raise LaunchError(
+            f"FSDP2 changed the packed 4-bit bytes of {label} when gathering it ({len(changed)} of {len(before)} "
+            f"tensors, e.g. {changed[0]}): training would run on a different base model, so it does not start. This "
+            "device's copies rewrite bit patterns even as uint8, which finetune cannot work around. Fix: train with "
+            "FSDP1 (accelerate_configs/fsdp1.yaml, or parallel.fsdp_version: 1) and report this with your torch and "
+            "GPU versions (docs/distributed.md, 'The 4-bit bytes under FSDP2')."
+        )

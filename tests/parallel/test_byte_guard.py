@@ -1,0 +1,95 @@
+"""The packed 4-bit bytes under FSDP2 (finetune/parallel/byte_guard.py), on real 2-process FSDP2 runs.
+
+CUDA's `torch._foreach_copy_` (FSDP2's all-gather copy) writes every bf16 NaN as one canonical pattern; the CPU keeps
+the bits, so a CPU run cannot show the corruption by itself. These tests make the copy canonicalize NaNs the way CUDA
+does, in the test's worker processes only (this file, run as the worker script, patches that one op), and check that
+the guard notices it and trains on the intact bytes, and that a copy that breaks even uint8 bytes is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+if __name__ != "__main__":  # the worker processes (this file run as a script) need none of the suite's helpers
+    from conftest import (
+        addition_rows,
+        child_env,
+        free_port,
+        recipe_dict,
+        run_cmd,
+        train_losses,
+        write_jsonl,
+        write_recipe,
+    )
+
+STEPS = ["train.max_steps=3", "train.micro_batch_size=2", "parallel.strategy=fsdp", "parallel.fsdp_version=2"]
+
+
+@pytest.fixture(scope="module")
+def recipe(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("byte-guard")
+    data = write_jsonl(root / "train.jsonl", addition_rows(48))
+    return write_recipe(root / "recipe.yaml", recipe_dict(tiny_llama, data, root / "unused", model={"dtype": "bfloat16"}))
+
+
+def launch(recipe, out, mode: str):
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            __file__, mode, str(recipe), f"output.dir={out}", *STEPS]
+    return run_cmd(args, env=child_env())
+
+
+@pytest.mark.slow
+def test_canonicalized_nans_are_caught_and_training_uses_the_intact_bytes(recipe, tmp_path):
+    plain = launch(recipe, tmp_path / "plain", "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "rewrite NaN bit patterns" not in plain.stdout  # the CPU copy keeps the bits: bf16 storage as configured
+    cuda_like = launch(recipe, tmp_path / "cuda-like", "canonicalize")
+    assert cuda_like.returncode == 0, cuda_like.stderr[-3000:]
+    assert "rewrite NaN bit patterns" in cuda_like.stdout and "all-gathered as uint8" in cuda_like.stdout
+    assert "CANONICALIZED" in cuda_like.stdout  # the patch really rewrote NaNs (the probe's copy at least)
+    assert train_losses(tmp_path / "cuda-like") == train_losses(tmp_path / "plain")  # the same bytes, bit for bit
+
+
+@pytest.mark.slow
+def test_a_copy_that_changes_any_bytes_is_refused(recipe, tmp_path):
+    broken = launch(recipe, tmp_path / "broken", "break-bytes")
+    assert broken.returncode != 0, broken.stderr[-3000:]  # each rank exits 2; torchrun reports 1
+    assert "exitcode: 2" in broken.stderr and "FSDP2 changed the packed 4-bit bytes of decoder layer 0" in broken.stderr
+    assert "[rank0]: Traceback" not in broken.stderr and not (tmp_path / "broken" / "adapter").exists()
+
+
+# ------------------------------------------------------------------------------------------- the worker processes
+def _patch_copy(mode: str) -> None:
+    """Make `torch._foreach_copy_` behave like CUDA's (`canonicalize`), or worse (`break-bytes`: every copy of a
+    4-bit-sized buffer also changes one byte, whatever its dtype)."""
+    import torch
+
+    original = torch._foreach_copy_
+    canonical = torch.tensor(float("nan"), dtype=torch.bfloat16)
+
+    def copy(dsts, srcs, *args, **kwargs):
+        result = original(dsts, srcs, *args, **kwargs)
+        for dst in dsts:
+            if dst.dtype == torch.bfloat16:
+                nans = torch.isnan(dst)
+                if nans.any():
+                    dst[nans] = canonical
+                    print("CANONICALIZED", flush=True)
+            if mode == "break-bytes" and dst.numel() >= 64 and dst.dtype in (torch.bfloat16, torch.uint8):
+                dst.view(torch.uint8).reshape(-1)[0] ^= 1
+        return result
+
+    torch._foreach_copy_ = copy
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    if sys.argv[1] != "plain":
+        _patch_copy(sys.argv[1])
+    from finetune.run import main
+
+    sys.exit(main(sys.argv[2:]))
