@@ -56,7 +56,9 @@ bench-peers: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/bench_peers.py
 
-gpu-smoke: $(STAMP)
+# The CUDA path on one GPU (benchmarks/gpu_smoke.py); installs .venv with the CUDA build only where a GPU is present
+# and no Python with CUDA torch exists yet; without a GPU: one line, exit 2.
+gpu-smoke:
 	bash benchmarks/gpu_smoke.sh
 
 clean:

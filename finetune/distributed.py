@@ -64,7 +64,10 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     else:
         device = torch.device("cpu")
     backend = None
-    if world_size > 1:
+    # A launcher that starts one process on purpose (`torchrun --nproc_per_node 1`) gets a 1-rank group, so FSDP and
+    # ZeRO run at world size 1 (one GPU with CPU offload); a plain `python` start stays without one.
+    launched_alone = world_size == 1 and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if world_size > 1 or launched_alone:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise LaunchError(
                 f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set, so no process group can be formed. "

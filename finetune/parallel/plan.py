@@ -142,7 +142,7 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             return "ddp"
         ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
         return "ddp" if ddp is not None and ddp.fits else "fsdp"  # DDP when it fits (faster), else shard
-    if asked in ("ddp", "fsdp", "deepspeed") and world == 1:
+    if asked in ("ddp", "fsdp", "deepspeed") and world == 1 and dist.backend is None:
         config = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3"}[asked]
         problems.append(
             f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
