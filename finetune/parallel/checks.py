@@ -11,14 +11,10 @@ The FSDP + 4-bit rules, enforced here rather than documented:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from finetune.parallel.decision import ParallelPlan
 from finetune.recipe import Recipe
-
-if TYPE_CHECKING:  # the plan's module runs these checks: a type only, not an import at run time
-    from finetune.parallel.plan import ParallelPlan
 
 
 def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:

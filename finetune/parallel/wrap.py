@@ -14,7 +14,7 @@ from torch import nn
 
 from finetune.distributed import DistInfo, print0
 from finetune.parallel import byte_guard, zero
-from finetune.parallel.plan import ParallelPlan
+from finetune.parallel.decision import ParallelPlan
 
 
 # ------------------------------------------------------------------------------------------------ wrapping

@@ -1,0 +1,45 @@
+"""What the parallel stage decided for a run (the plan, a dataclass): below both the choice (plan.py) and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from finetune.parallel import zero
+
+Strategy = Literal["single", "ddp", "fsdp", "deepspeed", "layer_split"]
+
+
+@dataclass
+class ParallelPlan:
+    strategy: Strategy
+    world_size: int
+    fsdp_version: int = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    layer_class: str | None = None
+    activation_checkpointing: bool = True
+    param_dtype: torch.dtype = torch.bfloat16
+    zero: zero.ZeroSettings | None = None  # strategy deepspeed
+    device_map: dict | None = None
+    sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.strategy == "fsdp":
+            shard = "full shard" if self.reshard_after_forward else "shard-grad-op"
+            offload = ", params offloaded to CPU" if self.cpu_offload else ""
+            return f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}), unit = {self.layer_class}"
+        if self.strategy == "ddp":
+            return f"DDP over {self.world_size} processes"
+        if self.strategy == "deepspeed":
+            return f"DeepSpeed {self.zero.describe()} over {self.world_size} processes"
+        if self.strategy == "layer_split":
+            devices = sorted({str(d) for d in (self.device_map or {}).values()})
+            return f"layer split over {', '.join(devices) or 'one device'} in one process"
+        return "single process"
+
+
+# ------------------------------------------------------------------------------------------- the plan + checks
