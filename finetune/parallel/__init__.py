@@ -5,7 +5,7 @@ Strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap po
     plan.py        resolve_plan (strategy + pre-flight checks), report     launcher.py  the accelerate config's settings
     decision.py    ParallelPlan: what was decided                          byte_guard.py  4-bit bytes under FSDP2
     checks.py      the recipe / accelerate config / FSDP + 4-bit rules     layers.py    decoder layer class, layer split
-    wrap.py        wrap (FSDP2, FSDP1, DDP, ZeRO), unwrap                  zero.py      the DeepSpeed ZeRO-2/3 engine
+    wrapping.py    wrap (FSDP2, FSDP1, DDP, ZeRO), unwrap                  zero.py      the DeepSpeed ZeRO-2/3 engine
     steps.py       gradient_sync, backward, optimizer_step, generation_model
     state_dict.py  trainable_state_dict, normalize_key, local_parameter_bytes
 """
@@ -16,7 +16,7 @@ from finetune.parallel.layers import decoder_layer_class, decoder_layers_path, l
 from finetune.parallel.plan import report, resolve_plan
 from finetune.parallel.state_dict import local_parameter_bytes, normalize_key, trainable_state_dict
 from finetune.parallel.steps import backward, engine_optimizer, generation_model, gradient_sync, optimizer_step
-from finetune.parallel.wrap import unwrap, wrap
+from finetune.parallel.wrapping import unwrap, wrap
 
 __all__ = [
     "ParallelPlan", "accelerate_config_env", "backward", "decoder_layer_class", "decoder_layers_path",

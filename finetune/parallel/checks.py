@@ -6,7 +6,7 @@ The FSDP + 4-bit rules, enforced here rather than documented:
   * FSDP1 flattens each unit into one tensor: one dtype and one requires_grad per unit, so every LoRA leaf is its
     own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model/base.py);
   * FSDP1 and FSDP2 compute in model.dtype (LoRA included) and reduce gradients in fp32; FSDP1 must cast every
-    unit's inputs for that (see `fsdp1_mixed_precision` in finetune/parallel/wrap.py).
+    unit's inputs for that (see `fsdp1_mixed_precision` in finetune/parallel/wrapping.py).
 """
 
 from __future__ import annotations

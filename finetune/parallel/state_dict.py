@@ -28,6 +28,10 @@ def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
     names = set(names)
     if zero.is_engine(model):
         return zero.trainable_state_dict(model, names)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        return _fsdp1_trainable_state_dict(model, names)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)
@@ -39,6 +43,33 @@ def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         result[normalize_key(key)] = value.detach().to("cpu").clone()
+    return result
+
+
+def _fsdp1_trainable_state_dict(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    """FSDP1: gather each LoRA leaf's unit alone, never a decoder layer's.
+
+    `get_model_state_dict(full_state_dict=True)` unshards and clones every parameter of every unit on every rank before
+    frozen ones are dropped: the whole base on each GPU after training, in exactly the runs that needed sharding.
+    Each LoRA leaf is its own FSDP1 unit (parallel/wrapping.py), so summoning those units one at a time (recurse=False)
+    holds at most the LoRA tensors plus one leaf's flat parameter. Every rank visits the same units in the same order.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    result: dict[str, torch.Tensor] = {}
+    for unit_name, unit in model.named_modules():
+        flat = getattr(unit, "_flat_param", None) if isinstance(unit, FSDP) else None  # this unit's own parameters
+        if flat is None or not flat.requires_grad:
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for param_name, param in unit.module.named_parameters():
+                key = normalize_key(f"{unit_name}.{param_name}" if unit_name else param_name)
+                if key in names:
+                    result[key] = param.detach().to("cpu").clone()
+    missing = names - set(result)
+    if missing:
+        raise RuntimeError(f"FSDP1 gather found {len(result)} of {len(names)} trainable tensors (e.g. missing "
+                           f"{min(missing)}): a trainable parameter outside a LoRA leaf unit")
     return result
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from finetune.parallel import zero
-from finetune.parallel.wrap import unwrap
+from finetune.parallel.wrapping import unwrap
 
 
 def gradient_sync(model: nn.Module, *, enabled: bool):

@@ -153,7 +153,7 @@ BF16_LOSS_TOLERANCE = 3e-3
 def test_shipped_configs_train_the_same_bf16_loss_curve(shipped_run, family):
     """fsdp1.yaml, fsdp2.yaml, ddp.yaml (2 processes x 2 rows) and single_gpu.yaml (1 x 4 rows) as shipped (bf16 mixed
     precision, bf16 recipe): the same loss curve at the same global batch. fsdp1.yaml crashed in the first forward
-    before FSDP1 cast every unit's inputs (parallel/wrap.py fsdp1_mixed_precision). Dropout off here, and only here:
+    before FSDP1 cast every unit's inputs (parallel/wrapping.py fsdp1_mixed_precision). Dropout off here, and only here:
     its masks are drawn per rank (and by the fused path or PEFT's), so curves with dropout differ by design; the
     table in tests/parallel/test_shipped.py trains every config with dropout 0.05."""
     curves = {}
