@@ -11,14 +11,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_PY, addition_rows, child_env, free_port, recipe_dict, train_losses, write_jsonl, write_recipe
+from conftest import RUN_PY, addition_rows, free_port, recipe_dict, train_losses, write_jsonl, write_recipe
+from processes import finish, start, wait_for_step, worker_pids
 
 from finetune import outputs
 from finetune.outputs import step_folders
@@ -44,19 +43,8 @@ def command(recipe: Path, out_dir: Path, strategy: str, *extra: str) -> list[str
     return [*launcher, str(RUN_PY), str(recipe), f"output.dir={out_dir}", *overrides, *extra]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    """A run in its own session (a timed-out one is killed with its process group)."""
-    with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
 
 
-def finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
-    try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return code, log.read_text()
 
 
 def run_to_end(args: list[str], log: Path) -> str:
@@ -65,21 +53,8 @@ def run_to_end(args: list[str], log: Path) -> str:
     return output
 
 
-def last_logged_step(out_dir: Path) -> int:
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in lines if line.endswith("}")]
-    return max(steps, default=0)
 
 
-def wait_for_step(process: subprocess.Popen, out_dir: Path, step: int, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while last_logged_step(out_dir) < step:
-        assert process.poll() is None, f"run ended before step {step}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"step {step} not reached:\n{log.read_text()[-3000:]}"
-        time.sleep(0.005)
 
 
 def adapter(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -124,7 +99,7 @@ def kill_and_resume(strategy: str, recipe: Path, root: Path) -> dict[str, Path]:
     log = root / f"{strategy}-killed.log"
     process = start(command(recipe, run, strategy), log)
     wait_for_step(process, run, KILL_AT, log)
-    for pid in [*_worker_pids(process.pid).values(), process.pid]:  # torchrun starts workers in their own sessions
+    for pid in [*worker_pids(process.pid).values(), process.pid]:  # torchrun starts workers in their own sessions
         os.kill(pid, signal.SIGKILL)
     process.wait(timeout=30)
     assert not (run / "adapter").exists(), "the run finished before the kill landed"
@@ -203,21 +178,6 @@ def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_r
     assert_same_adapter(adapter(sharded["ref"]), adapter(run), exact=False)
 
 
-def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the torchrun workers started by `launcher_pid`."""
-    workers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        rank = [item for item in environ if item.startswith(b"RANK=")]
-        if parent == launcher_pid and rank:
-            workers[int(rank[0][5:])] = int(entry.name)
-    return workers
 
 
 def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_recipe, runs_root, tmp_path):
@@ -225,7 +185,7 @@ def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_r
     log = tmp_path / "term.log"
     process = start(command(base_recipe, run, "fsdp1", "train.save_every=0"), log)
     wait_for_step(process, run, 4, log)
-    workers = _worker_pids(process.pid)
+    workers = worker_pids(process.pid)
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[1], signal.SIGTERM)
     code, output = finish(process, log)

@@ -227,7 +227,7 @@ def test_generation_eval_under_zero3_answers_like_one_process(runs):
 def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs, tmp_path):
     """torchrun ZeRO-3 SIGKILLed once step KILL_AT is logged; `deepspeed` resumes it from DeepSpeed's checkpoint: the
     same losses and, bitwise, the same adapter as the uninterrupted ZeRO-3 run."""
-    from test_checkpoint import _worker_pids, finish, start, wait_for_step
+    from processes import finish, start, wait_for_step, worker_pids
 
     from finetune import model, outputs
     from finetune.errors import CheckpointError
@@ -241,7 +241,7 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     process = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                      str(RUN_PY), str(recipe), *overrides], log)
     wait_for_step(process, run, KILL_AT, log)
-    for pid in [*_worker_pids(process.pid).values(), process.pid]:
+    for pid in [*worker_pids(process.pid).values(), process.pid]:
         os.kill(pid, signal.SIGKILL)
     process.wait(timeout=30)
     assert not (run / "adapter").exists(), "the run finished before the kill landed"

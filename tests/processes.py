@@ -1,0 +1,61 @@
+"""Training processes the tests start, stop and wait for (checkpoint, resume and preemption tests share them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import child_env
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    """A run in its own session (a timed-out one is killed with its process group)."""
+    with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return code, log.read_text()
+
+
+def last_logged_step(out_dir: Path) -> int:
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in lines if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def wait_for_step(process: subprocess.Popen, out_dir: Path, step: int, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while last_logged_step(out_dir) < step:
+        assert process.poll() is None, f"run ended before step {step}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"step {step} not reached:\n{log.read_text()[-3000:]}"
+        time.sleep(0.005)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the torchrun workers started by `launcher_pid`."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = [item for item in environ if item.startswith(b"RANK=")]
+        if parent == launcher_pid and rank:
+            workers[int(rank[0][5:])] = int(entry.name)
+    return workers
