@@ -39,7 +39,8 @@ from finetune.planner.memory import BUCKET_ELEMENTS
 INSTALL_HINT = "pip install 'finetune[deepspeed]' (or pip install deepspeed==0.19.8)"
 CHECKPOINT_FOLDER = "deepspeed"  # inside checkpoints/step-N/
 CHECKPOINT_TAG = "state"
-# BUCKET_ELEMENTS (finetune/planner/memory.py, beside the memory model that counts it): Gradient reduce, all-gather and ZeRO-3 prefetch buckets, in elements (DeepSpeed's default 5e8 would allocate gigabytes
+# BUCKET_ELEMENTS (defined in finetune/planner/memory.py, beside the memory model that counts it): gradient reduce,
+# all-gather and ZeRO-3 prefetch buckets, in elements (DeepSpeed's default 5e8 would allocate gigabytes
 # for a LoRA's few million gradients). The planner counts them.
 # Keys of a DeepSpeed JSON that the recipe owns (value must agree or be "auto") and sections it refuses.
 BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum",

@@ -187,8 +187,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
                 local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                 global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
-                step_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # on the device: no host sync per
-                for index, batch in enumerate(micro_batches):                          # micro-batch, one per step
+                # The step's loss stays on the device: one host sync per step (the all-reduce), none per micro-batch.
+                step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
+                for index, batch in enumerate(micro_batches):
                     with gradient_sync(model, enabled=index == len(micro_batches) - 1):
                         batch_loss, _ = loss_sum(model, batch, info.device)
                         backward(model, batch_loss * info.world_size / max(global_tokens, 1))

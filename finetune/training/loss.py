@@ -30,7 +30,8 @@ from torch import nn
 from finetune.planner.memory import CHUNK_LOGIT_ELEMENTS
 
 IGNORE_INDEX = -100
-# CHUNK_LOGIT_ELEMENTS (finetune/planner/memory.py, beside the memory model that counts it): fp32 logits per chunk: 64 MB, ~340 tokens at a 49k vocabulary. The chunk's transient (12 bytes per logit, measured
+# CHUNK_LOGIT_ELEMENTS (defined in finetune/planner/memory.py, beside the memory model that counts it): fp32 logits
+# per chunk: 64 MB, ~340 tokens at a 49k vocabulary. The chunk's transient (12 bytes per logit, measured
 # by benchmarks/memory_breakdown.py) is alive at the step's peak with every activation. 2**22 was measured too
 # (docs/benchmarks.md): peak RSS -5% unpacked, -1% packed, speed within the noise; not worth the smaller matmuls.
 _TARGETS = "_finetune_loss_targets"
