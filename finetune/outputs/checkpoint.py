@@ -45,6 +45,7 @@ from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, on_main
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, STEP_PREFIX, TRAINER_STATE, list_checkpoints
+from finetune.parallel import state_dict as parallel_state
 from finetune.parallel import zero
 
 
@@ -54,12 +55,18 @@ def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, na
 
     Under FSDP the tensors are this rank's shards (DTensor / ShardedTensor), so DCP writes one file per rank and
     reshards on load. `ignore_frozen_params` drops the frozen base weights; the filter by `names` also drops the
-    buffers and bitsandbytes quantization state that are not parameters.
+    buffers and bitsandbytes quantization state that are not parameters. FSDP1's own state dict would copy the whole
+    base shard first, so its LoRA units are asked alone (parallel/state_dict.py).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict
 
+    options = StateDictOptions(ignore_frozen_params=True)
     with _quiet_torch_distributed():
-        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        if parallel_state.is_fsdp1(model):
+            model_state = parallel_state.fsdp1_sharded_trainable(model)
+            optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+        else:
+            model_state, optim_state = get_state_dict(model, optimizer, options=options)
     model_state = {key: value for key, value in model_state.items() if key in names}
     missing = sorted(set(names) - set(model_state))
     if missing:
@@ -257,11 +264,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     DCP reshards to the current world size and strategy. A rank that did not exist in the saving run keeps its seed.
     """
-    import logging
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     if zero.is_engine(model):
@@ -278,17 +282,23 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP wraps per-rank failures
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"train.resume: checkpoint {path} does not fit this model ({reason}).") from None
-    fsdp_log = logging.getLogger("torch.distributed.fsdp._state_dict_utils")
-    level = fsdp_log.level
-    fsdp_log.setLevel(logging.ERROR)  # FSDP1 warns once per frozen base weight that it is not in a trainable-only state
-    try:
-        with _quiet_torch_distributed():
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=StateDictOptions(strict=False, ignore_frozen_params=True))
-    finally:
-        fsdp_log.setLevel(level)
+    _set_trainable_state(model, optimizer, state)
     _load_rng(path)
     return trainer_state
+
+
+def _set_trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Put what DCP read into the model and the optimizer; FSDP1's LoRA units alone (as in `trainable_state`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict, set_state_dict
+
+    options = StateDictOptions(strict=False, ignore_frozen_params=True)
+    with _quiet_torch_distributed():
+        if parallel_state.is_fsdp1(model):
+            parallel_state.fsdp1_load_trainable(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=options)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=options)
 
 
 def _load_rng(path: Path) -> None:

@@ -46,6 +46,66 @@ def trainable_state_dict(model: nn.Module, names) -> dict[str, torch.Tensor]:
     return result
 
 
+def _fsdp1_lora_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """FSDP1 units whose own flat parameter is trainable (the LoRA leaves), with their names; the same order on every
+    rank. The root is initialized first (as its first forward would): a unit asked alone before that would take
+    itself for the root (a resume loads before the first step)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+    _lazy_init(model, model)
+
+    units = []
+    for unit_name, unit in model.named_modules():
+        flat = getattr(unit, "_flat_param", None) if isinstance(unit, FSDP) else None  # this unit's own parameters
+        if flat is not None and flat.requires_grad:
+            units.append((unit_name, unit))
+    return units
+
+
+def is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
+
+
+def fsdp1_sharded_trainable(model: nn.Module) -> dict[str, object]:
+    """FSDP1: this rank's shards (ShardedTensor) of the LoRA tensors, keyed by model names, for a DCP checkpoint.
+
+    The model's own sharded state dict unshards every unit, decoder layers included, and chunks a copy of every
+    parameter before frozen ones are dropped: the rank's whole base shard copied on the GPU (brought back from the CPU
+    under offload) at every save. Each LoRA leaf is its own unit, so asking those units alone touches the LoRA bytes
+    only. Every rank visits the same units in the same order (each state dict is a small collective).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    state: dict[str, object] = {}
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        for unit_name, unit in _fsdp1_lora_units(model):
+            for key, value in unit.state_dict(prefix=f"{unit_name}.").items():
+                state[normalize_key(key)] = value
+    return state
+
+
+def fsdp1_load_trainable(model: nn.Module, state: dict[str, object]) -> None:
+    """Load `fsdp1_sharded_trainable`'s tensors (filled by DCP) back into the LoRA leaf units, and no other unit.
+
+    The model's own sharded load unshards every unit with write-back, frozen decoder layers included."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        for unit_name, unit in _fsdp1_lora_units(model):
+            prefix = normalize_key(f"{unit_name}.")
+            own = {key[len(prefix):]: value for key, value in state.items()
+                   if key.startswith(prefix) and "." not in key[len(prefix):]}
+            missing = [f"{prefix}{name}" for name in unit._flat_param._fqns if name not in own]
+            if missing:
+                raise KeyError(f"the checkpoint has no {missing[0]}")
+            unit.load_state_dict(own, strict=False)
+
+
 def _fsdp1_trainable_state_dict(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
     """FSDP1: gather each LoRA leaf's unit alone, never a decoder layer's.
 
@@ -57,10 +117,7 @@ def _fsdp1_trainable_state_dict(model: nn.Module, names: set[str]) -> dict[str, 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     result: dict[str, torch.Tensor] = {}
-    for unit_name, unit in model.named_modules():
-        flat = getattr(unit, "_flat_param", None) if isinstance(unit, FSDP) else None  # this unit's own parameters
-        if flat is None or not flat.requires_grad:
-            continue
+    for unit_name, unit in _fsdp1_lora_units(model):
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             for param_name, param in unit.module.named_parameters():
                 key = normalize_key(f"{unit_name}.{param_name}" if unit_name else param_name)
