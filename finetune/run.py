@@ -55,8 +55,11 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
         if recipe.data.packing:
             data.verify_packing(wrapped, device=info.device)  # the attention really keeps packed examples apart
+        held = parallel.local_parameter_bytes(wrapped)
+        distributed.print0(f"[finetune] ready: rank 0 holds {held['frozen_bytes'] / 2**20:,.1f} MiB of the base and "
+                           f"{held['trainable_bytes'] / 2**20:,.1f} MiB of LoRA")  # under FSDP, loading ends here
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
-                      "rss_before_model_bytes": rss_before_model, **parallel.local_parameter_bytes(wrapped)}
+                      "rss_before_model_bytes": rss_before_model, **held}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = training.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id,
                                 out_dir=out_dir, trainable_names=list(key_map), resume_from=folder.resume_from,

@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks): load one model with the per-rank loader and with sharded loading, wrap both with
+"""Run under torchrun (2 ranks): load one model with transformers' `from_pretrained` and with sharded loading, wrap both with
 FSDP (version argv[2]), and write what each rank holds to argv[3]/rank{R}.json:
 
   * mismatches: local shards (packed 4-bit bytes, norms, embeddings, LoRA) and bitsandbytes quant states
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from finetune import distributed, parallel
+from finetune.model import base as model_base
 from finetune.model import loading
 from finetune.recipe import Recipe
 
@@ -79,8 +80,13 @@ def main() -> None:
         distributed.seed_everything(0)
         gc.collect()
         before = loading.alive_tensor_bytes()
-        loaded = loading.load_model(recipe, sharded=sharded, device=info.device, device_map=None,
-                                    gradient_checkpointing=False, trace=sharded)
+        if sharded:
+            loaded = loading.load_model(recipe, sharded=True, device=info.device, device_map=None,
+                                        gradient_checkpointing=False, trace=True)
+        else:  # transformers' from_pretrained, the reference for every byte
+            whole = model_base.build_model(recipe, device=info.device, gradient_checkpointing=False)
+            checksum = model_base.lora_checksum(whole)  # before the wrap shards the LoRA tensors
+            loaded = loading.LoadedModel(whole, None, lambda: checksum)
         after_load = loading.alive_tensor_bytes() - before
         lora_bytes = sum(p.numel() * 4 for n, p in loaded.model.named_parameters() if ".lora_" in n)
         largest_unit = unit_bytes(loaded.model, plan.layer_class, 2) if sharded else 0

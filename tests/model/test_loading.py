@@ -69,6 +69,48 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
         assert new["after_load"] < 4096  # the skeleton holds no weights (only the rotary buffers)
 
 
+def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_models, monkeypatch):
+    """Single process / DDP / DeepSpeed: the per-tensor reader (no copy of the whole model in model.dtype, which
+    transformers' from_pretrained holds while it quantizes) gives from_pretrained's bytes, bitwise. Tensor bytes alive
+    right after every read stay within the 4-bit model + quant state + LoRA + the largest tensor as read and cast.
+    Before, a whole-model load went through from_pretrained (no builder, no per-tensor read)."""
+    import gc
+
+    from loading_check import held_tensors
+
+    from finetune.model import base, loading
+    from finetune.recipe import Recipe
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(many_layer_models["llama-sharded-index"]),
+                                              "dtype": "bfloat16"},
+                                    "lora": {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
+                                    "data": {"datasets": [{"path": "x.jsonl", "format": "alpaca"}]}})
+    cpu = torch.device("cpu")
+    reference = base.build_model(recipe, device=cpu, gradient_checkpointing=False)
+    expected, expected_checksum = held_tensors(reference), base.lora_checksum(reference)
+    del reference
+    gc.collect()
+    before, alive_after_read = loading.alive_tensor_bytes(), []
+    read = loading.TensorReader.get
+
+    def counted_read(self, name):
+        tensor = read(self, name)
+        alive_after_read.append(loading.alive_tensor_bytes())  # the tensor just read included
+        return tensor
+
+    monkeypatch.setattr(loading.TensorReader, "get", counted_read)
+    loaded = loading.load_model(recipe, sharded=False, device=cpu, device_map=None, gradient_checkpointing=False)
+    assert loaded.materialize is None and loaded.builder is not None  # built here, not by the wrap
+    held = held_tensors(loaded.model)
+    assert sorted(held) == sorted(expected) and len(held) > 100
+    assert [k for k in held if not torch.equal(held[k], expected[k])] == []
+    assert loaded.lora_checksum() == expected_checksum
+    whole = sum(t.numel() for t in held.values())  # every parameter and quant-state byte the loaded model holds
+    # The largest tensor as stored (fp32 in this checkpoint) and cast to bf16 for quantizing: both alive a moment.
+    largest = max(t.numel() for t in loaded.model.state_dict().values() if hasattr(t, "numel")) * (4 + 2)
+    assert max(alive_after_read) - before <= whole + largest, (max(alive_after_read) - before, whole, largest)
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(many_layer_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("loader-runs")
