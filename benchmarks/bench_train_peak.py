@@ -108,8 +108,10 @@ def run_config(config: str, recipe: Path, out: Path, steps: int, env: dict[str, 
             time.sleep(0.05)
 
     threading.Thread(target=sample, daemon=True).start()
-    rows, tail, load_peak = [], [], None
+    rows, tail, load_peak, speeds = [], [], None, []
     for line in process.stdout:
+        if " tokens/s " in line:
+            speeds.append(float(line.rsplit("tokens/s ", 1)[1].split()[0]))
         tail = (tail + [line])[-40:]
         match = LINES.search(line)
         if match:
@@ -121,7 +123,10 @@ def run_config(config: str, recipe: Path, out: Path, steps: int, env: dict[str, 
     process.wait()
     if process.returncode != 0:
         raise SystemExit(f"{config} failed:\n{''.join(tail)}")
-    return {"rows": rows, "load_peak": load_peak or {}, "train_peak": dict(window), "overall_peak": dict(peak)}
+    import statistics
+
+    return {"rows": rows, "load_peak": load_peak or {}, "train_peak": dict(window), "overall_peak": dict(peak),
+            "tokens_per_s": statistics.median(speeds[1:] or speeds)}  # the first step warms up
 
 
 def main() -> None:
@@ -144,11 +149,11 @@ def main() -> None:
         for label, row in result["rows"]:
             print(f"  {label[:34]:34} " + "  ".join(f"r{r}: {n:6d} / {p:6d}" for r, (n, p) in row.items()))
     base = results.get("ddp")
-    print(f"\n{'config':8} {'load peak/rank':>15} {'train peak/rank':>16} {'train vs DDP':>13}")
+    print(f"\n{'config':8} {'load peak/rank':>15} {'train peak/rank':>16} {'train vs DDP':>13} {'tokens/s':>9}")
     for name, result in results.items():
         load, train = max(result["load_peak"].values()), max(result["train_peak"].values())
         ratio = f"{train / max(base['train_peak'].values()):13.2f}" if base else f"{'-':>13}"
-        print(f"{name:8} {load:15d} {train:16d} {ratio}")
+        print(f"{name:8} {load:15d} {train:16d} {ratio} {result['tokens_per_s']:9.1f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune import distributed, quiet
+from finetune import distributed, host_memory, quiet
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
 
@@ -40,6 +40,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                            f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
                            f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
+        host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()

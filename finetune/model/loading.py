@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
+from finetune.host_memory import release_freed_memory
 from finetune.recipe import Recipe
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -367,28 +368,6 @@ def _whole_model(skeleton: nn.Module, builder: Materializer) -> None:
             for block in module:
                 builder.tree(block)
     builder.tree(skeleton)
-
-
-def release_freed_memory() -> None:
-    """Give the memory of freed tensors back to the OS (glibc `malloc_trim`; a no-op elsewhere).
-
-    Where the load's extra memory went (issue 11): glibc raises its mmap threshold each time a large mmapped block
-    is freed, so after the first freed tensors later large allocations (the model.dtype copies read before
-    quantization, the unsharded tensors FSDP copies from) come from the heap, and freed heap pages stay in the
-    process. RssAnon then grows by whatever was transiently allocated, differently on each rank (it depends on the
-    order of frees). Measured on the hidden-512 x 16-layer benchmark model at 2 ranks: the per-rank loader's ranks
-    grew by 72 and 191 MiB, 59-61 MiB with the threshold fixed (MALLOC_MMAP_THRESHOLD_=65536). Trimming after each
-    unit keeps the freed copies from accumulating without changing how training allocates.
-    """
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-        pass
 
 
 def alive_tensor_bytes() -> int:
