@@ -147,6 +147,24 @@ def test_loss_curve_equals_one_process(runs, name, reference, tolerance):
     assert all(n > 0 for n in norms) and norms == pytest.approx(reference_norms, rel=20 * tolerance)
 
 
+def test_zero3_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
+    """ZeRO-3 with optimizer and parameter offload on a CPU-only machine: DeepSpeed's offload code runs (its CPU
+    accelerator pins nothing) instead of being switched off, with the losses and adapter of the run without offload.
+    The checkpoint's DeepSpeed config shows what the engine was given."""
+    root, recipe = setup
+    out = root / "zero3-offload"
+    result = _ok(torchrun(recipe, f"output.dir={out}", "parallel.strategy=deepspeed", "parallel.zero_stage=3",
+                          "parallel.cpu_offload=true", *TWO, *GENERATION))
+    assert "optimizer and parameters offloaded to CPU" in result.stdout
+    assert "the offload code runs, but saves no memory here" in result.stdout
+    state = next((out / "checkpoints" / f"step-{MAX_STEPS:08d}").rglob("zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    zero = torch.load(state, weights_only=False)["ds_config"]["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu", zero
+    assert train_losses(out) == pytest.approx(train_losses(runs["zero3"]), abs=1e-5)
+    got, reference = adapter(out), adapter(runs["zero3"])
+    assert got.keys() == reference.keys() and all(torch.allclose(got[k], reference[k], atol=1e-5) for k in got)
+
+
 @pytest.mark.parametrize("name", ["zero3", "accelerate_zero3"])
 def test_zero3_ranks_hold_half_of_the_4bit_base(runs, name):
     """Measured from DeepSpeed's partitions (`ds_tensor` of every parameter), after training, eval and generation."""
