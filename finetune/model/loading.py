@@ -257,7 +257,11 @@ class Materializer:
                 module._buffers[attr] = self.reader.get(checkpoint_name(name)).to(self.device, buffer.dtype)
 
     def tree(self, root: nn.Module) -> None:
-        """Materialise everything still on the meta device under `root` (one unit: a decoder layer, or the rest)."""
+        """Materialise everything still on the meta device under `root` (one unit: a decoder layer, or the rest).
+
+        FSDP1 calls it for every module it wraps, most of them already built by their unit: those cost nothing."""
+        if not any(t.is_meta for t in root.parameters()) and not any(b.is_meta for b in root.buffers()):
+            return
         release_freed_memory()  # the previous unit's full tensors, freed when FSDP sharded it
         for module in root.modules():
             self.module(module)
