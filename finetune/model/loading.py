@@ -338,13 +338,14 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     checkpoint is safetensors; layer split, DoRA and other checkpoints go through transformers' `from_pretrained`."""
     from finetune.model import base as model_stage
 
-    if not sharded and not _reads_per_tensor(recipe, device_map):
+    folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
+    if folder is None:
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
         checksum = model_stage.lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
-    index = checkpoint_index(checkpoint_folder(recipe))
+    index = checkpoint_index(folder)
     check_checkpoint(skeleton, index)
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
                            lora_seed=recipe.train.seed, trace=trace)
@@ -354,14 +355,14 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     return LoadedModel(skeleton, builder.tree, lambda: builder.lora_checksum, builder)
 
 
-def _reads_per_tensor(recipe: Recipe, device_map: dict | None) -> bool:
-    """Can a whole-model load read the checkpoint tensor by tensor? transformers' `from_pretrained` holds a copy of the
+def _per_tensor_folder(recipe: Recipe, device_map: dict | None) -> Path | None:
+    """The checkpoint folder when a whole-model load can read it tensor by tensor, else None. transformers' `from_pretrained` holds a copy of the
     whole model in model.dtype in RAM while it quantizes (measured: 4.3 GiB on a DDP rank of a 1.4B model whose 4-bit
     base is 654 MiB); the per-tensor reader holds the 4-bit model and one tensor in model.dtype."""
     if device_map is not None or recipe.model.gguf_file or recipe.lora.dora:
-        return False  # layer split places layers on several devices; DoRA's magnitudes come from the full weights
+        return None  # layer split places layers on several devices; DoRA's magnitudes come from the full weights
     folder = checkpoint_folder(recipe)  # a hub model: its config and safetensors files are fetched here
-    return (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
+    return folder if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file() else None
 
 
 def _whole_model(skeleton: nn.Module, builder: Materializer) -> None:
