@@ -32,3 +32,33 @@ class CheckpointError(FinetuneError):
 
 class ModelLoadError(FinetuneError):
     """The model or tokenizer cannot be found or loaded (offline hub, missing folder...)."""
+
+
+# ------------------------------------------------------------------ refusals the recipe schema words itself
+DATA_PARALLEL_NAMES = ("dp", "data_parallel", "data-parallel", "dataparallel")
+
+
+def data_parallel_refusal(source: str, asked: str = "dp") -> str:
+    """Why `parallel.strategy: dp` (torch.nn.DataParallel) is refused, and the DDP command that replaces it."""
+    recipe = source if source.endswith((".yaml", ".yml")) else "RECIPE.yaml"
+    gpus = _visible_gpu_count()
+    count = str(gpus) if gpus > 1 else "N"
+    where = "" if gpus > 1 else " (N = the number of GPUs of this machine)"
+    return (
+        f"`{asked}` (torch.nn.DataParallel) is not supported: one Python process drives every GPU, so the GIL serializes "
+        "their work; each step scatters the batch from GPU 0 and gathers outputs and gradients back onto it (GPU 0 runs "
+        "out of memory first); the model, 4-bit base included, is replicated to every GPU again on every step; and it "
+        "cannot span machines. DDP does the same job with one process per GPU and none of these costs. Fix: remove "
+        "parallel.strategy (or set it to ddp) and run "
+        f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {count} finetune/run.py {recipe}`"
+        f"{where}."
+    )
+
+
+def _visible_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0

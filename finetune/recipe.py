@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from finetune.errors import RecipeError
+from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -37,6 +37,9 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     dtype: DType = Field("bfloat16", description="dtype of every non-quantized weight, and of the 4-bit storage.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    adapter: str | None = Field(
+        None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
+        "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
 
 
 class QuantizationSection(_Section):
@@ -63,7 +66,7 @@ class LoraSection(_Section):
 
 class DatasetSpec(_Section):
     path: str = Field(description="Local file (.jsonl/.json/.csv/.parquet), load_from_disk folder, or `datasets` name.")
-    format: Literal["alpaca", "chat", "completion", "text"] = "alpaca"
+    format: Literal["alpaca", "chat", "completion", "text", "preference"] = "alpaca"
     split: str = "train"
     subset: str | None = None
     weight: float = Field(1.0, gt=0, description="Mixing weight: 2 repeats the train examples, 0.5 takes half.")
@@ -104,6 +107,9 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
+        "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO).")
     max_steps: int = Field(100, gt=0)
     micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass.")
     grad_accum: int = Field(1, gt=0)
@@ -145,6 +151,33 @@ class TrainSection(_Section):
         if value is not None and not value.strip():
             raise ValueError("must be `auto` or the path of a checkpoint or run folder (leave it out to start fresh)")
         return value.strip() if value is not None else None
+
+
+class PreferenceSection(_Section):
+    """Preference tuning (train.objective: dpo). Names and defaults as TRL's DPOConfig / ORPOConfig / CPOConfig."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = Field(
+        "sigmoid", description="sigmoid: DPO. ipo, hinge: against the reference. orpo, simpo: reference-free.")
+    beta: float = Field(0.1, gt=0, description="DPO's beta (the strength of the pull to the reference); ORPO's lambda "
+                        "(weight of the odds-ratio term, as TRL's ORPOConfig.beta); SimPO's reward scale.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO / robust SimPO: assumed share of "
+                                   "flipped preference labels (sigmoid and simpo).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin.")
+    length_normalize: bool | None = Field(
+        None, description="Score a response by its mean token log-probability instead of the sum. Default: on for "
+        "ipo, orpo and simpo (as TRL), off for sigmoid and hinge.")
+    reference: Literal["adapter_off", "precomputed"] = Field(
+        "adapter_off", description="adapter_off: the reference is the model with the trained adapter's changes off "
+        "(the base, or base + model.adapter): one no-grad forward per step, no extra memory. precomputed: the reference "
+        "log-probs of every pair computed once before step 1 and kept in the run folder; each step runs the policy only.")
+    max_prompt_length: int | None = Field(
+        None, gt=0, description="Prompt tokens kept (its end) before the responses are cut to data.max_length. "
+        "Default: half of data.max_length.")
+    disable_dropout: bool = Field(True, description="Dropout off during preference tuning (as TRL): the policy's "
+                                  "log-probs are then those the reference sees at step 1.")
+
+    def normalized(self) -> bool:
+        return self.length_normalize if self.length_normalize is not None else self.loss in ("ipo", "orpo", "simpo")
 
 
 class ParallelSection(_Section):
@@ -191,6 +224,7 @@ class Recipe(_Section):
     lora: LoraSection = Field(default_factory=LoraSection)
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
+    dpo: PreferenceSection = Field(default_factory=PreferenceSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     output: OutputSection = Field(default_factory=OutputSection)
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -224,6 +258,7 @@ class Recipe(_Section):
                     "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
                     f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
                 )
+        _check_objective(self)
         if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
             # A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a
             # normal request: warm up over the run instead of refusing it, and say so.
@@ -247,6 +282,29 @@ class Recipe(_Section):
 
 
 _SCHEMA_ROOT = Recipe
+
+
+def _check_objective(recipe: Recipe) -> None:
+    """Preference data goes with train.objective: dpo and only with it; pairs are not packed; the prompt leaves room."""
+    data, dpo = recipe.data, recipe.dpo
+    for key, specs in (("data.datasets", data.datasets), ("data.eval_datasets", data.eval_datasets)):
+        for index, spec in enumerate(specs):
+            if recipe.train.objective == "dpo" and spec.format != "preference":
+                raise ValueError(
+                    f"{key}[{index}] ({spec.path}) has format `{spec.format}`, but train.objective is dpo, which trains "
+                    "on preference pairs. Fix: give rows with prompt/chosen/rejected and set its format: preference, or "
+                    "set train.objective: sft to fine-tune on this data.")
+            if recipe.train.objective == "sft" and spec.format == "preference":
+                raise ValueError(
+                    f"{key}[{index}] ({spec.path}) has format `preference` (chosen/rejected pairs), but "
+                    "train.objective is sft. Fix: set train.objective: dpo (and the dpo: section) to learn from the pairs, "
+                    "or give SFT data in another format.")
+    if recipe.train.objective == "dpo" and data.packing:
+        raise ValueError("data.packing: pairs are not packed (a chosen and a rejected response are scored as whole "
+                         "sequences). Fix: remove data.packing for train.objective: dpo.")
+    if dpo.max_prompt_length is not None and dpo.max_prompt_length >= data.max_length:
+        raise ValueError(f"dpo.max_prompt_length ({dpo.max_prompt_length}) leaves no room for a response within "
+                         f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
 
 
 def _field_names(model: type[BaseModel]) -> list[str]:
@@ -275,35 +333,6 @@ def _suggest(key: str, candidates: list[str]) -> str:
     if close:
         return f" Did you mean `{close[0]}`?"
     return f" Valid keys here: {', '.join(candidates)}."
-
-
-DATA_PARALLEL_NAMES = ("dp", "data_parallel", "data-parallel", "dataparallel")
-
-
-def data_parallel_refusal(source: str, asked: str = "dp") -> str:
-    """Why `parallel.strategy: dp` (torch.nn.DataParallel) is refused, and the DDP command that replaces it."""
-    recipe = source if source.endswith((".yaml", ".yml")) else "RECIPE.yaml"
-    gpus = _visible_gpu_count()
-    count = str(gpus) if gpus > 1 else "N"
-    where = "" if gpus > 1 else " (N = the number of GPUs of this machine)"
-    return (
-        f"`{asked}` (torch.nn.DataParallel) is not supported: one Python process drives every GPU, so the GIL serializes "
-        "their work; each step scatters the batch from GPU 0 and gathers outputs and gradients back onto it (GPU 0 runs "
-        "out of memory first); the model, 4-bit base included, is replicated to every GPU again on every step; and it "
-        "cannot span machines. DDP does the same job with one process per GPU and none of these costs. Fix: remove "
-        "parallel.strategy (or set it to ddp) and run "
-        f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {count} finetune/run.py {recipe}`"
-        f"{where}."
-    )
-
-
-def _visible_gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
 
 
 def _format_errors(error: ValidationError, source: str) -> str:

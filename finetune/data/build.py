@@ -15,8 +15,8 @@ from finetune.recipe import Recipe
 # ------------------------------------------------------------------------------------------------ the datasets
 def _count(stats: DataStats, dataset: list, counts: dict, spec, key: str, *, role: str | None = None) -> None:
     """Add one file's counts to `stats`; a file with no usable rows is an error naming its recipe key."""
-    for name in ("rows", "skipped", "truncated", "dropped"):
-        setattr(stats, name, getattr(stats, name) + counts[name])
+    for name in ("rows", "skipped", "truncated", "dropped", "prompt_truncated", "response_truncated"):
+        setattr(stats, name, getattr(stats, name) + counts.get(name, 0))
     stats.skipped_reasons += counts["skipped_reasons"]
     stats.cached_datasets += int(counts["cached"])
     if not dataset:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.pairs import pair_examples, prompt_limit
 from finetune.data.sources import _read_rows
 from finetune.data.templates import FORMAT_FIELDS, _column, _render_rows, tokenize_many
 from finetune.errors import DataError
@@ -53,6 +54,8 @@ def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[lis
         raise DataError(reasons[0])
     counts = {"rows": len(rows) + len(broken), "skipped": len(reasons), "truncated": 0, "dropped": 0}
     kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
+    if spec.format == "preference":
+        return _pairs(kept, spec, recipe, tokenizer, counts, reasons)
     examples = []
     for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (place for _, place in kept)):
         full = example
@@ -73,6 +76,18 @@ def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[lis
         counts["skipped"] += 1
         reasons.append(reason)
     counts["skipped_reasons"] = reasons[:20]  # every skip has its reason; the cache stores and returns the same
+    return examples, counts
+
+
+def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, counts: dict, reasons: list[str]):
+    counts.update(prompt_truncated=0, response_truncated=0, pairs=True)
+    before = len(reasons)
+    examples = pair_examples([item for item, _ in kept], [f"{spec.path} {place}" for _, place in kept], tokenizer,
+                             recipe, counts, reasons)
+    if len(reasons) > before and recipe.data.bad_rows == "error":
+        raise DataError(f"{reasons[before]} Fix the row or set data.bad_rows: skip to skip such pairs with a count.")
+    counts["skipped"] += len(reasons) - before
+    counts["skipped_reasons"] = reasons[:20]
     return examples, counts
 
 
@@ -123,6 +138,8 @@ def _cache_key(spec: DatasetSpec, recipe: Recipe, tokenizer) -> str | None:
     data = recipe.data
     settings = {"spec": spec.model_dump(exclude={"weight"}), "system_prompt": data.system_prompt,
                 "max_length": data.max_length, "overlong": data.overlong, "bad_rows": data.bad_rows}
+    if spec.format == "preference":
+        settings["max_prompt_length"] = prompt_limit(recipe)
     text = json.dumps([CACHE_VERSION, tokenizer_fingerprint(tokenizer), content, settings], sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -137,6 +154,10 @@ def _cache_load(key: str) -> tuple[list[Example], dict] | None:
         return None  # absent or damaged: tokenize again
     labels = np.where(trained, ids, IGNORE_INDEX)
     examples = [Example(ids[a:b].tolist(), labels[a:b].tolist()) for a, b in itertools.pairwise(bounds)]
+    if counts.get("pairs"):  # stored chosen, rejected, chosen, rejected, ...
+        for chosen, rejected in zip(examples[::2], examples[1::2]):
+            chosen.rejected = rejected
+        examples = examples[::2]
     return examples, counts
 
 
@@ -144,6 +165,8 @@ def _cache_save(key: str, examples: list[Example], counts: dict) -> None:
     """Write atomically (temporary file + rename): ranks building the same data at once never see half a file."""
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    if counts.get("pairs"):
+        examples = [sequence for pair in examples for sequence in (pair, pair.rejected)]
     ids = np.fromiter((t for e in examples for t in e.input_ids), dtype=np.int64)
     trained = np.fromiter((label != IGNORE_INDEX for e in examples for label in e.labels), dtype=bool, count=len(ids))
     bounds = np.cumsum([0] + [len(e.input_ids) for e in examples], dtype=np.int64)

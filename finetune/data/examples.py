@@ -9,11 +9,17 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Example:
-    """One training row: token ids, labels (IGNORE_INDEX where untrained), position ids when packed."""
+    """One training row: token ids, labels (IGNORE_INDEX where untrained), position ids when packed.
+
+    A preference pair is its chosen sequence with the rejected one attached (`rejected`); `reference_logps` holds the
+    reference model's (chosen, rejected) log-probabilities when dpo.reference is precomputed.
+    """
 
     input_ids: list[int]
     labels: list[int]
     position_ids: list[int] | None = None
+    rejected: Example | None = None
+    reference_logps: tuple[float, float] | None = None
 
     @property
     def num_trained(self) -> int:
@@ -26,6 +32,8 @@ class DataStats:
     skipped: int = 0
     truncated: int = 0
     dropped: int = 0
+    prompt_truncated: int = 0  # preference pairs: pairs whose prompt lost its beginning
+    response_truncated: int = 0  # preference pairs: pairs whose responses lost their ends
     train_examples: int = 0
     eval_examples: int = 0
     skipped_reasons: list[str] = field(default_factory=list)

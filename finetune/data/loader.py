@@ -18,7 +18,20 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     Unpacked rows carry an attention_mask. Packed rows carry position_ids instead (no attention_mask: transformers
     derives the per-example block mask from restarting positions only when the mask is absent); the padding tail
     gets its own restarting positions, so it is a separate pseudo-example that no real token attends to.
+
+    Preference pairs: the B chosen sequences, then the B rejected ones, in one batch of 2B rows (one forward scores
+    both), with `reference_logps` (2B values, same order) when they were precomputed.
     """
+    if examples and examples[0].rejected is not None:
+        batch = _collate_rows(examples + [e.rejected for e in examples], pad_id)
+        if all(e.reference_logps is not None for e in examples):
+            batch["reference_logps"] = torch.tensor([e.reference_logps[0] for e in examples] +
+                                                    [e.reference_logps[1] for e in examples], dtype=torch.float64)
+        return batch
+    return _collate_rows(examples, pad_id)
+
+
+def _collate_rows(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
@@ -107,6 +120,15 @@ class BatchStream:
         self.cursor = math.ceil(rows_seen / (self.batch * self.world))
 
 
+def _filler(example: Example) -> Example:
+    """A copy of `example` with nothing trained (a pair's two sequences alike): it adds no loss and no count."""
+    ignored = Example(example.input_ids, [IGNORE_INDEX] * len(example.input_ids),
+                      reference_logps=(0.0, 0.0) if example.reference_logps is not None else None)
+    if example.rejected is not None:
+        ignored.rejected = Example(example.rejected.input_ids, [IGNORE_INDEX] * len(example.rejected.input_ids))
+    return ignored
+
+
 def eval_batches(examples: list[Example], *, micro_batch_size: int, rank: int, world_size: int, pad_id: int):
     """This rank's share of the eval set, in order.
 
@@ -115,7 +137,7 @@ def eval_batches(examples: list[Example], *, micro_batch_size: int, rank: int, w
     """
     per_rank = math.ceil(len(examples) / world_size)
     share = examples[rank::world_size]
-    filler = Example(examples[0].input_ids, [IGNORE_INDEX] * len(examples[0].input_ids)) if examples else None
+    filler = _filler(examples[0]) if examples else None
     share = share + [filler] * (per_rank - len(share))
     for start in range(0, per_rank, micro_batch_size):
         yield collate(share[start : start + micro_batch_size], pad_id)

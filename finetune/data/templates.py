@@ -14,6 +14,7 @@ FORMAT_FIELDS = {
     "chat": (("messages",), ()),
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
+    "preference": (("chosen", "rejected"), ("prompt",)),  # prompt optional: the implicit-prompt form has none
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -53,6 +54,13 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
 
 def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
     """role/content or from/value turns -> [{role, content}] with system/user/assistant roles that alternate."""
+    messages = convert_turns(turns, spec, where)
+    _check_alternation(messages, where)
+    return messages
+
+
+def convert_turns(turns, spec: DatasetSpec, where: str) -> list[dict]:
+    """role/content or from/value turns -> [{role, content}] with system/user/assistant roles (order not checked)."""
     if not isinstance(turns, list):
         raise DataError(f"{where}: chat messages must be a list of turns, got {type(turns).__name__}.")
     role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
@@ -62,13 +70,14 @@ def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
             role, content = turn["from"], turn["value"]
         elif isinstance(turn, dict) and role_key in turn and content_key in turn:
             role, content = turn[role_key], turn[content_key]
+        elif isinstance(turn, dict) and "role" in turn and "content" in turn:  # already converted
+            role, content = turn["role"], turn["content"]
         else:
             raise DataError(f"{where}: message {number} needs `{role_key}` and `{content_key}` (or `from` and `value`), "
                             f"got {turn!r}. Fix the row or map the keys with data.datasets[].columns (role, content).")
         if ROLE_ALIASES.get(str(role).lower()) is None:
             raise DataError(f"{where}: message {number} has role `{role}`; known roles are {', '.join(ROLE_ALIASES)}.")
         messages.append({"role": ROLE_ALIASES[str(role).lower()], "content": "" if content is None else str(content)})
-    _check_alternation(messages, where)
     return messages
 
 
@@ -91,13 +100,14 @@ def _check_alternation(messages: list[dict], where: str) -> None:
                         "set data.bad_rows: skip.")
 
 
-def _chat_segments(messages: list[dict], tokenizer, where: str) -> list[tuple[str, bool]]:
-    """Segments of a rendered conversation: each assistant turn (content + end-of-turn) trained, the rest not."""
+def _chat_segments(messages: list[dict], tokenizer, where: str, *, trained_from: int = 0) -> list[tuple[str, bool]]:
+    """Segments of a rendered conversation: each assistant turn (content + end-of-turn) from message `trained_from`
+    on trained, the rest not (a preference pair scores its responses, not the assistant turns of its prompt)."""
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     full = render(messages, False)
     segments, cursor = [], 0
     for index, turn in enumerate(messages):
-        if turn["role"] != "assistant":
+        if turn["role"] != "assistant" or index < trained_from:
             continue
         start = len(render(messages[:index], True))
         upto = render(messages[: index + 1], False)
@@ -122,6 +132,8 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
         return [(str(_field(row, spec, "text")) + eos, True)]
     if spec.format == "completion":
         return [(str(_field(row, spec, "prompt")), False), (str(_field(row, spec, "completion")) + eos, True)]
+    if spec.format == "preference":
+        return render_pair(row, spec, tokenizer, system_prompt, where)
     if spec.format == "chat":
         messages = normalize_messages(_field(row, spec, "messages"), spec, where)
         if system_prompt and messages[0]["role"] != "system":
@@ -134,6 +146,57 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     if system:
         prompt = f"{system}\n\n{prompt}"
     return [(prompt, False), (str(_field(row, spec, "output")) + eos, True)]
+
+
+# ------------------------------------------------------------------------------------------- preference pairs
+def _pair_parts(row: dict, spec: DatasetSpec, where: str) -> tuple[list[dict] | str | None, object, object]:
+    """(prompt, chosen, rejected) of a pair row. The implicit-prompt form (chosen and rejected whole conversations,
+    as UltraFeedback-binarized ships them) becomes its shared opening turns and the two answers."""
+    prompt, chosen, rejected = (_field(row, spec, name) for name in ("prompt", "chosen", "rejected"))
+    if isinstance(chosen, list) and isinstance(rejected, list) and convert_turns(chosen, spec, where)[0]["role"] != "assistant":
+        chosen_turns, rejected_turns = normalize_messages(chosen, spec, where), normalize_messages(rejected, spec, where)
+        shared = 0
+        while shared < min(len(chosen_turns), len(rejected_turns)) - 1 and chosen_turns[shared] == rejected_turns[shared]:
+            shared += 1
+        return chosen_turns[:shared], chosen_turns[shared:], rejected_turns[shared:]
+    return prompt, chosen, rejected
+
+
+def render_pair(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None,
+                where: str) -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]]:
+    """A preference row -> (chosen segments, rejected segments), the same prompt untrained in both, the responses trained.
+
+    Text prompts go through the tokenizer's chat template as a user turn when it has one, else stay raw text (a
+    base model); message-list prompts must end with a user turn, and the responses are assistant turn(s).
+    """
+    prompt, chosen, rejected = _pair_parts(row, spec, where)
+    if chosen == rejected:
+        raise DataError(f"{where}: `chosen` and `rejected` are identical, so the pair says nothing. Fix the row or set "
+                        "data.bad_rows: skip to skip such pairs with a count.")
+    chat = isinstance(prompt, list) or isinstance(chosen, list) or bool(getattr(tokenizer, "chat_template", None))
+    if not chat:
+        if prompt in (None, ""):
+            raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: a pair of text responses needs the prompt "
+                            "they answer. Add it, map it with data.datasets[].columns, or give whole conversations.")
+        eos = tokenizer.eos_token or ""
+        return tuple([(str(prompt), False), (str(answer) + eos, True)] for answer in (chosen, rejected))
+    turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) and prompt else \
+        convert_turns(prompt or [], spec, where)
+    if not turns or turns[-1]["role"] != "user":
+        raise DataError(f"{where}: the prompt of a conversational pair must end with a user turn (it ends with "
+                        f"{turns[-1]['role'] if turns else 'nothing'}), so that chosen and rejected answer it. Fix the "
+                        "row or set data.bad_rows: skip.")
+    system = system_prompt if system_prompt and turns[0]["role"] != "system" else None
+    turns = ([{"role": "system", "content": system}] if system else []) + turns
+    sequences = []
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        reply = [{"role": "assistant", "content": str(answer)}] if not isinstance(answer, list) else \
+            convert_turns(answer, spec, where)
+        messages = normalize_messages(turns + reply, spec, f"{where} ({name})")
+        if messages[len(turns)]["role"] != "assistant" or not any(m["content"].strip() for m in messages[len(turns):]):
+            raise DataError(f"{where}: `{name}` must be a non-empty assistant answer. Fix the row or set data.bad_rows: skip.")
+        sequences.append(_chat_segments(messages, tokenizer, where, trained_from=len(turns)))
+    return sequences[0], sequences[1]
 
 
 # -------------------------------------------------------------------------------------------------- tokenizing

@@ -72,9 +72,10 @@ def offline_guard(name_or_path: str) -> None:
 
 
 def load_config(recipe: Recipe):
-    """The model's config only (no weights): used by pre-flight checks and the planner."""
+    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too)."""
     from transformers import AutoConfig
 
+    check_adapter(recipe)
     if recipe.model.gguf_file:
         from finetune.model.gguf import cached_config
 
@@ -193,9 +194,14 @@ def prepare_for_kbit_training(model: nn.Module, *, gradient_checkpointing: bool)
 
 
 def lora_config(recipe: Recipe):
+    """The LoRA layout: the recipe's lora section, or model.adapter's own (r, alpha, targets) with the recipe's dropout."""
     from peft import LoraConfig
 
     lora = recipe.lora
+    if recipe.model.adapter:
+        config = LoraConfig.from_pretrained(str(check_adapter(recipe)))
+        config.lora_dropout, config.inference_mode = lora.dropout, False
+        return config
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -208,12 +214,37 @@ def lora_config(recipe: Recipe):
     )
 
 
+def check_adapter(recipe: Recipe) -> Path | None:
+    """model.adapter's folder, checked before any weight loads (a PEFT adapter: config + safetensors)."""
+    if not recipe.model.adapter:
+        return None
+    folder = Path(recipe.model.adapter).expanduser()
+    missing = [name for name in ("adapter_config.json", "adapter_model.safetensors") if not (folder / name).is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"model.adapter ({folder}): {', '.join(missing)} not found, so it is not a PEFT adapter folder. Fix: point it "
+            "at the adapter/ folder of a finished run (e.g. runs/sft/adapter), or at an adapter exported by PEFT.")
+    return folder
+
+
+def adapter_start(recipe: Recipe) -> dict[str, torch.Tensor] | None:
+    """model.adapter's tensors, keyed as `lora_tensor_name` keys a model's LoRA parameters without the adapter name."""
+    folder = check_adapter(recipe)
+    if folder is None:
+        return None
+    from safetensors.torch import load_file
+
+    return {key.removeprefix("base_model.model."): value
+            for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
+
+
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`."""
+    """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
+    (or from model.adapter's values)."""
     from peft import get_peft_model
 
     peft_model = get_peft_model(model, lora_config(recipe))
-    init_lora_weights(peft_model, recipe.train.seed)
+    init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe))
     if recipe.lora.fused:
         from finetune.model.lora_fused import use_fused_lora
 
@@ -238,14 +269,23 @@ def _name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(lora_tensor_name(name).encode())) % (2**63)
 
 
-def init_lora_tensor(tensor: torch.Tensor, name: str, seed: int) -> bool:
+def init_lora_tensor(tensor: torch.Tensor, name: str, seed: int, start: dict[str, torch.Tensor] | None = None) -> bool:
     """PEFT's default LoRA init (A: kaiming-uniform with a=sqrt(5), B: zeros), A drawn from a generator seeded by
     (seed, name). Returns False for tensors that are not A/B matrices (DoRA magnitudes keep PEFT's values).
 
     Why not PEFT's own draw from the global generator: its values depend on the order in which modules are created
     and on the device of the base (PEFT rounds the init through the base's dtype). Seeding by name makes the
     adapter's start the same for the per-rank loader and sharded loading, on every rank and every device.
+    `start` (model.adapter's tensors, `adapter_start`): A and B are copied from it instead.
     """
+    if start is not None and ".lora_" in name:
+        key = lora_tensor_name(name).replace(".default.", ".")
+        if key not in start or start[key].shape != tensor.shape:
+            found = "missing" if key not in start else f"shape {list(start[key].shape)}, the model's {list(tensor.shape)}"
+            raise ModelLoadError(f"model.adapter: tensor {key} is {found}: the adapter was not trained for this base model "
+                                 "and LoRA layout. Fix: use the adapter of a run on the same model.name_or_path.")
+        tensor.copy_(start[key])
+        return True
     if ".lora_A." in name or ".lora_embedding_A." in name:
         generator = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
         nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
@@ -262,15 +302,15 @@ def lora_fingerprint(tensor: torch.Tensor, name: str) -> float:
     return float(tensor.detach().to("cpu", torch.float64).sum()) * weight
 
 
-def init_lora_weights(model: nn.Module, seed: int) -> float:
-    """Initialise every LoRA A/B tensor of a loaded PeftModel from its seed; returns the checksum of the LoRA start."""
+def init_lora_weights(model: nn.Module, seed: int, *, start: dict[str, torch.Tensor] | None = None) -> float:
+    """Initialise every LoRA A/B tensor of a loaded PeftModel from its seed (or `start`); returns the checksum."""
     checksum = 0.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_" not in name:
                 continue
             value = param.detach().to("cpu", copy=True)
-            init_lora_tensor(value, name, seed)
+            init_lora_tensor(value, name, seed, start)
             param.copy_(value.to(param.device))
             checksum += lora_fingerprint(value, name)
     return checksum

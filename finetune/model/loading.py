@@ -240,6 +240,7 @@ class Materializer:
     aliases: dict[str, list[tuple[nn.Module, str]]]  # tied parameters: every (module, attribute) sharing one tensor
     lora_checksum: float = 0.0
     trace: bool = False
+    lora_start: dict | None = None  # model.adapter's tensors: LoRA starts from them instead of the seed
     peak_alive_bytes: int = 0  # with trace: the most tensor bytes alive right after any unit was built
     trace_log: list[tuple[str, int]] = field(default_factory=list)
 
@@ -295,7 +296,7 @@ class Materializer:
         from finetune.model.base import init_lora_tensor, lora_fingerprint
 
         value = torch.empty(param.shape, dtype=param.dtype, device="cpu")
-        if not init_lora_tensor(value, name, self.lora_seed):
+        if not init_lora_tensor(value, name, self.lora_seed, self.lora_start):
             raise ModelLoadError(f"{name}: sharded loading does not know how to initialise this adapter tensor. "
                                  "Fix: set parallel.sharded_loading: false.")
         self.lora_checksum += lora_fingerprint(value, name)
@@ -303,7 +304,7 @@ class Materializer:
 
 
 def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,
-                 lora_seed: int, trace: bool = False) -> Materializer:
+                 lora_seed: int, trace: bool = False, lora_start: dict | None = None) -> Materializer:
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     aliases: dict[str, list[tuple[nn.Module, str]]] = {}
     for group in tied_groups(model).values():
@@ -317,7 +318,8 @@ def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.devi
             owners.append((model.get_submodule(module_name), attr))
             aliases[name] = []
         aliases[stored] = owners
-    return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace)
+    return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace,
+                        lora_start=lora_start)
 
 
 # ------------------------------------------------------------------------------------------------ the loader
@@ -348,7 +350,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     index = checkpoint_index(folder)
     check_checkpoint(skeleton, index)
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           lora_seed=recipe.train.seed, trace=trace)
+                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe))
     if not sharded:
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)

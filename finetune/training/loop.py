@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from finetune import distributed, outputs
-from finetune.data import IGNORE_INDEX, BatchStream, Example, eval_batches, real_token_count
+from finetune.data import BatchStream, Example, real_token_count
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
+from finetune.training import objectives, preference
 from finetune.training.loss import token_loss_sum
 
 
@@ -118,23 +119,17 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.dev
     return token_loss_sum(model, batch, device)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> float | None:
-    """Token-weighted mean loss over the held-out examples, identical for any world size."""
+def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
+             objective: objectives.Supervised | objectives.Preference | None = None) -> dict | None:
+    """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
         return None
-    info = distributed.info()
+    objective = objective or objectives.for_recipe(model, recipe)
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
-    for batch in eval_batches(
-        examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank, world_size=info.world_size, pad_id=pad_id
-    ):
-        batch_loss, batch_tokens = loss_sum(model, batch, info.device)
-        total, count = total + float(batch_loss), count + batch_tokens
-    total, count = distributed.all_reduce_sum([total, count])
+    figures = objective.evaluate(model, examples, recipe, pad_id=pad_id)
     model.train(was_training)
-    return total / max(count, 1)
+    return figures
 
 
 def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
@@ -159,6 +154,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
                          world_size=info.world_size, seed=t.seed, pad_id=pad_id)
     result = TrainResult()
+    objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
     first_step = 1
     if resume_from is not None:
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
@@ -166,6 +162,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     recipe_yaml = recipe_to_yaml(recipe)
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
+    if recipe.train.objective == "dpo":  # dpo.reference precomputed: before step 1 (or read back on resume)
+        preference.attach_reference(model, objective.reference, {"train": train_examples, "eval": eval_examples}, recipe,
+                                    pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
     metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags)
@@ -184,17 +183,20 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
             for step in range(first_step, t.max_steps + 1):
                 step_start = time.perf_counter()
                 micro_batches = [next(batches) for _ in range(t.grad_accum)]
-                local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
                 local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
-                global_tokens, global_seen = distributed.all_reduce_sum([local_tokens, local_seen])
+                *totals, global_seen = distributed.all_reduce_sum([*objective.counts(micro_batches), local_seen])
                 # The step's loss stays on the device: one host sync per step (the all-reduce), none per micro-batch.
-                step_loss = torch.zeros((), dtype=torch.float64, device=info.device)
+                step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
                 for index, batch in enumerate(micro_batches):
                     with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                        batch_loss, _ = loss_sum(model, batch, info.device)
-                        backward(model, batch_loss * info.world_size / max(global_tokens, 1))
-                    step_loss += batch_loss.detach().to(step_loss.device, torch.float64)
-                loss = distributed.all_reduce_sum([step_loss])[0] / max(global_tokens, 1)  # identical on every rank
+                        to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
+                        backward(model, to_backward)  # SFT: token-loss sum x world size / global trained tokens
+                    step_loss += batch_loss.to(step_loss.device, torch.float64)
+                    if batch_metrics is not None:
+                        step_metrics = batch_metrics if step_metrics is None else step_metrics + batch_metrics
+                summed = distributed.all_reduce_sum([step_loss] + ([] if step_metrics is None else list(step_metrics)))
+                loss = objective.step_loss(summed[0], totals)  # identical on every rank
+                extra = objective.metrics(summed[1:] if step_metrics is not None else None, totals)
                 # Clip, step, zero the gradients; never step on a NaN/inf, so every checkpoint and the adapter stay finite.
                 grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm, allowed=math.isfinite(loss))
                 if finite:
@@ -208,17 +210,20 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
                     metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
-                                  tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3))
+                                  tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3),
+                                  **extra)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
                 progress.update(1)
                 if not interactive and (step % print_every == 0 or step == first_step):
                     distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                    eval_loss = evaluate(model, eval_examples, recipe, pad_id=pad_id)
-                    if eval_loss is not None:
-                        result.eval_losses.append((step, eval_loss))
-                        metrics.write(step=step, eval_loss=round(eval_loss, 6))
-                        distributed.print0(f"[finetune] step {step}: eval loss {eval_loss:.4f}")
+                    figures = evaluate(model, eval_examples, recipe, pad_id=pad_id, objective=objective)
+                    if figures is not None:
+                        result.eval_losses.append((step, figures["eval_loss"]))
+                        metrics.write(step=step, **{k: round(v, 6) for k, v in figures.items()})
+                        accuracy = figures.get("eval_rewards/accuracies")
+                        distributed.print0(f"[finetune] step {step}: eval loss {figures['eval_loss']:.4f}"
+                                           + (f", reward accuracy {accuracy:.1%}" if accuracy is not None else ""))
 
                 stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
                 if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):

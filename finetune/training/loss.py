@@ -61,26 +61,59 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (grad_hidden * grad_output).to(grad_hidden.dtype), None, None, None, None
 
 
-def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Cross-entropy sum of one chunk, logits upcast to fp32 exactly as train.loss_sum does."""
+class _ChunkedHeadTokenLoss(torch.autograd.Function):
+    """Per-token cross-entropy of head(hidden) against targets (one value per row of hidden), same chunked scheme.
+
+    A token's loss depends on its own hidden state only (the head is frozen here), so the gradient of the chunk's sum
+    with respect to the chunk is, row by row, each token's own gradient: backward scales it by that token's grad_output.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None):
+        values, grads = [], []
+        for start in range(0, hidden.size(0), chunk):
+            piece = hidden[start : start + chunk].detach().requires_grad_(True)
+            with torch.enable_grad():
+                losses = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap, reduction="none")
+                (grad,) = torch.autograd.grad(losses.sum(), piece)
+            grads.append(grad)
+            values.append(losses.detach())
+        ctx.save_for_backward(torch.cat(grads))
+        return torch.cat(values)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_output[:, None]).to(grad_hidden.dtype), None, None, None, None
+
+
+def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None, *,
+                reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of one chunk (summed, or per token), logits upcast to fp32 exactly as train.loss_sum does."""
     logits = head_forward(hidden).float()
     if softcap is not None:  # Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits, targets, reduction="sum")
+    return F.cross_entropy(logits, targets, reduction=reduction)
 
 
 def head_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, *, trainable_head: bool,
-              softcap: float | None, chunk: int) -> torch.Tensor:
-    """Loss sum of next-token prediction from final hidden states (B, T, H) and shifted targets (B, T-1)."""
+              softcap: float | None, chunk: int, per_token: bool = False) -> torch.Tensor:
+    """Loss sum of next-token prediction from final hidden states (B, T, H) and shifted targets (B, T-1); with
+    `per_token`, the loss of every trained position instead, in row-major order of `targets != IGNORE_INDEX`."""
     keep = targets != IGNORE_INDEX
     selected, wanted = hidden[:, :-1][keep], targets[keep]
     if selected.size(0) == 0:
-        return hidden.sum() * 0.0  # still a graph through every layer: each rank's backward must reach every unit
+        zero = hidden.sum() * 0.0  # still a graph through every layer: each rank's backward must reach every unit
+        return zero.reshape(1)[:0] + zero if per_token else zero
+    reduction = "none" if per_token else "sum"
     if not torch.is_grad_enabled():
-        return sum(_chunk_loss(head_forward, selected[s : s + chunk], wanted[s : s + chunk], softcap)
-                   for s in range(0, selected.size(0), chunk))
-    if trainable_head or not selected.requires_grad:
-        return _chunk_loss(head_forward, selected, wanted, softcap)  # ordinary autograd: head parameters get grads
+        pieces = [_chunk_loss(head_forward, selected[s : s + chunk], wanted[s : s + chunk], softcap, reduction=reduction)
+                  for s in range(0, selected.size(0), chunk)]
+        return torch.cat(pieces) if per_token else sum(pieces)
+    if trainable_head or not selected.requires_grad:  # ordinary autograd: head parameters get grads
+        return _chunk_loss(head_forward, selected, wanted, softcap, reduction=reduction)
+    if per_token:
+        return _ChunkedHeadTokenLoss.apply(selected, wanted, head_forward, chunk, softcap)
     return _ChunkedHeadLoss.apply(selected, wanted, head_forward, chunk, softcap)
 
 
@@ -107,10 +140,11 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             request = head.__dict__.get(_TARGETS)
             if request is None:
                 return original(hidden_states, *args, **kwargs)
-            targets, softcap = request
+            targets, softcap, per_token = request
             targets = targets.to(hidden_states.device)  # layer split: the head lives on the last GPU
             trainable = any(p.requires_grad for p in head.parameters())
-            return head_loss(original, hidden_states, targets, trainable_head=trainable, softcap=softcap, chunk=chunk)
+            return head_loss(original, hidden_states, targets, trainable_head=trainable, softcap=softcap, chunk=chunk,
+                             per_token=per_token)
 
         head.forward = forward
         setattr(head, _PATCHED, True)
@@ -133,15 +167,40 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
         total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         return total, count
+    total = _forward_with_targets(model, found, inputs, targets, per_token=False)
+    return total.reshape(()), count
+
+
+def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict, targets: torch.Tensor, *,
+                          per_token: bool) -> torch.Tensor:
+    """The model's forward with the head asked for the loss of `targets` (what its patched forward returns)."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (targets, softcap)
+    head.__dict__[_TARGETS] = (targets, softcap, per_token)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:
-        total = model(**inputs, use_cache=False).logits
+        return model(**inputs, use_cache=False).logits
     finally:
         head.__dict__.pop(_TARGETS, None)
         if softcap is not None:
             lm.config.final_logit_softcapping = softcap
-    return total.reshape(()), count
+
+
+def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the batch: the sum of log-probabilities of its trained tokens (the response of a preference
+    sequence) and their count, from one forward, without full-vocabulary logits (as `token_loss_sum`)."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "reference_logps"}
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    targets = batch["labels"][:, 1:]
+    keep = targets != IGNORE_INDEX
+    rows = keep.nonzero()[:, 0]  # the row of every trained position, in the order the head returns their losses
+    counts = keep.sum(dim=1)
+    found = install(model)
+    if found is None:  # not a transformers causal LM: the plain way
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        token = F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
+    else:
+        token = _forward_with_targets(model, found, inputs, targets, per_token=True).reshape(-1)
+    logps = torch.zeros(targets.size(0), dtype=torch.float32, device=token.device).index_add(0, rows.to(token.device), -token)
+    return logps, counts.to(token.device)

@@ -1,0 +1,70 @@
+"""Preference pairs tokenized: a chosen and a rejected sequence sharing their prompt, cut to fit data.max_length.
+
+A pair is an `Example` (the chosen sequence) with the rejected sequence attached (`Example.rejected`). Labels mark
+the response tokens only: those are the tokens whose log-probabilities the preference loss scores.
+
+Truncation, when the longer sequence of a pair exceeds data.max_length: the prompt loses its beginning first (its end,
+next to the answer, is what the answer depends on), but never below dpo.max_prompt_length tokens (default: half of
+data.max_length); then the responses lose their ends. Both sequences lose the same prompt tokens, so they still answer
+the same prompt. Every cut is counted (`prompt_truncated`, `response_truncated`) and shown by `finetune data`.
+"""
+
+from __future__ import annotations
+
+from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.templates import tokenize_many
+from finetune.recipe import Recipe
+
+
+def prompt_limit(recipe: Recipe) -> int:
+    return recipe.dpo.max_prompt_length or recipe.data.max_length // 2
+
+
+def _prompt_length(example: Example) -> int | None:
+    return next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
+
+
+def fit_pair(chosen: Example, rejected: Example, *, max_length: int, max_prompt: int) -> tuple[Example, Example, int, int]:
+    """The pair cut to max_length: (chosen, rejected, prompt tokens cut, response tokens cut from the longer one)."""
+    prompt = min(_prompt_length(chosen), _prompt_length(rejected))
+    longest = max(len(chosen.input_ids), len(rejected.input_ids))
+    excess = longest - max_length
+    if excess <= 0:
+        return chosen, rejected, 0, 0
+    prompt_cut = min(excess, max(0, prompt - max_prompt))
+    response_cut = excess - prompt_cut
+
+    def cut(example: Example) -> Example:
+        ids, labels = example.input_ids[prompt_cut:], example.labels[prompt_cut:]
+        return Example(ids[:max_length], labels[:max_length])
+
+    return cut(chosen), cut(rejected), prompt_cut, response_cut
+
+
+def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: Recipe, counts: dict,
+                  reasons: list[str]) -> list[Example]:
+    """Tokenize rendered pairs ((chosen segments, rejected segments) per row) and fit each to data.max_length.
+
+    Counts cuts in `counts` (truncated pairs, prompt_truncated, response_truncated); a pair left with no response token
+    adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows).
+    """
+    sequences = tokenize_many([segments for pair in rendered for segments in pair], tokenizer)
+    limit, max_prompt = recipe.data.max_length, prompt_limit(recipe)
+    examples = []
+    for index, place in enumerate(places):
+        chosen, rejected = sequences[2 * index], sequences[2 * index + 1]
+        empty = [name for name, seq in (("chosen", chosen), ("rejected", rejected)) if _prompt_length(seq) is None]
+        if empty:
+            reasons.append(f"{place}: `{empty[0]}` has no token to score (the answer is empty after rendering).")
+            continue
+        if recipe.data.overlong == "drop" and max(len(chosen.input_ids), len(rejected.input_ids)) > limit:
+            counts["dropped"] += 1
+            continue
+        chosen, rejected, prompt_cut, response_cut = fit_pair(chosen, rejected, max_length=limit, max_prompt=max_prompt)
+        if prompt_cut or response_cut:
+            counts["truncated"] += 1
+            counts["prompt_truncated"] += int(prompt_cut > 0)
+            counts["response_truncated"] += int(response_cut > 0)
+        chosen.rejected = rejected
+        examples.append(chosen)
+    return examples

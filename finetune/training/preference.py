@@ -1,0 +1,251 @@
+"""Preference tuning on the SFT engine: DPO, IPO and hinge against a reference; ORPO and SimPO without one.
+
+A micro-batch of B pairs is one batch of 2B sequences (B chosen, then B rejected: data/loader.py), scored in one
+forward by `sequence_logps` (the sum of the response tokens' log-probabilities per sequence, computed inside the
+forward from the trained positions only: no full-vocabulary logits, as the SFT loss). The reference needs no second
+model (dpo.reference):
+  * adapter_off: one no-grad forward with the trained adapter's changes taken away. Started from a fresh adapter
+    (B = 0) that is the base: PEFT's adapter switch is flipped on every LoRA layer (a flag, no parameter touched, so
+    FSDP1's flat parameters and ZeRO-3's partitions are left alone, where PEFT's `disable_adapter()` changes
+    requires_grad). Started from model.adapter (SFT -> DPO), the reference is base + that adapter, never the bare
+    base: the adapter's starting values (a copy of this rank's LoRA shard, kept before training and before a resume
+    loads newer ones) are swapped into the trained parameters for the reference pass and swapped back.
+  * precomputed: the reference log-probs of every train and eval pair, computed once before step 1 with the starting
+    weights (= the reference) and written to the run folder (reference_logps.json), which a resume reads back: each
+    step then runs the policy only.
+
+The loss of a step is the mean over the pairs of the global batch (ORPO adds the chosen responses' NLL, a mean over
+their tokens), so the gradient is the same for any world size and micro-batch split, as the SFT token mean is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from finetune import distributed
+from finetune.data import Example, eval_batches
+from finetune.errors import CheckpointError
+from finetune.recipe import PreferenceSection, Recipe
+from finetune.training.loss import sequence_logps
+
+WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+REFERENCE_FILE = "reference_logps.json"
+
+
+# ----------------------------------------------------------------------------------------------------- the losses
+def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor] | None,
+                config: PreferenceSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: (loss, chosen reward, rejected reward) from the (chosen, rejected) scores of policy and reference.
+
+    Scores are sequence log-probabilities, already length-normalized where the loss asks for it. Formulas and reward
+    definitions as TRL (DPOTrainer for sigmoid / ipo / hinge, ORPOTrainer for orpo, CPOTrainer's simpo).
+    """
+    chosen, rejected = policy
+    beta, smoothing = config.beta, config.label_smoothing
+    if config.loss in WITH_REFERENCE:
+        ref_chosen, ref_rejected = reference
+        logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+        if config.loss == "sigmoid":
+            losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
+        elif config.loss == "ipo":
+            losses = (logits - 1 / (2 * beta)) ** 2
+        else:
+            losses = torch.relu(1 - beta * logits)
+        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+    if config.loss == "simpo":
+        logits = (chosen - rejected) - config.simpo_gamma / beta
+        losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
+    else:  # orpo: the odds-ratio term (weight beta = ORPO's lambda); the NLL term is added by the caller
+        top = torch.tensor(-1e-7, dtype=chosen.dtype, device=chosen.device)  # log1p(-exp(0)) is -inf
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(torch.minimum(chosen, top)))
+                                          - torch.log1p(-torch.exp(torch.minimum(rejected, top))))
+        losses = -beta * F.logsigmoid(log_odds)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = values.size(0) // 2
+    return values[:half], values[half:]
+
+
+def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: PreferenceSection, reference: Reference,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of pair losses, sum of chosen-token NLL, per-metric sums, [pairs, chosen tokens]) of one micro-batch.
+
+    Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing.
+    """
+    logps, counts = sequence_logps(model, batch, device)
+    valid = (counts[: counts.size(0) // 2] > 0) & (counts[counts.size(0) // 2 :] > 0)
+    ref_logps = reference.logps(model, batch, device) if config.loss in WITH_REFERENCE else None
+    scale = counts.clamp(min=1).to(logps.dtype) if config.normalized() else torch.ones_like(logps)
+    policy = _split(logps / scale)
+    ref = _split(ref_logps.to(logps.device, logps.dtype) / scale) if ref_logps is not None else None
+    losses, chosen_rewards, rejected_rewards = pair_losses(policy, ref, config)
+    weight = valid.to(losses.dtype)
+    chosen_logps, rejected_logps = (part.detach() for part in _split(logps))
+    metrics = torch.stack([(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
+                           ((chosen_rewards - rejected_rewards) * weight).sum(),
+                           ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),
+                           (chosen_logps * weight).sum(), (rejected_logps * weight).sum()]).double()
+    nll = -(_split(logps)[0] * weight).sum()
+    chosen_tokens = (counts[: counts.size(0) // 2] * valid).sum()
+    return (losses * weight).sum(), nll, metrics, torch.stack([weight.sum().double(), chosen_tokens.double()])
+
+
+def combine(loss_sum: torch.Tensor, nll_sum: torch.Tensor, totals: list[float], config: PreferenceSection) -> torch.Tensor:
+    """This micro-batch's share of the step loss: pair losses over the global pairs (+ ORPO's NLL over the global
+    chosen tokens)."""
+    share = loss_sum / max(totals[0], 1)
+    if config.loss == "orpo":
+        share = share + nll_sum / max(totals[1], 1)
+    return share
+
+
+def metric_means(sums: list[float], pairs: float, prefix: str = "") -> dict[str, float]:
+    return {f"{prefix}{name}": round(value / max(pairs, 1), 6) for name, value in zip(METRICS, sums)}
+
+
+# --------------------------------------------------------------------------------------------------- reference
+class Reference:
+    """Where the reference log-probs come from (module docstring): adapter off, the starting adapter swapped in, or
+    the values precomputed into the examples (the batch's `reference_logps`)."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe):
+        self.mode = recipe.dpo.reference
+        # The starting LoRA values, when they are not zero (an SFT adapter): this rank's own storage of each.
+        self.start = [_local(p).detach().clone() for p in _trained(model)] if recipe.model.adapter else None
+
+    def logps(self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        if self.mode == "precomputed":
+            raise RuntimeError("dpo.reference is precomputed but the batch carries no reference_logps")
+        with torch.no_grad(), self.active(model):
+            return sequence_logps(model, batch, device)[0]
+
+    @contextlib.contextmanager
+    def active(self, model: nn.Module) -> Iterator[None]:
+        """The model as the reference, for the duration of the block (no-grad use only)."""
+        if self.start is None:
+            with adapters_off(model):
+                yield
+            return
+        trained = [_local(p) for p in _trained(model)]
+        current = [t.detach().clone() for t in trained]
+        with torch.no_grad():
+            for tensor, start in zip(trained, self.start):
+                tensor.copy_(start)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, value in zip(trained, current):
+                    tensor.copy_(value)
+
+
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for a parameter: a ZeRO-3 partition, an FSDP2 DTensor's shard, else the data
+    (DDP's replica, an FSDP1 flat parameter's shard between forwards)."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor.data
+    if hasattr(param, "to_local"):
+        return param.to_local()
+    return param.data
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Every LoRA layer computes its base layer only (PEFT's own switch, flipped without touching requires_grad)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, before):
+            layer._disable_adapters = value
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Dropout off everywhere (dpo.disable_dropout, as TRL): the policy then scores as the reference does at step 1."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            module.p, count = 0.0, count + 1
+    return count
+
+
+# ------------------------------------------------------------------------------------------ precomputed reference
+def precompute(model: nn.Module, reference: Reference, examples: list[Example], *, micro_batch_size: int,
+               pad_id: int) -> list[tuple[float, float]]:
+    """The reference (chosen, rejected) log-probs of every pair: each rank scores its share, all ranks get all."""
+    info = distributed.info()
+    values = [0.0] * (2 * len(examples))
+    was_training = model.training
+    model.eval()
+    position = info.rank
+    with torch.no_grad(), reference.active(model):
+        for batch in eval_batches(examples, micro_batch_size=micro_batch_size, rank=info.rank,
+                                  world_size=info.world_size, pad_id=pad_id):
+            logps = sequence_logps(model, batch, info.device)[0].double().cpu().tolist()
+            for chosen, rejected in zip(*_split(torch.tensor(logps))):
+                if position < len(examples):
+                    values[2 * position], values[2 * position + 1] = float(chosen), float(rejected)
+                position += info.world_size
+    model.train(was_training)
+    summed = distributed.all_reduce_sum(values) if values else []
+    return [(summed[2 * i], summed[2 * i + 1]) for i in range(len(examples))]
+
+
+def attach_reference(model: nn.Module, reference: Reference, splits: dict[str, list[Example]], recipe: Recipe, *,
+                     pad_id: int, out_dir: Path, resume_from: Path | None) -> None:
+    """dpo.reference precomputed: fill every example's reference_logps, computed now (fresh run: the weights are the
+    starting ones) or read from the run folder a resume continues (its weights are no longer the reference)."""
+    if recipe.dpo.reference != "precomputed" or recipe.dpo.loss not in WITH_REFERENCE:
+        return
+    fingerprint = {name: [len(examples), sum(len(e.input_ids) + len(e.rejected.input_ids) for e in examples)]
+                   for name, examples in splits.items()}
+    if resume_from is not None:
+        stored = _read_stored(resume_from, fingerprint)
+    else:
+        stored = {name: precompute(model, reference, examples, micro_batch_size=recipe.train.micro_batch_size,
+                                   pad_id=pad_id) for name, examples in splits.items()}
+        if distributed.is_main():
+            from finetune.files import _write_text_atomic
+
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _write_text_atomic(out_dir / REFERENCE_FILE, json.dumps({"fingerprint": fingerprint, **stored}))
+    for name, examples in splits.items():
+        for example, (chosen, rejected) in zip(examples, stored[name]):
+            example.reference_logps = (float(chosen), float(rejected))
+    distributed.print0(f"[finetune] reference log-probs: {sum(len(v) for v in splits.values())} pairs "
+                       f"({'read from the run folder' if resume_from is not None else 'precomputed'})")
+
+
+def _read_stored(resume_from: Path, fingerprint: dict) -> dict:
+    for folder in (resume_from, *resume_from.parents[:3]):
+        path = folder / REFERENCE_FILE
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if stored.get("fingerprint") != fingerprint:
+                break
+            return stored
+    raise CheckpointError(
+        f"resume from {resume_from}: dpo.reference is precomputed, but no {REFERENCE_FILE} for these pairs is in its run "
+        "folder (the data changed, or the run was started with adapter_off). The reference cannot be recomputed from "
+        "trained weights. Fix: resume with the data and dpo settings of the saving run, or start a new run.")
