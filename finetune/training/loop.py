@@ -119,8 +119,14 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.dev
     return token_loss_sum(model, batch, device)
 
 
-def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
-             objective: objectives.Supervised | objectives.Preference | None = None) -> dict | None:
+def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> float | None:
+    """Mean held-out loss of the recipe's objective (SFT: token-weighted), identical for any world size."""
+    figures = evaluate_figures(model, examples, recipe, pad_id=pad_id)
+    return figures["eval_loss"] if figures is not None else None
+
+
+def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
+                     objective: objectives.Supervised | objectives.Preference | None = None) -> dict | None:
     """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
         return None
@@ -217,7 +223,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 if not interactive and (step % print_every == 0 or step == first_step):
                     distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                    figures = evaluate(model, eval_examples, recipe, pad_id=pad_id, objective=objective)
+                    figures = evaluate_figures(model, eval_examples, recipe, pad_id=pad_id, objective=objective)
                     if figures is not None:
                         result.eval_losses.append((step, figures["eval_loss"]))
                         metrics.write(step=step, **{k: round(v, 6) for k, v in figures.items()})
