@@ -91,6 +91,9 @@ def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
             row = {column("messages"): [{column("role"): role, column("content"): text} for role, text in turns]}
         elif spec.format == "completion":
             row = {column("prompt"): question, column("completion"): answer}
+        elif spec.format == "preference":  # the hub sets the library uses: whole conversations, shared opening turns
+            turns = lambda reply: [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+            row = {column("chosen"): turns(answer), column("rejected"): turns(str(a + b + rng.randint(1, 9)))}
         else:
             row = {column("text"): f"{question} {answer}"}
         rows.append(row)
@@ -127,6 +130,9 @@ def test_library_recipe_trains_two_steps(path: Path, tmp_path):
     for index, spec in enumerate(recipe.data.datasets):
         data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec))
         overrides.append(f"data.datasets.{index}.path={data_file}")
+    for index, spec in enumerate(recipe.data.eval_datasets):
+        eval_file = write_jsonl(tmp_path / f"eval{index}.jsonl", rows_for(spec, count=8))
+        overrides.append(f"data.eval_datasets.{index}.path={eval_file}")
     config = named_config(path)
     result = accelerate_launch(config, path, *overrides)
     _ok(result)
