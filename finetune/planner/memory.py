@@ -174,9 +174,11 @@ class Estimate:
 
 
 def _batch_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: bool) -> dict[str, int]:
-    """Activations and logits/loss buffers for one micro-batch at data.max_length."""
+    """Activations and logits/loss buffers for one micro-batch at data.max_length (DPO: a pair is two sequences, the
+    chosen and the rejected, in one forward; the reference pass runs without grad, one layer's activations at a time,
+    which is below the backward's recomputation and adds nothing to the peak)."""
     seq = recipe.data.max_length
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq * (2 if recipe.train.objective == "dpo" else 1)
     per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq)
     if checkpointing:
         # Each layer keeps its input; backward recomputes one layer at a time (its activations + their grads).
@@ -272,6 +274,8 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     }
     if key.startswith("zero"):
         parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
+    if _swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
+        parts["dpo_reference_copy"] = 2 * held["trainable_bytes"] // devices
     if fsdp:
         # Full shard: the root unit (embeddings, head) stays gathered; two layer units in flight (current + prefetch).
         # Shard-grad-op keeps every gathered unit until backward ends: the whole model, unsharded.
@@ -286,6 +290,8 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, load_peak)
     result.fits = result.margin_bytes >= 0
+    if recipe.train.objective == "dpo":
+        result.notes.append(_preference_note(recipe))
     if load_peak > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
                else "each rank quantizes a full copy of the base on its GPU")
@@ -294,6 +300,21 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
     return result
+
+
+def _swaps_reference(recipe) -> bool:
+    return (recipe.train.objective == "dpo" and bool(recipe.model.adapter) and recipe.dpo.reference == "adapter_off"
+            and recipe.dpo.loss in ("sigmoid", "ipo", "hinge"))
+
+
+def _preference_note(recipe) -> str:
+    dpo = recipe.dpo
+    if dpo.loss not in ("sigmoid", "ipo", "hinge"):
+        return f"dpo ({dpo.loss}): 2 sequences per pair in one forward, no reference pass"
+    if dpo.reference == "precomputed":
+        return "dpo: 2 sequences per pair; reference log-probs precomputed before step 1 (16 bytes per pair of CPU RAM)"
+    start = " (base + model.adapter: its values swapped in)" if recipe.model.adapter else ""
+    return f"dpo: 2 sequences per pair; one no-grad reference forward per micro-batch{start}"
 
 
 def _load_peak(facts: ModelFacts, key: str, devices: int, world: int, *, sharded: bool) -> int:

@@ -251,3 +251,23 @@ def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, tiny_llama, con
         predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
         assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
             (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)
+
+
+def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy():
+    """A DPO micro-batch of B pairs is 2B sequences in one forward: the activations of SFT at 2B rows; starting from
+    an adapter with the reference adapter_off, the starting LoRA values are kept (and the trained ones while swapped)."""
+    sft = _recipe(data={"max_length": 1024}, train={"micro_batch_size": 2})
+    doubled = _recipe(data={"max_length": 1024}, train={"micro_batch_size": 4})
+    raw = sft.model_dump(mode="json")
+    raw["train"]["objective"] = "dpo"
+    raw["data"]["datasets"][0]["format"] = "preference"
+    dpo = validate_recipe(raw)
+    facts = facts_from_config(_config(LLAMA31_8B), sft)
+    part = lambda recipe, name: estimate(facts, recipe, "single", Hardware(1, 24 * GiB)).parts.get(name, 0)
+    assert part(dpo, "activations") == part(doubled, "activations") > part(sft, "activations")
+    assert part(dpo, "dpo_reference_copy") == 0  # a fresh adapter: the reference is the adapter switched off
+    with_start = dpo.model_copy(update={"model": dpo.model.model_copy(update={"adapter": "runs/sft/adapter"})})
+    held = held_parameter_bytes(facts, strategy="single", world_size=1)["trainable_bytes"]
+    assert part(with_start, "dpo_reference_copy") == 2 * held
+    note = estimate(facts, with_start, "single", Hardware(1, 24 * GiB)).notes
+    assert any("model.adapter" in line for line in note)
