@@ -34,6 +34,13 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
     """The whole preview as text: examples first, statistics last (where a terminal leaves them in view)."""
     parts = []
     for number, example in enumerate(prepared.examples[: max(rows, 0)], start=1):
+        if example.rejected is not None:  # a preference pair: both sequences, the scored responses marked
+            parts.append(f"--- pair {number}: chosen ({len(example.input_ids)} tokens, {example.num_trained} scored) ---")
+            parts.append(mark_trained(example, tokenizer, color=color))
+            rejected = example.rejected
+            parts.append(f"--- pair {number}: rejected ({len(rejected.input_ids)} tokens, {rejected.num_trained} scored) ---")
+            parts.append(mark_trained(rejected, tokenizer, color=color))
+            continue
         parts.append(f"--- example {number} ({len(example.input_ids)} tokens, {example.num_trained} trained) ---")
         parts.append(mark_trained(example, tokenizer, color=color))
     for number, example in enumerate(prepared.eval_files[: max(min(rows, 2), 0)], start=1):
@@ -77,6 +84,12 @@ def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
                      f"{item['examples']} examples ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
+    if recipe.train.objective == "dpo":
+        from finetune.data.pairs import prompt_limit
+
+        lines.append(f"pairs truncated: {stats.prompt_truncated} lost the beginning of their prompt (kept: its last "
+                     f">= {prompt_limit(recipe)} tokens, dpo.max_prompt_length), {stats.response_truncated} lost the end of "
+                     "their responses; only response tokens are scored (marked above)")
     trained_share = stats.trained_tokens / max(stats.total_tokens, 1)
     lines.append(f"tokens per example: min {stats.tokens_min} / median {stats.tokens_median:g} / max {stats.tokens_max}; "
                  f"{stats.total_tokens} tokens, {stats.trained_tokens} trained ({trained_share:.1%})")

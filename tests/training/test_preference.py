@@ -196,6 +196,12 @@ def test_truncation_keeps_the_end_of_the_prompt_and_is_counted(tiny_llama, tmp_p
     assert "What is 2 plus 2?" in text and "word0 " not in text
     prompt_tokens = next(i for i, label in enumerate(cut.labels) if label != -100)
     assert prompt_tokens == 32  # cut down to dpo.max_prompt_length's default, half of data.max_length
+    from finetune.cli.preview import render_preview
+
+    recipe = validate_recipe(dpo_recipe(tiny_llama, tmp_path / "rows.jsonl", tmp_path / "out", data={"max_length": 64}))
+    preview = render_preview(prepared, tokenizer, recipe, rows=2)  # what `finetune data` prints
+    assert "--- pair 2: rejected" in preview and "[[B" in preview
+    assert "pairs truncated: 1 lost the beginning of their prompt" in preview and "1 lost the end of their responses" in preview
 
 
 @pytest.mark.parametrize("row,needle", [
