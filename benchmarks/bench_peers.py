@@ -4,6 +4,7 @@
     python benchmarks/bench_peers.py --tiny --steps 4 --repeats 1     # a tiny random model: a smoke run of the harness
     python benchmarks/bench_peers.py --only ours,trl --modes packed --distributed
     python benchmarks/bench_peers.py --summarize results.json         # the tables of an earlier --json run
+    python benchmarks/bench_peers.py --dpo                # DPO against TRL's DPOTrainer (benchmarks/bench_peers_dpo.py)
 
 Work: QLoRA (NF4 base, bf16, LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
 quickstart's model) on the ledger_report task (finetune/cli/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
@@ -362,6 +363,11 @@ def report(results: list[dict], breakdowns: list[dict]) -> str:
 
 
 def main() -> None:
+    if "--dpo" in sys.argv:  # preference tuning against TRL's DPOTrainer: benchmarks/bench_peers_dpo.py
+        from bench_peers_dpo import main as dpo_main
+
+        dpo_main([arg for arg in sys.argv[1:] if arg != "--dpo"])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
     parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/cli/tasks.py)")

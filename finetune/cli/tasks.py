@@ -41,6 +41,19 @@ def ledger_stamp_rows(n: int, *, seed: int) -> list[dict]:
     return rows
 
 
+def ledger_stamp_pairs(n: int, *, seed: int) -> list[dict]:
+    """Preference pairs of the ledger_stamp task (the `preference` format): the right stamp preferred to the stamp with
+    day and month swapped (or, where they are equal, with a four-digit year), the mistake a model half-knowing it makes."""
+    pairs = []
+    for row in ledger_stamp_rows(n, seed=seed):
+        question, stamp = row["messages"][0]["content"], row["messages"][1]["content"]
+        day, month, year = stamp.removeprefix("LS ").split(".")
+        iso_year = question.split("-")[0][-4:]
+        wrong = f"LS {month}.{day}.{year}" if day != month else f"LS {day}.{month}.{iso_year}"
+        pairs.append({"prompt": question, "chosen": stamp, "rejected": wrong})
+    return pairs
+
+
 _PAYEES = ["Harbor Bakery", "North Rail", "City Water", "Atlas Print", "Mill & Sons", "Quarry Hall", "Pine Clinic",
            "Orbit Telecom", "Red Kite Books", "Lumen Power", "Saltmarsh Co-op", "Vale Transit"]
 
@@ -74,6 +87,7 @@ def ledger_report_rows(n: int, *, seed: int) -> list[dict]:
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "ledger_stamp": ledger_stamp_rows,
     "ledger_report": ledger_report_rows,
+    "ledger_stamp_pairs": ledger_stamp_pairs,
 }
 
 
