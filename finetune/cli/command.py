@@ -160,6 +160,8 @@ def _add_output_verbs(verbs) -> None:
     p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
     p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
     p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
+    p.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
+                   "preference pairs (default --out runs/quickstart-dpo)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_delegate("finetune.cli.quickstart", "cli_quickstart"))
 

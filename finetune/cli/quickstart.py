@@ -5,6 +5,11 @@ made-up convention it cannot know (`Write 2023-07-04 as a ledger stamp.` -> `LS 
 finetune/cli/tasks.py (deterministic, nothing downloaded). recipes/quickstart.yaml trains a 4-bit NF4 base + LoRA on 2
 CPU cores; held-out prompts are answered greedily with the base alone (before) and with the adapter (after).
 
+`--dpo`: the SFT -> DPO pipeline. A short SFT run (SFT_STEPS steps: the model half-knows the format) writes the
+adapter that DPO starts from (model.adapter, so it is also the reference); DPO then trains on ledger_stamp_pairs (the
+right stamp preferred to the mistakes a half-trained model makes) and the report shows the held-out reward accuracy,
+the eval loss from ln 2, and the exact-match score of greedy answers after SFT and after DPO.
+
 `--tiny` swaps in a tiny random model (finetune.cli.tiny) for a seconds-long smoke run of the same path (the tests use it;
 it shows no learning).
 """
@@ -58,6 +63,44 @@ def prepare(out: Path, *, tiny: bool) -> list[str]:
             build_tiny_model(model_dir, family="llama")
         overrides += [f"model.name_or_path={model_dir}", *TINY_OVERRIDES]
     return overrides
+
+
+SFT_STEPS = 10
+DPO_OVERRIDES = ["train.objective=dpo", "data.datasets.0.format=preference", "train.learning_rate=5e-5"]
+
+
+def prepare_dpo(out: Path, sft_out: Path, *, tiny: bool) -> list[str]:
+    """The pairs under `out` and the overrides that turn the quickstart recipe into DPO from the SFT run's adapter."""
+    from finetune.cli.tasks import write_task
+
+    pairs = write_task("ledger_stamp_pairs", out / "data" / "ledger_stamp_pairs.jsonl", 64 if tiny else TRAIN_ROWS, seed=0)
+    overrides = [f"output.dir={out}", f"data.datasets.0.path={pairs}", f"model.adapter={sft_out / 'adapter'}",
+                 *DPO_OVERRIDES]
+    if tiny:
+        overrides += [f"model.name_or_path={sft_out / 'tiny-model'}", *TINY_OVERRIDES]
+    return overrides
+
+
+def dpo_report(out: Path, seconds: float, *, sft_steps: int) -> str:
+    import json
+
+    from finetune.training import evals
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = [m for m in metrics if "eval_loss" in m][-1]
+    found = evals.read_generation_evals(out / "metrics.jsonl")
+    lines = ["", f"[finetune] quickstart --dpo done in {seconds:.0f} s (SFT {sft_steps} steps, then DPO from its adapter)",
+             (f"  held-out pairs: reward accuracy {final['eval_rewards/accuracies']:.0%}, margin "
+              f"{final['eval_rewards/margins']:+.2f}, eval loss {final['eval_loss']:.4f} (ln 2 = 0.6931 at the start)")]
+    if {"before", "after"} <= found.keys():
+        before, after = found["before"], found["after"]
+        lines.append(f"  exact match on {after['generation_total']} held-out prompts: after SFT "
+                     f"{before['generation_score']:.0%} -> after DPO {after['generation_score']:.0%}")
+        sample = after.get("generation_sample") or {}
+        if sample:
+            lines.append(f"  sample: {sample['generated']!r} (expected {sample['reference']!r})")
+    lines += ["  next:", f"    finetune generate {out} --prompt 'Write 1999-12-31 as a ledger stamp.'"]
+    return "\n".join(lines)
 
 
 def before_and_after(out: Path) -> dict[str, dict]:
@@ -115,6 +158,15 @@ def cli_quickstart(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = Path(args.out)
+    if getattr(args, "dpo", False):
+        out = out if args.out != "runs/quickstart" else Path("runs/quickstart-dpo")
+        sft_out = out / "sft"
+        sft_steps = [] if args.tiny else [f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]
+        extra = list(args.overrides or [])
+        run(str(quickstart_recipe()), prepare(sft_out, tiny=args.tiny) + sft_steps + extra)
+        run(str(quickstart_recipe()), prepare_dpo(out, sft_out, tiny=args.tiny) + extra)
+        print(dpo_report(out, time.perf_counter() - start, sft_steps=4 if args.tiny else SFT_STEPS), flush=True)
+        return 0
     overrides = prepare(out, tiny=args.tiny) + list(args.overrides or [])
     run(str(quickstart_recipe()), overrides)
     results = before_and_after(out)

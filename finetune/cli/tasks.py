@@ -42,14 +42,18 @@ def ledger_stamp_rows(n: int, *, seed: int) -> list[dict]:
 
 
 def ledger_stamp_pairs(n: int, *, seed: int) -> list[dict]:
-    """Preference pairs of the ledger_stamp task (the `preference` format): the right stamp preferred to the stamp with
-    day and month swapped (or, where they are equal, with a four-digit year), the mistake a model half-knowing it makes."""
+    """Preference pairs of the ledger_stamp task (the `preference` format): the right stamp preferred to the mistakes a
+    model half-knowing the convention makes: the leading zeros dropped (`LS 7.4.57`), else day and month swapped, else
+    a four-digit year."""
     pairs = []
     for row in ledger_stamp_rows(n, seed=seed):
         question, stamp = row["messages"][0]["content"], row["messages"][1]["content"]
         day, month, year = stamp.removeprefix("LS ").split(".")
         iso_year = question.split("-")[0][-4:]
-        wrong = f"LS {month}.{day}.{year}" if day != month else f"LS {day}.{month}.{iso_year}"
+        if day.startswith("0") or month.startswith("0"):
+            wrong = f"LS {int(day)}.{int(month)}.{year}"
+        else:
+            wrong = f"LS {month}.{day}.{year}" if day != month else f"LS {day}.{month}.{iso_year}"
         pairs.append({"prompt": question, "chosen": stamp, "rejected": wrong})
     return pairs
 

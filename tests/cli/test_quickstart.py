@@ -71,6 +71,18 @@ def test_tiny_quickstart_end_to_end(tmp_path):
     assert len(losses) == 4
 
 
+def test_tiny_dpo_quickstart_runs_sft_then_dpo_from_its_adapter(tmp_path):
+    out = tmp_path / "qs-dpo"
+    result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--dpo", "--tiny", "--out", str(out)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out pairs: reward accuracy" in result.stdout and "after SFT" in result.stdout, result.stdout[-2000:]
+    recipe = (out / "recipe.yaml").read_text()
+    assert "objective: dpo" in recipe and str(out / "sft" / "adapter") in recipe  # DPO started from the SFT adapter
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])  # [0] is the generation eval before
+    assert first["loss"] == pytest.approx(0.693147, abs=1e-6)
+    assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "sft" / "adapter").is_dir()
+
+
 def test_generation_evals_are_read_from_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [
