@@ -282,9 +282,10 @@ def test_step_one_is_ln2_and_the_precomputed_reference_matches_adapter_off(start
         assert fresh.returncode == 0
 
 
-# The shipped configs (bf16 as shipped) from the SFT adapter, adapter_off: the reference pass swaps the starting LoRA
+# The shipped configs (bf16 as shipped; multi_node.yaml is the multi-machine template of fsdp2, trained for SFT by
+# tests/parallel/test_shipped.py) from the SFT adapter, adapter_off: the reference pass swaps the starting LoRA
 # values into DDP replicas, FSDP2 DTensor shards, FSDP1 flat parameters and ZeRO-3 partitions, then swaps back.
-SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero3")
+SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero2", "deepspeed_zero3")
 BF16_TOLERANCE = 3e-3  # as tests/parallel/test_distributed.py BF16_LOSS_TOLERANCE; measured here: DDP/FSDP within 1.2e-4
 # ZeRO-3's partitioned LoRA goes through PEFT's bf16 forward (model/lora_fused.py falls back), the fused path elsewhere:
 # measured 4.1e-3 at most over these 6 steps. A swap that wrote nothing (reference = policy) would keep every loss at ln 2.
