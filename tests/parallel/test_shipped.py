@@ -92,8 +92,9 @@ def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
         elif spec.format == "completion":
             row = {column("prompt"): question, column("completion"): answer}
         elif spec.format == "preference":  # the hub sets the library uses: whole conversations, shared opening turns
-            turns = lambda reply: [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-            row = {column("chosen"): turns(answer), column("rejected"): turns(str(a + b + rng.randint(1, 9)))}
+            wrong = str(a + b + rng.randint(1, 9))
+            row = {column(side): [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+                   for side, reply in (("chosen", answer), ("rejected", wrong))}
         else:
             row = {column("text"): f"{question} {answer}"}
         rows.append(row)
