@@ -86,9 +86,18 @@ def _unfinished_run(ws: Workspace) -> tuple[list[str], str]:
     return [str(ws.recipe())], "holds checkpoints of a run that did not finish"
 
 
+_HELD_LOCKS: list = []  # descriptors holding a "running run's" OS lock for the rest of the session
+
+
 def _busy_run(ws: Workspace) -> tuple[list[str], str]:
+    import fcntl
+
     (ws.root / "out").mkdir()
-    (ws.root / "out" / outputs.LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    lock = ws.root / "out" / outputs.LOCK_FILE
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    handle = open(lock)  # noqa: SIM115 - held open: the lock lives as long as the descriptor
+    fcntl.flock(handle, fcntl.LOCK_EX)  # what a live run holds
+    _HELD_LOCKS.append(handle)
     return [str(ws.recipe())], f"is in use by a running run (pid {os.getpid()}"
 
 

@@ -28,6 +28,25 @@ LOCK_FILE = ".finetune.lock"
 
 
 # ------------------------------------------------------------------------------------------- output folder
+# The lock is an OS lock (flock) on output.dir/.finetune.lock, held by rank 0 for the whole run through an open file
+# descriptor: the kernel drops it the moment the process dies, however it dies (SIGKILL, OOM, a node lost), before the
+# process is reaped, so a resume started at once is never refused by a dead run, and a pid recycled by another process
+# or a lock file written on another host (a preempted job restarted elsewhere) blocks nothing. Two live runs on one
+# folder still exclude each other. The file's JSON (pid, host, start time) only words the refusal. Shared filesystems:
+# NFS (v3 with lockd, v4) maps flock to byte-range locks the server holds across hosts, released when the holder dies
+# (NFSv4: when its lease expires, ~90 s); Lustre honours it when mounted with -o flock and refuses it otherwise, and
+# then (as on any filesystem without flock) the pid check below is used instead (docs/checkpoints.md).
+_HELD: dict[Path, int] = {}  # output.dir -> the descriptor holding its lock, for this process
+
+
+def _read_owner(path: Path) -> dict:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -38,15 +57,40 @@ def _pid_alive(pid: int) -> bool:
     return pid > 0
 
 
+def _try_lock(fd: int) -> bool | None:
+    """flock(fd) without waiting: True taken, False held by a live process, None when the filesystem has no flock."""
+    import errno
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return None
+        raise
+    return True
+
+
 def _lock_owner(out_dir: Path) -> dict | None:
     """The live run holding `out_dir` (pid, host), or None when free or the holder is gone."""
-    try:
-        owner = json.loads((out_dir / LOCK_FILE).read_text())
-    except (OSError, json.JSONDecodeError, ValueError):
+    lock = out_dir / LOCK_FILE
+    if out_dir in _HELD or not lock.exists():
         return None
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return owner if isinstance(owner, dict) and owner.get("host") else None  # another host: assume alive
-    return owner if _pid_alive(int(owner.get("pid", -1))) else None
+    try:
+        fd = os.open(lock, os.O_RDWR)  # NFS maps flock to a write lock: it needs a writable descriptor
+    except OSError:
+        return None
+    try:
+        taken = _try_lock(fd)
+    finally:
+        os.close(fd)  # closing drops a probe lock at once
+    owner = _read_owner(lock)
+    if taken is None:  # no flock here: the pid check of the file (same host only; another host's run is not seen)
+        same_host = owner.get("host") == socket.gethostname()
+        return owner if same_host and _pid_alive(int(owner.get("pid", -1))) else None
+    return None if taken else (owner or {"pid": "?", "host": "?"})
 
 
 def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) -> str | None:
@@ -57,8 +101,9 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
     owner = _lock_owner(out_dir)
     if owner:
         return (
-            f"output.dir {out_dir} is in use by a running run (pid {owner.get('pid')} on {owner.get('host')}). Wait for it, "
-            f"stop it, or choose another output.dir. (If no such run exists, delete {out_dir / LOCK_FILE}.)"
+            f"output.dir {out_dir} is in use by a running run (pid {owner.get('pid')} on {owner.get('host')}, which holds "
+            f"the OS lock on {out_dir / LOCK_FILE}). Wait for it, stop it, or choose another output.dir. (The lock goes "
+            "with its process: a killed run never blocks its resume.)"
         )
     if overwrite or resume is not None:
         return None
@@ -76,26 +121,40 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
 
 
 def take_output_dir(out_dir: Path) -> bool:
-    """Create the lock file exclusively (a second run racing for the folder loses). True if we created `out_dir`."""
+    """Take the folder's OS lock (a second live run loses); True if we created `out_dir`. Held until release."""
     created = not out_dir.exists()
+    lock = out_dir / LOCK_FILE
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        lock = out_dir / LOCK_FILE
-        if lock.exists() and _lock_owner(out_dir) is None:
-            lock.unlink()  # left by a killed run
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        raise CheckpointError(f"output.dir {out_dir} was just taken by another run; choose another output.dir.") from None
+        while True:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+            taken = _try_lock(fd)
+            if taken is False:
+                os.close(fd)
+                owner = _read_owner(lock)
+                raise CheckpointError(f"output.dir {out_dir} was just taken by another run (pid {owner.get('pid', '?')} "
+                                      f"on {owner.get('host', '?')}); choose another output.dir.")
+            if taken is None and _lock_owner(out_dir) is not None:
+                os.close(fd)
+                raise CheckpointError(f"output.dir {out_dir} was just taken by another run; choose another output.dir.")
+            with contextlib.suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:  # not unlinked by a run releasing it meanwhile
+                    break
+            os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"output.dir {out_dir}: cannot write there ({exc.strerror}). Fix: choose a writable folder.") from None
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
+    _HELD[out_dir] = fd
     return created
 
 
 def release_output_dir(out_dir: Path, *, remove_if_empty: bool = False) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (out_dir / LOCK_FILE).unlink()
+        (out_dir / LOCK_FILE).unlink()  # while still holding the lock: a run waiting on it retries on the new file
+    fd = _HELD.pop(out_dir, None)
+    if fd is not None:
+        os.close(fd)
     if remove_if_empty:
         with contextlib.suppress(OSError):
             out_dir.rmdir()  # only succeeds when empty: a run that failed before writing anything leaves no trace
