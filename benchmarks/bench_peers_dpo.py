@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import QUICKSTART_MODEL, SYSTEM_PROMPT, cpu_seconds, device, peak_rss_mb, throughput, write_report
+from bench_peers import SYSTEM_PROMPT, cpu_seconds, device, peak_rss_mb, throughput, write_report
 
 RUNNERS = ("ours", "ours-precomputed", "trl")
 PAIRS = 200
@@ -62,26 +62,16 @@ def pair_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def write_inputs(root: Path, *, tiny: bool) -> Path:
+    """bench_peers' recipe (model, QLoRA, batch, schedule, no checkpointing) turned into DPO on the pairs."""
+    from bench_peers import write_inputs as sft_inputs
+
+    path = sft_inputs(root, tiny=tiny, task="ledger_stamp")  # the model (tiny: built here) and the SFT recipe
+    recipe = yaml.safe_load(path.read_text())
     data = root / "pairs.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in pair_rows(PAIRS)))
-    model = QUICKSTART_MODEL
-    if tiny:
-        from finetune.cli.tiny import build_tiny_model
-
-        model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": "bfloat16"}
-    recipe = {
-        "model": model,
-        "quantization": {"method": "nf4", "double_quant": True},
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"},
-        "data": {"datasets": [{"path": str(data), "format": "preference"}], "system_prompt": SYSTEM_PROMPT,
-                 "max_length": 512, "eval_fraction": 0.1, "eval_max_rows": 32, "cache": False},
-        "train": {"objective": "dpo", "micro_batch_size": 4, "learning_rate": 5e-5, "warmup_steps": 0,
-                  "lr_schedule": "cosine", "gradient_checkpointing": False, "log_every": 1, "eval_every": 0,
-                  "save_every": 0, "seed": 42},
-        "dpo": {"loss": "sigmoid", "beta": 0.1},
-        "parallel": {"strategy": "single"},
-    }
-    path = root / "recipe.yaml"
+    recipe["data"]["datasets"] = [{"path": str(data), "format": "preference"}]
+    recipe["train"].update(objective="dpo", learning_rate=5e-5, warmup_steps=0)
+    recipe["dpo"] = {"loss": "sigmoid", "beta": 0.1}
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
