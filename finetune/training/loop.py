@@ -27,7 +27,7 @@ from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
-from finetune.training import objectives, preference
+from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
 
 
@@ -168,9 +168,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     recipe_yaml = recipe_to_yaml(recipe)
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
-    if recipe.train.objective == "dpo":  # dpo.reference precomputed: before step 1 (or read back on resume)
-        preference.attach_reference(model, objective.reference, {"train": train_examples, "eval": eval_examples}, recipe,
-                                    pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
+    # DPO with dpo.reference precomputed: the reference log-probs before step 1 (or read back on resume).
+    objective.prepare(model, train_examples, eval_examples, recipe, pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
     metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags)

@@ -21,6 +21,9 @@ from finetune.training.loss import token_loss_sum
 class Supervised:
     """Token mean of next-token cross-entropy over the trained tokens of the global batch."""
 
+    def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
+        """Work before step 1 (none for SFT)."""
+
     def counts(self, micro_batches: list[dict]) -> list[float]:
         return [sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)]
 
@@ -56,6 +59,12 @@ class Preference:
         if recipe.dpo.disable_dropout:
             preference.disable_dropout(model)
         self.reference = preference.Reference(model, recipe)  # before a resume loads newer LoRA values
+
+    def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, *, pad_id: int,
+                out_dir, resume_from) -> None:
+        """dpo.reference precomputed: every pair's reference log-probs, computed now or read back on resume."""
+        preference.attach_reference(model, self.reference, {"train": train, "eval": evaluation}, recipe, pad_id=pad_id,
+                                    out_dir=out_dir, resume_from=resume_from)
 
     def counts(self, micro_batches: list[dict]) -> list[float]:
         pairs, tokens = 0, 0

@@ -120,8 +120,10 @@ class Reference:
 
     def __init__(self, model: nn.Module, recipe: Recipe):
         self.mode = recipe.dpo.reference
-        # The starting LoRA values, when they are not zero (an SFT adapter): this rank's own storage of each.
-        self.start = [_local(p).detach().clone() for p in _trained(model)] if recipe.model.adapter else None
+        # The starting LoRA values, when they are not zero (an SFT adapter) and a loss compares with them: this rank's
+        # own storage of each.
+        compared = recipe.dpo.loss in WITH_REFERENCE
+        self.start = [_local(p).detach().clone() for p in _trained(model)] if recipe.model.adapter and compared else None
 
     def logps(self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         if "reference_logps" in batch:
