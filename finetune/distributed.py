@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from finetune.errors import LaunchError
+from finetune.errors import FinetuneError, LaunchError
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class DistInfo:
 
 
 _INFO: DistInfo | None = None
+_PEERS: list[tuple[str, int]] = []  # (host, pid) of every rank, exchanged when the group forms
+_DOING = "starting"  # what this rank is doing, for the message when a collective fails (set by `doing`)
+_TIMEOUT_S = 600
 
 
 def _env_int(name: str, default: int) -> int:
@@ -80,6 +84,9 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         if dist.get_world_size() != world_size:
             raise LaunchError(f"process group has {dist.get_world_size()} ranks, the launcher announced {world_size}.")
+        global _PEERS, _TIMEOUT_S
+        _PEERS, _TIMEOUT_S = [None] * world_size, timeout_s
+        dist.all_gather_object(_PEERS, (socket.gethostname(), os.getpid()))  # so a failure can name the rank it lost
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
@@ -186,6 +193,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def first_of_ranks(value):
+    """The first non-None `value` over the ranks (rank order); every rank gets it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return next((v for v in values if v is not None), None)
+
+
 def any_rank(flag: bool) -> bool:
     """True if `flag` is true on any rank (used for NaN checks and preemption)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -225,3 +241,63 @@ def teardown(*, clean: bool = False) -> None:
             gc.collect()  # drop finished async work objects (they hold tensors) while the interpreter is whole
         dist.destroy_process_group()
     _INFO = None
+
+
+# ------------------------------------------------------------------------------------------- a lost peer
+class PeerLost(FinetuneError):
+    """A collective failed because another rank died or stopped answering. Exit code 1 (not a recipe mistake)."""
+
+    exit_code = 1
+    is_error = True
+
+
+_COMMUNICATION_MARKERS = ("gloo/transport", "nccl", "connection reset", "connection closed", "connection refused",
+                          "broken pipe", "timed out", "socket timeout")
+
+
+def doing(what: str) -> None:
+    """Say what this rank does now (e.g. "step 5: forward and backward"); named if a collective fails meanwhile."""
+    global _DOING
+    _DOING = what
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """A failed collective (a peer died, stopped, or the network broke), not a bug of ours or a user mistake.
+    torch.distributed.checkpoint wraps the failures of every rank in a CheckpointException (a BaseException)."""
+    if not _PEERS or len(_PEERS) < 2:
+        return False
+    if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
+        return True
+    wrapped = isinstance(exc, RuntimeError) or type(exc).__name__ == "CheckpointException"
+    return wrapped and any(marker in str(exc).lower() for marker in _COMMUNICATION_MARKERS)
+
+
+def peer_state(host: str, pid: int) -> str:
+    """What became of a rank's process, seen from this host: alive, stopped, a zombie, gone, or not checkable."""
+    if host != socket.gethostname():
+        return f"on host {host}, not checked from here"
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone (the process died)"
+    return {"T": "stopped (SIGSTOP or a debugger: state T)", "t": "stopped by a debugger (state t)",
+            "Z": "dead (killed or crashed; not yet reaped)", "D": "stuck in the kernel (state D: I/O, e.g. a hung "
+            "network filesystem)"}.get(state, "alive")
+
+
+def peer_failure(exc: BaseException, *, checkpoints: str) -> PeerLost:
+    """The paragraph for a failed collective: what this rank was doing, which ranks are dead or stopped, the timeout,
+    where the run stands (`checkpoints`: what is on disk) and the way back."""
+    me = info().rank
+    states = [(rank, host, pid, peer_state(host, pid)) for rank, (host, pid) in enumerate(_PEERS) if rank != me]
+    lost = [f"rank {rank} (pid {pid} on {host}) is {state}" for rank, host, pid, state in states if state != "alive"]
+    text = str(exc).strip().splitlines()[-1][:240] if str(exc).strip() else type(exc).__name__
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    waited = (f"no answer within parallel.collective_timeout_s = {_TIMEOUT_S} s" if timed_out
+              else "the connection to a peer broke")
+    who = "; ".join(lost) if lost else "every other rank on this host is still alive (a rank on another host, or the network, failed)"
+    return PeerLost(
+        f"rank {me} lost a peer during {_DOING} ({waited}): {who}. The job cannot continue without every rank and stops "
+        f"(the launcher ends the other ranks); {checkpoints} Once the cause is gone (a dead node, an out-of-memory "
+        f"kill, a hung process), run the same command with train.resume=auto added. ({type(exc).__name__}: {text})"
+    )

@@ -7,6 +7,7 @@ gives every rank its answer (or its error).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -17,8 +18,30 @@ from typing import Any
 from finetune import distributed
 from finetune.errors import CheckpointError, FinetuneError
 
-
 # ------------------------------------------------------------------------------------------------ file helpers
+_NO_ROOM = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
+
+
+def no_room(exc: BaseException) -> bool:
+    """The write failed for want of space: a full filesystem, a quota, a file-size limit. Not every writer raises an
+    OSError: torch.distributed.checkpoint reports every rank's failure in one CheckpointException and safetensors
+    raises its own SafetensorError, both with the system's text."""
+    if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
+        return True
+    return any(text in str(exc) for text in (*_NO_ROOM.values(), "StorageFull", "QuotaExceeded", "FileTooLarge"))
+
+
+def free_mb(path: Path) -> str:
+    """Free space on the filesystem of `path` (or of its nearest existing parent), in MB, as text."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return f"{shutil.disk_usage(path).free / 1e6:,.2f} MB"
+    except OSError:
+        return "unknown"
+
+
 def _fsync_tree(folder: Path) -> None:
     for path in folder.rglob("*"):
         if path.is_file():

@@ -196,9 +196,10 @@ class ParallelSection(_Section):
     layer_class: str | None = Field(None, description="Decoder layer class to wrap; default from the model.")
     activation_checkpointing: bool | None = Field(None, description="Default: train.gradient_checkpointing.")
     strict: bool = Field(False, description="On GPUs: refuse (instead of warn) a strategy the planner says will not fit.")
-    sharded_loading: bool = Field(
-        True, description="FSDP: build, quantize and shard one decoder layer at a time, so no rank ever holds the whole "
-        "base. False: every rank loads the full 4-bit base first (the v1 loader).")
+    sharded_loading: bool = Field(True, description="FSDP: build, quantize and shard one decoder layer at a time, so no "
+                                  "rank ever holds the whole base. False: every rank loads the full 4-bit base first (v1).")
+    collective_timeout_s: int = Field(600, gt=0, description="Seconds a rank waits in a collective (all-reduce, all-gather) "
+                                      "for a peer that stopped answering before the run fails, naming that peer.")
 
 
 class OutputSection(_Section):

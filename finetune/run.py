@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 if __name__ == "__main__" and __package__ in (None, ""):
@@ -27,8 +29,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
 
     recipe = recipes.load_recipe(recipe_path, overrides)
     data.check_local_files(recipe)  # missing / wrong-format data files: exit 2 before anything loads
-    info = distributed.init_distributed()
-    with outputs.claim_output_dir(recipe) as folder:  # output.dir and train.resume checked before anything loads
+    info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
+    with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
         plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
         if plan.strategy != "deepspeed":
@@ -44,6 +46,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()
+        distributed.doing("loading and wrapping the model")
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
         loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
                                   gradient_checkpointing=plan.activation_checkpointing)
@@ -65,6 +68,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         result = training.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id,
                                 out_dir=out_dir, trainable_names=list(key_map), resume_from=folder.resume_from,
                                 parallel=plan.describe(), tokenizer=tokenizer)
+        distributed.doing("the gather of the trained adapter")
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
         outputs.write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
@@ -81,6 +85,19 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     return summary
 
 
+@contextmanager
+def _lost_peers_named(out_dir: Path) -> Iterator[None]:
+    """A collective that failed because a peer died or stopped becomes one paragraph naming that peer (PeerLost)."""
+    try:
+        yield
+    except BaseException as exc:
+        if not distributed.is_communication_failure(exc):
+            raise
+        from finetune import outputs
+
+        raise distributed.peer_failure(exc, checkpoints=outputs.newest_kept(out_dir)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The `deepspeed` launcher passes --local_rank=N to its workers; the rank comes from the environment (LOCAL_RANK).
@@ -95,10 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)
-        text = str(exc) if rank == 0 else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
-        kind = "" if hasattr(exc, "exit_code") else "error: "  # Preempted (exit 128 + signal) is no error
+        # A lost peer is named in full by every rank that saw it: rank 0 may be the one that died.
+        whole = rank == 0 or isinstance(exc, distributed.PeerLost)
+        text = str(exc) if whole else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
+        kind = "error: " if getattr(exc, "is_error", True) else ""  # Preempted (exit 128 + signal) is no error
         print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
         return getattr(exc, "exit_code", EXIT_USER_ERROR)
+    except OSError as exc:  # a full disk outside the checkpoint and adapter writes (metrics.jsonl, plot.png)
+        from finetune.files import no_room
+
+        if not no_room(exc):
+            raise
+        print(f"finetune: error: no space left on device writing {exc.filename or 'a file of the run'} ({exc.strerror}). "
+              "Nothing already written is lost: free space on that filesystem, then run the same command with "
+              "train.resume=auto added (it continues from the newest checkpoint).", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     finally:
         distributed.teardown(clean=clean)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -11,11 +12,24 @@ from pathlib import Path
 
 from conftest import child_env
 
+# Kill trials land at a random step (and rank): seeded, printed, replayable with FINETUNE_KILL_SEED=<seed>.
+KILL_SEED = int(os.environ.get("FINETUNE_KILL_SEED") or time.time_ns() % 100_000)
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+
+def kill_plan(trial: str, first: int, last: int, ranks: int = 1) -> tuple[int, int, str]:
+    """(step, rank, replay note) for `trial`: a step in [first, last] and a rank below `ranks`, from KILL_SEED."""
+    rng = random.Random(f"{KILL_SEED}/{trial}")
+    step, rank = rng.randint(first, last), rng.randrange(ranks)
+    note = f"kill trial {trial}: step {step}, rank {rank} (replay: FINETUNE_KILL_SEED={KILL_SEED})"
+    print(note, flush=True)
+    return step, rank, note
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A run in its own session (a timed-out one is killed with its process group)."""
     with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or child_env(),
+                                start_new_session=True)
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:

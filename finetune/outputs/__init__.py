@@ -17,8 +17,9 @@ from finetune.outputs.run_folder import (
     output_dir_problem,
     write_rank_stats,
 )
+from finetune.outputs.step_folders import newest_kept
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LOCK_FILE", "adapter_key_map", "begin_outputs", "claim_output_dir",
-    "current_rss_bytes", "output_dir_problem", "save_adapter", "write_rank_stats",
+    "current_rss_bytes", "newest_kept", "output_dir_problem", "save_adapter", "write_rank_stats",
 ]

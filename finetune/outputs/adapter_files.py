@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import CheckpointError
-from finetune.files import atomic_dir
+from finetune.files import atomic_dir, free_mb, no_room
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,10 +46,22 @@ def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str
         raise CheckpointError(f"the adapter has NaN/inf values ({bad[0]} and {len(bad) - 1} more); not written over {out_dir}.")
     config = copy.deepcopy(peft_config)
     config.inference_mode = True
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config.save_pretrained(str(tmp))
-        _verify_adapter_files(tmp, tensors, load_file)
+    try:
+        with atomic_dir(out_dir) as tmp:
+            save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config.save_pretrained(str(tmp))
+            _verify_adapter_files(tmp, tensors, load_file)
+    except Exception as exc:  # safetensors raises its own error type for a full disk
+        if not no_room(exc):
+            raise
+        size = sum(value.numel() * value.element_size() for value in tensors.values())
+        before = "the adapter already there is unchanged" if out_dir.exists() else "nothing was left there"
+        raise CheckpointError(
+            f"the adapter was not written to {out_dir}: no space left on that filesystem ({free_mb(out_dir)} free; "
+            f"{str(exc).splitlines()[0][:200]}); the temporary files were removed and {before}. It needs about "
+            f"{size / 1e6:,.1f} MB. Free that much there, then run the same command with train.resume=auto added: the run "
+            "continues from its newest checkpoint (after the last step it trains nothing again) and writes the adapter."
+        ) from None
     return tensors
 
 

@@ -40,11 +40,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune import distributed
 from finetune.errors import CheckpointError
-from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, on_main
-from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, STEP_PREFIX, TRAINER_STATE, list_checkpoints
+from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, free_mb, no_room, on_main
+from finetune.outputs.step_folders import (
+    CHECKPOINTS,
+    MANIFEST,
+    STEP_PREFIX,
+    TRAINER_STATE,
+    list_checkpoints,
+    newest_kept,
+)
 from finetune.parallel import state_dict as parallel_state
 from finetune.parallel import zero
 
@@ -153,9 +161,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last.
     With `verify`, every rank then reads its part back and compares it with what it saved.
     """
-    import torch.distributed.checkpoint as dcp
-
-    started, info = time.perf_counter(), distributed.info()
+    started = time.perf_counter()
     final = checkpoint_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
 
@@ -169,32 +175,56 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     tensors = state["model"] if state else zero.trainable_state_dict(model, names)
     if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in tensors.values())):
         raise CheckpointError(f"step {step}: the adapter has NaN/inf values; checkpoint not written (older ones kept).")
-    if deepspeed:
-        zero.save_state(model, tmp / zero.CHECKPOINT_FOLDER)
-    else:
-        _dcp(dcp.save, state, tmp / "trainable")
-    rng_file = tmp / "rng" / f"rank{info.rank}.pt"
-    torch.save(rng_state(), rng_file)
-    with open(rng_file, "rb") as handle:
-        os.fsync(handle.fileno())
-    distributed.barrier()
+    failure = _write_parts(model, state, tmp, deepspeed=deepspeed)
+    failure = distributed.first_of_ranks(failure)  # a collective: every rank's files are written (or failed) here
+    if failure is not None:
+        on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        raise CheckpointError(_not_written(out_dir, step, *failure, tensors=tensors))
 
     def publish() -> int:
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, final)
-        size = _write_manifest(final, step, trainer_state)
+        try:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            (tmp / "recipe.yaml").write_text(recipe_yaml)
+            _fsync_tree(tmp)
+            _replace_dir(tmp, final)
+            size = _write_manifest(final, step, trainer_state)
+        except OSError as exc:  # no partial folder is left for a resume to look at
+            shutil.rmtree(tmp, ignore_errors=True)
+            if final.exists() and not (final / MANIFEST).exists():
+                shutil.rmtree(final, ignore_errors=True)
+            raise CheckpointError(_not_written(out_dir, step, no_room(exc), _reason(exc), tensors=tensors)) from None
         prune_checkpoints(out_dir, keep_last=keep_last, newest=step)
         return size
 
-    size = on_main(_as_checkpoint_error(publish, f"cannot write checkpoint {final}"))
+    size = on_main(publish)
     verify = verify and not deepspeed  # DeepSpeed's files are covered by the manifest's checksums only
     if verify:
         verify_readback(final, state)
     distributed.print0(f"[finetune] checkpoint {final} saved ({size / 1e6:.2f} MB, {time.perf_counter() - started:.2f} s"
                        f"{', read back and compared' if verify else ''})")
     return final
+
+
+def _write_parts(model: torch.nn.Module, state: dict | None, tmp: Path, *, deepspeed: bool) -> tuple[bool, str] | None:
+    """This rank's part of the checkpoint into `tmp` (its shard, its RNG state); None when written, else (no room?,
+    why). Errors are returned, not raised: a rank that raised alone would leave the others waiting in a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = distributed.info().rank
+    try:
+        if deepspeed:
+            zero.save_state(model, tmp / zero.CHECKPOINT_FOLDER)
+        else:
+            _dcp(dcp.save, state, tmp / "trainable")
+        rng_file = tmp / "rng" / f"rank{rank}.pt"
+        torch.save(rng_state(), rng_file)
+        with open(rng_file, "rb") as handle:
+            os.fsync(handle.fileno())
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        if distributed.is_communication_failure(exc):
+            raise
+        return no_room(exc), f"rank {rank}: {_reason(exc)}"
+    return None
 
 
 def _as_checkpoint_error(function: Callable[[], Any], what: str) -> Callable[[], Any]:
@@ -205,6 +235,32 @@ def _as_checkpoint_error(function: Callable[[], Any], what: str) -> Callable[[],
         except OSError as exc:
             raise CheckpointError(f"{what}: {exc.strerror or exc}. Older checkpoints are kept.") from None
     return wrapped
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}{f' writing {exc.filename}' if exc.filename else ''}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    found = [line for line in lines if "Error" in line and ":" in line]  # DCP: the wrapped error of each rank
+    return (found or lines or [type(exc).__name__])[-1][:300]
+
+
+def _not_written(out_dir: Path, step: int, full: bool, reason: str, *, tensors: dict) -> str:
+    """The paragraph for a checkpoint that could not be written: why, what is intact, the space needed, the way back."""
+    if not full:
+        return (f"step {step}'s checkpoint was not written ({reason}); its partial files were removed and "
+                f"{newest_kept(out_dir)} Fix the cause, then run the same command with train.resume=auto added.")
+    good = [path for _, path in list_checkpoints(out_dir) if (path / MANIFEST).exists()]
+    if good:
+        needed = f"{sum(f.stat().st_size for f in good[-1].rglob('*') if f.is_file()) / 1e6:,.2f} MB (as {good[-1].name})"
+    else:  # LoRA weights and the two AdamW moments of every rank
+        local = sum(_local(v).numel() * _local(v).element_size() for v in tensors.values())
+        needed = f"about {3 * local * distributed.info().world_size / 1e6:,.2f} MB (LoRA weights + AdamW state)"
+    return (f"step {step}'s checkpoint was not written: no space left on the filesystem of {out_dir} "
+            f"({free_mb(out_dir)} free; {reason}). Its partial files were removed and {newest_kept(out_dir)} The next "
+            f"checkpoint needs {needed}, on top of the files the run keeps adding (metrics.jsonl, and the adapter at the "
+            "end). Free that much there (older runs, other checkpoints), then run the same command with "
+            "train.resume=auto added.")
 
 
 def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:

@@ -40,6 +40,15 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest_kept(out_dir: Path) -> str:
+    """A sentence on where a stopped run stands on disk: its newest checkpoint that matches its manifest, if any."""
+    good = [(step, path) for step, path in list_checkpoints(out_dir) if checkpoint_problem(path) is None]
+    if not good:
+        return "no checkpoint was written yet (a resume starts again from step 1)."
+    step, path = good[-1]
+    return f"the newest checkpoint, {path} (step {step}), is intact and a resume continues from it."
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted (None when every file matches its manifest)."""
     manifest_path = path / MANIFEST

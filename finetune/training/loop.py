@@ -38,6 +38,8 @@ class NumericalFault(FinetuneError):
 class Preempted(FinetuneError):
     """SIGTERM/SIGINT: the run finished its step, wrote a checkpoint and stopped. Exit code 128 + signal number."""
 
+    is_error = False
+
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
@@ -187,6 +189,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
         with StopSignals() as signals:
             for step in range(first_step, t.max_steps + 1):
                 step_start = time.perf_counter()
+                distributed.doing(f"step {step}'s forward and backward ({parallel})")
                 micro_batches = [next(batches) for _ in range(t.grad_accum)]
                 local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                 *totals, global_seen = distributed.all_reduce_sum([*objective.counts(micro_batches), local_seen])
@@ -199,6 +202,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     step_loss += batch_loss.to(step_loss.device, torch.float64)
                     if batch_metrics is not None:
                         step_metrics = batch_metrics if step_metrics is None else step_metrics + batch_metrics
+                distributed.doing(f"step {step}'s all-reduces (loss, gradient norm, stop check) and optimizer step")
                 summed = distributed.all_reduce_sum([step_loss] + ([] if step_metrics is None else list(step_metrics)))
                 loss = objective.step_loss(summed[0], totals)  # identical on every rank
                 extra = objective.metrics(summed[1:] if step_metrics is not None else None, totals)
@@ -222,6 +226,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 if not interactive and (step % print_every == 0 or step == first_step):
                     distributed.print0(f"[finetune] step {step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {global_seen / elapsed:.0f}")
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    distributed.doing(f"the evaluation after step {step}")
                     figures = evaluate_figures(model, eval_examples, recipe, pad_id=pad_id, objective=objective)
                     if figures is not None:
                         result.eval_losses.append((step, figures["eval_loss"]))
@@ -232,6 +237,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
 
                 stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
                 if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                    distributed.doing(f"the checkpoint of step {step}")
                     state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
                     saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
                                                        keep_last=t.keep_last, verify=verify_next_save)
@@ -272,11 +278,10 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
 def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: Trackers) -> None:
     """nan_policy stop: raise with the way back; skip: log the skipped step and go on."""
     if recipe.train.nan_policy == "stop":
-        good = [path.name for _, path in step_folders.list_checkpoints(out_dir)]
-        kept = f"the newest checkpoint ({good[-1]}) is kept" if good else "no checkpoint was written yet"
         raise NumericalFault(
             f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped before the optimizer step, so no "
-            f"NaN reaches the adapter ({kept}). Fix: lower train.learning_rate (now {recipe.train.learning_rate}) or "
+            f"NaN reaches the adapter; {step_folders.newest_kept(out_dir)} Fix: lower train.learning_rate (now "
+            f"{recipe.train.learning_rate}) or "
             "set train.max_grad_norm, check the data, then continue with train.resume=auto; or set train.nan_policy: skip."
         )
     metrics.write(step=step, skipped="non-finite loss or gradient", loss=str(loss), grad_norm=str(grad_norm))
