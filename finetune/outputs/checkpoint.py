@@ -54,7 +54,7 @@ from finetune.outputs.step_folders import (
     newest_kept,
 )
 from finetune.parallel import state_dict as parallel_state
-from finetune.parallel import zero
+from finetune.parallel import zero, zero_checkpoint
 
 
 # ------------------------------------------------------------------------------------ training state
@@ -213,7 +213,7 @@ def _write_parts(model: torch.nn.Module, state: dict | None, tmp: Path, *, deeps
     rank = distributed.info().rank
     try:
         if deepspeed:
-            zero.save_state(model, tmp / zero.CHECKPOINT_FOLDER)
+            zero_checkpoint.save_state(model, tmp / zero_checkpoint.CHECKPOINT_FOLDER)
         else:
             _dcp(dcp.save, state, tmp / "trainable")
         rng_file = tmp / "rng" / f"rank{rank}.pt"
@@ -325,7 +325,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     if zero.is_engine(model):
-        zero.load_state(model, path / zero.CHECKPOINT_FOLDER,
+        zero_checkpoint.load_state(model, path / zero_checkpoint.CHECKPOINT_FOLDER,
                                     saved_world_size=trainer_state["world_size"], saved_strategy=trainer_state["strategy"])
         _load_rng(path)
         return trainer_state

@@ -33,12 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from finetune.errors import CheckpointError, LaunchError
+from finetune.errors import LaunchError
 from finetune.planner.memory import BUCKET_ELEMENTS
 
 INSTALL_HINT = "pip install 'finetune[deepspeed]' (or pip install deepspeed==0.19.8)"
-CHECKPOINT_FOLDER = "deepspeed"  # inside checkpoints/step-N/
-CHECKPOINT_TAG = "state"
 # BUCKET_ELEMENTS (defined in finetune/planner/memory.py, beside the memory model that counts it): gradient reduce,
 # all-gather and ZeRO-3 prefetch buckets, in elements (DeepSpeed's default 5e8 would allocate gigabytes
 # for a LoRA's few million gradients). The planner counts them.
@@ -401,32 +399,3 @@ def generation_module(engine) -> nn.Module:
     """The PeftModel. Under ZeRO-3 its forwards gather parameters layer by layer, so generation must run the same
     number of forwards on every rank (parallel.generation_model uses fixed-length greedy decoding then)."""
     return engine.module
-
-
-# ------------------------------------------------------------------------------------------------ checkpoints
-def save_state(engine, folder: Path) -> None:
-    """DeepSpeed's own checkpoint of the trainable state (collective): ZeRO partitions of the fp32 LoRA weights and
-    AdamW moments, one file per rank, plus the module's trainable tensors. Frozen base weights are never written."""
-    engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False, exclude_frozen_parameters=True)
-
-
-def load_state(engine, folder: Path, *, saved_world_size: int, saved_strategy: str) -> None:
-    """Restore a DeepSpeed checkpoint into a fresh engine (same world size and ZeRO stage; see the refusal text)."""
-    from finetune import distributed
-
-    world = distributed.info().world_size
-    if not (folder / CHECKPOINT_TAG).is_dir():
-        raise CheckpointError(f"train.resume: checkpoint {folder.parent} was written by {saved_strategy}, not by DeepSpeed; "
-                              "DeepSpeed resumes only its own checkpoints. Fix: resume it with the strategy that wrote it, "
-                              "or start a new run.")
-    if saved_world_size != world or f"ZeRO-{engine.zero_optimization_stage()}" not in saved_strategy:
-        raise CheckpointError(
-            f"train.resume: checkpoint {folder.parent} was written by {saved_strategy} with {saved_world_size} processes; this "
-            f"run is ZeRO-{engine.zero_optimization_stage()} with {world}. A DeepSpeed ZeRO checkpoint holds one optimizer "
-            "partition per rank and loads only into the same number of ranks and stage. Fix: resume with the same "
-            "number of processes and stage; or convert it with DeepSpeed's ds_to_universal.py and load it with "
-            "`checkpoint: {load_universal: true}` (not wired into finetune yet).")
-    path, _ = engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_module_strict=False,
-                                     load_optimizer_states=True, load_lr_scheduler_states=False)
-    if path is None:
-        raise CheckpointError(f"train.resume: DeepSpeed could not load {folder} (see its log above).")

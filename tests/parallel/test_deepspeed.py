@@ -3,7 +3,7 @@ and the `deepspeed` launcher, against one process at the same global batch (1 x 
 
 Runs, made once per module and shared: one process in fp32 and in bf16; ZeRO-3 through torchrun in fp32 (also the
 reference of the kill test); ZeRO-3 and ZeRO-2 through `accelerate launch --config_file accelerate_configs/
-deepspeed_zero{3,2}.yaml` (bf16, as shipped); a ZeRO-3 run SIGKILLed after step KILL_AT and resumed through the
+deepspeed_zero{3,2}.yaml` (bf16, as shipped); a ZeRO-3 run that loses one rank (SIGKILL at a random step) and resumed through the
 `deepspeed` launcher. The fp32 runs must agree to 1e-4 (the FSDP tests' tolerance); the bf16 runs to 1e-3, since one
 process multiplies 4-row and two processes 2-row bf16 batches (different kernel blocking, last-bit differences).
 
@@ -43,12 +43,12 @@ from safetensors.torch import load_file
 
 from finetune import cli
 from finetune.outputs import step_folders
-from finetune.parallel import zero
+from finetune.parallel import zero, zero_checkpoint
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not zero.installed(), reason="deepspeed not installed (pip install 'finetune[deepspeed]')")]
 
-MAX_STEPS, SAVE_EVERY, KILL_AT = 6, 2, 3
+MAX_STEPS, SAVE_EVERY = 6, 2
 TWO = ["train.micro_batch_size=2"]
 GENERATION = ["eval.generation_rows=2", "eval.max_new_tokens=3"]
 BF16 = ["model.dtype=bfloat16"]
@@ -243,9 +243,9 @@ def test_generation_eval_under_zero3_answers_like_one_process(runs):
 
 # ------------------------------------------------------------------------------------------ kill and resume
 def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs, tmp_path):
-    """torchrun ZeRO-3 SIGKILLed once step KILL_AT is logged; `deepspeed` resumes it from DeepSpeed's checkpoint: the
+    """torchrun ZeRO-3, one worker SIGKILLed at a random step (the launcher ends the job); `deepspeed` resumes it from DeepSpeed's checkpoint: the
     same losses and, bitwise, the same adapter as the uninterrupted ZeRO-3 run."""
-    from processes import finish, start, wait_for_step, worker_pids
+    from processes import finish, kill_plan, start, wait_for_step, worker_pids
 
     from finetune import model, outputs
     from finetune.errors import CheckpointError
@@ -258,14 +258,17 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     log = tmp_path / "killed.log"
     process = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                      str(RUN_PY), str(recipe), *overrides], log)
-    wait_for_step(process, run, KILL_AT, log)
-    for pid in [*worker_pids(process.pid).values(), process.pid]:
-        os.kill(pid, signal.SIGKILL)
-    process.wait(timeout=30)
-    assert not (run / "adapter").exists(), "the run finished before the kill landed"
+    step, rank, note = kill_plan("zero3-one-rank", SAVE_EVERY + 1, MAX_STEPS - 1, ranks=2)
+    wait_for_step(process, run, step, log)
+    workers = worker_pids(process.pid)
+    os.kill(workers[rank], signal.SIGKILL)  # one worker: torchrun ends the job, a survivor names the dead rank
+    code = process.wait(timeout=40)
+    died = log.read_text()
+    assert code != 0 and f"rank {rank} (pid {workers[rank]} on " in died and "lost a peer" in died, (note, died[-3000:])
+    assert not (run / "adapter").exists(), f"the run finished before the kill landed ({note})"
     saved = step_folders.newest_good_checkpoint(run)  # the kill may land inside a save: that one is skipped on resume
     assert saved is not None
-    files = {p.name for p in (saved / zero.CHECKPOINT_FOLDER / zero.CHECKPOINT_TAG).iterdir()}
+    files = {p.name for p in (saved / zero_checkpoint.CHECKPOINT_FOLDER / zero_checkpoint.CHECKPOINT_TAG).iterdir()}
     # One ZeRO partition of the fp32 LoRA weights and AdamW moments per rank (DeepSpeed's format, not DCP).
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files, files
     shutil.copytree(run, tmp_path / "killed")
