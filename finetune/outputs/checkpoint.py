@@ -331,7 +331,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         return trainer_state
     if not (path / "trainable").is_dir():
         raise CheckpointError(f"train.resume: checkpoint {path} was written by {trainer_state['strategy']} (DeepSpeed's own "
-                              "format). Fix: resume it with the same DeepSpeed setup and number of processes, or start a new run.")
+                              "format). Fix: resume it with DeepSpeed at the ZeRO stage that wrote it (any number of ranks: another number is "
+                              "converted to DeepSpeed's universal checkpoint), or start a new run.")
     state = trainable_state(model, optimizer, names)
     try:
         _dcp(dcp.load, state, path / "trainable")

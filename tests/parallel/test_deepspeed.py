@@ -282,16 +282,26 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     for key, value in adapter(run).items():
         assert torch.equal(value, reference[key]), key
 
-    # A DeepSpeed checkpoint loads only into DeepSpeed with the same number of ranks: a one-process model refuses it
-    # before reading any tensor (in this process: the same CheckpointError run.py turns into exit 2).
+    # A DeepSpeed checkpoint loads only into DeepSpeed: a one-process model without it refuses it before reading any
+    # tensor (in this process: the same CheckpointError run.py turns into exit 2).
     one = load_recipe(str(recipe), [f"output.dir={tmp_path / 'killed'}", "parallel.deepspeed_config=null"])
     peft_model = model.build_model(one, device=torch.device("cpu"), gradient_checkpointing=False)
     names = set(outputs.adapter_key_map(peft_model))
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad])
     before = _snapshot(tmp_path / "killed")
-    with pytest.raises(CheckpointError, match="same DeepSpeed setup and number of processes"):
+    with pytest.raises(CheckpointError, match="resume it with DeepSpeed at the ZeRO stage that wrote it"):
         checkpoint.load_checkpoint(tmp_path / "killed" / saved.relative_to(run), peft_model, optimizer, names)
     assert _snapshot(tmp_path / "killed") == before
+
+    # ZeRO-3 on another number of ranks (2 -> 1, the same global batch of 4 rows): converted to DeepSpeed's universal
+    # checkpoint, said so, and the run continues within FSDP's resharded-resume tolerance of the uninterrupted runs.
+    result = _ok(torchrun(recipe, f"output.dir={tmp_path / 'killed'}", "parallel.strategy=deepspeed", "train.resume=auto",
+                          nproc=1))
+    assert "written by 2 ranks, this run has 1: converted to DeepSpeed's universal checkpoint" in result.stdout
+    assert "now DeepSpeed ZeRO-3 over 1 processes: adapter and optimizer state resharded" in result.stdout
+    assert not list((tmp_path / "killed" / "checkpoints").glob(".*")), "the converted copy is removed"
+    for reference in (runs["zero3"], runs["single"]):
+        torch.testing.assert_close(adapter(tmp_path / "killed"), adapter(reference), rtol=1e-3, atol=5e-4)
 
 
 def test_nan_loss_under_zero3_stops_before_the_update(setup, tmp_path):
