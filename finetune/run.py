@@ -46,7 +46,6 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()
-        distributed.doing("loading and wrapping the model")
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
         loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
                                   gradient_checkpointing=plan.activation_checkpointing)

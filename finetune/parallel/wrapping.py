@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from finetune.distributed import DistInfo, print0
+from finetune.distributed import DistInfo, doing, print0
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
 
@@ -27,6 +27,7 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
     plus one unit: FSDP2 builds and shards each decoder layer, then the root; FSDP1 calls it as `param_init_fn`,
     which FSDP runs for each unit just before flattening and sharding it.
     """
+    doing(f"the wrap of the model ({plan.describe()})")  # named if a peer is lost meanwhile
     if plan.strategy == "fsdp" and plan.fsdp_version == 2:
         return _wrap_fsdp2(model, plan, dist, materialize)
     if plan.strategy == "fsdp":
