@@ -34,7 +34,7 @@ quickstart: $(STAMP)
 	$(BIN)/finetune quickstart output.overwrite=true
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -1,7 +1,7 @@
 """Each rank's memory at each point of a run, FSDP2 vs FSDP1 vs DDP at 2 ranks, through the shipped accelerate configs.
 
     python benchmarks/bench_train_peak.py [--hidden-size 1024] [--layers 24] [--steps 8] [--configs fsdp2,fsdp1,ddp]
-                                          [--env NAME=VALUE ...]
+                                          [--env NAME=VALUE ...] [--parts]
 
 A random Qwen2-architecture model (hidden x layers, the tiny tokenizer; saved sharded in fp32) trained as shipped:
 bf16, activation checkpointing on, LoRA r 4 / dropout 0.05, micro-batch 1 of 64 tokens, on CPU (gloo; the suite's
@@ -11,6 +11,13 @@ the `ready:` line (loaded and wrapped: under FSDP the wrap builds and shards the
 after the final eval. Prints one table per config, then each config's load peak and training peak
 per rank against DDP's. `--env` sets a variable for the runs (e.g. FINETUNE_CPU_ALLOCATOR=default to compare with
 glibc's own settings); all figures come from this one session.
+
+`--parts`: step 2 of every run is also measured tensor by tensor (FINETUNE_MEASURE_STEP=2,
+finetune/training/tensor_bytes.py: the bytes of tensors alive when the step starts, and the peak of those the step
+creates), and each rank's figures are printed next to the planner's for the same recipe and strategy (its GPU
+figures without the CUDA context and fragmentation, which a CPU run has not): what the rank holds (base shard,
+quantization state, LoRA weights and AdamW moments), what the step adds at its peak (gradients, FSDP's unsharded
+units, activations, the loss), the sum, and the ratio.
 """
 
 from __future__ import annotations
@@ -125,8 +132,40 @@ def run_config(config: str, recipe: Path, out: Path, steps: int, env: dict[str, 
         raise SystemExit(f"{config} failed:\n{''.join(tail)}")
     import statistics
 
+    measured = {int(path.name[4:].split(".")[0]): json.loads(path.read_text())
+                for path in (out / "ranks").glob("rank*.step2.tensor_bytes.json")}
     return {"rows": rows, "load_peak": load_peak or {}, "train_peak": dict(window), "overall_peak": dict(peak),
-            "tokens_per_s": statistics.median(speeds[1:] or speeds)}  # the first step warms up
+            "tokens_per_s": statistics.median(speeds[1:] or speeds), "tensor_bytes": measured}  # step 1 warms up
+
+
+def planner_parts(recipe_path: Path, config: str) -> dict[str, int]:
+    """The planner's per-rank figures for `config` at 2 ranks: held (base, quant state, LoRA weights + AdamW moments)
+    and step (gradients, DDP's bucket, FSDP's unsharded units, activations, loss), CUDA context left out."""
+    from transformers import AutoConfig
+
+    from finetune.planner import GiB, Hardware, estimate, facts_from_config
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(str(recipe_path))
+    facts = facts_from_config(AutoConfig.from_pretrained(recipe.model.name_or_path), recipe)
+    parts = estimate(facts, recipe, "ddp" if config == "ddp" else "fsdp", Hardware(2, 24 * GiB), per_rank_full_load=False).parts
+    trainable = parts["lora_grads_adamw"] // (5 if config == "ddp" else 4)  # weights, grads, 2 moments (+ DDP bucket)
+    held = parts["base"] + parts["quant_state"] + 3 * trainable
+    step = parts["lora_grads_adamw"] - 3 * trainable + parts["fsdp_unsharded"] + parts["activations"] + parts["logits_loss"]
+    return {"held": held, "step": step}
+
+
+def print_parts(results: dict, plans: dict) -> None:
+    print("\ntensor bytes per rank at step 2 (measured op by op) vs the planner, MiB")
+    print(f"{'config':8} {'rank':>4} {'held':>8} {'planner':>8} {'step peak':>10} {'planner':>8} {'sum':>8} {'planner':>8} "
+          f"{'ratio':>6}")
+    for name, result in results.items():
+        plan = plans[name]
+        for rank, figures in sorted(result["tensor_bytes"].items()):
+            held, step = figures["held_bytes"] / 2**20, figures["step_peak_bytes"] / 2**20
+            total = (plan["held"] + plan["step"]) / 2**20
+            print(f"{name:8} {rank:4d} {held:8.1f} {plan['held'] / 2**20:8.1f} {step:10.1f} {plan['step'] / 2**20:8.1f} "
+                  f"{held + step:8.1f} {total:8.1f} {total / (held + step):6.2f}")
 
 
 def main() -> None:
@@ -136,12 +175,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", default="fsdp2,fsdp1,ddp")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
+    parser.add_argument("--parts", action="store_true", help="measure step 2 tensor by tensor, against the planner")
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
+    if args.parts:
+        env["FINETUNE_MEASURE_STEP"] = "2"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers)
         results = {name: run_config(name, recipe, root / name, args.steps, env) for name in args.configs.split(",")}
+        plans = {name: planner_parts(recipe, name) for name in results} if args.parts else {}
     print(f"model: random Qwen2 hidden {args.hidden_size} x {args.layers} layers, NF4 + LoRA r4, bf16, checkpointing on, "
           f"2 ranks, {args.steps} steps of 64 tokens, CPU gloo{' ' + str(env) if env else ''}")
     for name, result in results.items():
@@ -154,6 +197,8 @@ def main() -> None:
         load, train = max(result["load_peak"].values()), max(result["train_peak"].values())
         ratio = f"{train / max(base['train_peak'].values()):13.2f}" if base else f"{'-':>13}"
         print(f"{name:8} {load:15d} {train:16d} {ratio} {result['tokens_per_s']:9.1f}")
+    if plans:
+        print_parts(results, plans)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ checkpointing on, the same recipe for every run:
   * whether this GPU's copy canonicalizes NaN bit patterns and whether the FSDP2 byte guard said so;
   * the losses of the dropout-free runs equal to the single process within the suite's bf16 tolerance;
   * the load peak of sharded loading against the planner's load term (within 15%);
+  * the CUDA allocator's peak during FSDP2's step 2 (FINETUNE_MEASURE_STEP=2) against the planner's training figure
+    for the same recipe at world size 1, CUDA context and fragmentation left out (within 15%);
   * this project against the plain PEFT loop (benchmarks/bench_peers.py; SmolLM2-135M when installed, else tiny).
 Writes one JSON file, prints a one-screen table, exits 1 on any failed check (2 without a GPU, before anything runs).
 """
@@ -65,9 +67,9 @@ def write_inputs(work: Path, hidden: int, layers: int, steps: int) -> Path:
     return recipe
 
 
-def train(name: str, command: list[str], out: Path, timeout: int = 240) -> dict:
+def train(name: str, command: list[str], out: Path, timeout: int = 240, env: dict | None = None) -> dict:
     start = time.perf_counter()
-    result = run_quietly(command, timeout)
+    result = run_quietly(command, timeout, **({"env": env} if env else {}))
     record = {"name": name, "ok": result.returncode == 0, "seconds": round(time.perf_counter() - start, 1),
               "stdout": result.stdout[-4000:], "stderr": result.stderr[-4000:]}
     if record["ok"]:
@@ -127,7 +129,8 @@ def main() -> int:
     runs = {}
     for name, command in plans.items():
         out = work / name.replace("+", "-")
-        runs[name] = train(name, [*command, f"output.dir={out}"], out)
+        env = dict(os.environ, FINETUNE_MEASURE_STEP="2") if name == "fsdp2" else None  # the step peak check
+        runs[name] = train(name, [*command, f"output.dir={out}"], out, env=env)
         print(f"[gpu-smoke] {name}: {'ok' if runs[name]['ok'] else 'FAILED'} in {runs[name]['seconds']} s", flush=True)
 
     checks: list[tuple[str, bool, str]] = []
@@ -147,6 +150,7 @@ def main() -> int:
     checks.append(("FSDP2 byte guard", canonical == noted and runs["fsdp2"]["ok"],
                    f"copy canonicalizes NaNs: {canonical}; guard switched to uint8: {noted}"))
     checks.append(load_check(work))
+    checks.append(step_check(work, recipe))
     peers = peer_check(work)
     checks.append(peers[0])
 
@@ -176,6 +180,30 @@ def load_check(work: Path) -> tuple[str, bool, str]:
     detail = (f"peak allocated {measured['peak_gpu_allocated'] / 2**20:.0f} MiB, planner "
               f"{measured['planner_sharded_load'] / 2**20:.0f} MiB (ratio {ratio:.2f}; allowed 0.85-1.15)")
     return ("load peak vs planner", 0.85 <= ratio <= 1.15, detail)
+
+
+def step_check(work: Path, recipe_path: str) -> tuple[str, bool, str]:
+    """The CUDA allocator's peak during FSDP2's step 2 against the planner's training figure (one rank)."""
+    import torch
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(REPO))
+    from finetune.planner import CUDA_CONTEXT_BYTES, Hardware, estimate, facts_from_config
+    from finetune.recipe import load_recipe
+
+    path = work / "fsdp2" / "ranks" / "rank0.step2.tensor_bytes.json"
+    if not path.exists():
+        return ("FSDP2 step peak vs planner", False, f"{path} was not written")
+    measured = json.loads(path.read_text())["gpu_step_peak_allocated_bytes"]
+    recipe = load_recipe(recipe_path, ["parallel.strategy=fsdp", "parallel.fsdp_version=2"])
+    facts = facts_from_config(AutoConfig.from_pretrained(str(work / "model")), recipe)
+    plan = estimate(facts, recipe, "fsdp", Hardware(1, torch.cuda.get_device_properties(0).total_memory),
+                    per_rank_full_load=False)
+    planned = plan.peak_bytes - plan.parts["overhead"]  # the allocator's peak has no CUDA context, no fragmentation
+    ratio = measured / planned
+    detail = (f"step 2 peak allocated {measured / 2**20:.0f} MiB, planner {planned / 2**20:.0f} MiB without the "
+              f"{CUDA_CONTEXT_BYTES / 2**20:.0f} MiB CUDA context (ratio {ratio:.2f}; allowed 0.85-1.15)")
+    return ("FSDP2 step peak vs planner", 0.85 <= ratio <= 1.15, detail)
 
 
 def peer_check(work: Path) -> tuple[tuple[str, bool, str], dict]:

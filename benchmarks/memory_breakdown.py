@@ -27,7 +27,6 @@ import contextlib
 import json
 import resource
 import sys
-import weakref
 from collections import defaultdict
 from pathlib import Path
 
@@ -104,70 +103,6 @@ def _quant_state_tensors(state) -> list:
     return found + _quant_state_tensors(getattr(state, "state2", None))
 
 
-def live_bytes_mode():
-    """A TorchDispatchMode that counts the bytes of every storage an op creates while it is alive, and their peak."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live = self.peak = 0
-            self.mark_live = self.mark_peak = 0
-            self._seen: set[int] = set()
-
-        def __enter__(self):
-            """Storages alive before the window (weights, optimizer state, the batch) are not the step's: their views
-            and in-place updates inside the window must not count. They are held until the window ends, so their
-            ids cannot be reused by new storages meanwhile."""
-            import gc
-            import warnings
-
-            import torch
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-            self._before = [t.untyped_storage() for t in tensors if not t.is_meta]
-            self._before_ids = {id(storage) for storage in self._before}
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            self._before, self._before_ids = [], set()
-            return super().__exit__(*exc)
-
-        def _free(self, key: int, nbytes: int) -> None:
-            self._seen.discard(key)
-            self.live -= nbytes
-
-        def mark(self) -> None:
-            """Start a window: peak_since_mark() is measured from here."""
-            self.mark_live = self.mark_peak = self.live
-
-        def peak_since_mark(self) -> int:
-            return self.mark_peak - self.mark_live
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            import torch
-
-            out = func(*args, **(kwargs or {}))
-            for tensor in tree_flatten(out)[0]:
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                    continue
-                storage = tensor.untyped_storage()
-                key = id(storage)
-                if key in self._seen or key in self._before_ids or storage.nbytes() == 0:
-                    continue
-                self._seen.add(key)
-                self.live += storage.nbytes()
-                weakref.finalize(storage, self._free, key, storage.nbytes())
-                self.peak = max(self.peak, self.live)
-                self.mark_peak = max(self.mark_peak, self.live)
-            return out
-
-    return LiveBytes()
-
-
 def measure(recipe_path: str, overrides: list[str]) -> dict:
     """Run two optimizer steps of the recipe in this process; return every part in bytes, and the planner's."""
     import torch
@@ -176,6 +111,7 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     from finetune.model import loading
     from finetune.outputs.run_folder import current_rss_bytes
     from finetune.recipe import load_recipe
+    from finetune.training.tensor_bytes import LiveBytes
 
     recipe = load_recipe(recipe_path, [*overrides, "parallel.strategy=single"])
     tokenizer = model.load_tokenizer(recipe)
@@ -210,7 +146,7 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     step()  # creates gradients and the AdamW moments
     rss_before_step = current_rss_bytes()
     head = peft_model.get_output_embeddings()
-    counting, saved = live_bytes_mode(), SavedActivations(peft_model)
+    counting, saved = LiveBytes(), SavedActivations(peft_model)
     loss_window = {}
     pre = head.register_forward_pre_hook(lambda module, args: counting.mark())
     post = head.register_forward_hook(lambda module, args, out: loss_window.update(peak=counting.peak_since_mark()))

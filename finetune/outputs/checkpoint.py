@@ -161,9 +161,20 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last.
     With `verify`, every rank then reads its part back and compares it with what it saved.
     """
-    started = time.perf_counter()
     final = checkpoint_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
+    try:
+        return _save(out_dir, step, model, optimizer, names, trainer_state, recipe_yaml, final=final, tmp=tmp,
+                     keep_last=keep_last, verify=verify)
+    except BaseException as exc:  # a lost peer: nothing is published, and every survivor removes the partial folder
+        if distributed.is_communication_failure(exc):  # (rank 0, which would, may be the lost one)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
+          trainer_state: dict, recipe_yaml: str, *, final: Path, tmp: Path, keep_last: int, verify: bool) -> Path:
+    started = time.perf_counter()
 
     def make_tmp() -> None:
         shutil.rmtree(tmp, ignore_errors=True)

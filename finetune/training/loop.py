@@ -27,7 +27,7 @@ from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
-from finetune.training import objectives
+from finetune.training import objectives, tensor_bytes
 from finetune.training.loss import token_loss_sum
 
 
@@ -190,24 +190,26 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
             for step in range(first_step, t.max_steps + 1):
                 step_start = time.perf_counter()
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
-                micro_batches = [next(batches) for _ in range(t.grad_accum)]
-                local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
-                *totals, global_seen = distributed.all_reduce_sum([*objective.counts(micro_batches), local_seen])
-                # The step's loss stays on the device: one host sync per step (the all-reduce), none per micro-batch.
-                step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
-                for index, batch in enumerate(micro_batches):
-                    with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                        to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
-                        backward(model, to_backward)  # SFT: token-loss sum x world size / global trained tokens
-                    step_loss += batch_loss.to(step_loss.device, torch.float64)
-                    if batch_metrics is not None:
-                        step_metrics = batch_metrics if step_metrics is None else step_metrics + batch_metrics
-                distributed.doing(f"step {step}'s all-reduces (loss, gradient norm, stop check) and optimizer step")
-                summed = distributed.all_reduce_sum([step_loss] + ([] if step_metrics is None else list(step_metrics)))
-                loss = objective.step_loss(summed[0], totals)  # identical on every rank
-                extra = objective.metrics(summed[1:] if step_metrics is not None else None, totals)
-                # Clip, step, zero the gradients; never step on a NaN/inf, so every checkpoint and the adapter stay finite.
-                grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm, allowed=math.isfinite(loss))
+                with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
+                    micro_batches = [next(batches) for _ in range(t.grad_accum)]
+                    local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
+                    *totals, global_seen = distributed.all_reduce_sum([*objective.counts(micro_batches), local_seen])
+                    # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
+                    step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
+                    for index, batch in enumerate(micro_batches):
+                        with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                            to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
+                            backward(model, to_backward)  # SFT: token-loss sum x world size / global trained tokens
+                        step_loss += batch_loss.to(step_loss.device, torch.float64)
+                        if batch_metrics is not None:
+                            step_metrics = batch_metrics if step_metrics is None else step_metrics + batch_metrics
+                    distributed.doing(f"step {step}'s all-reduces (loss, gradient norm, stop check) and optimizer step")
+                    summed = distributed.all_reduce_sum([step_loss, *([] if step_metrics is None else step_metrics)])
+                    loss = objective.step_loss(summed[0], totals)  # identical on every rank
+                    extra = objective.metrics(summed[1:] if step_metrics is not None else None, totals)
+                    # Clip, step, zero the gradients; never step on a NaN/inf: every checkpoint and the adapter stay finite.
+                    grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm,
+                                                       allowed=math.isfinite(loss))
                 if finite:
                     scheduler.step()
                     result.steps, result.tokens = step, result.tokens + int(global_seen)

@@ -68,7 +68,8 @@ def assert_bitwise(a: dict, b: dict) -> None:
 
 
 def assert_nothing_damaged(out_dir: Path) -> list[tuple[int, Path]]:
-    """Every checkpoint folder matches its manifest and no temporary folder or file is left behind."""
+    """Every checkpoint folder matches its manifest and no temporary folder or file is left behind (a save that a lost
+    peer interrupted is removed by the survivors)."""
     kept = step_folders.list_checkpoints(out_dir)
     assert all(step_folders.checkpoint_problem(path) is None for _, path in kept), kept
     leftovers = [p for p in [*out_dir.glob(".*"), *out_dir.glob("checkpoints/.*")] if p.name != ".finetune.lock"]
@@ -113,6 +114,7 @@ def test_one_killed_rank_ends_the_job_names_it_and_the_resume_is_bitwise(faults)
     code, output = run(launch("fsdp2", recipe, out, "train.resume=auto"), root / "resumed.log")
     assert code == 0 and "resumed from" in output, (note, output[-3000:])
     assert_bitwise(adapter(ref), adapter(out))
+    assert_nothing_damaged(out)
 
 
 def test_a_stopped_rank_fails_the_others_after_the_collective_timeout(faults):
@@ -126,21 +128,35 @@ def test_a_stopped_rank_fails_the_others_after_the_collective_timeout(faults):
         os.kill(workers[rank], signal.SIGSTOP)
         stopped_at = time.monotonic()
         # The collective timeout; then the launcher SIGTERMs the stopped rank, which cannot act on it, and SIGKILLs it
-        # 30 s later (torch elastic's fixed grace after a worker failed; TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not used there).
-        code = process.wait(timeout=120)
+        # 30 s later (torch elastic's fixed grace after a worker failed; TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not used
+        # there; measured by hand, docs/checkpoints.md). The test does that SIGKILL itself once the survivor is gone.
+        survivor = workers[1 - rank]
+        deadline = time.monotonic() + 60
+        while _running(survivor) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failed_after = time.monotonic() - stopped_at
+        os.kill(workers[rank], signal.SIGKILL)
+        code = process.wait(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError, UnboundLocalError):
             os.kill(workers[rank], signal.SIGCONT)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     output = log.read_text()
-    assert code != 0 and time.monotonic() - stopped_at < 75, (note, output[-3000:])
+    assert code != 0 and 5 <= failed_after < 30, (note, failed_after, output[-3000:])
     assert "no answer within parallel.collective_timeout_s = 5 s" in output, (note, output[-3000:])
     assert f"rank {rank} (pid {workers[rank]} on " in output and "is stopped (SIGSTOP" in output, (note, output[-3000:])
     assert "lost a peer during step " in output or "lost a peer during the checkpoint" in output, (note, output[-3000:])
     assert "train.resume=auto" in output and f'File "{RUN_PY.parent}' not in output
     assert not (out / "adapter").exists()
     assert_nothing_damaged(out)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
