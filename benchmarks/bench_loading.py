@@ -77,7 +77,7 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     import torch
 
     from finetune import distributed, parallel, planner
-    from finetune.model import import_backends, load_config, loading
+    from finetune.model import import_backends, load_config, loading, release_freed_memory
     from finetune.recipe import Recipe
 
     info = distributed.init_distributed()
@@ -107,7 +107,7 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     loaded = loading.load_model(recipe, sharded=mode == "sharded", device=info.device, device_map=None,
                                 gradient_checkpointing=True)
     wrapped = parallel.wrap(loaded.model, plan, info, materialize=loaded.materialize)
-    loading.release_freed_memory()
+    release_freed_memory()
     distributed.barrier()
     seconds = time.perf_counter() - start
     stop.set()

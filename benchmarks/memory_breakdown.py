@@ -119,12 +119,12 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     batch = next(iter(data.BatchStream(train_examples, micro_batch_size=recipe.train.micro_batch_size, rank=0,
                                        world_size=1, seed=recipe.train.seed, pad_id=tokenizer.pad_token_id)))
     model.import_backends()
-    loading.release_freed_memory()
+    model.release_freed_memory()
     runtime = current_rss_bytes()
     distributed.seed_everything(recipe.train.seed)
     peft_model = loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
                                     gradient_checkpointing=recipe.train.gradient_checkpointing).model
-    loading.release_freed_memory()
+    model.release_freed_memory()
     load_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     parameters = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = training.loop.build_optimizer(recipe, parameters)

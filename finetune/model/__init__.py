@@ -2,11 +2,14 @@
 
     base.py          load_config, load_tokenizer, load_base_model, build_model (4-bit + k-bit prep + LoRA), the LoRA init
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
+    checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
+    materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)
 """
 
+from finetune.host_memory import release_freed_memory
 from finetune.model.base import (
     build_model,
     count_parameters,
@@ -20,7 +23,7 @@ from finetune.model.base import (
     lora_config,
     torch_dtype,
 )
-from finetune.model.loading import LoadedModel, load_model, release_freed_memory
+from finetune.model.loading import LoadedModel, load_model
 
 __all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
            "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype"]

@@ -1,0 +1,138 @@
+"""The base's checkpoint files: where a model's safetensors live, their headers, and one tensor at a time from them.
+
+A leaf of the loader: it knows files, not models (the skeleton and its filling are in loading.py and materialize.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from finetune.errors import ModelLoadError
+from finetune.recipe import Recipe
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class CheckpointIndex:
+    """Where each tensor of a safetensors checkpoint lives, and its shape (from the file headers only)."""
+
+    folder: Path
+    files: dict[str, Path] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def conversion_command(folder: Path) -> str:
+    return (f"python -m finetune.model.loading convert {folder}  (rewrites the pickle shards as model*.safetensors "
+            "beside them, reading them with torch's weights-only loader)")
+
+
+def checkpoint_index(folder: Path) -> CheckpointIndex:
+    """Read the safetensors headers of a checkpoint folder (sharded with an index file, or one file)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index_path = folder / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc}). Fix: re-download the model.") from None
+        names_by_file: dict[str, list[str]] = {}
+        for name, file_name in weight_map.items():
+            names_by_file.setdefault(file_name, []).append(name)
+    elif (folder / SINGLE_FILE).exists():
+        names_by_file = {SINGLE_FILE: []}
+    else:
+        pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        if pickles:
+            raise ModelLoadError(
+                f"{folder}: the weights are pickle files ({', '.join(pickles[:3])}), which cannot be read one tensor at a "
+                f"time, so sharded loading would need a full copy in RAM on every rank. Fix: convert them once with "
+                f"`{conversion_command(folder)}`, or set parallel.sharded_loading: false."
+            )
+        raise ModelLoadError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}. Fix: point model.name_or_path at a saved "
+                             "transformers folder with safetensors weights.")
+    index = CheckpointIndex(folder=folder)
+    for file_name, listed in names_by_file.items():
+        path = folder / file_name
+        if not path.exists():
+            raise ModelLoadError(
+                f"{index_path}: names the shard {file_name} (for {listed[0]} and {len(listed) - 1} more tensors) but "
+                f"{path} does not exist. Fix: download the missing shard (or the whole model) again."
+            )
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                index.files[name] = path
+                index.shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return index
+
+
+def checkpoint_folder(recipe: Recipe) -> Path:
+    """The local folder holding the base's weights: the recipe's path, the converted GGUF folder, or the hub cache."""
+    from finetune.model.base import is_local, offline_guard
+
+    name = recipe.model.name_or_path
+    if recipe.model.gguf_file:
+        from finetune.model.gguf import converted_folder
+
+        return converted_folder(name, recipe.model.gguf_file)
+    if is_local(name):
+        return Path(name).expanduser()
+    offline_guard(name)
+    from huggingface_hub import snapshot_download
+
+    try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold
+        return Path(snapshot_download(name, revision=recipe.model.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception as exc:  # noqa: BLE001 (hub errors come in many classes; all mean "not available here")
+        from finetune.model.base import _load_error
+
+        raise _load_error("model", name, exc) from None
+
+
+class TensorReader:
+    """One tensor at a time from memory-mapped safetensors files (file pages are shared, not process memory)."""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._handles: dict[Path, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.index.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def convert_to_safetensors(folder: Path) -> list[Path]:
+    """Rewrite pickle weight files (`*.bin`) as safetensors beside them, one shard at a time (weights-only load)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    written = []
+    shards = sorted(folder.glob("pytorch_model*.bin")) or sorted(folder.glob("*.bin"))
+    weight_map = {}
+    for shard in shards:
+        state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+        target = shard.with_name(shard.name.replace("pytorch_model", "model").removesuffix(".bin") + ".safetensors")
+        tmp = target.with_suffix(".safetensors.tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(target)
+        weight_map.update({name: target.name for name in state})
+        written.append(target)
+    if len(written) > 1:
+        tmp = folder / (INDEX_FILE + ".tmp")
+        tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        tmp.replace(folder / INDEX_FILE)
+    return written

@@ -1,0 +1,157 @@
+"""Filling a meta skeleton one module at a time: base weights read from the checkpoint (quantized on the rank's device
+exactly as `from_pretrained` does), LoRA from its seed; tied weights built once for every owner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from finetune.errors import ModelLoadError
+from finetune.host_memory import release_freed_memory
+from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+
+
+def checkpoint_name(model_name: str) -> str:
+    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`."""
+    from finetune.model.base import lora_tensor_name
+
+    return lora_tensor_name(model_name)
+
+
+def tied_groups(model: nn.Module) -> dict[int, list[str]]:
+    """Names of the meta parameters, grouped by tensor (tied weights, such as lm_head and embeddings, share one)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.is_meta:
+            groups.setdefault(id(param), []).append(name)
+    return groups
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_" in name
+
+
+# --------------------------------------------------------------------------------------------- materialising
+@dataclass
+class Materializer:
+    """Fills the meta tensors of one module at a time: base weights from the checkpoint, LoRA from its seed."""
+
+    reader: TensorReader
+    device: torch.device
+    load_dtype: torch.dtype
+    lora_seed: int
+    names: dict[int, str]  # id(module) -> its name in the PeftModel, taken before any wrapping
+    aliases: dict[str, list[tuple[nn.Module, str]]]  # tied parameters: every (module, attribute) sharing one tensor
+    lora_checksum: float = 0.0
+    trace: bool = False
+    lora_start: dict | None = None  # model.adapter's tensors: LoRA starts from them instead of the seed
+    peak_alive_bytes: int = 0  # with trace: the most tensor bytes alive right after any unit was built
+    trace_log: list[tuple[str, int]] = field(default_factory=list)
+
+    def module(self, module: nn.Module) -> None:
+        """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract)."""
+        prefix = self.names.get(id(module))
+        if prefix is None:
+            return
+        for attr, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                self._parameter(module, f"{prefix}.{attr}" if prefix else attr, attr, param)
+        for attr, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                name = f"{prefix}.{attr}" if prefix else attr
+                module._buffers[attr] = self.reader.get(checkpoint_name(name)).to(self.device, buffer.dtype)
+
+    def tree(self, root: nn.Module) -> None:
+        """Materialise everything still on the meta device under `root` (one unit: a decoder layer, or the rest).
+
+        FSDP1 calls it for every module it wraps, most of them already built by their unit: those cost nothing."""
+        if not any(t.is_meta for t in root.parameters()) and not any(b.is_meta for b in root.buffers()):
+            return
+        release_freed_memory()  # the previous unit's full tensors, freed when FSDP sharded it
+        for module in root.modules():
+            self.module(module)
+        if self.trace:
+            alive = alive_tensor_bytes()
+            self.peak_alive_bytes = max(self.peak_alive_bytes, alive)
+            self.trace_log.append((self.names.get(id(root), "?") or "root", alive))
+        if self.names.get(id(root)) == "":  # the root unit is built last: the checkpoint files can be closed
+            self.reader.close()
+
+    def _parameter(self, module: nn.Module, name: str, attr: str, param: nn.Parameter) -> None:
+        owners = self.aliases.get(name, [(module, attr)])
+        if not owners:
+            return  # a tied alias (lm_head of tied embeddings): built with the tensor the checkpoint stores
+        new = self._lora(name, param) if is_lora_name(name) else self._base(name, param)
+        for owner, owner_attr in owners:
+            owner._parameters[owner_attr] = new
+
+    def _base(self, name: str, param: nn.Parameter) -> nn.Parameter:
+        key = checkpoint_name(name)
+        if type(param).__name__ == "Params4bit":
+            import bitsandbytes as bnb
+
+            # As transformers' Bnb4bitQuantize: cast to the load dtype on the device, then quantize there.
+            value = self.reader.get(key).to(device=self.device, dtype=self.load_dtype)
+            return bnb.nn.Params4bit(value, requires_grad=False, **param.__dict__).to(self.device)
+        value = self.reader.get(key).to(device=self.device, dtype=param.dtype)
+        return nn.Parameter(value, requires_grad=param.requires_grad)
+
+    def _lora(self, name: str, param: nn.Parameter) -> nn.Parameter:
+        from finetune.model.base import init_lora_tensor, lora_fingerprint
+
+        value = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+        if not init_lora_tensor(value, name, self.lora_seed, self.lora_start):
+            raise ModelLoadError(f"{name}: sharded loading does not know how to initialise this adapter tensor. "
+                                 "Fix: set parallel.sharded_loading: false.")
+        self.lora_checksum += lora_fingerprint(value, name)
+        return nn.Parameter(value.to(self.device), requires_grad=param.requires_grad)
+
+
+def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,
+                 lora_seed: int, trace: bool = False, lora_start: dict | None = None) -> Materializer:
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    aliases: dict[str, list[tuple[nn.Module, str]]] = {}
+    for group in tied_groups(model).values():
+        if len(group) == 1:
+            continue
+        # The checkpoint holds one of the tied names (the embeddings): build under that one, for every owner.
+        stored = next((name for name in group if checkpoint_name(name) in index.shapes), group[0])
+        owners = []
+        for name in group:
+            module_name, _, attr = name.rpartition(".")
+            owners.append((model.get_submodule(module_name), attr))
+            aliases[name] = []
+        aliases[stored] = owners
+    return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace,
+                        lora_start=lora_start)
+
+
+def alive_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (each storage once; DTensors through their local shard).
+
+    Deterministic accounting for tests and benchmarks: what loading keeps, whatever the allocator does.
+    """
+    import gc
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    with warnings.catch_warnings():  # isinstance() on some deprecated module-level objects warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if type(obj) is DTensor or obj.is_meta:
+            continue  # a DTensor's local shard is a tensor of its own, counted there
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() in seen or storage.device.type == "meta":
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
