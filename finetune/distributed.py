@@ -269,7 +269,17 @@ def is_communication_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     wrapped = isinstance(exc, RuntimeError) or type(exc).__name__ == "CheckpointException"
-    return wrapped and any(marker in str(exc).lower() for marker in _COMMUNICATION_MARKERS)
+    if not wrapped:
+        return False
+    # The backend's words for a broken connection vary with where the transfer was (gloo's pair, unbound buffer,
+    # store; NCCL's watchdog): a peer on this host that is dead, gone or stopped settles it whatever the words.
+    return any(marker in str(exc).lower() for marker in _COMMUNICATION_MARKERS) or _a_local_peer_is_down()
+
+
+def _a_local_peer_is_down() -> bool:
+    me = info().rank if _INFO is not None else -1
+    return any(peer_state(host, pid) != "alive" for rank, (host, pid) in enumerate(_PEERS)
+               if rank != me and host == socket.gethostname())
 
 
 def peer_state(host: str, pid: int) -> str:

@@ -73,3 +73,11 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
         if parent == launcher_pid and rank:
             workers[int(rank[0][5:])] = int(entry.name)
     return workers
+
+
+def outline(text: str, limit: int = 60) -> str:
+    """The lines of a run's log that say what each rank did and how it ended (ours and errors), without the
+    launcher's long report: what a failed assertion shows, so that a CI log says why."""
+    keep = [line for line in text.splitlines() if "finetune" in line or "Error" in line or "error:" in line
+            or "Signal" in line or "exitcode" in line]
+    return "\n".join(keep[-limit:])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import RUN_PY, addition_rows, free_port, recipe_dict, train_losses, write_jsonl, write_recipe
-from processes import finish, kill_plan, start, wait_for_step, worker_pids
+from processes import finish, kill_plan, outline, start, wait_for_step, worker_pids
 
 from finetune import outputs
 from finetune.outputs import step_folders
@@ -110,7 +110,7 @@ def kill_and_resume(strategy: str, recipe: Path, root: Path) -> dict[str, Path]:
         os.kill(workers[rank], signal.SIGKILL)
         code = process.wait(timeout=40)  # the launcher ends the job by itself
         died = log.read_text()
-        assert code != 0 and f"rank {rank} (pid {workers[rank]} on " in died and "lost a peer" in died, (note, died[-3000:])
+        assert code != 0 and f"rank {rank} (pid {workers[rank]} on " in died and "lost a peer" in died, (note, outline(died))
     else:
         for pid in [*workers.values(), process.pid]:  # torchrun starts workers in their own sessions
             os.kill(pid, signal.SIGKILL)

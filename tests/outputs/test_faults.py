@@ -34,7 +34,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
-from processes import finish, kill_plan, start, wait_for_step, worker_pids
+from processes import finish, kill_plan, outline, start, wait_for_step, worker_pids
 from shipped import CPU_SWITCH
 
 from finetune.outputs import checkpoint, step_folders
@@ -108,7 +108,7 @@ def test_one_killed_rank_ends_the_job_names_it_and_the_resume_is_bitwise(faults)
     assert not (out / "adapter").exists(), f"the run finished before the kill landed ({note})"
     # The survivor's next collective fails (the launcher's SIGTERM only asks it to stop after its step): it names the
     # rank it lost, in one paragraph without a frame of ours (the launcher prints its own report after it).
-    assert "lost a peer" in output and f"rank {rank} (pid {workers[rank]} on " in output, (note, output[-3000:])
+    assert "lost a peer" in output and f"rank {rank} (pid {workers[rank]} on " in output, (note, outline(output))
     assert f'File "{RUN_PY.parent}' not in output, (note, output[-3000:])
     assert_nothing_damaged(out)
     code, output = run(launch("fsdp2", recipe, out, "train.resume=auto"), root / "resumed.log")

@@ -321,3 +321,27 @@ def test_fsdp2_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
     assert train_losses(out) == pytest.approx(train_losses(runs["fsdp2"]), abs=1e-6)
     got, reference = adapter(out), adapter(runs["fsdp2"])
     assert got.keys() == reference.keys() and all(torch.allclose(got[k], reference[k], atol=1e-6) for k in got)
+
+
+def test_a_failed_collective_with_a_dead_local_peer_is_a_lost_peer_whatever_its_words(monkeypatch):
+    """gloo words a broken connection differently by where the transfer was; a dead peer on this host settles it.
+    (Module state only: the peers' (host, pid) list as init_distributed fills it; no process group is needed.)"""
+    import os
+    import socket
+
+    from finetune import distributed
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(distributed, "_PEERS", [(socket.gethostname(), os.getpid()), (socket.gethostname(), peer.pid)])
+        odd = RuntimeError("[gloo/some_new_place.cc:12] unexpected end of stream")
+        odd_words = RuntimeError("an op failed: unexpected end of stream")
+        assert not distributed.is_communication_failure(odd_words)  # the peer is alive: a bug, shown as one
+        assert not distributed.is_communication_failure(TypeError("a bug while the peer lives"))
+        peer.kill()
+        peer.wait()
+        assert distributed.is_communication_failure(odd_words)
+        assert not distributed.is_communication_failure(TypeError("a bug is a bug"))  # only what collectives raise
+        assert distributed.is_communication_failure(odd)
+    finally:
+        peer.kill()
