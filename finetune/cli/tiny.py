@@ -2,7 +2,8 @@
 
 No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
 special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
-family (llama, qwen2, mistral, gemma, qwen3), saved with `save_pretrained` so it loads like any hub model.
+family (llama, qwen2, mistral, gemma, qwen3; mixtral and qwen3_moe with experts), saved with `save_pretrained` so it
+loads like any hub model.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ _FAMILY_KWARGS = {
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     "gemma": {"head_dim": 16},
+    # Mixture of experts: 4 experts, 2 routed per token (each expert as wide as the dense families' MLP).
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
 }
 
 
@@ -80,6 +84,7 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         **_FAMILY_KWARGS[family],
+        **({"moe_intermediate_size": hidden_size * 2} if family == "qwen3_moe" else {}),
     )
     return _save(config, tokenizer, Path(out_dir), seed=seed, max_shard_size=max_shard_size)
 
