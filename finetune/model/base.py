@@ -158,7 +158,8 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
     from finetune.model.experts import quantize_split_experts, split_experts
 
     # transformers leaves fused MoE experts in model.dtype: one Linear per expert projection, 4-bit like the rest.
-    if split_experts(model, dtype=kwargs["dtype"]) and kwargs["quantization_config"] is not None:
+    quantized = kwargs["quantization_config"] is not None
+    if split_experts(model, dtype=kwargs["dtype"], quantized=quantized) and quantized:
         quantize_split_experts(model, kwargs["quantization_config"], load_dtype=kwargs["dtype"])
     keep_4bit_weights_trainable_on_cpu(model)
     return model

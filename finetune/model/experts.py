@@ -132,14 +132,17 @@ def _layout(model: nn.Module, name: str, module: nn.Module) -> ExpertNames:
 
 
 # ------------------------------------------------------------------------------------------------ splitting
-def split_experts(model: nn.Module, *, dtype: torch.dtype) -> int:
+def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = True) -> int:
     """Replace every fused experts module by `RoutedExperts` of plain `nn.Linear`s, on the fused tensors' device.
 
     On the meta device (the sharded loader's skeleton) the new weights are empty and transformers' bnb quantizer then
     converts them like every Linear. With real tensors (after `from_pretrained`) each expert's weights are copied
-    out of the fused tensors (`quantize_split_experts` quantizes them). Returns the number of modules replaced."""
+    out of the fused tensors (`quantize_split_experts` quantizes them). Returns the number of modules replaced.
+    A layout this cannot split is refused when `quantized` (its experts would stay in model.dtype), else left fused."""
     replaced = 0
     for name, module in fused_expert_modules(model):
+        if not quantized and unsupported_layout(module) is not None:
+            continue
         names = _layout(model, name, module)
         experts, inter2, hidden = module.gate_up_proj.shape
         parts = len(names.gate_up)
@@ -203,10 +206,53 @@ def _peft_v4_layout():
 
 
 def get_peft_model(model: nn.Module, config, **kwargs):
-    """PEFT's `get_peft_model`, with the per-expert Linears of `RoutedExperts` targeted as the Linears they are."""
+    """PEFT's `get_peft_model`, with the per-expert Linears of `RoutedExperts` targeted as the Linears they are.
+
+    On a MoE model, targets that cannot work are refused first (`check_expert_targets`), before any weight is read
+    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules."""
     from peft import get_peft_model as peft_get_peft_model
 
     if not has_routed_experts(model):
         return peft_get_peft_model(model, config, **kwargs)
-    with _peft_v4_layout():
-        return peft_get_peft_model(model, config, **kwargs)
+    check_expert_targets(model, config)
+    try:
+        with _peft_v4_layout():
+            return peft_get_peft_model(model, config, **kwargs)
+    except ValueError as exc:
+        raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
+                             f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
+                             f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
+
+
+def _expert_leaf_names(model: nn.Module) -> str:
+    names = next((module[0].names for module in model.modules() if isinstance(module, RoutedExperts) and len(module)), None)
+    return "/".join((*names.gate_up, *names.down)) if names else "projections"
+
+
+def check_expert_targets(model: nn.Module, config) -> None:
+    """Refuse LoRA targets a MoE model cannot take, naming the key and the fix: the router (not a Linear in
+    transformers 5; it stays frozen), the fused expert names of transformers 5 (`gate_up_proj`), and an adapter
+    trained on the fused experts (PEFT's `target_parameters`, ParamWrapper: no dropout, bf16 experts)."""
+    if getattr(config, "target_parameters", None):
+        raise ModelLoadError(
+            f"model.adapter: it puts LoRA on transformers 5's fused expert tensors (target_parameters "
+            f"{sorted(config.target_parameters)}), which finetune keeps as one 4-bit Linear per expert. Fix: train a new "
+            f"adapter with finetune (target_modules all-linear puts LoRA on every expert's {_expert_leaf_names(model)}).")
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):
+        return  # all-linear (or a regex) matches Linears only: the experts' projections, never the router
+    routers = {name.rsplit(".", 1)[-1] for parent_name, parent in model.named_modules()
+               if any(isinstance(child, RoutedExperts) for child in parent.children())
+               for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))}
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for target in targets:
+        leaf = target.rsplit(".", 1)[-1]
+        if leaf in routers:
+            raise ModelLoadError(
+                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and frozen (it is no "
+                "Linear in transformers 5, and LoRA on routing changes which experts every token reaches). Fix: remove "
+                f"it from lora.target_modules.")
+        if leaf in ("gate_up_proj", "down_proj") and leaf not in leaves:
+            raise ModelLoadError(
+                f"lora.target_modules: `{target}` is transformers 5's fused expert tensor; finetune keeps one Linear per "
+                f"expert projection. Fix: name them as the checkpoint does ({_expert_leaf_names(model)}), or use all-linear.")

@@ -64,7 +64,8 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
                                                 trust_remote_code=recipe.model.trust_remote_code)
     base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
-    split_experts(base, dtype=dtype)  # fused MoE experts -> one Linear per expert projection, quantized below
+    # Fused MoE experts -> one Linear per expert projection (quantized below); refused here if they cannot be.
+    split_experts(base, dtype=dtype, quantized=recipe.quantization.method != "none")
     bnb_config = model_stage.quantization_config(recipe)
     if bnb_config is not None:
         from transformers.quantizers import AutoHfQuantizer

@@ -108,3 +108,38 @@ def test_split_experts_compute_what_transformers_fused_experts_compute(moe_model
         assert split_experts(model, dtype=torch.float32) == model.config.num_hidden_layers
         split = model(input_ids=ids).logits
     torch.testing.assert_close(split, fused, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("targets,says", [
+    (["q_proj", "gate"], "`gate` is the experts' router"),
+    (["gate_up_proj"], "`gate_up_proj` is transformers 5's fused expert tensor"),
+])
+def test_lora_targets_that_cannot_work_are_refused_before_any_weight_loads(moe_models, monkeypatch, targets, says):
+    from finetune.errors import ModelLoadError
+    from finetune.model import checkpoint_files, loading
+
+    def no_reads(self, name):
+        raise AssertionError(f"read {name} before refusing")
+
+    monkeypatch.setattr(checkpoint_files.TensorReader, "get", no_reads)
+    with pytest.raises(ModelLoadError) as error:
+        loading.load_model(_recipe(moe_models["mixtral"], target_modules=targets), sharded=True,
+                           device=torch.device("cpu"), device_map=None, gradient_checkpointing=False)
+    assert says in str(error.value) and "Fix:" in str(error.value)
+    assert "w1/w3/w2" in str(error.value) or "frozen" in str(error.value)
+
+
+def test_expert_layouts_it_cannot_split_are_refused_when_quantizing():
+    """gpt-oss keeps its experts transposed with biases: refused with the fix under 4-bit, left fused without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.errors import ModelLoadError
+    from finetune.model.experts import split_experts
+
+    config = AutoConfig.for_model("gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ModelLoadError, match=r"stored transposed.*Fix: set quantization.method: none"):
+        split_experts(model, dtype=torch.bfloat16, quantized=True)
+    assert split_experts(model, dtype=torch.bfloat16, quantized=False) == 0
