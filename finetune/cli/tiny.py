@@ -111,6 +111,7 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
 
     Same model_type (so the same decoder-layer class, norms, activation, rope scaling, soft-capping, sliding window,
     bias and tied-embedding settings); only the sizes shrink: `num_layers` layers, `hidden_size` wide, 4 heads of 16,
+    4 experts with 2 per token where the model has experts,
     grouped-query attention kept as such (2 key/value heads) where the original has it. Token ids follow the tiny
     tokenizer. None when no architecture is stored for the name.
     """
@@ -131,6 +132,11 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
     )
     if "head_dim" in fields:  # an explicit head size (Gemma, SmolLM2): keep it explicit
         fields["head_dim"] = hidden_size // 4
+    for experts_key in ("num_local_experts", "num_experts"):  # mixture of experts: 4 experts, 2 per token
+        if fields.get(experts_key):
+            fields.update({experts_key: 4, "num_experts_per_tok": min(2, fields.get("num_experts_per_tok") or 2)})
+    if fields.get("moe_intermediate_size"):
+        fields["moe_intermediate_size"] = hidden_size * 2
     if fields.get("max_window_layers"):  # Qwen2: layers past this use the sliding window (when enabled)
         fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
