@@ -68,6 +68,20 @@ def tiny_gemma(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma"), family="gemma")
 
 
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    from finetune.cli.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), family="mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    from finetune.cli.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe")
+
+
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -142,13 +156,12 @@ LIBRARY_LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-li
 
 
 @pytest.fixture(scope="session")
-def shipped_run(tiny_llama, tiny_qwen2, tiny_gemma, tmp_path_factory):
+def shipped_run(request, tmp_path_factory):
     """`run(config, family, checkpointing, dropout=None) -> (run folder, CompletedProcess)`: a tiny model trained for
     SHIPPED_STEPS steps under a shipped accelerate config, at the same global batch for every config, with the
     library's LoRA settings (`dropout` overrides only the dropout); each run once per session."""
     from shipped import ACCELERATE_CONFIG_RUNS, config_file, recipe_dtype
 
-    models = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gemma": tiny_gemma}
     root = tmp_path_factory.mktemp("shipped")
     data = write_jsonl(root / "train.jsonl", addition_rows(48))
     done: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
@@ -161,7 +174,8 @@ def shipped_run(tiny_llama, tiny_qwen2, tiny_gemma, tmp_path_factory):
             name += "" if dropout is None else f"-dropout{dropout}"
             micro_batch = SHIPPED_GLOBAL_BATCH // ACCELERATE_CONFIG_RUNS[config].processes
             lora = dict(LIBRARY_LORA, **({} if dropout is None else {"dropout": dropout}))
-            recipe = recipe_dict(models[family], data, root / name, model={"dtype": recipe_dtype(config)}, lora=lora,
+            model_dir = request.getfixturevalue(f"tiny_{family}")  # built on first use (llama, qwen2, gemma, mixtral...)
+            recipe = recipe_dict(model_dir, data, root / name, model={"dtype": recipe_dtype(config)}, lora=lora,
                                  train={"max_steps": SHIPPED_STEPS, "micro_batch_size": micro_batch,
                                         "gradient_checkpointing": checkpointing, "eval_every": SHIPPED_STEPS},
                                  eval={"generation_rows": 2, "max_new_tokens": 2})

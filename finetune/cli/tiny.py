@@ -2,7 +2,8 @@
 
 No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
 special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
-family (llama, qwen2, mistral, gemma, qwen3), saved with `save_pretrained` so it loads like any hub model.
+family (llama, qwen2, mistral, gemma, qwen3; mixtral and qwen3_moe with experts), saved with `save_pretrained` so it
+loads like any hub model.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ _FAMILY_KWARGS = {
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     "gemma": {"head_dim": 16},
+    # Mixture of experts: 4 experts, 2 routed per token (each expert as wide as the dense families' MLP).
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
 }
 
 
@@ -80,6 +84,7 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         **_FAMILY_KWARGS[family],
+        **({"moe_intermediate_size": hidden_size * 2} if family == "qwen3_moe" else {}),
     )
     return _save(config, tokenizer, Path(out_dir), seed=seed, max_shard_size=max_shard_size)
 
@@ -106,6 +111,7 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
 
     Same model_type (so the same decoder-layer class, norms, activation, rope scaling, soft-capping, sliding window,
     bias and tied-embedding settings); only the sizes shrink: `num_layers` layers, `hidden_size` wide, 4 heads of 16,
+    4 experts with 2 per token where the model has experts,
     grouped-query attention kept as such (2 key/value heads) where the original has it. Token ids follow the tiny
     tokenizer. None when no architecture is stored for the name.
     """
@@ -126,6 +132,11 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
     )
     if "head_dim" in fields:  # an explicit head size (Gemma, SmolLM2): keep it explicit
         fields["head_dim"] = hidden_size // 4
+    for experts_key in ("num_local_experts", "num_experts"):  # mixture of experts: 4 experts, 2 per token
+        if fields.get(experts_key):
+            fields.update({experts_key: 4, "num_experts_per_tok": min(2, fields.get("num_experts_per_tok") or 2)})
+    if fields.get("moe_intermediate_size"):
+        fields["moe_intermediate_size"] = hidden_size * 2
     if fields.get("max_window_layers"):  # Qwen2: layers past this use the sliding window (when enabled)
         fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)

@@ -4,6 +4,8 @@
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
     checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
+    experts.py       mixture-of-experts layers split into one Linear per expert projection (4-bit, LoRA on each)
+    conversions.py   transformers' checkpoint key renames and expert fusion applied to a checkpoint index
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)

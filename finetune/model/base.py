@@ -155,6 +155,12 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
         raise _load_error("model", name, exc) from None
+    from finetune.model.experts import quantize_split_experts, split_experts
+
+    # transformers leaves fused MoE experts in model.dtype: one Linear per expert projection, 4-bit like the rest.
+    quantized = kwargs["quantization_config"] is not None
+    if split_experts(model, dtype=kwargs["dtype"], quantized=quantized) and quantized:
+        quantize_split_experts(model, kwargs["quantization_config"], load_dtype=kwargs["dtype"])
     keep_4bit_weights_trainable_on_cpu(model)
     return model
 
@@ -241,7 +247,7 @@ def adapter_start(recipe: Recipe) -> dict[str, torch.Tensor] | None:
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
     (or from model.adapter's values)."""
-    from peft import get_peft_model
+    from finetune.model.experts import get_peft_model
 
     peft_model = get_peft_model(model, lora_config(recipe))
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe))

@@ -25,6 +25,9 @@ class CheckpointIndex:
     folder: Path
     files: dict[str, Path] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # A model tensor stored under another name, or as part of a stored tensor (transformers' key renames and expert
+    # fusion, finetune/model/conversions.py): model name -> (name in the file, expert index or None, part, parts).
+    views: dict[str, tuple[str, int | None, int, int]] = field(default_factory=dict)
 
 
 def conversion_command(folder: Path) -> str:
@@ -106,10 +109,13 @@ class TensorReader:
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        path = self.index.files[name]
+        stored, expert, part, parts = self.index.views.get(name, (name, None, 0, 1))
+        path = self.index.files[stored]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)
+        handle = self._handles[path]
+        tensor = handle.get_tensor(stored) if expert is None else handle.get_slice(stored)[expert]  # one expert's rows
+        return tensor if parts == 1 else tensor.chunk(parts, dim=0)[part].contiguous()
 
     def close(self) -> None:
         self._handles.clear()

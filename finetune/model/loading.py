@@ -38,6 +38,7 @@ from finetune.model.checkpoint_files import (  # noqa: F401
     checkpoint_index,
     convert_to_safetensors,
 )
+from finetune.model.conversions import convert_index
 from finetune.model.materialize import (  # noqa: F401
     Materializer,
     alive_tensor_bytes,
@@ -53,16 +54,18 @@ from finetune.recipe import Recipe
 def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> nn.Module:
     """The PeftModel (4-bit layers and LoRA included) with every parameter on the meta device."""
     from accelerate import init_empty_weights
-    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from finetune.model import base as model_stage
+    from finetune.model.experts import get_peft_model, split_experts
 
     dtype = model_stage.torch_dtype(recipe.model.dtype)
     with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
                                                 trust_remote_code=recipe.model.trust_remote_code)
     base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
+    # Fused MoE experts -> one Linear per expert projection (quantized below); refused here if they cannot be.
+    split_experts(base, dtype=dtype, quantized=recipe.quantization.method != "none")
     bnb_config = model_stage.quantization_config(recipe)
     if bnb_config is not None:
         from transformers.quantizers import AutoHfQuantizer
@@ -147,6 +150,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
     index = checkpoint_index(folder)
+    convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
     check_checkpoint(skeleton, index)
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
                            lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe))

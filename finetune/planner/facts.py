@@ -66,6 +66,11 @@ class ModelFacts:
     eager_attention: bool = False  # scores of size seq x seq are kept (attention softcapping)
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     notes: list[str] = field(default_factory=list)
+    # Mixture of experts (finetune/model/experts.py: one 4-bit Linear per expert projection): experts per layer, how
+    # many each token is routed to, and an expert's intermediate size. 0: a dense model.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     def total_bytes(self, *, trainable: bool | None = None) -> int:
         return sum(t.nbytes for t in self.tensors if trainable is None or t.trainable == trainable)
@@ -86,10 +91,13 @@ def _lora_targets(name: str, is_output: bool, target_modules) -> bool:
 
 
 def _layers_list(model) -> tuple[str, int]:
-    """Dotted name and length of the longest ModuleList (the decoder layers)."""
+    """Dotted name and length of the longest ModuleList (the decoder layers; a layer's experts are no such list)."""
     from torch import nn
 
-    lists = [(n, len(m)) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    from finetune.model.experts import RoutedExperts
+
+    lists = [(n, len(m)) for n, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and not isinstance(m, RoutedExperts) and len(m)]
     if not lists:
         return "", 0
     return max(lists, key=lambda item: item[1])
@@ -127,9 +135,25 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, 
     return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
 
 
+def _split_experts(model, quantized: bool) -> tuple[int, int]:
+    """Fused MoE experts split as the loaders split them (one Linear per expert projection, so the loop below counts
+    them at 4 bits with a LoRA each); returns (experts per layer, an expert's intermediate size), (0, 0) if dense."""
+    from finetune.model.experts import RoutedExperts, fused_expert_modules, split_experts
+
+    fused = fused_expert_modules(model)
+    if not fused:
+        return 0, 0
+    split_experts(model, dtype=fused[0][1].gate_up_proj.dtype, quantized=quantized)
+    routed = next((m for m in model.modules() if isinstance(m, RoutedExperts)), None)
+    if routed is None:  # left fused (quantization none, a layout that is not split): counted as the tensors they are
+        return fused[0][1].gate_up_proj.shape[0], fused[0][1].down_proj.shape[-1]
+    return len(routed), getattr(routed[0], routed[0].names.gate_up[0]).out_features
+
+
 def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lora_bytes: int = 4) -> ModelFacts:
     from torch import nn
 
+    experts, expert_intermediate = _split_experts(model, recipe.quantization.method != "none")
     dtype_bytes = DTYPE_BYTES[recipe.model.dtype]
     quantized = recipe.quantization.method != "none"
     storage_bytes = DTYPE_BYTES[recipe.quantization.quant_storage or recipe.model.dtype]
@@ -156,8 +180,10 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
             module, r = owner[1], recipe.lora.r
             tensors.append(Tensor(f"{owner[0]}.lora_A", r, module.in_features, lora_bytes, True, f"lora:{owner[0]}.A"))
             tensors.append(Tensor(f"{owner[0]}.lora_B", module.out_features, r, lora_bytes, True, f"lora:{owner[0]}.B"))
-            if unit == "layer0":
-                lora_inputs.append((owner[0].rsplit(".", 1)[-1], module.in_features))
+            expert = re.search(r"\.experts\.(\d+)\.", owner[0])
+            if unit == "layer0" and (expert is None or expert.group(1) == "0"):  # one expert stands for each routed
+                target = owner[0].rsplit(".", 1)[-1]
+                lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -170,6 +196,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
         eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
+        experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        expert_intermediate=expert_intermediate,
     )
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")

@@ -23,6 +23,7 @@ An architecture transformers cannot build gets a generic Llama-shaped estimate, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -133,10 +134,22 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
              "attention": a * (2 * facts.hidden + 2 * kv) + 4 * facts.heads + (a * seq_len if masked else 0)
              + (3 * a * facts.heads * seq_len if facts.eager_attention else 0),  # scores, capped scores, probabilities
              "mlp": 3 * a * facts.intermediate, "lora": 0}
+    top_k = facts.experts_per_token
+    if top_k:  # a token's copy for each of its top-k experts, their three intermediates and routed output; the router's
+        # fp32 logits and probabilities (every layer of a MoE model: dense layers between them are not modelled)
+        parts["mlp"] = top_k * a * (3 * facts.expert_intermediate + 2 * facts.hidden) + 2 * 4 * facts.experts
     # o_proj's input is the attention output (saved there) unless eager attention makes a transposed copy.
     shared_inputs: set[str] = set() if facts.eager_attention else {"o_proj"}
+    expert_targets = [(t.removeprefix("expert:"), n) for t, n in facts.lora_inputs if t.startswith("expert:")]
+    if expert_targets:  # one expert's projections stand for the top-k experts each token reaches
+        one_expert = dataclasses.replace(facts, lora_inputs=expert_targets, experts=0, experts_per_token=0)
+        parts["lora"] += top_k * activation_parts_per_token_layer(one_expert, recipe, seq_len=seq_len,
+                                                                  dropout_mask_bytes=dropout_mask_bytes)["lora"]
     for target, in_features in facts.lora_inputs:
-        group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}.get(target, target)
+        if target.startswith("expert:"):
+            continue
+        group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp",
+                 "w1": "mlp", "w3": "mlp"}.get(target, target)
         if getattr(recipe.lora, "fused", False):
             parts["lora"] += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
             shared_inputs.add(group)

@@ -40,12 +40,17 @@ def many_layer_models(tmp_path_factory):
                                                 max_shard_size="300KB"),
         "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", hidden_size=128, num_layers=16,
                                        tie_word_embeddings=True),
+        # Mixture of experts (4 experts, top-2): per-expert checkpoint tensors, Mixtral's `block_sparse_moe.` renamed
+        # to `mlp.` by transformers' conversion mapping; every expert projection 4-bit (finetune/model/experts.py).
+        "mixtral": build_tiny_model(root / "mixtral", family="mixtral", hidden_size=64, num_layers=16),
+        "qwen3-moe": build_tiny_model(root / "qwen3-moe", family="qwen3_moe", hidden_size=64, num_layers=16),
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name,fsdp_version", [("llama-sharded-index", 2), ("llama-sharded-index", 1),
-                                                     ("qwen2-tied", 2), ("qwen2-tied", 1)])
+                                                     ("qwen2-tied", 2), ("qwen2-tied", 1), ("mixtral", 2),
+                                                     ("qwen3-moe", 1)])
 def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models, model_name, fsdp_version, tmp_path):
     model_dir = many_layer_models[model_name]
     if model_name.startswith("llama"):

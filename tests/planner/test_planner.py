@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def _recipe(name: str = "x", **sections):
     ("mistralai/Mistral-7B-Instruct-v0.3", 7.248), ("Qwen/Qwen2.5-7B-Instruct", 7.616),
     ("Qwen/Qwen2.5-14B-Instruct", 14.770), ("Qwen/Qwen2.5-32B-Instruct", 32.764), ("Qwen/Qwen2.5-72B-Instruct", 72.706),
     ("google/gemma-2-9b-it", 9.242), ("microsoft/phi-4", 14.660), ("HuggingFaceTB/SmolLM2-135M-Instruct", 0.134515),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", 46.703), ("Qwen/Qwen3-30B-A3B", 30.532),
 ])
 def test_stored_architectures_have_the_published_parameter_counts(name, billions):
     import torch
@@ -55,7 +57,7 @@ def test_stored_architectures_have_the_published_parameter_counts(name, billions
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=2e-3)
     assert stored_config_dict(name)["model_type"] == config.model_type
-    assert len(stored_names()) == 12 and stored_config("nobody/unknown-model") is None
+    assert len(stored_names()) == 14 and stored_config("nobody/unknown-model") is None
 
 
 # ------------------------------------------------------------------------------------------- published figures
@@ -237,15 +239,19 @@ def test_plan_refuses_data_parallel_with_the_same_paragraph(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,strategy,fsdp_version", [("fsdp1", "fsdp", 1), ("fsdp2", "fsdp", 2), ("ddp", "ddp", 2)])
-def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, tiny_llama, config, strategy, fsdp_version):
+@pytest.mark.parametrize("config,strategy,fsdp_version,family,dropout", [
+    ("fsdp1", "fsdp", 1, "llama", None), ("fsdp2", "fsdp", 2, "llama", None), ("ddp", "ddp", 2, "llama", None),
+    # Mixture of experts: every expert projection 4-bit with its LoRA, routers bf16 (the runs of
+    # tests/parallel/test_experts_parallel.py, reused).
+    ("fsdp2", "fsdp", 2, "mixtral", 0.0), ("ddp", "ddp", 2, "qwen3_moe", 0.05)])
+def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, config, strategy, fsdp_version, family, dropout):
     """Under the shipped configs (bf16 base, fp32 LoRA master weights, FSDP1 included) the planner's bytes are exact."""
-    run_dir, result = shipped_run(config, "llama", True)
+    run_dir, result = shipped_run(config, family, True, dropout=dropout)
     assert result.returncode == 0, result.stderr[-2000:]
     from transformers import AutoConfig
 
     recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
-    facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
+    facts = facts_from_config(AutoConfig.from_pretrained(recipe.model.name_or_path), recipe)
     for rank in (0, 1):
         measured = json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())
         predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
@@ -271,3 +277,26 @@ def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy():
     assert part(with_start, "dpo_reference_copy") == 2 * held
     note = estimate(facts, with_start, "single", Hardware(1, 24 * GiB)).notes
     assert any("model.adapter" in line for line in note)
+
+
+def test_moe_experts_count_4bit_with_top_k_routing_activations():
+    """Mixtral-8x7B (stored numbers): experts at 4 bits (~96% of the weights), routers bf16; activations per token
+    follow the experts each token is routed to (top-k), not all experts."""
+    from finetune.planner.memory import activation_parts_per_token_layer
+
+    recipe = _recipe("mistralai/Mixtral-8x7B-Instruct-v0.1", lora={"dropout": 0.05})
+    config = stored_config("mistralai/Mixtral-8x7B-Instruct-v0.1")
+    facts = facts_from_config(config, recipe)
+    experts = [t for t in facts.tensors if ".experts." in t.name and not t.trainable]
+    assert len(experts) == 32 * 8 * 3 and all(t.elem_bytes == 2 and t.row_elems == 1 for t in experts)
+    assert sum(t.nbytes for t in experts) == 32 * 8 * 3 * 4096 * 14336 // 2  # 4 bits per expert weight
+    routers = [t for t in facts.tensors if t.name.endswith("mlp.gate.weight")]
+    assert len(routers) == 32 and all(t.nbytes == 8 * 4096 * 2 for t in routers)
+    assert facts.total_bytes(trainable=False) / GiB == pytest.approx(22.1, abs=0.1)
+    assert (facts.experts, facts.experts_per_token, facts.expert_intermediate) == (8, 2, 14336)
+    one = facts_from_config(stored_config("mistralai/Mixtral-8x7B-Instruct-v0.1"), recipe)
+    one.experts_per_token = 1
+    two_k, one_k = (activation_parts_per_token_layer(f, recipe, seq_len=1024) for f in (facts, one))
+    assert two_k["mlp"] - 8 * 8 == 2 * (one_k["mlp"] - 8 * 8)  # per routed expert: 3 intermediates + in/out copies
+    assert two_k["lora"] - one_k["lora"] == one_k["lora"] - activation_parts_per_token_layer(
+        dataclasses.replace(one, experts_per_token=0), recipe, seq_len=1024)["lora"] > 0

@@ -1,0 +1,145 @@
+"""Mixture-of-experts models as real QLoRA (finetune/model/experts.py, conversions.py): on a tiny Mixtral and a tiny
+Qwen3-MoE saved by transformers 5's own `save_pretrained` (per-expert tensors, as hub checkpoints ship them), every
+expert weight is 4-bit, LoRA with dropout sits on every expert projection, the router stays unquantized and frozen,
+and the per-tensor loader reads the checkpoint through transformers' key conversions with from_pretrained's bytes.
+
+Before: experts stayed bf16 (bitsandbytes quantizes nn.Linear only), PEFT refused dropout on them (ParamWrapper), and
+the per-tensor and sharded loaders refused the checkpoint (per-expert names, `block_sparse_moe.`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import recipe_dict
+from loading_check import held_tensors
+from safetensors.torch import save_file
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from finetune.cli.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    return {family: build_tiny_model(root / family, family=family) for family in MOE_FAMILIES}
+
+
+def _recipe(model_dir, **lora):
+    from finetune.recipe import Recipe
+
+    recipe = recipe_dict(model_dir, model_dir / "unused.jsonl", model_dir / "unused-run", model={"dtype": "bfloat16"},
+                         lora={"r": 2, "alpha": 4, "dropout": 0.05, "target_modules": "all-linear", **lora})
+    return Recipe.model_validate(recipe)
+
+
+def _fused_checkpoint(model_dir, target):
+    """The same weights saved with transformers 5's fused 3-D expert tensors (as some newer uploads store them)."""
+    from transformers import AutoModelForCausalLM
+
+    target.mkdir()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(target / "model.safetensors"),
+              metadata={"format": "pt"})
+    model.config.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_experts_are_4bit_with_lora_and_both_loaders_hold_the_same_bytes(moe_models, family, tmp_path):
+    from finetune.model import base, loading
+    from finetune.model.experts import RoutedExperts
+
+    model_dir, cpu = moe_models[family], torch.device("cpu")
+    recipe = _recipe(model_dir)
+    reference = base.build_model(recipe, device=cpu, gradient_checkpointing=False)  # from_pretrained, then split
+    loaded = loading.load_model(recipe, sharded=False, device=cpu, device_map=None, gradient_checkpointing=False)
+    model, config = loaded.model, reference.config
+    assert loaded.builder is not None  # read tensor by tensor through the key conversions, not refused
+    expected = held_tensors(reference)
+    held = held_tensors(model)
+    assert sorted(held) == sorted(expected)
+    assert [k for k in held if not torch.equal(held[k], expected[k])] == []
+
+    # Every expert weight is stored 4-bit: packed bytes = half the expert elements, no 3-D expert tensor left.
+    experts = config.num_local_experts if family == "mixtral" else config.num_experts
+    inter = config.intermediate_size if family == "mixtral" else config.moe_intermediate_size
+    expert_elements = config.num_hidden_layers * experts * 3 * config.hidden_size * inter
+    expert_weights = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" not in n}
+    assert len(expert_weights) == config.num_hidden_layers * experts * 3
+    assert all(type(p).__name__ == "Params4bit" and p.quant_state.nested for p in expert_weights.values())
+    assert sum(p.numel() * p.element_size() for p in expert_weights.values()) == expert_elements // 2
+    assert not [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert sum(isinstance(m, RoutedExperts) for m in model.modules()) == config.num_hidden_layers
+    # The router: model.dtype, unquantized, frozen.
+    routers = {n: p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    assert len(routers) == config.num_hidden_layers
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in routers.values())
+    # LoRA with the library's dropout on every expert projection.
+    expert_lora = [m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "lora_dropout")
+                   and "default" in m.lora_dropout]
+    assert len(expert_lora) == len(expert_weights)
+    assert {m.lora_dropout["default"].p for m in expert_lora} == {0.05}
+
+    # The forward: the same as transformers' own fused experts (quantization off, fp32), and it trains.
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n]
+    assert grads and all(g is not None for g in grads)  # every expert's LoRA is in the graph, routed to or not
+
+    # A checkpoint storing the fused 3-D tensors reads as the same bytes (each expert sliced from them).
+    fused = loading.load_model(_recipe(_fused_checkpoint(model_dir, tmp_path / "fused")), sharded=False, device=cpu,
+                               device_map=None, gradient_checkpointing=False).model
+    fused_held = held_tensors(fused)
+    assert [k for k in held if not torch.equal(fused_held[k], held[k])] == []
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_split_experts_compute_what_transformers_fused_experts_compute(moe_models, family):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.experts import split_experts
+
+    model = AutoModelForCausalLM.from_pretrained(moe_models[family], dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        fused = model(input_ids=ids).logits
+        assert split_experts(model, dtype=torch.float32) == model.config.num_hidden_layers
+        split = model(input_ids=ids).logits
+    torch.testing.assert_close(split, fused, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("targets,says", [
+    (["q_proj", "gate"], "`gate` is the experts' router"),
+    (["gate_up_proj"], "`gate_up_proj` is transformers 5's fused expert tensor"),
+])
+def test_lora_targets_that_cannot_work_are_refused_before_any_weight_loads(moe_models, monkeypatch, targets, says):
+    from finetune.errors import ModelLoadError
+    from finetune.model import checkpoint_files, loading
+
+    def no_reads(self, name):
+        raise AssertionError(f"read {name} before refusing")
+
+    monkeypatch.setattr(checkpoint_files.TensorReader, "get", no_reads)
+    with pytest.raises(ModelLoadError) as error:
+        loading.load_model(_recipe(moe_models["mixtral"], target_modules=targets), sharded=True,
+                           device=torch.device("cpu"), device_map=None, gradient_checkpointing=False)
+    assert says in str(error.value) and "Fix:" in str(error.value)
+    assert "w1/w3/w2" in str(error.value) or "frozen" in str(error.value)
+
+
+def test_expert_layouts_it_cannot_split_are_refused_when_quantizing():
+    """gpt-oss keeps its experts transposed with biases: refused with the fix under 4-bit, left fused without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.errors import ModelLoadError
+    from finetune.model.experts import split_experts
+
+    config = AutoConfig.for_model("gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ModelLoadError, match=r"stored transposed.*Fix: set quantization.method: none"):
+        split_experts(model, dtype=torch.bfloat16, quantized=True)
+    assert split_experts(model, dtype=torch.bfloat16, quantized=False) == 0
