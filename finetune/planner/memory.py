@@ -321,7 +321,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
                        checkpointing=checkpointing, lora_path=lora_path_for(recipe, key, fsdp_version=facts.fsdp_version),
                        gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, world),
                        optimizer_temporary=trainable)
-    layer_unit, root_unit = _unit_sizes(facts, lora_elem_bytes=facts.dtype_bytes if fsdp else None)
+    _, root_unit = _unit_sizes(facts)
     parts = {
         "base": 0 if offload else (held["frozen_bytes"] - root_unit) // devices + root_unit if key == "layer_split"
         else 0 if offload else held["frozen_bytes"],
@@ -338,15 +338,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     if _swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
         parts["dpo_reference_copy"] = 2 * held["trainable_bytes"] // devices
     if fsdp:
-        # Full shard: the root unit (embeddings, head) stays gathered. FSDP2: two decoder layers in flight, the current
-        # one and the next one's all-gather output (its backward prefetch is the next decoder layer). FSDP1: one. It
-        # prefetches the unit that ran before the current one in the forward, and finetune wraps every LoRA A/B as a
-        # unit of its own (finetune/parallel/wrapping.py), so before a decoder layer comes a LoRA leaf of the layer
-        # below (kB), not that layer; a layer is resharded when its backward ends, before the next is recomputed.
-        # Device-independent (execution order, not streams). Shard-grad-op keeps every gathered unit until backward
-        # ends: the whole model, unsharded.
-        in_flight = 1 if facts.fsdp_version == 1 else 2
-        parts["fsdp_unsharded"] = facts.total_bytes() if key == "fsdp_grad_op" else root_unit + in_flight * layer_unit
+        parts["fsdp_unsharded"] = _gathered_bytes(facts, key)
     dynamic = parts["activations"] + parts["logits_loss"] + parts["fsdp_unsharded"]
     parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
     result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
@@ -369,6 +361,24 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
     return result
+
+
+def _gathered_bytes(facts: ModelFacts, key: str) -> int:
+    """FSDP's unsharded units at the step's peak, with their LoRA in param_dtype (mixed precision casts the fp32 shards
+    before the all-gather).
+
+    Full shard: the root unit (embeddings, head) stays gathered. FSDP2: two decoder layers in flight, the current one
+    and the next one's all-gather output (its backward prefetch is the next decoder layer). FSDP1: one. It prefetches
+    the unit that ran before the current one in the forward, and finetune wraps every LoRA A/B as a unit of its own
+    (finetune/parallel/wrapping.py), so before a decoder layer comes a LoRA leaf of the layer below (kB), not that
+    layer; a layer is resharded when its backward ends, before the next one is recomputed. Both follow the execution
+    order, not streams: the same on GPUs. Shard-grad-op keeps every gathered unit until backward ends: the whole
+    model, unsharded.
+    """
+    if key == "fsdp_grad_op":
+        return facts.total_bytes()
+    layer_unit, root_unit = _unit_sizes(facts, lora_elem_bytes=facts.dtype_bytes)
+    return root_unit + (1 if facts.fsdp_version == 1 else 2) * layer_unit
 
 
 def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
