@@ -1,7 +1,7 @@
 """Per-rank peak memory and step time of DDP vs FSDP2 vs FSDP1 vs DeepSpeed ZeRO-2 / ZeRO-3 at 2 ranks, same model,
 data and global batch.
 
-    python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12] [--no-deepspeed]
+    python benchmarks/bench_ddp_vs_fsdp.py [--hidden-size 512] [--layers 8] [--steps 12] [--no-deepspeed] [--parts]
 
 Runs each strategy through `accelerate launch` with the shipped accelerate_configs/ddp.yaml, fsdp2.yaml and
 fsdp1.yaml and reads what every rank wrote: parameter bytes it holds (`ranks/rank{r}.json`), peak RSS, and step times
@@ -13,6 +13,11 @@ The DeepSpeed rows run the shipped accelerate_configs/deepspeed_zero{2,3}.yaml t
 that sets the ZeRO-3 persistence thresholds to 0: at this model size every tensor is below DeepSpeed's default
 threshold (1e5 elements) and would stay whole on every rank, unlike the projections of any real model. They need
 `pip install 'finetune[deepspeed]'` (`--no-deepspeed` leaves them out).
+
+`--parts`: step 2 of the DDP, FSDP2 and FSDP1 runs is also measured tensor by tensor (FINETUNE_MEASURE_STEP=2) and
+rank 0's figures are printed part by part next to the planner's for the same recipe and strategy (base, LoRA, AdamW,
+quantization state, gradients, gathered units, activations, loss; the same table as bench_train_peak.py --parts and
+the same comparison as tests/training/test_tensor_bytes.py: finetune/training/tensor_bytes.py's parts_table).
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
     return path
 
 
-def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool, overrides: tuple[str, ...] = ()) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool, overrides: tuple[str, ...] = (),
+                 parts: bool = False) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **({"FINETUNE_MEASURE_STEP": "2"} if parts else {}))
     cpu_flags = []
     if not gpu:
         env["ACCELERATE_USE_CPU"] = "true"  # not `--cpu`: that flag starts one process whatever the config says
@@ -63,7 +69,7 @@ def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool,
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json"))]
+    ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json")) if p.name.count(".") == 1]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]
     step_times = [b - a for a, b in itertools.pairwise(elapsed)][2:]  # skip warm-up steps
@@ -72,6 +78,7 @@ def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool,
         "params_mb": max(r["frozen_bytes"] + r["trainable_bytes"] for r in ranks) / 2**20,
         "peak_mb": max(r[peak_key] for r in ranks) / 2**20,
         "step_s": statistics.median(step_times),
+        "tensor_bytes": json.loads((out / "ranks" / "rank0.step2.tensor_bytes.json").read_text()) if parts else None,
     }
 
 
@@ -82,12 +89,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave out the DeepSpeed ZeRO-2/3 rows")
+    parser.add_argument("--parts", action="store_true", help="measure step 2 tensor by tensor, against the planner")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers, "bfloat16" if args.gpu else "float32")
-        results = {name: run_strategy(f"{name}.yaml", recipe, root / name, args.steps, gpu=args.gpu)
+        results = {name: run_strategy(f"{name}.yaml", recipe, root / name, args.steps, gpu=args.gpu, parts=args.parts)
                    for name in ("ddp", "fsdp2", "fsdp1")}
+        parts = parts_text(results, recipe) if args.parts else ""
         if not args.no_deepspeed:
             tuning = root / "zero3_tuning.json"
             tuning.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0,
@@ -104,6 +113,20 @@ def main() -> None:
         print(f"{name:10} {r['params_mb']:15.2f} {r['peak_mb']:13.1f} {r['step_s']:8.3f} "
               f"{r['params_mb'] / base['params_mb']:14.2f} {r['peak_mb'] / base['peak_mb']:12.2f} "
               f"{r['step_s'] / base['step_s']:12.2f}")
+    if parts:
+        print(parts)
+
+
+def parts_text(results: dict, recipe_path: Path) -> str:
+    """Rank 0's tensor bytes at step 2 against the planner, part by part (finetune/training/tensor_bytes.py)."""
+    sys.path.insert(0, str(REPO))
+    from finetune.recipe import load_recipe
+    from finetune.training.tensor_bytes import parts_table, planned_parts
+
+    recipe = load_recipe(str(recipe_path))
+    measured = {name: results[name]["tensor_bytes"] for name in ("fsdp2", "fsdp1", "ddp")}
+    return ("\ntensor bytes of rank 0 at step 2's peak (measured op by op) vs the planner\n"
+            + parts_table(measured, {name: planned_parts(recipe, name) for name in measured}))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ glibc's own settings); all figures come from this one session.
 `--parts`: step 2 of every run is also measured tensor by tensor (FINETUNE_MEASURE_STEP=2,
 finetune/training/tensor_bytes.py: the bytes of tensors alive when the step starts, and the peak of those the step
 creates), and each rank's figures are printed next to the planner's for the same recipe and strategy (its GPU
-figures without the CUDA context and fragmentation, which a CPU run has not): what the rank holds (base shard,
-quantization state, LoRA weights and AdamW moments), what the step adds at its peak (gradients, FSDP's unsharded
-units, activations, the loss), the sum, and the ratio.
+figures without the CUDA context and fragmentation, which a CPU run has not), part by part: what the rank holds
+(base shard, LoRA weights, AdamW moments, the quantization state and the rest), what the step adds at its peak
+(gradients, FSDP's unsharded units, activations, the loss, optimizer temporaries), the sums and their ratio
+(finetune/training/tensor_bytes.py: parts_table).
 """
 
 from __future__ import annotations
@@ -138,34 +139,16 @@ def run_config(config: str, recipe: Path, out: Path, steps: int, env: dict[str, 
             "tokens_per_s": statistics.median(speeds[1:] or speeds), "tensor_bytes": measured}  # step 1 warms up
 
 
-def planner_parts(recipe_path: Path, config: str) -> dict[str, int]:
-    """The planner's per-rank figures for `config` at 2 ranks: held (base, quant state, LoRA weights + AdamW moments)
-    and step (gradients, DDP's bucket, FSDP's unsharded units, activations, loss), CUDA context left out."""
-    from transformers import AutoConfig
-
-    from finetune.planner import GiB, Hardware, estimate, facts_from_config
+def parts_text(results: dict, recipe_path: Path) -> str:
+    """Rank 0's tensor bytes at step 2, part by part, next to the planner's (finetune/training/tensor_bytes.py: the
+    same comparison tests/training/test_tensor_bytes.py asserts and bench_ddp_vs_fsdp.py --parts prints)."""
     from finetune.recipe import load_recipe
+    from finetune.training.tensor_bytes import parts_table, planned_parts
 
     recipe = load_recipe(str(recipe_path))
-    facts = facts_from_config(AutoConfig.from_pretrained(recipe.model.name_or_path), recipe)
-    parts = estimate(facts, recipe, "ddp" if config == "ddp" else "fsdp", Hardware(2, 24 * GiB), per_rank_full_load=False).parts
-    trainable = parts["lora_grads_adamw"] // (5 if config == "ddp" else 4)  # weights, grads, 2 moments (+ DDP bucket)
-    held = parts["base"] + parts["quant_state"] + 3 * trainable
-    step = parts["lora_grads_adamw"] - 3 * trainable + parts["fsdp_unsharded"] + parts["activations"] + parts["logits_loss"]
-    return {"held": held, "step": step}
-
-
-def print_parts(results: dict, plans: dict) -> None:
-    print("\ntensor bytes per rank at step 2 (measured op by op) vs the planner, MiB")
-    print(f"{'config':8} {'rank':>4} {'held':>8} {'planner':>8} {'step peak':>10} {'planner':>8} {'sum':>8} {'planner':>8} "
-          f"{'ratio':>6}")
-    for name, result in results.items():
-        plan = plans[name]
-        for rank, figures in sorted(result["tensor_bytes"].items()):
-            held, step = figures["held_bytes"] / 2**20, figures["step_peak_bytes"] / 2**20
-            total = (plan["held"] + plan["step"]) / 2**20
-            print(f"{name:8} {rank:4d} {held:8.1f} {plan['held'] / 2**20:8.1f} {step:10.1f} {plan['step'] / 2**20:8.1f} "
-                  f"{held + step:8.1f} {total:8.1f} {total / (held + step):6.2f}")
+    measured = {name: result["tensor_bytes"][0] for name, result in results.items()}
+    return ("\ntensor bytes of rank 0 at step 2's peak (measured op by op) vs the planner\n"
+            + parts_table(measured, {name: planned_parts(recipe, name) for name in measured}))
 
 
 def main() -> None:
@@ -184,7 +167,7 @@ def main() -> None:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers)
         results = {name: run_config(name, recipe, root / name, args.steps, env) for name in args.configs.split(",")}
-        plans = {name: planner_parts(recipe, name) for name in results} if args.parts else {}
+        parts = parts_text(results, recipe) if args.parts else ""
     print(f"model: random Qwen2 hidden {args.hidden_size} x {args.layers} layers, NF4 + LoRA r4, bf16, checkpointing on, "
           f"2 ranks, {args.steps} steps of 64 tokens, CPU gloo{' ' + str(env) if env else ''}")
     for name, result in results.items():
@@ -197,8 +180,8 @@ def main() -> None:
         load, train = max(result["load_peak"].values()), max(result["train_peak"].values())
         ratio = f"{train / max(base['train_peak'].values()):13.2f}" if base else f"{'-':>13}"
         print(f"{name:8} {load:15d} {train:16d} {ratio} {result['tokens_per_s']:9.1f}")
-    if plans:
-        print_parts(results, plans)
+    if parts:
+        print(parts)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class ModelFacts:
     unit_load_bytes: int = 0  # the largest FSDP unit (a layer, or the root) in model.dtype, before quantization
     eager_attention: bool = False  # scores of size seq x seq are kept (attention softcapping)
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
+    fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
     notes: list[str] = field(default_factory=list)
     # Mixture of experts (finetune/model/experts.py: one 4-bit Linear per expert projection): experts per layer, how
     # many each token is routed to, and an expert's intermediate size. 0: a dense model.
@@ -197,7 +198,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
         experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
-        expert_intermediate=expert_intermediate,
+        expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
     )
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")

@@ -108,7 +108,8 @@ def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
     return {"base": frozen, "lora_grads_adamw": trainable + optimizer, "fsdp_unsharded": gathered}
 
 
-def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int, dropout_mask_bytes: int = 1) -> dict[str, int]:
+def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int, dropout_mask_bytes: int = 1,
+                                     lora_path: str | None = None) -> dict[str, int]:
     """Bytes autograd keeps per token for one decoder layer (no checkpointing), by kind.
 
     norms: fp32 copies of the norm inputs (RMSNorm upcasts); attention: q/k/v/out and the log-sum-exp (+ seq x seq
@@ -119,13 +120,18 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
     (batch, 1, seq, seq) mask in each layer. SDPA's output is what o_proj reads: saved once, under attention.
     With the fused LoRA path (lora.fused, finetune/model/lora_fused.py) a target keeps the layer input in model.dtype,
     shared by the targets that read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no
-    dropout mask. (FSDP1 and ZeRO-3 fall back to PEFT's forward at run time; the estimate counts the fused path for
-    them too.) benchmarks/memory_breakdown.py measures the same kinds with autograd's saved-tensor hooks.
+    dropout mask. FSDP1 falls back to PEFT's forward at run time (its LoRA leaves gather in their own forward), in
+    model.dtype (lora_path "peft_compute"); ZeRO-3 falls back too, and is still counted with the fused path.
+    benchmarks/memory_breakdown.py measures the same kinds with autograd's saved-tensor hooks.
     `dropout_mask_bytes`: PEFT's dropout mask per element; 1 on GPUs (CUDA's fused dropout keeps a bool mask), the
     LoRA dtype's size on CPU (torch multiplies by a mask of the input's dtype there).
+    `lora_path` (`lora_path_for`): "fused"; "peft" (PEFT's forward, its input cast to the fp32 master weights);
+    "peft_compute" (PEFT's forward in model.dtype: under FSDP's mixed precision the weights it casts to are the
+    gathered ones, in param_dtype, so no fp32 copy is made). Default: the recipe's lora.fused.
     """
     a = facts.dtype_bytes
-    lora_bytes = 4 if a == 2 else a
+    lora_path = lora_path or ("fused" if getattr(recipe.lora, "fused", False) else "peft")
+    lora_bytes = 4 if a == 2 and lora_path == "peft" else a
     dropout = recipe.lora.dropout > 0
     flash = recipe.model.attn_implementation.startswith("flash")
     masked = not flash and (recipe.data.packing or recipe.train.micro_batch_size > 1)
@@ -150,7 +156,7 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
             continue
         group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp",
                  "w1": "mlp", "w3": "mlp"}.get(target, target)
-        if getattr(recipe.lora, "fused", False):
+        if lora_path == "fused":
             parts["lora"] += a * facts.lora_rank + (0 if group in shared_inputs else a * in_features)
             shared_inputs.add(group)
             continue
@@ -162,9 +168,22 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
     return parts
 
 
-def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int) -> int:
+def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int, lora_path: str | None = None) -> int:
     """Bytes autograd keeps per token for one decoder layer (no checkpointing): the sum of the parts above."""
-    return sum(activation_parts_per_token_layer(facts, recipe, seq_len=seq_len).values())
+    return sum(activation_parts_per_token_layer(facts, recipe, seq_len=seq_len, lora_path=lora_path).values())
+
+
+def lora_path_for(recipe, key: str, *, fsdp_version: int = 2) -> str:
+    """How the LoRA layers run under strategy `key` (see activation_parts_per_token_layer): FSDP1 always through PEFT's
+    forward (finetune/model/lora_fused.py falls back there), in the compute dtype (finetune/parallel/wrapping.py keeps
+    the inputs uncast); FSDP2 fused or PEFT's forward, in the compute dtype (the gathered LoRA weights are in
+    param_dtype); every other strategy fused or PEFT's forward with its fp32 copies."""
+    fsdp = key.startswith("fsdp")
+    if fsdp and fsdp_version == 1:
+        return "peft_compute"
+    if getattr(recipe.lora, "fused", False):
+        return "fused"
+    return "peft_compute" if fsdp else "peft"
 
 
 @dataclass
@@ -179,6 +198,8 @@ class Estimate:
     fits: bool = False
     margin_bytes: int = 0
     load_peak_bytes: int = 0
+    peak_moment: str = ""  # when in the step the peak is reached (`_step_terms`)
+    gradient_bytes: int = 0  # of lora_grads_adamw: the gradients alive at the peak and DDP's buckets
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -186,19 +207,39 @@ class Estimate:
         return sum(self.parts.values())
 
 
-def _batch_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: bool) -> dict[str, int]:
-    """Activations and logits/loss buffers for one micro-batch at data.max_length (DPO: a pair is two sequences, the
-    chosen and the rejected, in one forward; the reference pass runs without grad, one layer's activations at a time,
-    which is below the backward's recomputation and adds nothing to the peak)."""
+def _step_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: bool, lora_path: str,
+                gradients: int, layer_gradients: int, optimizer_temporary: int) -> dict[str, int]:
+    """Activations, the loss and the gradients alive at the step's peak, for one micro-batch at data.max_length.
+
+    They are not alive at the same moment, so the peak is the largest of four moments, not their sum (measured op by
+    op on 2-rank runs, tests/training/test_tensor_bytes.py; the sum was 15-26% above the measured peak):
+      * the loss (forward's end): every layer's saved activations (with checkpointing: every layer's input) + the loss
+        chunk and the kept gradient of the hidden states. No gradient exists yet (zero_grad sets them to None);
+      * backward of the top layer: the same saved activations + the layer recomputed (with checkpointing) and its
+        gradients (1.5 x one layer's activations; 0.5 x without checkpointing, the layer's own are already counted)
+        + that layer's gradients being reduced (`layer_gradients`); the loss is gone (its saved gradient was used first);
+      * backward of the bottom layer: every gradient + that layer's activations and their gradients (1.5 x one layer).
+        Between the two ends a layer's input is freed as its gradients are made: linear in the layer index, so the
+        ends bound every layer;
+      * the optimizer step: every gradient + AdamW's temporaries (`optimizer_temporary`).
+    DPO: a pair is two sequences, the chosen and the rejected, in one forward; the reference pass runs without grad,
+    one layer's activations at a time, which is below the backward's recomputation and adds nothing to the peak.
+    """
     seq = recipe.data.max_length
     tokens = micro_batch * seq * (2 if recipe.train.objective == "dpo" else 1)
-    per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq)
+    per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq, lora_path=lora_path)
     if checkpointing:
-        # Each layer keeps its input; backward recomputes one layer at a time (its activations + their grads).
-        activations = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes + int(1.5 * per_layer)
+        saved, top = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes, int(1.5 * per_layer)
     else:
-        activations = facts.num_layers * per_layer + int(0.5 * per_layer)
-    return {"activations": activations, "logits_loss": loss_bytes(tokens, facts)}
+        saved, top = facts.num_layers * per_layer, int(0.5 * per_layer)
+    loss = loss_bytes(tokens, facts)
+    moments = {"the loss": {"activations": saved, "logits_loss": loss, "gradients": 0},
+               "the top layer's backward": {"activations": saved + top, "logits_loss": 0, "gradients": layer_gradients},
+               "the bottom layer's backward": {"activations": int(1.5 * per_layer), "logits_loss": 0,
+                                               "gradients": gradients + layer_gradients},
+               "the optimizer step": {"activations": 0, "logits_loss": 0, "gradients": gradients + optimizer_temporary}}
+    name, peak = max(moments.items(), key=lambda item: sum(item[1].values()))
+    return {**peak, "moment": name}
 
 
 def loss_bytes(tokens: int, facts: ModelFacts) -> int:
@@ -210,22 +251,36 @@ def loss_bytes(tokens: int, facts: ModelFacts) -> int:
     return LOSS_BYTES_PER_LOGIT * chunk_tokens * facts.vocab + 4 * tokens * facts.hidden
 
 
-def _unit_sizes(facts: ModelFacts) -> tuple[int, int]:
-    """(bytes of the largest decoder-layer unit incl. its LoRA, bytes of the root unit), unsharded."""
+def _unit_sizes(facts: ModelFacts, *, lora_elem_bytes: int | None = None) -> tuple[int, int]:
+    """(bytes of the largest decoder-layer unit incl. its LoRA, bytes of the root unit), unsharded.
+
+    `lora_elem_bytes`: bytes per LoRA element as gathered (FSDP's mixed precision casts the fp32 shards to param_dtype
+    before the all-gather, so a gathered unit holds its LoRA in model.dtype); default: as stored."""
     layers: dict[str, int] = {}
     root = 0
     for t in facts.tensors:
+        nbytes = t.numel * lora_elem_bytes if t.trainable and lora_elem_bytes else t.nbytes
         if t.unit.startswith("layer"):
-            layers[t.unit] = layers.get(t.unit, 0) + t.nbytes
+            layers[t.unit] = layers.get(t.unit, 0) + nbytes
         elif t.unit.startswith("lora:"):
             match = re.search(r"\.(\d+)\.", t.unit)
             if match:
-                layers[f"layer{match.group(1)}"] = layers.get(f"layer{match.group(1)}", 0) + t.nbytes
+                layers[f"layer{match.group(1)}"] = layers.get(f"layer{match.group(1)}", 0) + nbytes
             else:
-                root += t.nbytes
+                root += nbytes
         else:
-            root += t.nbytes
+            root += nbytes
     return (max(layers.values()) if layers else 0), root
+
+
+def _layer_lora_numel(facts: ModelFacts) -> int:
+    """LoRA elements of one decoder layer (the largest)."""
+    per_layer: dict[str, int] = {}
+    for t in facts.tensors:
+        match = re.search(r"\.(\d+)\.", t.unit) if t.trainable else None
+        if match:
+            per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + t.numel
+    return max(per_layer.values(), default=0)
 
 
 def _gib(nbytes: float) -> str:
@@ -273,26 +328,30 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     offload = key == "fsdp_offload"
     checkpointing = recipe.parallel.activation_checkpointing
     checkpointing = recipe.train.gradient_checkpointing if checkpointing is None else checkpointing
-    batch = _batch_terms(facts, recipe, micro_batch=micro_batch or recipe.train.micro_batch_size, checkpointing=checkpointing)
-    held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=world)
-    layer_unit, root_unit = _unit_sizes(facts)
+    held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=world, fsdp_version=facts.fsdp_version)
+    trainable = 0 if offload else held["trainable_bytes"] // devices
+    step = _step_terms(facts, recipe, micro_batch=micro_batch or recipe.train.micro_batch_size,
+                       checkpointing=checkpointing, lora_path=lora_path_for(recipe, key, fsdp_version=facts.fsdp_version),
+                       gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, world),
+                       optimizer_temporary=trainable)
+    _, root_unit = _unit_sizes(facts)
     parts = {
         "base": 0 if offload else (held["frozen_bytes"] - root_unit) // devices + root_unit if key == "layer_split"
         else 0 if offload else held["frozen_bytes"],
         "quant_state": facts.quant_state_bytes // devices,
-        "lora_grads_adamw": 0 if offload else 4 * held["trainable_bytes"] // devices + (held["trainable_bytes"] if key == "ddp" else 0),
+        # LoRA weights and AdamW's two moments; DDP's gradient buckets (fp32, as large as the gradients, kept from
+        # step to step); the gradients alive at the step's peak (`_step_terms`).
+        "lora_grads_adamw": 3 * trainable + (trainable if key == "ddp" else 0) + step["gradients"],
         "fsdp_unsharded": 0,
-        "activations": batch["activations"] // devices,
-        "logits_loss": batch["logits_loss"],  # on the last device under layer split
+        "activations": step["activations"] // devices,
+        "logits_loss": step["logits_loss"],  # on the last device under layer split
     }
     if key.startswith("zero"):
         parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
     if _swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
         parts["dpo_reference_copy"] = 2 * held["trainable_bytes"] // devices
     if fsdp:
-        # Full shard: the root unit (embeddings, head) stays gathered; two layer units in flight (current + prefetch).
-        # Shard-grad-op keeps every gathered unit until backward ends: the whole model, unsharded.
-        parts["fsdp_unsharded"] = facts.total_bytes() if key == "fsdp_grad_op" else root_unit + 2 * layer_unit
+        parts["fsdp_unsharded"] = _gathered_bytes(facts, key)
     dynamic = parts["activations"] + parts["logits_loss"] + parts["fsdp_unsharded"]
     parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
     result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
@@ -300,6 +359,8 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
     load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, world, sharded=sharded)
     result.load_peak_bytes = load_peak
+    result.peak_moment = step["moment"]
+    result.gradient_bytes = (trainable if key == "ddp" else 0) + step["gradients"]
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, load_peak)
     result.fits = result.margin_bytes >= 0
@@ -313,6 +374,34 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
     return result
+
+
+def _gathered_bytes(facts: ModelFacts, key: str) -> int:
+    """FSDP's unsharded units at the step's peak, with their LoRA in param_dtype (mixed precision casts the fp32 shards
+    before the all-gather).
+
+    Full shard: the root unit (embeddings, head) stays gathered. FSDP2: two decoder layers in flight, the current one
+    and the next one's all-gather output (its backward prefetch is the next decoder layer). FSDP1: one. It prefetches
+    the unit that ran before the current one in the forward, and finetune wraps every LoRA A/B as a unit of its own
+    (finetune/parallel/wrapping.py), so before a decoder layer comes a LoRA leaf of the layer below (kB), not that
+    layer; a layer is resharded when its backward ends, before the next one is recomputed. Both follow the execution
+    order, not streams: the same on GPUs. Shard-grad-op keeps every gathered unit until backward ends: the whole
+    model, unsharded.
+    """
+    if key == "fsdp_grad_op":
+        return facts.total_bytes()
+    layer_unit, root_unit = _unit_sizes(facts, lora_elem_bytes=facts.dtype_bytes)
+    return root_unit + (1 if facts.fsdp_version == 1 else 2) * layer_unit
+
+
+def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
+    """Bytes of one layer's gradients while they are reduced, beyond the gradients kept: FSDP reduce-scatters a unit's
+    LoRA gradients made in param_dtype from an fp32 copy (reduce_dtype) into an fp32 shard; DDP, single and layer split
+    write them straight into the kept gradients (DDP copies them into its buckets, counted with the model state)."""
+    if not key.startswith("fsdp"):  # (with CPU offload too: the reduce-scatter runs on the GPU)
+        return 0
+    numel = _layer_lora_numel(facts)
+    return numel * facts.dtype_bytes + 4 * numel + math.ceil(4 * numel / world)
 
 
 def _swaps_reference(recipe) -> bool:
