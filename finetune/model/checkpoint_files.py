@@ -6,6 +6,7 @@ A leaf of the loader: it knows files, not models (the skeleton and its filling a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,19 +98,52 @@ def checkpoint_folder(recipe: Recipe) -> Path:
 
 
 class TensorReader:
-    """One tensor at a time from memory-mapped safetensors files (file pages are shared, not process memory)."""
+    """One tensor (or some rows, or a flat range of one) at a time from memory-mapped safetensors files (file pages are
+    shared, not process memory). `bytes_read` counts the tensor bytes taken from the files, as stored (not timed)."""
 
     def __init__(self, index: CheckpointIndex):
         self.index = index
         self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         path = self.index.files[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._counted(self._handle(name).get_tensor(name))
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (dim 0): only their bytes are read."""
+        return self._counted(self._handle(name).get_slice(name)[start:stop])
+
+    def get_flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor, 1-D. A matrix is read in at most three slices (the end of
+        a first row, whole rows, the start of a last row), so exactly the range's bytes are read; a tensor of other
+        rank is read in whole rows and trimmed."""
+        shape = self.index.shapes[name]
+        width = math.prod(shape[1:])
+        first, last = start // width, -(-stop // width)
+        view = self._handle(name).get_slice(name)
+        if start >= stop:
+            return view[0:0].reshape(-1)
+        if len(shape) != 2:
+            return self._counted(view[first:last]).reshape(-1)[start - first * width : stop - first * width]
+        if first + 1 == last:  # within one row
+            return self._counted(view[first : first + 1, start - first * width : stop - first * width]).reshape(-1)
+        head_end, tail_start = (first + 1) * width, (last - 1) * width
+        head = view[first : first + 1, start - first * width :] if start % width else view[first : first + 1]
+        tail = view[last - 1 : last, : stop - tail_start] if stop % width else view[last - 1 : last]
+        parts = [head, view[first + 1 : last - 1], tail] if head_end < tail_start else [head, tail]
+        return torch.cat([self._counted(part).reshape(-1) for part in parts])
 
     def close(self) -> None:
         self._handles.clear()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from finetune.planner.facts import GiB, ModelFacts
+from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
@@ -166,6 +167,7 @@ class Estimate:
     fits: bool = False
     margin_bytes: int = 0
     load_peak_bytes: int = 0
+    reads: CheckpointReads | None = None  # checkpoint bytes read at load per rank and per node, and the time
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -240,6 +242,7 @@ class Hardware:
     gpu_memory_bytes: int
     nodes: int = 1
     cpu_memory_bytes: int | None = None
+    read_bytes_per_s: float = DEFAULT_READ_BANDWIDTH  # one node's checkpoint storage (finetune plan --read-bandwidth)
 
     @property
     def total_gpus(self) -> int:
@@ -287,6 +290,9 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
     load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, world, sharded=sharded)
     result.load_peak_bytes = load_peak
+    own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
+    result.reads = checkpoint_reads(facts, processes=world, per_node=min(world, hw.gpus_per_node), own_shard=own_shard,
+                                    read_bytes_per_s=hw.read_bytes_per_s)
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, load_peak)
     result.fits = result.margin_bytes >= 0
