@@ -113,6 +113,11 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
                 f"{chosen.label} at {_gib(chosen.peak_bytes)} per GPU ({_gib(-chosen.margin_bytes)} short).")
         if max_batch == 0:
             text += " Fix: lower data.max_length or train.micro_batch_size, turn on train.gradient_checkpointing, or add GPUs."
+    if chosen.reads is not None:
+        reads = chosen.reads
+        how = "its own shard" if reads.own_shard else "the whole checkpoint"
+        text += (f" Loading: each rank reads {how} ({_gib(reads.rank_bytes)}), a node {_gib(reads.node_bytes)}: "
+                 f"~{reads.seconds:.0f} s at {hw.read_bytes_per_s / GB:g} GB/s.")
     return text + "".join(f" Note: {n}." for n in chosen.notes + facts.notes)
 
 
