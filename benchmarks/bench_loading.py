@@ -1,19 +1,23 @@
-"""Loading memory and time: the per-rank loader (v1) vs sharded loading, at 1 and 2 ranks, in one invocation.
+"""Loading at scale: what each rank reads, quantizes and holds, for each loader, at 1 and 2 ranks in one invocation.
 
-    python benchmarks/bench_loading.py [--hidden 1536] [--layers 40] [--vocab 32000] [--repeats 1]
+    python benchmarks/bench_loading.py [--hidden 1536] [--layers 40] [--vocab 32000] [--modes today,range]
 
 A Llama-shaped random model with many thin layers, as real large models have (70B: 80 layers, one bf16 layer ~5%
 of the 4-bit base; the default here: hidden 1536 x 40 layers, ~1.1B parameters, one bf16 layer ~4% of the model),
-written once into the cache ($FINETUNE_CACHE/bench, else ~/.cache/finetune/bench) as a sharded safetensors
+written once into the cache ($FINETUNE_CACHE/bench, else ~/.cache/finetune/bench) as a sharded bf16 safetensors
 checkpoint with an index file. Each (loader, world size) pair runs in fresh processes under torchrun and loads the
-model exactly as `finetune/run.py` does under FSDP2 (loading.load_model + parallel.wrap). Every rank samples its
-anonymous resident memory (RssAnon: file-backed pages of the memory-mapped checkpoint excluded) every 20 ms from
-just before loading until the model is wrapped; on a GPU it also reads the allocator's peak.
+model as `finetune/run.py` does under FSDP2 (loading.load_model + parallel.wrap). The loaders (`--modes`):
 
-Printed per row: load seconds, peak RssAnon over the baseline taken right before loading (the model-dependent part of
-the load peak), bytes the rank holds after wrap, and the planner's prediction for the sharded loader (shard + one unit
-in model.dtype + quant state + LoRA); then the ratios new/old at each world size. Target (issue 11): at 2 ranks the
-model-dependent load peak per rank of the sharded loader is at most 0.6x the per-rank loader's.
+  v1      transformers' from_pretrained on every rank, then FSDP shards (parallel.sharded_loading: false)
+  today   sharded loading as before issue 24 (and still FSDP1's): every rank reads and quantizes each whole unit
+  range   FSDP2 sharded loading now: each rank reads and quantizes only its chunk (finetune/model/shard_reads.py)
+  (c)     a 4-bit checkpoint / quantized cache as input (issue 24 items 2-3): a slot in the table, not implemented here
+
+Per rank: checkpoint bytes read (the TensorReader's count), seconds inside bitsandbytes' quantization
+(quantize_4bit, and the double quantization of the absmax), load seconds (load + wrap), and the peak anonymous
+resident memory (RssAnon: file-backed pages of the memory-mapped checkpoint excluded) over the baseline taken right
+before loading, sampled every 20 ms; on a GPU also the allocator's peak. Goals (issue 24): at 2 ranks, bytes read
+and quantize seconds per rank of `range` <= 0.55x `today`'s; the planner's read/rank within 5% of the count.
 """
 
 from __future__ import annotations
@@ -72,23 +76,57 @@ def rss_anon() -> int:
     return 0
 
 
+MODES = {
+    "v1": "per-rank from_pretrained (v1)",
+    "today": "(a) today: every rank reads + quantizes whole units",
+    "range": "(b) range reads: each rank its own chunk",
+}
+SLOT_C = "(c) 4-bit checkpoint / cache"  # issue 24 items 2-3: filled by that work
+
+
+def quantize_timer():
+    """Seconds spent inside bitsandbytes' quantization (outermost call only: quantize_4bit calls quantize_blockwise
+    for the double quantization)."""
+    from bitsandbytes import functional
+
+    spent, depth = [0.0], [0]
+
+    def timed(original):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter() - start
+        return call
+
+    functional.quantize_4bit = timed(functional.quantize_4bit)
+    functional.quantize_blockwise = timed(functional.quantize_blockwise)
+    return spent
+
+
 def worker(model_dir: str, mode: str, out: Path) -> None:
     """One rank: load like run.py under FSDP2 with the chosen loader while a thread samples RssAnon."""
     import torch
 
     from finetune import distributed, parallel, planner
     from finetune.model import import_backends, load_config, loading, release_freed_memory
+    from finetune.planner.reads import rank_read_bytes
     from finetune.recipe import Recipe
 
     info = distributed.init_distributed()
     import_backends()
+    quantize_seconds = quantize_timer()
     recipe = Recipe.model_validate({"model": {"name_or_path": model_dir, "dtype": "bfloat16"},
                                     "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
                                     "data": {"datasets": [{"path": "unused.jsonl"}]}})
     config = load_config(recipe)
     plan = parallel.ParallelPlan(strategy="fsdp", world_size=info.world_size, fsdp_version=2,
                                  layer_class=parallel.decoder_layer_class(parallel.meta_model(config)).__name__,
-                                 param_dtype=torch.bfloat16, activation_checkpointing=True)
+                                 param_dtype=torch.bfloat16, activation_checkpointing=True, sharded_loading=mode != "v1")
     distributed.barrier()
     baseline = rss_anon()
     peak = [baseline]
@@ -104,8 +142,8 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
     start = time.perf_counter()
-    loaded = loading.load_model(recipe, sharded=mode == "sharded", device=info.device, device_map=None,
-                                gradient_checkpointing=True)
+    loaded = loading.load_model(recipe, sharded=mode != "v1", device=info.device, device_map=None,
+                                gradient_checkpointing=True, shard=plan.own_shard(info.rank) if mode == "range" else None)
     wrapped = parallel.wrap(loaded.model, plan, info, materialize=loaded.materialize)
     release_freed_memory()
     distributed.barrier()
@@ -114,13 +152,14 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     sampler.join()
     peak[0] = max(peak[0], rss_anon())
     facts = planner.facts_from_config(config, recipe)
-    predicted = (facts.total_bytes(trainable=False) // info.world_size + facts.quant_state_bytes + facts.unit_load_bytes
-                 + facts.total_bytes(trainable=True))
     held = parallel.local_parameter_bytes(wrapped)
     result = {"rank": info.rank, "world": info.world_size, "mode": mode, "load_s": seconds,
+              "quantize_s": quantize_seconds[0], "bytes_read": loaded.bytes_read,
+              "planner_bytes_read": rank_read_bytes(facts, rank=info.rank, world_size=info.world_size,
+                                                    own_shard=mode == "range"),
               "peak_over_baseline": peak[0] - baseline, "after_wrap_over_baseline": rss_anon() - baseline,
               "held_bytes": held["frozen_bytes"] + held["trainable_bytes"] + facts.quant_state_bytes,
-              "planner_sharded_load": predicted, "full_4bit_base": facts.total_bytes(trainable=False)}
+              "full_4bit_base": facts.total_bytes(trainable=False)}
     if info.device.type == "cuda":
         result["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(info.device)
     (out / f"{mode}-w{info.world_size}-rank{info.rank}.json").write_text(json.dumps(result))
@@ -150,39 +189,62 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--modes", default="today,range", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         mode, model_dir, out = args.worker
         return worker(model_dir, mode, Path(out))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     started = time.perf_counter()
     model_dir = write_model(cache_dir(args.hidden, args.layers, args.vocab), args.hidden, args.layers, args.vocab)
     print(f"model: {model_dir} (written/checked in {time.perf_counter() - started:.0f} s)")
-    gib = 2**30
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (1, 2):
-            for mode in ("per_rank", "sharded"):
-                ranks = run(model_dir, mode, world, Path(tmp))
-                worst = max(ranks, key=lambda r: r["peak_over_baseline"])
-                rows[(mode, world)] = worst
-                print(f"{mode:9s} x{world}: load {max(r['load_s'] for r in ranks):6.1f} s | peak RssAnon over baseline "
-                      f"{worst['peak_over_baseline'] / gib:6.2f} GiB (largest rank) | held after wrap "
-                      f"{worst['held_bytes'] / gib:5.2f} GiB | planner (sharded load) {worst['planner_sharded_load'] / gib:5.2f} GiB"
-                      + (f" | GPU peak {worst['peak_gpu_allocated'] / gib:.2f} GiB" if "peak_gpu_allocated" in worst else ""),
-                      flush=True)
-    print(f"\n4-bit base (planner): {rows[('sharded', 1)]['full_4bit_base'] / gib:.2f} GiB")
-    print("| world | loader | load s | peak RssAnon over baseline (GiB) | held after wrap (GiB) | planner sharded load (GiB) |")
-    print("|---|---|---|---|---|---|")
-    for (mode, world), r in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
-        print(f"| {world} | {mode} | {r['load_s']:.1f} | {r['peak_over_baseline'] / gib:.2f} | {r['held_bytes'] / gib:.2f} | "
-              f"{r['planner_sharded_load'] / gib:.2f} |")
+            for mode in modes:
+                rows[(mode, world)] = ranks = run(model_dir, mode, world, Path(tmp))
+                print(f"{mode:6s} x{world}: " + " | ".join(
+                    f"rank {r['rank']}: read {_gib(r['bytes_read'])} GiB (planner {_gib(r['planner_bytes_read'])}), "
+                    f"quantize {r['quantize_s']:.1f} s, load {r['load_s']:.1f} s, peak {_gib(r['peak_over_baseline'])} GiB"
+                    for r in ranks), flush=True)
+    print(f"\n4-bit base (planner): {_gib(rows[(modes[0], 1)][0]['full_4bit_base'])} GiB")
+    print(table(rows, modes))
+    if {"today", "range"} <= set(modes):
+        today, new = rows[("today", 2)], rows[("range", 2)]
+        print(f"at 2 ranks, range / today per rank (largest rank): bytes read "
+              f"{_worst(new, 'bytes_read') / _worst(today, 'bytes_read'):.2f}x, quantize s "
+              f"{_worst(new, 'quantize_s') / _worst(today, 'quantize_s'):.2f}x (goal <= 0.55x), load s "
+              f"{_worst(new, 'load_s') / _worst(today, 'load_s'):.2f}x, peak {_worst(new, 'peak_over_baseline') / _worst(today, 'peak_over_baseline'):.2f}x")
+    counted = [(r["planner_bytes_read"], r["bytes_read"]) for ranks in rows.values() for r in ranks if r["bytes_read"]]
+    print("planner read/rank over counted bytes: " + ", ".join(f"{p / c:.4f}" for p, c in counted))
+
+
+def _worst(ranks: list[dict], key: str):
+    """The largest rank's figure (None where the loader does not count it)."""
+    values = [r[key] for r in ranks if r[key] is not None]
+    return max(values) if values else None
+
+
+def _gib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
+
+
+def table(rows: dict, modes: list[str]) -> str:
+    """Markdown, one row per (world, loader); the largest rank's figure for each column; (c) left as a slot."""
+    lines = ["| ranks | loader | bytes read / rank (GiB) | quantize s / rank | load s | peak RssAnon over baseline (GiB) |",
+             "|---|---|---|---|---|---|"]
     for world in (1, 2):
-        new, old = rows[("sharded", world)], rows[("per_rank", world)]
-        ratio = new["peak_over_baseline"] / old["peak_over_baseline"]
-        planner_ratio = new["peak_over_baseline"] / new["planner_sharded_load"]
-        print(f"ratio new/old at {world} rank(s): load peak {ratio:.2f}x, load time {new['load_s'] / old['load_s']:.2f}x; "
-              f"measured sharded peak / planner {planner_ratio:.2f}" + ("  (target <= 0.6x)" if world == 2 else ""))
+        for mode in modes:
+            ranks = rows[(mode, world)]
+            lines.append(f"| {world} | {MODES[mode]} | {_gib(_worst(ranks, 'bytes_read'))} | "
+                         f"{_worst(ranks, 'quantize_s'):.1f} | {_worst(ranks, 'load_s'):.1f} | "
+                         f"{_gib(_worst(ranks, 'peak_over_baseline'))} |")
+        lines.append(f"| {world} | {SLOT_C} | (issue 24 items 2-3) | | | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,19 @@ def all_reduce_sum(values: list, device: torch.device | None = None) -> list[flo
     return tensor.tolist()
 
 
+def all_gather_padded(tensor: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Every rank's 1-D `tensor` (rank r's has lengths[r] elements, known on every rank), in rank order: one
+    all-gather of pieces padded to the longest (sharded loading's absmax, finetune/model/shard_reads.py)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [tensor]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.numel()] = tensor
+    out = torch.empty(longest * len(lengths), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, padded)
+    return [out[rank * longest : rank * longest + length] for rank, length in enumerate(lengths)]
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_available() and dist.is_initialized()):
         return obj

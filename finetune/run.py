@@ -48,7 +48,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         rss_before_model = outputs.current_rss_bytes()
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
         loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
-                                  gradient_checkpointing=plan.activation_checkpointing)
+                                  gradient_checkpointing=plan.activation_checkpointing, shard=plan.own_shard(info.rank))
         peft_model = loaded.model
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
@@ -62,7 +62,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.print0(f"[finetune] ready: rank 0 holds {held['frozen_bytes'] / 2**20:,.1f} MiB of the base and "
                            f"{held['trainable_bytes'] / 2**20:,.1f} MiB of LoRA")  # under FSDP, loading ends here
         rank_stats = {"rank": info.rank, "world_size": info.world_size, "strategy": plan.strategy,
-                      "rss_before_model_bytes": rss_before_model, **held}
+                      "rss_before_model_bytes": rss_before_model, "checkpoint_bytes_read": loaded.bytes_read, **held}
         distributed.seed_everything(recipe.train.seed + info.rank)  # dropout differs per rank
         result = training.train(wrapped, recipe, train_examples, eval_examples, pad_id=tokenizer.pad_token_id,
                                 out_dir=out_dir, trainable_names=list(key_map), resume_from=folder.resume_from,

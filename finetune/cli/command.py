@@ -120,6 +120,8 @@ def _add_look_verbs(verbs) -> None:
     p.add_argument("--gpu-memory", default="24GiB", help="memory per GPU, e.g. 24GiB, 80GB (default 24GiB)")
     p.add_argument("--nodes", default="1", help="number of nodes (default 1)")
     p.add_argument("--cpu-memory", default=None, help="CPU RAM per node, e.g. 128GiB")
+    p.add_argument("--read-bandwidth", default=None, help="what one node reads from the checkpoint's storage per second, "
+                   "e.g. 2GB (default 2GB): the load time next to the bytes each rank and node reads")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_delegate("finetune.cli.plan", "cli_plan"))
 

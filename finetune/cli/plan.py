@@ -1,6 +1,7 @@
 """`finetune plan`: the memory plan of a recipe on given GPUs; and the recipe library's fit table for the docs.
 
-    finetune plan RECIPE [overrides] --gpus 2 --gpu-memory 24GiB [--nodes 1] [--cpu-memory 128GiB] [--json]
+    finetune plan RECIPE [overrides] --gpus 2 --gpu-memory 24GiB [--nodes 1] [--cpu-memory 128GiB]
+                  [--read-bandwidth 2GB] [--json]
     python -m finetune.cli.plan --library-table
 """
 
@@ -26,9 +27,11 @@ def cli_plan(args: argparse.Namespace) -> int:
     gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     nodes = parse_count(args.nodes, "--nodes")
     cpu_memory = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+    bandwidth = getattr(args, "read_bandwidth", None)  # bytes per second
+    bandwidth = parse_size(bandwidth, "--read-bandwidth") if bandwidth else None
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
     decision = decide(recipe, model_config_for(recipe), gpus_per_node=gpus, gpu_memory_bytes=gpu_memory, nodes=nodes,
-                      cpu_memory_bytes=cpu_memory)
+                      cpu_memory_bytes=cpu_memory, read_bytes_per_s=bandwidth)
     if args.json:
         payload = asdict(decision)
         payload.pop("table")

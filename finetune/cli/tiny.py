@@ -60,10 +60,13 @@ _FAMILY_KWARGS = {
 
 
 def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                     tie_word_embeddings: bool = False, max_shard_size: str | None = None):
+                     tie_word_embeddings: bool = False, max_shard_size: str | None = None,
+                     intermediate_size: int | None = None, num_attention_heads: int = 4, num_key_value_heads: int = 2):
     """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path.
 
-    `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship."""
+    `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship.
+    `intermediate_size` (default 2 x hidden) and the head counts give odd shapes (FSDP2 chunk boundaries inside a
+    quantization block, uneven chunks)."""
     from transformers import AutoConfig
 
     if family not in _FAMILY_KWARGS:
@@ -74,10 +77,10 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         family,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,

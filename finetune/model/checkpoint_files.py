@@ -6,6 +6,7 @@ A leaf of the loader: it knows files, not models (the skeleton and its filling a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,22 +101,72 @@ def checkpoint_folder(recipe: Recipe) -> Path:
 
 
 class TensorReader:
-    """One tensor at a time from memory-mapped safetensors files (file pages are shared, not process memory)."""
+    """One tensor (or some rows, or a flat range of one) at a time from memory-mapped safetensors files (file pages are
+    shared, not process memory). `bytes_read` counts the tensor bytes taken from the files, as stored (not timed)."""
 
     def __init__(self, index: CheckpointIndex):
         self.index = index
         self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, stored: str):
         from safetensors import safe_open
 
-        stored, expert, part, parts = self.index.views.get(name, (name, None, 0, 1))
         path = self.index.files[stored]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        handle = self._handles[path]
-        tensor = handle.get_tensor(stored) if expert is None else handle.get_slice(stored)[expert]  # one expert's rows
+        return self._handles[path]
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _stored_as(self, name: str) -> str | None:
+        """The name in the files of a tensor stored whole (itself, or under transformers' renamed key); None for a
+        part of a fused tensor (one expert of a 3-D tensor, or one half of a fused projection)."""
+        stored, expert, _, parts = self.index.views.get(name, (name, None, 0, 1))
+        return stored if expert is None and parts == 1 else None
+
+    def _part(self, name: str) -> torch.Tensor:
+        """A tensor stored inside another (finetune/model/conversions.py): that expert's rows, read whole, then the part."""
+        stored, expert, part, parts = self.index.views[name]
+        handle = self._handle(stored)
+        tensor = self._counted(handle.get_tensor(stored) if expert is None else handle.get_slice(stored)[expert])
         return tensor if parts == 1 else tensor.chunk(parts, dim=0)[part].contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        stored = self._stored_as(name)
+        return self._part(name) if stored is None else self._counted(self._handle(stored).get_tensor(stored))
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (dim 0): only their bytes are read (a part of a fused tensor: read whole)."""
+        stored = self._stored_as(name)
+        if stored is None:
+            return self._part(name)[start:stop]
+        return self._counted(self._handle(stored).get_slice(stored)[start:stop])
+
+    def get_flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor, 1-D. A matrix is read in at most three slices (the end of
+        a first row, whole rows, the start of a last row), so exactly the range's bytes are read; a tensor of other
+        rank is read in whole rows and trimmed; a part of a fused tensor is read whole and cut."""
+        stored = self._stored_as(name)
+        if stored is None:
+            return self._part(name).reshape(-1)[start:stop]
+        shape = self.index.shapes[stored]
+        width = math.prod(shape[1:])
+        first, last = start // width, -(-stop // width)
+        view = self._handle(stored).get_slice(stored)
+        if start >= stop:
+            return view[0:0].reshape(-1)
+        if len(shape) != 2:
+            return self._counted(view[first:last]).reshape(-1)[start - first * width : stop - first * width]
+        if first + 1 == last:  # within one row
+            return self._counted(view[first : first + 1, start - first * width : stop - first * width]).reshape(-1)
+        head_end, tail_start = (first + 1) * width, (last - 1) * width
+        head = view[first : first + 1, start - first * width :] if start % width else view[first : first + 1]
+        tail = view[last - 1 : last, : stop - tail_start] if stop % width else view[last - 1 : last]
+        parts = [head, view[first + 1 : last - 1], tail] if head_end < tail_start else [head, tail]
+        return torch.cat([self._counted(part).reshape(-1) for part in parts])
 
     def close(self) -> None:
         self._handles.clear()

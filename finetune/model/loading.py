@@ -47,6 +47,7 @@ from finetune.model.materialize import (  # noqa: F401
     materializer,
     tied_groups,
 )
+from finetune.model.shard_reads import RankShard
 from finetune.recipe import Recipe
 
 
@@ -134,11 +135,17 @@ class LoadedModel:
     lora_checksum: Callable[[], float]  # of the LoRA start as built on this rank (compare across ranks after wrap)
     builder: Materializer | None = None
 
+    @property
+    def bytes_read(self) -> int | None:
+        """Checkpoint bytes this rank read (None: loaded by transformers' from_pretrained, not counted)."""
+        return self.builder.reader.bytes_read if self.builder is not None else None
+
 
 def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_map: dict | None,
-               gradient_checkpointing: bool, trace: bool = False) -> LoadedModel:
-    """Sharded loading (FSDP): a skeleton whose units the wrap builds one at a time. Otherwise the whole model on
-    this rank (single process, DDP, DeepSpeed), built the same way, one unit after another (`_whole_model`), where the
+               gradient_checkpointing: bool, trace: bool = False, shard: RankShard | None = None) -> LoadedModel:
+    """Sharded loading (FSDP): a skeleton whose units the wrap builds one at a time; with `shard` (FSDP2) each rank
+    reads and quantizes only its own chunk of every tensor (shard_reads.py). Otherwise the whole model on this rank
+    (single process, DDP, DeepSpeed), built the same way, one unit after another (`_whole_model`), where the
     checkpoint is safetensors; layer split, DoRA and other checkpoints go through transformers' `from_pretrained`."""
     from finetune.model import base as model_stage
 
@@ -153,7 +160,8 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
     check_checkpoint(skeleton, index)
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe))
+                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe),
+                           shard=shard if sharded else None)
     if not sharded:
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)

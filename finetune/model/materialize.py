@@ -11,6 +11,7 @@ from torch import nn
 from finetune.errors import ModelLoadError
 from finetune.host_memory import release_freed_memory
 from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.model.shard_reads import PendingQuantState, RankShard, finish_quant_states, own_parameter
 
 
 def checkpoint_name(model_name: str) -> str:
@@ -49,6 +50,8 @@ class Materializer:
     lora_start: dict | None = None  # model.adapter's tensors: LoRA starts from them instead of the seed
     peak_alive_bytes: int = 0  # with trace: the most tensor bytes alive right after any unit was built
     trace_log: list[tuple[str, int]] = field(default_factory=list)
+    shard: RankShard | None = None  # FSDP2: read and quantize only this rank's chunk (shard_reads.py)
+    _pending: list[PendingQuantState] = field(default_factory=list)
 
     def module(self, module: nn.Module) -> None:
         """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract)."""
@@ -72,6 +75,8 @@ class Materializer:
         release_freed_memory()  # the previous unit's full tensors, freed when FSDP sharded it
         for module in root.modules():
             self.module(module)
+        if self.shard is not None:  # the unit's quant states, from every rank's absmax (one collective)
+            finish_quant_states(self._pending, shard=self.shard, device=self.device, load_dtype=self.load_dtype)
         if self.trace:
             alive = alive_tensor_bytes()
             self.peak_alive_bytes = max(self.peak_alive_bytes, alive)
@@ -89,6 +94,9 @@ class Materializer:
 
     def _base(self, name: str, param: nn.Parameter) -> nn.Parameter:
         key = checkpoint_name(name)
+        if self.shard is not None:
+            return own_parameter(self.reader, key, param, shard=self.shard, device=self.device,
+                                 load_dtype=self.load_dtype, pending=self._pending)
         if type(param).__name__ == "Params4bit":
             import bitsandbytes as bnb
 
@@ -110,7 +118,8 @@ class Materializer:
 
 
 def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,
-                 lora_seed: int, trace: bool = False, lora_start: dict | None = None) -> Materializer:
+                 lora_seed: int, trace: bool = False, lora_start: dict | None = None,
+                 shard: RankShard | None = None) -> Materializer:
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     aliases: dict[str, list[tuple[nn.Module, str]]] = {}
     for group in tied_groups(model).values():
@@ -125,7 +134,7 @@ def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.devi
             aliases[name] = []
         aliases[stored] = owners
     return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace,
-                        lora_start=lora_start)
+                        lora_start=lora_start, shard=shard)
 
 
 def alive_tensor_bytes() -> int:

@@ -35,12 +35,14 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return local.detach().contiguous().view(torch.uint8).reshape(-1)
 
 
-def checksum(tensor: torch.Tensor) -> int:
-    """Position-weighted sum of the bytes: any rewritten byte changes it (computed on the tensor's device)."""
+def checksum(tensor: torch.Tensor, start: int = 0, stop: int | None = None) -> int:
+    """Position-weighted sum of the bytes [start, stop): any rewritten byte changes it (computed on the tensor's
+    device). Positions are the tensor's own, so the sums of disjoint ranges add up to the whole tensor's."""
     data, total = _bytes(tensor), 0
-    for start in range(0, data.numel(), _CHUNK):
-        chunk = data[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65_521 + 1
+    stop = data.numel() if stop is None else stop
+    for first in range(start, stop, _CHUNK):
+        chunk = data[first : min(first + _CHUNK, stop)].to(torch.int64)
+        weights = torch.arange(first, first + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65_521 + 1
         total += int((chunk * weights).sum())
     return total
 
@@ -67,8 +69,28 @@ def store_as_bytes(module: nn.Module) -> int:
     return count
 
 
-def unit_checksums(module: nn.Module) -> dict[str, int]:
-    return {name: checksum(param) for name, param in packed_parameters(module)}
+def unit_checksums(module: nn.Module, *, rank: int = 0, world_size: int = 1) -> dict[str, int]:
+    """The checksum of each packed weight of `module` before `fully_shard` (a collective when world_size > 1).
+
+    Each rank sums the bytes of the chunk FSDP2 will keep on it (dim 0, torch.chunk pieces) and the sums are added
+    over the ranks: the whole tensor's checksum, which `verify_unit` compares after an unshard. Under FSDP2 sharded
+    loading a rank reads only its own chunk (finetune/model/shard_reads.py), so only that part of its tensor is data.
+    """
+    from finetune.model.shard_reads import dim0_chunk
+
+    names, sums = [], []
+    for name, param in packed_parameters(module):
+        row_bytes = _bytes(param).numel() // max(1, param.shape[0])
+        first, last = dim0_chunk(param.shape[0], rank, world_size)
+        names.append(name)
+        sums.append(checksum(param, first * row_bytes, last * row_bytes))
+    if world_size > 1 and names:
+        import torch.distributed as dist
+
+        totals = torch.tensor(sums, dtype=torch.int64, device=packed_parameters(module)[0][1].device)
+        dist.all_reduce(totals)
+        sums = totals.tolist()
+    return dict(zip(names, sums))
 
 
 def verify_unit(unit: nn.Module, before: dict[str, int], *, label: str) -> None:

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from finetune.model.shard_reads import RankShard
 from finetune.parallel import zero
 
 Strategy = Literal["single", "ddp", "fsdp", "deepspeed", "layer_split"]
@@ -26,6 +27,13 @@ class ParallelPlan:
     device_map: dict | None = None
     sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
     notes: list[str] = field(default_factory=list)
+
+    def own_shard(self, rank: int) -> RankShard | None:
+        """FSDP2 sharded loading: `rank` reads and quantizes only its chunk of each tensor (finetune/model/shard_reads.py).
+        FSDP1 reads whole units: its flat parameters cut a unit's concatenation, not each tensor."""
+        if self.strategy == "fsdp" and self.fsdp_version == 2 and self.sharded_loading:
+            return RankShard(rank, self.world_size)
+        return None
 
     def describe(self) -> str:
         if self.strategy == "fsdp":

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from finetune.distributed import DistInfo, doing, print0
+from finetune.distributed import DistInfo, any_rank, doing, print0
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
 
@@ -67,14 +67,16 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         if materialize is not None:
             materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
         if as_bytes is None and byte_guard.packed_parameters(layer):
-            as_bytes = not byte_guard.probe_copy(layer)
+            # Decided together: reading only its own shard, each rank probes different bytes, and a unit's dtypes
+            # must be the same on every rank.
+            as_bytes = any_rank(not byte_guard.probe_copy(layer))
             if as_bytes:
                 plan.notes.append("this device's copies rewrite NaN bit patterns (CUDA does, pytorch #159333): the "
                                   "packed 4-bit weights are all-gathered as uint8 under FSDP2 (same bytes, no copy)")
                 print0(f"[finetune] note: {plan.notes[-1]}")
         if as_bytes:
             byte_guard.store_as_bytes(layer)
-        checksums.append((index, layer, byte_guard.unit_checksums(layer)))
+        checksums.append((index, layer, byte_guard.unit_checksums(layer, rank=dist.rank, world_size=dist.world_size)))
         fully_shard(layer, **options)
     if materialize is not None:
         materialize(model)  # what is left: embeddings, final norm, LM head

@@ -2,6 +2,8 @@
 
     facts.py    ModelFacts: every tensor's stored bytes and FSDP unit, from the meta-device model
     memory.py   estimate: the per-rank parts of the peak for each strategy, the load peak, the CPU RAM
+    shards.py   held_parameter_bytes: the parameter bytes each rank holds per strategy (FSDP2 rows, FSDP1 flat units, ZeRO-3)
+    reads.py    checkpoint_reads: the checkpoint bytes each rank and node reads at load, and the time at a disk bandwidth
     fit.py      decide: the fit table on given GPUs and the strategy `auto` takes; the largest micro-batch
 
 docs/planner.md has the derivations and the checks against published figures; `finetune plan` is its command.

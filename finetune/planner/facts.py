@@ -34,6 +34,7 @@ class Tensor:
     elem_bytes: int
     trainable: bool
     unit: str  # FSDP unit: "layer{i}", "lora:{name}" or "root"
+    quantized_numel: int = 0  # a 4-bit weight: its values before packing (what the checkpoint stores); else 0
 
     @property
     def numel(self) -> int:
@@ -63,6 +64,7 @@ class ModelFacts:
     lora_inputs: list[tuple[str, int]]  # (target name in a layer, in_features): per-layer LoRA targets
     lora_rank: int
     unit_load_bytes: int = 0  # the largest FSDP unit (a layer, or the root) in model.dtype, before quantization
+    checkpoint_dtype_bytes: int = 0  # bytes per value in the checkpoint files (config.json's dtype); 0: model.dtype's
     eager_attention: bool = False  # scores of size seq x seq are kept (attention softcapping)
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
@@ -172,7 +174,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         is_output = owner is not None and owner[1] is output
         if owner is not None and quantized and not is_output:
             numel = param.numel()
-            tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit))
+            tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit, numel))
             qstate += quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
         else:
             shape = tuple(param.shape) or (1,)
@@ -195,6 +197,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
         heads=heads, kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
         lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
+        checkpoint_dtype_bytes=_stored_dtype_bytes(config),
         eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
         experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
@@ -203,6 +206,12 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
     return facts
+
+
+def _stored_dtype_bytes(config) -> int:
+    """Bytes per value of the checkpoint as config.json states it (`dtype`, formerly `torch_dtype`); 0 if unstated."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 0) if dtype is not None else 0
 
 
 def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:

@@ -12,20 +12,24 @@ from finetune.planner.memory import SAFETY_MARGIN, Estimate, Hardware, StrategyN
 def format_table(estimates: list[Estimate], hw: Hardware) -> str:
     """Fixed-width table: one row per strategy, the parts of the peak, margin and verdict."""
     head = ["strategy", "GPUs", "base", "qstate", "LoRA+opt", "gathered", "activ.", "logits", "overhead", "peak/GPU",
-            "load/GPU", "CPU/node", "margin", "fits"]
+            "load/GPU", "CPU/node", "margin", "fits", "read/rank", "read/node", "read s"]
     rows = []
     for e in estimates:
         p = e.parts
         cells = [p["base"], p["quant_state"], p["lora_grads_adamw"], p["fsdp_unsharded"], p["activations"],
                  p["logits_loss"], p["overhead"], e.peak_bytes, e.load_peak_bytes, e.cpu_bytes_per_node]
         verdict = "yes" if e.fits else "NO"
-        rows.append([e.label, str(e.world_size), *[f"{c / GiB:.1f}" for c in cells], f"{e.margin_bytes / GiB:+.1f}", verdict])
+        reads = [f"{e.reads.rank_bytes / GiB:.1f}", f"{e.reads.node_bytes / GiB:.1f}", f"{e.reads.seconds:.0f}"]
+        rows.append([e.label, str(e.world_size), *[f"{c / GiB:.1f}" for c in cells], f"{e.margin_bytes / GiB:+.1f}", verdict,
+                     *reads])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
     lines.insert(1, "-" * len(lines[0]))
     notes = [f"  {e.label}: {n}" for e in estimates for n in e.notes]
     unit = f"GiB per GPU; {hw.total_gpus} x {_gib(hw.gpu_memory_bytes)}, fits = peak <= {100 - SAFETY_MARGIN * 100:.0f}% of a GPU"
-    return "\n".join([*lines, f"({unit})", *notes])
+    reads = (f"read/rank, read/node: GiB of checkpoint read at load (FSDP2: each rank its own shard; otherwise every "
+             f"rank the whole, once per node from storage); read s: a node's bytes at {hw.read_bytes_per_s / GB:g} GB/s")
+    return "\n".join([*lines, f"({unit})", f"({reads})", *notes])
 
 
 # ------------------------------------------------------------------------------------------------- decision
@@ -77,9 +81,12 @@ def largest_micro_batch(facts: ModelFacts, recipe, key: str, hw: Hardware, *, li
 
 
 def decide(recipe, model_config, *, gpus_per_node: int, gpu_memory_bytes: int, nodes: int = 1,
-           cpu_memory_bytes: int | None = None, per_rank_full_load: bool | None = None) -> Decision:
+           cpu_memory_bytes: int | None = None, per_rank_full_load: bool | None = None,
+           read_bytes_per_s: float | None = None) -> Decision:
     """Choose the strategy for `parallel.strategy: auto` from the model's config and the GPUs present."""
     hw = Hardware(gpus_per_node, gpu_memory_bytes, nodes, cpu_memory_bytes)
+    if read_bytes_per_s:
+        hw.read_bytes_per_s = read_bytes_per_s
     fsdp_version = recipe.parallel.fsdp_version or 2
     facts = facts_from_config(model_config, recipe, name=recipe.model.name_or_path, fsdp_version=fsdp_version)
     estimates = estimates_for(facts, recipe, hw, per_rank_full_load=per_rank_full_load)
@@ -106,6 +113,11 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
                 f"{chosen.label} at {_gib(chosen.peak_bytes)} per GPU ({_gib(-chosen.margin_bytes)} short).")
         if max_batch == 0:
             text += " Fix: lower data.max_length or train.micro_batch_size, turn on train.gradient_checkpointing, or add GPUs."
+    if chosen.reads is not None:
+        reads = chosen.reads
+        how = "its own shard" if reads.own_shard else "the whole checkpoint"
+        text += (f" Loading: each rank reads {how} ({_gib(reads.rank_bytes)}), a node {_gib(reads.node_bytes)}: "
+                 f"~{reads.seconds:.0f} s at {hw.read_bytes_per_s / GB:g} GB/s.")
     return text + "".join(f" Note: {n}." for n in chosen.notes + facts.notes)
 
 

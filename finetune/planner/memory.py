@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from finetune.planner.facts import GiB, ModelFacts
+from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
+from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
@@ -44,44 +46,7 @@ StrategyName = Literal["single", "ddp", "fsdp", "layer_split"]
 # BUCKET_ELEMENTS elements (finetune/parallel/zero.py). Defined here so that the model and the engines cannot drift.
 CHUNK_LOGIT_ELEMENTS = 2**24
 BUCKET_ELEMENTS = 50_000_000
-# DeepSpeed's ZeRO-3 default persistence threshold (0.19) and finetune's bucket sizes, in elements.
-ZERO_PERSISTENCE_THRESHOLD = 100_000
 ZERO_PREFETCH_BUCKET = ZERO_REDUCE_BUCKET = BUCKET_ELEMENTS
-
-
-# -------------------------------------------------------------------------------------------- per-rank bytes
-def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, rank: int = 0,
-                         fsdp_version: int = 2, persistence_threshold: int = ZERO_PERSISTENCE_THRESHOLD) -> dict[str, int]:
-    """Parameter bytes one rank holds after wrapping, split frozen / trainable: what parallel.local_parameter_bytes reports.
-
-    FSDP2 shards every tensor along dim 0 in torch.chunk pieces (the last ranks may get fewer rows); FSDP1 flattens
-    each unit (decoder layer, LoRA leaf, root) into one tensor padded to a multiple of the world size. ZeRO-3
-    partitions each tensor flat (numel / world, padded), except those under its persistence threshold.
-    """
-    held = {"frozen_bytes": 0, "trainable_bytes": 0}
-    key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"
-    if strategy == "zero3" and world_size > 1:
-        for t in facts.tensors:
-            whole = t.numel < persistence_threshold
-            held[key(t)] += t.nbytes if whole else math.ceil(t.numel / world_size) * t.elem_bytes
-        return held
-    if strategy != "fsdp" or world_size == 1:
-        for t in facts.tensors:
-            held[key(t)] += t.nbytes
-        return held
-    if fsdp_version == 2:
-        for t in facts.tensors:
-            chunk = math.ceil(t.rows / world_size)
-            rows = max(0, min(chunk, t.rows - rank * chunk))
-            held[key(t)] += rows * t.row_elems * t.elem_bytes
-        return held
-    units: dict[tuple[str, bool], list[int]] = {}
-    for t in facts.tensors:
-        entry = units.setdefault((t.unit, t.trainable), [0, t.elem_bytes])
-        entry[0] += t.numel
-    for (_, trainable), (numel, elem_bytes) in units.items():
-        held["trainable_bytes" if trainable else "frozen_bytes"] += math.ceil(numel / world_size) * elem_bytes
-    return held
 
 
 def zero_parts(facts: ModelFacts, *, stage: int, world_size: int,
@@ -200,6 +165,7 @@ class Estimate:
     load_peak_bytes: int = 0
     peak_moment: str = ""  # when in the step the peak is reached (`_step_terms`)
     gradient_bytes: int = 0  # of lora_grads_adamw: the gradients alive at the peak and DDP's buckets
+    reads: CheckpointReads | None = None  # checkpoint bytes read at load per rank and per node, and the time
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -308,6 +274,7 @@ class Hardware:
     gpu_memory_bytes: int
     nodes: int = 1
     cpu_memory_bytes: int | None = None
+    read_bytes_per_s: float = DEFAULT_READ_BANDWIDTH  # one node's checkpoint storage (finetune plan --read-bandwidth)
 
     @property
     def total_gpus(self) -> int:
@@ -361,6 +328,9 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     result.load_peak_bytes = load_peak
     result.peak_moment = step["moment"]
     result.gradient_bytes = (trainable if key == "ddp" else 0) + step["gradients"]
+    own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
+    result.reads = checkpoint_reads(facts, processes=world, per_node=min(world, hw.gpus_per_node), own_shard=own_shard,
+                                    read_bytes_per_s=hw.read_bytes_per_s)
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, load_peak)
     result.fits = result.margin_bytes >= 0

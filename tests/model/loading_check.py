@@ -7,7 +7,11 @@ FSDP (version argv[2]), and write what each rank holds to argv[3]/rank{R}.json:
     per-rank loader returned, and at the worst moment of sharded loading (right after a unit was built, before
     FSDP sharded it), both minus what was alive before loading;
   * the bound those must respect: this rank's shard of the base + the largest unit in model.dtype + the quant
-    state (whole on every rank) + the full LoRA tensors.
+    state (whole on every rank) + the full LoRA tensors;
+  * the checkpoint bytes the sharded loader read on this rank (counted by its TensorReader), the whole checkpoint's
+    tensor bytes, the bound on what a rank reading only its FSDP2 shard may read (computed here from the shapes:
+    its chunk's share of each 4-bit weight + up to two quantization blocks at each edge + its rows of every other
+    parameter + the buffers), and the planner's figure for this rank.
 
 Used by tests/model/test_loading.py; not a test module itself.
 """
@@ -59,6 +63,48 @@ def unit_bytes(skeleton, layer_class: str, dtype_bytes: int) -> int:
     return max(largest_layer, size((n, p) for n, p in skeleton.named_parameters() if id(p) not in in_layers))
 
 
+def read_bounds(skeleton, index, rank: int, world_size: int) -> dict[str, int]:
+    """The whole checkpoint's bytes the skeleton uses, and what a rank reading only its FSDP2 shard may read."""
+    whole = bound = 0
+    for name, param in skeleton.named_parameters():
+        if ".lora_" in name:
+            continue
+        key = loading.checkpoint_name(name)
+        elem = stored_bytes(index, key)
+        whole += param.numel() * elem
+        if type(param).__name__ == "Params4bit":
+            rows = param.numel() // 4  # bf16 storage: 4 values per element, FSDP2 chunks these rows
+            size = -(-rows // world_size)
+            share = max(0, min(rows, (rank + 1) * size) - rank * size) * 4
+            bound += min(param.numel(), share + 2 * 2 * param.blocksize) * elem
+        else:
+            size = -(-param.shape[0] // world_size)
+            share = max(0, min(param.shape[0], (rank + 1) * size) - rank * size)
+            bound += share * (param.numel() // param.shape[0]) * elem
+    for name, buffer in skeleton.named_buffers():
+        if buffer.is_meta:  # persistent buffers are read whole
+            bytes_ = buffer.numel() * stored_bytes(index, loading.checkpoint_name(name))
+            whole, bound = whole + bytes_, bound + bytes_
+    return {"whole_checkpoint": whole, "shard_bound": bound}
+
+
+def stored_bytes(index, key: str) -> int:
+    """Bytes per value of `key` as the checkpoint file stores it."""
+    from safetensors import safe_open
+
+    with safe_open(str(index.files[key]), framework="pt") as handle:
+        return {"F32": 4, "BF16": 2, "F16": 2}[handle.get_slice(key).get_dtype()]
+
+
+def planner_read_bytes(recipe, rank: int, world_size: int, *, own_shard: bool) -> int:
+    from finetune.model import load_config
+    from finetune.planner import facts_from_config
+    from finetune.planner.reads import rank_read_bytes
+
+    facts = facts_from_config(load_config(recipe), recipe)
+    return rank_read_bytes(facts, rank=rank, world_size=world_size, own_shard=own_shard)
+
+
 def main() -> None:
     model_dir, fsdp_version, out_dir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     info = distributed.init_distributed()
@@ -74,7 +120,7 @@ def main() -> None:
     meta = parallel.meta_model(config)
     plan = parallel.ParallelPlan(strategy="fsdp", world_size=info.world_size, fsdp_version=fsdp_version,
                                  layer_class=parallel.decoder_layer_class(meta).__name__, param_dtype=torch.bfloat16,
-                                 activation_checkpointing=False)
+                                 activation_checkpointing=False, sharded_loading=True)
 
     def load(sharded: bool):
         distributed.seed_everything(0)
@@ -82,7 +128,8 @@ def main() -> None:
         before = loading.alive_tensor_bytes()
         if sharded:
             loaded = loading.load_model(recipe, sharded=True, device=info.device, device_map=None,
-                                        gradient_checkpointing=False, trace=True)
+                                        gradient_checkpointing=False, trace=True, shard=plan.own_shard(info.rank))
+            bounds = read_bounds(loaded.model, loaded.builder.reader.index, info.rank, info.world_size)
         else:  # transformers' from_pretrained, the reference for every byte
             whole = model_base.build_model(recipe, device=info.device, gradient_checkpointing=False)
             checksum = model_base.lora_checksum(whole)  # before the wrap shards the LoRA tensors
@@ -97,6 +144,9 @@ def main() -> None:
         if sharded:
             figures["peak_while_loading"] = loaded.builder.peak_alive_bytes - before
             figures["trace"] = [(name, alive - before) for name, alive in loaded.builder.trace_log]
+            figures.update(bounds, bytes_read=loaded.builder.reader.bytes_read,
+                           planner_bytes_read=planner_read_bytes(recipe, info.rank, info.world_size,
+                                                                 own_shard=plan.own_shard(info.rank) is not None))
         return wrapped, figures
 
     old_model, old = load(sharded=False)

@@ -3,7 +3,10 @@ fraction of the memory; the same training; bad checkpoints refused before anythi
 
 The invariants run in real 2-rank torchrun processes (tests/model/loading_check.py) on tiny models with many thin
 layers, as large models have: a Llama-style model saved as a sharded checkpoint with an index file, and a
-Qwen2-style model with tied embeddings (the LM head is built from the embeddings' tensor).
+Qwen2-style model with tied embeddings (the LM head is built from the embeddings' tensor). Their shapes (hidden 76,
+2 heads of 38, intermediate 151) put FSDP2's chunk boundaries inside quantization blocks and give uneven chunks
+(the MLP weights pack into an odd number of rows, so the last rank's chunk is padded): under FSDP2 each rank reads
+and quantizes only its chunk (finetune/model/shard_reads.py), and what it holds is still bitwise the per-rank loader's.
 """
 
 from __future__ import annotations
@@ -35,16 +38,31 @@ def many_layer_models(tmp_path_factory):
     from finetune.cli.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("many-layers")
+    odd = {"hidden_size": 76, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 151}
     return {
-        "llama-sharded-index": build_tiny_model(root / "llama", family="llama", hidden_size=128, num_layers=16,
-                                                max_shard_size="300KB"),
-        "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", hidden_size=128, num_layers=16,
-                                       tie_word_embeddings=True),
+        "llama-sharded-index": build_tiny_model(root / "llama", family="llama", num_layers=16, max_shard_size="200KB",
+                                                **odd),
+        "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", num_layers=16, tie_word_embeddings=True, **odd),
         # Mixture of experts (4 experts, top-2): per-expert checkpoint tensors, Mixtral's `block_sparse_moe.` renamed
         # to `mlp.` by transformers' conversion mapping; every expert projection 4-bit (finetune/model/experts.py).
         "mixtral": build_tiny_model(root / "mixtral", family="mixtral", hidden_size=64, num_layers=16),
         "qwen3-moe": build_tiny_model(root / "qwen3-moe", family="qwen3_moe", hidden_size=64, num_layers=16),
     }
+
+
+def _chunk_edges(model_dir: Path) -> tuple[int, int]:
+    """(4-bit weights whose FSDP2 chunk boundary at 2 ranks falls inside a quantization block, those with uneven
+    chunks), from the checkpoint's shapes: the fixture's shapes must keep exercising both."""
+    from finetune.model import loading
+
+    index = loading.checkpoint_index(model_dir)
+    inside = uneven = 0
+    for key, shape in index.shapes.items():
+        if key.endswith("proj.weight"):
+            rows = shape[0] * shape[1] // 4  # bf16 packed storage: 4 values per element
+            inside += (-(-rows // 2) * 4) % 64 != 0
+            uneven += rows % 2
+    return inside, uneven
 
 
 @pytest.mark.slow
@@ -55,6 +73,9 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
     model_dir = many_layer_models[model_name]
     if model_name.startswith("llama"):
         assert (model_dir / "model.safetensors.index.json").exists()
+    if model_name in ("llama-sharded-index", "qwen2-tied"):
+        inside, uneven = _chunk_edges(model_dir)
+        assert inside >= 16 * 7 and uneven >= 16 * 3  # every projection's boundary is inside a block; the MLP's uneven
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(CHECK),
             str(model_dir), str(fsdp_version), str(tmp_path)]
     result = run_cmd(args, timeout=300)
@@ -72,6 +93,14 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
         assert new["peak_while_loading"] <= report["bound"], report["new"]["trace"]
         assert old["after_load"] > report["bound"] * 1.2
         assert new["after_load"] < 4096  # the skeleton holds no weights (only the rotary buffers)
+        # Checkpoint bytes read on this rank (the reader's count): FSDP2 reads only its chunk of every tensor (+ the
+        # blocks at chunk edges); FSDP1 reads every tensor whole, as every loader did before, and breaks that bound.
+        assert new["shard_bound"] < 0.6 * new["whole_checkpoint"]
+        if fsdp_version == 2:
+            assert new["bytes_read"] <= new["shard_bound"]
+        else:
+            assert new["bytes_read"] == new["whole_checkpoint"] > new["shard_bound"]
+        assert new["planner_bytes_read"] == pytest.approx(new["bytes_read"], rel=0.05)  # finetune plan's read/rank
 
 
 def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_models, monkeypatch):
@@ -134,7 +163,13 @@ def fsdp_runs(many_layer_models, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_training_is_the_same_with_either_loader(fsdp_runs):
+def test_training_is_the_same_with_either_loader(fsdp_runs, many_layer_models):
+    """FSDP2 by default: each rank read and quantized only its own chunk (run.py's rank stats count the bytes), and the
+    8 steps train as on the per-rank loader, which reads and quantizes the whole base on every rank."""
+    whole = sum(f.stat().st_size for f in many_layer_models["qwen2-tied"].glob("*.safetensors"))
+    for rank in (0, 1):
+        stats = json.loads((fsdp_runs[True] / "ranks" / f"rank{rank}.json").read_text())
+        assert 0 < stats["checkpoint_bytes_read"] < 0.55 * whole
     sharded, per_rank = train_losses(fsdp_runs[True]), train_losses(fsdp_runs[False])
     assert len(sharded) == 8
     assert sharded == pytest.approx(per_rank, abs=1e-6)

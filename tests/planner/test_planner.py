@@ -138,7 +138,7 @@ def test_unknown_architecture_gets_a_labelled_generic_estimate():
 
 
 @pytest.mark.parametrize("flag,value", [("--gpu-memory", "24XB"), ("--gpus", "two"), ("--nodes", "0"),
-                                        ("--cpu-memory", "lots")])
+                                        ("--cpu-memory", "lots"), ("--read-bandwidth", "fast")])
 def test_bad_flags_name_the_flag_and_the_fix(tmp_path, capsys, flag, value):
     recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": "meta-llama/Llama-2-7b-hf"},
                                                "data": {"datasets": [{"path": "x.jsonl"}]}})
@@ -230,6 +230,30 @@ def test_sharded_loading_lets_70b_start_on_two_24gb_gpus():
     assert planner.estimate(facts, recipe, "fsdp_offload", hw, per_rank_full_load=True).load_peak_bytes > 35 * GiB
     off = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"sharded_loading": False})})
     assert not planner.estimate(facts, off, "fsdp_offload", hw).fits
+
+
+def test_checkpoint_reads_per_rank_and_node_and_the_load_time(capsys):
+    """70B on 8 nodes x 8 GPUs: FSDP2 ranks read their shard (1/64 of the bf16 checkpoint, + the blocks at chunk
+    edges), a node 1/8; FSDP1, DDP and ZeRO read the whole on every rank, once per node from storage. The time is a
+    node's bytes at the stated bandwidth. (Against the reader's own count: tests/model/test_loading.py.)"""
+    from finetune.planner.reads import checkpoint_reads
+
+    recipe = _recipe("meta-llama/Llama-2-70b-hf")
+    facts = facts_from_config(_config(LLAMA2_70B), recipe)
+    whole = sum(t.quantized_numel or t.numel for t in facts.tensors if not t.trainable) * 2
+    assert whole == pytest.approx(68.977e9 * 2, rel=1e-3)
+    hw = Hardware(8, 80 * GB, nodes=8, read_bytes_per_s=4 * GB)
+    fsdp2, ddp = estimate(facts, recipe, "fsdp", hw).reads, estimate(facts, recipe, "ddp", hw).reads
+    assert fsdp2.own_shard and fsdp2.rank_bytes == pytest.approx(whole / 64, rel=0.01)
+    assert fsdp2.node_bytes == pytest.approx(whole / 8, rel=0.01) and fsdp2.seconds == fsdp2.node_bytes / (4 * GB)
+    assert (ddp.rank_bytes, ddp.node_bytes, ddp.own_shard) == (whole, whole, False)
+    fsdp1 = _recipe("meta-llama/Llama-2-70b-hf", parallel={"fsdp_version": 1})
+    assert estimate(facts, fsdp1, "fsdp", hw).reads.rank_bytes == whole
+    assert checkpoint_reads(facts, processes=1, per_node=1, own_shard=True).rank_bytes == whole
+    assert cli_main(["plan", "llama-3.1-70b", "--gpus", "8", "--nodes", "8", "--gpu-memory", "80GB",
+                     "--read-bandwidth", "4GB"]) == 0
+    out = capsys.readouterr().out
+    assert "read/rank  read/node  read s" in out and "at 4 GB/s" in out and "Loading: each rank reads" in out
 
 
 def test_plan_refuses_data_parallel_with_the_same_paragraph(capsys):
