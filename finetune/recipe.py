@@ -37,9 +37,9 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     dtype: DType = Field("bfloat16", description="dtype of every non-quantized weight, and of the 4-bit storage.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    adapter: str | None = Field(
-        None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
-        "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+    adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
+                                "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+    quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
 
 
 class QuantizationSection(_Section):

@@ -4,6 +4,9 @@
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
     checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
+    prequantized.py  4-bit checkpoints (transformers' bitsandbytes layout) as input: settings checked, bytes kept as stored
+    quantize.py      writes a bf16 base as such a 4-bit checkpoint, one tensor at a time (`finetune quantize`, the cache)
+    quantized_cache.py  model.quantized_cache: auto: a bf16 base quantized once, its 4-bit bytes loaded at later starts
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)

@@ -11,6 +11,7 @@ from torch import nn
 from finetune.errors import ModelLoadError
 from finetune.host_memory import release_freed_memory
 from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.model.prequantized import PackedLayout, packed_parameter
 
 
 def checkpoint_name(model_name: str) -> str:
@@ -49,6 +50,7 @@ class Materializer:
     lora_start: dict | None = None  # model.adapter's tensors: LoRA starts from them instead of the seed
     peak_alive_bytes: int = 0  # with trace: the most tensor bytes alive right after any unit was built
     trace_log: list[tuple[str, int]] = field(default_factory=list)
+    packed: PackedLayout | None = None  # a pre-quantized checkpoint: 4-bit weights from their stored bytes
 
     def module(self, module: nn.Module) -> None:
         """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract)."""
@@ -89,6 +91,8 @@ class Materializer:
 
     def _base(self, name: str, param: nn.Parameter) -> nn.Parameter:
         key = checkpoint_name(name)
+        if type(param).__name__ == "Params4bit" and self.packed is not None:
+            return packed_parameter(self.reader, key, param, device=self.device, layout=self.packed)
         if type(param).__name__ == "Params4bit":
             import bitsandbytes as bnb
 
@@ -110,7 +114,8 @@ class Materializer:
 
 
 def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,
-                 lora_seed: int, trace: bool = False, lora_start: dict | None = None) -> Materializer:
+                 lora_seed: int, trace: bool = False, lora_start: dict | None = None,
+                 packed: PackedLayout | None = None) -> Materializer:
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     aliases: dict[str, list[tuple[nn.Module, str]]] = {}
     for group in tied_groups(model).values():
@@ -125,7 +130,7 @@ def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.devi
             aliases[name] = []
         aliases[stored] = owners
     return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace,
-                        lora_start=lora_start)
+                        lora_start=lora_start, packed=packed)
 
 
 def alive_tensor_bytes() -> int:
