@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
     LIBRARY_LORA,
-    RUN_PY,
     accelerate_launch,
     addition_rows,
     recipe_dict,
-    run_cmd,
     train_losses,
     write_jsonl,
     write_recipe,
@@ -92,18 +89,22 @@ def runs(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("prequantized-runs")
     data = write_jsonl(root / "train.jsonl", addition_rows(40))
     done = {}
-    for model, launch in [("base", "single"), ("transformers", "single"), ("quantized", "single"),
-                          ("base", "fsdp2"), ("transformers", "fsdp2")]:
+    # `finetune quantize`'s checkpoint is not trained here: its bytes are bitwise these (test above), and it is built
+    # by the same code path as transformers' (measured once: its 8 losses equal these, 6.19291 -> 5.65670).
+    for model, launch in [("base", "single"), ("transformers", "single"), ("base", "fsdp2"), ("transformers", "fsdp2")]:
         name = f"{model}-{launch}"
         recipe = recipe_dict(checkpoints[model], data, root / name, model={"dtype": "bfloat16"}, lora=LIBRARY_LORA,
                              train={"max_steps": 8, "micro_batch_size": 2 if launch == "fsdp2" else 4},
+                             data={"eval_fraction": 0.0},
                              eval={"generation_rows": 0})
         path = write_recipe(root / f"{name}.yaml", recipe)
-        if launch == "single":
-            result = run_cmd([sys.executable, str(RUN_PY), str(path)])
+        if launch == "single":  # run.py's entry point in this process: the libraries are imported once for three runs
+            from finetune.run import main as run_main
+
+            assert run_main([str(path)]) == 0
         else:
             result = accelerate_launch("fsdp2", path)
-        assert result.returncode == 0, result.stderr[-4000:]
+            assert result.returncode == 0, result.stderr[-4000:]
         done[name] = train_losses(root / name)
     return done
 
@@ -112,8 +113,7 @@ def runs(checkpoints, tmp_path_factory):
 def test_4bit_checkpoints_train_to_the_losses_of_the_bf16_base(runs):
     reference = runs["base-single"]
     assert len(reference) == 8 and reference[-1] < reference[0]
-    for name in ("transformers-single", "quantized-single"):
-        assert runs[name] == pytest.approx(reference, abs=1e-6), name
+    assert runs["transformers-single"] == pytest.approx(reference, abs=1e-6)
     assert runs["transformers-fsdp2"] == pytest.approx(runs["base-fsdp2"], abs=1e-6)
 
 
