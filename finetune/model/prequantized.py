@@ -99,9 +99,21 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
             f"the recipe ({config_path}: {'; '.join(problems)}). Its packed bytes would be another model than the recipe "
             "describes. Fix: set the recipe's quantization section to the checkpoint's settings (quantization.method: "
             f"{stored_type}, quantization.double_quant: {str(stored_double).lower()}), or point model.name_or_path at "
-            "the bf16 base, which is quantized at load with the recipe's settings (`finetune quantize BASE OUT` writes "
-            "it as such a checkpoint once).")
+            "the bf16 base, which is quantized with the recipe's settings at load (or once, by `finetune quantize`).")
     return layout
+
+
+def check_local_checkpoint(recipe: Recipe) -> bool:
+    """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
+    only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
+    from finetune.model.base import is_local
+    from finetune.model.checkpoint_files import checkpoint_index
+
+    folder = Path(recipe.model.name_or_path).expanduser()
+    if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):
+        return False
+    packed_layout(recipe, folder, checkpoint_index(folder))
+    return True
 
 
 def _quant_state_problems(layout: PackedLayout, index: CheckpointIndex) -> list[str]:

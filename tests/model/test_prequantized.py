@@ -205,6 +205,8 @@ def test_a_settings_mismatch_exits_2_and_leaves_output_dir_alone(checkpoints, tm
     from finetune.cli.command import main
     from finetune.run import main as run_main
 
+    assert main(["validate", str(recipe)]) == 2  # `finetune validate` refuses it too (config.json + quant states)
+    assert "quantized with other settings than the recipe" in capsys.readouterr().err
     assert run_main([str(recipe)]) == 2  # run.py's entry point, in this process (no second start of the libraries)
     err = capsys.readouterr().err
     assert "is a 4-bit checkpoint quantized with other settings than the recipe" in err and "Traceback" not in err
