@@ -37,9 +37,14 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     dtype: DType = Field("bfloat16", description="dtype of every non-quantized weight, and of the 4-bit storage.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    adapter: str | None = Field(
-        None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
-        "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+    adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
+                                "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+    quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
+
+    @field_validator("quantized_cache", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:  # YAML reads a bare `off` as false (and `on` as true)
+        return {False: "off", True: "auto"}[value] if isinstance(value, bool) else value
 
 
 class QuantizationSection(_Section):
@@ -185,10 +190,8 @@ class ParallelSection(_Section):
     fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
     reshard_after_forward: bool | None = Field(None, description="True: full shard; False: shard-grad-op.")
     cpu_offload: bool | None = None
-    zero_stage: Literal[2, 3] | None = Field(
-        None, description="DeepSpeed ZeRO stage (strategy deepspeed): 3 shards everything, 2 optimizer state and gradients. "
-        "Default: the DeepSpeed config's, else 3."
-    )
+    zero_stage: Literal[2, 3] | None = Field(None, description="DeepSpeed ZeRO stage (strategy deepspeed): 3 shards everything, 2 "
+                                             "optimizer state and gradients. Default: the DeepSpeed config's, else 3.")
     deepspeed_config: str | None = Field(
         None, description="A DeepSpeed JSON config (strategy deepspeed): its zero_optimization tuning is used; batch "
         "sizes, optimizer and clipping come from the recipe. Default: the accelerate config's deepspeed_config_file."
@@ -208,12 +211,8 @@ class OutputSection(_Section):
 
 
 class EvalSection(_Section):
-    generation_rows: int = Field(
-        0, ge=0, description="Held-out examples answered greedily before and after training and scored (0: off)."
-    )
-    metric: Literal["exact_match", "contains", "prefix_match"] = Field(
-        "exact_match", description="How a generated answer is compared with the held-out reference answer."
-    )
+    generation_rows: int = Field(0, ge=0, description="Held-out examples answered greedily before and after training and scored (0: off).")
+    metric: Literal["exact_match", "contains", "prefix_match"] = Field("exact_match", description="How a generated answer is compared with the held-out reference answer.")
     max_new_tokens: int = Field(32, gt=0, description="Longest generated answer, in tokens.")
 
 

@@ -6,6 +6,7 @@
     generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)
     export.py      `export`: a clean adapter or a verified merge (the work is finetune/outputs/export.py)
     tiny.py        `tiny-model`: tiny random models + tokenizers for tests, smoke runs and benchmarks
+    quantize.py    `quantize`: a bf16 base written as a 4-bit checkpoint, or into the quantized cache
 """
 
 from finetune.cli.command import main

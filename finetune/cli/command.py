@@ -1,4 +1,4 @@
-"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot.
+"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot, quantize.
 
 Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
 imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from finetune import quiet
+from finetune.cli import quantize
 from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
 from finetune.errors import EXIT_USER_ERROR, FinetuneError
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_verbs(verbs)
     _add_look_verbs(verbs)
     _add_output_verbs(verbs)
+    quantize.add_parser(verbs, _delegate("finetune.cli.quantize", "cli_quantize"))
     return parser
 
 

@@ -15,6 +15,7 @@ from finetune import data, model, outputs, parallel
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
+from finetune.model import prequantized
 from finetune.recipe import load_recipe
 
 
@@ -45,6 +46,8 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     config = model.load_config(recipe)
     lines.append(f"  model: {recipe.model.name_or_path} ({getattr(config, 'model_type', '?')}, "
                  f"{getattr(config, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
+    if prequantized.check_local_checkpoint(recipe):
+        lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
 
     launcher = None
     if accelerate_config:

@@ -6,6 +6,9 @@
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
     experts.py       mixture-of-experts layers split into one Linear per expert projection (4-bit, LoRA on each)
     conversions.py   transformers' checkpoint key renames and expert fusion applied to a checkpoint index
+    prequantized.py  4-bit checkpoints (transformers' bitsandbytes layout) as input: settings checked, bytes kept as stored
+    quantize.py      writes a bf16 base as such a 4-bit checkpoint, one tensor at a time (`finetune quantize`, the cache)
+    quantized_cache.py  model.quantized_cache: auto: a bf16 base quantized once, its 4-bit bytes loaded at later starts
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)

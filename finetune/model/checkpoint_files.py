@@ -70,10 +70,16 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
                 f"{index_path}: names the shard {file_name} (for {listed[0]} and {len(listed) - 1} more tensors) but "
                 f"{path} does not exist. Fix: download the missing shard (or the whole model) again."
             )
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                index.files[name] = path
-                index.shapes[name] = tuple(handle.get_slice(name).get_shape())
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 (safetensors raises its own SafetensorError)
+            raise ModelLoadError(
+                f"{path}: not a readable safetensors file ({str(exc).strip()[:200]}); a truncated download or an "
+                "interrupted copy leaves such a file. Fix: download or copy that shard (or the whole model) again."
+            ) from None
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            index.files[name] = path
+            index.shapes[name] = tuple(handle.get_slice(name).get_shape())
     return index
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
+from finetune.model import prequantized, quantized_cache
 from finetune.model.checkpoint_files import (  # noqa: F401
     INDEX_FILE,
     SINGLE_FILE,
@@ -47,6 +48,7 @@ from finetune.model.materialize import (  # noqa: F401
     materializer,
     tied_groups,
 )
+from finetune.model.prequantized import PackedLayout
 from finetune.model.shard_reads import RankShard
 from finetune.recipe import Recipe
 
@@ -54,20 +56,37 @@ from finetune.recipe import Recipe
 # ------------------------------------------------------------------------------------------------ the skeleton
 def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> nn.Module:
     """The PeftModel (4-bit layers and LoRA included) with every parameter on the meta device."""
+    from finetune.model import base as model_stage
+    from finetune.model.experts import get_peft_model
+
+    base = meta_base_model(config, dtype=model_stage.torch_dtype(recipe.model.dtype),
+                           bnb_config=model_stage.quantization_config(recipe),
+                           attn_implementation=recipe.model.attn_implementation,
+                           trust_remote_code=recipe.model.trust_remote_code)
+    model_stage.keep_4bit_weights_trainable_on_cpu(base)
+    model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
+    peft_model = get_peft_model(base, model_stage.lora_config(recipe), low_cpu_mem_usage=True)
+    if recipe.lora.fused:
+        from finetune.model.lora_fused import use_fused_lora
+
+        use_fused_lora(peft_model)
+    return peft_model
+
+
+def meta_base_model(config, *, dtype: torch.dtype, bnb_config, attn_implementation: str = "sdpa",
+                    trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM on the meta device, its Linear layers turned into `Linear4bit` as `from_pretrained` would."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from finetune.model import base as model_stage
-    from finetune.model.experts import get_peft_model, split_experts
-
-    dtype = model_stage.torch_dtype(recipe.model.dtype)
     with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
-        base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
-                                                trust_remote_code=recipe.model.trust_remote_code)
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                trust_remote_code=trust_remote_code)
     base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
+    from finetune.model.experts import split_experts
+
     # Fused MoE experts -> one Linear per expert projection (quantized below); refused here if they cannot be.
-    split_experts(base, dtype=dtype, quantized=recipe.quantization.method != "none")
-    bnb_config = model_stage.quantization_config(recipe)
+    split_experts(base, dtype=dtype, quantized=bnb_config is not None)
     if bnb_config is not None:
         from transformers.quantizers import AutoHfQuantizer
 
@@ -82,23 +101,20 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
             torch.set_default_dtype(previous)
         base.hf_quantizer = quantizer
         quantizer.postprocess_model(base)
-    model_stage.keep_4bit_weights_trainable_on_cpu(base)
-    model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
-    peft_model = get_peft_model(base, model_stage.lora_config(recipe), low_cpu_mem_usage=True)
-    if recipe.lora.fused:
-        from finetune.model.lora_fused import use_fused_lora
-
-        use_fused_lora(peft_model)
-    return peft_model
+    return base
 
 
-def check_checkpoint(model: nn.Module, index: CheckpointIndex) -> None:
-    """Every base tensor of the skeleton is in the checkpoint with the right shape (before anything is read)."""
+def check_checkpoint(model: nn.Module, index: CheckpointIndex, packed: PackedLayout | None = None) -> None:
+    """Every base tensor of the skeleton is in the checkpoint with the right shape (before anything is read); a
+    pre-quantized checkpoint (`packed`) holds each 4-bit weight as packed bytes + quant state instead."""
     problems = []
     tied = {name for group in tied_groups(model).values() for name in group[1:]}
     for name, tensor in _meta_tensors(model):
         key = checkpoint_name(name)
         if is_lora_name(name) or (name in tied and key not in index.shapes):
+            continue
+        if packed is not None and type(tensor).__name__ == "Params4bit":
+            problems += prequantized.checkpoint_problems(packed, key, tensor, index)
             continue
         # A meta Params4bit still has the (out, in) shape of the weight it will quantize.
         if key not in index.shapes:
@@ -156,12 +172,16 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         checksum = model_stage.lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
+    folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
     index = checkpoint_index(folder)
     convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
-    check_checkpoint(skeleton, index)
+    packed = prequantized.packed_layout(recipe, folder, index)  # a 4-bit checkpoint: its settings are the recipe's
+    check_checkpoint(skeleton, index, packed)
+    # Range reads (FSDP2) quantize a chunk of a bf16 weight; a 4-bit checkpoint's units are read whole (a quarter of
+    # the bytes) and sharded by the wrap, as FSDP1 does.
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
                            lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe),
-                           shard=shard if sharded else None)
+                           shard=shard if sharded and packed is None else None, packed=packed)
     if not sharded:
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)

@@ -11,6 +11,7 @@ from torch import nn
 from finetune.errors import ModelLoadError
 from finetune.host_memory import release_freed_memory
 from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.model.prequantized import PackedLayout, packed_parameter
 from finetune.model.shard_reads import PendingQuantState, RankShard, finish_quant_states, own_parameter
 
 
@@ -52,6 +53,7 @@ class Materializer:
     trace_log: list[tuple[str, int]] = field(default_factory=list)
     shard: RankShard | None = None  # FSDP2: read and quantize only this rank's chunk (shard_reads.py)
     _pending: list[PendingQuantState] = field(default_factory=list)
+    packed: PackedLayout | None = None  # a pre-quantized checkpoint: 4-bit weights from their stored bytes
 
     def module(self, module: nn.Module) -> None:
         """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract)."""
@@ -94,6 +96,8 @@ class Materializer:
 
     def _base(self, name: str, param: nn.Parameter) -> nn.Parameter:
         key = checkpoint_name(name)
+        if type(param).__name__ == "Params4bit" and self.packed is not None:
+            return packed_parameter(self.reader, key, param, device=self.device, layout=self.packed)
         if self.shard is not None:
             return own_parameter(self.reader, key, param, shard=self.shard, device=self.device,
                                  load_dtype=self.load_dtype, pending=self._pending)
@@ -119,7 +123,7 @@ class Materializer:
 
 def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,
                  lora_seed: int, trace: bool = False, lora_start: dict | None = None,
-                 shard: RankShard | None = None) -> Materializer:
+                 shard: RankShard | None = None, packed: PackedLayout | None = None) -> Materializer:
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     aliases: dict[str, list[tuple[nn.Module, str]]] = {}
     for group in tied_groups(model).values():
@@ -134,7 +138,7 @@ def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.devi
             aliases[name] = []
         aliases[stored] = owners
     return Materializer(TensorReader(index), device, load_dtype, lora_seed, names, aliases, trace=trace,
-                        lora_start=lora_start, shard=shard)
+                        lora_start=lora_start, shard=shard, packed=packed)
 
 
 def alive_tensor_bytes() -> int:

@@ -1,0 +1,191 @@
+"""Pre-quantized 4-bit checkpoints (bitsandbytes, as transformers' `save_pretrained` writes them): checked against the
+recipe before any weight is read, then each 4-bit weight built from its stored bytes and quant state, never dequantized.
+
+Such a folder has `quantization_config` (quant_method: bitsandbytes) in config.json and, for every quantized weight
+`W`: the packed 4-bit codes `W` (stored as `bnb_4bit_quant_storage`: uint8 by default, bf16 when the model was
+loaded for FSDP), `W.absmax`, `W.quant_map`, with double quantization `W.nested_absmax` and `W.nested_quant_map`, and
+`W.quant_state.bitsandbytes__nf4` (or `__fp4`): a small uint8 tensor holding the rest as JSON (blocksize, shape,
+dtype, nested offset). The "-bnb-4bit" repositories on the hub are such folders, and so is what `finetune quantize`
+and the quantized cache (quantized_cache.py) write.
+
+Why reinterpret and never dequantize: the packed codes are bytes; the storage dtype only says how FSDP sees them. The
+recipe keeps the dtype rule (every frozen tensor in model.dtype, one dtype per FSDP unit) by viewing the same bytes
+as model.dtype, so the model holds exactly the bytes that quantizing the bf16 base at load gives.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from finetune.errors import ModelLoadError
+from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.recipe import Recipe
+
+PACKED_STATE = "quant_state.bitsandbytes__"  # + nf4 / fp4: the non-tensor part of a quant state, as JSON bytes
+BLOCKSIZE = 64  # what bitsandbytes and transformers quantize with (no recipe key changes it)
+NESTED_BLOCKSIZE = 256  # double quantization's blocks of absmax values
+
+
+@dataclass
+class PackedLayout:
+    """How a pre-quantized checkpoint stores its 4-bit weights, and how this run will hold them."""
+
+    folder: Path
+    quant_type: str  # nf4 / fp4
+    double_quant: bool
+    stored_dtype: torch.dtype  # the checkpoint's bnb_4bit_quant_storage
+    storage_dtype: torch.dtype  # the recipe's (model.dtype): the same bytes, viewed as this
+    model_dtype: torch.dtype
+    states: dict[str, dict] = field(default_factory=dict)  # weight name -> its unpacked quant-state JSON
+
+    def state_names(self, key: str) -> list[str]:
+        parts = ["absmax", "quant_map", *(("nested_absmax", "nested_quant_map") if self.double_quant else ())]
+        return [f"{key}.{part}" for part in parts] + [f"{key}.{PACKED_STATE}{self.quant_type}"]
+
+
+def stored_quantization(folder: Path) -> dict | None:
+    """config.json's bitsandbytes `quantization_config` of a checkpoint folder, or None for an unquantized one."""
+    config_path = Path(folder) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "bitsandbytes":
+        return None
+    return quantization
+
+
+def is_prequantized(folder: Path) -> bool:
+    return stored_quantization(folder) is not None
+
+
+def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> PackedLayout | None:
+    """The layout of a pre-quantized checkpoint, refused in one paragraph where its settings are not the recipe's
+    (config.json and the quant states against `quantization.*`); None for an unquantized checkpoint."""
+    from finetune.model.base import torch_dtype
+
+    stored = stored_quantization(folder)
+    if stored is None:
+        return None
+    model_dtype = torch_dtype(recipe.model.dtype)
+    quant = recipe.quantization
+    config_path = Path(folder) / "config.json"
+    problems = []
+    if stored.get("load_in_8bit") or not stored.get("load_in_4bit", stored.get("_load_in_4bit")):
+        problems.append("it is an 8-bit checkpoint (load_in_8bit), and finetune trains on 4-bit bases only")
+    stored_type = stored.get("bnb_4bit_quant_type", "fp4")
+    stored_double = bool(stored.get("bnb_4bit_use_double_quant", False))
+    if quant.method == "none":
+        problems.append("the recipe's quantization.method is none, and 4-bit weights are not dequantized at load")
+    elif stored_type != quant.method:
+        problems.append(f"bnb_4bit_quant_type is {stored_type}, the recipe's quantization.method is {quant.method}")
+    if stored_double != quant.double_quant:
+        problems.append(f"bnb_4bit_use_double_quant is {str(stored_double).lower()}, the recipe's "
+                        f"quantization.double_quant is {str(quant.double_quant).lower()}")
+    layout = PackedLayout(Path(folder), stored_type, stored_double,
+                          stored_dtype=getattr(torch, str(stored.get("bnb_4bit_quant_storage", "uint8"))),
+                          storage_dtype=torch_dtype(quant.quant_storage or recipe.model.dtype), model_dtype=model_dtype)
+    if not problems:
+        problems += _quant_state_problems(layout, index)
+    if problems:
+        raise ModelLoadError(
+            f"model.name_or_path `{recipe.model.name_or_path}` is a 4-bit checkpoint quantized with other settings than "
+            f"the recipe ({config_path}: {'; '.join(problems)}). Its packed bytes would be another model than the recipe "
+            "describes. Fix: set the recipe's quantization section to the checkpoint's settings (quantization.method: "
+            f"{stored_type}, quantization.double_quant: {str(stored_double).lower()}), or point model.name_or_path at "
+            "the bf16 base, which is quantized with the recipe's settings at load (or once, by `finetune quantize`).")
+    return layout
+
+
+def check_local_checkpoint(recipe: Recipe) -> bool:
+    """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
+    only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
+    from finetune.model.base import is_local
+    from finetune.model.checkpoint_files import checkpoint_index
+
+    folder = Path(recipe.model.name_or_path).expanduser()
+    if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):
+        return False
+    packed_layout(recipe, folder, checkpoint_index(folder))
+    return True
+
+
+def _quant_state_problems(layout: PackedLayout, index: CheckpointIndex) -> list[str]:
+    """Read every quant state's JSON part (a few hundred bytes each; no weight): blocksize and type as the recipe's."""
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    reader = TensorReader(index)
+    found: dict[str, set] = {}
+    try:
+        for name in index.shapes:
+            weight, _, kind = name.partition("." + PACKED_STATE)
+            if not kind:
+                continue
+            state = unpack_tensor_to_dict(reader.get(name))
+            layout.states[weight] = state
+            found.setdefault("quant_type", set()).add(state.get("quant_type", kind))
+            found.setdefault("blocksize", set()).add(state.get("blocksize"))
+            if layout.double_quant:
+                found.setdefault("nested_blocksize", set()).add(state.get("nested_blocksize"))
+    finally:
+        reader.close()
+    problems = []
+    if found.get("quant_type", {layout.quant_type}) != {layout.quant_type}:
+        problems.append(f"the quant states say {'/'.join(sorted(found['quant_type']))}, config.json {layout.quant_type}")
+    expected = {"blocksize": BLOCKSIZE, "nested_blocksize": NESTED_BLOCKSIZE}
+    for key, value in expected.items():
+        if found.get(key, {value}) != {value}:
+            problems.append(f"the quant states' {key} is {'/'.join(str(v) for v in sorted(found[key]))}, finetune "
+                            f"quantizes with {value} (bitsandbytes' and transformers' only choice; no recipe key)")
+    return problems
+
+
+def packed_bytes(numel: int, storage: torch.dtype) -> int:
+    """Bytes bitsandbytes' quantize_4bit stores for `numel` weights in `storage` ((n + 1) // (2 * itemsize) elements)."""
+    itemsize = torch.empty(0, dtype=storage).element_size()
+    return (numel + 1) // (2 * itemsize) * itemsize
+
+
+def checkpoint_problems(layout: PackedLayout, key: str, tensor: torch.Tensor, index: CheckpointIndex) -> list[str]:
+    """What is wrong with one 4-bit weight of the checkpoint against the skeleton's (out, in) weight (headers only)."""
+    if key not in index.shapes:
+        return [f"{key}: missing (the config needs a 4-bit weight of shape {list(tensor.shape)})"]
+    problems = [f"{name}: missing (part of {key}'s quant state)" for name in layout.state_names(key)
+                if name not in index.shapes]
+    stored = index.shapes[key]
+    stored_bytes = int(torch.Size(stored).numel()) * torch.empty(0, dtype=layout.stored_dtype).element_size()
+    wanted = packed_bytes(tensor.numel(), layout.storage_dtype)
+    if stored_bytes != wanted:
+        problems.append(f"{key} in {index.files[key].name}: {stored_bytes} packed bytes ({list(stored)} "
+                        f"{str(layout.stored_dtype).removeprefix('torch.')}), a 4-bit {list(tensor.shape)} weight "
+                        f"stored as {str(layout.storage_dtype).removeprefix('torch.')} needs {wanted}")
+    state_shape = layout.states.get(key, {}).get("shape")
+    if state_shape is not None and tuple(state_shape) != tuple(tensor.shape):
+        problems.append(f"{key}: its quant state is for shape {list(state_shape)}, the config needs {list(tensor.shape)}")
+    blocks = -(-tensor.numel() // BLOCKSIZE)
+    if f"{key}.absmax" in index.shapes and index.shapes[f"{key}.absmax"] != (blocks,):
+        problems.append(f"{key}.absmax: shape {list(index.shapes[f'{key}.absmax'])}, {blocks} blocks expected")
+    return problems
+
+
+def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, device: torch.device,
+                     layout: PackedLayout) -> nn.Parameter:
+    """A Params4bit from the checkpoint's bytes and quant state: bitwise what quantizing the bf16 base at load gives."""
+    import bitsandbytes as bnb
+
+    stored = reader.get(key).reshape(-1)
+    # The same bytes viewed as the recipe's storage dtype (uint8 (2n, 1) -> bf16 (n, 1)): no arithmetic, no copy.
+    data = stored.view(torch.uint8).view(layout.storage_dtype).reshape(-1, 1)
+    stats = {name: reader.get(name) for name in layout.state_names(key)}
+    new = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device,
+                                              module=getattr(param, "module", None))
+    # The dtype dequantization returns: model.dtype, as when the bf16 base is quantized at load (a checkpoint made
+    # from an fp16 base says float16; its 4-bit codes and absmax do not depend on it).
+    new.quant_state.dtype = layout.model_dtype
+    return new

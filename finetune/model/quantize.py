@@ -1,0 +1,122 @@
+"""Writing a 4-bit checkpoint from a bf16 base, one tensor at a time: what `finetune quantize` and the quantized cache
+write, and what transformers' `from_pretrained` (or finetune's loader) reads back as a pre-quantized model.
+
+The layout is transformers' own (`save_pretrained` of a bitsandbytes-quantized model): config.json with
+`quantization_config`, sharded safetensors `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`,
+every quantized weight as its packed codes plus the quant-state tensors that `Linear4bit._save_to_state_dict` writes.
+Each weight is quantized exactly as loading the bf16 base does (`Params4bit(value in model.dtype, **skeleton's
+settings).to(device)`), so the bytes written are the bytes a run would otherwise compute at every start.
+
+No full copy of the base is ever held: one tensor is read (memory-mapped), cast and quantized, and the packed result
+joins the shard being collected, which is written once it reaches `max_shard_bytes`. The folder appears whole or not
+at all (a temporary folder renamed at the end; an existing one is replaced only when asked).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from finetune.errors import ModelLoadError
+from finetune.model.checkpoint_files import INDEX_FILE, TensorReader, checkpoint_index
+from finetune.model.prequantized import stored_quantization
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+def quantized_names(config, bnb_config, dtype: torch.dtype) -> dict[str, dict]:
+    """Checkpoint name -> the skeleton's Params4bit settings, for every weight transformers' quantizer converts."""
+    from finetune.model.loading import meta_base_model  # loading imports the cache, which imports this module
+
+    model = meta_base_model(config, dtype=dtype, bnb_config=bnb_config)
+    settings = {}
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "Params4bit":
+            settings[name] = {k: v for k, v in param.__dict__.items() if k != "module"}
+    return settings
+
+
+def _quantized_tensors(name: str, value: torch.Tensor, settings: dict, *, dtype: torch.dtype,
+                       device: torch.device) -> dict[str, torch.Tensor]:
+    """The packed weight and its quant state as `Linear4bit._save_to_state_dict` names them (`W.absmax`, ...)."""
+    import bitsandbytes as bnb
+
+    # As the loader (materialize.py) and transformers' Bnb4bitQuantize: cast on the device, then quantize there.
+    param = bnb.nn.Params4bit(value.to(device=device, dtype=dtype), requires_grad=False, **settings).to(device)
+    tensors = {name: param.data.detach().cpu()}
+    for key, state in param.quant_state.as_dict(packed=True).items():
+        tensors[f"{name}.{key}"] = state.detach().cpu()
+    return tensors
+
+
+def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, device: torch.device,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, replace: bool = False,
+                    finish: Callable[[Path], None] | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """Quantize the safetensors base in `base` into `out` (atomic); `finish(folder)` runs last, before the rename."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from finetune.files import atomic_dir
+
+    base, out = Path(base), Path(out)
+    if stored_quantization(base) is not None:
+        raise ModelLoadError(f"{base}: already a 4-bit checkpoint (quantization_config in config.json); it is used as "
+                             "it is. Fix: point at the bf16 base to quantize it.")
+    index = checkpoint_index(base)
+    settings = quantized_names(AutoConfig.from_pretrained(base), bnb_config, dtype)
+    reader = TensorReader(index)
+    weight_map, shard, shard_bytes, total, files = {}, {}, 0, 0, []
+    with atomic_dir(out, replace=replace) as tmp:
+
+        def flush() -> None:
+            nonlocal shard, shard_bytes
+            if shard:
+                name = f"shard-{len(files):05d}.tmp"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                files.append((name, list(shard)))
+                shard, shard_bytes = {}, 0
+
+        # File by file, in each file's order: the reads stay sequential on disk.
+        for name in sorted(index.shapes, key=lambda n: (str(index.files[n]), n)):
+            value = reader.get(name)
+            if name in settings:
+                tensors = _quantized_tensors(name, value, settings[name], dtype=dtype, device=device)
+            else:  # norms, embeddings, LM head: in model.dtype, as the loader holds them
+                tensors = {name: value.to(dtype) if value.is_floating_point() else value}
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            if shard_bytes and shard_bytes + size > max_shard_bytes:
+                flush()
+            shard.update(tensors)
+            shard_bytes += size
+            total += size
+            if progress and name in settings:
+                progress(name)
+        flush()
+        reader.close()
+        for number, (temporary, names) in enumerate(files, start=1):
+            final = f"model-{number:05d}-of-{len(files):05d}.safetensors"
+            (tmp / temporary).rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2, sort_keys=True))
+        _copy_side_files(base, tmp, bnb_config, dtype)
+        if finish is not None:
+            finish(tmp)
+    return out
+
+
+def _copy_side_files(base: Path, target: Path, bnb_config, dtype: torch.dtype) -> None:
+    """config.json with the quantization_config added; tokenizer, generation config and the rest copied as they are."""
+    for path in base.iterdir():
+        if path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES) \
+                and "index.json" not in path.name and path.name != "config.json":
+            shutil.copy2(path, target / path.name)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = bnb_config.to_dict()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

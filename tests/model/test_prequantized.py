@@ -1,0 +1,217 @@
+"""Pre-quantized 4-bit checkpoints (finetune/model/prequantized.py), `finetune quantize` (quantize.py) and the
+quantized cache (quantized_cache.py): the same bytes and the same training as quantizing the bf16 base at load.
+
+The 4-bit checkpoint under test is written by transformers' own `save_pretrained` of a model loaded with a
+BitsAndBytesConfig (uint8 storage, transformers' default and what the hub's "-bnb-4bit" repositories hold), not by
+this project.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    LIBRARY_LORA,
+    accelerate_launch,
+    addition_rows,
+    recipe_dict,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
+from loading_check import held_tensors
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llama, tmp_path_factory):
+    """The bf16 base, transformers' 4-bit checkpoint of it, and `finetune quantize`'s (3 shards + index)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    root = tmp_path_factory.mktemp("prequantized")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, quantization_config=config)
+    model.save_pretrained(root / "transformers-4bit")
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(root / "transformers-4bit")
+    from finetune.cli.command import main  # in this process: the verb as the console script runs it, minus the start
+
+    assert main(["quantize", str(tiny_llama), str(root / "quantized"), "--max-shard-size", "0.0001"]) == 0
+    return {"base": tiny_llama, "transformers": root / "transformers-4bit", "quantized": root / "quantized"}
+
+
+def _recipe(name_or_path, **model):
+    from finetune.recipe import Recipe
+
+    return Recipe.model_validate({"model": {"name_or_path": str(name_or_path), "dtype": "bfloat16", **model},
+                                  "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+                                  "data": {"datasets": [{"path": "x.jsonl", "format": "alpaca"}]}})
+
+
+def _load(recipe):
+    from finetune.model import loading
+
+    loaded = loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
+                                gradient_checkpointing=False)
+    return held_tensors(loaded.model)
+
+
+def test_4bit_checkpoints_hold_the_bytes_of_the_base_quantized_at_load(checkpoints):
+    """Every packed byte, absmax, nested absmax, code and norm: transformers' uint8 checkpoint (re-viewed as bf16) and
+    `finetune quantize`'s (3 shards + index) give what loading the bf16 base gives; plain from_pretrained reads the
+    latter as transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import base as model_base
+
+    quantized_index = json.loads((checkpoints["quantized"] / "model.safetensors.index.json").read_text())
+    assert len(set(quantized_index["weight_map"].values())) == 3
+    expected = _load(_recipe(checkpoints["base"]))
+    for name in ("transformers", "quantized"):
+        held = _load(_recipe(checkpoints[name]))
+        assert sorted(held) == sorted(expected) and len(held) > 50
+        assert [k for k in held if not torch.equal(held[k], expected[k])] == [], name
+    plain = AutoModelForCausalLM.from_pretrained(checkpoints["quantized"])  # no quantization_config passed
+    at_load = model_base.load_base_model(_recipe(checkpoints["base"]), device=torch.device("cpu"))
+    assert type(plain.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    model_base.keep_4bit_weights_trainable_on_cpu(plain)  # the same CPU kernel as at_load (not the inference repack)
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits.float(), at_load(ids).logits.float())
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    """8 steps from each checkpoint, single process and FSDP2 (shipped fsdp2.yaml), library LoRA (dropout 0.05), bf16."""
+    root = tmp_path_factory.mktemp("prequantized-runs")
+    data = write_jsonl(root / "train.jsonl", addition_rows(40))
+    done = {}
+    # `finetune quantize`'s checkpoint is not trained here: its bytes are bitwise these (test above), and it is built
+    # by the same code path as transformers' (measured once: its 8 losses equal these, 6.19291 -> 5.65670).
+    for model, launch in [("base", "single"), ("transformers", "single"), ("base", "fsdp2"), ("transformers", "fsdp2")]:
+        name = f"{model}-{launch}"
+        recipe = recipe_dict(checkpoints[model], data, root / name, model={"dtype": "bfloat16"}, lora=LIBRARY_LORA,
+                             train={"max_steps": 8, "micro_batch_size": 2 if launch == "fsdp2" else 4},
+                             data={"eval_fraction": 0.0},
+                             eval={"generation_rows": 0})
+        path = write_recipe(root / f"{name}.yaml", recipe)
+        if launch == "single":  # run.py's entry point in this process: the libraries are imported once for three runs
+            from finetune.run import main as run_main
+
+            assert run_main([str(path)]) == 0
+        else:
+            result = accelerate_launch("fsdp2", path)
+            assert result.returncode == 0, result.stderr[-4000:]
+        done[name] = train_losses(root / name)
+    return done
+
+
+@pytest.mark.slow
+def test_4bit_checkpoints_train_to_the_losses_of_the_bf16_base(runs):
+    reference = runs["base-single"]
+    assert len(reference) == 8 and reference[-1] < reference[0]
+    assert runs["transformers-single"] == pytest.approx(reference, abs=1e-6)
+    assert runs["transformers-fsdp2"] == pytest.approx(runs["base-fsdp2"], abs=1e-6)
+
+
+def test_the_cache_is_built_once_then_its_4bit_bytes_are_read(checkpoints, tmp_path, monkeypatch, capsys):
+    """First load: quantize into the cache, then read it. Second: only the cache's files are read (a quarter of the
+    base's bytes, nothing quantized). A base changed since: rebuilt with a note, and the new weights are loaded."""
+    from finetune.model import checkpoint_files, quantized_cache
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    base = shutil.copytree(checkpoints["base"], tmp_path / "base")
+    recipe = _recipe(base, quantized_cache="auto")
+    reads: list[tuple[Path, int]] = []
+    read = checkpoint_files.TensorReader.get
+
+    def counted(self, name):
+        tensor = read(self, name)
+        reads.append((self.index.files[name], tensor.numel() * tensor.element_size()))
+        return tensor
+
+    monkeypatch.setattr(checkpoint_files.TensorReader, "get", counted)
+    expected = _load(_recipe(base))
+    base_bytes = sum(size for _, size in reads)
+    entry = quantized_cache.entry_folder(recipe, base)
+    for attempt in range(2):
+        reads.clear()
+        held = _load(recipe)
+        assert [k for k in held if not torch.equal(held[k], expected[k])] == []
+        out = capsys.readouterr().out
+        from_base = sum(size for path, size in reads if path.parent == base)
+        from_cache = sum(size for path, size in reads if path.parent == entry)
+        if attempt == 0:
+            assert "quantizing" in out and from_base == base_bytes  # read once, to write the entry
+        else:
+            assert "quantizing" not in out and "the 4-bit cache of" in out
+            assert from_base == 0 and 0 < from_cache < base_bytes / 3, (from_cache, base_bytes)
+    # The base changes (retrained, re-downloaded): the entry is rebuilt, and the new weights are what is loaded.
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(base / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 2
+    save_file(state, str(base / "model.safetensors"), metadata={"format": "pt"})
+    held = _load(recipe)
+    assert "the base changed since its quantized cache entry was written (model.safetensors" in capsys.readouterr().out
+    assert [k for k in held if not torch.equal(held[k], expected[k])] != []
+    changed = _load(_recipe(base))
+    assert [k for k in held if not torch.equal(held[k], changed[k])] == []
+
+
+@pytest.mark.parametrize("problem", ["fp4", "double_quant", "blocksize", "truncated"])
+def test_bad_4bit_checkpoints_are_refused_before_any_weight_is_read(checkpoints, tmp_path, problem):
+    from bitsandbytes.utils import pack_dict_to_tensor, unpack_tensor_to_dict
+    from safetensors.torch import load_file, save_file
+
+    from finetune.errors import ModelLoadError
+
+    folder = shutil.copytree(checkpoints["transformers"], tmp_path / "m")
+    overrides, expected = {}, ""
+    if problem == "fp4":
+        overrides, expected = {"method": "fp4"}, "bnb_4bit_quant_type is nf4, the recipe's quantization.method is fp4"
+    elif problem == "double_quant":
+        overrides = {"double_quant": False}
+        expected = "bnb_4bit_use_double_quant is true, the recipe's quantization.double_quant is false"
+    elif problem == "blocksize":
+        state = load_file(str(folder / "model.safetensors"))
+        key = "model.layers.1.self_attn.o_proj.weight.quant_state.bitsandbytes__nf4"
+        state[key] = pack_dict_to_tensor({**unpack_tensor_to_dict(state[key]), "blocksize": 128})
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        expected = "the quant states' blocksize is 64/128, finetune quantizes with 64"
+    else:
+        with open(folder / "model.safetensors", "r+b") as handle:
+            handle.truncate((folder / "model.safetensors").stat().st_size - 1000)
+        expected = "not a readable safetensors file"
+    from finetune.recipe import Recipe
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(folder), "dtype": "bfloat16"},
+                                    "quantization": overrides, "data": {"datasets": [{"path": "x.jsonl"}]}})
+    with pytest.raises(ModelLoadError) as error:
+        _load(recipe)
+    assert expected in str(error.value)
+    if problem != "truncated":
+        assert "config.json" in str(error.value) and "Fix: set the recipe's quantization section" in str(error.value)
+
+
+def test_a_settings_mismatch_exits_2_and_leaves_output_dir_alone(checkpoints, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(checkpoints["transformers"], data, out,
+                                                           model={"dtype": "bfloat16"}, quantization={"method": "fp4"}))
+    from finetune.cli.command import main
+    from finetune.run import main as run_main
+
+    assert main(["validate", str(recipe)]) == 2  # `finetune validate` refuses it too (config.json + quant states)
+    assert "quantized with other settings than the recipe" in capsys.readouterr().err
+    assert run_main([str(recipe)]) == 2  # run.py's entry point, in this process (no second start of the libraries)
+    err = capsys.readouterr().err
+    assert "is a 4-bit checkpoint quantized with other settings than the recipe" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1  # one paragraph
+    assert not out.exists()  # the run folder it created is removed again
+
+    assert main(["quantize", str(checkpoints["base"]), str(checkpoints["quantized"])]) == 2
+    assert "already exists and is not replaced" in capsys.readouterr().err
