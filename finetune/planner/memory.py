@@ -331,19 +331,24 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
     result.reads = checkpoint_reads(facts, processes=world, per_node=min(world, hw.gpus_per_node), own_shard=own_shard,
                                     read_bytes_per_s=hw.read_bytes_per_s)
+    _verdict(result, recipe, hw, sharded=sharded)
+    return result
+
+
+def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
+    """Whether the estimate fits the GPU (training or loading peak) and the node's CPU RAM, with the notes that say why."""
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
-    result.margin_bytes = usable - max(result.peak_bytes, load_peak)
+    result.margin_bytes = usable - max(result.peak_bytes, result.load_peak_bytes)
     result.fits = result.margin_bytes >= 0
     if recipe.train.objective == "dpo":
         result.notes.append(_preference_note(recipe))
-    if load_peak > result.peak_bytes:
+    if result.load_peak_bytes > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
                else "each rank quantizes a full copy of the base on its GPU")
-        result.notes.append(f"loading needs {_gib(load_peak)} per GPU ({how})")
+        result.notes.append(f"loading needs {_gib(result.load_peak_bytes)} per GPU ({how})")
     if hw.cpu_memory_bytes and result.cpu_bytes_per_node > hw.cpu_memory_bytes:
         result.fits = False
         result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
-    return result
 
 
 def _gathered_bytes(facts: ModelFacts, key: str) -> int:
