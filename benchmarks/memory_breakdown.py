@@ -182,7 +182,10 @@ def measure(recipe_path: str, overrides: list[str]) -> dict:
     per_token = planner.activation_parts_per_token_layer(facts, recipe, seq_len=seq_len, dropout_mask_bytes=4)
     estimate = planner.estimate(facts, recipe, "single", planner.Hardware(1, 1 << 50), per_rank_full_load=False)
     planned = {"base": estimate.parts["base"], "quant_state": estimate.parts["quant_state"],
-               "lora_grads_adamw": estimate.parts["lora_grads_adamw"],
+               # LoRA weights, AdamW's moments and every gradient (the estimate counts the gradients alive at the
+               # step's peak moment only; this breakdown measures them as model state, after backward)
+               "lora_grads_adamw": estimate.parts["lora_grads_adamw"] - estimate.gradient_bytes
+               + planner.held_parameter_bytes(facts, strategy="single", world_size=1)["trainable_bytes"],
                **{f"activations_{k}": v * tokens * facts.num_layers for k, v in per_token.items()},
                "activations": sum(per_token.values()) * tokens * facts.num_layers,
                "loss": planner.loss_bytes(tokens, facts)}

@@ -13,6 +13,9 @@ How it counts (docs/planner.md has the derivations and the checks against publis
     layer inputs + one recomputed layer with it; the loss as finetune/training/loss.py makes it (one chunk of logits at 12
     bytes per logit, the kept gradient of the hidden states). benchmarks/memory_breakdown.py measures each kind;
     docs/benchmarks.md has the comparison;
+  * the step's peak: the largest of the moments of a step (the loss, the top and the bottom layer's backward, the
+    optimizer step: `_step_terms`), not the sum of activations, loss and gradients, which are never alive together;
+    checked op by op on 2-rank runs (tests/training/test_tensor_bytes.py);
   * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
   * DeepSpeed ZeRO-3 / ZeRO-2 (`zero_parts`): the memory model of FSDP full shard / shard-grad-op, partitioned per
     tensor (each padded to the world size), plus what DeepSpeed adds: tensors under stage3_param_persistence_threshold
