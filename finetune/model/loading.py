@@ -167,6 +167,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
 
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
     if folder is None:
+        prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's own settings silently
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
         checksum = model_stage.lora_checksum(peft_model)
