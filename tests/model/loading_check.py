@@ -92,8 +92,9 @@ def stored_bytes(index, key: str) -> int:
     """Bytes per value of `key` as the checkpoint file stores it."""
     from safetensors import safe_open
 
-    with safe_open(str(index.files[key]), framework="pt") as handle:
-        return {"F32": 4, "BF16": 2, "F16": 2}[handle.get_slice(key).get_dtype()]
+    stored = index.views.get(key, (key,))[0]  # a renamed or fused tensor (MoE): its name in the files
+    with safe_open(str(index.files[stored]), framework="pt") as handle:
+        return {"F32": 4, "BF16": 2, "F16": 2}[handle.get_slice(stored).get_dtype()]
 
 
 def planner_read_bytes(recipe, rank: int, world_size: int, *, own_shard: bool) -> int:
