@@ -4,6 +4,7 @@
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
     checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
+    shard_reads.py   FSDP2: each rank reads and quantizes only its own chunk of each tensor (bitwise the whole tensor's)
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)

@@ -2,6 +2,7 @@
 
     facts.py    ModelFacts: every tensor's stored bytes and FSDP unit, from the meta-device model
     memory.py   estimate: the per-rank parts of the peak for each strategy, the load peak, the CPU RAM
+    reads.py    the checkpoint bytes each rank and node reads at load, and the time at a stated read bandwidth
     fit.py      decide: the fit table on given GPUs and the strategy `auto` takes; the largest micro-batch
 
 docs/planner.md has the derivations and the checks against published figures; `finetune plan` is its command.
