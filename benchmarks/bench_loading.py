@@ -6,7 +6,7 @@ A Llama-shaped random model with many thin layers, as real large models have (70
 of the 4-bit base; the default here: hidden 1536 x 40 layers, ~1.1B parameters, one bf16 layer ~4% of the model),
 written once into the cache ($FINETUNE_CACHE/bench, else ~/.cache/finetune/bench) as a sharded bf16 safetensors
 checkpoint with an index file. Each (loader, world size) pair runs in fresh processes under torchrun and loads the
-model as `finetune/run.py` does under FSDP2 (loading.load_model + parallel.wrap). The loaders (`--modes`):
+model as `finetune/run.py` does under FSDP2 (host_memory's allocator setting, loading.load_model + parallel.wrap). The loaders (`--modes`):
 
   v1      transformers' from_pretrained on every rank, then FSDP shards (parallel.sharded_loading: false)
   today   sharded loading as before issue 24 (and still FSDP1's): every rank reads and quantizes each whole unit
@@ -14,7 +14,8 @@ model as `finetune/run.py` does under FSDP2 (loading.load_model + parallel.wrap)
   (c)     a 4-bit checkpoint / quantized cache as input (issue 24 items 2-3): a slot in the table, not implemented here
 
 Per rank: checkpoint bytes read (the TensorReader's count), seconds inside bitsandbytes' quantization
-(quantize_4bit, and the double quantization of the absmax), load seconds (load + wrap), and the peak anonymous
+(quantize_4bit, and the double quantization of the absmax; wall and this thread's CPU seconds, the latter
+steady on a shared machine), load seconds (load + wrap), and the peak anonymous
 resident memory (RssAnon: file-backed pages of the memory-mapped checkpoint excluded) over the baseline taken right
 before loading, sampled every 20 ms; on a GPU also the allocator's peak. Goals (issue 24): at 2 ranks, bytes read
 and quantize seconds per rank of `range` <= 0.55x `today`'s; the planner's read/rank within 5% of the count.
@@ -89,18 +90,19 @@ def quantize_timer():
     for the double quantization)."""
     from bitsandbytes import functional
 
-    spent, depth = [0.0], [0]
+    spent, depth = [0.0, 0.0], [0]  # wall seconds, CPU seconds of this thread (torch runs 1 thread here)
 
     def timed(original):
         def call(*args, **kwargs):
             depth[0] += 1
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:
                     spent[0] += time.perf_counter() - start
+                    spent[1] += time.thread_time() - cpu
         return call
 
     functional.quantize_4bit = timed(functional.quantize_4bit)
@@ -112,12 +114,13 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     """One rank: load like run.py under FSDP2 with the chosen loader while a thread samples RssAnon."""
     import torch
 
-    from finetune import distributed, parallel, planner
+    from finetune import distributed, host_memory, parallel, planner
     from finetune.model import import_backends, load_config, loading, release_freed_memory
     from finetune.planner.reads import rank_read_bytes
     from finetune.recipe import Recipe
 
     info = distributed.init_distributed()
+    host_memory.bound_heap_growth_for("fsdp", info.device)  # as run.py does (FSDP on CPU: freed tensors leave)
     import_backends()
     quantize_seconds = quantize_timer()
     cache = "auto" if mode == "cache" else "off"  # --cache rows: the 4-bit bytes of model.quantized_cache
@@ -155,7 +158,7 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     facts = planner.facts_from_config(config, recipe)
     held = parallel.local_parameter_bytes(wrapped)
     result = {"rank": info.rank, "world": info.world_size, "mode": mode, "load_s": seconds,
-              "quantize_s": quantize_seconds[0], "bytes_read": loaded.bytes_read,
+              "quantize_s": quantize_seconds[0], "quantize_cpu_s": quantize_seconds[1], "bytes_read": loaded.bytes_read,
               "planner_bytes_read": rank_read_bytes(facts, rank=info.rank, world_size=info.world_size,
                                                     own_shard=mode == "range"),
               "peak_over_baseline": peak[0] - baseline, "after_wrap_over_baseline": rss_anon() - baseline,
@@ -214,7 +217,7 @@ def main() -> None:
                 rows[(mode, world)] = ranks = run(model_dir, mode, world, Path(tmp))
                 print(f"{mode:6s} x{world}: " + " | ".join(
                     f"rank {r['rank']}: read {_gib(r['bytes_read'])} GiB (planner {_gib(r['planner_bytes_read'])}), "
-                    f"quantize {r['quantize_s']:.1f} s, load {r['load_s']:.1f} s, peak {_gib(r['peak_over_baseline'])} GiB"
+                    f"quantize {r['quantize_s']:.1f} s (CPU {r['quantize_cpu_s']:.1f} s), load {r['load_s']:.1f} s, peak {_gib(r['peak_over_baseline'])} GiB"
                     for r in ranks), flush=True)
     print(f"\n4-bit base (planner): {_gib(rows[(modes[0], 1)][0]['full_4bit_base'])} GiB")
     print(table(rows, modes))
@@ -222,7 +225,8 @@ def main() -> None:
         today, new = rows[("today", 2)], rows[("range", 2)]
         print(f"at 2 ranks, range / today per rank (largest rank): bytes read "
               f"{_worst(new, 'bytes_read') / _worst(today, 'bytes_read'):.2f}x, quantize s "
-              f"{_worst(new, 'quantize_s') / _worst(today, 'quantize_s'):.2f}x (goal <= 0.55x), load s "
+              f"{_worst(new, 'quantize_s') / _worst(today, 'quantize_s'):.2f}x (CPU s "
+              f"{_worst(new, 'quantize_cpu_s') / _worst(today, 'quantize_cpu_s'):.2f}x; goal <= 0.55x), load s "
               f"{_worst(new, 'load_s') / _worst(today, 'load_s'):.2f}x, peak {_worst(new, 'peak_over_baseline') / _worst(today, 'peak_over_baseline'):.2f}x")
     counted = [(r["planner_bytes_read"], r["bytes_read"]) for ranks in rows.values() for r in ranks if r["bytes_read"]]
     print("planner read/rank over counted bytes: " + ", ".join(f"{p / c:.4f}" for p, c in counted))
@@ -240,13 +244,14 @@ def _gib(nbytes) -> str:
 
 def table(rows: dict, modes: list[str]) -> str:
     """Markdown, one row per (world, loader); the largest rank's figure for each column; (c) left as a slot."""
-    lines = ["| ranks | loader | bytes read / rank (GiB) | quantize s / rank | load s | peak RssAnon over baseline (GiB) |",
-             "|---|---|---|---|---|---|"]
+    header = "| ranks | loader | bytes read / rank (GiB) | quantize s / rank (CPU s) | load s | peak RssAnon over baseline (GiB) |"
+    lines = [header, "|---|---|---|---|---|---|"]
     for world in (1, 2):
         for mode in modes:
             ranks = rows[(mode, world)]
             lines.append(f"| {world} | {MODES[mode]} | {_gib(_worst(ranks, 'bytes_read'))} | "
-                         f"{_worst(ranks, 'quantize_s'):.1f} | {_worst(ranks, 'load_s'):.1f} | "
+                         f"{_worst(ranks, 'quantize_s'):.1f} ({_worst(ranks, 'quantize_cpu_s'):.1f}) | "
+                         f"{_worst(ranks, 'load_s'):.1f} | "
                          f"{_gib(_worst(ranks, 'peak_over_baseline'))} |")
         lines.append(f"| {world} | {SLOT_C} | (issue 24 items 2-3) | | | |")
     return "\n".join(lines)

@@ -9,6 +9,7 @@
     prequantized.py  4-bit checkpoints (transformers' bitsandbytes layout) as input: settings checked, bytes kept as stored
     quantize.py      writes a bf16 base as such a 4-bit checkpoint, one tensor at a time (`finetune quantize`, the cache)
     quantized_cache.py  model.quantized_cache: auto: a bf16 base quantized once, its 4-bit bytes loaded at later starts
+    shard_reads.py   FSDP2: each rank reads and quantizes only its own chunk of each tensor (bitwise the whole tensor's)
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)

@@ -166,6 +166,8 @@ class TensorReader:
             return view[0:0].reshape(-1)
         if len(shape) != 2:
             return self._counted(view[first:last]).reshape(-1)[start - first * width : stop - first * width]
+        if start % width == 0 and stop % width == 0:  # whole rows: one slice, no concatenation
+            return self._counted(view[first:last]).reshape(-1)
         if first + 1 == last:  # within one row
             return self._counted(view[first : first + 1, start - first * width : stop - first * width]).reshape(-1)
         head_end, tail_start = (first + 1) * width, (last - 1) * width

@@ -89,3 +89,20 @@ def _shard(rank: int, world: int):
     from finetune.model.shard_reads import RankShard
 
     return RankShard(rank, world)
+
+
+def test_a_flat_range_reads_exactly_its_bytes(tmp_path):
+    """Every [start, stop) of a matrix: the values of the flattened tensor, and the reader counts exactly their bytes."""
+    from safetensors.torch import save_file
+
+    from finetune.model.checkpoint_files import TensorReader, checkpoint_index
+
+    matrix = torch.arange(70.0).reshape(7, 10)
+    save_file({"w": matrix, "n": torch.arange(5.0)}, str(tmp_path / "model.safetensors"))
+    reader = TensorReader(checkpoint_index(tmp_path))
+    for start in range(71):
+        for stop in range(start, 71):
+            before = reader.bytes_read
+            assert torch.equal(reader.get_flat_range("w", start, stop), matrix.reshape(-1)[start:stop])
+            assert reader.bytes_read - before == 4 * (stop - start)
+    assert torch.equal(reader.get_rows("n", 1, 4), torch.arange(1.0, 4.0))
