@@ -153,7 +153,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
     check_checkpoint(skeleton, index)
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe))
+                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe, skeleton))
     if not sharded:
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)

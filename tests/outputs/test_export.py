@@ -251,4 +251,17 @@ def test_a_moe_run_exports_as_an_adapter_and_merged_and_both_reload_without_fine
     got = _logits(reloaded, ids)
     assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+    # And a new run can start from the exported adapter (model.adapter): every expert LoRA found under its model name.
+    from safetensors.torch import load_file
+
+    from finetune.model.base import build_model
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"adapter": str(adapter)})})
+    started_from = build_model(recipe, device=torch.device("cpu"), gradient_checkpointing=False)
+    trained = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    held = {k.replace(".default.", ".").replace(".base_layer.", "."): v for k, v in started_from.state_dict().items()}
+    assert all(torch.equal(held[k].to(v.dtype), v) for k, v in trained.items())
     print(f"export + reload checks: {time.perf_counter() - started:.1f} s")
