@@ -59,6 +59,9 @@ class LoraSection(_Section):
     rslora: bool = False
     dora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
+    train_router: bool = Field(
+        False, description="Mixture-of-experts models: train every layer's router (`gate`) in full, as PEFT's "
+        "modules_to_save (an fp32 copy, saved with the adapter); false keeps the routers frozen.")
     fused: bool = Field(
         True, description="LoRA through finetune's fused autograd function (compute in model.dtype, fp32 master "
         "weights, dropout mask regenerated, no fp32 input copies). False: PEFT's own forward.")

@@ -259,7 +259,7 @@ def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     (or from model.adapter's values)."""
     from finetune.model.experts import get_peft_model
 
-    peft_model = get_peft_model(model, lora_config(recipe))
+    peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
     if recipe.lora.fused:
         from finetune.model.lora_fused import use_fused_lora

@@ -211,23 +211,61 @@ def per_expert_layout():
         tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5 = previous
 
 
-def get_peft_model(model: nn.Module, config, **kwargs):
+def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kwargs):
     """PEFT's `get_peft_model`, with the per-expert Linears of `RoutedExperts` targeted as the Linears they are.
 
     On a MoE model, targets that cannot work are refused first (`check_expert_targets`), before any weight is read
-    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules."""
+    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules.
+    `train_router` (lora.train_router): the routers become PEFT's modules_to_save (`trainable_routers`)."""
     from peft import get_peft_model as peft_get_peft_model
 
+    if train_router:
+        config.modules_to_save = router_names(model)
     if not has_routed_experts(model):
         return peft_get_peft_model(model, config, **kwargs)
     check_expert_targets(model, config)
     try:
         with per_expert_layout():
-            return peft_get_peft_model(model, config, **kwargs)
+            peft_model = peft_get_peft_model(model, config, **kwargs)
     except ValueError as exc:
         raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
                              f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
                              f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
+    trainable_routers(peft_model)
+    return peft_model
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """The routers' module names (`gate`): the leaf module with one weight beside each layer's `RoutedExperts`.
+    ModelLoadError when the model has none (lora.train_router on a dense model)."""
+    names = sorted({name for parent in model.modules() if any(isinstance(c, RoutedExperts) for c in parent.children())
+                    for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))
+                    and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor)})
+    if not names:
+        raise ModelLoadError("lora.train_router: true, but this model has no mixture-of-experts router to train. Fix: "
+                             "remove lora.train_router (it applies to Mixtral- and Qwen-MoE-style models).")
+    return names
+
+
+def trainable_routers(peft_model: nn.Module) -> int:
+    """The trainable copies PEFT made of the routers (modules_to_save): fp32 master weights like the LoRA tensors, and
+    their input cast to the weight's dtype, as the router's own `F.linear` needs one dtype (fp32 on a single process
+    or DDP; the compute dtype inside FSDP's mixed precision). The frozen original stays in model.dtype."""
+    from peft.utils import ModulesToSaveWrapper
+
+    count = 0
+    for module in peft_model.modules():
+        if not isinstance(module, ModulesToSaveWrapper):
+            continue
+        for copy in module.modules_to_save.values():
+            copy.float().requires_grad_(True)
+            copy.register_forward_pre_hook(_input_in_weight_dtype)
+            count += 1
+    return count
+
+
+def _input_in_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(module.weight.dtype), *args[1:])
 
 
 def load_adapter(model: nn.Module, folder: str | Path):
@@ -300,9 +338,9 @@ def check_expert_targets(model: nn.Module, config) -> None:
         leaf = target.rsplit(".", 1)[-1]
         if leaf in routers:
             raise ModelLoadError(
-                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and frozen (it is no "
-                "Linear in transformers 5, and LoRA on routing changes which experts every token reaches). Fix: remove "
-                f"it from lora.target_modules.")
+                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and takes no LoRA (it "
+                "is no Linear in transformers 5). Fix: remove it from lora.target_modules; to train the routers, set "
+                "lora.train_router: true (each router trained in full, as PEFT's modules_to_save).")
         if leaf in ("gate_up_proj", "down_proj") and leaf not in leaves:
             raise ModelLoadError(
                 f"lora.target_modules: `{target}` is transformers 5's fused expert tensor; finetune keeps one Linear per "

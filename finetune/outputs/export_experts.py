@@ -52,8 +52,10 @@ def for_runtimes(tensors: dict[str, torch.Tensor], config) -> tuple[dict[str, to
     """(tensors under the checkpoint's names, adapter_config.json updates) for the written MoE adapter."""
     from finetune.model.conversions import checkpoint_names
 
-    names = checkpoint_names(split_meta_model(config), list(tensors))
-    renamed = {names[key]: value for key, value in tensors.items()}
+    # LoRA only: a trained router (lora.train_router, PEFT's modules_to_save) stays under the model's name, which PEFT
+    # maps onto its copy without converting it (vLLM and llama.cpp refuse modules_to_save whatever its name).
+    names = checkpoint_names(split_meta_model(config), [key for key in tensors if ".lora_" in key])
+    renamed = {names.get(key, key): value for key, value in tensors.items()}
     if len(renamed) != len(tensors):
         raise RuntimeError("two adapter tensors map onto one checkpoint name")
     on_experts = any(".experts." in key for key in tensors)
