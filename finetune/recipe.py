@@ -52,8 +52,7 @@ class QuantizationSection(_Section):
     double_quant: bool = True
     compute_dtype: DType | None = Field(None, description="4-bit matmul dtype; default model.dtype.")
     quant_storage: DType | None = Field(
-        None, description="dtype the packed 4-bit weights are stored in; must equal model.dtype for FSDP. Default model.dtype."
-    )
+        None, description="dtype the packed 4-bit weights are stored in; must equal model.dtype for FSDP. Default model.dtype.")
 
 
 class LoraSection(_Section):
@@ -64,6 +63,7 @@ class LoraSection(_Section):
     rslora: bool = False
     dora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
+    train_router: bool = Field(False, description="MoE: train the routers in full (PEFT modules_to_save); false: frozen.")
     fused: bool = Field(
         True, description="LoRA through finetune's fused autograd function (compute in model.dtype, fp32 master "
         "weights, dropout mask regenerated, no fp32 input copies). False: PEFT's own forward.")

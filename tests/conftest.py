@@ -157,23 +157,26 @@ LIBRARY_LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-li
 
 @pytest.fixture(scope="session")
 def shipped_run(request, tmp_path_factory):
-    """`run(config, family, checkpointing, dropout=None) -> (run folder, CompletedProcess)`: a tiny model trained for
-    SHIPPED_STEPS steps under a shipped accelerate config, at the same global batch for every config, with the
-    library's LoRA settings (`dropout` overrides only the dropout); each run once per session."""
+    """`run(config, family, checkpointing, dropout=None, train_router=False) -> (run folder, CompletedProcess)`: a tiny
+    model trained for SHIPPED_STEPS steps under a shipped accelerate config, at the same global batch for every config,
+    with the library's LoRA settings (`dropout` overrides only the dropout; `train_router`: lora.train_router on a MoE
+    model); each run once per session."""
     from shipped import ACCELERATE_CONFIG_RUNS, config_file, recipe_dtype
 
     root = tmp_path_factory.mktemp("shipped")
     data = write_jsonl(root / "train.jsonl", addition_rows(48))
     done: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
 
-    def run(config: str, family: str = "llama", checkpointing: bool = True, dropout: float | None = None):
+    def run(config: str, family: str = "llama", checkpointing: bool = True, dropout: float | None = None,
+            train_router: bool = False):
         config = config_file(config)
-        key = (config, family, checkpointing, dropout)
+        key = (config, family, checkpointing, dropout, train_router)
         if key not in done:
             name = f"{config.removesuffix('.yaml')}-{family}-{'ckpt' if checkpointing else 'no-ckpt'}"
-            name += "" if dropout is None else f"-dropout{dropout}"
+            name += ("" if dropout is None else f"-dropout{dropout}") + ("-router" if train_router else "")
             micro_batch = SHIPPED_GLOBAL_BATCH // ACCELERATE_CONFIG_RUNS[config].processes
             lora = dict(LIBRARY_LORA, **({} if dropout is None else {"dropout": dropout}))
+            lora.update({"train_router": True} if train_router else {})
             model_dir = request.getfixturevalue(f"tiny_{family}")  # built on first use (llama, qwen2, gemma, mixtral...)
             recipe = recipe_dict(model_dir, data, root / name, model={"dtype": recipe_dtype(config)}, lora=lora,
                                  train={"max_steps": SHIPPED_STEPS, "micro_batch_size": micro_batch,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from finetune.outputs.export import check_out_free, export_adapter, export_merged, push_to_hub, resolve_source
+from finetune.outputs.export import check_out_free, export_adapter, export_merged, resolve_source
+from finetune.outputs.publish import push_to_hub
 
 
 def cli_export(args: argparse.Namespace) -> int:

@@ -27,10 +27,10 @@ from finetune.outputs.export import (
 
 def load_for_generation(source: Source, *, no_adapter: bool):
     """(model, tokenizer): the run's base as trained, with the adapter on top unless `no_adapter`."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from finetune.model import load_base_model
+    from finetune.model.experts import load_adapter
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if source.recipe is not None:
@@ -42,7 +42,7 @@ def load_for_generation(source: Source, *, no_adapter: bool):
         # Through a clean copy: adapters gathered from wrapped models may carry wrapper prefixes in their keys.
         with tempfile.TemporaryDirectory() as folder:
             write_clean_adapter(Path(folder), clean_adapter_tensors(source.adapter_dir), source, None)
-            model = PeftModel.from_pretrained(model, folder)
+            model = load_adapter(model, folder)  # PeftModel.from_pretrained; MoE experts loaded per expert
     model.eval()
     return model, tokenizer
 

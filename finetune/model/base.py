@@ -233,15 +233,25 @@ def check_adapter(recipe: Recipe) -> Path | None:
     return folder
 
 
-def adapter_start(recipe: Recipe) -> dict[str, torch.Tensor] | None:
-    """model.adapter's tensors, keyed as `lora_tensor_name` keys a model's LoRA parameters without the adapter name."""
+def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+    """model.adapter's tensors, keyed as `lora_tensor_name` keys a model's LoRA parameters without the adapter name.
+    On a mixture-of-experts `model`, keys named as the checkpoint names them (an adapter from `finetune export`) are
+    renamed to the model's names (transformers' renames, finetune/model/conversions.py)."""
     folder = check_adapter(recipe)
     if folder is None:
         return None
     from safetensors.torch import load_file
 
-    return {key.removeprefix("base_model.model."): value
-            for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
+    from finetune.model.experts import has_routed_experts
+
+    tensors = {key.removeprefix("base_model.model."): value
+               for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
+    if model is None or not has_routed_experts(model):
+        return tensors
+    from finetune.model.conversions import model_names
+
+    names = model_names(model, list(tensors))
+    return {names[key]: value for key, value in tensors.items()}
 
 
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
@@ -249,8 +259,8 @@ def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     (or from model.adapter's values)."""
     from finetune.model.experts import get_peft_model
 
-    peft_model = get_peft_model(model, lora_config(recipe))
-    init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe))
+    peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
+    init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
     if recipe.lora.fused:
         from finetune.model.lora_fused import use_fused_lora
 

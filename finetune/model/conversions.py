@@ -57,3 +57,33 @@ def _fused_expert_views(index: CheckpointIndex, base: nn.Module) -> int:
                         _add(index, key, (stored, expert, part, len(parts)), (shape[1] // len(parts), *shape[2:]))
                         added += 1
     return added
+
+
+def _renamings(model: nn.Module, *, reverse: bool) -> list:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # As transformers' own save does (revert_weight_conversion): no legacy renames, no prefix changes, reverse order.
+    found = [t for t in get_model_conversion_mapping(base, add_legacy=not reverse)
+             if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)]
+    return [t.reverse_transform() for t in reversed(found)] if reverse else found
+
+
+def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Model tensor name -> the name the model's checkpoint format uses (transformers' renames reversed, as its
+    `save_pretrained` writes them: Mixtral's `mlp.` back to `block_sparse_moe.`). Adapter keys named so match the base
+    checkpoint's tensor names, which vLLM's and llama.cpp's model definitions follow; PEFT renames them on load."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings = _renamings(model, reverse=True)
+    return {key: rename_source_key(key, renamings, [])[0] for key in keys}
+
+
+def model_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Checkpoint-format tensor name -> the model's (transformers' renames, as `from_pretrained` applies them); names
+    already in the model's form stay as they are."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings = _renamings(model, reverse=False)
+    return {key: rename_source_key(key, renamings, [])[0] for key in keys}

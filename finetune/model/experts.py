@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,6 +63,8 @@ class ExpertMLP(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """A layer's experts, one module each; same call as transformers' experts (states, top-k index, top-k weights).
+    `fused_type` / `fused_config`: transformers' experts class it replaced and its config, so that `fuse_experts` can
+    give a merged model back its stock layout (plain Python attributes: no state, nothing for FSDP to see).
 
     Every expert runs on every step, on the tokens routed to it (possibly none): each rank then uses every parameter
     and joins every collective in the same order whatever its tokens chose. Skipping unrouted experts, as transformers'
@@ -150,6 +153,7 @@ def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = Tru
         with torch.device(device):
             split = RoutedExperts([ExpertMLP(names, hidden, inter2 // parts, module.act_fn, dtype=dtype)
                                    for _ in range(experts)])
+        split.fused_type, split.fused_config = type(module), getattr(module, "config", None)
         if device.type != "meta":
             with torch.no_grad():
                 for index, expert in enumerate(split):
@@ -190,38 +194,123 @@ def has_routed_experts(model: nn.Module) -> bool:
 
 
 @contextmanager
-def _peft_v4_layout():
+def per_expert_layout():
     """PEFT 0.21 rewrites the LoRA targets of a Mixtral- or Qwen-MoE-type model for transformers 5's fused experts
     (`w1`/`gate_proj`... -> `target_parameters=gate_up_proj`, ParamWrapper, no dropout; `all-linear` -> the router's
-    `gate.weight` too). Split into `RoutedExperts`, the model has transformers 4's per-expert Linears again, so that
-    rewrite would target parameters that no longer exist: PEFT is told, for this call only, that it is not on v5."""
+    `gate.weight` too), and fuses a loaded adapter's per-expert tensors the same way. Split into `RoutedExperts`, the
+    model has transformers 4's per-expert Linears again, so both rewrites would target parameters that no longer
+    exist: PEFT is told, inside this block only, that it is not on transformers 5."""
     from peft.tuners import tuners_utils
+    from peft.utils import save_and_load
 
-    previous = tuners_utils.is_transformers_ge_v5
-    tuners_utils.is_transformers_ge_v5 = False
+    previous = tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5
+    tuners_utils.is_transformers_ge_v5 = save_and_load.is_transformers_ge_v5 = False
     try:
         yield
     finally:
-        tuners_utils.is_transformers_ge_v5 = previous
+        tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5 = previous
 
 
-def get_peft_model(model: nn.Module, config, **kwargs):
+def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kwargs):
     """PEFT's `get_peft_model`, with the per-expert Linears of `RoutedExperts` targeted as the Linears they are.
 
     On a MoE model, targets that cannot work are refused first (`check_expert_targets`), before any weight is read
-    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules."""
+    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules.
+    `train_router` (lora.train_router): the routers become PEFT's modules_to_save (`trainable_routers`)."""
     from peft import get_peft_model as peft_get_peft_model
 
+    if train_router:
+        config.modules_to_save = router_names(model)
     if not has_routed_experts(model):
         return peft_get_peft_model(model, config, **kwargs)
     check_expert_targets(model, config)
     try:
-        with _peft_v4_layout():
-            return peft_get_peft_model(model, config, **kwargs)
+        with per_expert_layout():
+            peft_model = peft_get_peft_model(model, config, **kwargs)
     except ValueError as exc:
         raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
                              f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
                              f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
+    trainable_routers(peft_model)
+    return peft_model
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """The routers' module names (`gate`): the leaf module with one weight beside each layer's `RoutedExperts`.
+    ModelLoadError when the model has none (lora.train_router on a dense model)."""
+    names = sorted({name for parent in model.modules() if any(isinstance(c, RoutedExperts) for c in parent.children())
+                    for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))
+                    and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor)})
+    if not names:
+        raise ModelLoadError("lora.train_router: true, but this model has no mixture-of-experts router to train. Fix: "
+                             "remove lora.train_router (it applies to Mixtral- and Qwen-MoE-style models).")
+    return names
+
+
+def trainable_routers(peft_model: nn.Module) -> int:
+    """The trainable copies PEFT made of the routers (modules_to_save): fp32 master weights like the LoRA tensors, and
+    their input cast to the weight's dtype, as the router's own `F.linear` needs one dtype (fp32 on a single process
+    or DDP; the compute dtype inside FSDP's mixed precision). The frozen original stays in model.dtype."""
+    from peft.utils import ModulesToSaveWrapper
+
+    count = 0
+    for module in peft_model.modules():
+        if not isinstance(module, ModulesToSaveWrapper):
+            continue
+        for copy in module.modules_to_save.values():
+            copy.float().requires_grad_(True)
+            copy.register_forward_pre_hook(_input_in_weight_dtype)
+            count += 1
+    return count
+
+
+def _input_in_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(module.weight.dtype), *args[1:])
+
+
+def load_adapter(model: nn.Module, folder: str | Path):
+    """`PeftModel.from_pretrained` for a model with `RoutedExperts`: the adapter's expert tensors (under the model's
+    names or the checkpoint's, `conversions.model_names`) are loaded one to one into the per-expert LoRA layers, not
+    fused for transformers 5's experts as PEFT would. Any key the model has no place for is refused."""
+    from peft import PeftConfig, PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    from finetune.model.conversions import model_names
+
+    if not has_routed_experts(model):
+        return PeftModel.from_pretrained(model, str(folder))
+    config = PeftConfig.from_pretrained(str(folder))
+    config.inference_mode = True
+    peft_model = get_peft_model(model, config)
+    weights = load_peft_weights(str(folder), device="cpu")
+    names = model_names(model, list(weights))
+    with per_expert_layout():
+        result = set_peft_model_state_dict(peft_model, {names[key]: value for key, value in weights.items()})
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if result.unexpected_keys or missing:
+        raise ModelLoadError(f"{folder}: the adapter does not fit this mixture-of-experts model "
+                             f"({len(result.unexpected_keys)} unexpected, {len(missing)} missing LoRA tensors, e.g. "
+                             f"{(list(result.unexpected_keys) or missing)[0]}). Fix: use the adapter of a run on this base.")
+    return peft_model.eval()
+
+
+def fuse_experts(model: nn.Module) -> int:
+    """Give every `RoutedExperts` of a model without 4-bit or LoRA layers (a merged one) transformers' own fused experts
+    back, the per-expert weights stacked as transformers stacks them (`split_experts` reversed): `save_pretrained`
+    then writes the checkpoint layout and names transformers, vLLM and llama.cpp read. Returns the modules replaced."""
+    replaced = 0
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]:
+        names = module[0].names
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([getattr(expert, part).weight for part in names.gate_up]) for expert in module])
+            down = torch.stack([getattr(expert, names.down[0]).weight for expert in module])
+        with torch.device("meta"):
+            fused = module.fused_type(module.fused_config)
+        fused.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        fused.down_proj = nn.Parameter(down, requires_grad=False)
+        model.set_submodule(name, fused)
+        replaced += 1
+    return replaced
 
 
 def _expert_leaf_names(model: nn.Module) -> str:
@@ -249,9 +338,9 @@ def check_expert_targets(model: nn.Module, config) -> None:
         leaf = target.rsplit(".", 1)[-1]
         if leaf in routers:
             raise ModelLoadError(
-                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and frozen (it is no "
-                "Linear in transformers 5, and LoRA on routing changes which experts every token reaches). Fix: remove "
-                f"it from lora.target_modules.")
+                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and takes no LoRA (it "
+                "is no Linear in transformers 5). Fix: remove it from lora.target_modules; to train the routers, set "
+                "lora.train_router: true (each router trained in full, as PEFT's modules_to_save).")
         if leaf in ("gate_up_proj", "down_proj") and leaf not in leaves:
             raise ModelLoadError(
                 f"lora.target_modules: `{target}` is transformers 5's fused expert tensor; finetune keeps one Linear per "

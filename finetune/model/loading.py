@@ -65,7 +65,8 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
                            trust_remote_code=recipe.model.trust_remote_code)
     model_stage.keep_4bit_weights_trainable_on_cpu(base)
     model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
-    peft_model = get_peft_model(base, model_stage.lora_config(recipe), low_cpu_mem_usage=True)
+    peft_model = get_peft_model(base, model_stage.lora_config(recipe), train_router=recipe.lora.train_router,
+                                low_cpu_mem_usage=True)
     if recipe.lora.fused:
         from finetune.model.lora_fused import use_fused_lora
 
@@ -181,7 +182,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     # Range reads (FSDP2) quantize a chunk of a bf16 weight; a 4-bit checkpoint's units are read whole (a quarter of
     # the bytes) and sharded by the wrap, as FSDP1 does.
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe),
+                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe, skeleton),
                            shard=shard if sharded and packed is None else None, packed=packed)
     if not sharded:
         _whole_model(skeleton, builder)

@@ -16,10 +16,14 @@ from finetune.model.shard_reads import PendingQuantState, RankShard, finish_quan
 
 
 def checkpoint_name(model_name: str) -> str:
-    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`."""
+    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`;
+    a modules_to_save module's frozen original and trainable copy (`mlp.gate.original_module.weight`,
+    `mlp.gate.modules_to_save.default.weight`: lora.train_router) both start from the checkpoint's `mlp.gate.weight`."""
+    import re
+
     from finetune.model.base import lora_tensor_name
 
-    return lora_tensor_name(model_name)
+    return re.sub(r"\.(original_module|modules_to_save\.[^.]+)\.", ".", lora_tensor_name(model_name))
 
 
 def tied_groups(model: nn.Module) -> dict[int, list[str]]:
@@ -107,8 +111,10 @@ class Materializer:
             # As transformers' Bnb4bitQuantize: cast to the load dtype on the device, then quantize there.
             value = self.reader.get(key).to(device=self.device, dtype=self.load_dtype)
             return bnb.nn.Params4bit(value, requires_grad=False, **param.__dict__).to(self.device)
-        value = self.reader.get(key).to(device=self.device, dtype=param.dtype)
-        return nn.Parameter(value, requires_grad=param.requires_grad)
+        value = self.reader.get(key)
+        if ".modules_to_save." in name:  # a trainable copy (fp32) of a module loaded in model.dtype, as PEFT copies it
+            value = value.to(self.load_dtype)
+        return nn.Parameter(value.to(device=self.device, dtype=param.dtype), requires_grad=param.requires_grad)
 
     def _lora(self, name: str, param: nn.Parameter) -> nn.Parameter:
         from finetune.model.base import init_lora_tensor, lora_fingerprint

@@ -5,7 +5,9 @@
     checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
+    export_experts.py mixture-of-experts adapters at export: checked as trained (experts split), written as runtimes read
     runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
+    publish.py        push_to_hub: the exported folder uploaded to the Hugging Face Hub
 """
 
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter

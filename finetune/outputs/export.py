@@ -235,15 +235,18 @@ def check_base_matches(source: Source, config, base: str | None, tokenizer=None)
 
 
 def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, ...]]:
-    """On-disk adapter keys and shapes that PEFT expects for this base config (built on the meta device: no weights)."""
-    from peft import PeftConfig, get_peft_model
+    """On-disk adapter keys and shapes that PEFT expects for this base config (built on the meta device: no weights),
+    mixture-of-experts layers split into per-expert Linears as training split them (finetune/model/experts.py)."""
+    from peft import PeftConfig
     from peft.utils import get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+
+    from finetune.model.experts import get_peft_model
+    from finetune.outputs.export_experts import split_meta_model
 
     peft_config = PeftConfig.from_pretrained(str(adapter_dir))
     peft_config.inference_mode = False
+    model = split_meta_model(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
         peft_model = get_peft_model(model, peft_config)
     return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(peft_model).items()}
 
@@ -284,7 +287,8 @@ def check_out_free(out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the writes
-def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: Source, base: str | None) -> None:
+def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: Source, base: str | None, *,
+                        config_update: dict | None = None) -> None:
     """A standard PEFT adapter folder (+ the run's tokenizer files), read back and compared."""
     import shutil
 
@@ -292,7 +296,7 @@ def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: 
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = dict(source.adapter_config, inference_mode=True)
+    config = dict(source.adapter_config, inference_mode=True, **(config_update or {}))
     if base is not None:
         config["base_model_name_or_path"] = base
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -304,17 +308,31 @@ def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: 
         raise RuntimeError(f"{folder}: the adapter read back differs from what was written")
 
 
+def _checked_tensors(source: Source, config, base: str | None, tokenizer=None) -> tuple[dict, dict, str, str]:
+    """(tensors under the model's names, the written form's tensors and config update, the fit summary, a note).
+
+    A mixture-of-experts adapter is checked in the layout training used and written as export_experts.py says."""
+    from finetune.outputs import export_experts
+
+    tensors = clean_adapter_tensors(source.adapter_dir)
+    check_base_matches(source, config, base, tokenizer)
+    if not export_experts.is_moe(config):
+        return tensors, (tensors, {}), check_adapter_fits(tensors, config, source, base), ""
+    tensors = export_experts.in_model_names(tensors, config)
+    fits = check_adapter_fits(tensors, config, source, base)
+    written, update = export_experts.for_runtimes(tensors, config)
+    return tensors, (written, update), fits, export_experts.note(source.adapter_config, update)
+
+
 def export_adapter(source: Source, out: Path, *, base: str | None = None) -> str:
     """Clean standard adapter into `out`; returns the verify line."""
     check_out_free(out)
-    tensors = clean_adapter_tensors(source.adapter_dir)
     config = base_config(source, base)
-    check_base_matches(source, config, base)
-    fits = check_adapter_fits(tensors, config, source, base)
+    _, (written, update), fits, note = _checked_tensors(source, config, base)
     with atomic_dir(out, replace=False) as tmp:
-        write_clean_adapter(tmp, tensors, source, base)
+        write_clean_adapter(tmp, written, source, base, config_update=update)
         runtimes = write_report(tmp, adapter_verdicts(tmp, config, merged=False), merged=False)
-    return f"verify: adapter read back bit-identical; {fits}.\n{runtimes}"
+    return f"verify: adapter read back bit-identical; {fits}.\n{note}{runtimes}"
 
 
 def prompt_ids(tokenizer) -> torch.Tensor:
@@ -355,25 +373,25 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
     """
     import tempfile
 
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from finetune.model.experts import fuse_experts, load_adapter
+
     check_out_free(out)
-    tensors = clean_adapter_tensors(source.adapter_dir)
     config = base_config(source, base)
     tokenizer = load_tokenizer_for(source, base)
-    check_base_matches(source, config, base, tokenizer)
-    fits = check_adapter_fits(tensors, config, source, base)
+    _, (written, update), fits, note = _checked_tensors(source, config, base, tokenizer)
     model = load_full_precision_base(source, base)
     ids = prompt_ids(tokenizer)
     base_logits = _logits(model, ids)
     with tempfile.TemporaryDirectory() as adapter_tmp, atomic_dir(out, replace=False) as tmp:
-        write_clean_adapter(Path(adapter_tmp), tensors, source, base)
-        peft_model = PeftModel.from_pretrained(model, adapter_tmp)
+        write_clean_adapter(Path(adapter_tmp), written, source, base, config_update=update)
+        peft_model = load_adapter(model, adapter_tmp)  # PeftModel.from_pretrained; MoE experts loaded per expert
         reference = _logits(peft_model, ids)
         merged = peft_model.merge_and_unload()
         in_memory = compare_logits("merged fp32 model vs base + adapter", _logits(merged, ids), reference)
         _require_close(in_memory, relative=1e-4)
+        fuse_experts(merged)  # MoE: transformers' own experts layout back, so the folder loads with plain transformers
         _cast_parameters(merged, torch.bfloat16)
         merged.config.dtype = torch.bfloat16
         merged.save_pretrained(tmp)
@@ -385,7 +403,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         storage = compare_logits("bf16 storage vs base + adapter", reloaded, reference)
         effect = (reference - base_logits).abs().max().item()
         runtimes = write_report(tmp, adapter_verdicts(Path(adapter_tmp), config, merged=True), merged=True)
-    return (
+    return note + (
         f"verify: {fits}; prompt {VERIFY_PROMPT!r} ({ids.shape[1]} tokens): "
         f"{_describe(in_memory)}; {_describe(saved)}; {_describe(storage)} (rounding, reported only); the adapter "
         f"itself moves the logits by up to {effect:.3g}.\n"
@@ -415,29 +433,3 @@ def _require_close(result: dict, *, relative: float) -> None:
             f"export verification failed, nothing was written: {_describe(result)} (allowed: {relative:.2%} "
             "of the range, 90% top-1 agreement). Report this with the run's recipe."
         )
-
-
-def push_to_hub(out: Path, repo: str) -> str:
-    """Upload the exported folder to a hub repo; ExportError (the export itself stays) when that is not possible."""
-    import os
-
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        raise ExportError(
-            f"--push-to-hub {repo}: HF_HUB_OFFLINE is set, so nothing was uploaded. The export in {out} is "
-            f"complete; upload it later where the hub is reachable: `hf upload {repo} {out}`."
-        )
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
-    try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(repo, exist_ok=True, private=True)
-        api.upload_folder(folder_path=str(out), repo_id=repo, commit_message="finetune export")
-    except Exception as exc:  # noqa: BLE001 - network, auth and hub errors come in many types; all mean "not uploaded"
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise ExportError(
-            f"--push-to-hub {repo}: upload failed ({reason}). The export in {out} is complete; check "
-            f"the network and `hf auth login`, then `hf upload {repo} {out}`."
-        ) from None
-    return f"uploaded {out} to https://huggingface.co/{repo} (private)"

@@ -4,9 +4,11 @@ Each runtime's rules are taken from its own source (cited per rule below and in 
 would refuse, or load with a wrong scale, is flagged with the reason and, where there is one, the fix. PEFT is checked
 by loading the written adapter into a PeftModel built for the base (on the meta device: no base weights needed).
 
-    status  valid    loads and computes what training computed
-            needs    loads once the runtime is started with a flag (the flag is in the reason)
-            invalid  refused, or loaded with a wrong result
+    status  valid       loads and computes what training computed
+            needs       loads once the runtime is started with a flag (the flag is in the reason)
+            unverified  the runtime's source says it loads, but this form was not run by finetune (what to check is
+                        in the reason): LoRA on mixture-of-experts experts in vLLM and llama.cpp
+            invalid     refused, or loaded with a wrong result
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
     unexpected = list(result.unexpected_keys)
     missing = [key for key in result.missing_keys if "lora_" in key or "modules_to_save" in key]
     loaded = get_peft_model_state_dict(peft_model)
-    differ = [key for key, value in written.items()
+    expected = _as_peft_converts(peft_model, written)
+    differ = [key for key, value in expected.items()
               if key not in loaded or loaded[key].is_meta or not torch.equal(loaded[key], value)]
     if unexpected or missing or differ:
         example = (unexpected or missing or differ)[0]
@@ -165,7 +168,18 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
                   f"tensor(s) (e.g. {example})")
         return Verdict(name, "invalid", [reason])
     reason = f"PEFT's loader took all {len(written)} tensors into a PeftModel of the base, each equal to the file"
+    if expected is not written:
+        reason += f" once PEFT fused the per-expert tensors for transformers 5's experts ({len(written)} -> {len(expected)})"
     return Verdict(name, "valid", [reason])
+
+
+def _as_peft_converts(peft_model, written: dict) -> dict:
+    """The file's tensors as PEFT holds them after loading: unchanged, except on a model whose layers transformers 5
+    fused (MoE experts), where PEFT's loader fuses an adapter's per-expert tensors the same way first."""
+    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+    converted = convert_peft_adapter_state_dict_for_transformers(peft_model, peft_model.peft_config["default"], written)
+    return written if converted.keys() == written.keys() else converted
 
 
 def _materialize_adapter(peft_model, written: dict) -> None:
@@ -176,6 +190,28 @@ def _materialize_adapter(peft_model, written: dict) -> None:
             parent_name, _, leaf = name.rpartition(".")
             parent = peft_model.get_submodule(parent_name)
             setattr(parent, leaf, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=False))
+
+
+def expert_lora_verdicts(vllm: Verdict, llama_cpp: Verdict, tensor_names: list[str]) -> None:
+    """LoRA on MoE experts (per-expert tensors, named as the base checkpoint names them; finetune/outputs/
+    export_experts.py): what vLLM's and llama.cpp's sources say, marked unverified, as neither was run here."""
+    experts = [m for m in lora_modules(tensor_names) if ".experts." in m]
+    if not experts:
+        return
+    if vllm.status != "invalid":
+        vllm.status = "unverified"
+        vllm.reasons.append(
+            f"LoRA on {len(experts)} MoE expert projections: vLLM applies LoRA to fused MoE layers from v0.11.2 on "
+            "(FusedMoEWithLoRA, vllm-project/vllm#21229) and its loader takes per-expert tensors named `.experts.<i>.` "
+            "(vllm/lora/lora_model.py); older versions refuse adapters with expert weights. Not run by finetune: serve "
+            "it with vLLM >= 0.11.2 on a model class with LoRA support and compare an answer with `finetune generate`")
+    if llama_cpp.status != "invalid":
+        llama_cpp.status = "unverified"
+        llama_cpp.reasons.append(
+            f"LoRA on {len(experts)} MoE expert projections: convert_lora_to_gguf.py stacks per-expert A/B tensors as "
+            "the model converter stacks the base's experts (LoraTorchTensor handles torch.stack) and llama.cpp applies "
+            "LoRA to expert tensors (build_lora_mm_id in build_moe_ffn). Not run by finetune: convert it against the "
+            "base's GGUF and compare an answer with `finetune generate`")
 
 
 def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict]:
@@ -191,8 +227,10 @@ def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict
     if merged:
         verdicts.append(Verdict("transformers (merged model, no PEFT)", "valid",
                                 ["reloaded with AutoModelForCausalLM and its logits compared with base + adapter"]))
-    verdicts += [vllm_verdict(config, names), llama_cpp_verdict(config, names, tied_embeddings=tied)]
-    return verdicts
+    vllm, llama_cpp = vllm_verdict(config, names), llama_cpp_verdict(config, names, tied_embeddings=tied)
+    if not merged:  # merged, the experts are plain weights again: no LoRA on them left for a runtime to apply
+        expert_lora_verdicts(vllm, llama_cpp, names)
+    return [*verdicts, vllm, llama_cpp]
 
 
 def write_report(out: Path, verdicts: list[Verdict], *, merged: bool) -> str:

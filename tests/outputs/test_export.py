@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,68 @@ def test_generate_with_and_without_adapter(trained_run, capsys):
     assert "base + adapter" in with_adapter and "> Add the two numbers." in with_adapter
     assert main(["generate", str(trained_run), "--prompt", "Add the two numbers.", "--no-adapter"]) == 0
     assert "base model alone" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_moe_run_exports_as_an_adapter_and_merged_and_both_reload_without_finetune(shipped_run, tiny_mixtral, tmp_path,
+                                                                                     capsys):
+    """A tiny Mixtral trained with the library's settings (LoRA with dropout 0.05 on every expert projection; the same
+    run as tests/parallel/test_experts_parallel.py) exports both ways. The adapter, named as the checkpoint names its
+    experts, reloads with plain PEFT on a stock transformers 5 model (PEFT fuses it for the fused experts) and computes
+    what finetune's per-expert layout computes; the merged folder reloads with plain transformers (experts fused back).
+    Before, export built the stock fused model and refused the adapter (8 missing / 48 unexpected keys)."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.experts import load_adapter, split_experts
+
+    run_dir, result = shipped_run("single_gpu", "mixtral", True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    started = time.perf_counter()
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", str(run_dir), str(adapter)]) == 0
+    assert main(["export", str(run_dir), str(merged), "--merge"]) == 0
+    printed = capsys.readouterr().out
+    assert "lora_dropout 0 (trained with 0.05)" in printed
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["lora_dropout"] == 0.0 and json.loads((run_dir / "adapter" / "adapter_config.json").read_text())[
+        "lora_dropout"] == 0.05
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    assert sum(".block_sparse_moe.experts." in k for k in keys) == 2 * 4 * 3 * 2 and not [k for k in keys if ".mlp." in k]
+    verdicts = {item["runtime"].split(" ")[0]: item["status"] for item in json.loads((adapter / "runtimes.json").read_text())}
+    assert verdicts == {"PEFT": "valid", "vLLM": "unverified", "llama.cpp": "unverified"}
+
+    ids = _ids()
+    ours = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32)
+    split_experts(ours, dtype=torch.float32, quantized=False)
+    reference = _logits(load_adapter(ours, run_dir / "adapter"), ids)  # as trained: per-expert LoRA, the run's names
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32), str(adapter))
+    assert type(stock.base_model.model.model.layers[0].mlp.experts).__name__ == "ParamWrapper"  # on the fused experts
+    got = _logits(stock, ids)
+    assert (got - reference).abs().max() < 1e-5
+    base = _logits(AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32), ids)
+    assert (reference - base).abs().max() > 1e-3, "the exported adapter must change the model"
+
+    reloaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)  # plain transformers, no PEFT
+    assert type(reloaded.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    with safe_open(str(merged / "model.safetensors"), "pt") as handle:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in handle.keys()  # noqa: SIM118 (not a dict)
+    got = _logits(reloaded, ids)
+    assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+    # And a new run can start from the exported adapter (model.adapter): every expert LoRA found under its model name.
+    from safetensors.torch import load_file
+
+    from finetune.model.base import build_model
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"adapter": str(adapter)})})
+    started_from = build_model(recipe, device=torch.device("cpu"), gradient_checkpointing=False)
+    trained = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    held = {k.replace(".default.", ".").replace(".base_layer.", "."): v for k, v in started_from.state_dict().items()}
+    assert all(torch.equal(held[k].to(v.dtype), v) for k, v in trained.items())
+    print(f"export + reload checks: {time.perf_counter() - started:.1f} s")

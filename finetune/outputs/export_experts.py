@@ -1,0 +1,70 @@
+"""Mixture-of-experts adapters at export: checked and merged in the layout training used, written in the layout other
+runtimes read.
+
+Training splits transformers 5's fused experts into one Linear per expert projection (finetune/model/experts.py), so the
+run's adapter holds one LoRA per expert projection under the model's names (`mlp.experts.3.w1`). At export:
+  * the checks and the merge build the base as training built it (experts split), so every key matches one to one;
+  * the written adapter names its tensors as the base checkpoint names them (transformers' renames reversed, as its
+    `save_pretrained` writes the base: Mixtral's `block_sparse_moe.experts.3.w1`), which is what vLLM's and llama.cpp's
+    model definitions use; PEFT on transformers 5 fuses them into its own expert layout while loading, as it does for
+    any adapter trained on transformers 4;
+  * its adapter_config.json says `lora_dropout: 0` when it carries expert LoRA: PEFT loads expert LoRA on transformers 5
+    through `ParamWrapper`, which refuses any other dropout, and dropout does nothing at inference. The dropout the run
+    trained with stays in the run's own adapter/ and recipe.yaml (and a run that starts from this adapter with
+    model.adapter takes lora.dropout from its recipe, as always);
+  * a merged model gets transformers' fused experts back before it is saved (`fuse_experts`), so it loads with plain
+    `AutoModelForCausalLM.from_pretrained` and saves the checkpoint's per-expert tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def split_meta_model(config) -> nn.Module:
+    """The base on the meta device (no weights, any size), its experts split as training split them."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model.experts import split_experts
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    split_experts(model, dtype=torch.float32, quantized=False)  # a no-op on a model without fused experts
+    return model
+
+
+def is_moe(config) -> bool:
+    from finetune.model.experts import has_routed_experts
+
+    return has_routed_experts(split_meta_model(config))
+
+
+def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Adapter tensors under the model's names (an adapter exported by finetune names them as the checkpoint does)."""
+    from finetune.model.conversions import model_names
+
+    names = model_names(split_meta_model(config), list(tensors))
+    return {names[key]: value for key, value in tensors.items()}
+
+
+def for_runtimes(tensors: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors under the checkpoint's names, adapter_config.json updates) for the written MoE adapter."""
+    from finetune.model.conversions import checkpoint_names
+
+    # LoRA only: a trained router (lora.train_router, PEFT's modules_to_save) stays under the model's name, which PEFT
+    # maps onto its copy without converting it (vLLM and llama.cpp refuse modules_to_save whatever its name).
+    names = checkpoint_names(split_meta_model(config), [key for key in tensors if ".lora_" in key])
+    renamed = {names.get(key, key): value for key, value in tensors.items()}
+    if len(renamed) != len(tensors):
+        raise RuntimeError("two adapter tensors map onto one checkpoint name")
+    on_experts = any(".experts." in key for key in tensors)
+    return renamed, ({"lora_dropout": 0.0} if on_experts else {})
+
+
+def note(source_config: dict, update: dict) -> str:
+    """What the export changed in the adapter's config, and why (printed with the verify line)."""
+    if "lora_dropout" not in update or not source_config.get("lora_dropout"):
+        return ""
+    return (f"note: adapter_config.json says lora_dropout 0 (trained with {source_config['lora_dropout']}): PEFT loads "
+            "LoRA on transformers 5's fused experts only without dropout, and dropout does nothing at inference.\n")
