@@ -92,6 +92,7 @@ def _lost_peers_named(out_dir: Path) -> Iterator[None]:
     except BaseException as exc:
         if not distributed.is_communication_failure(exc):
             raise
+        distributed.hold_stop_signals()  # released once main() has printed the paragraph
         from finetune import outputs
 
         raise distributed.peer_failure(exc, checkpoints=outputs.newest_kept(out_dir)) from None
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               "train.resume=auto added (it continues from the newest checkpoint).", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     finally:
+        distributed.release_stop_signals()
         distributed.teardown(clean=clean)
     return 0
 

@@ -68,7 +68,11 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc is not None and self._previous and distributed.is_communication_failure(exc):
+            # A peer is lost: keep recording until the entry point has printed which one (the launcher's SIGTERM follows).
+            distributed.hold_stop_signals(self._previous, self.received)
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
