@@ -1,5 +1,3 @@
-import sys
+from finetune.cli import entry
 
-from finetune.cli import main
-
-sys.exit(main())
+entry()

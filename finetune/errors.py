@@ -62,3 +62,30 @@ def _visible_gpu_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
         return 0
+
+
+# ------------------------------------------------------------------------------------------- leaving the process
+def exit_process(code: int) -> None:
+    """End an entry point (`finetune/run.py`, the `finetune` command) with `code`, skipping the interpreter's teardown.
+
+    Once torch, transformers, PEFT and bitsandbytes (which imports torch's compiler stack) are loaded, Python's module
+    teardown alone takes 1.3-2 s of CPU per process (measured: 1.4 s after the imports only, 1.7 s after a tiny run), and
+    every rank of every run pays it after its work is done. What that teardown would still do is done here: the
+    threads a library left running are joined, the exit hooks run (trackers, loggers), the output is flushed; then
+    the process ends. Only the normal way out uses this: an unexpected exception keeps Python's own exit (traceback).
+    """
+    import atexit
+    import os
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            pass
+    os._exit(code if isinstance(code, int) else 1)

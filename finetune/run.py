@@ -19,7 +19,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from finetune import distributed, host_memory, quiet
-from finetune.errors import EXIT_USER_ERROR, FinetuneError
+from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
@@ -134,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1,6 +1,6 @@
 """The `finetune` command and its verbs. Nothing under finetune/ imports this package (tests/cli/test_library.py).
 
-    command.py     the parser and the dispatch (`finetune.cli:main` is the console script)
+    command.py     the parser and the dispatch (`finetune.cli:entry` is the console script)
     validate.py    `validate`: every pre-flight check of a run, no weights      plan.py      `plan`, the library table
     preview.py     `data`: rendered examples with their trained spans          library.py   `recipes`: the library
     generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)
@@ -9,6 +9,6 @@
     quantize.py    `quantize`: a bf16 base written as a 4-bit checkpoint, or into the quantized cache
 """
 
-from finetune.cli.command import main
+from finetune.cli.command import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

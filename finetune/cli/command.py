@@ -17,7 +17,7 @@ from pathlib import Path
 from finetune import quiet
 from finetune.cli import quantize
 from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
-from finetune.errors import EXIT_USER_ERROR, FinetuneError
+from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -216,5 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         distributed.teardown()
 
 
+def entry() -> None:
+    """The console script `finetune`: main(), then out without the interpreter's slow teardown (errors.exit_process)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
