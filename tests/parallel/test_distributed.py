@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -332,8 +333,15 @@ def test_a_failed_collective_with_a_dead_local_peer_is_a_lost_peer_whatever_its_
 
     from finetune import distributed
 
-    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # The peer says it is up before anything is asserted: a process still in exec (state D, reading its binary) is
+    # "stuck in the kernel" to peer_state, and the first assertion failed once on it.
+    peer = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
     try:
+        assert peer.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 10
+        while distributed.peer_state(socket.gethostname(), peer.pid) != "alive" and time.monotonic() < deadline:
+            time.sleep(0.05)
         monkeypatch.setattr(distributed, "_PEERS", [(socket.gethostname(), os.getpid()), (socket.gethostname(), peer.pid)])
         odd = RuntimeError("[gloo/some_new_place.cc:12] unexpected end of stream")
         odd_words = RuntimeError("an op failed: unexpected end of stream")

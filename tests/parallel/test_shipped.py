@@ -1,8 +1,9 @@
 """What ships is what is tested: every accelerate config and every library recipe trains, as shipped, on CPU.
 
-* Every file in accelerate_configs/ trains a tiny Llama, Qwen2 and Gemma (three decoder-layer classes) with the
-  library's LoRA settings (dropout 0.05: tests/conftest.py LIBRARY_LORA), with gradient checkpointing on (Llama, Gemma:
-  the case that crashed FSDP1) and off (Qwen2) where the config allows, through `accelerate launch --config_file` with the shipped file
+* Every file in accelerate_configs/ trains tiny Llama and Gemma models, and Qwen2 too where the config wraps or
+  partitions by decoder-layer class (FSDP, ZeRO-3), with the library's LoRA settings (dropout 0.05:
+  tests/conftest.py LIBRARY_LORA), with gradient checkpointing on and off where the config allows (Gemma under FSDP:
+  on, the case that crashed FSDP1), through `accelerate launch --config_file` with the shipped file
   and only the CPU needs of its row in tests/shipped.py (CPU switch, process count, per-machine flags).
 * Every recipes/*.yaml trains 2 steps with its own settings under the accelerate config it names; only the weights
   (a tiny random model of its own architecture, scaled down from finetune/model/architectures) and the data (a local file
@@ -28,11 +29,27 @@ from finetune.recipe import DatasetSpec, load_recipe
 
 # Three architectures with different decoder-layer classes (tests/conftest.py builds them with finetune/cli/tiny.py).
 FAMILIES = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "gemma": "GemmaDecoderLayer"}
-# One run per config and family: Llama and Gemma with checkpointing on (Gemma's case crashed FSDP1), Qwen2 with it off
-# where the config allows it (every checkpointing choice of a config is trained; the full cross product cost 8 more
-# launches, ~90 s, for no case the three runs miss).
-CONFIG_CASES = [(config, family, family != "qwen2" or checkpointing_choices(config)[-1])
-                for config in sorted(ACCELERATE_CONFIG_RUNS) for family in FAMILIES]
+
+
+def wraps_by_layer_class(config: str) -> bool:
+    """FSDP (auto-wrap by decoder-layer class) and ZeRO-3 (partitions and gathers per module): the layer class matters."""
+    keys = settings(config)
+    return keys.get("distributed_type") == "FSDP" or (keys.get("deepspeed_config") or {}).get("zero_stage") == 3
+
+
+# One run per config and family. Configs that wrap or partition by decoder-layer class train all three classes
+# (Llama and Gemma with checkpointing on: Gemma's case crashed FSDP1; Qwen2 with it off where the config allows);
+# single_gpu, ddp and ZeRO-2, which never look at the layer class, train Llama (on; tests/planner reuses the run) and
+# Gemma (off). Every
+# checkpointing choice of every config is trained; the full cross product cost 11 more launches for no case these miss.
+def _cases(config: str) -> list[tuple[str, str, bool]]:
+    off = checkpointing_choices(config)[-1]
+    if wraps_by_layer_class(config):
+        return [(config, "llama", True), (config, "qwen2", off), (config, "gemma", True)]
+    return [(config, "llama", True), (config, "gemma", off)]
+
+
+CONFIG_CASES = [case for config in sorted(ACCELERATE_CONFIG_RUNS) for case in _cases(config)]
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 # Library recipes whose model is not a hub id with stored architecture numbers: the architecture they load.
@@ -161,8 +178,8 @@ def test_every_shipped_file_is_trained_by_the_suite():
     for config in sorted(shipped):
         cases = [case for case in CONFIG_CASES if case[0] == config]
         layer_classes = {FAMILIES[family] for _, family, _ in cases}
-        assert len(layer_classes) >= 3 and "GemmaDecoderLayer" in layer_classes, (
-            f"{config}: trained on fewer than three decoder-layer classes, or without Gemma's")
+        assert len(layer_classes) >= (3 if wraps_by_layer_class(config) else 2) and "GemmaDecoderLayer" in layer_classes, (
+            f"{config}: trained on too few decoder-layer classes (three where it wraps by class), or without Gemma's")
         assert {checkpointing for _, _, checkpointing in cases} == set(checkpointing_choices(config)), config
     from conftest import LIBRARY_LORA
 
