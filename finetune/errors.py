@@ -79,9 +79,15 @@ def exit_process(code: int) -> None:
     import sys
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # As the interpreter does at exit: the threading exit hooks first (they tell executors' idle workers to stop; a
+    # plain join of a ThreadPoolExecutor's worker waits forever, as a rank of a 2-rank run did), then the joins.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover (CPython has it in every supported version)
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
