@@ -56,9 +56,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         wrapped = parallel.wrap(peft_model, plan, info, materialize=loaded.materialize)
         model.release_freed_memory()  # what loading and wrapping freed goes back to the OS, not to the heap
         distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
-        # Before the packing check's forward: FSDP1 keeps its root unit unsharded after a forward (for the backward
-        # that normally follows) until the first step's backward, which would count that unit whole here.
-        held = parallel.local_parameter_bytes(wrapped)
+        held = parallel.local_parameter_bytes(wrapped)  # before any forward: FSDP1 keeps its root unit whole after one
         if recipe.data.packing:
             data.verify_packing(wrapped, device=info.device)  # the attention really keeps packed examples apart
         distributed.print0(f"[finetune] ready: rank 0 holds {held['frozen_bytes'] / 2**20:,.1f} MiB of the base and "
