@@ -13,6 +13,9 @@ import random
 import signal
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -297,14 +300,22 @@ def _a_local_peer_is_down() -> bool:
                if rank != me and host == socket.gethostname())
 
 
+_PF_EXITING = 0x4  # linux/sched.h: set on a task as it starts to exit (/proc/PID/stat, field 9)
+
+
 def peer_state(host: str, pid: int) -> str:
     """What became of a rank's process, seen from this host: alive, stopped, a zombie, gone, or not checkable."""
     if host != socket.gethostname():
         return f"on host {host}, not checked from here"
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
         return "gone (the process died)"
+    if flags & _PF_EXITING and state != "Z":
+        # SIGKILLed (or exiting) and not yet a zombie: the kernel closes its sockets in this state, so a peer can see
+        # the broken connection before the process reads as dead (a busy CI machine named no rank without this).
+        return "dead (killed or crashed; exiting)"
     return {"T": "stopped (SIGSTOP or a debugger: state T)", "t": "stopped by a debugger (state t)",
             "Z": "dead (killed or crashed; not yet reaped)", "D": "stuck in the kernel (state D: I/O, e.g. a hung "
             "network filesystem)"}.get(state, "alive")
@@ -314,18 +325,31 @@ _HELD: dict[int, object] = {}  # signal -> the handler to put back, while a lost
 _HELD_RECEIVED: list[int] = []
 
 
-def hold_stop_signals(previous: dict | None = None, received: int | None = None) -> None:
+def hold_stop_signals(previous: dict | None = None, received: int | None = None) -> bool:
     """Record SIGTERM/SIGINT instead of acting on them until `release_stop_signals`. The launcher SIGTERMs the
     survivors as soon as it sees a dead rank; without this, a survivor that has left the training loop (whose handler
     only records) is killed before it names the peer it lost (seen on a busy CI machine). `previous`: the handlers to
     put back (the training loop's own were in place); `received`: a signal the loop had already recorded."""
     if _HELD or threading.current_thread() is not threading.main_thread():
-        return
+        return False
     for signum in (signal.SIGTERM, signal.SIGINT):
         before = signal.signal(signum, lambda number, frame: _HELD_RECEIVED.append(number))
         _HELD[signum] = (previous or {}).get(signum, before)
     if received is not None:
         _HELD_RECEIVED.append(received)
+    return True
+
+
+@contextmanager
+def checks_every_rank_makes() -> Iterator[None]:
+    """Hold SIGTERM/SIGINT over checks that every rank makes alike and that wait on no peer (recipe, files, model
+    config, parallel plan). A rank that fails such a check first exits, and the launcher SIGTERMs the others at once:
+    rank 0, the one that prints the whole paragraph, was killed before it got there (CI: "(rank 1) the parallel setup
+    cannot work:" and nothing more). Released when the checks pass; when one fails, after main() has printed it."""
+    took = hold_stop_signals()
+    yield
+    if took:
+        release_stop_signals()
 
 
 def release_stop_signals() -> None:
@@ -338,14 +362,27 @@ def release_stop_signals() -> None:
         signal.raise_signal(_HELD_RECEIVED.pop(0))
 
 
+def _lost_peers(me: int, *, wait_s: float) -> list[str]:
+    """The ranks on this host that are dead, gone or stopped. A broken connection with every local peer alive is
+    looked at again for up to `wait_s`: a process being killed can break its connections a moment before it is seen
+    to die."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = [(rank, host, pid, peer_state(host, pid)) for rank, (host, pid) in enumerate(_PEERS) if rank != me]
+        lost = [f"rank {rank} (pid {pid} on {host}) is {state}" for rank, host, pid, state in states
+                if state != "alive" and host == socket.gethostname()]
+        if lost or time.monotonic() >= deadline or not any(host == socket.gethostname() for _, host, _, _ in states):
+            return lost
+        time.sleep(0.1)
+
+
 def peer_failure(exc: BaseException, *, checkpoints: str) -> PeerLost:
     """The paragraph for a failed collective: what this rank was doing, which ranks are dead or stopped, the timeout,
     where the run stands (`checkpoints`: what is on disk) and the way back."""
     me = info().rank
-    states = [(rank, host, pid, peer_state(host, pid)) for rank, (host, pid) in enumerate(_PEERS) if rank != me]
-    lost = [f"rank {rank} (pid {pid} on {host}) is {state}" for rank, host, pid, state in states if state != "alive"]
     text = str(exc).strip().splitlines()[-1][:240] if str(exc).strip() else type(exc).__name__
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    lost = _lost_peers(me, wait_s=0.0 if timed_out else 3.0)
     waited = (f"no answer within parallel.collective_timeout_s = {_TIMEOUT_S} s" if timed_out
               else "the connection to a peer broke")
     who = "; ".join(lost) if lost else "every other rank on this host is still alive (a rank on another host, or the network, failed)"

@@ -25,14 +25,13 @@ from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
     from finetune import data, model, outputs, parallel, tracking, training
-    from finetune import recipe as recipes
 
-    recipe = recipes.load_recipe(recipe_path, overrides)
-    data.check_local_files(recipe)  # missing / wrong-format data files: exit 2 before anything loads
+    recipe = _checked_recipe(recipe_path, overrides)
     info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
     with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
-        plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
+        with distributed.checks_every_rank_makes():
+            plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
         if plan.strategy != "deepspeed":
             quiet.keep_deepspeed_out()
         parallel.report(plan)
@@ -82,6 +81,17 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
     distributed.print0(f"[finetune] done: {summary}")
     return summary
+
+
+def _checked_recipe(recipe_path: str, overrides: list[str]):
+    """The recipe, its data files checked (missing / wrong format: exit 2 before anything loads)."""
+    from finetune import data
+    from finetune import recipe as recipes
+
+    with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
+        recipe = recipes.load_recipe(recipe_path, overrides)
+        data.check_local_files(recipe)
+    return recipe
 
 
 @contextmanager

@@ -9,9 +9,12 @@ fsdp2.yaml, ddp.yaml, single_gpu.yaml, as shipped) within bf16 rounding.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -378,3 +381,27 @@ def test_the_launchers_sigterm_waits_until_the_lost_peer_is_named(where):
                             capture_output=True, text=True, timeout=120, env=child_env())
     assert "lost a peer" in result.stdout and "is gone (the process died)" in result.stdout, result.stdout + result.stderr
     assert "went on" not in result.stdout and result.returncode == -signal.SIGTERM, result.stdout + result.stderr
+
+
+def test_a_peer_that_breaks_the_connection_as_it_dies_is_named(monkeypatch):
+    """A SIGKILLed process closes its sockets while it exits, before it reads as dead: a survivor that looked at once
+    said "every other rank on this host is still alive" about a killed rank (CI, a busy machine). A broken connection
+    with every local peer alive is looked at again for a few seconds; here the peer dies 0.5 s after the failure."""
+    from finetune import distributed
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 10
+        while distributed.peer_state(socket.gethostname(), peer.pid) != "alive" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setattr(distributed, "_PEERS", [(socket.gethostname(), os.getpid()), (socket.gethostname(), peer.pid)])
+        threading.Timer(0.5, peer.kill).start()
+        paragraph = str(distributed.peer_failure(RuntimeError("[gloo/transport/tcp/pair.cc:1] Connection closed by peer"),
+                                                 checkpoints="no checkpoint yet."))
+        named = f"rank 1 (pid {peer.pid} on {socket.gethostname()}) is "
+        assert any(named + state in paragraph for state in ("dead", "gone")), paragraph
+    finally:
+        peer.kill()
+        peer.wait()
