@@ -1,4 +1,5 @@
-"""Library noise a user can do nothing about, kept out of a run's output unless asked (--verbose, FINETUNE_VERBOSE=1).
+"""Library noise a user can do nothing about, kept out of a run's output unless asked (--verbose, FINETUNE_VERBOSE=1),
+and library start-up work a run does not need (`keep_deepspeed_out`, `defer_bitsandbytes_compiles`).
 
 What is filtered, each by its exact message, so that a new warning of the same libraries still shows:
   * bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional CPU kernel package; the
@@ -11,6 +12,8 @@ And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
 import logging
 import os
 import sys
@@ -66,3 +69,79 @@ def keep_deepspeed_out() -> None:
     except ImportError:
         return
     accelerate_other.is_deepspeed_available = lambda: False
+
+
+# The one bitsandbytes module that calls torch.compile at import (bitsandbytes 0.50: its CPU fallback kernels).
+_COMPILES_AT_IMPORT = "bitsandbytes.backends.default.ops"
+
+
+def defer_bitsandbytes_compiles() -> None:
+    """bitsandbytes' fallback kernels are wrapped in torch.compile when it is imported; defer each call to the kernel's
+    first use, so that a process which never calls them never loads torch's compiler.
+
+    torch.compile compiles lazily anyway, at the first call; but the call itself imports torch._inductor's compiler
+    (compile_fx, lowering: 0.9-1.5 s of CPU per process, measured here), and every rank of every run imports
+    bitsandbytes (PEFT and transformers do). A kernel that is used is compiled at its first call, as before, and a
+    compile that fails there falls back to the plain function by bitsandbytes' own wrapper, as before. Safe to call
+    more than once; a no-op once bitsandbytes is imported.
+    """
+    if _COMPILES_AT_IMPORT in sys.modules or any(isinstance(f, _CompileOnFirstCall) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _CompileOnFirstCall())
+
+
+def compile_on_first_call(compile_):
+    """`torch.compile`'s signature, but the real call happens at the compiled function's first call."""
+
+    def deferred(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: deferred(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
+
+
+class _CompileOnFirstCall(importlib.abc.MetaPathFinder):
+    """Finds _COMPILES_AT_IMPORT through the other finders and runs its module with torch.compile deferred."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _COMPILES_AT_IMPORT:
+            return None
+        sys.meta_path.remove(self)  # one module, once
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _DeferringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _DeferringLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):  # get_source (tracebacks), get_code, ... as the real loader
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        import torch
+
+        real = torch.compile
+        torch.compile = compile_on_first_call(real)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = real

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else EXIT_USER_ERROR
     clean = False
     quiet.install()
+    quiet.defer_bitsandbytes_compiles()
     try:
         run(argv[0], argv[1:])
         clean = True

@@ -1,5 +1,6 @@
 """Quiet by default (finetune/quiet.py): a run shows finetune's own lines, the libraries' noise only with --verbose;
-and DeepSpeed is imported only by processes that use it (real 2-process DDP, real export)."""
+and DeepSpeed, and torch's compiler (which bitsandbytes' import-time torch.compile calls would load), are imported only
+by processes that use them (real 2-process DDP, real export)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from finetune.run import main
 code = main(sys.argv[1:])
 rank = os.environ["RANK"]
 open(os.path.join(os.environ["REPORT_DIR"], f"rank{rank}.json"), "w").write(json.dumps(
-    {"code": code, "deepspeed": "deepspeed" in sys.modules, "accelerate": "accelerate" in sys.modules}))
+    {"code": code, "deepspeed": "deepspeed" in sys.modules, "accelerate": "accelerate" in sys.modules,
+     "compiler": "torch._inductor.compile_fx" in sys.modules, "bitsandbytes": "bitsandbytes" in sys.modules}))
 """
 
 
@@ -37,7 +39,7 @@ def test_a_run_prints_only_its_own_lines_unless_verbose(recipe):
 
 
 @pytest.mark.slow
-def test_ddp_and_export_never_import_deepspeed(recipe, tmp_path):
+def test_ddp_and_export_never_import_deepspeed_or_the_compiler(recipe, tmp_path):
     pytest.importorskip("deepspeed")  # installed (make install does): the case where an import could happen
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -47,9 +49,27 @@ def test_ddp_and_export_never_import_deepspeed(recipe, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert report == {"code": 0, "deepspeed": False, "accelerate": True}, report  # accelerate is imported: it asks
+        # accelerate is imported (it asks); bitsandbytes is, and its kernels' torch.compile calls wait for a first use
+        assert report == {"code": 0, "deepspeed": False, "accelerate": True, "compiler": False, "bitsandbytes": True}, report
     export = ("import sys\nfrom finetune.cli import main\n"
               f"code = main(['export', {str(tmp_path / 'run')!r}, {str(tmp_path / 'merged')!r}, '--merge'])\n"
-              "print('RESULT', code, 'deepspeed' in sys.modules)\n")
+              "print('RESULT', code, 'deepspeed' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)\n")
     result = run_cmd([sys.executable, "-c", export])
-    assert "RESULT 0 False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "RESULT 0 False False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call():
+    from finetune.quiet import compile_on_first_call
+
+    calls = []
+
+    def compile_(fn, **options):
+        calls.append(options)
+        return lambda *args: ("compiled", fn(*args))
+
+    deferred = compile_on_first_call(compile_)
+    add_one = deferred(lambda x: x + 1, dynamic=False)
+    double = deferred(dynamic=True)(lambda x: 2 * x)  # the decorator form
+    assert calls == []
+    assert add_one(1) == ("compiled", 2) and add_one(2) == ("compiled", 3) and double(3) == ("compiled", 6)
+    assert calls == [{"dynamic": False}, {"dynamic": True}]

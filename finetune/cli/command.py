@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = [item for item in argv if item not in ("--verbose", "-v")]
         os.environ[quiet.VERBOSE_ENV] = "1"
     quiet.install()
+    quiet.defer_bitsandbytes_compiles()
     parser = build_parser()
     # Overrides may come after options (`validate r.yaml --num-processes 2 train.max_steps=5`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
