@@ -5,7 +5,7 @@
 
 At the end of a run, run.py calls `plot_run(out_dir)`, which writes `<out_dir>/plot.png` and never fails the
 finished run: without matplotlib, or on any plotting problem, it prints one warning line. matplotlib draws with
-its headless Agg backend (no display on training machines).
+its headless Agg canvas (no display on training machines).
 """
 
 from __future__ import annotations
@@ -40,21 +40,24 @@ def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend; ImportError when matplotlib is not installed."""
-    import matplotlib
+def _figure(**options):
+    """A matplotlib Figure drawn by the Agg canvas; ImportError when matplotlib is not installed.
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    Not pyplot: its global state and backend machinery cost ~0.3 s more at the end of every run, for nothing here.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    return plt
+    figure = Figure(**options)
+    FigureCanvasAgg(figure)
+    return figure
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     """One PNG: loss (train solid, eval dashed with markers) above, learning rate below, one colour per run."""
     runs = [(Path(d), read_run(d)) for d in run_dirs]  # every folder checked before drawing anything
-    plt = _pyplot()
-    figure, (loss_axes, lr_axes) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[3, 1.3])
+    figure = _figure(figsize=(9, 7))
+    loss_axes, lr_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.3])
     for index, (folder, series) in enumerate(runs):
         color = f"C{index % 10}"
         name = folder.resolve().name
@@ -76,7 +79,6 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)
-    plt.close(figure)
     return out
 
 
