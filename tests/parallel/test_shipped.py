@@ -3,7 +3,8 @@
 * Every file in accelerate_configs/ trains tiny Llama and Gemma models, and Qwen2 too where the config wraps or
   partitions by decoder-layer class (FSDP, ZeRO-3), with the library's LoRA settings (dropout 0.05:
   tests/conftest.py LIBRARY_LORA), with gradient checkpointing on and off where the config allows (Gemma under FSDP:
-  on, the case that crashed FSDP1), through `accelerate launch --config_file` with the shipped file
+  on, the case that crashed FSDP1); a multi-machine template with the sharding settings of a one-machine config trains
+  Gemma over its machines, through `accelerate launch --config_file` with the shipped file
   and only the CPU needs of its row in tests/shipped.py (CPU switch, process count, per-machine flags).
 * Every recipes/*.yaml trains 2 steps with its own settings under the accelerate config it names; only the weights
   (a tiny random model of its own architecture, scaled down from finetune/model/architectures) and the data (a local file
@@ -42,8 +43,22 @@ def wraps_by_layer_class(config: str) -> bool:
 # single_gpu, ddp and ZeRO-2, which never look at the layer class, train Llama (on; tests/planner reuses the run) and
 # Gemma (off). Every
 # checkpointing choice of every config is trained; the full cross product cost 11 more launches for no case these miss.
+# A multi-machine template with the sharding settings of a single-machine config (multi_node.yaml: fsdp2.yaml's
+# fsdp_config, mixed precision and distributed type) differs only in machine topology and rendezvous: it trains Gemma
+# (every checkpointing choice it allows) over its machines, and its twin trains every layer class.
+def single_machine_twin(config: str) -> str | None:
+    keys = settings(config)
+    if keys.get("num_machines", 1) == 1:
+        return None
+    same = ("distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision")
+    return next((other for other in sorted(ACCELERATE_CONFIG_RUNS) if settings(other).get("num_machines", 1) == 1
+                 and all(settings(other).get(key) == keys.get(key) for key in same)), None)
+
+
 def _cases(config: str) -> list[tuple[str, str, bool]]:
     off = checkpointing_choices(config)[-1]
+    if single_machine_twin(config):
+        return [(config, "gemma", choice) for choice in checkpointing_choices(config)]
     if wraps_by_layer_class(config):
         return [(config, "llama", True), (config, "qwen2", off), (config, "gemma", True)]
     return [(config, "llama", True), (config, "gemma", off)]
@@ -178,7 +193,10 @@ def test_every_shipped_file_is_trained_by_the_suite():
     for config in sorted(shipped):
         cases = [case for case in CONFIG_CASES if case[0] == config]
         layer_classes = {FAMILIES[family] for _, family, _ in cases}
-        assert len(layer_classes) >= (3 if wraps_by_layer_class(config) else 2) and "GemmaDecoderLayer" in layer_classes, (
+        twin = single_machine_twin(config)
+        classes_needed = 1 if twin else 3 if wraps_by_layer_class(config) else 2
+        assert twin is None or twin in shipped, (config, twin)
+        assert len(layer_classes) >= classes_needed and "GemmaDecoderLayer" in layer_classes, (
             f"{config}: trained on too few decoder-layer classes (three where it wraps by class), or without Gemma's")
         assert {checkpointing for _, _, checkpointing in cases} == set(checkpointing_choices(config)), config
     from conftest import LIBRARY_LORA
