@@ -134,11 +134,17 @@ class TensorReader:
         return stored if expert is None and parts == 1 else None
 
     def _part(self, name: str) -> torch.Tensor:
-        """A tensor stored inside another (finetune/model/conversions.py): that expert's rows, read whole, then the part."""
+        """A tensor stored inside another (finetune/model/conversions.py): only its own bytes are read, the rows of
+        part `part` of `parts` (torch.chunk's split) of the whole tensor or of expert `expert`'s slice."""
         stored, expert, part, parts = self.index.views[name]
         handle = self._handle(stored)
-        tensor = self._counted(handle.get_tensor(stored) if expert is None else handle.get_slice(stored)[expert])
-        return tensor if parts == 1 else tensor.chunk(parts, dim=0)[part].contiguous()
+        if expert is None and parts == 1:
+            return self._counted(handle.get_tensor(stored))
+        rows = self.index.shapes[stored][0 if expert is None else 1]
+        size = -(-rows // parts)
+        first, last = part * size, min(rows, (part + 1) * size)
+        view = handle.get_slice(stored)
+        return self._counted(view[first:last] if expert is None else view[expert, first:last])
 
     def get(self, name: str) -> torch.Tensor:
         stored = self._stored_as(name)

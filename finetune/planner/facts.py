@@ -74,6 +74,11 @@ class ModelFacts:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # Where the 4-bit bytes come from at load: "" (the checkpoint holds model.dtype values, quantized at load),
+    # "checkpoint" (model.name_or_path is a bitsandbytes 4-bit checkpoint) or "cache" (model.quantized_cache: auto: a
+    # later start reads the 4-bit cache entry; the first start reads the base once to write it).
+    stored_4bit: str = ""
+    stored_quant_state_bytes: int = 0  # the quant states as a 4-bit checkpoint stores them (stored_quant_state_bytes)
 
     def total_bytes(self, *, trainable: bool | None = None) -> int:
         return sum(t.nbytes for t in self.tensors if trainable is None or t.trainable == trainable)
@@ -109,6 +114,16 @@ def _layers_list(model) -> tuple[str, int]:
 def _unit_of(name: str, layers_path: str) -> str:
     match = re.match(re.escape(layers_path) + r"\.(\d+)\.", name) if layers_path else None
     return f"layer{match.group(1)}" if match else "root"
+
+
+def stored_quant_state_bytes(numel: int, *, double_quant: bool) -> int:
+    """Bytes of one 4-bit weight's quant state in a checkpoint as transformers' save_pretrained writes it (what
+    `finetune quantize` and the quantized cache write): absmax (uint8 codes with double quant, else fp32), nested
+    absmax (fp32), the NF4 code (16 fp32), the nested code (256 fp32) and the packed JSON of the rest (~170 bytes)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if double_quant:
+        return blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 16 + 4 * 256 + 170
+    return 4 * blocks + 4 * 16 + 130
 
 
 def quant_state_bytes(numel: int, *, double_quant: bool) -> int:
@@ -163,7 +178,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     layers_path, num_layers = _layers_list(model)
     output = model.get_output_embeddings()
     tensors: list[Tensor] = []
-    qstate = 0
+    qstate = stored_qstate = 0
     lora_inputs: list[tuple[str, int]] = []
     linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     unit_load: dict[str, int] = {}
@@ -176,6 +191,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
             numel = param.numel()
             tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit, numel))
             qstate += quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
+            stored_qstate += stored_quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
         else:
             shape = tuple(param.shape) or (1,)
             tensors.append(Tensor(pname, shape[0], math.prod(shape[1:]), dtype_bytes, False, unit))
@@ -202,10 +218,23 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
         experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
+        stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
     )
+    if facts.stored_4bit == "cache":
+        facts.notes.append("model.quantized_cache: auto: the read figures are a later start's, from the 4-bit cache entry; "
+                           "the first start reads the whole base once to write the entry")
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
     return facts
+
+
+def _stored_4bit(config, recipe) -> str:
+    """"checkpoint": config.json names a bitsandbytes 4-bit quantization; "cache": model.quantized_cache is on; else ""."""
+    quant = getattr(config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else quant if isinstance(quant, dict) else {}
+    if quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
+        return "checkpoint"
+    return "cache" if getattr(recipe.model, "quantized_cache", "off") == "auto" else ""
 
 
 def _stored_dtype_bytes(config) -> int:

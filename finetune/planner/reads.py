@@ -4,6 +4,9 @@ Which loader reads what (finetune/model/loading.py, finetune/model/shard_reads.p
   * FSDP2 with sharded loading: a rank reads its dim-0 chunk of every tensor; of a 4-bit weight, the values packed
     into its chunk widened to whole quantization blocks. A node's ranks read disjoint ranges (but for the blocks at
     chunk edges), so the node reads about its share of the checkpoint.
+  * a 4-bit checkpoint (model.name_or_path one, or the quantized cache's entry on every start after the first): every
+    rank reads the whole 4-bit checkpoint, packed bytes plus the stored quant states (no range reads yet), a quarter
+    of the bf16 bytes; the first start with the cache on reads the bf16 base once, as the second case.
   * everything else (FSDP1, DDP, DeepSpeed, single process, layer split): every rank reads the whole checkpoint. The
     ranks of a node share the page cache of the memory-mapped files, so the node reads it from storage once (when
     the page cache can hold it).
@@ -36,11 +39,15 @@ class CheckpointReads:
 def rank_read_bytes(facts: ModelFacts, *, rank: int, world_size: int, own_shard: bool) -> int:
     """Bytes `rank` reads from the checkpoint (values as stored: config.json's dtype)."""
     elem = facts.checkpoint_dtype_bytes or facts.dtype_bytes
-    total = 0
+    if facts.stored_4bit == "cache":
+        elem = facts.dtype_bytes  # the entry stores what is not quantized in model.dtype
+    total = facts.stored_quant_state_bytes if facts.stored_4bit else 0
     for tensor in facts.tensors:
         if tensor.trainable:
             continue  # LoRA starts from its seed (or model.adapter, not counted): not in the base checkpoint
-        if tensor.quantized_numel:
+        if tensor.quantized_numel and facts.stored_4bit:
+            total += (tensor.quantized_numel + 1) // 2  # two 4-bit values per byte, read whole
+        elif tensor.quantized_numel:
             total += (packed_read_bytes(tensor.quantized_numel, tensor.elem_bytes, rank, world_size, NF4_BLOCK, elem)
                       if own_shard else tensor.quantized_numel * elem)
         else:
@@ -52,7 +59,7 @@ def rank_read_bytes(facts: ModelFacts, *, rank: int, world_size: int, own_shard:
 def checkpoint_reads(facts: ModelFacts, *, processes: int, per_node: int, own_shard: bool,
                      read_bytes_per_s: float = DEFAULT_READ_BANDWIDTH) -> CheckpointReads:
     """Reads of one load with `processes` ranks, `per_node` on a node (the first node: it holds rank 0's full chunk)."""
-    if not own_shard or processes == 1:
+    if not own_shard or processes == 1 or facts.stored_4bit:
         whole = rank_read_bytes(facts, rank=0, world_size=1, own_shard=False)
         return CheckpointReads(whole, whole, whole / read_bytes_per_s, own_shard=False)
     ranks = [rank_read_bytes(facts, rank=r, world_size=processes, own_shard=True) for r in range(min(per_node, processes))]

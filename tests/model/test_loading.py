@@ -44,6 +44,7 @@ def many_layer_models(tmp_path_factory):
                                                 **odd),
         "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", num_layers=16, tie_word_embeddings=True, **odd),
         "mixtral": _mixtral_renamed_and_fused(root / "mixtral"),
+        "qwen3_moe": build_tiny_model(root / "qwen3-moe", family="qwen3_moe", hidden_size=64, num_layers=4),
     }
 
 
@@ -51,10 +52,10 @@ def _mixtral_renamed_and_fused(folder: Path) -> Path:
     """A tiny Mixtral (4 experts, top-2, 4 layers) whose checkpoint takes both of transformers' key conversions that
     finetune/model/conversions.py applies: the old module name (`block_sparse_moe.`, renamed to `mlp.`) and the experts
     stored fused (3-D `experts.gate_up_proj` / `down_proj`, sliced per expert for the 4-bit per-expert Linears).
-    The per-expert checkpoint of the other MoE families is read by the same code (tests/model/test_experts.py: per-tensor
-    loader == from_pretrained, bitwise, for Mixtral and Qwen3-MoE; their FSDP2 sharded loading trains in
-    tests/parallel/test_experts_parallel.py). Bitwise only, on 4 layers: the memory bound needs many layers (a unit in
-    model.dtype is 4x its 4-bit bytes) and is the dense cases' (the same loader); 16 layers cost minutes here."""
+    Qwen3-MoE's per-expert checkpoint (as the hub ships it) is read sharded under FSDP2 below; the per-tensor loader
+    == from_pretrained for both families in tests/model/test_experts.py. No memory bound on 4 layers: it needs many
+    layers (a unit in model.dtype is 4x its 4-bit bytes) and is the dense cases' (the same loader); 16 layers cost
+    minutes here."""
     from transformers import AutoModelForCausalLM
 
     from finetune.cli.tiny import build_tiny_model
@@ -70,7 +71,7 @@ def _mixtral_renamed_and_fused(folder: Path) -> Path:
     return folder
 
 
-MOE_MODELS = ("mixtral",)
+MOE_MODELS = ("mixtral", "qwen3_moe")
 
 
 def _chunk_edges(model_dir: Path) -> tuple[int, int]:
@@ -89,9 +90,10 @@ def _chunk_edges(model_dir: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-# FSDP1 reads whole tensors through the same reader on every model: one dense model (tied embeddings) and the MoE one.
+# FSDP1 reads whole tensors through the same reader on every model: one dense model (tied embeddings) and Mixtral
+# (renamed and fused experts). Qwen3-MoE's per-expert checkpoint under FSDP2: each rank's range of every expert.
 @pytest.mark.parametrize("model_name,fsdp_version", [("llama-sharded-index", 2), ("qwen2-tied", 2), ("qwen2-tied", 1),
-                                                     ("mixtral", 1)])
+                                                     ("mixtral", 1), ("qwen3_moe", 2)])
 def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models, model_name, fsdp_version, tmp_path):
     model_dir = many_layer_models[model_name]
     if model_name.startswith("llama"):
@@ -112,12 +114,11 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
         assert new["checksum"] == old["checksum"]  # LoRA starts the same
         assert new["frozen_bytes"] == old["frozen_bytes"]
         assert new["frozen_bytes"] * 2 == pytest.approx(old["after_load"] - report["quant_state_bytes"] - old["lora_bytes"], rel=0.02)
-        if model_name in MOE_MODELS:
-            continue  # too few layers for the memory bound to tell the loaders apart (_mixtral_renamed_and_fused)
-        # Memory: shard + one unit + quant state + LoRA bounds sharded loading; the per-rank loader breaks it.
-        assert new["peak_while_loading"] <= report["bound"], report["new"]["trace"]
-        assert old["after_load"] > report["bound"] * 1.2
-        assert new["after_load"] < 4096  # the skeleton holds no weights (only the rotary buffers)
+        if model_name not in MOE_MODELS:  # 4 layers: too few for the memory bound to tell the loaders apart
+            # Memory: shard + one unit + quant state + LoRA bounds sharded loading; the per-rank loader breaks it.
+            assert new["peak_while_loading"] <= report["bound"], report["new"]["trace"]
+            assert old["after_load"] > report["bound"] * 1.2
+            assert new["after_load"] < 4096  # the skeleton holds no weights (only the rotary buffers)
         # Checkpoint bytes read on this rank (the reader's count): FSDP2 reads only its chunk of every tensor (+ the
         # blocks at chunk edges); FSDP1 reads every tensor whole, as every loader did before, and breaks that bound.
         assert new["shard_bound"] < 0.6 * new["whole_checkpoint"]

@@ -85,16 +85,20 @@ def test_4bit_checkpoints_hold_the_bytes_of_the_base_quantized_at_load(checkpoin
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
-    """8 steps from each checkpoint, single process and FSDP2 (shipped fsdp2.yaml), library LoRA (dropout 0.05), bf16."""
+    """8 steps from each checkpoint, single process and FSDP2 (shipped fsdp2.yaml), library LoRA (dropout 0.05), bf16;
+    and FSDP2 from the bf16 base with `model.quantized_cache: auto` and an empty cache: one of the two ranks builds the
+    entry (`finetune quantize`'s writer) while the other waits on its lock, then both train from its 4-bit bytes."""
+    import os
+
     root = tmp_path_factory.mktemp("prequantized-runs")
     data = write_jsonl(root / "train.jsonl", addition_rows(40))
     done = {}
-    # `finetune quantize`'s checkpoint is not trained here: its bytes are bitwise these (test above), and it is built
-    # by the same code path as transformers' (measured once: its 8 losses equal these, 6.19291 -> 5.65670).
-    for model, launch in [("base", "single"), ("transformers", "single"), ("base", "fsdp2"), ("transformers", "fsdp2")]:
+    cases = [("base", "single", {}), ("transformers", "single", {}), ("base", "fsdp2", {}), ("transformers", "fsdp2", {}),
+             ("base", "fsdp2-cache", {"quantized_cache": "auto"})]
+    for model, launch, model_keys in cases:
         name = f"{model}-{launch}"
-        recipe = recipe_dict(checkpoints[model], data, root / name, model={"dtype": "bfloat16"}, lora=LIBRARY_LORA,
-                             train={"max_steps": 8, "micro_batch_size": 2 if launch == "fsdp2" else 4},
+        recipe = recipe_dict(checkpoints[model], data, root / name, model={"dtype": "bfloat16", **model_keys},
+                             lora=LIBRARY_LORA, train={"max_steps": 8, "micro_batch_size": 4 if launch == "single" else 2},
                              data={"eval_fraction": 0.0},
                              eval={"generation_rows": 0})
         path = write_recipe(root / f"{name}.yaml", recipe)
@@ -103,9 +107,15 @@ def runs(checkpoints, tmp_path_factory):
 
             assert run_main([str(path)]) == 0
         else:
-            result = accelerate_launch("fsdp2", path)
+            os.environ["FINETUNE_CACHE"] = str(root / "cache")  # the launch's environment is this process's
+            try:
+                result = accelerate_launch("fsdp2", path)
+            finally:
+                del os.environ["FINETUNE_CACHE"]
             assert result.returncode == 0, result.stderr[-4000:]
+            done[f"{name}:output"] = result.stdout + result.stderr
         done[name] = train_losses(root / name)
+    done["cache"] = root / "cache" / "quantized"
     return done
 
 
@@ -115,6 +125,18 @@ def test_4bit_checkpoints_train_to_the_losses_of_the_bf16_base(runs):
     assert len(reference) == 8 and reference[-1] < reference[0]
     assert runs["transformers-single"] == pytest.approx(reference, abs=1e-6)
     assert runs["transformers-fsdp2"] == pytest.approx(runs["base-fsdp2"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_build_the_cache_once_and_train_from_it_to_the_same_losses(runs):
+    """The cache's 4-bit checkpoint (written as `finetune quantize` writes) trains as the bf16 base quantized at load;
+    it is built once for the two ranks of the node (one quantizing note, one entry, no half-written folder left)."""
+    assert runs["base-fsdp2-cache"] == pytest.approx(runs["base-fsdp2"], abs=1e-6)
+    output = runs["base-fsdp2-cache:output"]
+    assert output.count("quantizing") == 1 and "once into" in output, output[-3000:]
+    entries = [p for p in runs["cache"].iterdir() if p.is_dir()]
+    assert len(entries) == 1, entries
+    assert (entries[0] / "finetune_quantized.json").exists() and list(entries[0].glob("*.safetensors"))
 
 
 def test_the_cache_is_built_once_then_its_4bit_bytes_are_read(checkpoints, tmp_path, monkeypatch, capsys):
@@ -149,6 +171,12 @@ def test_the_cache_is_built_once_then_its_4bit_bytes_are_read(checkpoints, tmp_p
         else:
             assert "quantizing" not in out and "the 4-bit cache of" in out
             assert from_base == 0 and 0 < from_cache < base_bytes / 3, (from_cache, base_bytes)
+            # `finetune plan`'s read/rank counts a later start's reads of the entry (and the base's without the cache).
+            assert _planned_read(recipe) == pytest.approx(from_cache, rel=0.05)
+            assert _planned_read(_recipe(base)) == base_bytes
+    reads.clear()
+    _load(_recipe(checkpoints["transformers"]))  # transformers' own 4-bit checkpoint (uint8 storage): the same count
+    assert _planned_read(_recipe(checkpoints["transformers"])) == pytest.approx(sum(size for _, size in reads), rel=0.05)
     # The base changes (retrained, re-downloaded): the entry is rebuilt, and the new weights are what is loaded.
     from safetensors.torch import load_file, save_file
 
@@ -160,6 +188,15 @@ def test_the_cache_is_built_once_then_its_4bit_bytes_are_read(checkpoints, tmp_p
     assert [k for k in held if not torch.equal(held[k], expected[k])] != []
     changed = _load(_recipe(base))
     assert [k for k in held if not torch.equal(held[k], changed[k])] == []
+
+
+def _planned_read(recipe) -> int:
+    """The bytes `finetune plan` says one process reads at load (read/rank) for this recipe on one GPU."""
+    from finetune.planner.facts import model_config_for
+    from finetune.planner.fit import decide
+
+    decision = decide(recipe, model_config_for(recipe), gpus_per_node=1, gpu_memory_bytes=24 * 1024**3)
+    return decision.estimates[0].reads.rank_bytes
 
 
 @pytest.mark.parametrize("problem", ["fp4", "double_quant", "blocksize", "truncated"])
