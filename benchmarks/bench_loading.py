@@ -1,6 +1,6 @@
 """Loading at scale: what each rank reads, quantizes and holds, for each loader, at 1 and 2 ranks in one invocation.
 
-    python benchmarks/bench_loading.py [--hidden 1536] [--layers 40] [--vocab 32000] [--modes today,range]
+    python benchmarks/bench_loading.py [--hidden 1536] [--layers 40] [--vocab 32000] [--modes today,range,cache]
 
 A Llama-shaped random model with many thin layers, as real large models have (70B: 80 layers, one bf16 layer ~5%
 of the 4-bit base; the default here: hidden 1536 x 40 layers, ~1.1B parameters, one bf16 layer ~4% of the model),
@@ -11,7 +11,8 @@ model as `finetune/run.py` does under FSDP2 (host_memory's allocator setting, lo
   v1      transformers' from_pretrained on every rank, then FSDP shards (parallel.sharded_loading: false)
   today   sharded loading as before issue 24 (and still FSDP1's): every rank reads and quantizes each whole unit
   range   FSDP2 sharded loading now: each rank reads and quantizes only its chunk (finetune/model/shard_reads.py)
-  (c)     a 4-bit checkpoint / quantized cache as input (issue 24 items 2-3): a slot in the table, not implemented here
+  cache   (c) `model.quantized_cache: auto`, the entry built once before the timed rows (a 4-bit checkpoint as
+          `finetune quantize` writes it): FSDP2 ranks read their chunk of the packed bytes, quantize nothing
 
 Per rank: checkpoint bytes read (the TensorReader's count), seconds inside bitsandbytes' quantization
 (quantize_4bit, and the double quantization of the absmax; wall and this thread's CPU seconds, the latter
@@ -81,8 +82,8 @@ MODES = {
     "v1": "per-rank from_pretrained (v1)",
     "today": "(a) today: every rank reads + quantizes whole units",
     "range": "(b) range reads: each rank its own chunk",
+    "cache": "(c) the 4-bit cache entry: each rank its chunk of the packed bytes",
 }
-SLOT_C = "(c) 4-bit checkpoint / cache"  # issue 24 items 2-3: filled by that work
 
 
 def quantize_timer():
@@ -147,7 +148,8 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
         torch.cuda.reset_peak_memory_stats(info.device)
     start = time.perf_counter()
     loaded = loading.load_model(recipe, sharded=mode != "v1", device=info.device, device_map=None,
-                                gradient_checkpointing=True, shard=plan.own_shard(info.rank) if mode == "range" else None)
+                                gradient_checkpointing=True,
+                                shard=plan.own_shard(info.rank) if mode in ("range", "cache") else None)
     wrapped = parallel.wrap(loaded.model, plan, info, materialize=loaded.materialize)
     release_freed_memory()
     distributed.barrier()
@@ -160,7 +162,7 @@ def worker(model_dir: str, mode: str, out: Path) -> None:
     result = {"rank": info.rank, "world": info.world_size, "mode": mode, "load_s": seconds,
               "quantize_s": quantize_seconds[0], "quantize_cpu_s": quantize_seconds[1], "bytes_read": loaded.bytes_read,
               "planner_bytes_read": rank_read_bytes(facts, rank=info.rank, world_size=info.world_size,
-                                                    own_shard=mode == "range"),
+                                                    own_shard=mode in ("range", "cache")),
               "peak_over_baseline": peak[0] - baseline, "after_wrap_over_baseline": rss_anon() - baseline,
               "held_bytes": held["frozen_bytes"] + held["trainable_bytes"] + facts.quant_state_bytes,
               "full_4bit_base": facts.total_bytes(trainable=False)}
@@ -193,7 +195,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--modes", default="today,range", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--modes", default="today,range,cache", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--cache", action="store_true", help="only the (c) rows: load from the 4-bit cache vs "
                         "quantizing the bf16 base at load, 1 rank")
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "MODEL", "OUT"), help=argparse.SUPPRESS)
@@ -212,6 +214,11 @@ def main() -> None:
         return cache_rows(model_dir)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if "cache" in modes:  # a fresh cache entry, built once and not timed: the (c) rows are later starts
+            os.environ["FINETUNE_CACHE"] = str(Path(tmp) / "cache")
+            started = time.perf_counter()
+            run(model_dir, "cache", 1, Path(tmp))
+            print(f"cache entry built in {time.perf_counter() - started:.0f} s (not in the table)", flush=True)
         for world in (1, 2):
             for mode in modes:
                 rows[(mode, world)] = ranks = run(model_dir, mode, world, Path(tmp))
@@ -221,6 +228,13 @@ def main() -> None:
                     for r in ranks), flush=True)
     print(f"\n4-bit base (planner): {_gib(rows[(modes[0], 1)][0]['full_4bit_base'])} GiB")
     print(table(rows, modes))
+    if {"cache", "range"} <= set(modes):
+        for world in (1, 2):
+            new, cache = rows[("range", world)], rows[("cache", world)]
+            print(f"at {world} rank(s), cache / range per rank (largest rank): bytes read "
+                  f"{_worst(cache, 'bytes_read') / _worst(new, 'bytes_read'):.2f}x, load s "
+                  f"{_worst(cache, 'load_s') / _worst(new, 'load_s'):.2f}x ({_worst(new, 'load_s') / _worst(cache, 'load_s'):.1f}x "
+                  "faster; goal at 1 rank >= 3x)")
     if {"today", "range"} <= set(modes):
         today, new = rows[("today", 2)], rows[("range", 2)]
         print(f"at 2 ranks, range / today per rank (largest rank): bytes read "
@@ -243,7 +257,7 @@ def _gib(nbytes) -> str:
 
 
 def table(rows: dict, modes: list[str]) -> str:
-    """Markdown, one row per (world, loader); the largest rank's figure for each column; (c) left as a slot."""
+    """Markdown, one row per (world, loader); the largest rank's figure for each column."""
     header = "| ranks | loader | bytes read / rank (GiB) | quantize s / rank (CPU s) | load s | peak RssAnon over baseline (GiB) |"
     lines = [header, "|---|---|---|---|---|---|"]
     for world in (1, 2):
@@ -253,7 +267,6 @@ def table(rows: dict, modes: list[str]) -> str:
                          f"{_worst(ranks, 'quantize_s'):.1f} ({_worst(ranks, 'quantize_cpu_s'):.1f}) | "
                          f"{_worst(ranks, 'load_s'):.1f} | "
                          f"{_gib(_worst(ranks, 'peak_over_baseline'))} |")
-        lines.append(f"| {world} | {SLOT_C} | (issue 24 items 2-3) | | | |")
     return "\n".join(lines)
 
 

@@ -179,11 +179,11 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
     packed = prequantized.packed_layout(recipe, folder, index)  # a 4-bit checkpoint: its settings are the recipe's
     check_checkpoint(skeleton, index, packed)
-    # Range reads (FSDP2) quantize a chunk of a bf16 weight; a 4-bit checkpoint's units are read whole (a quarter of
-    # the bytes) and sharded by the wrap, as FSDP1 does.
+    # Range reads (FSDP2): of a bf16 weight a chunk is read and quantized; of a 4-bit checkpoint's weight the chunk's
+    # packed bytes are read (its quant state whole).
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
                            lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe, skeleton),
-                           shard=shard if sharded and packed is None else None, packed=packed)
+                           shard=shard if sharded else None, packed=packed)
     if not sharded:
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)

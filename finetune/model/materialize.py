@@ -101,7 +101,7 @@ class Materializer:
     def _base(self, name: str, param: nn.Parameter) -> nn.Parameter:
         key = checkpoint_name(name)
         if type(param).__name__ == "Params4bit" and self.packed is not None:
-            return packed_parameter(self.reader, key, param, device=self.device, layout=self.packed)
+            return packed_parameter(self.reader, key, param, device=self.device, layout=self.packed, shard=self.shard)
         if self.shard is not None:
             return own_parameter(self.reader, key, param, shard=self.shard, device=self.device,
                                  load_dtype=self.load_dtype, pending=self._pending)

@@ -24,6 +24,7 @@ from torch import nn
 
 from finetune.errors import ModelLoadError
 from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.model.shard_reads import RankShard, packed_value_range
 from finetune.recipe import Recipe
 
 PACKED_STATE = "quant_state.bitsandbytes__"  # + nf4 / fp4: the non-tensor part of a quant state, as JSON bytes
@@ -175,13 +176,20 @@ def checkpoint_problems(layout: PackedLayout, key: str, tensor: torch.Tensor, in
 
 
 def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, device: torch.device,
-                     layout: PackedLayout) -> nn.Parameter:
-    """A Params4bit from the checkpoint's bytes and quant state: bitwise what quantizing the bf16 base at load gives."""
+                     layout: PackedLayout, shard: RankShard | None = None) -> nn.Parameter:
+    """A Params4bit from the checkpoint's bytes and quant state: bitwise what quantizing the bf16 base at load gives.
+
+    With `shard` (FSDP2) only the packed bytes of this rank's chunk are read (both as the storage dtype and as uint8,
+    as shard_reads.py's range, in whole blocks), into a zero-filled tensor of the full shape that `fully_shard` cuts;
+    the quant state (absmax, codes: ~1/64 of the packed bytes) is read whole, as every rank holds it whole."""
     import bitsandbytes as bnb
 
-    stored = reader.get(key).reshape(-1)
-    # The same bytes viewed as the recipe's storage dtype (uint8 (2n, 1) -> bf16 (n, 1)): no arithmetic, no copy.
-    data = stored.view(torch.uint8).view(layout.storage_dtype).reshape(-1, 1)
+    if shard is None:
+        stored = reader.get(key).reshape(-1)
+        # The same bytes viewed as the recipe's storage dtype (uint8 (2n, 1) -> bf16 (n, 1)): no arithmetic, no copy.
+        data = stored.view(torch.uint8).view(layout.storage_dtype).reshape(-1, 1)
+    else:
+        data = _own_packed_bytes(reader, key, param, layout=layout, shard=shard)
     stats = {name: reader.get(name) for name in layout.state_names(key)}
     new = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device,
                                               module=getattr(param, "module", None))
@@ -189,3 +197,18 @@ def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, dev
     # from an fp16 base says float16; its 4-bit codes and absmax do not depend on it).
     new.quant_state.dtype = layout.model_dtype
     return new
+
+
+def _own_packed_bytes(reader: TensorReader, key: str, param: nn.Parameter, *, layout: PackedLayout,
+                      shard: RankShard) -> torch.Tensor:
+    """The packed weight in the recipe's storage dtype, (bytes / itemsize, 1), with only this rank's bytes read."""
+    storage_bytes = torch.empty(0, dtype=layout.storage_dtype).element_size()
+    stored_bytes = torch.empty(0, dtype=layout.stored_dtype).element_size()
+    numel = param.numel()
+    whole = torch.zeros(packed_bytes(numel, layout.storage_dtype), dtype=torch.uint8)
+    start, stop = packed_value_range(numel, storage_bytes, shard.rank, shard.world_size, BLOCKSIZE)
+    byte_first, byte_last = start // 2, -(-stop // 2)  # two 4-bit values per byte
+    first, last = byte_first // stored_bytes, min(-(-byte_last // stored_bytes), whole.numel() // stored_bytes)
+    if last > first:  # rows of the stored (bytes / itemsize, 1) tensor (whole blocks are whole rows)
+        whole[first * stored_bytes : last * stored_bytes] = reader.get_rows(key, first, last).reshape(-1).view(torch.uint8)
+    return whole.view(layout.storage_dtype).reshape(-1, 1)

@@ -115,9 +115,8 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
             text += " Fix: lower data.max_length or train.micro_batch_size, turn on train.gradient_checkpointing, or add GPUs."
     if chosen.reads is not None:
         reads = chosen.reads
-        how = "its own shard" if reads.own_shard else {"checkpoint": "the whole 4-bit checkpoint",
-                                                         "cache": "the whole 4-bit cache entry"}.get(facts.stored_4bit,
-                                                                                                     "the whole checkpoint")
+        how = "its own shard" if reads.own_shard else "the whole checkpoint"
+        how += {"checkpoint": " of the 4-bit checkpoint", "cache": " of the 4-bit cache entry"}.get(facts.stored_4bit, "")
         text += (f" Loading: each rank reads {how} ({_gib(reads.rank_bytes)}), a node {_gib(reads.node_bytes)}: "
                  f"~{reads.seconds:.0f} s at {hw.read_bytes_per_s / GB:g} GB/s.")
     return text + "".join(f" Note: {n}." for n in chosen.notes + facts.notes)

@@ -4,9 +4,9 @@ Which loader reads what (finetune/model/loading.py, finetune/model/shard_reads.p
   * FSDP2 with sharded loading: a rank reads its dim-0 chunk of every tensor; of a 4-bit weight, the values packed
     into its chunk widened to whole quantization blocks. A node's ranks read disjoint ranges (but for the blocks at
     chunk edges), so the node reads about its share of the checkpoint.
-  * a 4-bit checkpoint (model.name_or_path one, or the quantized cache's entry on every start after the first): every
-    rank reads the whole 4-bit checkpoint, packed bytes plus the stored quant states (no range reads yet), a quarter
-    of the bf16 bytes; the first start with the cache on reads the bf16 base once, as the second case.
+  * a 4-bit checkpoint (model.name_or_path one, or the quantized cache's entry on every start after the first): packed
+    bytes instead of values (a quarter of the bf16 bytes), FSDP2 ranks their chunk's, and every rank every stored
+    quant state whole; the first start with the cache on reads the bf16 base once to write the entry.
   * everything else (FSDP1, DDP, DeepSpeed, single process, layer split): every rank reads the whole checkpoint. The
     ranks of a node share the page cache of the memory-mapped files, so the node reads it from storage once (when
     the page cache can hold it).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.model.shard_reads import dim0_chunk, packed_read_bytes
+from finetune.model.shard_reads import dim0_chunk, packed_read_bytes, packed_value_range
 from finetune.planner.facts import GB, NF4_BLOCK, ModelFacts
 
 # A node's read bandwidth when none is stated: a local NVMe disk reads 2-7 GB/s, a shared network file system gives
@@ -45,8 +45,10 @@ def rank_read_bytes(facts: ModelFacts, *, rank: int, world_size: int, own_shard:
     for tensor in facts.tensors:
         if tensor.trainable:
             continue  # LoRA starts from its seed (or model.adapter, not counted): not in the base checkpoint
-        if tensor.quantized_numel and facts.stored_4bit:
-            total += (tensor.quantized_numel + 1) // 2  # two 4-bit values per byte, read whole
+        if tensor.quantized_numel and facts.stored_4bit:  # packed bytes: two 4-bit values per byte
+            start, stop = (packed_value_range(tensor.quantized_numel, tensor.elem_bytes, rank, world_size, NF4_BLOCK)
+                           if own_shard else (0, tensor.quantized_numel))
+            total += -(-stop // 2) - start // 2
         elif tensor.quantized_numel:
             total += (packed_read_bytes(tensor.quantized_numel, tensor.elem_bytes, rank, world_size, NF4_BLOCK, elem)
                       if own_shard else tensor.quantized_numel * elem)
@@ -59,7 +61,7 @@ def rank_read_bytes(facts: ModelFacts, *, rank: int, world_size: int, own_shard:
 def checkpoint_reads(facts: ModelFacts, *, processes: int, per_node: int, own_shard: bool,
                      read_bytes_per_s: float = DEFAULT_READ_BANDWIDTH) -> CheckpointReads:
     """Reads of one load with `processes` ranks, `per_node` on a node (the first node: it holds rank 0's full chunk)."""
-    if not own_shard or processes == 1 or facts.stored_4bit:
+    if not own_shard or processes == 1:
         whole = rank_read_bytes(facts, rank=0, world_size=1, own_shard=False)
         return CheckpointReads(whole, whole, whole / read_bytes_per_s, own_shard=False)
     ranks = [rank_read_bytes(facts, rank=r, world_size=processes, own_shard=True) for r in range(min(per_node, processes))]

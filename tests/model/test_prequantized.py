@@ -83,6 +83,49 @@ def test_4bit_checkpoints_hold_the_bytes_of_the_base_quantized_at_load(checkpoin
         assert torch.equal(plain(ids).logits.float(), at_load(ids).logits.float())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_fsdp2_rank_reads_only_its_chunk_of_a_4bit_checkpoint(checkpoints, world):
+    """Each rank of a simulated world (in this process; the real 2-rank runs are the FSDP2 trainings below), from
+    transformers' uint8 checkpoint: its FSDP2 chunk of every packed weight, as the bf16 storage and as uint8 (the
+    byte guard's re-view), is bitwise the whole weight's, and so is the quant state (read whole); of the packed bytes
+    it reads only that chunk, widened to whole blocks."""
+    import bitsandbytes as bnb
+
+    from finetune.model import checkpoint_files, prequantized
+    from finetune.model.shard_reads import RankShard, dim0_chunk
+
+    folder = checkpoints["transformers"]
+    index = checkpoint_files.checkpoint_index(folder)
+    layout = prequantized.packed_layout(_recipe(folder), folder, index)
+    keys = sorted(layout.states)
+    assert len(keys) > 10
+
+    def build(key, shard):
+        meta = bnb.nn.Params4bit(torch.empty(layout.states[key]["shape"], device="meta"), blocksize=64,
+                                 compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16,
+                                 module=torch.nn.Module())
+        reader = checkpoint_files.TensorReader(index)
+        param = prequantized.packed_parameter(reader, key, meta, device=torch.device("cpu"), layout=layout, shard=shard)
+        read = reader.bytes_read
+        for name in layout.state_names(key):
+            read -= reader.get(name).numel() * reader.get(name).element_size()
+        return param, read  # the packed bytes read
+
+    for key in keys:
+        whole, whole_read = build(key, None)
+        for rank in range(world):
+            own, read = build(key, RankShard(rank, world))
+            for view in (torch.bfloat16, torch.uint8):
+                data, expected = own.data.view(view), whole.data.view(view)
+                first, last = dim0_chunk(data.shape[0], rank, world)
+                assert torch.equal(data[first:last].view(torch.uint8), expected[first:last].view(torch.uint8)), key
+            for part in ("absmax", "code", "offset"):
+                assert torch.equal(getattr(own.quant_state, part), getattr(whole.quant_state, part))
+            assert torch.equal(own.quant_state.state2.absmax, whole.quant_state.state2.absmax)
+            chunk = dim0_chunk(whole_read // 2, rank, world)
+            assert read <= (chunk[1] - chunk[0]) * 2 + 2 * 32 + 4 < whole_read or chunk[0] == chunk[1], (key, read)
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
     """8 steps from each checkpoint, single process and FSDP2 (shipped fsdp2.yaml), library LoRA (dropout 0.05), bf16;
@@ -114,6 +157,8 @@ def runs(checkpoints, tmp_path_factory):
                 del os.environ["FINETUNE_CACHE"]
             assert result.returncode == 0, result.stderr[-4000:]
             done[f"{name}:output"] = result.stdout + result.stderr
+            done[f"{name}:read"] = [json.loads((root / name / "ranks" / f"rank{r}.json").read_text())["checkpoint_bytes_read"]
+                                    for r in (0, 1)]
         done[name] = train_losses(root / name)
     done["cache"] = root / "cache" / "quantized"
     return done
@@ -125,6 +170,19 @@ def test_4bit_checkpoints_train_to_the_losses_of_the_bf16_base(runs):
     assert len(reference) == 8 and reference[-1] < reference[0]
     assert runs["transformers-single"] == pytest.approx(reference, abs=1e-6)
     assert runs["transformers-fsdp2"] == pytest.approx(runs["base-fsdp2"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_read_their_share_of_a_4bit_checkpoint_as_the_planner_says(runs, checkpoints):
+    """The 2-rank FSDP2 run from transformers' 4-bit checkpoint: each rank's count (ranks/rank{r}.json) is what
+    `finetune plan` says (read/rank, within 5%), and well under the whole checkpoint that every rank read before."""
+    from loading_check import planner_read_bytes
+
+    folder = checkpoints["transformers"]
+    whole = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    for rank, read in enumerate(runs["transformers-fsdp2:read"]):
+        assert read == pytest.approx(planner_read_bytes(_recipe(folder), rank, 2, own_shard=True), rel=0.05)
+        assert read < 0.65 * whole, (read, whole)  # half of the packed bytes and rows, every quant state whole
 
 
 @pytest.mark.slow
