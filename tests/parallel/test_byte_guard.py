@@ -40,6 +40,28 @@ def launch(recipe, out, mode: str):
     return run_cmd(args, env=child_env())
 
 
+def test_the_checksum_is_the_position_weighted_byte_sum_exactly():
+    """byte_guard.checksum (float64 dot products over a cached weight table) equals its definition computed in int64,
+    sum(byte[i] * (i mod 65521 + 1)), for ranges that cross its steps; disjoint ranges add up; one changed byte shows."""
+    import torch
+
+    from finetune.parallel import byte_guard
+
+    def definition(data, start, stop):
+        values = data[start:stop].to(torch.int64)
+        return int((values * (torch.arange(start, stop, dtype=torch.int64) % 65_521 + 1)).sum())
+
+    data = torch.randint(0, 256, (3 * byte_guard._CHUNK + 12_345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    data[: byte_guard._CHUNK] = 255  # the largest terms: exact all the same
+    cut = byte_guard._CHUNK + 65_537
+    for start, stop in [(0, data.numel()), (1, cut), (cut, data.numel() - 3), (5, 5)]:
+        assert byte_guard.checksum(data, start, stop) == definition(data, start, stop), (start, stop)
+    assert byte_guard.checksum(data, 0, cut) + byte_guard.checksum(data, cut) == byte_guard.checksum(data)
+    changed = data.clone()
+    changed[cut] ^= 1
+    assert byte_guard.checksum(changed) != byte_guard.checksum(data)
+
+
 @pytest.mark.slow
 def test_canonicalized_nans_are_caught_and_training_uses_the_intact_bytes(recipe, tmp_path):
     plain = launch(recipe, tmp_path / "plain", "plain")
