@@ -203,6 +203,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
             if unit == "layer0" and (expert is None or expert.group(1) == "0"):  # one expert stands for each routed
                 target = owner[0].rsplit(".", 1)[-1]
                 lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
+    if experts and getattr(recipe.lora, "train_router", False):
+        tensors += _trainable_router_copies(model)
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -226,6 +228,23 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
     return facts
+
+
+def _trainable_router_copies(model) -> list[Tensor]:
+    """lora.train_router: PEFT's modules_to_save copy of every router, trained in fp32 (experts.trainable_routers), as
+    PEFT matches them (every module whose name ends in a router's name); the frozen original stays as counted."""
+    from finetune.model.experts import router_names
+
+    wanted = set(router_names(model))
+    copies = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in wanted:
+            continue
+        for pname, param in module.named_parameters():
+            shape = tuple(param.shape) or (1,)
+            copy = f"{name}.modules_to_save.{pname}"  # FSDP1 wraps each copy as a unit of its own, as a LoRA leaf
+            copies.append(Tensor(copy, shape[0], math.prod(shape[1:]), 4, True, f"lora:{copy}"))
+    return copies
 
 
 def _stored_4bit(config, recipe) -> str:

@@ -265,14 +265,14 @@ def test_plan_refuses_data_parallel_with_the_same_paragraph(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,strategy,fsdp_version,family,dropout", [
-    ("fsdp1", "fsdp", 1, "llama", None), ("fsdp2", "fsdp", 2, "llama", None), ("ddp", "ddp", 2, "llama", None),
-    # Mixture of experts: every expert projection 4-bit with its LoRA, routers bf16 (the runs of
-    # tests/parallel/test_experts_parallel.py, reused).
-    ("fsdp2", "fsdp", 2, "mixtral", None), ("ddp", "ddp", 2, "qwen3_moe", None)])
-def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, config, strategy, fsdp_version, family, dropout):
+@pytest.mark.parametrize("config,strategy,fsdp_version,family,train_router", [
+    ("fsdp1", "fsdp", 1, "llama", False), ("fsdp2", "fsdp", 2, "llama", False), ("ddp", "ddp", 2, "llama", False),
+    # Mixture of experts: every expert projection 4-bit with its LoRA, routers bf16, and with lora.train_router their
+    # fp32 trainable copies (the runs of tests/parallel/test_experts_parallel.py, reused).
+    ("fsdp2", "fsdp", 2, "mixtral", False), ("ddp", "ddp", 2, "qwen3_moe", True), ("fsdp2", "fsdp", 2, "qwen3_moe", True)])
+def test_per_rank_bytes_of_the_shipped_bf16_configs(shipped_run, config, strategy, fsdp_version, family, train_router):
     """Under the shipped configs (bf16 base, fp32 LoRA master weights, FSDP1 included) the planner's bytes are exact."""
-    run_dir, result = shipped_run(config, family, True, dropout=dropout)
+    run_dir, result = shipped_run(config, family, True, train_router=train_router)
     assert result.returncode == 0, result.stderr[-2000:]
     from transformers import AutoConfig
 
