@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from finetune import distributed
 from finetune.errors import ModelLoadError
 from finetune.model import prequantized, quantized_cache
 from finetune.model.checkpoint_files import (  # noqa: F401
@@ -168,17 +169,19 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
 
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
     if folder is None:
-        prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's own settings silently
+        with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
+            prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
         checksum = model_stage.lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
     folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
-    index = checkpoint_index(folder)
-    convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
-    packed = prequantized.packed_layout(recipe, folder, index)  # a 4-bit checkpoint: its settings are the recipe's
-    check_checkpoint(skeleton, index, packed)
+    with distributed.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
+        index = checkpoint_index(folder)
+        convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
+        packed = prequantized.packed_layout(recipe, folder, index)  # a 4-bit checkpoint: its settings are the recipe's
+        check_checkpoint(skeleton, index, packed)
     # Range reads (FSDP2): of a bf16 weight a chunk is read and quantized; of a 4-bit checkpoint's weight the chunk's
     # packed bytes are read (its quant state whole).
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
