@@ -81,3 +81,20 @@ def outline(text: str, limit: int = 60) -> str:
     keep = [line for line in text.splitlines() if "finetune" in line or "Error" in line or "error:" in line
             or "Signal" in line or "exitcode" in line]
     return "\n".join(keep[-limit:])
+
+
+def sigtermed_during(module: str, function: str) -> str:
+    """A `python -c` script running run.py's main in which `module.function` (a pre-flight check every rank makes)
+    first SIGTERMs its own process, as the launcher does when another rank failed that check a moment earlier."""
+    return f"""
+import os, signal, sys
+from finetune import run
+import {module} as checked
+
+check = checked.{function}
+def the_peer_failed_first(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher: another rank failed this same check a moment earlier
+    return check(*args, **kwargs)
+checked.{function} = the_peer_failed_first
+sys.exit(run.main(sys.argv[1:]))
+"""

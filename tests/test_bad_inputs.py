@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, RUN_PY, addition_rows, child_env, free_port, recipe_dict, write_jsonl, write_recipe
+from processes import sigtermed_during
 
 from finetune import cli, outputs
 from finetune.outputs import checkpoint
@@ -254,19 +255,6 @@ def test_strategy_single_under_torchrun_is_refused_on_every_rank(workspace):
     assert snapshot(workspace.root) == before
 
 
-SIGTERMED_DURING_THE_CHECKS = r"""
-import os, signal, sys
-from finetune import recipe, run
-
-checks = recipe.load_recipe
-def the_peer_failed_first(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)  # the launcher: another rank failed this same check a moment earlier
-    return checks(*args, **kwargs)
-recipe.load_recipe = the_peer_failed_first
-sys.exit(run.main(sys.argv[1:]))
-"""
-
-
 def test_the_launchers_sigterm_does_not_cut_rank_0s_paragraph(workspace):
     """Every rank makes the pre-flight checks; the first to fail exits and the launcher SIGTERMs the rest at once. Rank
     0 prints the whole paragraph (the others its first line), so it must not die before printing (CI, a busy machine:
@@ -274,7 +262,7 @@ def test_the_launchers_sigterm_does_not_cut_rank_0s_paragraph(workspace):
     signal is held over the checks and acted on once the paragraph is out. (One process: the SIGTERM sent where a
     slower rank 0 would receive it.)"""
     recipe = workspace.recipe(train={"lr": "fast"})
-    result = subprocess.run([sys.executable, "-c", SIGTERMED_DURING_THE_CHECKS, str(recipe)], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", sigtermed_during("finetune.recipe", "load_recipe"), str(recipe)], capture_output=True,
                             text=True, timeout=120, check=False, env=child_env(RANK="0"), cwd=REPO)
     assert "train.lr" in result.stderr and "finetune: error:" in result.stderr, result.stderr
     assert result.returncode == -signal.SIGTERM, result.stderr  # and then the launcher's SIGTERM is acted on

@@ -30,6 +30,7 @@ from conftest import (
     write_jsonl,
     write_recipe,
 )
+from processes import sigtermed_during
 from safetensors.torch import load_file, save_file
 
 CHECK = Path(__file__).resolve().parent / "loading_check.py"
@@ -274,20 +275,6 @@ def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, t
     assert loading.checkpoint_index(model_dir).shapes
 
 
-SIGTERMED_DURING_THE_CHECKPOINT_CHECK = r"""
-import os, signal, sys
-from finetune import run
-from finetune.model import loading
-
-index = loading.checkpoint_index
-def the_peer_failed_first(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)  # the launcher: another rank failed this same check a moment earlier
-    return index(*args, **kwargs)
-loading.checkpoint_index = the_peer_failed_first
-sys.exit(run.main(sys.argv[1:]))
-"""
-
-
 def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_llama, tmp_path):
     """The checkpoint's header check is made alike by every rank; the first to fail exits and the launcher SIGTERMs
     the rest, so rank 0 (the one printing the whole paragraph, and removing the run folder it created) could die
@@ -299,7 +286,7 @@ def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(model_dir, write_jsonl(tmp_path / "t.jsonl", addition_rows(8)), out))
-    result = run_cmd([sys.executable, "-c", SIGTERMED_DURING_THE_CHECKPOINT_CHECK, str(recipe)],
+    result = run_cmd([sys.executable, "-c", sigtermed_during("finetune.model.loading", "checkpoint_index"), str(recipe)],
                      env=child_env(RANK="0"))
     assert "model.norm.weight: missing" in result.stderr and "finetune: error:" in result.stderr, result.stderr
     assert result.returncode == -signal.SIGTERM, result.stderr  # and then the launcher's SIGTERM is acted on
