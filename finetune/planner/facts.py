@@ -203,7 +203,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
             if unit == "layer0" and (expert is None or expert.group(1) == "0"):  # one expert stands for each routed
                 target = owner[0].rsplit(".", 1)[-1]
                 lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
-    if experts and getattr(recipe.lora, "train_router", False):
+    if experts and recipe.lora.train_router:
         tensors += _trainable_router_copies(model)
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -253,7 +253,7 @@ def _stored_4bit(config, recipe) -> str:
     quant = quant.to_dict() if hasattr(quant, "to_dict") else quant if isinstance(quant, dict) else {}
     if quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
         return "checkpoint"
-    return "cache" if getattr(recipe.model, "quantized_cache", "off") == "auto" else ""
+    return "cache" if recipe.model.quantized_cache == "auto" else ""
 
 
 def _stored_dtype_bytes(config) -> int:
