@@ -198,8 +198,10 @@ def all_gather_padded(tensor: torch.Tensor, lengths: list[int]) -> list[torch.Te
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
     padded[: tensor.numel()] = tensor
+    # dist.all_gather into views of one buffer, not all_gather_single (torch 2.13+ only) nor all_gather_into_tensor
+    # (gloo lacks it before torch 2.4): the same one collective on every torch this project supports.
     out = torch.empty(longest * len(lengths), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, padded)
+    dist.all_gather(list(out.split(longest)), padded)
     return [out[rank * longest : rank * longest + length] for rank, length in enumerate(lengths)]
 
 

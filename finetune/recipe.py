@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
+from finetune.precision import DtypeChoice, choose_dtype
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -35,7 +37,9 @@ class ModelSection(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer hub id or folder; default: name_or_path.")
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: DType = Field("bfloat16", description="dtype of every non-quantized weight, and of the 4-bit storage.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of every non-quantized weight, and of the 4-bit storage. auto: bfloat16 where the "
+        "device computes it natively (CUDA compute capability >= 8.0, CPUs with AVX512-BF16 or AMX), float32 elsewhere.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
@@ -218,6 +222,7 @@ class EvalSection(_Section):
 
 class Recipe(_Section):
     _notes: list[str] = PrivateAttr(default_factory=list)
+    _dtype_choice: DtypeChoice | None = PrivateAttr(None)
     description: str = ""
     model: ModelSection
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
@@ -240,7 +245,14 @@ class Recipe(_Section):
         return value
 
     @model_validator(mode="after")
-    def _cross_field(self) -> Recipe:
+    def _cross_field(self, info: ValidationInfo) -> Recipe:
+        # model.dtype: auto becomes the device's dtype here, once, before every check that reads it; the resolved
+        # recipe (written into the run folder) then says what the run trained in. context {"dtype_device": "gpu"}:
+        # resolve for GPUs (the planner, on any machine).
+        device = (info.context or {}).get("dtype_device", "here")
+        if self._dtype_choice is None:
+            self._dtype_choice = choose_dtype(self.model.dtype, device=device)
+            self.model.dtype = self._dtype_choice.dtype
         q = self.quantization
         for key, value in (("model.dtype", self.model.dtype), ("quantization.compute_dtype", q.compute_dtype)):
             if value == "float16":
@@ -269,6 +281,18 @@ class Recipe(_Section):
                 f"{clamped} step{'s' if clamped != 1 else ''} instead."
             )
         return self
+
+    def __eq__(self, other: object) -> bool:
+        # Two recipes are equal when they say the same thing: what validation noted on the way (the dtype choice of
+        # model.dtype: auto, a clamped warmup) is about how each was read, not part of it.
+        return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
+
+    __hash__ = None  # mutable (validate_assignment), as pydantic models are
+
+    @property
+    def dtype_choice(self) -> DtypeChoice | None:
+        """What model.dtype resolved to, and why (None only for a recipe built without validation)."""
+        return self._dtype_choice
 
     @property
     def notes(self) -> list[str]:
@@ -425,23 +449,31 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read, override and validate a recipe; raise RecipeError listing every problem at once."""
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
+                dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
+    """Read, override and validate a recipe; raise RecipeError listing every problem at once. `dtype_device`: which
+    device model.dtype: auto is resolved for (this process's, or GPUs when planning for them)."""
     raw = read_yaml(path)
     for text in overrides:
         parts, value = parse_override(text)
         apply_override(raw, parts, value, text)
-    return validate_recipe(raw, source=str(path))
+    return validate_recipe(raw, source=str(path), dtype_device=dtype_device)
 
 
-def validate_recipe(raw: dict, *, source: str = "<recipe>") -> Recipe:
+def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     try:
-        recipe = Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
     except ValidationError as exc:
         raise RecipeError(_format_errors(exc, source)) from None
     if os.environ.get("RANK", "0") in ("", "0"):  # once per run, not once per rank
+        # stderr: `plan --json` stays JSON
+        choice = recipe.dtype_choice
+        if choice is not None and choice.requested == "auto":
+            print(f"[finetune] dtype: {choice.dtype} (model.dtype: auto; {choice.reason})", file=sys.stderr, flush=True)
+        if choice is not None and choice.warning:
+            print(f"[finetune] warning: {choice.warning}", file=sys.stderr, flush=True)
         for note in recipe.notes:
-            print(f"[finetune] note: {note}", file=sys.stderr, flush=True)  # stderr: `plan --json` stays JSON
+            print(f"[finetune] note: {note}", file=sys.stderr, flush=True)
     return recipe
 
 

@@ -61,8 +61,10 @@ def settings(name: str) -> dict:
 
 
 def recipe_dtype(name: str) -> str:
-    """The model.dtype a recipe needs under this config (= its mixed precision; finetune refuses anything else)."""
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(str(settings(name).get("mixed_precision", "no")), "float32")
+    """The model.dtype a recipe takes under this config: the default (auto: the device's dtype) where the config states
+    no mixed precision, as every shipped one does; else the stated one (finetune refuses anything else)."""
+    mixed = settings(name).get("mixed_precision")
+    return {None: "auto", "no": "float32", "bf16": "bfloat16", "fp16": "float16"}[mixed]
 
 
 def checkpointing_choices(name: str) -> tuple[bool, ...]:

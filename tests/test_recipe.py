@@ -20,7 +20,8 @@ def write(tmp_path, recipe: dict | str, name: str = "r.yaml"):
     return path
 
 
-def test_minimal_recipe_gets_defaults(tmp_path):
+def test_minimal_recipe_gets_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_NATIVE_BF16", "1")  # model.dtype: auto on a CPU with native bf16 (tests/test_precision.py)
     recipe = load_recipe(write(tmp_path, BASE))
     assert recipe.quantization.method == "nf4" and recipe.quantization.double_quant
     assert recipe.lora.target_modules == "all-linear"

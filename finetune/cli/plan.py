@@ -29,7 +29,7 @@ def cli_plan(args: argparse.Namespace) -> int:
     cpu_memory = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
     bandwidth = getattr(args, "read_bandwidth", None)  # bytes per second
     bandwidth = parse_size(bandwidth, "--read-bandwidth") if bandwidth else None
-    recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
+    recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides), dtype_device="gpu")  # auto: bf16 GPUs
     decision = decide(recipe, model_config_for(recipe), gpus_per_node=gpus, gpu_memory_bytes=gpu_memory, nodes=nodes,
                       cpu_memory_bytes=cpu_memory, read_bytes_per_s=bandwidth)
     if args.json:
@@ -61,7 +61,7 @@ def _library_entries() -> list[tuple[str, object]]:
     entries = []
     for path in sorted(recipes_dir.glob("*.yaml")):
         try:
-            entries.append((path.stem, load_recipe(path)))
+            entries.append((path.stem, load_recipe(path, dtype_device="gpu")))
         except FinetuneError as exc:
             print(f"skipped {path.name}: {str(exc).splitlines()[0]}", file=sys.stderr)
     if entries:
@@ -70,7 +70,7 @@ def _library_entries() -> list[tuple[str, object]]:
         raw = {"model": {"name_or_path": name}, "data": {"datasets": [{"path": "train.jsonl"}]}}
         for section, values in TYPICAL_RECIPE.items():
             raw.setdefault(section, {}).update(values)
-        entries.append((name, validate_recipe(raw, source=f"typical QLoRA recipe for {name}")))
+        entries.append((name, validate_recipe(raw, source=f"typical QLoRA recipe for {name}", dtype_device="gpu")))
     return entries
 
 

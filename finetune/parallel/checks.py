@@ -61,10 +61,24 @@ def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problem
     if mixed:
         mixed_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, mixed)
         if mixed_dtype != recipe.model.dtype:
+            # The recipe decides the dtype (model.dtype: auto follows a config that says bf16); a config that states
+            # another one than an explicit model.dtype is refused in the words of the config's own engine.
+            engine = {"fsdp": f"FSDP{plan.fsdp_version or ''} would cast the packed 4-bit storage and every frozen "
+                              "weight to the mixed-precision dtype",
+                      "deepspeed": "DeepSpeed would build its engine in one dtype while the base is stored in another",
+                      "ddp": "under DDP finetune trains in model.dtype and the config's mixed_precision would be a "
+                             "statement the run does not keep",
+                      }.get(plan.strategy, "finetune trains in model.dtype and the config's mixed_precision would be "
+                                           "a statement the run does not keep")
+            fix_config = "bf16" if recipe.model.dtype == "bfloat16" else "no (or remove the key)"
+            if mixed == "bf16":
+                fix = (f"set model.dtype: auto (it follows a config that says bf16) or bfloat16, or mixed_precision: "
+                       f"{fix_config} in the config")
+            else:  # fp16 / fp8: no loss scaler here, never a training dtype of this tool
+                fix = f"set mixed_precision: {fix_config} in the config ({mixed} is not a training dtype of finetune)"
             problems.append(
-                f"the accelerate config has mixed_precision: {mixed} but the recipe has model.dtype: {recipe.model.dtype}. "
-                "FSDP would cast the packed 4-bit storage and every frozen weight to the mixed-precision dtype. Fix: set "
-                f"model.dtype: {mixed_dtype} or mixed_precision: {'bf16' if recipe.model.dtype == 'bfloat16' else 'no'} in the config."
+                f"the accelerate config has mixed_precision: {mixed} but the recipe has model.dtype: {recipe.model.dtype}: "
+                f"{engine}. Fix: {fix}."
             )
     if plan.strategy != "fsdp":
         return

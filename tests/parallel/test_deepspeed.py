@@ -361,7 +361,11 @@ PREFLIGHT = {
     "bf16 section": ({"ds.json": '{"bf16": {"enabled": true}}'}, "deepspeed_zero3", ["parallel.deepspeed_config=ds.json"],
                      "`bf16.enabled: true` would cast the model"),
     "8-bit optimizer": ({}, "deepspeed_zero3", ["train.optimizer=adamw_8bit"], "train.optimizer `adamw_8bit`"),
-    "mixed precision vs model dtype": ({}, "deepspeed_zero3", ["model.dtype=float32"], "mixed_precision: bf16"),
+    # A user's config that states bf16 (the shipped ones leave the dtype to the recipe) against an explicit float32:
+    # the refusal speaks of DeepSpeed, the config's own engine.
+    "mixed precision vs model dtype": ({"zero3-bf16.yaml": (REPO / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
+                                        + "mixed_precision: bf16\n"}, "zero3-bf16.yaml", ["model.dtype=float32"],
+                                       "mixed_precision: bf16 but the recipe has model.dtype: float32: DeepSpeed would"),
     "strategy contradicts the config": ({}, "deepspeed_zero3", ["parallel.strategy=fsdp"],
                                         "the accelerate config is a DeepSpeed config"),
     "ZeRO keys without DeepSpeed": ({}, None, ["parallel.strategy=ddp", "parallel.zero_stage=3"],
@@ -380,8 +384,8 @@ def test_preflight_refusals(name, workspace, monkeypatch, capsys):
     monkeypatch.chdir(root)  # relative config paths resolve against the folder the run starts in
     recipe = write_recipe(root / "recipe.yaml", values)
     before = _snapshot(root)
-    argv = ["train", str(recipe), *extra] + (["--accelerate-config", str(REPO / "accelerate_configs" / f"{config}.yaml")]
-                                             if config else ["--num-processes", "2"])
+    config_path = root / config if config and config.endswith(".yaml") else REPO / "accelerate_configs" / f"{config}.yaml"
+    argv = ["train", str(recipe), *extra] + (["--accelerate-config", str(config_path)] if config else ["--num-processes", "2"])
     if config is None:  # torchrun-style: no accelerate config, the recipe names the strategy
         argv = ["validate", str(recipe), *extra, "--num-processes", "2"]
     code = cli.main(argv)

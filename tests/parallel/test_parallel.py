@@ -143,7 +143,7 @@ def test_every_accelerate_config_loads_and_agrees_with_a_matching_recipe(path, t
     env = parallel.accelerate_config_env(str(path))
     launcher = parallel.launcher_settings(env)
     world = int(env["ACCELERATE_NUM_PROCESSES"])
-    dtype = "bfloat16" if launcher.get("mixed_precision") == "bf16" else "float32"
+    dtype = "bfloat16" if launcher.get("mixed_precision") == "bf16" else "auto"
     activation = bool(launcher.get("activation_checkpointing", True))
     r = validate_recipe({"model": {"name_or_path": str(tiny_llama), "dtype": dtype},
                          "data": {"datasets": [{"path": "x.jsonl"}]},
