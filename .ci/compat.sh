@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# `make test-compat`: the two ends of the range pyproject.toml declares, each installed in a venv of its own from
+# constraints/floor.txt and constraints/newest.txt, run through a representative subset of the suite on tiny models
+# (single, DDP, FSDP1, FSDP2 with sharded loading, ZeRO-3, DPO, kill -9 and resume, export, model.dtype: auto).
+#
+# PyPI's torch for other versions than the dev venv's is a CUDA build (with its nvidia-* wheels); it runs on the CPU.
+# Each venv holds the dependencies only (the checkout is put on PYTHONPATH, never installed into it), so it is kept
+# under $FINETUNE_COMPAT_DIR (default ~/.cache/finetune/compat), keyed by the constraints file and pyproject's requirements:
+# a rerun with neither changed installs and downloads nothing. Usage: .ci/compat.sh [SET ...]  (default: floor newest)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+root=${FINETUNE_COMPAT_DIR:-$HOME/.cache/finetune/compat}
+python=${PYTHON:-python3}
+sets=("$@")
+[ ${#sets[@]} -gt 0 ] || sets=(floor newest)
+mkdir -p "$root"
+start=$(date +%s)
+say() { echo "[test-compat] $(( $(date +%s) - start ))s: $*"; }
+
+# What the subset runs: every strategy as shipped, the sharded FSDP2 load (its gathers are the collectives that differ
+# between torch releases), exact resume, a preference loss against its plain implementation, export, the dtype choice.
+subset=(
+  "tests/parallel/test_shipped.py::test_shipped_accelerate_config_trains[single_gpu-llama-ckpt]"
+  "tests/parallel/test_shipped.py::test_shipped_accelerate_config_trains[ddp-llama-ckpt]"
+  "tests/parallel/test_shipped.py::test_shipped_accelerate_config_trains[fsdp1-llama-ckpt]"
+  "tests/parallel/test_shipped.py::test_shipped_accelerate_config_trains[fsdp2-llama-ckpt]"
+  "tests/parallel/test_shipped.py::test_shipped_accelerate_config_trains[deepspeed_zero3-llama-ckpt]"
+  "tests/outputs/test_checkpoint.py::test_sigkill_then_resume_gives_the_same_adapter_bitwise[fsdp2]"
+  "tests/training/test_preference.py::test_each_loss_equals_the_plain_implementation[sigmoid]"
+  "tests/outputs/test_export.py::test_clean_adapter_loads_in_plain_peft"
+  "tests/outputs/test_export.py::test_merged_model_matches_base_plus_adapter"
+  "tests/test_precision.py"
+  "tests/test_library_apis.py"
+)
+
+# The project's runtime, dev and deepspeed requirements, read from pyproject.toml (the checkout itself is not installed).
+requirements=$("$python" - "$repo/pyproject.toml" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"] + project["optional-dependencies"]["deepspeed"]))
+EOF
+)
+
+status=0
+for set in "${sets[@]}"; do
+  constraints="$repo/constraints/$set.txt"
+  [ -f "$constraints" ] || { echo "[test-compat] no constraints file $constraints" >&2; exit 2; }
+  key=$( (cat "$constraints"; echo "$requirements") | sha256sum | cut -c1-12)  # what the venv holds, nothing else
+  venv="$root/$set-$key"
+  if [ ! -f "$venv/.installed" ]; then
+    rm -rf "$root/$set"-*  # an older venv of this set (other constraints): replaced, not accumulated
+    say "$set: installing $(grep -c '==' "$constraints") pinned packages and their dependencies into $venv"
+    "$python" -m venv "$venv"
+    # PIP_CONSTRAINT replaces a machine-wide pip `constraint` setting (some machines cap torch at the releases on
+    # their disk): the venv takes exactly the versions of the constraints file, every other pip setting stays.
+    if ! PIP_CONSTRAINT="$constraints" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+        -r <(echo "$requirements") 2>"$venv.pip.err"; then
+      grep -v "^WARNING: Location" "$venv.pip.err" >&2; echo "[test-compat] $set: pip install failed" >&2; exit 2
+    fi
+    "$venv/bin/python" -m pip check >/dev/null || { echo "[test-compat] $set: pip check failed" >&2; "$venv/bin/python" -m pip check; exit 2; }
+    touch "$venv/.installed"
+  fi
+  versions=$("$venv/bin/python" -c 'import torch, transformers, peft, accelerate, bitsandbytes, datasets, deepspeed as d
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, accelerate {accelerate.__version__}, bitsandbytes {bitsandbytes.__version__}, datasets {datasets.__version__}, deepspeed {d.__version__}")' 2>/dev/null | tail -1)
+  say "$set: $versions ($(du -sh "$venv" | cut -f1) on disk)"
+  # The checkout on the path, not an install: `import finetune` must be this tree (checked, it is what is tested).
+  where=$(cd "$repo" && PYTHONPATH="$repo" "$venv/bin/python" -c 'import finetune, os; print(os.path.dirname(finetune.__file__))')
+  [ "$where" = "$repo/finetune" ] || { echo "[test-compat] $set: finetune imports from $where, not $repo" >&2; exit 2; }
+  set +e
+  (cd "$repo" && PYTHONPATH="$repo" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${subset[@]}")
+  code=$?
+  set -e
+  say "$set: pytest exit $code"
+  [ "$code" -eq 0 ] || status=1
+done
+say "done (exit $status); venvs under $root: $(du -sh "$root" | cut -f1)"
+exit $status
