@@ -31,7 +31,7 @@ def test_recipe_validates_offline(path: Path):
         assert recipe.model.gguf_file and recipe.model.name_or_path.startswith("pkg:")
         return
     assert recipe.model.name_or_path.count("/") == 1, "library recipes name a real hub id (org/name)"
-    assert recipe.quantization.method == "nf4" and recipe.model.dtype == "bfloat16"
+    assert recipe.quantization.method == "nf4" and load_recipe(path, dtype_device="gpu").model.dtype == "bfloat16"
     assert all(not Path(spec.path).exists() and "/" in spec.path for spec in recipe.data.datasets), "a public dataset"
 
 
