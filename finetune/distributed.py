@@ -64,7 +64,7 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_world = local_world_size(world_size)
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() not in ("true", "1")
     if cuda:
         check_one_gpu_per_process(local_world, torch.cuda.device_count())
@@ -95,6 +95,16 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
+
+
+def local_world_size(world_size: int) -> int:
+    """Processes on this node: torchrun/accelerate say LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE (and on a
+    multi-node DeepSpeed launch WORLD_SIZE is every node's processes, so falling back to it would refuse valid launches
+    in the one-GPU-per-process check); WORLD_SIZE only when neither is set (one node)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name) not in (None, ""):
+            return _env_int(name, world_size)
+    return world_size
 
 
 def process_group_backend(*, cuda: bool) -> str:

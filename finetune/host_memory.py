@@ -54,8 +54,10 @@ def bound_heap_growth_for(strategy: str, device) -> bool:
     return True
 
 
-def release_freed_memory() -> None:
-    """Give the memory of freed tensors back to the OS (glibc `malloc_trim`; a no-op elsewhere).
+def release_freed_memory(device=None) -> None:
+    """Give the memory of freed tensors back to the OS (glibc `malloc_trim`; a no-op elsewhere), and on a CUDA `device`
+    the blocks CUDA's caching allocator still reserves for them (the sharded load's full-shape staging tensors, freed
+    once fully_shard cut them: reserved but unused, they would count against every later allocation's headroom).
 
     Where the load's extra memory went (issue 11): glibc raises its mmap threshold each time a large mmapped block
     is freed, so after the first freed tensors later large allocations (the model.dtype copies read before
@@ -71,3 +73,7 @@ def release_freed_memory() -> None:
             libc.malloc_trim(0)
     except AttributeError:
         pass
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()

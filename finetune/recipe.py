@@ -11,18 +11,25 @@ Stable contract (outside scripts rely on these keys): `model.name_or_path`, `out
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
+from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
+from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -331,124 +338,6 @@ def _check_objective(recipe: Recipe) -> None:
                          f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
 
 
-def _field_names(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
-
-
-def _schema_at(path: tuple[str | int, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that holds the keys at `path` (for key suggestions)."""
-    current: type[BaseModel] | None = _SCHEMA_ROOT
-    for part in path:
-        if current is None or isinstance(part, int):
-            continue
-        field = current.model_fields.get(part)
-        if field is None:
-            return None
-        annotation = field.annotation
-        nested = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not nested and getattr(annotation, "__origin__", None) is list:
-            nested = [a for a in annotation.__args__ if isinstance(a, type) and issubclass(a, BaseModel)]
-        current = nested[0] if nested else None
-    return current
-
-
-def _suggest(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    if close:
-        return f" Did you mean `{close[0]}`?"
-    return f" Valid keys here: {', '.join(candidates)}."
-
-
-def _format_errors(error: ValidationError, source: str) -> str:
-    lines = []
-    for item in error.errors():
-        loc = tuple(p for p in item["loc"] if p not in ("function-after[_cross_field()]",))
-        dotted = ".".join(str(p) for p in loc) or "(recipe)"
-        asked = item.get("input")
-        if loc == ("parallel", "strategy") and isinstance(asked, str) and asked.strip().lower() in DATA_PARALLEL_NAMES:
-            lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
-        elif item["type"] == "extra_forbidden":
-            parent = _schema_at(loc[:-1])
-            hint = _suggest(str(loc[-1]), _field_names(parent)) if parent else ""
-            lines.append(f"  {dotted}: unknown key.{hint}")
-        elif item["type"] == "missing":
-            lines.append(f"  {dotted}: required key is missing.")
-        else:
-            got = item.get("input")
-            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-            msg = item["msg"].removeprefix("Value error, ")
-            lines.append(f"  {dotted}: {msg}{got_text}")
-    plural = "s" if len(lines) > 1 else ""
-    return f"{source}: {len(lines)} problem{plural} in the recipe:\n" + "\n".join(lines)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.max_steps=50` -> (["train", "max_steps"], 50). Values are parsed as YAML scalars/lists."""
-    if "=" not in text:
-        raise RecipeError(f"override `{text}`: expected KEY.PATH=VALUE, for example train.max_steps=50.")
-    key, _, raw = text.partition("=")
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"override `{text}`: the value is not valid YAML ({exc.problem}).") from None
-    return parts, value
-
-
-def apply_override(raw: dict, parts: list[str], value: Any, text: str) -> None:
-    """Set a dotted key in the raw recipe dict; the key must exist in the schema (typos are caught here too)."""
-    node: Any = raw
-    schema: type[BaseModel] | None = _SCHEMA_ROOT
-    for depth, part in enumerate(parts):
-        if schema is not None and part not in schema.model_fields and not isinstance(node, list):
-            where = ".".join(parts[:depth]) or "the top level"
-            raise RecipeError(
-                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{_suggest(part, _field_names(schema))}"
-                f" (keys under {where})"
-            )
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise RecipeError(f"override `{text}`: `{part}` is not an index of the list (it has {len(node)} items).")
-            if last:
-                node[int(part)] = value
-                return
-            node = node[int(part)]
-            schema = _schema_at(tuple(p for p in parts[: depth + 1] if not p.isdigit()))
-            continue
-        if last:
-            node[part] = value
-            return
-        if not isinstance(node.get(part), (dict, list)):
-            node[part] = {} if node.get(part) is None else node[part]
-            if not isinstance(node[part], (dict, list)):
-                raise RecipeError(f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section.")
-        node = node[part]
-        schema = _schema_at(tuple(p for p in parts[: depth + 1] if not p.isdigit()))
-
-
-def read_yaml(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        hint = " (it is a folder)" if path.is_dir() else ""
-        raise RecipeError(
-            f"{path}: recipe file not found{hint}. Pass the path of a YAML recipe, e.g. recipes/quickstart.yaml; "
-            "`finetune recipes` lists the library."
-        )
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. Fix the YAML at that place.") from None
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {type(raw).__name__}.")
-    return raw
-
-
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
                 dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     """Read, override and validate a recipe; raise RecipeError listing every problem at once. `dtype_device`: which
@@ -456,7 +345,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     raw = read_yaml(path)
     for text in overrides:
         parts, value = parse_override(text)
-        apply_override(raw, parts, value, text)
+        apply_override(raw, parts, value, text, root=_SCHEMA_ROOT)
     return validate_recipe(raw, source=str(path), dtype_device=dtype_device)
 
 
@@ -464,7 +353,7 @@ def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Litera
     try:
         recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
     except ValidationError as exc:
-        raise RecipeError(_format_errors(exc, source)) from None
+        raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT)) from None
     if os.environ.get("RANK", "0") in ("", "0"):  # once per run, not once per rank
         # stderr: `plan --json` stays JSON
         choice = recipe.dtype_choice

@@ -53,7 +53,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = outputs.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
         wrapped = parallel.wrap(peft_model, plan, info, materialize=loaded.materialize)
-        model.release_freed_memory()  # what loading and wrapping freed goes back to the OS, not to the heap
+        model.release_freed_memory(info.device)  # what loading and wrapping freed goes back to the OS (and CUDA)
         distributed.check_same_on_all_ranks(loaded.lora_checksum(), "the initial LoRA weights (train.seed)")
         held = parallel.local_parameter_bytes(wrapped)  # before any forward: FSDP1 keeps its root unit whole after one
         if recipe.data.packing:

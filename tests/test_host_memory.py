@@ -100,3 +100,19 @@ if __name__ == "__main__":
     code = main(sys.argv[1:] + [f"output.dir={os.environ['REPORT_DIR']}/run"])
     (Path(os.environ["REPORT_DIR"]) / f"heap{os.environ['RANK']}.json").write_text(json.dumps(steps))
     sys.exit(code)
+
+
+def test_release_after_the_load_empties_cudas_cache_on_a_gpu_only(monkeypatch):
+    """After the sharded load and wrap, the staging tensors' blocks leave CUDA's caching allocator. Simulated: no CUDA
+    here, so torch.cuda.empty_cache (the one op) is patched to count its calls."""
+    import torch
+
+    from finetune import host_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    host_memory.release_freed_memory(torch.device("cpu"))
+    host_memory.release_freed_memory()
+    assert calls == []
+    host_memory.release_freed_memory(torch.device("cuda", 0))
+    assert calls == [1]

@@ -7,8 +7,8 @@ it. About 0.1% of the packed elements are NaN patterns (197 of 262,144 on a rand
 rewritten one decodes as different 4-bit values: a wrong base model, no error (bitsandbytes #1945).
 
 What this module does, per rank, at wrap time:
-  * `probe_copy`: before the first unit is sharded, copy its packed tensors with the op FSDP2 uses, on the device
-    training uses, and compare the bytes. When the copy rewrites them, every unit's packed weights are re-viewed as
+  * `probe_copy`: before the first unit is sharded, copy a fixed tensor of every bit pattern of the storage dtype
+    with the op FSDP2 uses, on the device training uses, and compare the bytes. When the copy rewrites them, every unit's packed weights are re-viewed as
     uint8 before sharding (the same bytes, no copy): FSDP2 leaves non-floating parameters out of mixed precision and
     all-gathers a unit of mixed dtypes as uint8, so nothing reinterprets them (bitsandbytes reads the bytes either way).
   * `unit_checksums` before `fully_shard`, `verify_unit` after: one unshard of the unit through the path training
@@ -63,15 +63,27 @@ def checksum(tensor: torch.Tensor, start: int = 0, stop: int | None = None) -> i
     return total
 
 
-def probe_copy(module: nn.Module) -> bool:
-    """True when this device's `_foreach_copy_` (FSDP2's all-gather copy) keeps the packed bytes of `module` intact."""
-    packed = [p.data for _, p in packed_parameters(module) if p.data.is_floating_point()]
-    if not packed:
-        return True
+def bit_patterns(dtype: torch.dtype, device) -> torch.Tensor:
+    """A fixed tensor of `dtype` holding every 16-bit pattern (as the high half of 32-bit words): every NaN payload
+    a packed bf16 weight can hold, and NaNs of every exponent/sign form in fp32."""
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device)
+    if dtype.itemsize == 2:
+        return patterns.to(torch.int16).view(dtype)
+    return ((patterns << 16) | 0x1235).view(dtype)  # a mantissa that is never zero: exponent 0xFF words are NaNs
+
+
+def probe_copy(dtype: torch.dtype, device) -> bool:
+    """True when this device's `_foreach_copy_` (FSDP2's all-gather copy) keeps every bit pattern of `dtype` intact.
+
+    A fixed tensor, not a layer's own bytes: a first layer whose packed bytes happen to hold no NaN pattern would pass,
+    and a later layer's NaNs would then be rewritten and refused by `verify_unit` (a spurious refusal)."""
+    if not dtype.is_floating_point:
+        return True  # integer storage: no NaN to rewrite
+    packed = bit_patterns(dtype, device)
     with torch.no_grad():
-        copies = [torch.empty_like(t) for t in packed]
-        torch._foreach_copy_(copies, packed)
-    return all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(copies, packed))
+        copy = torch.empty_like(packed)
+        torch._foreach_copy_([copy], [packed])
+    return torch.equal(_bytes(copy), _bytes(packed))
 
 
 def store_as_bytes(module: nn.Module) -> int:

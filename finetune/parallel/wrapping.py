@@ -66,10 +66,11 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     for index, layer in enumerate(_layer_modules(model, plan)):
         if materialize is not None:
             materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
-        if as_bytes is None and byte_guard.packed_parameters(layer):
-            # Decided together: reading only its own shard, each rank probes different bytes, and a unit's dtypes
-            # must be the same on every rank.
-            as_bytes = any_rank(not byte_guard.probe_copy(layer))
+        packed = byte_guard.packed_parameters(layer)
+        if as_bytes is None and packed:
+            # Decided together (a unit's dtypes must be the same on every rank), on a fixed tensor of every bit pattern
+            # of the storage dtype: the same answer for every layer, whatever bytes its weights hold.
+            as_bytes = any_rank(not byte_guard.probe_copy(packed[0][1].dtype, dist.device))
             if as_bytes:
                 plan.notes.append("this device's copies rewrite NaN bit patterns (CUDA does, pytorch #159333): the "
                                   "packed 4-bit weights are all-gathered as uint8 under FSDP2 (same bytes, no copy)")

@@ -162,6 +162,13 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
         if (user.get(key) or {}).get("enabled") in (True, "true"):
             problems.append(f"{config_file}: `{key}.enabled: true` would cast the model, the packed 4-bit storage included. "
                             f"The dtype is the recipe's model.dtype (LoRA masters stay fp32). Fix: remove the `{key}` section.")
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if zero_section.get(key) in (True, "true"):
+            # ZeRO++'s int8 quantizer works on float tensors: the packed NF4 bytes (stored as bf16/fp32 words) would be
+            # re-quantized to int8 for every all-gather and come back as other bytes, a silently different base.
+            problems.append(f"{config_file}: zero_optimization.{key}: true would int8-quantize the base's parameters for "
+                            "every all-gather, and the 4-bit base's packed bytes are not numbers it can round: they would "
+                            f"come back scrambled. Fix: remove {key} (the base is already 4-bit; LoRA is what trains).")
     if recipe.train.optimizer != "adamw":
         problems.append(f"train.optimizer `{recipe.train.optimizer}` keeps bitsandbytes state that ZeRO cannot partition or "
                         "checkpoint. Fix: set train.optimizer: adamw under DeepSpeed.")

@@ -62,6 +62,33 @@ def test_the_checksum_is_the_position_weighted_byte_sum_exactly():
     assert byte_guard.checksum(changed) != byte_guard.checksum(data)
 
 
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_the_copy_probe_is_a_fixed_tensor_of_every_pattern_not_a_layers_bytes(dtype_name, monkeypatch):
+    """The uint8 decision comes from a fixed tensor holding every NaN pattern of the storage dtype, so a first layer
+    whose packed bytes hold no NaN cannot make it wrong (the old probe copied that layer's own bytes). CUDA's NaN
+    canonicalization is simulated by patching the one op, torch._foreach_copy_ (this machine has no CUDA)."""
+    import torch
+
+    from finetune.parallel import byte_guard
+
+    dtype = getattr(torch, dtype_name)
+    patterns = byte_guard.bit_patterns(dtype, "cpu")
+    assert torch.isnan(patterns).sum() >= (126 if dtype == torch.bfloat16 else 255)  # every NaN form is in it
+    assert byte_guard.probe_copy(dtype, "cpu")  # the CPU copy keeps the bits
+    original = torch._foreach_copy_
+
+    def canonicalizing(dsts, srcs, *args, **kwargs):
+        result = original(dsts, srcs, *args, **kwargs)
+        for dst in dsts:
+            if dst.is_floating_point():
+                dst[torch.isnan(dst)] = float("nan")  # one canonical pattern, as CUDA writes them
+        return result
+
+    monkeypatch.setattr(torch, "_foreach_copy_", canonicalizing)
+    assert not byte_guard.probe_copy(dtype, "cpu")
+    assert byte_guard.probe_copy(torch.uint8, "cpu")  # integer storage has no NaN to rewrite
+
+
 @pytest.mark.slow
 def test_canonicalized_nans_are_caught_and_training_uses_the_intact_bytes(recipe, tmp_path):
     plain = launch(recipe, tmp_path / "plain", "plain")

@@ -361,6 +361,12 @@ PREFLIGHT = {
     "bf16 section": ({"ds.json": '{"bf16": {"enabled": true}}'}, "deepspeed_zero3", ["parallel.deepspeed_config=ds.json"],
                      "`bf16.enabled: true` would cast the model"),
     "8-bit optimizer": ({}, "deepspeed_zero3", ["train.optimizer=adamw_8bit"], "train.optimizer `adamw_8bit`"),
+    # ZeRO++ int8 weight quantization would round the packed 4-bit bytes on every gather (issue: GPU path, round 2).
+    "ZeRO++ quantized weights": ({"ds.json": '{"zero_optimization": {"zero_quantized_weights": true}}'}, "deepspeed_zero3",
+                                 ["parallel.deepspeed_config=ds.json"], "zero_optimization.zero_quantized_weights: true would"),
+    "ZeRO++ quantized frozen weights": ({"ds.json": '{"zero_optimization": {"zero_quantized_nontrainable_weights": true}}'},
+                                        "deepspeed_zero3", ["parallel.deepspeed_config=ds.json"],
+                                        "zero_quantized_nontrainable_weights: true would int8-quantize"),
     # A user's config that states bf16 (the shipped ones leave the dtype to the recipe) against an explicit float32:
     # the refusal speaks of DeepSpeed, the config's own engine.
     "mixed precision vs model dtype": ({"zero3-bf16.yaml": (REPO / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
