@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import yaml
@@ -349,12 +351,26 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return validate_recipe(raw, source=str(path), dtype_device=dtype_device)
 
 
+_ANNOUNCE = [True]  # False inside `announcements_muted()`
+
+
+@contextmanager
+def announcements_muted() -> Iterator[None]:
+    """No dtype line, warning or note while validating here: `finetune train`'s pre-flight in the parent, whose
+    launched rank 0 validates the same recipe again and says them once."""
+    _ANNOUNCE[0] = False
+    try:
+        yield
+    finally:
+        _ANNOUNCE[0] = True
+
+
 def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     try:
         recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
     except ValidationError as exc:
         raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT)) from None
-    if os.environ.get("RANK", "0") in ("", "0"):  # once per run, not once per rank
+    if os.environ.get("RANK", "0") in ("", "0") and _ANNOUNCE[0]:  # once per run, not once per rank
         # stderr: `plan --json` stays JSON
         choice = recipe.dtype_choice
         if choice is not None and choice.requested == "auto":

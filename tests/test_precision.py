@@ -122,3 +122,26 @@ def test_ddp_yaml_takes_a_float32_recipe_as_shipped(tiny_llama, tmp_path, capsys
     assert cli.main(["validate", str(recipe), "model.dtype=float32", "--accelerate-config", str(stated)]) == 2
     err = capsys.readouterr().err
     assert "under DDP finetune trains in model.dtype" in err and "FSDP" not in err, err
+
+
+@pytest.mark.slow
+def test_a_launched_run_says_the_dtype_once(tiny_llama, tmp_path, monkeypatch, capfd, no_launcher):
+    """`finetune train --accelerate-config ddp`: the parent's pre-flight and rank 0 both validate the recipe; the
+    line comes once (from rank 0), and on a CPU without native bf16 the shipped DDP config trains in fp32."""
+    from conftest import REPO, recipe_dict, write_recipe
+    from shipped import CPU_SWITCH
+
+    for name, value in CPU_SWITCH.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")  # inherited by the launched ranks
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join('{"instruction": "say %d", "output": "%d"}\n' % (i, i) for i in range(24)))
+    values = recipe_dict(tiny_llama, data, tmp_path / "run", train={"max_steps": 1, "micro_batch_size": 2})
+    del values["model"]["dtype"]
+    recipe = write_recipe(tmp_path / "r.yaml", values)
+    code = cli.main(["train", str(recipe), "--accelerate-config", str(REPO / "accelerate_configs" / "ddp.yaml")])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if line.startswith("[finetune] dtype:")]
+    assert lines == ["[finetune] dtype: float32 (model.dtype: auto; FINETUNE_NATIVE_BF16=0)"], lines
+    assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["model"]["dtype"] == "float32"

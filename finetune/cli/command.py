@@ -34,9 +34,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
         # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
         from finetune.cli.validate import validate
+        from finetune.recipe import announcements_muted
 
-        validate(recipe, list(args.overrides), num_processes=args.num_processes or 1,
-                 accelerate_config=args.accelerate_config, check_data=False)
+        with announcements_muted():  # the launched rank 0 says them, once
+            validate(recipe, list(args.overrides), num_processes=args.num_processes or 1,
+                     accelerate_config=args.accelerate_config, check_data=False)
         command = [sys.executable, "-m", "accelerate.commands.launch"]
         if args.accelerate_config:
             command += ["--config_file", args.accelerate_config]
