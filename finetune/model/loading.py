@@ -47,6 +47,7 @@ from finetune.model.materialize import (  # noqa: F401
     checkpoint_name,
     is_lora_name,
     materializer,
+    place_buffers,
     tied_groups,
 )
 from finetune.model.prequantized import PackedLayout
@@ -164,7 +165,9 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     """Sharded loading (FSDP): a skeleton whose units the wrap builds one at a time; with `shard` (FSDP2) each rank
     reads and quantizes only its own chunk of every tensor (shard_reads.py). Otherwise the whole model on this rank
     (single process, DDP, DeepSpeed), built the same way, one unit after another (`_whole_model`), where the
-    checkpoint is safetensors; layer split, DoRA and other checkpoints go through transformers' `from_pretrained`."""
+    checkpoint is safetensors; layer split, DoRA and other checkpoints go through transformers' `from_pretrained`.
+    A whole model ends with every buffer on `device` too (rotary frequencies, made at init on the CPU: place_buffers);
+    under FSDP the wrap moves them with the units."""
     from finetune.model import base as model_stage
 
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
@@ -173,6 +176,9 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
             prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
+        if device_map is None:  # one device: its init-time buffers there too, whatever from_pretrained did with them
+            for module in peft_model.modules():
+                place_buffers(module, device)
         checksum = model_stage.lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)

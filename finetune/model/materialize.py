@@ -60,7 +60,8 @@ class Materializer:
     packed: PackedLayout | None = None  # a pre-quantized checkpoint: 4-bit weights from their stored bytes
 
     def module(self, module: nn.Module) -> None:
-        """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract)."""
+        """Materialise the parameters and buffers `module` owns directly (FSDP1's `param_init_fn` contract), and move
+        the buffers it computed at init to the device (`place_buffers`)."""
         prefix = self.names.get(id(module))
         if prefix is None:
             return
@@ -71,12 +72,15 @@ class Materializer:
             if buffer is not None and buffer.is_meta:
                 name = f"{prefix}.{attr}" if prefix else attr
                 module._buffers[attr] = self.reader.get(checkpoint_name(name)).to(self.device, buffer.dtype)
+        place_buffers(module, self.device)
 
     def tree(self, root: nn.Module) -> None:
-        """Materialise everything still on the meta device under `root` (one unit: a decoder layer, or the rest).
+        """Materialise everything still on the meta device under `root` (one unit: a decoder layer, or the rest), its
+        init-time buffers moved to the device.
 
         FSDP1 calls it for every module it wraps, most of them already built by their unit: those cost nothing."""
-        if not any(t.is_meta for t in root.parameters()) and not any(b.is_meta for b in root.buffers()):
+        unbuilt = any(t.is_meta for t in root.parameters()) or any(_elsewhere(b, self.device) for b in root.buffers())
+        if not unbuilt:
             return
         release_freed_memory()  # the previous unit's full tensors, freed when FSDP sharded it
         for module in root.modules():
@@ -125,6 +129,27 @@ class Materializer:
                                  "Fix: set parallel.sharded_loading: false.")
         self.lora_checksum += lora_fingerprint(value, name)
         return nn.Parameter(value.to(self.device), requires_grad=param.requires_grad)
+
+
+def place_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move the real buffers `module` owns directly that live on another device to `device` (meta ones are built).
+
+    Why: the skeleton is built with real buffers (`init_empty_weights(include_buffers=False)`: rotary `inv_freq`,
+    Gemma's `embed_scale`, whatever a model computes at init rather than loads), so they are made on the CPU. Under
+    FSDP, `fully_shard` / FSDP1's `device_id` move them with the parameters; a whole model (single process, DDP,
+    DeepSpeed) has no such step, and a CPU buffer beside GPU parameters costs a blocking host-to-device copy in every
+    forward (transformers' rotary code moves `inv_freq` to the activations' device each call) and, under DDP, a
+    broadcast of CPU buffers before every forward. Moving them here, as each unit is built, serves every strategy."""
+    for attr, buffer in module._buffers.items():
+        if buffer is not None and _elsewhere(buffer, device):
+            module._buffers[attr] = buffer.to(device)
+
+
+def _elsewhere(tensor: torch.Tensor, device: torch.device) -> bool:
+    """A real tensor on another device than `device` (a device without an index means the current one of its type)."""
+    if tensor.is_meta:
+        return False
+    return tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index)
 
 
 def materializer(model: nn.Module, index: CheckpointIndex, *, device: torch.device, load_dtype: torch.dtype,

@@ -180,8 +180,9 @@ def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, dev
     """A Params4bit from the checkpoint's bytes and quant state: bitwise what quantizing the bf16 base at load gives.
 
     With `shard` (FSDP2) only the packed bytes of this rank's chunk are read (both as the storage dtype and as uint8,
-    as shard_reads.py's range, in whole blocks), into a zero-filled tensor of the full shape that `fully_shard` cuts;
-    the quant state (absmax, codes: ~1/64 of the packed bytes) is read whole, as every rank holds it whole."""
+    as shard_reads.py's range, in whole blocks) and copied to the device, into a zero-filled tensor of the full shape
+    made there, which `fully_shard` cuts (as shard_reads.py builds a bf16 weight's); the quant state (absmax, codes:
+    ~1/64 of the packed bytes) is read and copied whole, as every rank holds it whole."""
     import bitsandbytes as bnb
 
     if shard is None:
@@ -189,7 +190,7 @@ def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, dev
         # The same bytes viewed as the recipe's storage dtype (uint8 (2n, 1) -> bf16 (n, 1)): no arithmetic, no copy.
         data = stored.view(torch.uint8).view(layout.storage_dtype).reshape(-1, 1)
     else:
-        data = _own_packed_bytes(reader, key, param, layout=layout, shard=shard)
+        data = _own_packed_bytes(reader, key, param, layout=layout, shard=shard, device=device)
     stats = {name: reader.get(name) for name in layout.state_names(key)}
     new = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device=device,
                                               module=getattr(param, "module", None))
@@ -200,12 +201,16 @@ def packed_parameter(reader: TensorReader, key: str, param: nn.Parameter, *, dev
 
 
 def _own_packed_bytes(reader: TensorReader, key: str, param: nn.Parameter, *, layout: PackedLayout,
-                      shard: RankShard) -> torch.Tensor:
-    """The packed weight in the recipe's storage dtype, (bytes / itemsize, 1), with only this rank's bytes read."""
+                      shard: RankShard, device: torch.device) -> torch.Tensor:
+    """The packed weight in the recipe's storage dtype, (bytes / itemsize, 1), on `device`, with only this rank's
+    bytes read and copied there."""
     storage_bytes = torch.empty(0, dtype=layout.storage_dtype).element_size()
     stored_bytes = torch.empty(0, dtype=layout.stored_dtype).element_size()
     numel = param.numel()
-    whole = torch.zeros(packed_bytes(numel, layout.storage_dtype), dtype=torch.uint8)
+    # Made on the device, not filled on the host and moved whole: each rank would copy every packed byte of the model
+    # to its GPU, where only its chunk is kept (the zeros are the other ranks' chunks, cut off by fully_shard). The
+    # copy below is of uint8 views, so no NaN bit pattern of a bf16 view is rewritten on the way (byte_guard.py).
+    whole = torch.zeros(packed_bytes(numel, layout.storage_dtype), dtype=torch.uint8, device=device)
     start, stop = packed_value_range(numel, storage_bytes, shard.rank, shard.world_size, BLOCKSIZE)
     byte_first, byte_last = start // 2, -(-stop // 2)  # two 4-bit values per byte
     first, last = byte_first // stored_bytes, min(-(-byte_last // stored_bytes), whole.numel() // stored_bytes)

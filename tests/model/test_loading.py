@@ -174,6 +174,39 @@ def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_mod
     assert max(alive_after_read) - before <= whole + largest, (max(alive_after_read) - before, whole, largest)
 
 
+@pytest.mark.parametrize("family,init_buffers", [("llama", {"inv_freq", "original_inv_freq"}),
+                                                 ("gemma", {"inv_freq", "original_inv_freq", "embed_scale"})])
+def test_a_whole_model_has_every_buffer_on_the_training_device(request, family, init_buffers):
+    """Single process / DDP / DeepSpeed: the per-tensor loader puts the buffers a model computes at init (rotary
+    `inv_freq`, Gemma's `embed_scale`), made on the CPU with the skeleton, on the training device with the weights,
+    their values unchanged. Before, they stayed on the CPU beside GPU weights: a host-to-device copy in every forward,
+    and under DDP a broadcast of CPU buffers before every forward.
+
+    The GPU is simulated (tests/model/simulated_gpu.py): the loader is asked for `cuda:0` and runs under a
+    TorchFunctionMode that runs every op on the CPU and records which tensors were made on, moved to or computed on
+    the GPU; the weights landing there show the simulation sees the loader's moves."""
+    from simulated_gpu import CUDA, SimulatedGpu
+
+    from finetune.model import loading
+    from finetune.recipe import Recipe
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": str(request.getfixturevalue(f"tiny_{family}")),
+                                              "dtype": "bfloat16"},
+                                    "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+                                    "data": {"datasets": [{"path": "x.jsonl", "format": "alpaca"}]}})
+    on_cpu = loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
+                                gradient_checkpointing=False).model
+    with SimulatedGpu() as gpu:
+        loaded = loading.load_model(recipe, sharded=False, device=CUDA, device_map=None, gradient_checkpointing=False)
+        assert loaded.builder is not None  # the per-tensor loader, not from_pretrained
+        buffers = dict(loaded.model.named_buffers())
+        assert {name.rpartition(".")[2] for name in buffers} == init_buffers
+        assert [name for name, buffer in buffers.items() if not gpu.holds(buffer)] == []
+        assert [name for name, param in loaded.model.named_parameters() if not gpu.holds(param)] == []
+    expected = dict(on_cpu.named_buffers())
+    assert [name for name, buffer in buffers.items() if not torch.equal(buffer, expected[name])] == []
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(many_layer_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("loader-runs")

@@ -126,6 +126,67 @@ def test_an_fsdp2_rank_reads_only_its_chunk_of_a_4bit_checkpoint(checkpoints, wo
             assert read <= (chunk[1] - chunk[0]) * 2 + 2 * 32 + 4 < whole_read or chunk[0] == chunk[1], (key, read)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_fsdp2_rank_copies_only_its_chunk_of_a_4bit_checkpoint_to_its_gpu(checkpoints, world):
+    """Each rank of a simulated world copies to its GPU only the packed bytes it read (its chunk, widened to whole
+    blocks: ~1/world of the weight) plus the whole quant state, into a zero-filled tensor made on the GPU, and holds
+    there bitwise what the same build on the CPU holds. Before, the packed tensor was filled on the host and moved
+    whole: every rank copied the whole 4-bit model to its GPU. The whole sharded load of the model moves no more
+    than it reads (the few-hundred-byte quant-state JSONs stay on the host) plus what is made on the host (LoRA,
+    buffers, nested offsets).
+
+    The GPU is simulated (tests/model/simulated_gpu.py): the build is asked for `cuda:0` and runs under a
+    TorchFunctionMode that runs every op on the CPU, records the tensors made on or moved to the GPU and counts the
+    bytes that cross from the host (moves to the GPU, host tensors copied into GPU tensors)."""
+    import bitsandbytes as bnb
+    from simulated_gpu import CUDA, SimulatedGpu
+
+    from finetune.model import checkpoint_files, loading, prequantized
+    from finetune.model.shard_reads import RankShard
+
+    folder = checkpoints["transformers"]
+    index = checkpoint_files.checkpoint_index(folder)
+    layout = prequantized.packed_layout(_recipe(folder), folder, index)
+
+    def build(key, shard, device):
+        meta = bnb.nn.Params4bit(torch.empty(layout.states[key]["shape"], device="meta"), blocksize=64,
+                                 compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16,
+                                 module=torch.nn.Module())
+        reader = checkpoint_files.TensorReader(index)
+        param = prequantized.packed_parameter(reader, key, meta, device=device, layout=layout, shard=shard)
+        state = [reader.get(name) for name in layout.state_names(key)]
+        packed_read = reader.bytes_read - sum(t.numel() * t.element_size() for t in state) * 2  # each state read twice
+        moved_state = sum(t.numel() * t.element_size() for t in state[:-1]) + 4  # not the JSON; + the nested offset
+        return param, packed_read, moved_state
+
+    for key in sorted(layout.states):
+        whole_bytes = index.shapes[key][0] * index.shapes[key][1]  # uint8 checkpoint: one byte per element
+        for rank in range(world):
+            on_cpu, _, _ = build(key, RankShard(rank, world), torch.device("cpu"))
+            with SimulatedGpu() as gpu:
+                on_gpu, packed_read, moved_state = build(key, RankShard(rank, world), CUDA)
+                assert gpu.holds(on_gpu) and gpu.holds(on_gpu.quant_state.absmax)
+                assert gpu.host_to_device_bytes == packed_read + moved_state, (key, rank)
+            assert packed_read <= -(-whole_bytes // world) + 2 * 32 + 4 < whole_bytes, (key, rank, packed_read)
+            assert torch.equal(on_gpu.data.view(torch.uint8), on_cpu.data.view(torch.uint8))
+            for part in ("absmax", "code", "offset"):
+                assert torch.equal(getattr(on_gpu.quant_state, part), getattr(on_cpu.quant_state, part))
+
+    recipe = _recipe(folder)
+    for rank in range(world):
+        loaded = loading.load_model(recipe, sharded=True, device=CUDA, device_map=None, gradient_checkpointing=False,
+                                    shard=RankShard(rank, world))
+        json_bytes = sum(index.shapes[name][0] for name in index.shapes if prequantized.PACKED_STATE in name)
+        with SimulatedGpu() as gpu:
+            for unit in [*loaded.model.base_model.model.model.layers, loaded.model]:
+                loaded.materialize(unit)  # as the FSDP2 wrap does, one unit after another
+            made_on_host = (sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
+                                if ".lora_" in name) + sum(b.numel() * b.element_size() for b in loaded.model.buffers())
+                            + 4 * len(layout.states))  # LoRA, buffers, each weight's nested offset (fp32)
+            moved = gpu.host_to_device_bytes
+        assert moved <= loaded.bytes_read - json_bytes + made_on_host, (rank, moved, loaded.bytes_read)
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
     """8 steps from each checkpoint, single process and FSDP2 (shipped fsdp2.yaml), library LoRA (dropout 0.05), bf16;
