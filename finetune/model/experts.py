@@ -69,15 +69,38 @@ class RoutedExperts(nn.ModuleList):
     Every expert runs on every step, on the tokens routed to it (possibly none): each rank then uses every parameter
     and joins every collective in the same order whatever its tokens chose. Skipping unrouted experts, as transformers'
     eager loop does, deadlocks FSDP1 (each expert's LoRA is a unit of its own, all-gathered when its forward runs)
-    and breaks DDP's gradient reduction (a parameter unused on one rank only)."""
+    and breaks DDP's gradient reduction (a parameter unused on one rank only).
+
+    One host sync per layer, not one per expert: the (token, slot) pairs are grouped by expert with one stable sort,
+    and the host reads only where each expert's group starts (`expert_groups`); each expert then slices its group with
+    Python ints. A `torch.where(top_k_index == e)` per expert waits for the GPU every time (its output size is read
+    back): 128 experts x 48 layers = 6k stalls per forward on Qwen3-30B-A3B, a step bound by the CPU's launches."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
+        token_idx, weights, bounds = expert_groups(top_k_index, top_k_weights, len(self))
         for index, expert in enumerate(self):
-            token_idx, top_k_pos = torch.where(top_k_index == index)
-            routed = expert(hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, routed.to(final.dtype))
+            rows = token_idx[bounds[index] : bounds[index + 1]]  # a view: no sync, possibly empty
+            routed = expert(hidden_states[rows]) * weights[bounds[index] : bounds[index + 1], None]
+            final.index_add_(0, rows, routed.to(final.dtype))
         return final
+
+
+def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The tokens and routing weights of every (token, top-k slot) pair grouped by expert, and the group bounds as
+    Python ints (expert e's pairs are [bounds[e], bounds[e + 1])): one sort, one search, one device-to-host copy.
+
+    The sort is stable, so within an expert the pairs keep their flat (token, slot) order, which is the order
+    `torch.where(top_k_index == e)` gave: the same rows gathered and added in the same order, bitwise the same output.
+    The bounds come from `searchsorted` on the sorted expert ids, not `bincount`: CUDA's bincount reads the input's
+    min and max back to the host to size its output (two more syncs) and has no deterministic kernel."""
+    slots = top_k_index.size(-1)
+    flat = top_k_index.reshape(-1)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    starts = torch.searchsorted(sorted_experts, torch.arange(experts + 1, device=flat.device, dtype=flat.dtype))
+    bounds = starts.tolist()  # the layer's one host sync
+    return order // slots, top_k_weights.reshape(-1)[order], bounds
 
 
 # ------------------------------------------------------------------------------------------------ finding them

@@ -18,6 +18,10 @@ How, and why it works under every wrapper:
     freed at once. Peak extra memory: one chunk of fp32 logits, whatever the batch size or length.
   * A trainable head (LoRA on lm_head, or a trained head) falls back to an ordinary autograd path over the trained
     positions, so its parameters still get their gradients.
+  * No host sync per micro-batch: which positions are trained, and how many, is read from the labels as the data
+    loader gives them, in host memory (`trained_positions`), and the head gathers those rows by index. A boolean mask
+    applied on the device (`hidden[mask]`) or `int(count)` of a device tensor would make the host wait for the GPU
+    at every micro-batch. (transformers' own mask preparation still reads one or two values per forward.)
 Outside `token_loss_sum` (evaluation scripts, generation) the head behaves exactly as before.
 """
 
@@ -96,25 +100,37 @@ def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softc
     return F.cross_entropy(logits, targets, reduction=reduction)
 
 
-def head_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, *, trainable_head: bool,
-              softcap: float | None, chunk: int, per_token: bool = False) -> torch.Tensor:
-    """Loss sum of next-token prediction from final hidden states (B, T, H) and shifted targets (B, T-1); with
-    `per_token`, the loss of every trained position instead, in row-major order of `targets != IGNORE_INDEX`."""
-    keep = targets != IGNORE_INDEX
-    selected, wanted = hidden[:, :-1][keep], targets[keep]
-    if selected.size(0) == 0:
+def trained_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions whose next token is trained, as row indices into the flattened (B*T, H) hidden states in
+    row-major order, and those next tokens. Computed where the labels are: on the data loader's host tensors the
+    `nonzero` is host work, and its size (the token count) is known without asking the device. Labels already on a
+    GPU cost one sync here."""
+    targets = labels[:, 1:]
+    batch_rows, columns = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    return batch_rows * labels.size(1) + columns, targets[batch_rows, columns]
+
+
+def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, *,
+              trainable_head: bool, softcap: float | None, chunk: int, per_token: bool = False) -> torch.Tensor:
+    """Loss sum of next-token prediction from final hidden states (B, T, H) at `positions` (flat rows, from
+    `trained_positions`) against their `targets`; with `per_token`, the loss of every position instead, in order.
+
+    The rows are gathered by index: the same rows in the same order as a boolean mask would select (bitwise the same
+    loss), but the output size is the length of `positions`, known to the host, so nothing waits for the device."""
+    if positions.numel() == 0:
         zero = hidden.sum() * 0.0  # still a graph through every layer: each rank's backward must reach every unit
         return zero.reshape(1)[:0] + zero if per_token else zero
+    selected = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions)
     reduction = "none" if per_token else "sum"
     if not torch.is_grad_enabled():
-        pieces = [_chunk_loss(head_forward, selected[s : s + chunk], wanted[s : s + chunk], softcap, reduction=reduction)
+        pieces = [_chunk_loss(head_forward, selected[s : s + chunk], targets[s : s + chunk], softcap, reduction=reduction)
                   for s in range(0, selected.size(0), chunk)]
         return torch.cat(pieces) if per_token else sum(pieces)
     if trainable_head or not selected.requires_grad:  # ordinary autograd: head parameters get grads
-        return _chunk_loss(head_forward, selected, wanted, softcap, reduction=reduction)
+        return _chunk_loss(head_forward, selected, targets, softcap, reduction=reduction)
     if per_token:
-        return _ChunkedHeadTokenLoss.apply(selected, wanted, head_forward, chunk, softcap)
-    return _ChunkedHeadLoss.apply(selected, wanted, head_forward, chunk, softcap)
+        return _ChunkedHeadTokenLoss.apply(selected, targets, head_forward, chunk, softcap)
+    return _ChunkedHeadLoss.apply(selected, targets, head_forward, chunk, softcap)
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:
@@ -140,11 +156,12 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             request = head.__dict__.get(_TARGETS)
             if request is None:
                 return original(hidden_states, *args, **kwargs)
-            targets, softcap, per_token = request
-            targets = targets.to(hidden_states.device)  # layer split: the head lives on the last GPU
+            positions, targets, softcap, per_token = request
+            # Layer split: the head lives on the last GPU (a device-to-device copy, no sync).
+            positions, targets = (t.to(hidden_states.device, non_blocking=True) for t in (positions, targets))
             trainable = any(p.requires_grad for p in head.parameters())
-            return head_loss(original, hidden_states, targets, trainable_head=trainable, softcap=softcap, chunk=chunk,
-                             per_token=per_token)
+            return head_loss(original, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
+                             chunk=chunk, per_token=per_token)
 
         head.forward = forward
         setattr(head, _PATCHED, True)
@@ -156,27 +173,31 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
 
     `model`: a PeftModel / causal LM, plain or wrapped in DDP, FSDP1 or FSDP2. Batch keys other than `labels` are
     model inputs (input_ids plus attention_mask, or position_ids for packed rows).
+
+    No host sync: the count is the number of trained positions, found in the host labels before they move
+    (`trained_positions`), so it is a Python int for free; a batch already on a GPU costs one sync.
     """
+    positions, wanted = trained_positions(batch["labels"])
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    targets = batch["labels"][:, 1:]
-    count = int((targets != IGNORE_INDEX).sum())
     found = install(model)
-    if found is None:  # not a transformers causal LM: the plain way
+    if found is None:  # not a transformers causal LM: the plain way (ignore_index: full shapes, no sync)
         logits = model(**inputs, use_cache=False).logits[:, :-1]
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch["labels"][:, 1:].reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        return total, count
-    total = _forward_with_targets(model, found, inputs, targets, per_token=False)
-    return total.reshape(()), count
+        return total, positions.numel()
+    where = (positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True))
+    total = _forward_with_targets(model, found, inputs, where, per_token=False)
+    return total.reshape(()), positions.numel()
 
 
-def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict, targets: torch.Tensor, *,
-                          per_token: bool) -> torch.Tensor:
-    """The model's forward with the head asked for the loss of `targets` (what its patched forward returns)."""
+def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict,
+                          where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool) -> torch.Tensor:
+    """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
+    patched forward returns."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (targets, softcap, per_token)
+    head.__dict__[_TARGETS] = (*where, softcap, per_token)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:
@@ -189,18 +210,22 @@ def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], 
 
 def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of the batch: the sum of log-probabilities of its trained tokens (the response of a preference
-    sequence) and their count, from one forward, without full-vocabulary logits (as `token_loss_sum`)."""
+    sequence) and their count, from one forward, without full-vocabulary logits (as `token_loss_sum`). Positions and
+    counts come from the host labels, so no host sync either."""
+    labels = batch["labels"]
+    positions, wanted = trained_positions(labels)
+    rows = positions // labels.size(1)  # the row of every trained position, in the order the head returns their losses
+    counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "reference_logps"}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    targets = batch["labels"][:, 1:]
-    keep = targets != IGNORE_INDEX
-    rows = keep.nonzero()[:, 0]  # the row of every trained position, in the order the head returns their losses
-    counts = keep.sum(dim=1)
+    positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
     found = install(model)
     if found is None:  # not a transformers causal LM: the plain way
-        logits = model(**inputs, use_cache=False).logits[:, :-1]
-        token = F.cross_entropy(logits[keep].float(), targets[keep], reduction="none")
+        logits = model(**inputs, use_cache=False).logits
+        token = F.cross_entropy(logits.reshape(-1, logits.size(-1)).index_select(0, positions).float(), wanted,
+                                reduction="none")
     else:
-        token = _forward_with_targets(model, found, inputs, targets, per_token=True).reshape(-1)
-    logps = torch.zeros(targets.size(0), dtype=torch.float32, device=token.device).index_add(0, rows.to(token.device), -token)
-    return logps, counts.to(token.device)
+        token = _forward_with_targets(model, found, inputs, (positions, wanted), per_token=True).reshape(-1)
+    logps = torch.zeros(labels.size(0), dtype=torch.float32, device=token.device).index_add(
+        0, rows.to(token.device, non_blocking=True), -token)
+    return logps, counts.to(token.device, non_blocking=True)

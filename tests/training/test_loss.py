@@ -99,6 +99,36 @@ def test_equal_to_train_loss_sum_over_many_chunks(tiny_llama, monkeypatch, kind)
     assert calls[0][0] == int((batches(model.config.vocab_size)[kind]["labels"][:, 1:] != -100).sum())
 
 
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_a_micro_batch_loss_makes_no_host_sync(tiny_llama, monkeypatch, kind):
+    """One micro-batch's loss, forward and backward (token_loss_sum for SFT, sequence_logps for DPO), and the no-grad
+    eval loss make no host sync: the trained positions and their count come from the data loader's host labels, and
+    the head gathers its rows by index. Before: `int(count)` of the labels on the device, and the boolean-mask
+    selection `hidden[mask]` (a nonzero) in the forward, its masked index_put in the backward.
+
+    This machine has no CUDA, so the sync is simulated by counting the host-transfer ops (HostSyncs,
+    tests/training/host_syncs.py): the batch's tensors are host memory, as the loader gives them, and what
+    `.to(device)` returns is device memory, as on a GPU machine. Counted are the syncs finetune's code asks for;
+    transformers' own mask preparation makes 1-2 per forward (`padding_mask.all()` with an attention mask,
+    `find_packed_sequence_indices` with packed position_ids), outside this module."""
+    model = lora_model(tiny_llama)
+    monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # several chunks
+    batch = batches(model.config.vocab_size)[kind]
+    trained = int((batch["labels"][:, 1:] != -100).sum())
+    with HostSyncs(host=batch.values()) as syncs:
+        value, count = chunked.token_loss_sum(model, batch, CPU)
+        value.backward()
+        with torch.no_grad():
+            chunked.token_loss_sum(model, batch, CPU)
+    assert syncs.ours() == [], syncs.ours()
+    assert type(count) is int and count == trained  # a Python int without asking the device
+    with HostSyncs(host=batch.values()) as syncs:
+        logps, counts = chunked.sequence_logps(model, batch, CPU)
+        logps.sum().backward()
+    assert syncs.ours() == [], syncs.ours()
+    assert int(counts.sum()) == trained
+
+
 def test_head_unchanged_outside_the_loss(tiny_llama):
     model = lora_model(tiny_llama)
     ids = batches(model.config.vocab_size)["padded"]["input_ids"]
@@ -182,6 +212,8 @@ def test_equal_under_ddp_fsdp1_fsdp2_two_processes(tiny_llama):
         assert diff["loss"] < 1e-5 and diff["eval"] < 1e-5 and diff["grad"] < 1e-4, (where, diff)
 
 
-if __name__ == "__main__":
+if __name__ != "__main__":  # the torchrun worker (this file as a script) has only the repository on its path
+    from host_syncs import HostSyncs
+else:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     worker(sys.argv[1])
