@@ -104,9 +104,11 @@ def test_ddp_ranks_hold_everything(runs):
     assert all(s["frozen_bytes"] == whole for s in rank_stats(runs["ddp"]))
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
-def test_lora_identical_across_ranks(runs, name):
-    checksums = {s["lora_checksum"] for s in rank_stats(runs[name])}
+def test_lora_identical_across_ranks(runs):
+    """DDP's replicas end equal (each rank's own copy is checksummed). Under FSDP the checksum is of the all-gathered
+    adapter, equal on every rank by construction, so it checks nothing there: FSDP's sharded training is checked by its
+    losses and adapter against one process (below)."""
+    checksums = {s["lora_checksum"] for s in rank_stats(runs["ddp"])}
     assert len(checksums) == 1
 
 
