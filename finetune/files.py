@@ -18,7 +18,23 @@ from typing import Any
 from finetune import distributed
 from finetune.errors import CheckpointError, FinetuneError
 
+
 # ------------------------------------------------------------------------------------------------ file helpers
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an OS lock (flock) on `lock_path`: of several processes building the same cache entry (the ranks of a
+    node), one builds while the others wait here, then find it built."""
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 _NO_ROOM = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
 
 

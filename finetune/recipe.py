@@ -109,9 +109,13 @@ class DataSection(_Section):
                                  "(at most eval_max_rows); 0 when eval_datasets is set and this is not.")
     eval_max_rows: int = Field(64, ge=0)
     packing: bool = Field(False, description="Several examples per row, position ids restarting per example.")
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="Rows longer than max_length. truncate: keep the first max_length tokens, and drop (with "
+        "a count naming the first rows) a row whose answer lies wholly past them. drop: drop every such row. error: "
+        "truncate, and stop on a row left with nothing to learn.")
     bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
-    num_workers: int = Field(0, ge=0, description="Processes rendering rows (chat templates) for large data; 0: in-process.")
+    num_proc: int | None = Field(
+        None, gt=0, description="Processes tokenizing a dataset that is not cached yet (once per machine); default: the CPU cores.")
     cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
 
     @model_validator(mode="before")

@@ -40,7 +40,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                            f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
-                           f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
+                           f"dropped{data.dropped_note(stats)}; batch efficiency {stats.batch_efficiency:.1%})")
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported

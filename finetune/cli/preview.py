@@ -109,4 +109,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
                  f"train.max_steps {train.max_steps} = {train.max_steps * per_step / max(stats.train_sequences, 1):.2f} epochs")
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
+    if stats.dropped_rows:
+        more = f" (and {stats.dropped - len(stats.dropped_rows)} more)" if stats.dropped > len(stats.dropped_rows) else ""
+        lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; data.overlong: error stops on such rows, "
+                     "a larger data.max_length keeps them")
     return "\n".join(lines)

@@ -90,7 +90,7 @@ def _check_data(recipe) -> str:
         _, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
-                f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped; "
+                f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
                 f"batch efficiency {stats.batch_efficiency:.1%})")
     total = 0
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:

@@ -5,25 +5,35 @@ character offsets; a token is trained when its characters overlap a trained segm
 the tokens of the rendered text the model sees (no drift between a separately tokenized prompt and response), and
 masking works for any chat template that renders each conversation prefix as a prefix of the whole.
 
-Flow: `prepare()` reads each dataset (or its tokenized cache), weights and mixes them, splits off the eval set and,
-with `data.packing`, packs the train examples into rows of at most `data.max_length` tokens whose position ids
-restart per example. `BatchStream` then shuffles those rows per epoch and hands each rank its disjoint share.
+Flow: `prepare()` maps each dataset's tokenized store (building it once per machine when the cache lacks it), weights
+and mixes them, splits off the eval set and, with `data.packing`, packs the train examples into rows of at most
+`data.max_length` tokens whose position ids restart per example, all on indices and lengths. `BatchStream` then
+shuffles those rows per epoch and hands each rank its disjoint share, building only the rows it collates.
 
 The stage is a package, one module per job, read in this order:
 
     examples.py   Example, DataStats, PreparedData, IGNORE_INDEX
-    sources.py    rows from files, folders and hub datasets; the pre-flight check of local files
+    sources.py    rows from files, folders and hub datasets, in chunks; the pre-flight check of local files
     templates.py  formats and chat templates -> (text, trained) segments -> tokens with exact labels
-    cache.py      one dataset tokenized (or read from the tokenization cache)
+    tokenize.py   a chunk of rows rendered, tokenized and length-limited (data.overlong, data.bad_rows)
+    store.py      tokenized examples on disk, memory-mapped; views that pick and pack them without copying
+    cache.py      one dataset tokenized once per machine (data.num_proc processes) or mapped from the cache
     build.py      every dataset: weights, the eval set (held out and/or eval files), packing; prepare()
-    packing.py    packing and its attention check
+    packing.py    packing (on lengths) and its attention check
     loader.py     collate, BatchStream (per-rank sampler with exact resume), eval_batches
 
 Everything callers use is importable from `finetune.data` itself.
 """
 
-from finetune.data.build import build_examples, eval_file_examples, prepare, split_eval, split_eval_indices
-from finetune.data.cache import CACHE_VERSION, cache_dir, dataset_examples, tokenizer_fingerprint
+from finetune.data.build import (
+    build_examples,
+    dropped_note,
+    eval_file_examples,
+    prepare,
+    split_eval,
+    split_eval_indices,
+)
+from finetune.data.cache import CACHE_VERSION, cache_dir, cache_key, dataset_store, tokenizer_fingerprint
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, PreparedData
 from finetune.data.loader import BatchStream, collate, epoch_permutation, eval_batches, real_token_count
 from finetune.data.packing import (
@@ -31,10 +41,12 @@ from finetune.data.packing import (
     batch_efficiency,
     concat_examples,
     pack_examples,
+    pack_lengths,
     packing_problem,
     verify_packing,
 )
-from finetune.data.sources import check_local_files, load_rows
+from finetune.data.sources import check_local_files, load_rows, open_source
+from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths, set_reference_logps
 from finetune.data.templates import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_WITH_INPUT,
@@ -49,10 +61,49 @@ from finetune.data.templates import (
 from finetune.errors import DataError
 
 __all__ = [
-    "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "CACHE_VERSION", "FORMAT_FIELDS", "IGNORE_INDEX", "PACKING_ATTENTION",
-    "ROLE_ALIASES", "BatchStream", "DataError", "DataStats", "Example", "PreparedData", "batch_efficiency",
-    "build_examples", "cache_dir", "check_local_files", "check_row", "collate", "concat_examples", "dataset_examples",
-    "epoch_permutation", "eval_batches", "eval_file_examples", "load_rows", "normalize_messages", "pack_examples",
-    "packing_problem", "prepare", "real_token_count", "render_segments", "split_eval", "split_eval_indices",
-    "tokenize_many", "tokenize_segments", "tokenizer_fingerprint", "verify_packing",
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_WITH_INPUT",
+    "CACHE_VERSION",
+    "FORMAT_FIELDS",
+    "IGNORE_INDEX",
+    "PACKING_ATTENTION",
+    "ROLE_ALIASES",
+    "BatchStream",
+    "DataError",
+    "DataStats",
+    "Example",
+    "ExampleView",
+    "PackedView",
+    "PreparedData",
+    "TokenStore",
+    "batch_efficiency",
+    "build_examples",
+    "cache_dir",
+    "cache_key",
+    "check_local_files",
+    "check_row",
+    "collate",
+    "concat_examples",
+    "dataset_store",
+    "dropped_note",
+    "epoch_permutation",
+    "eval_batches",
+    "eval_file_examples",
+    "load_rows",
+    "normalize_messages",
+    "open_source",
+    "pack_examples",
+    "pack_lengths",
+    "packing_problem",
+    "prepare",
+    "real_token_count",
+    "render_segments",
+    "sequence_lengths",
+    "set_reference_logps",
+    "split_eval",
+    "split_eval_indices",
+    "tokenize_many",
+    "tokenize_segments",
+    "tokenizer_fingerprint",
+    "verify_packing",
 ]

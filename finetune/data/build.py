@@ -3,75 +3,93 @@
 from __future__ import annotations
 
 import random
-import statistics
+from collections.abc import Sequence
 
-from finetune.data.cache import dataset_examples
+import numpy as np
+
+from finetune.data.cache import dataset_store
 from finetune.data.examples import DataStats, Example, PreparedData
-from finetune.data.packing import batch_efficiency, pack_examples, packing_problem
+from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
+from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
 from finetune.errors import DataError
 from finetune.recipe import Recipe
 
 
 # ------------------------------------------------------------------------------------------------ the datasets
-def _count(stats: DataStats, dataset: list, counts: dict, spec, key: str, *, role: str | None = None) -> None:
+def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, *, role: str | None = None) -> None:
     """Add one file's counts to `stats`; a file with no usable rows is an error naming its recipe key."""
     for name in ("rows", "skipped", "truncated", "dropped", "prompt_truncated", "response_truncated"):
         setattr(stats, name, getattr(stats, name) + counts.get(name, 0))
     stats.skipped_reasons += counts["skipped_reasons"]
+    stats.dropped_rows += counts.get("dropped_rows", [])
     stats.cached_datasets += int(counts["cached"])
-    if not dataset:
+    if not len(store):
         first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
         raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
                         f"{counts['dropped']} dropped as too long).{first}")
-    entry = {"path": spec.path, "format": spec.format, "rows": counts["rows"], "examples": len(dataset),
+    entry = {"path": spec.path, "format": spec.format, "rows": counts["rows"], "examples": len(store),
              "weight": spec.weight, "cached": counts["cached"]}
     stats.per_dataset.append({**entry, "role": role} if role else entry)
 
 
 def prepare(recipe: Recipe, tokenizer) -> PreparedData:
-    """Every dataset tokenized (or from the cache), the eval set split off, weights applied, train rows packed."""
-    stats, examples, origin = DataStats(), [], []
+    """Every dataset tokenized (or mapped from the cache), the eval set split off, weights applied, train rows packed.
+
+    Only indices and lengths are handled here: the examples stay in their memory-mapped stores (store.py) until a
+    batch is collated, so a rank's memory does not grow with the dataset's tokens.
+    """
+    stats, stores, origin = DataStats(), [], []
     for index, spec in enumerate(recipe.data.datasets):
-        dataset, counts = dataset_examples(spec, recipe, tokenizer)
-        _count(stats, dataset, counts, spec, f"data.datasets[{index}]")
-        examples += dataset
-        origin += [index] * len(dataset)
-    eval_files = eval_file_examples(recipe, tokenizer, stats)
-    train_ids, eval_ids = split_eval_indices(len(examples), recipe)
-    train = _mix([examples[i] for i in train_ids], [origin[i] for i in train_ids], recipe)
-    evaluation = eval_files + [examples[i] for i in eval_ids]  # files first: the generation eval takes the first rows
+        store, counts = dataset_store(spec, recipe, tokenizer)
+        _count(stats, store, counts, spec, f"data.datasets[{index}]")
+        stores.append(store)
+        origin += [index] * len(store)
+    eval_stores = _eval_stores(recipe, tokenizer, stats)
+    count = len(origin)
+    examples = ExampleView(stores + eval_stores, np.arange(count))
+    eval_files = ExampleView(stores + eval_stores, np.arange(count, count + sum(len(s) for s in eval_stores)))
+    train_ids, eval_ids = split_eval_indices(count, recipe)
+    train = ExampleView(examples.stores, _mix(train_ids, [origin[i] for i in train_ids], recipe))
+    # files first: the generation eval takes the first rows
+    evaluation = ExampleView(examples.stores, np.concatenate([eval_files.picks, np.asarray(eval_ids, dtype=np.int64)]))
     sequences = train
     if recipe.data.packing:
         problem = packing_problem(recipe.model.attn_implementation)
         if problem:
             raise DataError(problem)
-        sequences = pack_examples(train, recipe.data.max_length)
-    _fill_stats(stats, examples, train, evaluation, sequences, recipe)
+        sequences = PackedView(train, pack_lengths(train.lengths().tolist(), recipe.data.max_length))
+    _fill_stats(stats, stores, train, evaluation, sequences, recipe)
     return PreparedData(examples, sequences, evaluation, stats, eval_files)
 
 
-def eval_file_examples(recipe: Recipe, tokenizer, stats: DataStats) -> list[Example]:
-    """The examples of data.eval_datasets (tokenized like training data, cached, never weighted, packed or capped)."""
-    found: list[Example] = []
+def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore]:
+    """The stores of data.eval_datasets (tokenized like training data, cached, never weighted, packed or capped)."""
+    found: list[TokenStore] = []
     for index, spec in enumerate(recipe.data.eval_datasets):
         key = f"data.eval_datasets[{index}]"
         try:
-            dataset, counts = dataset_examples(spec, recipe, tokenizer)
+            store, counts = dataset_store(spec, recipe, tokenizer)
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
             raise DataError(str(exc).replace("data.datasets path", f"{key} path", 1)) from None
-        _count(stats, dataset, counts, spec, key, role="eval")
-        found += dataset
+        _count(stats, store, counts, spec, key, role="eval")
+        found.append(store)
     return found
 
 
-def build_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Example], DataStats]:
-    """Train rows (packed when data.packing) and eval examples; every rank builds the same lists, BatchStream splits."""
+def eval_file_examples(recipe: Recipe, tokenizer, stats: DataStats) -> ExampleView:
+    """The examples of data.eval_datasets."""
+    stores = _eval_stores(recipe, tokenizer, stats)
+    return ExampleView(stores, np.arange(sum(len(s) for s in stores)))
+
+
+def build_examples(recipe: Recipe, tokenizer) -> tuple[Sequence[Example], Sequence[Example], DataStats]:
+    """Train rows (packed when data.packing) and eval examples; every rank maps the same stores, BatchStream splits."""
     prepared = prepare(recipe, tokenizer)
     return prepared.train, prepared.eval, prepared.stats
 
 
-def _mix(train: list[Example], origin: list[int], recipe: Recipe) -> list[Example]:
-    """Apply each dataset's weight to its train examples: repeat (weight > 1) or subsample (weight < 1)."""
+def _mix(train: list[int], origin: list[int], recipe: Recipe) -> list[int]:
+    """Apply each dataset's weight to its train examples (indices): repeat (weight > 1) or subsample (weight < 1)."""
     weights = [spec.weight for spec in recipe.data.datasets]
     if all(weight == 1.0 for weight in weights):
         return train
@@ -81,7 +99,7 @@ def _mix(train: list[Example], origin: list[int], recipe: Recipe) -> list[Exampl
     return mixed
 
 
-def _weighted(examples: list[Example], weight: float, seed: int) -> list[Example]:
+def _weighted(examples: list, weight: float, seed: int) -> list:
     """Repeat (weight > 1) or subsample (weight < 1) a dataset's examples for mixing."""
     if weight == 1.0:
         return examples
@@ -89,6 +107,14 @@ def _weighted(examples: list[Example], weight: float, seed: int) -> list[Example
     rng = random.Random(seed)
     extra = rng.sample(examples, k=round(fraction * len(examples)))
     return examples * whole + extra
+
+
+def dropped_note(stats: DataStats) -> str:
+    """Where the rows dropped for their length were, for the data line: ` (too long: a.jsonl line 7, line 93, ...)`."""
+    if not stats.dropped_rows:
+        return ""
+    more = ", ..." if stats.dropped > len(stats.dropped_rows) else ""
+    return f" (past max_length: {', '.join(stats.dropped_rows)}{more})"
 
 
 def split_eval_indices(count: int, recipe: Recipe) -> tuple[list[int], list[int]]:
@@ -107,13 +133,14 @@ def split_eval(examples: list[Example], recipe: Recipe) -> tuple[list[Example], 
     return [examples[i] for i in train_ids], [examples[i] for i in eval_ids]
 
 
-def _fill_stats(stats: DataStats, examples: list[Example], train: list[Example], evaluation: list[Example],
-                sequences: list[Example], recipe: Recipe) -> None:
-    lengths = [len(e.input_ids) for e in examples]
-    stats.tokens_min, stats.tokens_max = min(lengths), max(lengths)
-    stats.tokens_median = float(statistics.median(lengths))
-    stats.total_tokens, stats.trained_tokens = sum(lengths), sum(e.num_trained for e in examples)
+def _fill_stats(stats: DataStats, stores: list[TokenStore], train: ExampleView, evaluation: ExampleView,
+                sequences: Sequence[Example], recipe: Recipe) -> None:
+    lengths = np.concatenate([store.lengths() for store in stores])
+    stats.tokens_min, stats.tokens_max = int(lengths.min()), int(lengths.max())
+    stats.tokens_median = float(np.median(lengths))
+    stats.total_tokens = int(lengths.sum())
+    stats.trained_tokens = int(sum(int(store.trained_counts().sum()) for store in stores))
     stats.train_examples, stats.eval_examples, stats.train_sequences = len(train), len(evaluation), len(sequences)
     batch, seed = recipe.train.micro_batch_size, recipe.train.seed
-    stats.batch_efficiency = batch_efficiency(sequences, micro_batch_size=batch, seed=seed)
-    stats.unpacked_efficiency = batch_efficiency(train, micro_batch_size=batch, seed=seed)
+    stats.batch_efficiency = batch_efficiency(sequence_lengths(sequences), micro_batch_size=batch, seed=seed)
+    stats.unpacked_efficiency = batch_efficiency(train.lengths(), micro_batch_size=batch, seed=seed)

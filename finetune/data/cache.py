@@ -1,104 +1,53 @@
-"""One dataset read, rendered, tokenized and length-limited, kept in the tokenization cache."""
+"""One dataset tokenized once per machine into a memory-mapped store (store.py), shared by every rank and run.
+
+The cache key covers everything the tokens depend on: the rows (a local file's bytes, a hub dataset's `datasets`
+fingerprint), the tokenizer (vocabulary, special tokens, chat template), the recipe's data settings and the rendering
+code (the source of templates.py, pairs.py and tokenize.py, plus STORE_FORMAT). So any change is a miss, never a
+stale hit; an entry written by older code (another format, or the .npz files of v1-v3) is never read.
+
+The first process to want an entry builds it while the others (the ranks of this node, other runs) wait on a file
+lock, then all map it. The builder streams the rows in chunks through data.num_proc processes, so neither it nor
+anyone else holds the dataset's tokens in Python lists. With data.cache off (or an unwritable cache folder) each
+process builds into a private temporary folder, removed once mapped.
+"""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
 import os
+import shutil
+import signal
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-import numpy as np
-
-from finetune.data.examples import IGNORE_INDEX, Example
-from finetune.data.pairs import pair_examples, prompt_limit
-from finetune.data.sources import _read_rows
-from finetune.data.templates import FORMAT_FIELDS, _column, _render_rows, tokenize_many
+from finetune.data.pairs import prompt_limit
+from finetune.data.sources import Source, open_source, row_chunks
+from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore
+from finetune.data.tokenize import check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
+from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
-CACHE_VERSION = 2  # 2: a reason for every skipped row. Bump when rendering or labelling changes: old cache entries are then never read
+_RENDERING_CODE = ("templates.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
 
 
-# ------------------------------------------------------------------------------------------- one dataset, cached
-def _check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None:
-    """Problems of a whole dataset that skipping rows cannot fix: a column absent everywhere, no chat template."""
-    dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
-    required, _ = FORMAT_FIELDS[spec.format]
-    for name in required:
-        if dict_rows and all(_column(spec, name, row) not in row for row in dict_rows):
-            columns = sorted({key for row in dict_rows for key in row})
-            mapped = f" (mapped from `{name}`)" if name in spec.columns else ""
-            raise DataError(
-                f"{source}: column `{_column(spec, name, dict_rows[0])}`{mapped}, needed by format `{spec.format}`, does "
-                f"not exist (columns: {', '.join(columns)}). Map it with data.datasets[].columns, e.g. "
-                f"columns: {{{name}: {columns[0] if columns else 'COLUMN'}}}, or pick the right format."
-            )
-    if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
-            f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has none. Use a chat/instruct model's "
-            "tokenizer (model.tokenizer), or the alpaca/completion formats."
-        )
+def _rendering_code_version() -> str:
+    """A hash of the code that turns rows into tokens and masks: editing it invalidates every entry (no manual bump)."""
+    digest = hashlib.blake2b(str(STORE_FORMAT).encode(), digest_size=8)
+    for name in _RENDERING_CODE:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
 
 
-def _tokenize_dataset(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[list[Example], dict]:
-    """Read, render, tokenize and length-limit one dataset; return its examples and its counts."""
-    data = recipe.data
-    rows, places, broken = _read_rows(spec, bad_rows=data.bad_rows)
-    _check_dataset(rows, spec, tokenizer, spec.path)
-    rendered = _render_rows(rows, places, spec, tokenizer, data.system_prompt, data.num_workers)
-    reasons = broken + [item for item in rendered if isinstance(item, str)]
-    if reasons and data.bad_rows == "error":
-        raise DataError(reasons[0])
-    counts = {"rows": len(rows) + len(broken), "skipped": len(reasons), "truncated": 0, "dropped": 0}
-    kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
-    if spec.format == "preference":
-        return _pairs(kept, spec, recipe, tokenizer, counts, reasons)
-    examples = []
-    for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (place for _, place in kept)):
-        full = example
-        if len(example.input_ids) > data.max_length:
-            if data.overlong == "drop":
-                counts["dropped"] += 1
-                continue
-            counts["truncated"] += 1
-            example = Example(example.input_ids[: data.max_length], example.labels[: data.max_length])
-        if any(label != IGNORE_INDEX for label in example.labels):
-            examples.append(example)
-            continue
-        # Nothing to learn from the row: its answer lies past max_length (or it has no trained token at all).
-        reason = _untrained_reason(full, f"{spec.path} {place}", data.max_length)
-        if data.bad_rows == "error":
-            raise DataError(f"{reason} Fix: raise data.max_length, set data.overlong: drop to leave such rows out, or "
-                            "data.bad_rows: skip to skip them with a count.")
-        counts["skipped"] += 1
-        reasons.append(reason)
-    counts["skipped_reasons"] = reasons[:20]  # every skip has its reason; the cache stores and returns the same
-    return examples, counts
+CACHE_VERSION = _rendering_code_version()
 
 
-def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, counts: dict, reasons: list[str]):
-    counts.update(prompt_truncated=0, response_truncated=0, pairs=True)
-    before = len(reasons)
-    examples = pair_examples([item for item, _ in kept], [f"{spec.path} {place}" for _, place in kept], tokenizer,
-                             recipe, counts, reasons)
-    if len(reasons) > before and recipe.data.bad_rows == "error":
-        raise DataError(f"{reasons[before]} Fix the row or set data.bad_rows: skip to skip such pairs with a count.")
-    counts["skipped"] += len(reasons) - before
-    counts["skipped_reasons"] = reasons[:20]
-    return examples, counts
-
-
-def _untrained_reason(example: Example, where: str, max_length: int) -> str:
-    trained = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
-    if trained is None:
-        return f"{where}: no trained token (the answer is empty after rendering)."
-    return (f"{where}: the answer starts at token {trained} of max_length {max_length}, so truncation leaves nothing "
-            "to learn from this row.")
-
-
+# ---------------------------------------------------------------------------------------------------- the key
 def cache_dir() -> Path:
     """Where tokenized datasets are kept: $FINETUNE_CACHE, else ~/.cache/finetune (a `data` folder inside)."""
     root = os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune"
@@ -117,7 +66,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _content_hash(spec: DatasetSpec) -> str | None:
-    """Hash of a local file's or folder's bytes; None for a hub name (datasets keeps its own cache of those)."""
+    """Hash of a local file's or folder's bytes; None for a hub name."""
     path = Path(spec.path).expanduser()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     if not files:
@@ -131,64 +80,179 @@ def _content_hash(spec: DatasetSpec) -> str | None:
     return digest.hexdigest()
 
 
-def _cache_key(spec: DatasetSpec, recipe: Recipe, tokenizer) -> str | None:
-    content = _content_hash(spec)
-    if content is None or not recipe.data.cache:
+def cache_key(spec: DatasetSpec, source: Source, recipe: Recipe, tokenizer) -> str | None:
+    """The entry's name, or None when the rows cannot be identified (a hub dataset with no fingerprint)."""
+    rows = _content_hash(spec) or source.fingerprint()
+    if rows is None:
         return None
     data = recipe.data
     settings = {"spec": spec.model_dump(exclude={"weight"}), "system_prompt": data.system_prompt,
                 "max_length": data.max_length, "overlong": data.overlong, "bad_rows": data.bad_rows}
     if spec.format == "preference":
         settings["max_prompt_length"] = prompt_limit(recipe)
-    text = json.dumps([CACHE_VERSION, tokenizer_fingerprint(tokenizer), content, settings], sort_keys=True)
+    text = json.dumps([CACHE_VERSION, tokenizer_fingerprint(tokenizer), rows, settings], sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _cache_load(key: str) -> tuple[list[Example], dict] | None:
-    path = cache_dir() / f"{key}.npz"
+# ------------------------------------------------------------------------------------------- built or mapped
+def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenStore, dict]:
+    """One dataset's tokenized store and counts: mapped from the cache, else built once (the others wait) and mapped."""
+    source = open_source(spec)
+    key = cache_key(spec, source, recipe, tokenizer) if recipe.data.cache else None
+    if key is not None:
+        target = cache_dir() / key
+        try:
+            with exclusive_lock(cache_dir() / f"{key}.lock"):  # one process of the node builds; the rest wait here
+                store = _mapped_entry(target)
+                if store is not None:
+                    return store, dict(store.counts, cached=True)
+                _build_into(target, source, recipe, tokenizer)
+            store = _mapped_entry(target)
+            if store is not None:
+                return store, dict(store.counts, cached=False)
+        except OSError:
+            pass  # a read-only or full cache disk must not stop a run: build privately below
+    folder = Path(tempfile.mkdtemp(prefix="finetune-data-"))
     try:
-        with np.load(path) as stored:
-            ids, trained, bounds = stored["ids"], stored["trained"], stored["bounds"]
-            counts = json.loads(bytes(stored["counts"]).decode())
-    except (OSError, KeyError, ValueError):
-        return None  # absent or damaged: tokenize again
-    labels = np.where(trained, ids, IGNORE_INDEX)
-    examples = [Example(ids[a:b].tolist(), labels[a:b].tolist()) for a, b in itertools.pairwise(bounds)]
-    if counts.get("pairs"):  # stored chosen, rejected, chosen, rejected, ...
-        for chosen, rejected in zip(examples[::2], examples[1::2]):
-            chosen.rejected = rejected
-        examples = examples[::2]
-    return examples, counts
+        _build_into(folder / "entry", source, recipe, tokenizer)
+        store = TokenStore(folder / "entry")  # mapped: the pages stay readable after the folder is removed
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return store, dict(store.counts, cached=False)
 
 
-def _cache_save(key: str, examples: list[Example], counts: dict) -> None:
-    """Write atomically (temporary file + rename): ranks building the same data at once never see half a file."""
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    if counts.get("pairs"):
-        examples = [sequence for pair in examples for sequence in (pair, pair.rejected)]
-    ids = np.fromiter((t for e in examples for t in e.input_ids), dtype=np.int64)
-    trained = np.fromiter((label != IGNORE_INDEX for e in examples for label in e.labels), dtype=bool, count=len(ids))
-    bounds = np.cumsum([0] + [len(e.input_ids) for e in examples], dtype=np.int64)
-    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+def _mapped_entry(target: Path) -> TokenStore | None:
+    """The entry at `target` if it is whole and of this format; anything else (absent, older, damaged) is None."""
+    if not (target / "meta.json").is_file():
+        return None
     try:
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, ids=ids, trained=trained, bounds=bounds, counts=np.frombuffer(json.dumps(counts).encode(), np.uint8))
-        os.replace(temporary, folder / f"{key}.npz")
-    except OSError:
-        Path(temporary).unlink(missing_ok=True)  # a read-only or full cache disk must not stop a run
+        return TokenStore(target)
+    except (OSError, ValueError, KeyError):
+        shutil.rmtree(target, ignore_errors=True)  # older format or damaged: rebuilt, never misread
+        return None
 
 
-def dataset_examples(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[list[Example], dict]:
-    """One dataset's examples and counts, from the cache when the tokenizer, data and settings are unchanged."""
-    key = _cache_key(spec, recipe, tokenizer)
-    cached = _cache_load(key) if key else None
-    if cached is not None:
-        examples, counts = cached
-        if counts["skipped"] and recipe.data.bad_rows == "error":  # cannot happen (bad_rows is in the key); be safe
-            raise DataError(counts["skipped_reasons"][0])
-        return examples, dict(counts, cached=True)
-    examples, counts = _tokenize_dataset(spec, recipe, tokenizer)
-    if key:
-        _cache_save(key, examples, counts)
-    return examples, dict(counts, cached=False)
+def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None:
+    """Tokenize every chunk (in data.num_proc processes) into a temporary folder, renamed to `target` when whole."""
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    writer, counts, spec, started = StoreWriter(temporary), {}, source.spec, time.perf_counter()
+    try:
+        with _Progress(source) as progress:
+            for result in _chunk_results(source, recipe, tokenizer):
+                if result.fatal is not None:
+                    raise DataError(result.fatal)
+                writer.add(result.examples)
+                merge_counts(counts, result)
+                progress.update(result.counts["rows"])
+        counts.setdefault("skipped_reasons", [])
+        counts.setdefault("dropped_rows", [])
+        counts["pairs"] = spec.format == "preference"
+        writer.finish(counts, pairs=counts["pairs"])
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(temporary, target)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    if counts["rows"] >= 10 * 1000:
+        print(f"[finetune] data: tokenized {counts['rows']:,} rows of {spec.path} in {time.perf_counter() - started:.0f} s "
+              f"({_processes(recipe)} processes)", file=sys.stderr, flush=True)
+
+
+def _processes(recipe: Recipe) -> int:
+    if recipe.data.num_proc is not None:
+        return recipe.data.num_proc
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _chunk_results(source: Source, recipe: Recipe, tokenizer):
+    """Each chunk's ChunkResult, in order. The first chunk is done here (it also checks the whole dataset's columns);
+    the rest go to a pool of forked processes, a bounded number of chunks ahead (the file is never all in memory)."""
+    chunks = row_chunks(source)
+    first = next(chunks, None)
+    if first is None:
+        return
+    rows, places, broken = _parsed(first, source.spec, recipe)
+    check_dataset(rows, source.spec, tokenizer, source.spec.path)
+    yield tokenize_chunk(rows, places, broken, source.spec, recipe, tokenizer)
+    second = next(chunks, None)
+    if second is None:  # one chunk (most small datasets): no processes started
+        return
+    chunks, context, processes = itertools.chain([second], chunks), (source.spec, recipe, tokenizer), _processes(recipe)
+    if processes <= 1:
+        for chunk in chunks:
+            yield _tokenize_in_worker(chunk, context)
+        return
+    yield from _pooled(chunks, processes, context)
+
+
+def _pooled(chunks, processes: int, context: tuple):
+    import multiprocessing
+
+    global _WORKER_CONTEXT
+    _WORKER_CONTEXT = context  # inherited by the forked workers, not pickled per chunk
+    # The workers tokenize one row batch each, single-threaded; without this every fork would warn that the Rust
+    # tokenizer's thread pool was used before forking.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    pending: collections.deque = collections.deque()
+    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_default_signals)
+    try:
+        for chunk in chunks:
+            pending.append(pool.apply_async(_worker, (chunk,)))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+        pool.close()  # the workers finish and exit on their own
+    finally:
+        pool.terminate()  # a problem row (or Ctrl-C) ended the build early: stop the workers
+        pool.join()
+
+
+def _default_signals() -> None:
+    """A forked worker keeps its parent's signal handlers; a run's SIGTERM handler only sets a flag, so the pool's
+    terminate() would wait forever for the worker to exit."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_DFL)
+
+
+_WORKER_CONTEXT: tuple | None = None
+
+
+def _worker(chunk):
+    return _tokenize_in_worker(chunk, _WORKER_CONTEXT)
+
+
+def _tokenize_in_worker(chunk, context: tuple):
+    spec, recipe, tokenizer = context
+    rows, places, broken = _parsed(chunk, spec, recipe)
+    return tokenize_chunk(rows, places, broken, spec, recipe, tokenizer)
+
+
+def _parsed(chunk, spec: DatasetSpec, recipe: Recipe) -> tuple[list, list[str], list[str]]:
+    items, places, raw = chunk
+    if not raw:
+        return items, places, []
+    return parse_lines(items, places, spec.path, bad_rows=recipe.data.bad_rows)
+
+
+class _Progress:
+    """A progress bar of rows tokenized, shown by the builder on a terminal (the waiting ranks show nothing)."""
+
+    def __init__(self, source: Source):
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=f"tokenizing {Path(source.spec.path).name}", unit=" rows", dynamic_ncols=True)
+
+    def __enter__(self):
+        return self
+
+    def update(self, rows: int) -> None:
+        if self.bar is not None:
+            self.bar.update(rows)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()

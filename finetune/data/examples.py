@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 IGNORE_INDEX = -100
@@ -37,6 +38,7 @@ class DataStats:
     train_examples: int = 0
     eval_examples: int = 0
     skipped_reasons: list[str] = field(default_factory=list)
+    dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were (file, line)
     train_sequences: int = 0  # rows the BatchStream walks over: packed rows, or train_examples unpacked
     tokens_min: int = 0
     tokens_median: float = 0.0
@@ -53,8 +55,8 @@ class DataStats:
 class PreparedData:
     """Everything `prepare` builds: the examples before packing (for previews) and what training consumes."""
 
-    examples: list[Example]
-    train: list[Example]
-    eval: list[Example]
+    examples: Sequence[Example]
+    train: Sequence[Example]
+    eval: Sequence[Example]
     stats: DataStats
-    eval_files: list[Example] = field(default_factory=list)  # the examples of data.eval_datasets (first in `eval`)
+    eval_files: Sequence[Example] = field(default_factory=list)  # the examples of data.eval_datasets (first in `eval`)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 
+import numpy as np
 import torch
 
 from finetune.data.examples import IGNORE_INDEX, Example
@@ -34,39 +35,55 @@ def packing_problem(attn_implementation: str) -> str | None:
 
 
 def pack_examples(examples: list[Example], max_length: int) -> list[Example]:
-    """Pack whole examples into as few rows of at most max_length tokens as best-fit-decreasing needs, balanced.
+    """Pack whole examples into rows of at most max_length tokens (pack_lengths decides which go together)."""
+    rows = pack_lengths([len(e.input_ids) for e in examples], max_length)
+    return [concat_examples([examples[i] for i in members]) for members in rows]
+
+
+def pack_lengths(sizes: list[int], max_length: int) -> list[list[int]]:
+    """The examples (by position in `sizes`) of each packed row: as few rows as best-fit-decreasing needs, balanced.
 
     Best fit decreasing (each example, longest first, into the fullest row it still fits in) finds how many rows
     are needed. The examples are then dealt again, longest first, to the least loaded of that many rows, so the
     rows come out nearly equally long and a micro-batch pads almost nothing (if balancing needs more rows than
     best fit, best fit is kept). Examples are never split, so none loses its beginning; position ids restart at
-    0 per example so the attention mask built from them keeps examples apart.
+    0 per example so the attention mask built from them keeps examples apart. Only lengths are needed: the
+    tokens stay where they are stored.
     """
-    sizes = [len(e.input_ids) for e in examples]
     if any(size > max_length for size in sizes):
         raise ValueError(f"an example of {max(sizes)} tokens exceeds max_length {max_length}; apply the length policy first")
-    order = sorted(range(len(examples)), key=lambda i: (-sizes[i], i))
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     rows = _best_fit_rows(order, sizes, max_length)
     balanced = _balanced_rows(order, sizes, max_length, len(rows))
-    if len(balanced) == len(rows):
-        rows = balanced
-    return [concat_examples([examples[i] for i in members]) for members in rows]
+    return balanced if len(balanced) == len(rows) else rows
 
 
 def _best_fit_rows(order: list[int], sizes: list[int], max_length: int) -> list[list[int]]:
+    """Rows by best fit. Open rows are kept by their free space, which has at most max_length distinct values: a
+    sorted list of those values (bisect) and a heap of rows per value keep each step O(log max_length), whatever
+    the number of rows (a sorted list of every row made 200k examples take minutes of list inserts)."""
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (tokens still free, row index), sorted: best fit is a binary search
+    free_values: list[int] = []  # sorted distinct free spaces of open rows
+    rows_by_free: dict[int, list[int]] = {}
     for i in order:
-        at = bisect_left(free, (sizes[i], -1))
-        if at == len(free):
+        at = bisect_left(free_values, sizes[i])
+        if at == len(free_values):
             rows.append([i])
             left, row = max_length - sizes[i], len(rows) - 1
         else:
-            left, row = free.pop(at)
+            value = free_values[at]
+            stack = rows_by_free[value]
+            row = heapq.heappop(stack)  # of equally full rows, the oldest (as a sorted list of (free, row) did)
+            if not stack:
+                del rows_by_free[value]
+                free_values.pop(at)
             rows[row].append(i)
-            left -= sizes[i]
+            left = value - sizes[i]
         if left > 0:
-            insort(free, (left, row))
+            if left not in rows_by_free:
+                insort(free_values, left)
+                rows_by_free[left] = []
+            heapq.heappush(rows_by_free[left], row)
     return rows
 
 
@@ -99,16 +116,21 @@ def concat_examples(examples: list[Example]) -> Example:
     return Example(ids, labels, positions)
 
 
-def batch_efficiency(sequences: list[Example], *, micro_batch_size: int, seed: int) -> float:
-    """Non-pad tokens / all tokens over the micro-batches of epoch 0, in the order BatchStream takes them."""
-    if not sequences:
+def batch_efficiency(lengths, *, micro_batch_size: int, seed: int) -> float:
+    """Non-pad tokens / all tokens over the micro-batches of epoch 0, in the order BatchStream takes them (`lengths`:
+    tokens per row, or the rows themselves)."""
+    rows = len(lengths) and isinstance(lengths[0], Example)
+    sizes = np.asarray([len(e.input_ids) for e in lengths] if rows else lengths, dtype=np.int64)
+    if not len(sizes):
         return 0.0
-    order = epoch_permutation(len(sequences), seed, 0)
-    real = padded = 0
-    for start in range(0, len(order), micro_batch_size):
-        lengths = [len(sequences[i].input_ids) for i in order[start : start + micro_batch_size]]
-        real, padded = real + sum(lengths), padded + max(lengths) * len(lengths)
-    return real / padded
+    ordered = sizes[np.asarray(epoch_permutation(len(sizes), seed, 0), dtype=np.int64)]
+    padded = len(ordered) - len(ordered) % micro_batch_size
+    whole = ordered[:padded].reshape(-1, micro_batch_size)
+    real, total = int(whole.sum()), int(whole.max(axis=1).sum()) * micro_batch_size
+    if padded < len(ordered):
+        tail = ordered[padded:]
+        real, total = real + int(tail.sum()), total + int(tail.max()) * len(tail)
+    return real / total
 
 
 def verify_packing(model, *, device: torch.device | str = "cpu") -> float:

@@ -4,74 +4,119 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.data.templates import FORMAT_FIELDS, _column
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
-
 # ----------------------------------------------------------------------------------------------------- loading
-def _read_json_rows(path: Path, *, bad_rows: str = "error") -> tuple[list, list[str], list[str]]:
-    """Rows of a JSON / JSON Lines file, where each came from ("line N" / "row N"), and broken lines skipped."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl" or (path.suffix == ".json" and not text.lstrip().startswith("[")):
-        rows, places, broken = [], [], []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-                places.append(f"line {number}")
-            except json.JSONDecodeError as exc:
-                message = (f"{path}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}). Fix or delete "
-                           "that line, or set data.bad_rows: skip to skip broken rows with a count.")
-                if bad_rows == "error":
-                    raise DataError(message) from None
-                broken.append(message)
-        return rows, places, broken
+CHUNK_ROWS = 1000  # rows per chunk handed to a tokenizing process: a few MB of tokens, never the whole dataset
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+@dataclass
+class Source:
+    """One dataset opened for reading: JSON Lines are read line by line; everything else is a `datasets.Dataset`
+    (memory-mapped Arrow) or, for a JSON array file, its parsed rows."""
+
+    spec: DatasetSpec
+    jsonl: Path | None = None
+    table: object | None = None  # datasets.Dataset
+    rows: list | None = None  # a JSON array file's rows
+
+    def fingerprint(self) -> str | None:
+        """What identifies the rows for the cache: None for local files (their bytes are hashed instead); the
+        `datasets` fingerprint of a hub dataset (it changes with the revision and the files read)."""
+        return getattr(self.table, "_fingerprint", None) if self.table is not None else None
+
+    def byte_size(self) -> int | None:
+        return self.jsonl.stat().st_size if self.jsonl is not None else None
+
+
+def open_source(spec: DatasetSpec) -> Source:
+    """Open a local JSON/JSONL/CSV/Parquet file, a folder (save_to_disk, or data files) or a `datasets` hub name."""
+    path = Path(spec.path).expanduser()
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            return Source(spec, jsonl=path)
+        if path.suffix == ".json":
+            text = path.read_text(encoding="utf-8")
+            if not text.lstrip().startswith("["):
+                return Source(spec, jsonl=path)  # a .json file holding JSON Lines
+            return Source(spec, rows=_json_array(path, text))
+        if path.suffix in (".csv", ".parquet"):
+            import datasets
+
+            return Source(spec, table=datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train"))
+        raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv "
+                        "or .parquet.")
+    if path.is_dir():
+        return Source(spec, table=_load_folder(path, spec))
+    if spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in LOCAL_SUFFIXES:
+        raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
+    return Source(spec, table=_load_hub(spec))
+
+
+def _json_array(path: Path, text: str) -> list:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno}). Fix the file.") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a JSON data file must hold a list of rows (or be JSON Lines), got {type(rows).__name__}.")
-    return rows, [f"row {i}" for i in range(1, len(rows) + 1)], []
+    return rows
 
 
-def _read_rows(spec: DatasetSpec, *, bad_rows: str = "error") -> tuple[list, list[str], list[str]]:
-    """Rows of one dataset, their places for messages, and the reasons of unreadable rows skipped."""
-    path = Path(spec.path).expanduser()
-    if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            rows, places, broken = _read_json_rows(path, bad_rows=bad_rows)
-        elif path.suffix in (".csv", ".parquet"):
-            import datasets
-
-            rows, broken = list(datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")), []
-            places = [f"row {i}" for i in range(1, len(rows) + 1)]
+def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[list, list[str], bool]]:
+    """(items, places, raw) per chunk, in order, at most spec.max_rows rows. `raw`: the items are JSON Lines text,
+    parsed by whoever tokenizes the chunk (so parsing is spread over the processes too)."""
+    limit = source.spec.max_rows if source.spec.max_rows is not None else float("inf")
+    if source.jsonl is not None:
+        yield from _line_chunks(source.jsonl, limit, chunk_rows)
+        return
+    count = min(limit, len(source.rows) if source.rows is not None else len(source.table))
+    word = "row"
+    for start in range(0, int(count), chunk_rows):
+        end = int(min(count, start + chunk_rows))
+        if source.rows is not None:
+            items = source.rows[start:end]
         else:
-            raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv "
-                            "or .parquet.")
-    elif path.is_dir():
-        rows, broken = _load_folder_rows(path, spec), []
-        places = [f"row {i}" for i in range(1, len(rows) + 1)]
-    elif spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in (".jsonl", ".json", ".csv", ".parquet"):
-        raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
-    else:
-        rows, broken = _load_hub_rows(spec), []
-        places = [f"row {i}" for i in range(1, len(rows) + 1)]
-    if spec.max_rows is not None:
-        rows, places = rows[: spec.max_rows], places[: spec.max_rows]
-    return rows, places, broken
+            columns = source.table[start:end]
+            items = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        yield items, [f"{word} {i}" for i in range(start + 1, end + 1)], False
+
+
+def _line_chunks(path: Path, limit: float, chunk_rows: int) -> Iterator[tuple[list, list[str], bool]]:
+    lines, places, taken = [], [], 0
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if taken >= limit:
+                break
+            lines.append(line)
+            places.append(f"line {number}")
+            taken += 1
+            if len(lines) == chunk_rows:
+                yield lines, places, True
+                lines, places = [], []
+    if lines:
+        yield lines, places, True
 
 
 def load_rows(spec: DatasetSpec) -> list[dict]:
-    """Rows of one dataset as plain dicts: local JSON/JSONL/CSV/Parquet, a folder, or a `datasets` hub name."""
-    return _read_rows(spec)[0]
+    """Rows of one dataset as plain dicts (small datasets and checks; training reads chunks through row_chunks)."""
+    rows = []
+    for items, _, raw in row_chunks(open_source(spec)):
+        rows += [json.loads(item) for item in items] if raw else items
+    return rows
 
 
-def _load_folder_rows(path: Path, spec: DatasetSpec) -> list[dict]:
+def _load_folder(path: Path, spec: DatasetSpec):
     """A `save_to_disk` folder, else a folder of data files (a downloaded hub dataset) read by `load_dataset`."""
     import datasets
 
@@ -81,16 +126,16 @@ def _load_folder_rows(path: Path, spec: DatasetSpec) -> list[dict]:
             if spec.split not in loaded:
                 raise DataError(f"{path}: split `{spec.split}` not found (has {list(loaded)}); set data.datasets[].split.")
             loaded = loaded[spec.split]
-        return list(loaded)
+        return loaded
     try:
-        return list(datasets.load_dataset(str(path), spec.subset, split=spec.split))
+        return datasets.load_dataset(str(path), spec.subset, split=spec.split)
     except Exception as exc:  # noqa: BLE001  datasets raises many types for folders it cannot read
         raise DataError(f"{path}: a folder that is neither a `datasets.save_to_disk` folder nor a folder of data files "
                         f"`datasets.load_dataset` can read ({_first_line(exc)}). Point data.datasets[].path at a file, "
                         "or check split/subset.") from None
 
 
-def _load_hub_rows(spec: DatasetSpec) -> list[dict]:
+def _load_hub(spec: DatasetSpec):
     import datasets
 
     from finetune.hub import use_cache_only_if_unreachable
@@ -98,7 +143,7 @@ def _load_hub_rows(spec: DatasetSpec) -> list[dict]:
     use_cache_only_if_unreachable()  # offline: the `datasets` cache only, failing at once instead of retrying
 
     try:
-        return list(datasets.load_dataset(spec.path, spec.subset, split=spec.split))
+        return datasets.load_dataset(spec.path, spec.subset, split=spec.split)
     except Exception as exc:  # noqa: BLE001  datasets raises many types for offline / missing names
         raise DataError(
             f"data.datasets path `{spec.path}`: not a local file and could not be loaded as a `datasets` name "

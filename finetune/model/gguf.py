@@ -13,15 +13,14 @@ which garbles chat generations. We rebuild the tokenizer from the GGUF's own voc
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
+from finetune.files import exclusive_lock
 
 CONVERTER_VERSION = 1  # bump when the folder layout or tokenizer construction changes (invalidates the cache)
 PACKAGE_PREFIX = "pkg:"
@@ -103,7 +102,7 @@ def converted_folder(name_or_path: str, gguf_file: str) -> Path:
     target = cache_root() / cache_key(gguf_path)
     if (target / DONE_MARKER).exists():
         return target
-    with _exclusive(target.with_suffix(".lock")):  # several ranks may start at once: one converts, the rest wait
+    with exclusive_lock(target.with_suffix(".lock")):  # several ranks may start at once: one converts, the rest wait
         if not (target / DONE_MARKER).exists():
             _convert(gguf_path, target)
     return target
@@ -120,19 +119,6 @@ def cached_config(name_or_path: str, gguf_file: str):
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     _clean_config(config, _token_ids(_reader(gguf_path)))
     return config
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    import fcntl
-
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _reader(gguf_path: Path):

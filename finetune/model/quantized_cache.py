@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from finetune import distributed
+from finetune.files import exclusive_lock
 from finetune.model.checkpoint_files import checkpoint_index
-from finetune.model.gguf import _exclusive
 from finetune.model.prequantized import is_prequantized
 from finetune.recipe import Recipe
 
@@ -76,7 +76,7 @@ def cached_checkpoint(recipe: Recipe, base: Path, *, device: torch.device) -> Pa
     if _stale_reason(target, identity) is None:
         distributed.print0(f"[finetune] model: the 4-bit cache of {recipe.model.name_or_path} ({target})")
         return target
-    with _exclusive(target.with_name(target.name + ".lock")):  # one process builds; the others wait, then read it
+    with exclusive_lock(target.with_name(target.name + ".lock")):  # one process builds; the others wait, then read it
         reason = _stale_reason(target, identity)
         if reason is None:
             return target

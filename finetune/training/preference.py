@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune import distributed
-from finetune.data import Example, eval_batches
+from finetune.data import Example, eval_batches, set_reference_logps
 from finetune.errors import CheckpointError
 from finetune.recipe import PreferenceSection, Recipe
 from finetune.training.loss import sequence_logps
@@ -233,8 +233,7 @@ def attach_reference(model: nn.Module, reference: Reference, splits: dict[str, l
             out_dir.mkdir(parents=True, exist_ok=True)
             _write_text_atomic(out_dir / REFERENCE_FILE, json.dumps({"fingerprint": fingerprint, **stored}))
     for name, examples in splits.items():
-        for example, (chosen, rejected) in zip(examples, stored[name]):
-            example.reference_logps = (float(chosen), float(rejected))
+        set_reference_logps(examples, stored[name])
     distributed.print0(f"[finetune] reference log-probs: {sum(len(v) for v in splits.values())} pairs "
                        f"({'read from the run folder' if resume_from is not None else 'precomputed'})")
 

@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import addition_rows, write_jsonl, write_recipe
@@ -379,36 +380,86 @@ def test_eval_batches_same_count_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------------- cache
-def test_second_build_reads_the_cache(tmp_path, tokenizer, monkeypatch):
+def _examples(sequence) -> list[tuple[list[int], list[int]]]:
+    return [(e.input_ids, e.labels) for e in sequence]
+
+
+def test_each_input_of_the_cache_key_is_a_miss_and_an_unchanged_one_a_hit(tmp_path, tokenizer, monkeypatch):
+    """The key covers the rows, the tokenizer, its chat template, the data settings and the rendering code: a change in
+    any of them re-tokenizes (never a stale hit); nothing changed reads the memory-mapped entry, equal to the fresh one."""
     path = write_jsonl(tmp_path / "a.jsonl", addition_rows(30))
     recipe = make_recipe({"path": str(path)})
     train, evaluation, stats = data.build_examples(recipe, tokenizer)
     assert stats.cached_datasets == 0
-    assert [p.suffix for p in (tmp_path / "cache" / "data").iterdir()] == [".npz"]  # no temporary file left
+    entries = [p for p in (tmp_path / "cache" / "data").iterdir() if p.suffix != ".lock"]
+    assert len(entries) == 1 and entries[0].is_dir(), entries  # no temporary folder left
+    real_tokenize = data.cache.tokenize_chunk
 
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("re-tokenized although the cache holds this dataset")
 
-    monkeypatch.setattr(data.cache, "tokenize_many", no_tokenizing)  # where the cache stage looks it up
+    monkeypatch.setattr(data.cache, "tokenize_chunk", no_tokenizing)  # where the cache stage looks it up
     again, again_eval, again_stats = data.build_examples(recipe, tokenizer)
     assert again_stats.cached_datasets == 1
-    assert [(e.input_ids, e.labels) for e in again + again_eval] == [(e.input_ids, e.labels) for e in train + evaluation]
-    for changed in (make_recipe({"path": str(path)}, max_length=64), make_recipe({"path": str(path)}, system_prompt="S")):
-        with pytest.raises(AssertionError, match="re-tokenized"):  # settings are part of the key
-            data.build_examples(changed, tokenizer)
-    other_tokenizer = build_tokenizer(vocab_size=400)
-    with pytest.raises(AssertionError, match="re-tokenized"):
-        data.build_examples(recipe, other_tokenizer)
+    assert isinstance(again.stores[0].ids, np.memmap)  # mapped, not loaded into lists
+    assert _examples(again) + _examples(again_eval) == _examples(train) + _examples(evaluation)
+
+    templated = build_tokenizer()
+    templated.chat_template = (tokenizer.chat_template or "") + "{# another template #}"
+    misses = {
+        "max_length": (make_recipe({"path": str(path)}, max_length=64), tokenizer),
+        "system_prompt": (make_recipe({"path": str(path)}, system_prompt="S"), tokenizer),
+        "overlong": (make_recipe({"path": str(path)}, overlong="drop"), tokenizer),
+        "columns": (make_recipe({"path": str(path), "columns": {"output": "output"}}), tokenizer),
+        "tokenizer": (recipe, build_tokenizer(vocab_size=400)),
+        "chat template": (recipe, templated),
+    }
+    for name, (changed, changed_tokenizer) in misses.items():
+        with pytest.raises(AssertionError, match="re-tokenized"):
+            data.build_examples(changed, changed_tokenizer)
+            pytest.fail(f"{name}: a change of it was a cache hit")
+    monkeypatch.setattr(data.cache, "CACHE_VERSION", "edited rendering code")
+    with pytest.raises(AssertionError, match="re-tokenized"):  # the rendering code's version is part of the key
+        data.build_examples(recipe, tokenizer)
+    monkeypatch.undo()
+    monkeypatch.setattr(data.cache, "tokenize_chunk", no_tokenizing)
     write_jsonl(path, addition_rows(30, seed=1))
     with pytest.raises(AssertionError, match="re-tokenized"):  # the file content is part of the key
         data.build_examples(recipe, tokenizer)
+    monkeypatch.setattr(data.cache, "tokenize_chunk", real_tokenize)
 
 
-def test_parallel_rendering_matches_in_process(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(2100))
-    serial, _, _ = data.build_examples(make_recipe({"path": str(path)}, cache=False), tokenizer)
-    parallel, _, _ = data.build_examples(make_recipe({"path": str(path)}, cache=False, num_workers=2), tokenizer)
-    assert [e.input_ids for e in parallel] == [e.input_ids for e in serial]
+def test_an_old_or_damaged_cache_entry_is_rebuilt_never_misread(tmp_path, tokenizer):
+    """An entry written by other code (another store format; v1-v3's .npz files) or cut short is rebuilt."""
+    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(30))
+    recipe = make_recipe({"path": str(path)})
+    fresh, _, _ = data.build_examples(recipe, tokenizer)
+    key = data.cache_key(recipe.data.datasets[0], data.open_source(recipe.data.datasets[0]), recipe, tokenizer)
+    entry = data.cache_dir() / key
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, "format": 2}))  # an older layout under the same name
+    (data.cache_dir() / f"{key}.npz").write_bytes(b"v1-v3 wrote npz files; never read")
+    rebuilt, _, stats = data.build_examples(recipe, tokenizer)
+    assert stats.cached_datasets == 0 and _examples(rebuilt) == _examples(fresh)
+    with open(entry / "ids.bin", "r+b") as handle:  # damaged: fewer tokens than its offsets say
+        handle.truncate(8)
+    rebuilt, _, stats = data.build_examples(recipe, tokenizer)
+    assert stats.cached_datasets == 0 and _examples(rebuilt) == _examples(fresh)
+    assert data.build_examples(recipe, tokenizer)[2].cached_datasets == 1
+
+
+def test_parallel_tokenizing_matches_in_process(tmp_path, tokenizer):
+    """data.num_proc spreads chunks of rows over processes; the tokens and labels do not depend on it."""
+    rows = addition_rows(2100)
+    rows[1500]["output"] = ""  # a bad row in a worker's chunk: counted like in-process
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    serial, _, one = data.build_examples(make_recipe({"path": str(path)}, cache=False, num_proc=1, bad_rows="skip"),
+                                         tokenizer)
+    parallel, _, two = data.build_examples(make_recipe({"path": str(path)}, cache=False, num_proc=2, bad_rows="skip"),
+                                           tokenizer)
+    assert _examples(parallel) == _examples(serial) and len(serial) > 1900
+    assert (one.skipped, one.skipped_reasons) == (two.skipped, two.skipped_reasons) == (1, one.skipped_reasons)
+    assert "line 1501" in one.skipped_reasons[0]
 
 
 # -------------------------------------------------------------------------------------------------- preview
@@ -428,10 +479,10 @@ def test_preview_marks_trained_spans_and_prints_statistics(tmp_path, tiny_llama,
     assert "steps per epoch: " in out
 
 
-def test_a_row_truncated_away_has_its_reason_and_a_cached_run_equals_a_fresh_one(tmp_path, tiny_llama, capsys):
-    """validate, data, train (cache hit) on a file whose line 31 has its answer past max_length: under
-    `bad_rows: error` every command refuses that row with the fix (exit 2); under `skip` each counts it with its reason,
-    and the cached run reports exactly what the fresh one did (the cache once lost the reason: IndexError)."""
+def test_a_row_truncated_away_is_dropped_and_named_and_overlong_error_refuses_it(tmp_path, tiny_llama, capsys):
+    """validate, data, train on a file whose line 31 has its answer past max_length: by default each drops that row
+    and names it (a cached run reports exactly what the fresh one did); `data.overlong: error` makes every command
+    refuse it with the fix (exit 2, no traceback)."""
     from finetune.cli import main
 
     long_row = {"instruction": "Add the two numbers.", "input": " and ".join(["7"] * 60), "output": "420"}
@@ -441,21 +492,20 @@ def test_a_row_truncated_away_has_its_reason_and_a_cached_run_equals_a_fresh_one
         "train": {"max_steps": 2, "micro_batch_size": 2}, "output": {"dir": str(tmp_path / "run")}})
     for verb in (["validate"], ["data"], ["train"]):
         capsys.readouterr()
-        assert main([*verb, str(recipe)]) == 2, verb
+        assert main([*verb, str(recipe), "data.overlong=error"]) == 2, verb
         err = capsys.readouterr().err
         assert f"{path} line 31: the answer starts at token" in err and "of max_length 48" in err, (verb, err)
         assert "Fix: raise data.max_length" in err and "Traceback" not in err
 
-    skip = ["data.bad_rows=skip", "output.overwrite=true"]
-    assert main(["validate", str(recipe), *skip]) == 0
-    assert "(1 skipped, " in capsys.readouterr().out
-    assert main(["data", str(recipe), *skip]) == 0
-    assert f"skipped: {path} line 31: the answer starts at token" in capsys.readouterr().out
+    assert main(["validate", str(recipe)]) == 0
+    assert f"1 dropped (past max_length: {path} line 31)" in capsys.readouterr().out
+    assert main(["data", str(recipe)]) == 0
+    assert f"dropped for length: {path} line 31;" in capsys.readouterr().out
 
     def data_line(*overrides: str) -> str:
         capsys.readouterr()
-        assert main(["train", str(recipe), *skip, *overrides]) == 0
+        assert main(["train", str(recipe), "output.overwrite=true", *overrides]) == 0
         return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[finetune] data:"))
 
     fresh, cached = data_line("data.cache=false"), data_line()
-    assert fresh == cached and "1 skipped" in cached, (fresh, cached)
+    assert fresh == cached and f"0 skipped, 0 truncated, 1 dropped (past max_length: {path} line 31)" in cached, cached

@@ -1,0 +1,183 @@
+"""Tokenized examples on disk, memory-mapped: one flat token array, a trained mask and offsets; rows built on access.
+
+A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
+token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
+example starts), `meta.json` (the counts, the format version). Every rank maps the same files, so the pages are shared
+through the page cache: a rank's own memory holds only per-example arrays (offsets, lengths), never Python lists of
+every token. An `Example` (lists of ints) is built only for the rows of the micro-batch being collated.
+
+Views select and combine examples without copying them: `ExampleView` (a list of examples by index, over the datasets
+of a run, with the reference log-probs of preference pairs when they are precomputed) and `PackedView` (several
+examples per row, as `packing.pack_lengths` grouped them).
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.packing import concat_examples
+
+STORE_FORMAT = 3  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class StoreWriter:
+    """Append tokenized examples chunk by chunk (the builder never holds a whole dataset), then `finish`."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._ids = open(self.folder / "ids.bin", "wb")  # noqa: SIM115  closed in finish()
+        self._trained = open(self.folder / "trained.bin", "wb")  # noqa: SIM115
+        self._lengths: list[np.ndarray] = []
+
+    def add(self, examples: list[Example]) -> None:
+        """Write `examples` (a preference pair as its chosen then its rejected sequence)."""
+        sequences = [s for e in examples for s in ((e, e.rejected) if e.rejected is not None else (e,))]
+        if not sequences:
+            return
+        ids = np.fromiter((t for s in sequences for t in s.input_ids), dtype=np.int32)
+        trained = np.fromiter((label != IGNORE_INDEX for s in sequences for label in s.labels), dtype=np.bool_,
+                              count=len(ids))
+        self._ids.write(ids.tobytes())
+        self._trained.write(trained.tobytes())
+        self._lengths.append(np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64))
+
+    def finish(self, counts: dict, *, pairs: bool) -> None:
+        self._ids.close()
+        self._trained.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
+        np.save(self.folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
+        (self.folder / "meta.json").write_text(json.dumps(meta))
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class TokenStore:
+    """One dataset's tokenized examples, mapped from its folder (read-only; pages shared by every process)."""
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        self.meta = json.loads((folder / "meta.json").read_text())
+        if self.meta.get("format") != STORE_FORMAT:
+            raise ValueError(f"{folder}: store format {self.meta.get('format')}, expected {STORE_FORMAT}")
+        self.bounds = np.load(folder / "bounds.npy")
+        total = int(self.bounds[-1])
+        if (folder / "ids.bin").stat().st_size != 4 * total or (folder / "trained.bin").stat().st_size != total:
+            raise ValueError(f"{folder}: token files do not match their offsets (a damaged entry)")
+        self.ids = _mapped(folder / "ids.bin", np.int32, total)
+        self.trained = _mapped(folder / "trained.bin", np.bool_, total)
+        self.pairs = bool(self.meta["pairs"])
+        self.counts = self.meta["counts"]
+
+    def __len__(self) -> int:
+        return (len(self.bounds) - 1) // (2 if self.pairs else 1)
+
+    def sequence(self, index: int) -> Example:
+        start, end = int(self.bounds[index]), int(self.bounds[index + 1])
+        ids = np.asarray(self.ids[start:end], dtype=np.int64)
+        return Example(ids.tolist(), np.where(self.trained[start:end], ids, IGNORE_INDEX).tolist())
+
+    def example(self, index: int) -> Example:
+        if not self.pairs:
+            return self.sequence(index)
+        chosen = self.sequence(2 * index)
+        chosen.rejected = self.sequence(2 * index + 1)
+        return chosen
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per example (a pair: its chosen sequence, the row a batch is sized by, as before)."""
+        return np.diff(self.bounds)[:: 2 if self.pairs else 1]
+
+    def trained_counts(self) -> np.ndarray:
+        """Trained tokens per example (a pair: of its chosen sequence)."""
+        per_sequence = np.add.reduceat(self.trained, self.bounds[:-1]) if len(self.trained) else np.zeros(0, np.int64)
+        per_sequence = np.where(np.diff(self.bounds) > 0, per_sequence, 0)  # reduceat of an empty span reads the next
+        return per_sequence[:: 2 if self.pairs else 1]
+
+
+def _mapped(path: Path, dtype, count: int) -> np.ndarray:
+    if count == 0:  # a zero-length file cannot be mapped
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# -------------------------------------------------------------------------------------------------- views
+class ExampleView(Sequence):
+    """Examples picked by index from the run's datasets (their stores, numbered one after another), built on access.
+
+    `reference_logps` (one (chosen, rejected) pair per example) is set when dpo.reference is precomputed; the
+    examples built then carry it, as list examples carry theirs.
+    """
+
+    def __init__(self, stores: list[TokenStore], picks: np.ndarray | Sequence[int]):
+        self.stores = stores
+        self.starts = np.cumsum([0] + [len(s) for s in stores]).tolist()
+        self.picks = np.asarray(picks, dtype=np.int64)
+        self.reference_logps: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        glob = int(self.picks[index])
+        store = bisect_right(self.starts, glob) - 1
+        example = self.stores[store].example(glob - self.starts[store])
+        if self.reference_logps is not None:
+            example.reference_logps = (float(self.reference_logps[index, 0]), float(self.reference_logps[index, 1]))
+        return example
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([s.lengths() for s in self.stores] or [np.zeros(0, np.int64)])[self.picks]
+
+    def trained_counts(self) -> np.ndarray:
+        return np.concatenate([s.trained_counts() for s in self.stores] or [np.zeros(0, np.int64)])[self.picks]
+
+
+class PackedView(Sequence):
+    """Packed rows: row r joins the examples `members[r]` of `base` (positions restarting per example)."""
+
+    def __init__(self, base: ExampleView, rows: list[list[int]]):
+        self.base = base
+        self.members = np.fromiter((m for row in rows for m in row), dtype=np.int64)
+        self.row_bounds = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.row_bounds) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        start, end = self.row_bounds[index], self.row_bounds[index + 1]
+        return concat_examples([self.base[int(m)] for m in self.members[start:end]])
+
+    def lengths(self) -> np.ndarray:
+        return np.add.reduceat(self.base.lengths()[self.members], self.row_bounds[:-1]) if len(self) else np.zeros(0)
+
+
+def sequence_lengths(examples: Sequence[Example]) -> np.ndarray:
+    """Tokens per row of any sequence of examples: a view's from its offsets, a list's by counting."""
+    if hasattr(examples, "lengths"):
+        return np.asarray(examples.lengths(), dtype=np.int64)
+    return np.fromiter((len(e.input_ids) for e in examples), dtype=np.int64, count=len(examples))
+
+
+def set_reference_logps(examples: Sequence[Example], values: Sequence[tuple[float, float]]) -> None:
+    """Attach each pair's reference (chosen, rejected) log-probs: to a view as one array, to list examples one by one."""
+    if isinstance(examples, ExampleView):
+        examples.reference_logps = np.asarray(values, dtype=np.float64).reshape(len(examples), 2)
+        return
+    for example, (chosen, rejected) in zip(examples, values):
+        example.reference_logps = (float(chosen), float(rejected))

@@ -1,0 +1,145 @@
+"""A chunk of rows rendered, tokenized and length-limited: the work the cache builder spreads over data.num_proc.
+
+Every row gets the same treatment whatever chunk or process it lands in, so the tokens do not depend on num_proc.
+Problems are returned, never raised, from here (a worker process would lose the message's type); the builder
+raises the first one when the recipe says to.
+
+Length policy (data.overlong):
+- truncate (default): a row longer than max_length keeps its first max_length tokens; a row whose answer lies
+  wholly past max_length then has nothing to learn and is dropped and counted (the data line names the first few).
+- drop: every row longer than max_length is dropped and counted.
+- error: truncate, but a row left with nothing to learn stops the run, naming it (the strictness of v1-v3).
+A row with no trained token at all (an empty answer) is a malformed row: data.bad_rows decides.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.pairs import pair_examples
+from finetune.data.templates import FORMAT_FIELDS, _column, _render_or_reason, tokenize_many
+from finetune.errors import DataError
+from finetune.recipe import DatasetSpec, Recipe
+
+KEPT_REASONS = 20  # skipped rows whose reasons are kept (every skip is counted)
+NAMED_DROPS = 5  # rows dropped for length that the data line names
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk of rows became: its examples, its counts, why rows were skipped or dropped."""
+
+    examples: list[Example] = field(default_factory=list)
+    counts: dict = field(default_factory=lambda: {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0,
+                                                  "prompt_truncated": 0, "response_truncated": 0})
+    reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
+    dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
+    fatal: str | None = None  # a problem that ends the build (raised by the builder)
+
+
+def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
+    """JSON Lines text -> rows (and their places); an unparsable line is a reason (skipped or, by bad_rows, fatal)."""
+    rows, kept, broken = [], [], []
+    for line, place in zip(lines, places):
+        try:
+            rows.append(json.loads(line))
+            kept.append(place)
+        except json.JSONDecodeError as exc:
+            broken.append(f"{path}: {place} is not valid JSON ({exc.msg} at column {exc.colno}). Fix or delete that "
+                          "line, or set data.bad_rows: skip to skip broken rows with a count.")
+            if bad_rows == "error":
+                break
+    return rows, kept, broken
+
+
+def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None:
+    """Problems of a whole dataset that skipping rows cannot fix: a column absent everywhere, no chat template."""
+    dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
+    required, _ = FORMAT_FIELDS[spec.format]
+    for name in required:
+        if dict_rows and all(_column(spec, name, row) not in row for row in dict_rows):
+            columns = sorted({key for row in dict_rows for key in row})
+            mapped = f" (mapped from `{name}`)" if name in spec.columns else ""
+            raise DataError(
+                f"{source}: column `{_column(spec, name, dict_rows[0])}`{mapped}, needed by format `{spec.format}`, does "
+                f"not exist (columns: {', '.join(columns)}). Map it with data.datasets[].columns, e.g. "
+                f"columns: {{{name}: {columns[0] if columns else 'COLUMN'}}}, or pick the right format."
+            )
+    if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
+            f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has none. Use a chat/instruct model's "
+            "tokenizer (model.tokenizer), or the alpaca/completion formats."
+        )
+
+
+def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: DatasetSpec, recipe: Recipe,
+                   tokenizer) -> ChunkResult:
+    """Render, tokenize and length-limit one chunk of rows (`broken`: reasons of rows that could not even be read)."""
+    data, result = recipe.data, ChunkResult()
+    result.counts["rows"] = len(rows) + len(broken)
+    result.reasons += broken
+    rendered = [_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}")
+                for row, place in zip(rows, places)]
+    result.reasons += [item for item in rendered if isinstance(item, str)]
+    kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
+    if spec.format == "preference":
+        _pairs(kept, spec, recipe, tokenizer, result)
+    else:
+        for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (p for _, p in kept)):
+            _length_policy(example, f"{spec.path} {place}", data, result)
+    result.counts["skipped"] += len(result.reasons)
+    if result.reasons and data.bad_rows == "error" and result.fatal is None:
+        result.fatal = result.reasons[0]
+    result.reasons = result.reasons[:KEPT_REASONS]
+    return result
+
+
+def _length_policy(example: Example, where: str, data, result: ChunkResult) -> None:
+    """Keep, truncate or drop one tokenized row by data.overlong (module docstring)."""
+    full = example
+    if len(example.input_ids) > data.max_length:
+        if data.overlong == "drop":
+            _dropped(result, where)
+            return
+        result.counts["truncated"] += 1
+        example = Example(example.input_ids[: data.max_length], example.labels[: data.max_length])
+    if any(label != IGNORE_INDEX for label in example.labels):
+        result.examples.append(example)
+        return
+    first = next((i for i, label in enumerate(full.labels) if label != IGNORE_INDEX), None)
+    if first is None:  # nothing trained even before truncation: a malformed row (empty answer)
+        result.reasons.append(f"{where}: no trained token (the answer is empty after rendering).")
+        return
+    result.counts["truncated"] -= 1  # counted as dropped instead
+    if data.overlong == "error":
+        result.fatal = result.fatal or (
+            f"{where}: the answer starts at token {first} of max_length {data.max_length}, so truncation leaves nothing "
+            "to learn from this row. Fix: raise data.max_length, or leave data.overlong at its default (truncate), "
+            "which drops such rows with a count.")
+        return
+    _dropped(result, where)
+
+
+def _dropped(result: ChunkResult, where: str) -> None:
+    result.counts["dropped"] += 1
+    if len(result.dropped_rows) < NAMED_DROPS:
+        result.dropped_rows.append(where)
+
+
+def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, result: ChunkResult) -> None:
+    before = len(result.reasons)
+    result.examples = pair_examples([item for item, _ in kept], [f"{spec.path} {place}" for _, place in kept],
+                                    tokenizer, recipe, result.counts, result.reasons)
+    if len(result.reasons) > before and recipe.data.bad_rows == "error":
+        result.fatal = f"{result.reasons[before]} Fix the row or set data.bad_rows: skip to skip such pairs with a count."
+
+
+def merge_counts(total: dict, result: ChunkResult) -> None:
+    """Add a chunk's counts, reasons and named drops to the dataset's totals."""
+    for name, value in result.counts.items():
+        total[name] = total.get(name, 0) + value
+    total["skipped_reasons"] = (total.get("skipped_reasons", []) + result.reasons)[:KEPT_REASONS]
+    total["dropped_rows"] = (total.get("dropped_rows", []) + result.dropped_rows)[:NAMED_DROPS]
