@@ -2,9 +2,9 @@
 
 A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
 token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
-example starts), `meta.json` (the counts, the format version). Every rank maps the same files, so the pages are shared
-through the page cache: a rank's own memory holds only per-example arrays (offsets, lengths), never Python lists of
-every token. An `Example` (lists of ints) is built only for the rows of the micro-batch being collated.
+example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version). Every
+rank maps the same files, so the pages are shared through the page cache: a rank's own memory holds only per-example
+arrays (offsets, lengths), never Python lists of every token. An `Example` (lists of ints) is built only for the rows of the micro-batch being collated.
 
 Views select and combine examples without copying them: `ExampleView` (a list of examples by index, over the datasets
 of a run, with the reference log-probs of preference pairs when they are precomputed) and `PackedView` (several
@@ -36,6 +36,7 @@ class StoreWriter:
         self._ids = open(self.folder / "ids.bin", "wb")  # noqa: SIM115  closed in finish()
         self._trained = open(self.folder / "trained.bin", "wb")  # noqa: SIM115
         self._lengths: list[np.ndarray] = []
+        self._trained_counts: list[np.ndarray] = []
 
     def add(self, examples: list[Example]) -> None:
         """Write `examples` (a preference pair as its chosen then its rejected sequence)."""
@@ -48,12 +49,15 @@ class StoreWriter:
         self._ids.write(ids.tobytes())
         self._trained.write(trained.tobytes())
         self._lengths.append(np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64))
+        self._trained_counts.append(np.fromiter((s.num_trained for s in sequences), dtype=np.int64))
 
     def finish(self, counts: dict, *, pairs: bool) -> None:
         self._ids.close()
         self._trained.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
         np.save(self.folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        counts_per_sequence = np.concatenate(self._trained_counts) if self._trained_counts else np.zeros(0, np.int64)
+        np.save(self.folder / "trained_counts.npy", counts_per_sequence)
         meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
         (self.folder / "meta.json").write_text(json.dumps(meta))
 
@@ -68,6 +72,7 @@ class TokenStore:
         if self.meta.get("format") != STORE_FORMAT:
             raise ValueError(f"{folder}: store format {self.meta.get('format')}, expected {STORE_FORMAT}")
         self.bounds = np.load(folder / "bounds.npy")
+        self._trained_counts = np.load(folder / "trained_counts.npy")
         total = int(self.bounds[-1])
         if (folder / "ids.bin").stat().st_size != 4 * total or (folder / "trained.bin").stat().st_size != total:
             raise ValueError(f"{folder}: token files do not match their offsets (a damaged entry)")
@@ -96,10 +101,9 @@ class TokenStore:
         return np.diff(self.bounds)[:: 2 if self.pairs else 1]
 
     def trained_counts(self) -> np.ndarray:
-        """Trained tokens per example (a pair: of its chosen sequence)."""
-        per_sequence = np.add.reduceat(self.trained, self.bounds[:-1]) if len(self.trained) else np.zeros(0, np.int64)
-        per_sequence = np.where(np.diff(self.bounds) > 0, per_sequence, 0)  # reduceat of an empty span reads the next
-        return per_sequence[:: 2 if self.pairs else 1]
+        """Trained tokens per example (a pair: of its chosen sequence), stored at build: the statistics of a warm
+        start never read the token files."""
+        return self._trained_counts[:: 2 if self.pairs else 1]
 
 
 def _mapped(path: Path, dtype, count: int) -> np.ndarray:
