@@ -27,7 +27,7 @@ from pathlib import Path
 
 from finetune.data.pairs import prompt_limit
 from finetune.data.sources import Source, open_source, row_chunks
-from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore
+from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore, chunk_arrays
 from finetune.data.tokenize import check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
 from finetune.files import exclusive_lock
@@ -142,7 +142,7 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
             for result in _chunk_results(source, recipe, tokenizer):
                 if result.fatal is not None:
                     raise DataError(result.fatal)
-                writer.add(result.examples)
+                writer.add(result.arrays)
                 merge_counts(counts, result)
                 progress.update(result.counts["rows"])
         counts.setdefault("skipped_reasons", [])
@@ -174,7 +174,7 @@ def _chunk_results(source: Source, recipe: Recipe, tokenizer):
         return
     rows, places, broken = _parsed(first, source.spec, recipe)
     check_dataset(rows, source.spec, tokenizer, source.spec.path)
-    yield tokenize_chunk(rows, places, broken, source.spec, recipe, tokenizer)
+    yield _with_arrays(tokenize_chunk(rows, places, broken, source.spec, recipe, tokenizer))
     second = next(chunks, None)
     if second is None:  # one chunk (most small datasets): no processes started
         return
@@ -226,7 +226,13 @@ def _worker(chunk):
 def _tokenize_in_worker(chunk, context: tuple):
     spec, recipe, tokenizer = context
     rows, places, broken = _parsed(chunk, spec, recipe)
-    return tokenize_chunk(rows, places, broken, spec, recipe, tokenizer)
+    return _with_arrays(tokenize_chunk(rows, places, broken, spec, recipe, tokenizer))
+
+
+def _with_arrays(result):
+    """The chunk's examples as the store's arrays (built where they were tokenized), the lists let go."""
+    result.arrays, result.examples = chunk_arrays(result.examples), []
+    return result
 
 
 def _parsed(chunk, spec: DatasetSpec, recipe: Recipe) -> tuple[list, list[str], list[str]]:

@@ -13,6 +13,7 @@ examples per row, as `packing.pack_lengths` grouped them).
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -38,18 +39,12 @@ class StoreWriter:
         self._lengths: list[np.ndarray] = []
         self._trained_counts: list[np.ndarray] = []
 
-    def add(self, examples: list[Example]) -> None:
-        """Write `examples` (a preference pair as its chosen then its rejected sequence)."""
-        sequences = [s for e in examples for s in ((e, e.rejected) if e.rejected is not None else (e,))]
-        if not sequences:
-            return
-        ids = np.fromiter((t for s in sequences for t in s.input_ids), dtype=np.int32)
-        trained = np.fromiter((label != IGNORE_INDEX for s in sequences for label in s.labels), dtype=np.bool_,
-                              count=len(ids))
-        self._ids.write(ids.tobytes())
-        self._trained.write(trained.tobytes())
-        self._lengths.append(np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64))
-        self._trained_counts.append(np.fromiter((s.num_trained for s in sequences), dtype=np.int64))
+    def add(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write one chunk's `chunk_arrays`."""
+        self._ids.write(arrays["ids"].tobytes())
+        self._trained.write(arrays["trained"].tobytes())
+        self._lengths.append(arrays["lengths"])
+        self._trained_counts.append(arrays["trained_counts"])
 
     def finish(self, counts: dict, *, pairs: bool) -> None:
         self._ids.close()
@@ -60,6 +55,20 @@ class StoreWriter:
         np.save(self.folder / "trained_counts.npy", counts_per_sequence)
         meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
         (self.folder / "meta.json").write_text(json.dumps(meta))
+
+
+def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
+    """A chunk's examples as the store's arrays (a preference pair as its chosen then its rejected sequence). Made by
+    the process that tokenized them: arrays cross the process boundary far cheaper than lists of ints."""
+    sequences = [s for e in examples for s in ((e, e.rejected) if e.rejected is not None else (e,))]
+    ids = np.fromiter(itertools.chain.from_iterable(s.input_ids for s in sequences), dtype=np.int32)
+    labels = np.fromiter(itertools.chain.from_iterable(s.labels for s in sequences), dtype=np.int64, count=len(ids))
+    trained = labels != IGNORE_INDEX
+    lengths = np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64, count=len(sequences))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    trained_counts = np.add.reduceat(trained.astype(np.int64), bounds[:-1]) if len(ids) else np.zeros(len(lengths), np.int64)
+    return {"ids": ids, "trained": trained, "lengths": lengths,
+            "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -37,6 +37,7 @@ class ChunkResult:
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
+    arrays: dict | None = None  # the examples as the store's arrays (store.chunk_arrays), made by the cache builder
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
