@@ -63,3 +63,25 @@ def test_views_give_the_rows_of_the_list_path(tmp_path):
     assert len(prepared.train.base) == prepared.stats.train_examples < len(prepared.examples) - held_out  # half of one
     assert isinstance(prepared.train.members, np.ndarray) and isinstance(prepared.train.base.picks, np.ndarray)
     assert prepared.stats.batch_efficiency == data.batch_efficiency(expected, micro_batch_size=4, seed=42)
+
+
+def test_a_hub_dataset_is_cached_by_its_datasets_fingerprint(tmp_path, monkeypatch):
+    """A `datasets` name (no local bytes to hash) is keyed by the fingerprint `datasets` gives the loaded split: the
+    same revision is a hit, other files a miss. The hub is stood in for by `load_dataset("json", ...)` of a local file
+    (the tests have no network); the key code path is the hub's."""
+    import datasets
+
+    from finetune.data import sources
+
+    path = write_jsonl(tmp_path / "hub" / "train.jsonl", addition_rows(40))
+    monkeypatch.setattr(sources, "_load_hub", lambda spec: datasets.load_dataset(
+        "json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf")))
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "train": {"micro_batch_size": 4},
+                              "data": {"datasets": [{"path": "someone/addition", "format": "alpaca"}]}})
+    tokenizer = build_tokenizer()
+    first = data.prepare(recipe, tokenizer)
+    second = data.prepare(recipe, tokenizer)
+    assert (first.stats.cached_datasets, second.stats.cached_datasets) == (0, 1)
+    assert [e.input_ids for e in second.examples] == [e.input_ids for e in first.examples]
+    write_jsonl(path, addition_rows(40, seed=5))  # a new revision of the dataset
+    assert data.prepare(recipe, tokenizer).stats.cached_datasets == 0
