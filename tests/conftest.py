@@ -22,6 +22,33 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _hermetic_cache() -> Path:
+    """One FINETUNE_CACHE (and `datasets` cache) for the whole test run, in a temporary folder (inherited by every process the suite starts):
+    the suite neither reads a stale tokenization or quantized cache of the machine nor fills it. Only the GGUF
+    conversions stay shared (a link to the machine's folder): keyed by the file's hash, they cost ~25 s to redo."""
+    import tempfile
+
+    from finetune.model.gguf import cache_root
+
+    shared_gguf = cache_root()  # the machine's, before FINETUNE_CACHE is moved
+    root = Path(tempfile.mkdtemp(prefix="finetune-tests-cache-"))
+    shared_gguf.mkdir(parents=True, exist_ok=True)
+    (root / "gguf").symlink_to(shared_gguf, target_is_directory=True)
+    os.environ["FINETUNE_CACHE"] = str(root)
+    os.environ["HF_DATASETS_CACHE"] = str(root / "hf-datasets")  # what `datasets` makes of CSV/Parquet/folder tests
+    return root
+
+
+TEST_CACHE = _hermetic_cache()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    (TEST_CACHE / "gguf").unlink(missing_ok=True)  # the link only: the machine's conversions stay
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
+
 def _gpu_present() -> bool:
     """Asked of the driver, not of torch: torch would fix its view of the GPUs before they are hidden below."""
     try:
