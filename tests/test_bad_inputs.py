@@ -190,10 +190,6 @@ def workspace(tiny_llama, tmp_path) -> Workspace:
     return Workspace(tmp_path, tiny_llama, data)
 
 
-def test_catalogue_has_at_least_30_cases():
-    assert len(CASES) >= 30
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_in_process(name, workspace, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
