@@ -117,6 +117,10 @@ class DataSection(_Section):
     num_proc: int | None = Field(
         None, gt=0, description="Processes tokenizing a dataset that is not cached yet (once per machine); default: the CPU cores.")
     cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
+    streaming: bool = Field(
+        False, description="Read the datasets lazily (larger than memory or disk): tokenized and packed on the fly, in "
+        "the datasets' order (no shuffle), pass after pass; needs train.max_steps. eval_fraction > 0 holds out the "
+        "first eval_max_rows rows. No weights, no dpo.reference: precomputed, no cache (docs/data.md, Streaming).")
 
     @model_validator(mode="before")
     @classmethod
@@ -284,6 +288,7 @@ class Recipe(_Section):
                     f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
                 )
         _check_objective(self)
+        _check_streaming(self)
         if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
             # A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a
             # normal request: warm up over the run instead of refusing it, and say so.
@@ -342,6 +347,30 @@ def _check_objective(recipe: Recipe) -> None:
     if dpo.max_prompt_length is not None and dpo.max_prompt_length >= data.max_length:
         raise ValueError(f"dpo.max_prompt_length ({dpo.max_prompt_length}) leaves no room for a response within "
                          f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
+
+
+def _check_streaming(recipe: Recipe) -> None:
+    """What a stream (data.streaming) cannot do, all named at once: it reads each dataset once per pass, in order, and
+    never holds the whole data."""
+    if not recipe.data.streaming:
+        return
+    problems = []
+    weighted = [f"data.datasets[{index}].weight ({spec.weight})" for index, spec in enumerate(recipe.data.datasets)
+                if spec.weight != 1.0]
+    if weighted:
+        problems.append(f"{', '.join(weighted)}: a weight repeats or subsamples a whole dataset, and a stream reads "
+                        "each dataset once per pass, in order. Fix: remove the weight (repeat rows in the file "
+                        "instead), or set data.streaming: false.")
+    if recipe.train.objective == "dpo" and recipe.dpo.reference == "precomputed" and recipe.dpo.loss in (
+            "sigmoid", "ipo", "hinge"):
+        problems.append("dpo.reference: precomputed computes every pair's reference log-probs before step 1, and a "
+                        "stream never holds every pair. Fix: dpo.reference: adapter_off (the default), or "
+                        "data.streaming: false.")
+    if getattr(recipe.train, "num_epochs", None) is not None:  # the key of another branch; a stream has no length
+        problems.append("train.num_epochs: a stream's length is unknown, so epochs cannot be turned into steps. Fix: "
+                        "set train.max_steps instead, or data.streaming: false.")
+    if problems:
+        raise ValueError("data.streaming: " + " ".join(problems))
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,

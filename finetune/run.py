@@ -36,11 +36,16 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
             quiet.keep_deepspeed_out()
         parallel.report(plan)
         tokenizer = model.load_tokenizer(recipe)
-        train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
-        packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
-        distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
-                           f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
-                           f"dropped{data.dropped_note(stats)}; batch efficiency {stats.batch_efficiency:.1%})")
+        if recipe.data.streaming:  # rows read, tokenized and packed while training (finetune/data/streaming.py)
+            train_examples, eval_examples, stats = data.stream_examples(recipe, tokenizer)
+            distributed.print0(data.streaming_line(stats, recipe))
+        else:
+            train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
+            packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
+            distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples"
+                               f"{packed} ({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, "
+                               f"{stats.dropped} dropped{data.dropped_note(stats)}; batch efficiency "
+                               f"{stats.batch_efficiency:.1%})")
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported

@@ -25,7 +25,10 @@ def cli_data(args: argparse.Namespace) -> int:
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
     data.check_local_files(recipe)
     tokenizer = model.load_tokenizer(recipe)
-    prepared = data.prepare(recipe, tokenizer)
+    if recipe.data.streaming:  # the first rows only: a stream is never read whole
+        prepared = data.stream_preview(recipe, tokenizer, rows=args.rows)
+    else:
+        prepared = data.prepare(recipe, tokenizer)
     print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty()))
     return 0
 
@@ -47,7 +50,7 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
         parts.append(f"--- eval example {number} (data.eval_datasets; {len(example.input_ids)} tokens, "
                      f"{example.num_trained} scored) ---")
         parts.append(mark_trained(example, tokenizer, color=color))
-    parts.append(format_stats(prepared, recipe))
+    parts.append(streaming_stats(prepared, recipe) if recipe.data.streaming else format_stats(prepared, recipe))
     return "\n".join(parts)
 
 
@@ -70,6 +73,24 @@ def mark_trained(example: Example, tokenizer, *, color: bool = False) -> str:
 def _decode(ids: list[int], tokenizer, trained: bool, opening: str, closing: str) -> str:
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return f"{opening}{text}{closing}" if trained else text
+
+
+def streaming_stats(prepared: PreparedData, recipe: Recipe) -> str:
+    """What a stream's preview knows: its datasets and settings, the eval set; no totals (nothing is read whole)."""
+    stats, data = prepared.stats, recipe.data
+    lines = ["--- statistics (data.streaming) ---"]
+    for item in stats.per_dataset:
+        lines.append(f"eval dataset {item['path']} ({item['format']}): {item['rows']} rows -> {item['examples']} examples")
+    lines.append(f"datasets: {', '.join(f'{spec.path} ({spec.format})' for spec in data.datasets)}, read in this order, "
+                 "pass after pass (no shuffle)")
+    held = stats.eval_examples - len(prepared.eval_files)
+    lines.append(f"eval: {stats.eval_examples} examples ({len(prepared.eval_files)} from data.eval_datasets, {held} from "
+                 f"the stream's first {data.eval_max_rows if data.eval_fraction > 0 else 0} rows, which training skips)")
+    packing = f"greedily into rows of <= {data.max_length} tokens" if data.packing else "off"
+    lines.append(f"packing: {packing}; max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows}")
+    lines.append(f"totals: unknown (streaming: the rows above are the first {len(prepared.examples)} of the stream; the "
+                 "rest are read and tokenized while training, so rows, tokens, efficiency and epochs are not counted)")
+    return "\n".join(lines)
 
 
 def format_stats(prepared: PreparedData, recipe: Recipe) -> str:

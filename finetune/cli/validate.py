@@ -87,6 +87,9 @@ def _check_data(recipe) -> str:
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
+        if recipe.data.streaming:  # the first rows of each dataset only: a stream is never read whole
+            _, _, stats = data.stream_examples(recipe, tokenizer)
+            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: ")
         _, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "

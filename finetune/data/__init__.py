@@ -8,7 +8,9 @@ masking works for any chat template that renders each conversation prefix as a p
 Flow: `prepare()` maps each dataset's tokenized store (building it once per machine when the cache lacks it), weights
 and mixes them, splits off the eval set and, with `data.packing`, packs the train examples into rows of at most
 `data.max_length` tokens whose position ids restart per example, all on indices and lengths. `BatchStream` then
-shuffles those rows per epoch and hands each rank its disjoint share, building only the rows it collates.
+shuffles those rows per epoch and hands each rank its disjoint share, building only the rows it collates. With
+`data.streaming`, `stream_examples()` reads nothing whole: `StreamingBatches` reads, tokenizes and packs the rows in
+order as training asks for them (`batch_stream()` gives the loop one or the other).
 
 The stage is a package, one module per job, read in this order:
 
@@ -21,6 +23,7 @@ The stage is a package, one module per job, read in this order:
     build.py      every dataset: weights, the eval set (held out and/or eval files), packing; prepare()
     packing.py    packing (on lengths) and its attention check
     loader.py     collate, BatchStream (per-rank sampler with exact resume), eval_batches
+    streaming.py  data.streaming: rows read, tokenized and packed on the fly, each rank's share, exact resume
 
 Everything callers use is importable from `finetune.data` itself.
 """
@@ -47,6 +50,14 @@ from finetune.data.packing import (
 )
 from finetune.data.sources import check_local_files, load_rows, open_source
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths, set_reference_logps
+from finetune.data.streaming import (
+    StreamedRows,
+    StreamingBatches,
+    batch_stream,
+    stream_examples,
+    stream_preview,
+    streaming_line,
+)
 from finetune.data.templates import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_WITH_INPUT,
@@ -75,8 +86,11 @@ __all__ = [
     "ExampleView",
     "PackedView",
     "PreparedData",
+    "StreamedRows",
+    "StreamingBatches",
     "TokenStore",
     "batch_efficiency",
+    "batch_stream",
     "build_examples",
     "cache_dir",
     "cache_key",
@@ -102,6 +116,9 @@ __all__ = [
     "set_reference_logps",
     "split_eval",
     "split_eval_indices",
+    "stream_examples",
+    "stream_preview",
+    "streaming_line",
     "tokenize_many",
     "tokenize_segments",
     "tokenizer_fingerprint",

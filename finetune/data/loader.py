@@ -108,6 +108,9 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where the saving run stopped, even if it had another world size or micro-batch size."""
+        if state.get("streaming"):
+            raise DataError("resume: the checkpoint was written by a run with data.streaming, whose position is a row of "
+                            "the stream, not of the shuffled rows. Resume with data.streaming: true, or start a new run.")
         for key, mine in (("rows", len(self.examples)), ("seed", self.seed)):
             if key in state and state[key] != mine:
                 raise DataError(f"resume: the checkpoint's data stream had {key}={state[key]}, this run has {mine}: the "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from finetune import distributed, outputs
-from finetune.data import BatchStream, Example, real_token_count
+from finetune.data import BatchStream, Example, batch_stream, real_token_count
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
@@ -163,8 +163,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
-    stream = BatchStream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
-                         world_size=info.world_size, seed=t.seed, pad_id=pad_id)
+    stream = batch_stream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
+                          world_size=info.world_size, seed=t.seed, pad_id=pad_id)
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
     first_step = 1

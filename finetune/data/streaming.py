@@ -1,0 +1,334 @@
+"""Streaming (data.streaming): rows read lazily, tokenized and packed on the fly, each rank's share, exact resume.
+
+For datasets larger than memory or disk: nothing is read whole and nothing is cached. Local JSON Lines are read line by
+line; other local files, folders and hub names are `datasets` IterableDatasets (`load_dataset(..., streaming=True)`).
+Rows go through `tokenize_chunk` a small chunk at a time, so tokens and labels are those of the cached path. With
+data.packing, examples are packed greedily as they come: an open row takes the next example if it fits in
+data.max_length, else the row is emitted and a new one opened. The datasets are read one after another in their own
+order (no shuffle, as TRL's streaming without a shuffle buffer); at the end a new pass (epoch) starts from the top.
+
+Sharding: every rank reads and tokenizes the whole stream and keeps its share. Global micro-batch g is the next
+micro_batch_size x world_size sequences of the one stream and rank r takes every world_size-th of them, BatchStream's
+rule: 1 process x batch 4 and 2 processes x batch 2 see the same rows per optimizer step, and the packing never
+depends on the world size. The cost is that each rank reads and tokenizes all rows (world_size times the tokenizing
+work of reading only a share, which would need per-rank packing and so a world-size-dependent order); tokenizing a
+row is a small fraction of its forward and backward, and every rank builds only its own share into tensors.
+
+Position: (epoch, dataset, row), the first row not yet consumed into a yielded sequence. After a whole global
+micro-batch every rank holds the same position, and greedy packing keeps no state across an emitted row, so a resume
+skips that many rows without tokenizing them and continues at exactly the next example, with any world size or
+micro-batch size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.data.build import eval_file_examples
+from finetune.data.examples import DataStats, Example, PreparedData
+from finetune.data.loader import BatchStream, collate
+from finetune.data.packing import concat_examples, packing_problem
+from finetune.data.sources import LOCAL_SUFFIXES
+from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
+from finetune.errors import DataError
+from finetune.recipe import DatasetSpec, Recipe
+
+STREAM_CHUNK_ROWS = 64  # rows tokenized together: the Rust tokenizer's batch, and all a rank reads ahead
+
+
+@dataclass(frozen=True)
+class Position:
+    """The first row not yet consumed into a yielded sequence, in pass `epoch` of the stream."""
+
+    epoch: int
+    dataset: int
+    row: int
+
+
+# --------------------------------------------------------------------------------------------------- rows
+def _json_lines(path: Path) -> bool:
+    """A .jsonl file, or a .json file holding JSON Lines (not one JSON array): read line by line."""
+    if path.suffix != ".json":
+        return path.suffix == ".jsonl"
+    with open(path, encoding="utf-8") as handle:
+        while (character := handle.read(1)) and character.isspace():
+            pass
+    return character != "["
+
+
+def _lines(path: Path, start: int) -> Iterator[tuple[int, str, str]]:
+    """(row, line, place) from row `start` on; rows are the non-empty lines, as the cached path counts them. Skipped
+    rows are read past, never parsed."""
+    with open(path, encoding="utf-8") as handle:
+        row = 0
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if row >= start:
+                yield row, line, f"line {number}"
+            row += 1
+
+
+def _iterable(spec: DatasetSpec, path: Path):
+    """Anything but JSON Lines as a `datasets` IterableDataset (a JSON array file: its parsed rows)."""
+    import datasets
+
+    try:
+        if path.is_file() and path.suffix == ".json":  # one JSON array is one value: parsed whole (use JSON Lines)
+            from finetune.data.sources import _json_array
+
+            return _json_array(path, path.read_text(encoding="utf-8"))
+        if path.is_file():
+            return datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+            loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow: read as it is iterated
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded[spec.split]
+            return loaded.to_iterable_dataset()
+        if path.is_dir():
+            return datasets.load_dataset(str(path), spec.subset, split=spec.split, streaming=True)
+        from finetune.hub import use_cache_only_if_unreachable
+
+        use_cache_only_if_unreachable()
+        return datasets.load_dataset(spec.path, spec.subset, split=spec.split, streaming=True)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001  datasets raises many types for names and folders it cannot stream
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({text}). Streaming reads "
+                        "hub datasets from the hub itself: offline, save it to a local folder or files first.") from None
+
+
+def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, object, str]]:
+    """(row, item, place) of one dataset from row `start` on, at most spec.max_rows rows. An item is a JSON Lines
+    line (text, parsed when tokenized) or a row dict. Skipped rows are read past, never tokenized."""
+    path = Path(spec.path).expanduser()
+    limit = spec.max_rows
+    if limit is not None and start >= limit:
+        return
+    if not path.exists() and (spec.path.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES):
+        raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
+    if path.is_file() and _json_lines(path):
+        rows = _lines(path, start)
+    else:
+        table = _iterable(spec, path)
+        rows = ((start + i, item, f"row {start + i + 1}")
+                for i, item in enumerate(table[start:] if isinstance(table, list) else table.skip(start)))
+    yield from rows if limit is None else itertools.takewhile(lambda entry: entry[0] < limit, rows)
+
+
+def _tokenized(chunk: list[tuple[int, object, str]], spec: DatasetSpec, recipe: Recipe, tokenizer,
+               counts: dict | None = None) -> list[tuple[int, Example]]:
+    """(row, example) for a chunk of rows: tokenize_chunk, the cached path's treatment of every row. A row skipped or
+    dropped leaves no example, so such a chunk is tokenized again row by row to learn which rows the examples came
+    from (the same tokens: tokenize_chunk treats a row alike in any chunk). A fatal problem (data.bad_rows: error) is
+    raised here, when the stream reaches the row."""
+    rows = [row for row, _, _ in chunk]
+    result = _tokenize_items([item for _, item, _ in chunk], [place for _, _, place in chunk], spec, recipe, tokenizer)
+    if counts is not None:
+        merge_counts(counts, result)
+    if len(result.examples) == len(chunk):
+        return list(zip(rows, result.examples))
+    found = []
+    for row, item, place in chunk:
+        found += [(row, example) for example in _tokenize_items([item], [place], spec, recipe, tokenizer).examples]
+    return found
+
+
+def _tokenize_items(items: list, places: list[str], spec: DatasetSpec, recipe: Recipe, tokenizer) -> ChunkResult:
+    broken: list[str] = []
+    if items and isinstance(items[0], str):
+        items, places, broken = parse_lines(items, places, spec.path, bad_rows=recipe.data.bad_rows)
+    result = tokenize_chunk(items, places, broken, spec, recipe, tokenizer)
+    if result.fatal is not None:
+        raise DataError(result.fatal)
+    return result
+
+
+def _chunks(entries: Iterator, size: int) -> Iterator[list]:
+    while chunk := list(itertools.islice(entries, size)):
+        yield chunk
+
+
+# ------------------------------------------------------------------------------------------------ the stream
+class StreamedRows:
+    """The training rows of a streaming run: the datasets read from `start` (past the held-out eval rows) in every
+    pass. Nothing is read until a stream iterates; `sequences` is deterministic from any position."""
+
+    def __init__(self, recipe: Recipe, tokenizer, start: tuple[int, int] = (0, 0)):
+        self.recipe, self.tokenizer, self.start = recipe, tokenizer, start
+        self.specs = recipe.data.datasets
+        self.counts: dict = {}  # rows read, skipped, truncated, dropped so far (this process)
+
+    def examples(self, dataset: int, row: int) -> Iterator[tuple[int, Example]]:
+        """(row, example) of one dataset from `row` on."""
+        spec = self.specs[dataset]
+        for chunk in _chunks(dataset_rows(spec, row), STREAM_CHUNK_ROWS):
+            yield from _tokenized(chunk, spec, self.recipe, self.tokenizer, self.counts)
+
+    def pass_examples(self, epoch: int, dataset: int, row: int) -> Iterator[tuple[Example, Position]]:
+        """Examples of one pass from (dataset, row), each with the position that follows it."""
+        for index in range(dataset, len(self.specs)):
+            for found, example in self.examples(index, row if index == dataset else 0):
+                yield example, Position(epoch, index, found + 1)
+
+    def sequences(self, position: Position) -> Iterator[tuple[Example, Position]]:
+        """Training sequences from `position` on, endlessly (pass after pass), each with the position after it:
+        examples, or with data.packing rows packed greedily (a pass's last row is emitted at its end)."""
+        epoch, dataset, row = position.epoch, position.dataset, position.row
+        packing, limit = self.recipe.data.packing, self.recipe.data.max_length
+        while True:
+            yielded, members, size, after = False, [], 0, None
+            for example, following in self.pass_examples(epoch, dataset, row):
+                if not packing:
+                    yielded = True
+                    yield example, following
+                    continue
+                if members and size + len(example.input_ids) > limit:
+                    yielded = True
+                    yield concat_examples(members), after
+                    members, size = [], 0
+                members.append(example)
+                size, after = size + len(example.input_ids), following
+            if members:
+                yielded = True
+                yield concat_examples(members), Position(epoch + 1, *self.start)
+            if not yielded and (dataset, row) == self.start:  # a whole pass (not the end of one a resume began in)
+                raise DataError(self.empty_pass())
+            epoch, (dataset, row) = epoch + 1, self.start
+
+    def empty_pass(self) -> str:
+        held = " after the held-out eval rows (data.eval_max_rows)" if self.start != (0, 0) else ""
+        return (f"data.streaming: a whole pass over data.datasets gave no training example{held} (every row skipped, "
+                "dropped or held out). Check the data with `finetune data`, or lower data.eval_max_rows.")
+
+    def fingerprint(self) -> dict:
+        """What the position depends on: a checkpoint of other data or settings cannot be resumed."""
+        data = self.recipe.data
+        return {"datasets": [spec.path for spec in self.specs], "max_rows": [spec.max_rows for spec in self.specs],
+                "start": list(self.start), "packing": data.packing, "max_length": data.max_length}
+
+
+class StreamingBatches:
+    """BatchStream's interface over a stream: endless micro-batches for one rank, and a resumable position.
+
+    Global micro-batch g is the next micro_batch_size x world_size sequences and rank r takes every world_size-th;
+    the position advances by whole global micro-batches, so it is the same on every rank.
+    """
+
+    def __init__(self, rows: StreamedRows, *, micro_batch_size: int, rank: int, world_size: int, pad_id: int):
+        self.rows, self.batch, self.rank, self.world, self.pad_id = rows, micro_batch_size, rank, world_size, pad_id
+        self.position = Position(0, *rows.start)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        sequences = self.rows.sequences(self.position)
+        while True:
+            taken = list(itertools.islice(sequences, self.batch * self.world))
+            self.position = taken[-1][1]
+            yield collate([sequence for sequence, _ in taken[self.rank :: self.world]], self.pad_id)
+
+    def state_dict(self) -> dict:
+        position = self.position
+        return {"streaming": True, "epoch": position.epoch, "dataset": position.dataset, "row": position.row,
+                "world_size": self.world, "micro_batch_size": self.batch, **self.rows.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position, whatever world size or micro-batch size saved it."""
+        if not state.get("streaming"):
+            raise DataError("resume: the checkpoint was written by a run without data.streaming, whose position counts "
+                            "shuffled rows, not rows of the stream. Resume with data.streaming: false, or start a new run.")
+        for key, mine in self.rows.fingerprint().items():
+            if state.get(key) != mine:
+                raise DataError(f"resume: the checkpoint's data stream had {key}={state.get(key)}, this run has {mine}: "
+                                "the data or data settings changed since the checkpoint, so the position in the stream "
+                                "cannot be restored. Resume with the same data and recipe, or start a new run.")
+        self.position = Position(state["epoch"], state["dataset"], state["row"])
+
+
+def batch_stream(train, **options) -> BatchStream | StreamingBatches:
+    """The loop's micro-batches: a stream's (data.streaming) or BatchStream's over the prepared rows. `options`:
+    micro_batch_size, rank, world_size, seed (the shuffle; a stream keeps the data's order), pad_id."""
+    if isinstance(train, StreamedRows):
+        options.pop("seed", None)
+        return StreamingBatches(train, **options)
+    return BatchStream(train, **options)
+
+
+# ---------------------------------------------------------------------------------------- before training
+def stream_examples(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], DataStats]:
+    """The stream's training rows, the eval examples (data.eval_datasets first) and what is known without reading the
+    data whole. See `_opened`."""
+    rows, files, held, stats = _opened(recipe, tokenizer)
+    return rows, (list(files) + held if held else files), stats
+
+
+def _opened(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], list[Example], DataStats]:
+    """(training rows, eval file examples, held-out eval examples, stats).
+
+    Eval: data.eval_datasets are tokenized the cached way; with data.eval_fraction > 0 the first data.eval_max_rows
+    rows of the stream are held out too (a stream's total is unknown, so no fraction of it can be taken) and every
+    pass of training starts after them. Checked here, before any weight loads: packing's attention, each dataset's
+    first rows (columns, chat template, bad rows), and that training rows remain.
+    """
+    if recipe.data.packing and (problem := packing_problem(recipe.model.attn_implementation)):
+        raise DataError(problem)
+    stats = DataStats()
+    files = eval_file_examples(recipe, tokenizer, stats)
+    held, start = _held_out(recipe, tokenizer)
+    stats.eval_examples = len(files) + len(held)
+    for spec in recipe.data.datasets:
+        first = list(itertools.islice(dataset_rows(spec), STREAM_CHUNK_ROWS))
+        items, places = [item for _, item, _ in first], [place for _, _, place in first]
+        if items and isinstance(items[0], str):
+            items, _, _ = parse_lines(items, places, spec.path, bad_rows="skip")
+        check_dataset(items, spec, tokenizer, spec.path)  # as the cached path: before any row's own problem
+        _tokenized(first, spec, recipe, tokenizer)
+    rows = StreamedRows(recipe, tokenizer, start)
+    if next(rows.sequences(Position(0, *start)), None) is None:
+        raise DataError(rows.empty_pass())
+    rows.counts.clear()  # that look ahead is read again by training
+    return rows, files, held, stats
+
+
+def _held_out(recipe: Recipe, tokenizer) -> tuple[list[Example], tuple[int, int]]:
+    """The examples of the first data.eval_max_rows rows of the stream (eval_fraction > 0), and where training starts."""
+    data = recipe.data
+    wanted = data.eval_max_rows if data.eval_fraction > 0 else 0
+    held: list[Example] = []
+    for index, spec in enumerate(data.datasets):
+        if wanted == 0:
+            return held, (index, 0)
+        taken = list(itertools.islice(dataset_rows(spec), wanted))
+        for chunk in _chunks(iter(taken), STREAM_CHUNK_ROWS):
+            held += [example for _, example in _tokenized(chunk, spec, recipe, tokenizer)]
+        if len(taken) == wanted:
+            return held, (index, taken[-1][0] + 1)
+        wanted -= len(taken)
+    return held, (len(data.datasets), 0)
+
+
+def _file_examples(stats: DataStats) -> int:
+    return sum(item["examples"] for item in stats.per_dataset if item.get("role") == "eval")
+
+
+def streaming_line(stats: DataStats, recipe: Recipe) -> str:
+    """The run's data line: what a stream can say before training (no totals)."""
+    data, count = recipe.data, len(recipe.data.datasets)
+    held = stats.eval_examples - _file_examples(stats)
+    files = f"{_file_examples(stats)} from data.eval_datasets, " if data.eval_datasets else ""
+    packed = f", packed greedily into rows of <= {data.max_length} tokens" if data.packing else ""
+    return (f"[finetune] data: streaming {count} dataset{'s' if count > 1 else ''} in order{packed} (totals unknown: "
+            f"rows are read and tokenized while training); {stats.eval_examples} eval examples ({files}{held} held out: "
+            f"the stream's first {data.eval_max_rows if data.eval_fraction > 0 else 0} rows)")
+
+
+def stream_preview(recipe: Recipe, tokenizer, *, rows: int) -> PreparedData:
+    """For `finetune data`: the first `rows` training examples of the stream and the eval set, nothing read whole."""
+    train, files, held, stats = _opened(recipe, tokenizer)
+    first = [example for example, _ in itertools.islice(train.pass_examples(0, *train.start), max(rows, 0))]
+    return PreparedData(first, [], list(files) + held, stats, files)
