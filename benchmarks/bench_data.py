@@ -1,6 +1,7 @@
 """Data pipeline throughput: rows/s and tokens/s to tokenize and to pack, the tokenization cache, padding waste.
 
     python benchmarks/bench_data.py [--rows 20000] [--max-length 512] [--micro-batch-size 4] [--tokenizer DIR]
+    python benchmarks/bench_data.py --scale 50000[,200000] | --quick     (the scale mode: benchmarks/data_scale.py)
 
 Synthetic alpaca rows and multi-turn chats of varied lengths, plus the addition task of the tests (a stand-in for
 the quickstart data), tokenized by the tiny built-in tokenizer unless --tokenizer names a real one. Every figure
@@ -77,6 +78,8 @@ def bench_format(name: str, fmt: str, path: Path, rows: int, tokenizer, args: ar
     tokens = prepared.stats.total_tokens
     print(f"{name}: {rows} rows, {tokens} tokens (median {prepared.stats.tokens_median:g} per example)")
     print(f"  tokenize, 1 process:  {rows / seconds:9.0f} rows/s {tokens / seconds:10.0f} tokens/s")
+    if args.workers is None:
+        args.workers = 2
     if args.workers > 1:
         _, parallel = timed(data.prepare, make_recipe(path, fmt, args, cache=False, num_workers=args.workers), tokenizer)
         print(f"  tokenize, {args.workers} workers:  {rows / parallel:9.0f} rows/s {tokens / parallel:10.0f} tokens/s")
@@ -98,9 +101,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=2, help="worker processes for rendering (0/1: none)")
-    parser.add_argument("--tokenizer", help="tokenizer folder (default: the tiny built-in BPE with a ChatML template)")
+    parser.add_argument("--workers", type=int, help="worker processes for rendering, data.num_workers (default: 2; "
+                        "--scale: the recipe's default)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the tiny built-in BPE with a ChatML template; "
+                        "--scale: SmolLM2's, `tiny` for the built-in one)")
+    parser.add_argument("--scale", nargs="?", const="50000", help="the scale mode: row counts, e.g. 50000,200000 "
+                        "(default 50000): our data phase against datasets.map, cold and warm, 1 and 2 ranks")
+    parser.add_argument("--quick", action="store_true", help="the scale mode on 1,000 rows (about a minute)")
+    parser.add_argument("--num-proc", type=int, help="--scale: datasets.map's num_proc (default: the number of cores)")
+    parser.add_argument("--scale-worker", help=argparse.SUPPRESS)  # one rank of a scale run (JSON settings)
     args = parser.parse_args()
+    if args.scale_worker or args.scale or args.quick:
+        import data_scale
+
+        if args.scale_worker:
+            return data_scale.worker(json.loads(args.scale_worker))
+        args.num_workers = args.workers
+        return data_scale.main(args)
 
     from finetune.cli.tiny import build_tokenizer
 
