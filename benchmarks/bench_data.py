@@ -74,14 +74,14 @@ def bench_format(name: str, fmt: str, path: Path, rows: int, tokenizer, args: ar
     """Tokenize (serial and with worker processes), read back from the cache, pack; print one block per dataset."""
     from finetune import data
 
-    prepared, seconds = timed(data.prepare, make_recipe(path, fmt, args, cache=False), tokenizer)
+    prepared, seconds = timed(data.prepare, make_recipe(path, fmt, args, cache=False, num_proc=1), tokenizer)
     tokens = prepared.stats.total_tokens
     print(f"{name}: {rows} rows, {tokens} tokens (median {prepared.stats.tokens_median:g} per example)")
     print(f"  tokenize, 1 process:  {rows / seconds:9.0f} rows/s {tokens / seconds:10.0f} tokens/s")
     if args.workers is None:
         args.workers = 2
     if args.workers > 1:
-        _, parallel = timed(data.prepare, make_recipe(path, fmt, args, cache=False, num_workers=args.workers), tokenizer)
+        _, parallel = timed(data.prepare, make_recipe(path, fmt, args, cache=False, num_proc=args.workers), tokenizer)
         print(f"  tokenize, {args.workers} workers:  {rows / parallel:9.0f} rows/s {tokens / parallel:10.0f} tokens/s")
     timed(data.prepare, make_recipe(path, fmt, args), tokenizer)  # fills the cache
     cached, cache_seconds = timed(data.prepare, make_recipe(path, fmt, args), tokenizer)
@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--workers", type=int, help="worker processes for rendering, data.num_workers (default: 2; "
-                        "--scale: the recipe's default)")
+    parser.add_argument("--workers", type=int, help="processes tokenizing, data.num_proc (default: 2; "
+                        "--scale: the recipe's default, the cores)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the tiny built-in BPE with a ChatML template; "
                         "--scale: SmolLM2's, `tiny` for the built-in one)")
     parser.add_argument("--scale", nargs="?", const="50000", help="the scale mode: row counts, e.g. 50000,200000 "

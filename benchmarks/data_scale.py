@@ -10,7 +10,7 @@ with the same tokenizer (SmolLM2-135M-Instruct's, rebuilt from the GGUF of the `
 --tokenizer names another folder or `tiny`), max_length 2048, packing on. Each side runs in fresh processes:
 
   ours   what `finetune data RECIPE` and `finetune train` do: load the tokenizer, `finetune.data.prepare(recipe,
-         tokenizer)` (the recipe's defaults; --workers N sets data.num_workers). 2 ranks: torchrun
+         tokenizer)` (the recipe's defaults; --workers N sets data.num_proc). 2 ranks: torchrun
          --nproc_per_node 2, each rank forms the gloo group first, as finetune/run.py does.
   map    TRL's SFTTrainer._prepare_dataset for conversational data, reproduced without TRL (the steps of TRL 1.13-1.16):
          `load_dataset("json")`, then `.map` with num_proc = cores: apply_chat_template(messages, tokenize=True,
@@ -290,7 +290,7 @@ def _ours_side(file: str, tokenizer, settings: dict, rank: int) -> dict:
     from finetune import data
     from finetune.recipe import validate_recipe
 
-    data_keys = {"num_workers": settings["num_workers"]} if settings["num_workers"] is not None else {}
+    data_keys = {"num_proc": settings["num_workers"]} if settings["num_workers"] is not None else {}
     recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": {
         "datasets": [{"path": file, "format": "chat"}], "max_length": settings["max_length"], "packing": True,
         **data_keys}})
@@ -487,7 +487,7 @@ def main(args) -> None:
         settings = {"tokenizer": folder, "max_length": MAX_LENGTH, "num_proc": num_proc,
                     "num_workers": args.num_workers}
         print(f"tokenizer: {description}\nmax_length {MAX_LENGTH}, packing on; datasets.map num_proc {num_proc}; "
-              f"ours: data.num_workers {args.num_workers if args.num_workers is not None else 'default'}; "
+              f"ours: data.num_proc {args.num_workers if args.num_workers is not None else 'default (the cores)'}; "
               f"{os.cpu_count()} cores", flush=True)
         results = [bench_scale(rows, settings, Path(scratch)) for rows in sizes]
     import datasets
