@@ -85,3 +85,20 @@ def test_a_hub_dataset_is_cached_by_its_datasets_fingerprint(tmp_path, monkeypat
     assert [e.input_ids for e in second.examples] == [e.input_ids for e in first.examples]
     write_jsonl(path, addition_rows(40, seed=5))  # a new revision of the dataset
     assert data.prepare(recipe, tokenizer).stats.cached_datasets == 0
+
+
+def test_a_ddp_launch_tokenizes_in_worker_processes_forked_after_the_process_group(tiny_llama, tmp_path, monkeypatch):
+    """The cache is built inside a launched run, after the gloo group formed: one rank forks data.num_proc workers
+    (more than one chunk of rows), the other waits on the lock, and both train on the one mapped entry."""
+    from conftest import read_metrics, recipe_dict, torchrun, write_recipe
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))  # this launch's own cache, to count its entries
+    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(2500))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, path, tmp_path / "run", data={"num_proc": 2},
+                                                          train={"max_steps": 2, "micro_batch_size": 2}))
+    result = torchrun(recipe, "parallel.strategy=ddp", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2436 train / 64 eval examples" in result.stdout, result.stdout
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if "loss" in m] == [1, 2]
+    entries = [p for p in (tmp_path / "cache" / "data").iterdir() if p.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "meta.json").is_file(), entries  # built once, no temporary left
