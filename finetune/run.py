@@ -42,6 +42,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                            f"({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} "
                            f"dropped; batch efficiency {stats.batch_efficiency:.1%})")
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
+        training.resolve_max_steps(recipe, len(train_examples), info.world_size)  # train.num_epochs -> max_steps
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()

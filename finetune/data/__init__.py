@@ -25,7 +25,15 @@ Everything callers use is importable from `finetune.data` itself.
 from finetune.data.build import build_examples, eval_file_examples, prepare, split_eval, split_eval_indices
 from finetune.data.cache import CACHE_VERSION, cache_dir, dataset_examples, tokenizer_fingerprint
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, PreparedData
-from finetune.data.loader import BatchStream, collate, epoch_permutation, eval_batches, real_token_count
+from finetune.data.loader import (
+    BatchStream,
+    checked_steps_per_epoch,
+    collate,
+    epoch_permutation,
+    eval_batches,
+    real_token_count,
+    steps_per_epoch,
+)
 from finetune.data.packing import (
     PACKING_ATTENTION,
     batch_efficiency,
@@ -51,8 +59,9 @@ from finetune.errors import DataError
 __all__ = [
     "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "CACHE_VERSION", "FORMAT_FIELDS", "IGNORE_INDEX", "PACKING_ATTENTION",
     "ROLE_ALIASES", "BatchStream", "DataError", "DataStats", "Example", "PreparedData", "batch_efficiency",
-    "build_examples", "cache_dir", "check_local_files", "check_row", "collate", "concat_examples", "dataset_examples",
+    "build_examples", "cache_dir", "check_local_files", "check_row", "checked_steps_per_epoch", "collate",
+    "concat_examples", "dataset_examples",
     "epoch_permutation", "eval_batches", "eval_file_examples", "load_rows", "normalize_messages", "pack_examples",
     "packing_problem", "prepare", "real_token_count", "render_segments", "split_eval", "split_eval_indices",
-    "tokenize_many", "tokenize_segments", "tokenizer_fingerprint", "verify_packing",
+    "steps_per_epoch", "tokenize_many", "tokenize_segments", "tokenizer_fingerprint", "verify_packing",
 ]
