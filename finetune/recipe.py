@@ -11,6 +11,7 @@ Stable contract (outside scripts rely on these keys): `model.name_or_path`, `out
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -136,7 +137,11 @@ class TrainSection(_Section):
     objective: Literal["sft", "dpo"] = Field(
         "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
         "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO).")
-    max_steps: int = Field(100, gt=0)
+    max_steps: int = Field(100, gt=0, description="Optimizer steps of the run; or set num_epochs instead (not both).")
+    num_epochs: float | None = Field(
+        None, gt=0, description="Passes over the training rows instead of max_steps (not both; 1.5: one pass and half "
+        "of a reshuffled second). At the run's start max_steps becomes ceil(num_epochs x steps per epoch), steps per "
+        "epoch = rows // (micro_batch_size x processes x grad_accum): the resolved recipe.yaml says that max_steps.")
     micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass.")
     grad_accum: int = Field(1, gt=0)
     learning_rate: float = Field(2e-4, gt=0)
@@ -170,6 +175,24 @@ class TrainSection(_Section):
     )
     mlflow_experiment: str = Field("finetune", description="MLflow experiment name.")
     wandb_project: str = Field("finetune", description="Weights & Biases project (offline mode without an API key).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_unsets_max_steps(cls, values: Any) -> Any:
+        # `train.max_steps=null` on the command line unsets a recipe's max_steps (every library recipe sets one), so
+        # that `train.num_epochs=2` can take its place.
+        if isinstance(values, dict) and "max_steps" in values and values["max_steps"] is None:
+            values = {key: value for key, value in values.items() if key != "max_steps"}
+        return values
+
+    @model_validator(mode="after")
+    def _one_run_length(self) -> TrainSection:
+        if self.num_epochs is not None and "max_steps" in self.model_fields_set:
+            raise ValueError(
+                f"max_steps ({self.max_steps}) and num_epochs ({self.num_epochs:g}) are both set; a run's length is "
+                "given by one of them. Fix: remove train.max_steps or train.num_epochs from the recipe; on the command "
+                "line `train.max_steps=null` (or `train.num_epochs=null`) unsets the recipe's.")
+        return self
 
     @field_validator("resume")
     @classmethod
@@ -240,6 +263,7 @@ class EvalSection(_Section):
 class Recipe(_Section):
     _notes: list[str] = PrivateAttr(default_factory=list)
     _dtype_choice: DtypeChoice | None = PrivateAttr(None)
+    _length_origin: str | None = PrivateAttr(None)  # how train.num_epochs became max_steps, once resolved
     description: str = ""
     model: ModelSection
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
@@ -289,6 +313,11 @@ class Recipe(_Section):
                 )
         _check_objective(self)
         _check_streaming(self)
+        if self.train.num_epochs is None:  # with num_epochs, once the run knows its steps (resolve_num_epochs)
+            self._fit_warmup()
+        return self
+
+    def _fit_warmup(self) -> None:
         if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
             # A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a
             # normal request: warm up over the run instead of refusing it, and say so.
@@ -298,7 +327,27 @@ class Recipe(_Section):
                 f"train.warmup_steps ({asked}) is not below train.max_steps ({self.train.max_steps}): warming up over "
                 f"{clamped} step{'s' if clamped != 1 else ''} instead."
             )
-        return self
+
+    def resolve_num_epochs(self, steps_per_epoch: int, *, launch: str) -> str | None:
+        """train.num_epochs -> train.max_steps = ceil(num_epochs x steps_per_epoch), for the launch described by
+        `launch`; then the warmup check, which needs the run's length (its note joins `notes`). Returns how max_steps
+        was resolved (None: the recipe gave max_steps).
+
+        Done once, before the scheduler, the progress bar, the checkpoint cadence and recipe.yaml read max_steps; a
+        resume resolves the same steps from the same rows and global batch. num_epochs is set to null in its place:
+        the resolved recipe, written to the run folder and reloaded by export, sets one of the two like any recipe
+        (a comment on top of it keeps where max_steps came from).
+        """
+        t = self.train
+        if t.num_epochs is None:
+            return None
+        steps = steps_for_epochs(t.num_epochs, steps_per_epoch)
+        self._length_origin = (f"train.max_steps {steps} = ceil(train.num_epochs {t.num_epochs:g} x {steps_per_epoch} "
+                               f"steps per epoch; {launch})")
+        t.num_epochs = None  # first: max_steps beside num_epochs is refused
+        t.max_steps = steps
+        self._fit_warmup()
+        return self._length_origin
 
     def __eq__(self, other: object) -> bool:
         # Two recipes are equal when they say the same thing: what validation noted on the way (the dtype choice of
@@ -324,6 +373,12 @@ class Recipe(_Section):
 
 
 _SCHEMA_ROOT = Recipe
+
+
+def steps_for_epochs(num_epochs: float, steps_per_epoch: int) -> int:
+    """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step."""
+    # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4.
+    return math.ceil(round(num_epochs * steps_per_epoch, 6))
 
 
 def _check_objective(recipe: Recipe) -> None:
@@ -416,4 +471,6 @@ def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Litera
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    # A max_steps resolved from num_epochs says so in a comment (the keys say max_steps only: the file must reload).
+    origin = f"# {recipe._length_origin}\n" if recipe._length_origin else ""
+    return origin + yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -36,17 +36,12 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
             quiet.keep_deepspeed_out()
         parallel.report(plan)
         tokenizer = model.load_tokenizer(recipe)
-        if recipe.data.streaming:  # rows read, tokenized and packed while training (finetune/data/streaming.py)
-            train_examples, eval_examples, stats = data.stream_examples(recipe, tokenizer)
-            distributed.print0(data.streaming_line(stats, recipe))
-        else:
-            train_examples, eval_examples, stats = data.build_examples(recipe, tokenizer)
-            packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
-            distributed.print0(f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples"
-                               f"{packed} ({stats.rows} rows, {stats.skipped} skipped, {stats.truncated} truncated, "
-                               f"{stats.dropped} dropped{data.dropped_note(stats)}; batch efficiency "
-                               f"{stats.batch_efficiency:.1%})")
+        streaming = recipe.data.streaming  # rows read, tokenized and packed while training (data/streaming.py)
+        train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
+        distributed.print0((data.streaming_line if streaming else data.data_line)(stats, recipe))
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
+        if not streaming:  # a stream's length is unknown: it runs train.max_steps (num_epochs is refused)
+            training.resolve_max_steps(recipe, len(train_examples), info.world_size)  # train.num_epochs -> max_steps
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()

@@ -132,6 +132,8 @@ def _add_look_verbs(verbs) -> None:
     p = verbs.add_parser("data", help="preview rendered examples with trained spans, and data statistics")
     _add_recipe_args(p)
     p.add_argument("--rows", type=int, default=3, help="examples to show (default 3)")
+    p.add_argument("--num-processes", type=int, default=None, help="processes the run will have, for the steps per "
+                   "epoch (default: those of the accelerate config the recipe names in its comments, else 1)")
     p.set_defaults(func=_delegate("finetune.cli.preview", "cli_data"))
 
 

@@ -2,16 +2,18 @@
 
 Shows a few rendered examples with the trained tokens marked (green on a terminal, `[[...]]` otherwise), and
 the statistics that decide whether the data path is right: rows read / skipped / truncated / dropped, tokens per
-example, packing efficiency and the steps one epoch takes. Needs only the tokenizer.
+example, packing efficiency and the steps one epoch takes at the recipe's launch (`--num-processes`, else the
+accelerate config the recipe names, else one process). Needs only the tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from finetune.data import IGNORE_INDEX, Example, PreparedData
-from finetune.recipe import Recipe
+from finetune.data import IGNORE_INDEX, Example, PreparedData, steps_per_epoch
+from finetune.recipe import Recipe, steps_for_epochs
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -22,19 +24,39 @@ def cli_data(args: argparse.Namespace) -> int:
     from finetune.cli.library import resolve_recipe_path
     from finetune.recipe import load_recipe
 
-    recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides))
+    recipe_path = resolve_recipe_path(args.recipe)
+    recipe = load_recipe(recipe_path, list(args.overrides))
     data.check_local_files(recipe)
+    processes, launch = launch_processes(recipe_path, getattr(args, "num_processes", None))
     tokenizer = model.load_tokenizer(recipe)
     if recipe.data.streaming:  # the first rows only: a stream is never read whole
         prepared = data.stream_preview(recipe, tokenizer, rows=args.rows)
     else:
         prepared = data.prepare(recipe, tokenizer)
-    print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty()))
+    print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty(), processes=processes,
+                         launch=launch))
     return 0
 
 
-def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: int, color: bool = False) -> str:
-    """The whole preview as text: examples first, statistics last (where a terminal leaves them in view)."""
+def launch_processes(recipe_path: str, asked: int | None) -> tuple[int, str]:
+    """The process count of the recipe's launch, and where it comes from: --num-processes, else the accelerate config
+    the recipe names in its leading comments (as `finetune validate`), else one process."""
+    from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+    from finetune.parallel import accelerate_config_env
+
+    if asked:
+        return asked, "--num-processes"
+    named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
+    if named:
+        env = accelerate_config_env(resolve_accelerate_config(named))
+        return int(env["ACCELERATE_NUM_PROCESSES"]), f"the launch the recipe names: {named}"
+    return 1, "the recipe names no accelerate config; --num-processes N for another launch"
+
+
+def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: int, color: bool = False,
+                   processes: int = 1, launch: str = "one process") -> str:
+    """The whole preview as text: examples first, statistics last (where a terminal leaves them in view).
+    `processes`: the launch's process count, for the steps per epoch (`launch` says where it comes from)."""
     parts = []
     for number, example in enumerate(prepared.examples[: max(rows, 0)], start=1):
         if example.rejected is not None:  # a preference pair: both sequences, the scored responses marked
@@ -50,7 +72,8 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
         parts.append(f"--- eval example {number} (data.eval_datasets; {len(example.input_ids)} tokens, "
                      f"{example.num_trained} scored) ---")
         parts.append(mark_trained(example, tokenizer, color=color))
-    parts.append(streaming_stats(prepared, recipe) if recipe.data.streaming else format_stats(prepared, recipe))
+    parts.append(streaming_stats(prepared, recipe) if recipe.data.streaming else
+                 format_stats(prepared, recipe, processes=processes, launch=launch))
     return "\n".join(parts)
 
 
@@ -93,9 +116,9 @@ def streaming_stats(prepared: PreparedData, recipe: Recipe) -> str:
     return "\n".join(lines)
 
 
-def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
-    """Rows, tokens per example, length policy, packing efficiency, estimated steps per epoch."""
-    stats, data, train = prepared.stats, recipe.data, recipe.train
+def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, launch: str = "one process") -> str:
+    """Rows, tokens per example, length policy, packing efficiency, steps per epoch and the run's length."""
+    stats, data = prepared.stats, recipe.data
     lines = ["--- statistics ---"]
     for item in stats.per_dataset:
         source = "tokenization cache" if item["cached"] else "tokenized now"
@@ -124,10 +147,7 @@ def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
     else:
         lines.append(f"packing: off; efficiency {stats.batch_efficiency:.1%} non-pad tokens (data.packing: true would "
                      "put several examples per row)")
-    per_step = train.micro_batch_size * train.grad_accum
-    lines.append(f"steps per epoch: {stats.train_sequences // per_step} with 1 process (micro_batch_size "
-                 f"{train.micro_batch_size} x grad_accum {train.grad_accum}; divide by the number of processes); "
-                 f"train.max_steps {train.max_steps} = {train.max_steps * per_step / max(stats.train_sequences, 1):.2f} epochs")
+    lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch)
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
@@ -135,3 +155,27 @@ def format_stats(prepared: PreparedData, recipe: Recipe) -> str:
         lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; data.overlong: error stops on such rows, "
                      "a larger data.max_length keeps them")
     return "\n".join(lines)
+
+
+def length_lines(rows: int, train, *, processes: int, launch: str) -> list[str]:
+    """Steps per epoch at the launch's process count (and at twice as many, with the formula for any other), and
+    what train.max_steps or train.num_epochs makes of it: what the run prints at its start."""
+    def per_epoch(count: int) -> int:
+        return steps_per_epoch(rows, micro_batch_size=train.micro_batch_size, world_size=count, grad_accum=train.grad_accum)
+
+    steps, at = per_epoch(processes), f"at {processes} process{'es' if processes > 1 else ''}"
+    lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // (micro_batch_size {train.micro_batch_size} x "
+              f"{processes} x grad_accum {train.grad_accum}); {per_epoch(2 * processes)} at {2 * processes} processes; "
+              f"in general rows // (micro_batch_size x processes x grad_accum)")]
+    if steps == 0 and train.num_epochs is not None:
+        lines.append(f"train.num_epochs: a run {at} stops at its start, an epoch holds no whole optimizer step (add "
+                     "data, lower train.micro_batch_size or train.grad_accum, or set train.max_steps)")
+    elif steps == 0:
+        lines.append(f"train.max_steps {train.max_steps} {at}: fewer rows than one optimizer step takes, so each step "
+                     "takes rows of more than one epoch")
+    elif train.num_epochs is not None:
+        lines.append(f"train.num_epochs {train.num_epochs:g} = {steps_for_epochs(train.num_epochs, steps)} steps {at} "
+                     "(train.max_steps = ceil(num_epochs x steps per epoch), resolved at the run's start)")
+    else:
+        lines.append(f"train.max_steps {train.max_steps} = {train.max_steps / steps:.2f} epochs {at}")
+    return lines

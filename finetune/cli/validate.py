@@ -61,7 +61,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     lines.append(f"  parallel: {plan.describe()}")
 
     if check_data:
-        lines.append("  data: " + _check_data(recipe))
+        lines.append("  data: " + _check_data(recipe, num_processes))
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
     if problem:
@@ -82,8 +82,9 @@ def _data_origin(recipe_path: Path) -> str | None:
     return None
 
 
-def _check_data(recipe) -> str:
-    """Tokenize every row when the tokenizer is local; otherwise check the files and columns only."""
+def _check_data(recipe, num_processes: int) -> str:
+    """Tokenize every row when the tokenizer is local (with train.num_epochs, check that an epoch holds a whole
+    optimizer step, as the run's start does); otherwise check the files and columns only."""
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
@@ -92,9 +93,13 @@ def _check_data(recipe) -> str:
             return data.streaming_line(stats, recipe).removeprefix("[finetune] data: ")
         _, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
+        t = recipe.train
+        count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
+        per_epoch = count(stats.train_sequences, micro_batch_size=t.micro_batch_size, world_size=num_processes,
+                          grad_accum=t.grad_accum)
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
-                f"batch efficiency {stats.batch_efficiency:.1%})")
+                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch")
     total = 0
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():

@@ -30,6 +30,7 @@ Everything callers use is importable from `finetune.data` itself.
 
 from finetune.data.build import (
     build_examples,
+    data_line,
     dropped_note,
     eval_file_examples,
     prepare,
@@ -38,7 +39,15 @@ from finetune.data.build import (
 )
 from finetune.data.cache import CACHE_VERSION, cache_dir, cache_key, dataset_store, tokenizer_fingerprint
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, PreparedData
-from finetune.data.loader import BatchStream, collate, epoch_permutation, eval_batches, real_token_count
+from finetune.data.loader import (
+    BatchStream,
+    checked_steps_per_epoch,
+    collate,
+    epoch_permutation,
+    eval_batches,
+    real_token_count,
+    steps_per_epoch,
+)
 from finetune.data.packing import (
     PACKING_ATTENTION,
     batch_efficiency,
@@ -96,8 +105,10 @@ __all__ = [
     "cache_key",
     "check_local_files",
     "check_row",
+    "checked_steps_per_epoch",
     "collate",
     "concat_examples",
+    "data_line",
     "dataset_store",
     "dropped_note",
     "epoch_permutation",
@@ -116,6 +127,7 @@ __all__ = [
     "set_reference_logps",
     "split_eval",
     "split_eval_indices",
+    "steps_per_epoch",
     "stream_examples",
     "stream_preview",
     "streaming_line",

@@ -109,6 +109,14 @@ def _weighted(examples: list, weight: float, seed: int) -> list:
     return examples * whole + extra
 
 
+def data_line(stats: DataStats, recipe: Recipe) -> str:
+    """The run's one line about its data (rank 0 prints it)."""
+    packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
+    return (f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} ({stats.rows} "
+            f"rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{dropped_note(stats)}; "
+            f"batch efficiency {stats.batch_efficiency:.1%})")
+
+
 def dropped_note(stats: DataStats) -> str:
     """Where the rows dropped for their length were, for the data line: ` (too long: a.jsonl line 7, line 93, ...)`."""
     if not stats.dropped_rows:

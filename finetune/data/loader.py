@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -66,16 +66,38 @@ def epoch_permutation(count: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(count, generator=generator).tolist()
 
 
+def steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> int:
+    """Whole optimizer steps in one pass over `rows` training rows. It depends only on the rows one step takes
+    (micro_batch_size x world_size x grad_accum), so 1 process x batch 4 and 2 x 2 have the same epochs."""
+    return rows // (micro_batch_size * world_size) // grad_accum
+
+
+def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> int:
+    """steps_per_epoch for train.num_epochs, which needs at least one whole step per epoch (DataError otherwise)."""
+    steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum)
+    if steps == 0:
+        raise DataError(
+            f"train.num_epochs: only {rows} training rows for one optimizer step of "
+            f"{micro_batch_size * world_size * grad_accum} rows (train.micro_batch_size={micro_batch_size} x {world_size} "
+            f"process{'es' if world_size > 1 else ''} x train.grad_accum={grad_accum}; with data.packing a row holds "
+            "several examples), so an epoch holds no step. Fix: add data, lower the batch size or grad_accum, or set "
+            "train.max_steps instead (each step then takes rows of more than one epoch)."
+        )
+    return steps
+
+
 class BatchStream:
     """Endless micro-batches for one rank: a seeded shuffle per epoch, each rank a disjoint, strided share.
 
     The global order is the same for every world size: global micro-batch g of size B*W holds rows
     perm[g*B*W : (g+1)*B*W], and rank r takes every W-th of them. So 1 process with batch 4 and 2 processes
-    with batch 2 see the same rows per optimizer step. Position (epoch, cursor) is resumable state. The rows
-    past the last whole global batch of an epoch are left out of that epoch (a different set each epoch).
+    with batch 2 see the same rows per optimizer step. Position (epoch, cursor) is resumable state. An epoch ends
+    on a whole optimizer step (`grad_accum` micro-batches): the rows past its last whole step are left out of that
+    epoch (a different set each epoch), so no step mixes two epochs and epoch = step / steps_per_epoch exactly.
     """
 
-    def __init__(self, examples: list[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int, pad_id: int):
+    def __init__(self, examples: Sequence[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 pad_id: int, grad_accum: int = 1):
         global_batch = micro_batch_size * world_size
         if len(examples) < global_batch:
             raise DataError(
@@ -84,9 +106,17 @@ class BatchStream:
                 "several examples). Add data or lower the batch size."
             )
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
-        self.seed, self.pad_id = seed, pad_id
+        self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
-        self.batches_per_epoch = len(examples) // global_batch
+        steps = steps_per_epoch(len(examples), micro_batch_size=micro_batch_size, world_size=world_size,
+                                grad_accum=grad_accum)
+        # Rows for less than one step (a 2-step smoke run of a grad_accum 32 recipe on 40 rows; train.max_steps only,
+        # num_epochs refuses it) keep epochs of whole micro-batches: a step then takes rows of more than one epoch.
+        self.batches_per_epoch = steps * grad_accum or len(examples) // global_batch
+
+    def epoch_at(self, step: int) -> float:
+        """Epochs done after `step` optimizer steps (step / steps per epoch), 4 decimals as Hugging Face's Trainer."""
+        return round(step * self.grad_accum / self.batches_per_epoch, 4)
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (its shuffle is seed + epoch)."""

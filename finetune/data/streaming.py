@@ -221,9 +221,15 @@ class StreamingBatches:
     the position advances by whole global micro-batches, so it is the same on every rank.
     """
 
-    def __init__(self, rows: StreamedRows, *, micro_batch_size: int, rank: int, world_size: int, pad_id: int):
+    def __init__(self, rows: StreamedRows, *, micro_batch_size: int, rank: int, world_size: int, pad_id: int,
+                 grad_accum: int = 1):
+        # grad_accum is BatchStream's (its epochs end on whole steps); a stream's passes need no alignment
         self.rows, self.batch, self.rank, self.world, self.pad_id = rows, micro_batch_size, rank, world_size, pad_id
         self.position = Position(0, *rows.start)
+
+    def epoch_at(self, step: int) -> float:
+        """The pass over the stream the last micro-batch came from (a stream's length, so a fraction, is unknown)."""
+        return float(self.position.epoch)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         sequences = self.rows.sequences(self.position)

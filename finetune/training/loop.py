@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from finetune import distributed, outputs
-from finetune.data import BatchStream, Example, batch_stream, real_token_count
+from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, real_token_count, steps_per_epoch
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
@@ -107,6 +107,25 @@ def lr_lambda(recipe: Recipe):
     return factor
 
 
+def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
+    """The run's length for this launch, before any weight loads: train.num_epochs becomes train.max_steps
+    (Recipe.resolve_num_epochs; an epoch without a whole optimizer step is an error). Said once, by rank 0."""
+    t = recipe.train
+    launch = (f"{train_rows} rows // (micro_batch_size {t.micro_batch_size} x {world_size} "
+              f"process{'es' if world_size > 1 else ''} x grad_accum {t.grad_accum})")
+    count = checked_steps_per_epoch if t.num_epochs is not None else steps_per_epoch  # num_epochs needs a whole step
+    per_epoch = count(train_rows, micro_batch_size=t.micro_batch_size, world_size=world_size, grad_accum=t.grad_accum)
+    known = len(recipe.notes)
+    told = recipe.resolve_num_epochs(per_epoch, launch=launch)
+    if told is None:  # the recipe gave max_steps: the epochs it makes
+        told = (f"train.max_steps {t.max_steps} = {t.max_steps / per_epoch:.2f} epochs of {per_epoch} steps ({launch})"
+                if per_epoch else f"train.max_steps {t.max_steps}; fewer rows than one step takes ({launch}): each "
+                "step takes rows of more than one epoch")
+    distributed.print0(f"[finetune] length: {told}")
+    for note in recipe.notes[known:]:  # a warmup longer than the resolved run
+        distributed.print0(f"[finetune] note: {note}")
+
+
 def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
     if recipe.train.optimizer == "adamw_8bit":
         import bitsandbytes as bnb
@@ -147,7 +166,8 @@ def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, 
 def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_examples: list[Example], *, pad_id: int,
           out_dir: Path, trainable_names: list[str] | None = None, resume_from: Path | None = None,
           parallel: str = "single process", tokenizer=None) -> TrainResult:
-    """Run optimizer steps up to recipe.train.max_steps (from a checkpoint's step when resuming); log to metrics.jsonl.
+    """Run optimizer steps up to recipe.train.max_steps (from a checkpoint's step when resuming); log to metrics.jsonl,
+    each training line with its epoch (step / steps per epoch of this launch).
 
     Checkpoints every train.save_every steps, at the last step, and when SIGTERM/SIGINT arrives (then raises Preempted).
     `trainable_names`: the model's names of the trainable parameters (given by run.py: under FSDP1 the wrapped model
@@ -159,12 +179,14 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     from tqdm.auto import tqdm
 
     info, t = distributed.info(), recipe.train
+    if t.num_epochs is not None:  # run.py resolves it before any weight loads; a library caller gets it here
+        resolve_max_steps(recipe, len(train_examples), info.world_size)
     names = set(trainable_names or [name for name, param in model.named_parameters() if param.requires_grad])
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = batch_stream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
-                          world_size=info.world_size, seed=t.seed, pad_id=pad_id)
+                          world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum)
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
     first_step = 1
@@ -224,7 +246,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 elapsed = time.perf_counter() - step_start
                 lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
-                    metrics.write(step=step, loss=round(loss, 6), lr=lr, grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                    metrics.write(step=step, epoch=stream.epoch_at(step), loss=round(loss, 6), lr=lr,
+                                  grad_norm=round(grad_norm, 6), tokens=int(global_seen),
                                   tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3),
                                   **extra)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")

@@ -41,6 +41,9 @@ def test_run_writes_the_output_contract(cli_run):
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(metrics[0])
+    # train.max_steps given: `epoch` is still step / steps per epoch (61 train rows // micro_batch_size 4 = 15 steps).
+    assert "length: train.max_steps 6 = 0.40 epochs of 15 steps (61 rows //" in result.stdout
+    assert [m["epoch"] for m in metrics if "loss" in m] == [round(step / 15, 4) for step in range(1, 7)]
     assert any("eval_loss" in m for m in metrics)
     assert "parallel: single process" in result.stdout
 
