@@ -207,6 +207,14 @@ def _maxrss_mb(who: int) -> float:
     return round(resource.getrusage(who).ru_maxrss / 1024, 1)  # KiB on Linux
 
 
+def _current_rss_mb() -> float:
+    """This process's RSS now (the imports' and the runtime's, before the phase adds anything)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process (all its threads: the Rust tokenizer's too) and of its ended worker processes."""
     return sum(usage.ru_utime + usage.ru_stime for usage in map(resource.getrusage, (resource.RUSAGE_SELF,
@@ -323,6 +331,7 @@ def worker(settings: dict) -> None:
         distributed.init_distributed()
     rank = int(os.environ.get("RANK", "0"))
     side = {"ours": _ours_side, "map": _map_side}[settings["side"]]
+    rss_start = _current_rss_mb()  # both sides' imports are in it: the phase's own memory is what it adds
     with TreeMemory() as memory:
         started, cpu = time.perf_counter(), _cpu_s()
         if distributed and settings["side"] == "map" and rank != 0:
@@ -339,6 +348,7 @@ def worker(settings: dict) -> None:
     result.update(rank=rank, phase_s=round(phase, 2), cpu_s=round(cpu, 2), imports_s=round(imports, 2),
                   rss_self_mb=_maxrss_mb(resource.RUSAGE_SELF), rss_children_mb=_maxrss_mb(resource.RUSAGE_CHILDREN),
                   **memory.peak)
+    result.update(rss_start_mb=rss_start, growth_mb=round(max(result["rss_tree_mb"] - rss_start, 0.0), 1))
     Path(settings["out"], f"rank{rank}.json").write_text(json.dumps(result))
     if distributed:
         distributed.teardown()
@@ -376,7 +386,7 @@ def _largest(record: dict, key: str) -> float:
     return max(rank[key] for rank in record["ranks"])
 
 
-MEASURES = ("phase_s", "cpu_s", "rss_self_mb", "rss_tree_mb", "anon_tree_mb", "pss_tree_mb")
+MEASURES = ("phase_s", "cpu_s", "rss_self_mb", "rss_tree_mb", "anon_tree_mb", "pss_tree_mb", "growth_mb")
 
 
 def ratios(records: list[dict]) -> dict:
@@ -400,7 +410,8 @@ def goals(records: list[dict], found: dict, rows: int) -> list[str]:
         if cold:
             lines.append(f"per-rank peak RSS of the data phase <= {GOAL_RSS}x datasets.map's ({world} rank(s), cold): "
                          f"{cold['rss_self_mb']:.2f}x (ru_maxrss of the rank), {cold['rss_tree_mb']:.2f}x (with its "
-                         f"workers), {cold['pss_tree_mb']:.2f}x (PSS)")
+                         f"workers), {cold['pss_tree_mb']:.2f}x (PSS), {cold['growth_mb']:.2f}x (growth: the peak with its workers "
+                         "less the rank's RSS when the phase began, i.e. without the imports both sides carry)")
     for side in ("ours", "map"):
         record = by.get((side, 2, "cold"))
         if record:
@@ -422,7 +433,7 @@ def goals(records: list[dict], found: dict, rows: int) -> list[str]:
 
 def table(records: list[dict]) -> str:
     head = (f"{'side':5} {'ranks':>5} {'state':5} {'rank':>4} {'phase s':>8} {'CPU s':>7} {'imports s':>9} "
-            f"{'process s':>9} {'RSS MB':>8} {'+workers':>9} {'anon MB':>8} {'PSS MB':>8} {'built':>6}  stages")
+            f"{'process s':>9} {'RSS MB':>8} {'+workers':>9} {'anon MB':>8} {'PSS MB':>8} {'grew MB':>8} {'built':>6}  stages")
     lines = [head, "-" * len(head)]
     for record in records:
         for rank in record["ranks"]:
@@ -431,16 +442,17 @@ def table(records: list[dict]) -> str:
                          f"{rank['phase_s']:>8.1f} {rank['cpu_s']:>7.1f} {rank['imports_s']:>9.1f} "
                          f"{record['process_s']:>9.1f} {rank['rss_self_mb']:>8.0f} "
                          f"{rank['rss_tree_mb']:>9.0f} {rank['anon_tree_mb']:>8.0f} {rank['pss_tree_mb']:>8.0f} "
+                         f"{rank.get('growth_mb', 0):>8.0f} "
                          f"{'yes' if rank['tokenized'] else 'cache':>6}  {stages}")
     return "\n".join(lines)
 
 
 def ratio_table(found: dict) -> str:
-    head = f"{'ours / map':12} {'phase s':>8} {'CPU s':>7} {'RSS':>7} {'+workers':>9} {'anon':>7} {'PSS':>7}"
+    head = f"{'ours / map':12} {'phase s':>8} {'CPU s':>7} {'RSS':>7} {'+workers':>9} {'anon':>7} {'PSS':>7} {'growth':>7}"
     lines = [head, "-" * len(head)]
     for name, values in found.items():
         lines.append(f"{name:12} " + " ".join(f"{values[key]:>{w}.2f}x" for key, w in
-                                               zip(MEASURES, (7, 6, 6, 8, 6, 6))))
+                                               zip(MEASURES, (7, 6, 6, 8, 6, 6, 6))))
     return "\n".join(lines)
 
 

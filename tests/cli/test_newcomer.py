@@ -73,13 +73,11 @@ def test_the_second_command_and_everything_after_it_run_clean(folder):
     recipe["output"]["dir"] = "run"
     (folder / "my.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
 
-    refused = finetune(folder, "validate", "my.yaml", code=2)
-    assert "chats.jsonl line 37: the answer starts at token" in refused and "data.bad_rows: skip" in refused
-    recipe["data"]["bad_rows"] = "skip"  # what the refusal suggests
-    (folder / "my.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    # Line 37's answer lies past max_length: by default the row is dropped and named, not a refusal.
     report = finetune(folder, "validate", "my.yaml")
-    assert "155 rows -> 139 train / 15 eval examples (1 skipped" in report and "launch: 1 process" in report
-    assert "skipped: chats.jsonl line 37" in finetune(folder, "data", "my.yaml")
+    assert "155 rows -> 139 train / 15 eval examples (0 skipped, 0 truncated, 1 dropped (past max_length: chats.jsonl " \
+           "line 37)" in report and "launch: 1 process" in report, report
+    assert "dropped for length: chats.jsonl line 37;" in finetune(folder, "data", "my.yaml")
 
     first = finetune(folder, "train", "my.yaml")
 
@@ -90,10 +88,10 @@ def test_the_second_command_and_everything_after_it_run_clean(folder):
     assert ddp.returncode == 0, (ddp.stdout + ddp.stderr)[-3000:]
     assert "parallel: DDP over 2 processes" in ddp.stdout
     # The second training command reads the tokenization cache the first wrote (its key has no train.* setting and no
-    # process count): the same examples, the same skipped row.
+    # process count): the same examples, the same dropped row.
     data_line = [next(line for line in out.splitlines() if line.startswith("[finetune] data:")).split(";")[0]
                  for out in (first, ddp.stdout)]
-    assert data_line[0] == data_line[1] and "1 skipped" in data_line[0], data_line
+    assert data_line[0] == data_line[1] and "1 dropped (past max_length" in data_line[0], data_line
     assert not [word for word in NOISE if word in ddp.stdout + ddp.stderr], (ddp.stdout + ddp.stderr)[-3000:]
 
     finetune(folder, "export", "run-ddp", "adapter")
