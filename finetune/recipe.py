@@ -32,6 +32,7 @@ from pydantic import (
 
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
+from finetune.recipe_checks import check_objective, check_streaming
 from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -311,8 +312,8 @@ class Recipe(_Section):
                     "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
                     f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
                 )
-        _check_objective(self)
-        _check_streaming(self)
+        check_objective(self)
+        check_streaming(self)
         if self.train.num_epochs is None:  # with num_epochs, once the run knows its steps (resolve_num_epochs)
             self._fit_warmup()
         return self
@@ -379,53 +380,6 @@ def steps_for_epochs(num_epochs: float, steps_per_epoch: int) -> int:
     """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step."""
     # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4.
     return math.ceil(round(num_epochs * steps_per_epoch, 6))
-
-
-def _check_objective(recipe: Recipe) -> None:
-    """Preference data goes with train.objective: dpo and only with it; pairs are not packed; the prompt leaves room."""
-    data, dpo = recipe.data, recipe.dpo
-    for key, specs in (("data.datasets", data.datasets), ("data.eval_datasets", data.eval_datasets)):
-        for index, spec in enumerate(specs):
-            if recipe.train.objective == "dpo" and spec.format != "preference":
-                raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `{spec.format}`, but train.objective is dpo, which trains "
-                    "on preference pairs. Fix: give rows with prompt/chosen/rejected and set its format: preference, or "
-                    "set train.objective: sft to fine-tune on this data.")
-            if recipe.train.objective == "sft" and spec.format == "preference":
-                raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `preference` (chosen/rejected pairs), but "
-                    "train.objective is sft. Fix: set train.objective: dpo (and the dpo: section) to learn from the pairs, "
-                    "or give SFT data in another format.")
-    if recipe.train.objective == "dpo" and data.packing:
-        raise ValueError("data.packing: pairs are not packed (a chosen and a rejected response are scored as whole "
-                         "sequences). Fix: remove data.packing for train.objective: dpo.")
-    if dpo.max_prompt_length is not None and dpo.max_prompt_length >= data.max_length:
-        raise ValueError(f"dpo.max_prompt_length ({dpo.max_prompt_length}) leaves no room for a response within "
-                         f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
-
-
-def _check_streaming(recipe: Recipe) -> None:
-    """What a stream (data.streaming) cannot do, all named at once: it reads each dataset once per pass, in order, and
-    never holds the whole data."""
-    if not recipe.data.streaming:
-        return
-    problems = []
-    weighted = [f"data.datasets[{index}].weight ({spec.weight})" for index, spec in enumerate(recipe.data.datasets)
-                if spec.weight != 1.0]
-    if weighted:
-        problems.append(f"{', '.join(weighted)}: a weight repeats or subsamples a whole dataset, and a stream reads "
-                        "each dataset once per pass, in order. Fix: remove the weight (repeat rows in the file "
-                        "instead), or set data.streaming: false.")
-    if recipe.train.objective == "dpo" and recipe.dpo.reference == "precomputed" and recipe.dpo.loss in (
-            "sigmoid", "ipo", "hinge"):
-        problems.append("dpo.reference: precomputed computes every pair's reference log-probs before step 1, and a "
-                        "stream never holds every pair. Fix: dpo.reference: adapter_off (the default), or "
-                        "data.streaming: false.")
-    if getattr(recipe.train, "num_epochs", None) is not None:  # the key of another branch; a stream has no length
-        problems.append("train.num_epochs: a stream's length is unknown, so epochs cannot be turned into steps. Fix: "
-                        "set train.max_steps instead, or data.streaming: false.")
-    if problems:
-        raise ValueError("data.streaming: " + " ".join(problems))
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
