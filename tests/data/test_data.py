@@ -51,6 +51,16 @@ CONVERSATION = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+
+
 def make_recipe(*datasets: dict, **data_keys):
     section = {"datasets": list(datasets), "max_length": 128, **data_keys}
     return validate_recipe({"model": {"name_or_path": "unused"}, "data": section, "train": {"micro_batch_size": 4}})
