@@ -100,28 +100,25 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
 
 def _length_policy(example: Example, where: str, data, result: ChunkResult) -> None:
     """Keep, truncate or drop one tokenized row by data.overlong (module docstring)."""
-    full = example
-    if len(example.input_ids) > data.max_length:
-        if data.overlong == "drop":
-            _dropped(result, where)
-            return
-        result.counts["truncated"] += 1
-        example = Example(example.input_ids[: data.max_length], example.labels[: data.max_length])
-    if any(label != IGNORE_INDEX for label in example.labels):
-        result.examples.append(example)
+    overlong = len(example.input_ids) > data.max_length
+    if overlong and data.overlong == "drop":
+        _dropped(result, where)
         return
-    first = next((i for i, label in enumerate(full.labels) if label != IGNORE_INDEX), None)
+    kept = Example(example.input_ids[: data.max_length], example.labels[: data.max_length]) if overlong else example
+    if any(label != IGNORE_INDEX for label in kept.labels):
+        result.counts["truncated"] += int(overlong)
+        result.examples.append(kept)
+        return
+    first = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
     if first is None:  # nothing trained even before truncation: a malformed row (empty answer)
         result.reasons.append(f"{where}: no trained token (the answer is empty after rendering).")
-        return
-    result.counts["truncated"] -= 1  # counted as dropped instead
-    if data.overlong == "error":
+    elif data.overlong == "error":
         result.fatal = result.fatal or (
             f"{where}: the answer starts at token {first} of max_length {data.max_length}, so truncation leaves nothing "
             "to learn from this row. Fix: raise data.max_length, or leave data.overlong at its default (truncate), "
             "which drops such rows with a count.")
-        return
-    _dropped(result, where)
+    else:
+        _dropped(result, where)
 
 
 def _dropped(result: ChunkResult, where: str) -> None:
