@@ -167,12 +167,13 @@ def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env
                           check=False)
 
 
-def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300,
+                      flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py RECIPE ...` as a user runs it:
     the shipped file unchanged, plus only what this CPU machine needs (tests/shipped.py has the row per file)."""
     from shipped import launch
 
-    return launch(config, recipe, *overrides, timeout=timeout)
+    return launch(config, recipe, *overrides, timeout=timeout, flags=flags)
 
 
 SHIPPED_STEPS = 3

@@ -84,16 +84,17 @@ def expected_strategy(name: str) -> str:
     return "ddp" if ACCELERATE_CONFIG_RUNS[config_file(name)].processes > 1 else "single"
 
 
-def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300, cwd: Path = REPO,
+           flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/NAME finetune/run.py RECIPE ...` with only the row's CPU needs.
 
     A multi-machine row starts one launcher per machine and waits for all; the result joins their outputs and has the
-    first non-zero exit code.
+    first non-zero exit code. `flags`: accelerate launch options that override the file's keys, as a user's would.
     """
     row = ACCELERATE_CONFIG_RUNS[config_file(name)]
     env = child_env(**CPU_SWITCH, **row.env)
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG_DIR / config_file(name)),
-            "--num_processes", str(row.processes), *row.flags]
+            "--num_processes", str(row.processes), *row.flags, *flags]
     script = [str(RUN_PY), str(recipe), *overrides]
     if row.machines == 1:
         args = [*base, "--main_process_port", str(free_port()), *script]

@@ -15,12 +15,12 @@ from finetune.parallel.launcher import accelerate_config_env, launcher_settings
 from finetune.parallel.layers import decoder_layer_class, decoder_layers_path, layer_split_device_map, meta_model
 from finetune.parallel.plan import report, resolve_plan
 from finetune.parallel.state_dict import local_parameter_bytes, normalize_key, trainable_state_dict
-from finetune.parallel.steps import backward, engine_optimizer, generation_model, gradient_sync, optimizer_step
+from finetune.parallel.steps import backward, engine_optimizer, generation_model, gradient_sync, optimizer_step, reshard
 from finetune.parallel.wrapping import unwrap, wrap
 
 __all__ = [
     "ParallelPlan", "accelerate_config_env", "backward", "decoder_layer_class", "decoder_layers_path",
     "engine_optimizer", "generation_model", "gradient_sync", "launcher_settings", "layer_split_device_map",
-    "local_parameter_bytes", "meta_model", "normalize_key", "optimizer_step", "report", "resolve_plan",
+    "local_parameter_bytes", "meta_model", "normalize_key", "optimizer_step", "report", "reshard", "resolve_plan",
     "trainable_state_dict", "unwrap", "wrap",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -30,6 +31,48 @@ def gradient_sync(model: nn.Module, *, enabled: bool):
     if isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)) and not enabled:
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit back to its shard: the parameters are each rank's stored shard again, and the next forward
+    gathers what the shards hold then.
+
+    Shard-grad-op (FSDP2 reshard_after_forward false, FSDP1 SHARD_GRAD_OP) keeps a unit gathered after a forward
+    until its backward, and after a no-grad forward (the DPO reference pass, an eval) until the next forward, which
+    then reuses the gathered values. A caller that writes into the shards between forwards (the reference swap,
+    training/preference.py) calls this first, to reach the shards, and after the forward, so the next one gathers the
+    values written back. Only units that hold a trained parameter: FSDP2's root unit (embeddings, head) stays gathered
+    after its forward even under full shard, and gathering it again costs an all-gather of the embeddings. DDP, ZeRO
+    and single process: nothing to do.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and any(p.requires_grad for p in _own_parameters(unit, FSDPModule)):
+            unit.reshard()
+    for module in FSDP.fsdp_modules(model):
+        handle = module._handle
+        if handle is not None and handle.uses_sharded_strategy and _fsdp1_gathered(handle.flat_param):
+            from torch.distributed.fsdp._runtime_utils import _reshard
+
+            _reshard(module, handle, True)
+
+
+def _own_parameters(unit: nn.Module, unit_class: type) -> Iterator[nn.Parameter]:
+    """The parameters a wrapped unit manages: its subtree's, less those of the units nested in it."""
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield from module.parameters(recurse=False)
+        stack.extend(child for child in module.children() if not isinstance(child, unit_class))
+
+
+def _fsdp1_gathered(flat_param) -> bool:
+    """An FSDP1 flat parameter whose gathered copy is allocated: after a no-grad forward under SHARD_GRAD_OP it is,
+    while the parameter already shows its shard, and the next forward would use it without gathering again."""
+    padded = getattr(flat_param, "_full_param_padded", None)
+    return hasattr(flat_param, "_local_shard") and padded is not None and padded.untyped_storage().size() > 0
 
 
 @contextlib.contextmanager

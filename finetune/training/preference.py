@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune import distributed
+from finetune import distributed, parallel
 from finetune.data import Example, eval_batches, set_reference_logps
 from finetune.errors import CheckpointError
 from finetune.recipe import PreferenceSection, Recipe
@@ -123,7 +123,10 @@ class Reference:
         # The starting LoRA values, when they are not zero (an SFT adapter) and a loss compares with them: this rank's
         # own storage of each.
         compared = recipe.dpo.loss in WITH_REFERENCE
-        self.start = [_local(p).detach().clone() for p in _trained(model)] if recipe.model.adapter and compared else None
+        self.start = None
+        if recipe.model.adapter and compared:
+            parallel.reshard(model)
+            self.start = [_local(p).detach().clone() for p in _trained(model)]
 
     def logps(self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         if "reference_logps" in batch:
@@ -140,6 +143,9 @@ class Reference:
             with adapters_off(model):
                 yield
             return
+        # Shard-grad-op keeps FSDP units gathered between forwards: back to the shards before writing into them, and
+        # again after the reference forward, so that the policy's forward gathers the trained values, not these.
+        parallel.reshard(model)
         trained = [_local(p) for p in _trained(model)]
         current = [t.detach().clone() for t in trained]
         with torch.no_grad():
@@ -148,6 +154,7 @@ class Reference:
         try:
             yield
         finally:
+            parallel.reshard(model)
             with torch.no_grad():
                 for tensor, value in zip(trained, current):
                     tensor.copy_(value)

@@ -292,6 +292,10 @@ def test_step_one_is_ln2_and_the_precomputed_reference_matches_adapter_off(start
 # (`_local` in finetune/training/preference.py) and the DeepSpeed engine's side is ZeRO-3's here; ZeRO-2 trains SFT as
 # shipped in tests/parallel/test_shipped.py. ZeRO-2 x DPO is the one combination not run.
 SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero3")
+# Shard-grad-op, the FSDP files' documented switch, given as a user's `accelerate launch` option: units stay gathered
+# between forwards, so the swap must reshard first (FSDP2 died on a shape mismatch) and after the reference forward
+# (FSDP1's next forward reused the gathered reference values: the reference equalled the policy, every loss ln 2).
+SHARD_GRAD_OP = {"fsdp2": ("--fsdp_reshard_after_forward", "false"), "fsdp1": ("--fsdp_reshard_after_forward", "SHARD_GRAD_OP")}
 BF16_TOLERANCE = 3e-3  # as tests/parallel/test_distributed.py BF16_LOSS_TOLERANCE; measured here: DDP/FSDP within 1.2e-4
 # ZeRO-3's partitioned LoRA goes through PEFT's bf16 forward (model/lora_fused.py falls back), the fused path elsewhere:
 # measured 4.1e-3 at most over these 6 steps. A swap that wrote nothing (reference = policy) would keep every loss at ln 2.
@@ -304,15 +308,18 @@ def test_every_shipped_config_trains_the_same_dpo_curve_from_an_sft_adapter(tiny
     from shipped import ACCELERATE_CONFIG_RUNS, recipe_dtype
 
     curves = {}
-    for config in SHIPPED:
+    runs = [(config, config, ()) for config in SHIPPED]
+    runs += [(f"{config}-shard-grad-op", config, flags) for config, flags in SHARD_GRAD_OP.items()]
+    for name, config, flags in runs:
         processes = ACCELERATE_CONFIG_RUNS[f"{config}.yaml"].processes
-        values = dpo_recipe(tiny_llama, pairs_file, tmp_path / config, lora=LIBRARY_LORA,
+        values = dpo_recipe(tiny_llama, pairs_file, tmp_path / name, lora=LIBRARY_LORA,
                             model={"dtype": recipe_dtype(f"{config}.yaml"), "adapter": str(sft_adapter)},
                             train={"max_steps": 6, "micro_batch_size": 4 // processes, "learning_rate": 1e-2})
-        result = accelerate_launch(config, write_recipe(tmp_path / f"{config}.yaml", values))
+        result = accelerate_launch(config, write_recipe(tmp_path / f"{name}.yaml", values), flags=flags)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        curves[config] = train_losses(tmp_path / config)
-        assert (tmp_path / config / "adapter" / "adapter_model.safetensors").is_file()
+        assert ("(shard-grad-op)" in result.stdout) == bool(flags), result.stdout[-2000:]
+        curves[name] = train_losses(tmp_path / name)
+        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
     reference = curves.pop("single_gpu")
     assert reference[0] == pytest.approx(LN2, abs=1e-6) and max(abs(loss - LN2) for loss in reference) > 5 * BF16_TOLERANCE
     final = [m for m in read_metrics(tmp_path / "single_gpu") if "eval_loss" in m][-1]
