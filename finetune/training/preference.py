@@ -65,11 +65,19 @@ def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torc
         logits = (chosen - rejected) - config.simpo_gamma / beta
         losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
     else:  # orpo: the odds-ratio term (weight beta = ORPO's lambda); the NLL term is added by the caller
-        top = torch.tensor(-1e-7, dtype=chosen.dtype, device=chosen.device)  # log1p(-exp(0)) is -inf
-        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(torch.minimum(chosen, top)))
-                                          - torch.log1p(-torch.exp(torch.minimum(rejected, top))))
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
         losses = -beta * F.logsigmoid(log_odds)
     return losses
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) of a mean log-prob x <= 0, accurate in fp32 near 0 as TRL's ORPO computes it (expm1 above -ln 2,
+    log1p below). log1p(-exp(x)) alone lost 1% of the odds-ratio loss at x = -1e-6, a response the policy is near
+    certain of. x = 0 is held at -1e-7 (log 0 is -inf); each branch sees only its own side (no nan gradient)."""
+    half = -0.6931471805599453
+    x = torch.clamp(x, max=-1e-7)
+    return torch.where(x < half, torch.log1p(-torch.exp(torch.clamp(x, max=half))),
+                       torch.log(-torch.expm1(torch.clamp(x, min=half))))
 
 
 def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,3 +182,22 @@ def test_trl_dpo_sigmoid_ignores_label_smoothing():
     smoothed = trl_dpo("sigmoid", PreferenceSection(loss="sigmoid", beta=0.3, label_smoothing=0.2), policy,
                        reference_sums, mask)[0]
     assert float(plain.detach()) == float(smoothed.detach())
+
+
+def test_orpo_in_fp32_equals_trl_for_responses_the_policy_is_near_certain_of():
+    """Regression: training scores in fp32 (sequence_logps), and at mean log-probs near 0 our log1p(-exp(x)) lost 1% of
+    the odds-ratio loss (x = -1e-6); TRL's ORPO, in fp32 too, uses a stable log(1 - e^x). At 0 ours stays finite."""
+    config = PreferenceSection(loss="orpo", beta=0.3)
+    chosen = torch.tensor([-1e-6, -1e-4, -1e-3, -0.2, -2.0], requires_grad=True)
+    rejected = torch.tensor([-1e-5, -2e-3, -0.5, -0.01, -1e-6], requires_grad=True)
+    expected, _ = trl_orpo(config, chosen, rejected, nll=torch.zeros(()))  # its loss: NLL - mean(beta x logsigmoid)
+    expected_grads = torch.autograd.grad(expected, (chosen, rejected))
+    loss = preference.pair_losses((chosen, rejected), None, config).mean()
+    grads = torch.autograd.grad(loss, (chosen, rejected))
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=2e-6, atol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    certain = torch.zeros(2, requires_grad=True)
+    at_zero = preference.pair_losses((certain[:1], certain[1:]), None, config).sum()
+    assert bool(at_zero.isfinite()) and bool(torch.autograd.grad(at_zero, certain)[0].isfinite().all())
