@@ -42,11 +42,12 @@ REFERENCE_FILE = "reference_logps.json"
 
 # ----------------------------------------------------------------------------------------------------- the losses
 def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor] | None,
-                config: PreferenceSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per pair: (loss, chosen reward, rejected reward) from the (chosen, rejected) scores of policy and reference.
+                config: PreferenceSection) -> torch.Tensor:
+    """Per pair: the loss from the (chosen, rejected) scores of policy and reference.
 
-    Scores are sequence log-probabilities, already length-normalized where the loss asks for it. Formulas and reward
-    definitions as TRL (DPOTrainer for sigmoid / ipo / hinge, ORPOTrainer for orpo, CPOTrainer's simpo).
+    Scores are sequence log-probabilities, already length-normalized where the loss asks for it. Formulas as TRL
+    (DPOTrainer for sigmoid / ipo / hinge, ORPOTrainer for orpo, CPOTrainer's simpo; label smoothing of sigmoid as
+    CPOTrainer's, conservative DPO): tests/training/test_preference_oracle.py runs TRL's code as the oracle.
     """
     chosen, rejected = policy
     beta, smoothing = config.beta, config.label_smoothing
@@ -59,16 +60,24 @@ def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torc
             losses = (logits - 1 / (2 * beta)) ** 2
         else:
             losses = torch.relu(1 - beta * logits)
-        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+        return losses
     if config.loss == "simpo":
         logits = (chosen - rejected) - config.simpo_gamma / beta
         losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
     else:  # orpo: the odds-ratio term (weight beta = ORPO's lambda); the NLL term is added by the caller
-        top = torch.tensor(-1e-7, dtype=chosen.dtype, device=chosen.device)  # log1p(-exp(0)) is -inf
-        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(torch.minimum(chosen, top)))
-                                          - torch.log1p(-torch.exp(torch.minimum(rejected, top))))
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
         losses = -beta * F.logsigmoid(log_odds)
-    return losses, beta * chosen.detach(), beta * rejected.detach()
+    return losses
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) of a mean log-prob x <= 0, accurate in fp32 near 0 as TRL's ORPO computes it (expm1 above -ln 2,
+    log1p below). log1p(-exp(x)) alone lost 1% of the odds-ratio loss at x = -1e-6, a response the policy is near
+    certain of. x = 0 is held at -1e-7 (log 0 is -inf); each branch sees only its own side (no nan gradient)."""
+    half = -0.6931471805599453
+    x = torch.clamp(x, max=-1e-7)
+    return torch.where(x < half, torch.log1p(-torch.exp(torch.clamp(x, max=half))),
+                       torch.log(-torch.expm1(torch.clamp(x, min=half))))
 
 
 def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +97,19 @@ def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: 
     scale = counts.clamp(min=1).to(logps.dtype) if config.normalized() else torch.ones_like(logps)
     policy = _split(logps / scale)
     ref = _split(ref_logps.to(logps.device, logps.dtype) / scale) if ref_logps is not None else None
-    losses, chosen_rewards, rejected_rewards = pair_losses(policy, ref, config)
+    losses = pair_losses(policy, ref, config)
     weight = valid.to(losses.dtype)
-    chosen_logps, rejected_logps = (part.detach() for part in _split(logps))
+    # Logged as TRL logs them: DPOTrainer's rewards (beta x log-ratio) and logps from the summed log-probs, whatever
+    # its loss normalizes (ipo and sigmoid_norm divide inside the loss only); ORPOTrainer's and CPOTrainer's from the
+    # scores their loss uses (mean log-probs for orpo and simpo).
+    if config.loss in WITH_REFERENCE:
+        chosen_logps, rejected_logps = (part.detach() for part in _split(logps))
+        ref_chosen, ref_rejected = _split(ref_logps.to(logps.device, logps.dtype))
+        chosen_rewards, rejected_rewards = (config.beta * (chosen_logps - ref_chosen),
+                                            config.beta * (rejected_logps - ref_rejected))
+    else:
+        chosen_logps, rejected_logps = (part.detach() for part in policy)
+        chosen_rewards, rejected_rewards = config.beta * chosen_logps, config.beta * rejected_logps
     metrics = torch.stack([(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
                            ((chosen_rewards - rejected_rewards) * weight).sum(),
                            ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),

@@ -1,7 +1,8 @@
 """Preference tuning (train.objective: dpo): losses against a plain implementation, pair data, and real runs.
 
-* Each dpo.loss's loss, rewards and LoRA gradients of a micro-batch equal a plain implementation (full-vocabulary
-  log-softmax, the reference from PEFT's own `disable_adapter()`, the formulas written out again here) in fp32.
+* Each dpo.loss's loss, rewards and LoRA gradients of a micro-batch equal the same loss on plain log-probs
+  (full-vocabulary log-softmax, the reference from PEFT's own `disable_adapter()`) in fp32; the loss code itself is
+  checked against TRL's own in test_preference_oracle.py.
 * Pair data: text, message-list and implicit-prompt rows; only response tokens scored; truncation keeps the prompt's
   end and is counted; bad pairs and SFT/DPO mix-ups refused with the row and the fix.
 * Runs (real processes): step 1 is ln 2 from a fresh adapter and from an SFT adapter (model.adapter), with the
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +21,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import (
     RUN_PY,
     accelerate_launch,
@@ -66,46 +67,25 @@ def pairs_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pair_rows())
 
 
-# ------------------------------------------------------------------------------------- the loss against plain math
-def plain_logps(peft_model, batch, *, normalized: bool, reference: bool):
+# --------------------------------------------------------------------------------- the log-probs against plain math
+def plain_logps(peft_model, batch, *, reference: bool):
+    """Summed response log-probs per sequence and their counts: full-vocabulary log-softmax, the reference from PEFT's
+    own `disable_adapter()`."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "reference_logps")}
-    if reference:
-        with torch.no_grad(), peft_model.disable_adapter():
-            logits = peft_model(**inputs, use_cache=False).logits
-    else:
+    adapter = peft_model.disable_adapter() if reference else contextlib.nullcontext()
+    with torch.set_grad_enabled(not reference), adapter:
         logits = peft_model(**inputs, use_cache=False).logits
     targets = batch["labels"][:, 1:]
     mask = targets != -100
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    sums = (logp * mask).sum(dim=1)
-    scores = sums / mask.sum(dim=1) if normalized else sums
-    half = scores.size(0) // 2
-    return scores[:half], scores[half:], sums[:half], mask[:half].sum()
-
-
-def plain_loss(peft_model, batch, config):
-    """TRL's formulas, written out again: DPOTrainer (sigmoid/ipo/hinge), ORPOTrainer, CPOTrainer (simpo)."""
-    normalized = config.normalized()
-    pc, pr, chosen_sums, chosen_tokens = plain_logps(peft_model, batch, normalized=normalized, reference=False)
-    beta, eps = config.beta, config.label_smoothing
-    if config.loss in ("sigmoid", "ipo", "hinge"):
-        rc, rr, _, _ = plain_logps(peft_model, batch, normalized=normalized, reference=True)
-        logits = (pc - rc) - (pr - rr)
-        losses = {"sigmoid": lambda: -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps,
-                  "ipo": lambda: (logits - 1 / (2 * beta)) ** 2,
-                  "hinge": lambda: torch.relu(1 - beta * logits)}[config.loss]()
-        rewards = beta * (pc - rc).detach(), beta * (pr - rr).detach()
-        return losses.mean(), rewards
-    if config.loss == "simpo":
-        logits = (pc - pr) - config.simpo_gamma / beta
-        return (-F.logsigmoid(beta * logits)).mean(), (beta * pc.detach(), beta * pr.detach())
-    log_odds = (pc - pr) - (torch.log1p(-torch.exp(pc)) - torch.log1p(-torch.exp(pr)))
-    nll = -chosen_sums.sum() / chosen_tokens
-    return nll - beta * F.logsigmoid(log_odds).mean(), (beta * pc.detach(), beta * pr.detach())
+    return (logp * mask).sum(dim=1), mask.sum(dim=1)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge", "orpo", "simpo"])
-def test_each_loss_equals_the_plain_implementation(loss, tiny_llama, pairs_file, tmp_path):
+def test_each_loss_equals_the_plain_implementation(loss, tiny_llama, pairs_file, tmp_path, monkeypatch):
+    """A micro-batch's loss, metrics and LoRA gradients through the model: ours (log-probs from the fused head, the
+    reference from the adapter switch) against the same loss code on plain log-probs. The loss code itself is checked
+    against TRL's in test_preference_oracle.py."""
     recipe = validate_recipe(dpo_recipe(tiny_llama, pairs_file, tmp_path / "out", dpo={"loss": loss, "beta": 0.5}))
     tokenizer = model.load_tokenizer(recipe)
     examples = data.prepare(recipe, tokenizer).train[:4]
@@ -117,23 +97,27 @@ def test_each_loss_equals_the_plain_implementation(loss, tiny_llama, pairs_file,
                 param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     peft_model.eval()  # dropout off in both (a dropout mask is not part of the comparison)
     trained = [p for p in peft_model.parameters() if p.requires_grad]
-
-    expected, (expected_chosen, expected_rejected) = plain_loss(peft_model, batch, recipe.dpo)
-    expected_grads = torch.autograd.grad(expected, trained)
-
     reference = preference.Reference(peft_model, recipe)
-    loss_sum, nll_sum, metrics, counts = preference.micro_batch_terms(peft_model, batch, recipe.dpo, reference, CPU)
-    ours = preference.combine(loss_sum, nll_sum, counts.tolist(), recipe.dpo)
-    grads = torch.autograd.grad(ours, trained)
+
+    def step(batch):
+        loss_sum, nll_sum, metrics, counts = preference.micro_batch_terms(peft_model, batch, recipe.dpo, reference, CPU)
+        value = preference.combine(loss_sum, nll_sum, counts.tolist(), recipe.dpo)
+        return value, torch.autograd.grad(value, trained), dict(zip(preference.METRICS, metrics.tolist())), counts
+
+    ours, grads, sums, counts = step(batch)
+    plain_reference, _ = plain_logps(peft_model, batch, reference=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(preference, "sequence_logps", lambda *args: plain_logps(peft_model, batch, reference=False))
+        expected, expected_grads, expected_sums, _ = step({**batch, "reference_logps": plain_reference.double()})
     assert counts.tolist() == [4, float((batch["labels"][:4, 1:] != -100).sum())]
     assert float(ours) == pytest.approx(float(expected), abs=1e-5, rel=1e-5)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert float(want.abs().sum()) > 0
-    sums = dict(zip(preference.METRICS, metrics.tolist()))
-    assert sums["rewards/chosen"] == pytest.approx(float(expected_chosen.sum()), abs=1e-5)
-    assert sums["rewards/rejected"] == pytest.approx(float(expected_rejected.sum()), abs=1e-5)
-    assert sums["rewards/accuracies"] == float((expected_chosen > expected_rejected).sum())
+    for name, value in expected_sums.items():
+        assert sums[name] == pytest.approx(value, abs=1e-4, rel=1e-5), name
+    if loss in preference.WITH_REFERENCE:
+        assert expected_sums["rewards/margins"] != pytest.approx(0, abs=1e-3)  # policy != reference: a swap shows
 
 
 def test_the_head_never_hands_full_vocabulary_logits_to_the_preference_loss(tiny_llama, pairs_file, tmp_path):
