@@ -47,7 +47,7 @@ test-fast: $(STAMP)
 test-compat:
 	bash .ci/compat.sh
 
-# The wheel as a user gets it: built, installed into a fresh venv (runtime dependencies only, at the versions of
+# The wheel as a user gets it: built, checked to hold every recipe, config and module, installed into a fresh venv (runtime dependencies only, at the versions of
 # $(VENV), --no-deps from local wheels), then recipes list/copy, a tiny run, a 2-process run and an export from an
 # empty folder outside the checkout. WHEEL_CHECK_DIR keeps the venv and runs for a look afterwards.
 wheel-check: $(STAMP)

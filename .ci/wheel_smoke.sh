@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The path of a user who installs the wheel: build it, install it into a fresh venv (runtime dependencies only, the
+# The path of a user who installs the wheel: build it, check that it holds every recipe, accelerate config and
+# module of the checkout (.ci/wheel_contents.py), install it into a fresh venv (runtime dependencies only, the
 # versions of the dev venv, --no-deps from local wheels: no second resolution), then from an empty folder outside
 # the checkout: list and copy library recipes, a tiny training run (the quickstart), a 2-process run started with a
 # library accelerate config by name, and an export. Usage: .ci/wheel_smoke.sh DEV_PYTHON [WORKDIR]
@@ -15,6 +16,7 @@ rm -rf "$repo/build" "$work/dist"  # a stale build/lib would put deleted modules
 "$dev_python" -m pip wheel -q --no-deps -w "$work/dist" "$repo"
 rm -rf "$repo/build"
 wheel=$(ls "$work"/dist/finetune-*.whl)
+"$dev_python" "$repo/.ci/wheel_contents.py" "$wheel"  # every recipe, accelerate config and module is in it
 "$dev_python" "$repo/.ci/wheel_closure.py" "$wheel" > "$work/requirements.txt"
 
 step "installing it into a fresh venv ($(wc -l < "$work/requirements.txt") runtime packages, --no-deps)"

@@ -229,3 +229,37 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+# One run per strategy on one recipe, shared by the files that check those runs (tests/parallel/test_distributed.py:
+# losses, adapters, generation; tests/planner/test_planner.py: the planner's per-rank bytes), so each is launched once
+# per session. fp32, the strategy set in the recipe, launched by torchrun; packed rows (data.packing).
+STRATEGY_STEPS = ["train.max_steps=5", "train.eval_every=5", "eval.generation_rows=2", "eval.max_new_tokens=3"]
+STRATEGY_OVERRIDES = {"fsdp2": ["parallel.strategy=fsdp", "parallel.fsdp_version=2"],
+                      "fsdp1": ["parallel.strategy=fsdp", "parallel.fsdp_version=1"],
+                      "ddp": ["parallel.strategy=ddp"]}
+
+
+@pytest.fixture(scope="session")
+def strategy_recipe(tiny_llama, tmp_path_factory) -> tuple[Path, Path]:
+    """(root folder, recipe): 48 addition rows, packed. Packing in every strategy run: the packing check runs on the
+    wrapped model (DDP once crashed there, asking the DDP wrapper for the model's embeddings)."""
+    root = tmp_path_factory.mktemp("dist")
+    data_path = write_jsonl(root / "train.jsonl", addition_rows(48))
+    values = recipe_dict(tiny_llama, data_path, root / "unused")
+    values["data"]["packing"] = True
+    return root, write_recipe(root / "recipe.yaml", values)
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(strategy_recipe) -> dict[str, Path]:
+    """Run folders: "single" (one process, 1 x 4 rows a step) and one per STRATEGY_OVERRIDES (torchrun, 2 x 2 rows)."""
+    root, recipe = strategy_recipe
+    out = {"single": root / "single"}
+    result = run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={out['single']}", *STRATEGY_STEPS])
+    assert result.returncode == 0, f"single:\n{result.stderr[-4000:]}"
+    for name, strategy in STRATEGY_OVERRIDES.items():
+        out[name] = root / name
+        result = torchrun(recipe, f"output.dir={out[name]}", "train.micro_batch_size=2", *strategy, *STRATEGY_STEPS)
+        assert result.returncode == 0, f"{name}:\nstdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-4000:]}"
+    return out

@@ -98,30 +98,6 @@ def test_accelerate_configs_resolve_by_name(capsys):
     assert "fsdp3" in err and "fsdp2" in err and "Traceback" not in err
 
 
-def test_wheel_carries_the_library(tmp_path):
-    """`pip wheel` of the project holds every recipe, accelerate config and module (the package-dir mapping)."""
-    import shutil
-    import subprocess
-    import sys
-    import zipfile
-
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    for name in ("finetune", "recipes", "accelerate_configs"):
-        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
-                   check=True, capture_output=True)
-    (wheel,) = (tmp_path / "dist").glob("finetune-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"finetune/recipes/{p.name}" for p in RECIPES}
-    expected |= {f"finetune/accelerate_configs/{p.name}" for p in (REPO / "accelerate_configs").glob("*.yaml")}
-    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.py")}
-    expected |= {str(p.relative_to(REPO)) for p in (REPO / "finetune").rglob("*.json")}
-    assert expected - names == set()
-
-
 def test_no_stage_imports_the_cli():
     """The CLI sits on top: a module below it importing it closes an import circle (planner -> cli -> run ...).
     tests/test_architecture.py checks the rest of the house rules."""

@@ -21,59 +21,38 @@ import pytest
 import torch
 from conftest import (
     RUN_PY,
+    STRATEGY_OVERRIDES,
+    STRATEGY_STEPS,
     accelerate_launch,
-    addition_rows,
     child_env,
     free_port,
     read_metrics,
-    recipe_dict,
     run_cmd,
     torchrun,
     train_losses,
-    write_jsonl,
-    write_recipe,
 )
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
-STEPS = ["train.max_steps=5", "train.eval_every=5", "eval.generation_rows=2", "eval.max_new_tokens=3"]
+STEPS, STRATEGIES = STRATEGY_STEPS, STRATEGY_OVERRIDES
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    data_path = write_jsonl(root / "train.jsonl", addition_rows(48))
-    values = recipe_dict(tiny_llama, data_path, root / "unused")
-    # Packed rows (data.packing) in every run of this file: the packing check runs on the wrapped model (DDP once
-    # crashed there, asking the DDP wrapper for the model's embeddings), and one set of runs serves both checks.
-    values["data"]["packing"] = True
-    recipe = write_recipe(root / "recipe.yaml", values)
-    return root, recipe
+def setup(strategy_recipe):
+    """(root, recipe) of the strategy runs (tests/conftest.py: packed rows, shared with tests/planner)."""
+    return strategy_recipe
+
+
+@pytest.fixture(scope="module")
+def runs(strategy_runs):
+    """fp32 runs of each strategy set in the recipe, launched by torchrun, and one process (tests/conftest.py); the
+    shipped accelerate configs are bf16: they are compared below, within bf16 rounding."""
+    return strategy_runs
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"stdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-4000:]}"
     return result
-
-
-# fp32 runs of each strategy, set in the recipe and launched by torchrun (the shipped accelerate configs are bf16:
-# they are compared below, within bf16 rounding).
-STRATEGIES = {"fsdp2": ["parallel.strategy=fsdp", "parallel.fsdp_version=2"],
-              "fsdp1": ["parallel.strategy=fsdp", "parallel.fsdp_version=1"],
-              "ddp": ["parallel.strategy=ddp"]}
-
-
-@pytest.fixture(scope="module")
-def runs(setup):
-    """One run per strategy (module-scoped: each costs ~10 s of two processes)."""
-    root, recipe = setup
-    out = {}
-    out["single"] = root / "single"
-    _ok(run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={out['single']}", *STEPS]))
-    for name, strategy in STRATEGIES.items():
-        out[name] = root / name
-        _ok(torchrun(recipe, f"output.dir={out[name]}", "train.micro_batch_size=2", *strategy, *STEPS))
-    return out
 
 
 def rank_stats(run_dir) -> list[dict]:
@@ -234,14 +213,6 @@ def test_silent_single_process_split_is_refused(setup):
 
 
 # ------------------------------------------------------------------------------- GPU-only behaviour, simulated
-def test_gpu_process_groups_serve_cpu_tensors_too():
-    """CPU offload puts gradients in CPU memory: the process group on GPUs needs a CPU backend beside NCCL."""
-    from finetune.distributed import process_group_backend
-
-    assert process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
-    assert process_group_backend(cuda=False) == "gloo"
-
-
 def test_more_local_processes_than_gpus_is_refused(monkeypatch):
     """Simulated in this process (a CPU machine has no GPU to share): 2 local ranks, 1 visible GPU. Before the check,
     rank 1 took `local_rank % device_count` = GPU 0 and NCCL failed later with "Duplicate GPU detected"."""

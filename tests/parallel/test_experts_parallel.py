@@ -23,9 +23,10 @@ from finetune.cli import main
 from finetune.recipe import load_recipe
 
 # Per-rank dropout masks: one process draws other masks than two, so with the library's dropout the single-process curve
-# is only close (measured: 4e-3 at most over these 3 steps); DDP and FSDP2 draw the same masks per rank, so their
-# curves are equal within bf16 rounding.
-DROPOUT_SPREAD = 2e-2
+# is only close (measured: 3.9e-3 at most over these 3 steps, which move the loss by ~0.15 each; the tolerance is 2x
+# the measured spread, a twentieth of a step); DDP and FSDP2 draw the same masks per rank, so their curves are equal
+# within bf16 rounding.
+DROPOUT_SPREAD = 8e-3
 
 
 def _ok(result) -> None:

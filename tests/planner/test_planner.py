@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import recipe_dict, torchrun, write_recipe
+from conftest import write_recipe
 
 from finetune import planner
 from finetune.cli import main as cli_main
@@ -182,30 +182,30 @@ def test_deepspeed_zero_rows_follow_the_fsdp_memory_model():
 
 
 # ------------------------------------------------------------------------------------------ measured on CPU
-@pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 2), ("fsdp", 1), ("ddp", 2)])
-def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, strategy, fsdp_version):
-    """fp32 runs (the strategy set in the recipe, torchrun): per-rank bytes exact, peak RSS close. The shipped bf16
-    configs are checked for bytes below."""
-    out = tmp_path / "run"
-    parallel = {"strategy": strategy, "fsdp_version": fsdp_version} if strategy == "fsdp" else {"strategy": strategy}
-    raw = recipe_dict(tiny_llama, alpaca_file, out, train={"max_steps": 2}, parallel=parallel)
-    result = torchrun(write_recipe(tmp_path / "r.yaml", raw))
-    assert result.returncode == 0, result.stderr[-2000:]
-    recipe = validate_recipe(raw)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
+def test_per_rank_parameter_bytes_match_a_real_run(strategy_runs, name):
+    """The held bytes of each rank of a real 2-process run (fp32, the strategy set in the recipe, torchrun; the runs of
+    tests/parallel/test_distributed.py, made once per session) are the planner's, to the byte. The shipped bf16 configs
+    are checked for bytes below.
+
+    No peak-RSS check here: on this model the planner's increment above the rank's pre-model RSS is 2.6 MB, and the
+    measured increment is 30-34 MB of what it does not model (the first step's lazy setup, allocator), on a 390 MB
+    baseline; a tolerance that passes is wide enough to pass without the planner. The activation, LoRA and base terms
+    are checked against tensor-level measurements in tests/planner/test_memory_breakdown.py."""
     from transformers import AutoConfig
 
-    facts = facts_from_config(AutoConfig.from_pretrained(tiny_llama), recipe)
+    from finetune.recipe import load_recipe
+
+    run_dir = strategy_runs[name]
+    recipe = load_recipe(str(run_dir / "recipe.yaml"))  # as the run resolved it
+    strategy, fsdp_version = recipe.parallel.strategy, recipe.parallel.fsdp_version
+    facts = facts_from_config(AutoConfig.from_pretrained(recipe.model.name_or_path), recipe)
     for rank in (0, 1):
-        measured = json.loads((out / "ranks" / f"rank{rank}.json").read_text())
+        measured = json.loads((run_dir / "ranks" / f"rank{rank}.json").read_text())
         predicted = held_parameter_bytes(facts, strategy=strategy, world_size=2, rank=rank, fsdp_version=fsdp_version)
         assert (measured["frozen_bytes"], measured["trainable_bytes"]) == \
             (predicted["frozen_bytes"], predicted["trainable_bytes"]), (rank, measured, predicted)
-        cpu = estimate(facts, recipe, "fsdp" if strategy == "fsdp" else "ddp", Hardware(2, 24 * GiB))
-        dynamic = sum(v for k, v in cpu.parts.items() if k != "overhead")
-        # RSS baseline: this rank's resident memory right before the model loads (runtime, imports, data), measured
-        # in the run itself; the planner predicts what comes on top of it.
-        baseline = measured["rss_before_model_bytes"]
-        assert measured["peak_rss_bytes"] == pytest.approx(baseline + dynamic, rel=0.15), (baseline, dynamic, measured)
 
 
 def test_sharded_loading_lets_70b_start_on_two_24gb_gpus():
