@@ -149,6 +149,7 @@ def bases(tiny_llama, tmp_path_factory, llama_cpp) -> dict:
     return found
 
 
+@pytest.mark.slow  # the first run on a machine downloads the sdist
 def test_the_loader_rules_applied_below_are_llama_cpps(llama_cpp):
     """_load_problems applies these lines of llama.cpp's loader; a llama.cpp that changed them fails here first."""
     adapter_cpp = (llama_cpp / "src" / "llama-adapter.cpp").read_text()
