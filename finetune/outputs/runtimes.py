@@ -90,9 +90,11 @@ def vllm_verdict(config: dict, tensor_names: list[str]) -> Verdict:
 
 
 def llama_cpp_verdict(config: dict, tensor_names: list[str], *, tied_embeddings: bool) -> Verdict:
-    """llama.cpp's rules: convert_lora_to_gguf.py (reads lparams["lora_alpha"]; accepts only .lora_A.weight /
-    .lora_B.weight names, exits on any other tensor; raises on lm_head when the base ties it to the embeddings) and
-    src/llama-adapter.h (get_scale: adapter_scale * alpha / rank, rank from the tensor, one alpha per file)."""
+    """llama.cpp's rules: convert_lora_to_gguf.py (reads lparams["lora_alpha"]; takes .lora_A.weight / .lora_B.weight
+    and lora_embedding_A/B, skips .base_layer.weight, keeps norm weights, exits on any other tensor), src/llama-adapter.cpp
+    (skips `_norm.weight` tensors on load, refuses a LoRA tensor the base GGUF lacks) and src/llama-adapter.h (get_scale:
+    adapter_scale * alpha / rank, rank from the tensor, one alpha per file). Checked against the converter itself by
+    tests/outputs/test_llama_cpp_converter.py."""
     reasons, status = [], "valid"
     if "lora_alpha" not in config:
         status = "invalid"
@@ -101,21 +103,28 @@ def llama_cpp_verdict(config: dict, tensor_names: list[str], *, tied_embeddings:
         status = "invalid"
         reasons.append("DoRA: its lora_magnitude_vector tensors are not lora_A/lora_B; the converter stops "
                        "(`Unexpected name ...: Not a lora_A or lora_B tensor`)")
-    if config.get("modules_to_save"):
+    taken = {name: _converter_takes(name) for name in tensor_names}
+    stops = [n for n, how in taken.items() if how == "stops" and "lora_magnitude_vector" not in n]
+    norms = [n for n, how in taken.items() if how == "norm"]
+    saved = config.get("modules_to_save")
+    if stops:
         status = "invalid"
-        reasons.append(f"modules_to_save {config['modules_to_save']}: full weights in the adapter; the converter stops "
-                       "on them (`Embeddings is present in the adapter`)")
-    # The converter skips `.base_layer.weight` (PEFT saves the base layer of a targeted embedding/lm_head with it).
-    odd = [n for n in tensor_names if not n.endswith(LORA_SUFFIXES) and "lora_magnitude_vector" not in n
-           and "lora_embedding_" not in n and ".base_layer.weight" not in n and not _saved_module(n, config)]
-    if odd:
+        embeddings = any(n.endswith((".embed_tokens.weight", ".lm_head.weight")) for n in stops)
+        reasons.append(f"{len(stops)} tensor(s) not named .lora_A.weight/.lora_B.weight (e.g. {stops[0]})"
+                       + (f", full weights of modules_to_save {saved}" if saved else "")
+                       + "; the converter stops on them (`Not a lora_A or lora_B tensor`"
+                       + ("; `Embeddings is present in the adapter`)" if embeddings else ")"))
+    if norms:
         status = "invalid"
-        reasons.append(f"{len(odd)} tensor(s) not named .lora_A.weight/.lora_B.weight (e.g. {odd[0]}); the converter "
-                       "stops on them")
+        reasons.append(f"{len(norms)} norm weight(s) in the adapter (e.g. {norms[0]}"
+                       + (f", modules_to_save {saved}" if saved else "") + "): the converter keeps them, but llama.cpp "
+                       "skips `_norm.weight` tensors when it loads an adapter (`TODO: add support for norm vector`), so "
+                       "it runs with the base's norms, not the trained ones")
     if tied_embeddings and any(m.endswith("lm_head") for m in lora_modules(tensor_names)):
         status = "invalid"
-        reasons.append("LoRA on lm_head of a base with tied embeddings: the GGUF base has no separate output tensor "
-                       "(`lm_head is present in adapter, but is ignored in base model`)")
+        reasons.append("LoRA on lm_head of a base with tied embeddings: the converter writes output.weight.lora_a/b, "
+                       "but the base's GGUF has no output.weight (it reuses token_embd), so llama.cpp refuses the "
+                       "adapter (`LoRA tensor 'output.weight' does not exist in base model`)")
     rank_pattern, alpha_pattern = _patterns(config)
     if config.get("use_rslora"):
         status = "invalid"
@@ -134,9 +143,14 @@ def llama_cpp_verdict(config: dict, tensor_names: list[str], *, tied_embeddings:
     return Verdict("llama.cpp (convert_lora_to_gguf.py -> GGUF adapter)", status, reasons)
 
 
-def _saved_module(name: str, config: dict) -> bool:
-    """A modules_to_save weight (already reported by its own rule)."""
-    return any(f".{module}." in f".{name}" for module in config.get("modules_to_save") or [])
+def _converter_takes(name: str) -> str:
+    """What convert_lora_to_gguf.py does with one adapter tensor (its get_tensors): `lora` (an A/B half), `skip`
+    (a targeted layer's base weight), `norm` (kept as a norm vector: mergekit-extract-lora writes those) or `stops`."""
+    if ".lora_A.weight" in name or ".lora_B.weight" in name or ".lora_embedding_" in name:
+        return "lora"
+    if ".base_layer.weight" in name:
+        return "skip"
+    return "norm" if "_layernorm" in name or ".norm" in name else "stops"
 
 
 def check_peft_load(folder: Path, base_config) -> Verdict:
