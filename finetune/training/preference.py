@@ -36,14 +36,23 @@ from finetune.recipe import PreferenceSection, Recipe
 from finetune.training.loss import sequence_logps
 
 WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
+# TRL's names (DPOTrainer; ORPOTrainer adds nll_loss, log_odds_ratio, log_odds_chosen). Means over the pairs, but
+# nll_loss: over the chosen responses' tokens.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def metric_names(config: PreferenceSection) -> tuple[str, ...]:
+    """The per-step metrics of this dpo.loss, in the order `micro_batch_terms` sums them."""
+    return METRICS + ORPO_METRICS if config.loss == "orpo" else METRICS
 REFERENCE_FILE = "reference_logps.json"
 
 
 # ----------------------------------------------------------------------------------------------------- the losses
 def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor] | None,
-                config: PreferenceSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per pair: (loss, chosen reward, rejected reward) from the (chosen, rejected) scores of policy and reference.
+                config: PreferenceSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per pair: (loss, chosen reward, rejected reward, ORPO's log odds or None) from the (chosen, rejected) scores of
+    policy and reference.
 
     Scores are sequence log-probabilities, already length-normalized where the loss asks for it. Formulas and reward
     definitions as TRL (DPOTrainer for sigmoid / ipo / hinge, ORPOTrainer for orpo, CPOTrainer's simpo).
@@ -59,7 +68,8 @@ def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torc
             losses = (logits - 1 / (2 * beta)) ** 2
         else:
             losses = torch.relu(1 - beta * logits)
-        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach(), None
+    log_odds = None
     if config.loss == "simpo":
         logits = (chosen - rejected) - config.simpo_gamma / beta
         losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
@@ -68,7 +78,7 @@ def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torc
         log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(torch.minimum(chosen, top)))
                                           - torch.log1p(-torch.exp(torch.minimum(rejected, top))))
         losses = -beta * F.logsigmoid(log_odds)
-    return losses, beta * chosen.detach(), beta * rejected.detach()
+    return losses, beta * chosen.detach(), beta * rejected.detach(), log_odds
 
 
 def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +88,12 @@ def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: PreferenceSection, reference: Reference,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum of pair losses, sum of chosen-token NLL, per-metric sums, [pairs, chosen tokens]) of one micro-batch.
+    """(sum of pair losses, sum of chosen-token NLL, per-metric sums (`metric_names`), [pairs, chosen tokens]) of one
+    micro-batch.
 
-    Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing.
+    Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing. logps/* are the
+    scores the rewards come from: sums for the losses with a reference (TRL's DPOTrainer), the length-normalized
+    scores for orpo and simpo (TRL's ORPOTrainer and CPOTrainer).
     """
     logps, counts = sequence_logps(model, batch, device)
     valid = (counts[: counts.size(0) // 2] > 0) & (counts[counts.size(0) // 2 :] > 0)
@@ -88,15 +101,19 @@ def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: 
     scale = counts.clamp(min=1).to(logps.dtype) if config.normalized() else torch.ones_like(logps)
     policy = _split(logps / scale)
     ref = _split(ref_logps.to(logps.device, logps.dtype) / scale) if ref_logps is not None else None
-    losses, chosen_rewards, rejected_rewards = pair_losses(policy, ref, config)
+    losses, chosen_rewards, rejected_rewards, log_odds = pair_losses(policy, ref, config)
     weight = valid.to(losses.dtype)
-    chosen_logps, rejected_logps = (part.detach() for part in _split(logps))
-    metrics = torch.stack([(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
-                           ((chosen_rewards - rejected_rewards) * weight).sum(),
-                           ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),
-                           (chosen_logps * weight).sum(), (rejected_logps * weight).sum()]).double()
+    chosen_logps, rejected_logps = (part.detach() for part in (_split(logps) if ref is not None else policy))
     nll = -(_split(logps)[0] * weight).sum()
     chosen_tokens = (counts[: counts.size(0) // 2] * valid).sum()
+    sums = [(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
+            ((chosen_rewards - rejected_rewards) * weight).sum(),
+            ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),
+            (chosen_logps * weight).sum(), (rejected_logps * weight).sum()]
+    if log_odds is not None:  # ORPO, as TRL: log_odds_ratio is the mean of log sigmoid(log odds), before beta
+        log_odds = log_odds.detach()
+        sums += [nll.detach(), (F.logsigmoid(log_odds) * weight).sum(), (log_odds * weight).sum()]
+    metrics = torch.stack(sums).double()
     return (losses * weight).sum(), nll, metrics, torch.stack([weight.sum().double(), chosen_tokens.double()])
 
 
@@ -109,8 +126,11 @@ def combine(loss_sum: torch.Tensor, nll_sum: torch.Tensor, totals: list[float], 
     return share
 
 
-def metric_means(sums: list[float], pairs: float, prefix: str = "") -> dict[str, float]:
-    return {f"{prefix}{name}": round(value / max(pairs, 1), 6) for name, value in zip(METRICS, sums)}
+def metric_means(sums: list[float], counts: list[float], config: PreferenceSection, prefix: str = "") -> dict[str, float]:
+    """Each metric's sum over the global batch divided by its pairs (`counts[0]`); nll_loss by the chosen tokens."""
+    pairs, tokens = counts[0], counts[1]
+    return {f"{prefix}{name}": round(value / max(tokens if name == "nll_loss" else pairs, 1), 6)
+            for name, value in zip(metric_names(config), sums)}
 
 
 # --------------------------------------------------------------------------------------------------- reference
