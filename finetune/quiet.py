@@ -5,6 +5,11 @@ What is filtered, each by its exact message, so that a new warning of the same l
   * bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional CPU kernel package; the
     built-in kernel is used instead), logged once per process at import;
   * transformers' FutureWarning "`is_gradient_checkpointing` is deprecated", raised by PEFT's own attribute check;
+  * FSDP1's torch warnings: the FutureWarnings "FSDP.state_dict_type() ... are being deprecated" and "...deprecating
+    ShardedTensor" (every checkpoint save and load goes through those APIs, which FSDP1 still needs), and the
+    UserWarnings of a one-process FSDP1 run, which torch runs as NO_SHARD ("FSDP is switching to use `NO_SHARD`",
+    "When using ``NO_SHARD`` ... full_state_dict will be returned": the same training and files, nothing to fix);
+  * kernels' "Skipping publisher trust check ... offline mode" (bitsandbytes' optional kernel lookup, HF_HUB_OFFLINE);
   * DeepSpeed's "Setting accelerator to CPU" (said by every process of a CPU DeepSpeed run);
   * the progress bars of transformers' weight loading and saving (finetune prints its own model line).
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
@@ -23,7 +28,15 @@ VERBOSE_ENV = "FINETUNE_VERBOSE"
 _LOGGED = {
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
     "DeepSpeed": "Setting accelerator to CPU",
+    "kernels._internals.hf_hub": "Skipping publisher trust check",
 }
+_WARNINGS = (  # (category, start of the message as a regular expression)
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, r"FSDP\.state_dict_type\(\) and FSDP\.set_state_dict_type\(\) are being deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    (UserWarning, r"FSDP is switching to use `NO_SHARD`"),
+    (UserWarning, r"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned"),
+)
 
 
 def verbose() -> bool:
@@ -43,7 +56,8 @@ def install() -> None:
     """Filter the noise above in this process (and, through the environment, in the processes it launches)."""
     if verbose():
         return
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    for category, message in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     for name, start in _LOGGED.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):

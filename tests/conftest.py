@@ -227,6 +227,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def step_tokens(metrics: list[dict]) -> list[int]:
+    """The tokens of each logged training step, from the running num_tokens of a run logged at every step."""
+    counts = [m["num_tokens"] for m in metrics if "loss" in m]
+    return [b - a for a, b in zip([0, *counts], counts)]
+
+
 def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
 

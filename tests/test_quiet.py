@@ -73,3 +73,29 @@ def test_a_deferred_compile_compiles_once_at_the_first_call():
     assert calls == []
     assert add_one(1) == ("compiled", 2) and add_one(2) == ("compiled", 3) and double(3) == ("compiled", 6)
     assert calls == [{"dynamic": False}, {"dynamic": True}]
+
+
+
+FSDP1_NOISE = ("FutureWarning", "UserWarning", "state_dict_type", "ShardedTensor", "NO_SHARD", "publisher trust check")
+
+
+@pytest.mark.slow
+def test_an_fsdp1_run_is_quiet_unless_verbose(recipe):
+    """FSDP1 through torchrun (gloo): torch's FSDP.state_dict_type() and ShardedTensor FutureWarnings, said at every
+    checkpoint save by every process, and the NO_SHARD UserWarnings of a one-process run stay out of the output;
+    FINETUNE_VERBOSE=1 (what --verbose sets for the processes a launch starts) lets them through."""
+    from conftest import RUN_PY
+
+    def launch(nproc: int, **env: str):
+        args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+                str(RUN_PY), str(recipe), "parallel.strategy=fsdp", "parallel.fsdp_version=1",
+                f"train.micro_batch_size={4 // nproc}", "output.overwrite=true"]
+        result = run_cmd(args, env=child_env(**env))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    for nproc in (2, 1):
+        output = launch(nproc)
+        assert not [word for word in FSDP1_NOISE if word in output], output[-4000:]
+    loud = launch(1, FINETUNE_VERBOSE="1")
+    assert "NO_SHARD" in loud and "FSDP.state_dict_type() and FSDP.set_state_dict_type()" in loud, loud[-3000:]

@@ -1,6 +1,7 @@
 """Tracking: metrics.jsonl always, TensorBoard / MLflow / W&B when the recipe asks; the run's plot; `finetune runs`.
 
     trackers.py   Trackers (every backend behind one log call), log_run_artifacts, the MLflow store
+    metrics_file.py  metrics.jsonl read back in today's metric names (old runs' `lr`, `tokens` translated)
     plot.py       plot.png of a run (loss and learning rate against steps), `finetune plot`
     runs.py       `finetune runs`: an MLflow store's runs with their final losses
 """

@@ -10,11 +10,11 @@ its headless Agg canvas (no display on training machines).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.tracking.metrics_file import read_records
 
 
 def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -25,14 +25,10 @@ def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         what = "does not exist" if not folder.exists() else "has no metrics.jsonl"
         raise FinetuneError(f"{folder}: {what}; `finetune plot` takes run folders (output.dir of a run), "
                             "which hold metrics.jsonl.")
-    series: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "lr": []}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a run killed while writing leaves a partial last line
+    series: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "learning_rate": []}
+    for record in read_records(path):  # old runs' `lr` read as learning_rate
         for key, points in series.items():
-            value = record.get(key) if isinstance(record, dict) else None
+            value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and "step" in record:
                 points.append((int(record["step"]), float(value)))
     if not series["loss"] and not series["eval_loss"]:
@@ -65,8 +61,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             loss_axes.plot(*zip(*series["loss"]), color=color, linewidth=1.4, label=f"{name} train")
         if series["eval_loss"]:
             loss_axes.plot(*zip(*series["eval_loss"]), color=color, linestyle="--", marker="o", label=f"{name} eval")
-        if series["lr"]:
-            lr_axes.plot(*zip(*series["lr"]), color=color, label=name)
+        if series["learning_rate"]:
+            lr_axes.plot(*zip(*series["learning_rate"]), color=color, label=name)
     loss_axes.set_ylabel("loss (per trained token)")
     loss_axes.set_title("training runs" if len(runs) > 1 else runs[0][0].resolve().name)
     loss_axes.grid(alpha=0.3)

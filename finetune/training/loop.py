@@ -246,8 +246,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 elapsed = time.perf_counter() - step_start
                 lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
-                    metrics.write(step=step, epoch=stream.epoch_at(step), loss=round(loss, 6), lr=lr,
-                                  grad_norm=round(grad_norm, 6), tokens=int(global_seen),
+                    # HF Trainer's and TRL's names: num_tokens counts every step so far (a resume goes on counting)
+                    metrics.write(step=step, epoch=stream.epoch_at(step), loss=round(loss, 6), learning_rate=lr,
+                                  grad_norm=round(grad_norm, 6), num_tokens=result.tokens,
                                   tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3),
                                   **extra)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")

@@ -1,7 +1,9 @@
 """Token loss without full-vocabulary fp32 logits: only trained positions, a chunk at a time, inside the forward.
 
 `token_loss_sum(model, batch, device)` returns what `train.loss_sum` returns (sum of next-token cross-entropy over
-labels != -100, and the count of those tokens), but never builds the (batch x length x vocab) logits. With a 49k
+labels != -100, and the count of those tokens), but never builds the (batch x length x vocab) logits.
+`token_loss_and_correct` adds the count of those tokens whose argmax logit is the label (TRL's mean_token_accuracy
+= correct / count), taken from each chunk's logits while they exist. With a 49k
 vocabulary those logits, upcast to fp32 for the loss and kept for backward, are the largest tensors of a QLoRA step
 (several GB at batch 4 x 512) and the softmax over them costs more time than the LoRA layers on a CPU.
 
@@ -46,13 +48,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum of cross-entropy of head(hidden) against targets; gradient w.r.t. hidden computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None):
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None,
+                correct: list | None):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grads = []
         for start in range(0, hidden.size(0), chunk):
             piece = hidden[start : start + chunk].detach().requires_grad_(True)
             with torch.enable_grad():
-                loss = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap)
+                loss = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap, correct=correct)
                 (grad,) = torch.autograd.grad(loss, piece)
             grads.append(grad)
             total += loss.detach()
@@ -62,7 +65,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_output).to(grad_hidden.dtype), None, None, None, None
+        return (grad_hidden * grad_output).to(grad_hidden.dtype), None, None, None, None, None
 
 
 class _ChunkedHeadTokenLoss(torch.autograd.Function):
@@ -92,11 +95,16 @@ class _ChunkedHeadTokenLoss(torch.autograd.Function):
 
 
 def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None, *,
-                reduction: str = "sum") -> torch.Tensor:
-    """Cross-entropy of one chunk (summed, or per token), logits upcast to fp32 exactly as train.loss_sum does."""
+                reduction: str = "sum", correct: list | None = None) -> torch.Tensor:
+    """Cross-entropy of one chunk (summed, or per token), logits upcast to fp32 exactly as train.loss_sum does.
+
+    `correct`: a list to append the chunk's count of argmax hits to (a device tensor: no host sync), read off the
+    logits that exist here anyway; one argmax over the chunk, small beside the softmax and its gradient."""
     logits = head_forward(hidden).float()
     if softcap is not None:  # Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits
         logits = torch.tanh(logits / softcap) * softcap
+    if correct is not None:
+        correct.append((logits.detach().argmax(dim=-1) == targets).sum())
     return F.cross_entropy(logits, targets, reduction=reduction)
 
 
@@ -111,9 +119,11 @@ def trained_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, *,
-              trainable_head: bool, softcap: float | None, chunk: int, per_token: bool = False) -> torch.Tensor:
+              trainable_head: bool, softcap: float | None, chunk: int, per_token: bool = False,
+              correct: list | None = None) -> torch.Tensor:
     """Loss sum of next-token prediction from final hidden states (B, T, H) at `positions` (flat rows, from
     `trained_positions`) against their `targets`; with `per_token`, the loss of every position instead, in order.
+    With `correct` (SFT sums only), each chunk's count of argmax hits is appended to that list.
 
     The rows are gathered by index: the same rows in the same order as a boolean mask would select (bitwise the same
     loss), but the output size is the length of `positions`, known to the host, so nothing waits for the device."""
@@ -123,14 +133,14 @@ def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targe
     selected = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions)
     reduction = "none" if per_token else "sum"
     if not torch.is_grad_enabled():
-        pieces = [_chunk_loss(head_forward, selected[s : s + chunk], targets[s : s + chunk], softcap, reduction=reduction)
-                  for s in range(0, selected.size(0), chunk)]
+        pieces = [_chunk_loss(head_forward, selected[s : s + chunk], targets[s : s + chunk], softcap, reduction=reduction,
+                              correct=correct) for s in range(0, selected.size(0), chunk)]
         return torch.cat(pieces) if per_token else sum(pieces)
     if trainable_head or not selected.requires_grad:  # ordinary autograd: head parameters get grads
-        return _chunk_loss(head_forward, selected, targets, softcap, reduction=reduction)
+        return _chunk_loss(head_forward, selected, targets, softcap, reduction=reduction, correct=correct)
     if per_token:
         return _ChunkedHeadTokenLoss.apply(selected, targets, head_forward, chunk, softcap)
-    return _ChunkedHeadLoss.apply(selected, targets, head_forward, chunk, softcap)
+    return _ChunkedHeadLoss.apply(selected, targets, head_forward, chunk, softcap, correct)
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:
@@ -156,12 +166,12 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             request = head.__dict__.get(_TARGETS)
             if request is None:
                 return original(hidden_states, *args, **kwargs)
-            positions, targets, softcap, per_token = request
+            positions, targets, softcap, per_token, correct = request
             # Layer split: the head lives on the last GPU (a device-to-device copy, no sync).
             positions, targets = (t.to(hidden_states.device, non_blocking=True) for t in (positions, targets))
             trainable = any(p.requires_grad for p in head.parameters())
             return head_loss(original, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
-                             chunk=chunk, per_token=per_token)
+                             chunk=chunk, per_token=per_token, correct=correct)
 
         head.forward = forward
         setattr(head, _PATCHED, True)
@@ -177,27 +187,47 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     No host sync: the count is the number of trained positions, found in the host labels before they move
     (`trained_positions`), so it is a Python int for free; a batch already on a GPU costs one sync.
     """
+    total, count, _ = _token_loss(model, batch, device, correct=None)
+    return total, count
+
+
+def token_loss_and_correct(model: nn.Module, batch: dict[str, torch.Tensor],
+                           device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """`token_loss_sum`, plus how many of the trained tokens the model's argmax predicts (a device tensor; no sync)."""
+    correct: list[torch.Tensor] = []
+    total, count, hits = _token_loss(model, batch, device, correct=correct)
+    if hits is None:
+        hits = sum(correct, torch.zeros((), dtype=torch.int64, device=total.device))
+    return total, count, hits
+
+
+def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
+                correct: list | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(loss sum, trained tokens, argmax hits of the plain path or None: the head appended them to `correct`)."""
     positions, wanted = trained_positions(batch["labels"])
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     found = install(model)
     if found is None:  # not a transformers causal LM: the plain way (ignore_index: full shapes, no sync)
         logits = model(**inputs, use_cache=False).logits[:, :-1]
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch["labels"][:, 1:].reshape(-1),
+        labels = batch["labels"][:, 1:]
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        return total, positions.numel()
+        hits = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        return total, positions.numel(), hits
     where = (positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True))
-    total = _forward_with_targets(model, found, inputs, where, per_token=False)
-    return total.reshape(()), positions.numel()
+    total = _forward_with_targets(model, found, inputs, where, per_token=False, correct=correct)
+    return total.reshape(()), positions.numel(), None
 
 
 def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict,
-                          where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool) -> torch.Tensor:
+                          where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool,
+                          correct: list | None = None) -> torch.Tensor:
     """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
     patched forward returns."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (*where, softcap, per_token)
+    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:

@@ -15,11 +15,12 @@ from finetune import distributed
 from finetune.data import IGNORE_INDEX, Example, eval_batches
 from finetune.recipe import Recipe
 from finetune.training import preference
-from finetune.training.loss import token_loss_sum
+from finetune.training.loss import token_loss_and_correct
 
 
 class Supervised:
-    """Token mean of next-token cross-entropy over the trained tokens of the global batch."""
+    """Token mean of next-token cross-entropy over the trained tokens of the global batch; logs, as TRL's SFTTrainer,
+    mean_token_accuracy (trained tokens whose argmax prediction is the label, over the trained tokens)."""
 
     def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
         """Work before step 1 (none for SFT)."""
@@ -29,26 +30,28 @@ class Supervised:
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
         """(tensor to backpropagate, this micro-batch's contribution to the logged sum, metric sums or None)."""
-        batch_loss, _ = token_loss_sum(model, batch, device)
-        return batch_loss * distributed.info().world_size / max(totals[0], 1), batch_loss.detach(), None
+        batch_loss, _, correct = token_loss_and_correct(model, batch, device)
+        return (batch_loss * distributed.info().world_size / max(totals[0], 1), batch_loss.detach(),
+                correct.reshape(1).double())
 
     def step_loss(self, summed: float, totals: list[float]) -> float:
         return summed / max(totals[0], 1)
 
     def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
-        return {}
+        return {"mean_token_accuracy": round(sums[0] / max(totals[0], 1), 6)} if sums is not None else {}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
-        """{"eval_loss": token-weighted mean loss over the held-out examples}, identical for any world size."""
+        """{"eval_loss": token-weighted mean loss over the held-out examples, "eval_mean_token_accuracy"}, identical
+        for any world size."""
         info = distributed.info()
-        total, count = 0.0, 0
+        total, count, correct = 0.0, 0, 0.0
         for batch in eval_batches(examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank,
                                   world_size=info.world_size, pad_id=pad_id):
-            batch_loss, batch_tokens = token_loss_sum(model, batch, info.device)
-            total, count = total + float(batch_loss), count + batch_tokens
-        total, count = distributed.all_reduce_sum([total, count])
-        return {"eval_loss": total / max(count, 1)}
+            batch_loss, batch_tokens, batch_correct = token_loss_and_correct(model, batch, info.device)
+            total, count, correct = total + float(batch_loss), count + batch_tokens, correct + float(batch_correct)
+        total, count, correct = distributed.all_reduce_sum([total, count, correct])
+        return {"eval_loss": total / max(count, 1), "eval_mean_token_accuracy": correct / max(count, 1)}
 
 
 class Preference:
@@ -84,13 +87,13 @@ class Preference:
         return summed
 
     def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
-        return preference.metric_means(sums, totals[0]) if sums is not None else {}
+        return preference.metric_means(sums, totals, self.config) if sums is not None else {}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
         """eval_loss (mean over the held-out pairs) and eval_rewards/... , identical for any world size."""
         info = distributed.info()
-        sums = torch.zeros(len(preference.METRICS) + 4, dtype=torch.float64)
+        sums = torch.zeros(len(preference.metric_names(self.config)) + 4, dtype=torch.float64)
         for batch in eval_batches(examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank,
                                   world_size=info.world_size, pad_id=pad_id):
             loss_sum, nll_sum, metric_sums, counts = preference.micro_batch_terms(model, batch, self.config,
@@ -99,7 +102,7 @@ class Preference:
         total = distributed.all_reduce_sum(sums.tolist())
         loss_sum, nll_sum, metric_sums, (pairs, tokens) = total[0], total[1], total[2:-2], total[-2:]
         loss = loss_sum / max(pairs, 1) + (nll_sum / max(tokens, 1) if self.config.loss == "orpo" else 0.0)
-        return {"eval_loss": loss, **preference.metric_means(metric_sums, pairs, prefix="eval_")}
+        return {"eval_loss": loss, **preference.metric_means(metric_sums, [pairs, tokens], self.config, prefix="eval_")}
 
 
 def for_recipe(model: nn.Module, recipe: Recipe) -> Supervised | Preference:

@@ -36,7 +36,15 @@ from finetune.recipe import PreferenceSection, Recipe
 from finetune.training.loss import sequence_logps
 
 WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
+# TRL's names (DPOTrainer; ORPOTrainer adds nll_loss, log_odds_ratio, log_odds_chosen). Means over the pairs, but
+# nll_loss: over the chosen responses' tokens.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def metric_names(config: PreferenceSection) -> tuple[str, ...]:
+    """The per-step metrics of this dpo.loss, in the order `micro_batch_terms` sums them."""
+    return METRICS + ORPO_METRICS if config.loss == "orpo" else METRICS
 REFERENCE_FILE = "reference_logps.json"
 
 
@@ -65,9 +73,13 @@ def pair_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torc
         logits = (chosen - rejected) - config.simpo_gamma / beta
         losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
     else:  # orpo: the odds-ratio term (weight beta = ORPO's lambda); the NLL term is added by the caller
-        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-        losses = -beta * F.logsigmoid(log_odds)
+        losses = -beta * F.logsigmoid(orpo_log_odds(chosen, rejected))
     return losses
+
+
+def orpo_log_odds(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """ORPO's log odds ratio of the chosen over the rejected response, from their mean log-probs."""
+    return (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +99,12 @@ def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: PreferenceSection, reference: Reference,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum of pair losses, sum of chosen-token NLL, per-metric sums, [pairs, chosen tokens]) of one micro-batch.
+    """(sum of pair losses, sum of chosen-token NLL, per-metric sums (`metric_names`), [pairs, chosen tokens]) of one
+    micro-batch.
 
-    Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing.
+    Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing. logps/* are the
+    scores the rewards come from: sums for the losses with a reference (TRL's DPOTrainer), the length-normalized
+    scores for orpo and simpo (TRL's ORPOTrainer and CPOTrainer).
     """
     logps, counts = sequence_logps(model, batch, device)
     valid = (counts[: counts.size(0) // 2] > 0) & (counts[counts.size(0) // 2 :] > 0)
@@ -110,12 +125,16 @@ def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: 
     else:
         chosen_logps, rejected_logps = (part.detach() for part in policy)
         chosen_rewards, rejected_rewards = config.beta * chosen_logps, config.beta * rejected_logps
-    metrics = torch.stack([(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
-                           ((chosen_rewards - rejected_rewards) * weight).sum(),
-                           ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),
-                           (chosen_logps * weight).sum(), (rejected_logps * weight).sum()]).double()
     nll = -(_split(logps)[0] * weight).sum()
     chosen_tokens = (counts[: counts.size(0) // 2] * valid).sum()
+    sums = [(chosen_rewards * weight).sum(), (rejected_rewards * weight).sum(),
+            ((chosen_rewards - rejected_rewards) * weight).sum(),
+            ((chosen_rewards > rejected_rewards).to(weight.dtype) * weight).sum(),
+            (chosen_logps * weight).sum(), (rejected_logps * weight).sum()]
+    if config.loss == "orpo":  # as TRL: log_odds_ratio is the mean of log sigmoid(log odds), before beta
+        log_odds = orpo_log_odds(*policy).detach()
+        sums += [nll.detach(), (F.logsigmoid(log_odds) * weight).sum(), (log_odds * weight).sum()]
+    metrics = torch.stack(sums).double()
     return (losses * weight).sum(), nll, metrics, torch.stack([weight.sum().double(), chosen_tokens.double()])
 
 
@@ -128,8 +147,11 @@ def combine(loss_sum: torch.Tensor, nll_sum: torch.Tensor, totals: list[float], 
     return share
 
 
-def metric_means(sums: list[float], pairs: float, prefix: str = "") -> dict[str, float]:
-    return {f"{prefix}{name}": round(value / max(pairs, 1), 6) for name, value in zip(METRICS, sums)}
+def metric_means(sums: list[float], counts: list[float], config: PreferenceSection, prefix: str = "") -> dict[str, float]:
+    """Each metric's sum over the global batch divided by its pairs (`counts[0]`); nll_loss by the chosen tokens."""
+    pairs, tokens = counts[0], counts[1]
+    return {f"{prefix}{name}": round(value / max(tokens if name == "nll_loss" else pairs, 1), 6)
+            for name, value in zip(metric_names(config), sums)}
 
 
 # --------------------------------------------------------------------------------------------------- reference

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_PY, addition_rows, free_port, read_metrics, recipe_dict, write_jsonl, write_recipe
+from conftest import RUN_PY, addition_rows, free_port, read_metrics, recipe_dict, step_tokens, write_jsonl, write_recipe
 from processes import finish, outline, start, worker_pids
 
 from finetune import data
@@ -340,7 +340,7 @@ def test_streaming_packed_run_trains_on_the_streams_tokens(stream_recipe, runs_r
     assert all(m["loss"] == m["loss"] for m in steps) and steps[-1]["loss"] < steps[0]["loss"]
     pad = tokenizer.pad_token_id
     # Each step's real tokens are those of the cached path's examples, packed greedily, 4 rows per step, in order
-    assert [m["tokens"] for m in steps] == [real_token_count(collate(expected[4 * s : 4 * s + 4], pad), pad)
+    assert step_tokens(steps) == [real_token_count(collate(expected[4 * s : 4 * s + 4], pad), pad)
                                             for s in range(STEPS)]
     whole = streams(recipe, tokenizer, world_size=1, micro_batch_size=4)[0]
     take(whole, STEPS)

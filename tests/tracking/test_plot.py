@@ -14,11 +14,14 @@ from finetune.errors import FinetuneError
 from finetune.tracking import plot
 
 
-def fake_run(folder, *, steps: int = 30, scale: float = 1.0):
+def fake_run(folder, *, steps: int = 30, scale: float = 1.0, old_names: bool = False):
+    """A run folder's metrics.jsonl in today's names, or in the names runs wrote before (`lr`, per-step `tokens`)."""
     folder.mkdir(parents=True)
     lines = []
     for step in range(1, steps + 1):
-        lines.append({"step": step, "loss": scale * (3.0 / step**0.5), "lr": 2e-4 * min(1.0, step / 5), "tokens": 512})
+        lr = 2e-4 * min(1.0, step / 5)
+        lines.append({"step": step, "loss": scale * (3.0 / step**0.5),
+                      **({"lr": lr, "tokens": 512} if old_names else {"learning_rate": lr, "num_tokens": 512 * step})})
         if step % 10 == 0:
             lines.append({"step": step, "eval_loss": scale * (3.2 / step**0.5)})
     text = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 31, "lo'  # a cut-off last line
@@ -41,10 +44,12 @@ def test_plot_run_writes_png(tmp_path):
     assert path.stat().st_size > 10_000  # lines and labels drawn, not an empty canvas
 
 
-def test_read_run_series(tmp_path):
-    series = plot.read_run(fake_run(tmp_path / "run"))
+@pytest.mark.parametrize("old_names", [False, True])
+def test_read_run_series(tmp_path, old_names):
+    """A run of today and one written before the HF/TRL names (`lr`) give the same learning-rate series."""
+    series = plot.read_run(fake_run(tmp_path / "run", old_names=old_names))
     assert len(series["loss"]) == 30 and [s for s, _ in series["eval_loss"]] == [10, 20, 30]
-    assert series["lr"][0] == (1, pytest.approx(4e-5))
+    assert series["learning_rate"][0] == (1, pytest.approx(4e-5)) and len(series["learning_rate"]) == 30
 
 
 def test_cli_compares_runs(tmp_path, capsys):

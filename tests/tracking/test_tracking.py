@@ -18,8 +18,8 @@ from finetune.recipe import validate_recipe
 from finetune.tracking import Trackers, log_run_artifacts, run_tags
 
 RECORDS = [
-    {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.5, "tokens": 100},
-    {"step": 2, "loss": 2.0, "lr": 2e-4, "grad_norm": 1.2, "tokens": 100},
+    {"step": 1, "loss": 2.5, "learning_rate": 1e-4, "grad_norm": 1.5, "num_tokens": 100},
+    {"step": 2, "loss": 2.0, "learning_rate": 2e-4, "grad_norm": 1.2, "num_tokens": 200},
     {"step": 2, "eval_loss": 2.2},
     {"step": 3, "skipped": "non-finite loss or gradient", "loss": "nan"},
 ]
@@ -60,7 +60,7 @@ def test_tensorboard_event_files(tmp_path, capsys):
     assert warnings_of(capsys) == []
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert {"loss", "lr", "eval_loss", "grad_norm"} <= set(events.Tags()["scalars"])
+    assert {"loss", "learning_rate", "eval_loss", "grad_norm"} <= set(events.Tags()["scalars"])
     assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
     assert [(e.step, round(e.value, 5)) for e in events.Scalars("eval_loss")] == [(2, 2.2)]
 
@@ -148,7 +148,7 @@ def test_mlflow_default_is_sqlite_in_the_run_folder_with_tags_status_and_resume(
     recipe = make_recipe(tmp_path, trackers=["mlflow"])
     tags = run_tags(strategy="DDP over 2 processes", world_size=2, device="cpu")
     trackers = Trackers(recipe, out, is_main=True, tags=tags)
-    trackers.write(step=1, loss=2.5, lr=1e-4, grad_norm=1.5, tokens_per_s=900.0)
+    trackers.write(step=1, loss=2.5, learning_rate=1e-4, grad_norm=1.5, tokens_per_s=900.0)
     trackers.close(status="KILLED")  # what train.py passes for a preempted run
     uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
     assert json.loads((out / "trackers.json").read_text())["mlflow_uri"] == uri
@@ -160,7 +160,7 @@ def test_mlflow_default_is_sqlite_in_the_run_folder_with_tags_status_and_resume(
     assert run.data.tags["strategy"] == "DDP over 2 processes" and run.data.tags["world_size"] == "2"
     assert run.data.tags["device"].startswith("cpu") and run.data.tags["version.torch"].startswith("2.")
     assert run.data.params["output.dir"] == str(tmp_path / "run")
-    assert set(run.data.metrics) == {"loss", "lr", "grad_norm", "tokens_per_s"}
+    assert set(run.data.metrics) == {"loss", "learning_rate", "grad_norm", "tokens_per_s"}
 
     resumed = Trackers(recipe, out, is_main=True, tags=tags)  # the resume: same MLflow run, RUNNING again
     assert client.get_run(run_id).info.status == "RUNNING"
@@ -241,7 +241,8 @@ def test_training_run_preempted_then_resumed_is_one_mlflow_run(tiny_llama, alpac
     assert finished.info.status == "FINISHED"
     assert finished.data.params["train.max_steps"] == "120" and finished.data.params["lora.r"] == "8"
     assert finished.data.tags["strategy"] == "single process" and finished.data.tags["world_size"] == "1"
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"} <= set(finished.data.metrics)
+    assert {"loss", "learning_rate", "grad_norm", "num_tokens", "mean_token_accuracy", "tokens_per_s",
+            "eval_loss", "eval_mean_token_accuracy"} <= set(finished.data.metrics)
     steps = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert steps == sorted(set(steps)) and steps[-1] == 120, "one loss per step, across the preemption"
     artifacts = {a.path for a in client.list_artifacts(run_id)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import RUN_PY, read_metrics, recipe_dict, run_cmd, train_losses, write_jsonl, write_recipe
+from conftest import RUN_PY, read_metrics, recipe_dict, run_cmd, step_tokens, train_losses, write_jsonl, write_recipe
 
 from finetune.data import BatchStream, DataError, Example, checked_steps_per_epoch, epoch_permutation
 from finetune.errors import RecipeError
@@ -151,7 +151,7 @@ def test_num_epochs_sets_the_run_length_the_schedule_and_the_saved_recipe(epoch_
     assert f"step {MAX_STEPS}/{MAX_STEPS} loss" in output  # the progress line counts to the resolved steps
     metrics = [m for m in read_metrics(ref) if "loss" in m]
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
-    assert metrics[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # the cosine schedule ends at the resolved last step
+    assert metrics[-1]["learning_rate"] == pytest.approx(3e-3 * 0.1)  # the cosine schedule ends at the resolved last step
     assert [step for step, _ in step_folders.list_checkpoints(ref)] == [MAX_STEPS]  # the last step's checkpoint
     saved = (ref / "recipe.yaml").read_text()
     assert saved.startswith(f"# train.max_steps {MAX_STEPS} = ceil(train.num_epochs 2 x")
@@ -182,7 +182,7 @@ def test_each_epoch_takes_whole_steps_of_its_own_shuffle(epoch_runs, tmp_path):
         order = epoch_permutation(ROWS, recipe.train.seed, epoch)
         expected += [sum(len(examples[i].input_ids) for i in order[s * per_step : (s + 1) * per_step])
                      for s in range(STEPS_PER_EPOCH)]
-    tokens = [m["tokens"] for m in read_metrics(epoch_runs["ref"]) if "loss" in m]
+    tokens = step_tokens(read_metrics(epoch_runs["ref"]))
     assert tokens == expected
     assert tokens[:STEPS_PER_EPOCH] != tokens[STEPS_PER_EPOCH:]
 

@@ -115,11 +115,11 @@ def test_a_micro_batch_loss_makes_no_host_sync(tiny_llama, monkeypatch, kind):
     monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # several chunks
     batch = batches(model.config.vocab_size)[kind]
     trained = int((batch["labels"][:, 1:] != -100).sum())
-    with HostSyncs(host=batch.values()) as syncs:
-        value, count = chunked.token_loss_sum(model, batch, CPU)
+    with HostSyncs(host=batch.values()) as syncs:  # what the SFT objective calls: the loss and the argmax hits
+        value, count, _ = chunked.token_loss_and_correct(model, batch, CPU)
         value.backward()
         with torch.no_grad():
-            chunked.token_loss_sum(model, batch, CPU)
+            chunked.token_loss_and_correct(model, batch, CPU)
     assert syncs.ours() == [], syncs.ours()
     assert type(count) is int and count == trained  # a Python int without asking the device
     with HostSyncs(host=batch.values()) as syncs:
@@ -127,6 +127,32 @@ def test_a_micro_batch_loss_makes_no_host_sync(tiny_llama, monkeypatch, kind):
         logps.sum().backward()
     assert syncs.ours() == [], syncs.ours()
     assert int(counts.sum()) == trained
+
+
+@pytest.mark.parametrize("trainable_head", [False, True])
+def test_token_accuracy_is_the_full_logits_argmax_count(tiny_llama, monkeypatch, trainable_head):
+    """mean_token_accuracy's numerator (TRL's: trained tokens whose argmax logit is the label), read off each chunk's
+    logits inside the forward, equals the count over full logits, with and without grad, over several chunks."""
+    model = lora_model(tiny_llama, trainable_head=trainable_head)
+    monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # 16 tokens a chunk
+    batch = batches(model.config.vocab_size)["padded"]
+    with torch.no_grad():
+        predicted = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    # Every third trained label becomes the model's own prediction: a count that is neither 0 nor all
+    labels = batch["labels"].clone()
+    chosen = torch.zeros_like(labels[:, 1:], dtype=torch.bool)
+    chosen[:, ::3] = True
+    labels[:, 1:] = torch.where(chosen & (labels[:, 1:] != -100), predicted[:, :-1], labels[:, 1:])
+    batch = {**batch, "labels": labels}
+    trained = labels[:, 1:] != -100
+    want = int(((predicted[:, :-1] == labels[:, 1:]) & trained).sum())
+    assert 0 < want < int(trained.sum())
+    value, count, correct = chunked.token_loss_and_correct(model, batch, CPU)
+    value.backward()
+    assert (int(correct), count) == (want, int(trained.sum()))
+    assert float(value) == pytest.approx(float(reference_loss_sum(model, batch, CPU)[0]), rel=1e-5)
+    with torch.no_grad():
+        assert int(chunked.token_loss_and_correct(model, batch, CPU)[2]) == want
 
 
 def test_head_unchanged_outside_the_loss(tiny_llama):

@@ -120,6 +120,41 @@ def test_each_loss_equals_the_plain_implementation(loss, tiny_llama, pairs_file,
         assert expected_sums["rewards/margins"] != pytest.approx(0, abs=1e-3)  # policy != reference: a swap shows
 
 
+@pytest.mark.parametrize("loss", ["orpo", "sigmoid"])
+def test_logged_metrics_have_trls_names_and_values(loss, tiny_llama, pairs_file, tmp_path):
+    """The step metrics under TRL's names, against the plain math: ORPOTrainer's nll_loss (chosen tokens' mean NLL),
+    log_odds_ratio (mean log sigmoid of the log odds) and log_odds_chosen (mean log odds), and logps/* as the scores
+    the rewards come from (ORPO: mean log-prob per token; DPO: sums)."""
+    recipe = validate_recipe(dpo_recipe(tiny_llama, pairs_file, tmp_path / "out", dpo={"loss": loss, "beta": 0.5}))
+    tokenizer = model.load_tokenizer(recipe)
+    batch = data.collate(data.prepare(recipe, tokenizer).train[:4], tokenizer.pad_token_id)
+    peft_model = model.build_model(recipe, device=CPU, gradient_checkpointing=False)
+    peft_model.eval()
+    with torch.no_grad():
+        summed, tokens = plain_logps(peft_model, batch, reference=False)
+        half = summed.size(0) // 2
+        scores = summed / tokens.clamp(min=1) if recipe.dpo.normalized() else summed
+        pc, pr, chosen_sums, chosen_tokens = scores[:half], scores[half:], summed[:half], tokens[:half].sum()
+        sums = summed[:half], summed[half:]
+        reference = preference.Reference(peft_model, recipe)
+        _, _, metric_sums, counts = preference.micro_batch_terms(peft_model, batch, recipe.dpo, reference, CPU)
+    logged = preference.metric_means(metric_sums.tolist(), counts.tolist(), recipe.dpo)
+    names = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected"}
+    if loss == "orpo":
+        log_odds = (pc - pr) - (torch.log1p(-torch.exp(pc)) - torch.log1p(-torch.exp(pr)))
+        assert set(logged) == names | {"nll_loss", "log_odds_ratio", "log_odds_chosen"}
+        assert logged["nll_loss"] == pytest.approx(float(-chosen_sums.sum() / chosen_tokens), abs=1e-5)
+        assert logged["log_odds_ratio"] == pytest.approx(float(torch.nn.functional.logsigmoid(log_odds).mean()), abs=1e-5)
+        assert logged["log_odds_chosen"] == pytest.approx(float(log_odds.mean()), abs=1e-5)
+        assert logged["logps/chosen"] == pytest.approx(float(pc.mean()), abs=1e-5)
+        assert logged["logps/rejected"] == pytest.approx(float(pr.mean()), abs=1e-5)
+    else:
+        assert set(logged) == names
+        assert logged["logps/chosen"] == pytest.approx(float(sums[0].mean()), abs=1e-4)
+        assert logged["logps/rejected"] == pytest.approx(float(sums[1].mean()), abs=1e-4)
+
+
 def test_the_head_never_hands_full_vocabulary_logits_to_the_preference_loss(tiny_llama, pairs_file, tmp_path):
     recipe = validate_recipe(dpo_recipe(tiny_llama, pairs_file, tmp_path / "out"))
     tokenizer = model.load_tokenizer(recipe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -40,7 +41,14 @@ def test_run_writes_the_output_contract(cli_run):
     assert resolved["train"]["max_steps"] == 6 and resolved["output"]["dir"] == str(out)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))
-    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(metrics[0])
+    # Hugging Face Trainer's and TRL's names; num_tokens counts the steps so far, as TRL's
+    steps = [m for m in metrics if "loss" in m]
+    assert {"loss", "learning_rate", "grad_norm", "num_tokens", "mean_token_accuracy", "tokens_per_s"} <= set(steps[0])
+    assert not {"lr", "tokens"} & set(steps[0])
+    counts = [m["num_tokens"] for m in steps]
+    assert all(0 < a < b for a, b in itertools.pairwise(counts))
+    assert all(0.0 <= m["mean_token_accuracy"] <= 1.0 for m in steps)
+    assert any(0.0 < m.get("eval_mean_token_accuracy", -1) <= 1.0 for m in metrics)
     # train.max_steps given: `epoch` is still step / steps per epoch (61 train rows // micro_batch_size 4 = 15 steps).
     assert "length: train.max_steps 6 = 0.40 epochs of 15 steps (61 rows //" in result.stdout
     assert [m["epoch"] for m in metrics if "loss" in m] == [round(step / 15, 4) for step in range(1, 7)]
