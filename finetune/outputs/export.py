@@ -3,8 +3,10 @@
     finetune export runs/x exported-adapter          clean adapter (+ tokenizer), checked against the base's structure
     finetune export runs/x merged --merge            base in full precision + adapter, merged, saved as bf16 safetensors
 
-Source: a run folder (holding adapter/ and recipe.yaml) or an adapter folder. The base comes from --base, else the
-run's recipe (so GGUF bases resolve exactly as in training), else the adapter's base_model_name_or_path.
+Source: a run folder (holding adapter/ and recipe.yaml), an adapter folder, a checkpoint folder (checkpoints/step-N),
+or a run folder with `--step N` (a kept checkpoint: finetune/outputs/checkpoint_adapter.py writes its adapter first).
+The base comes from --base, else the run's (or checkpoint's) recipe (so GGUF bases resolve exactly as in training),
+else the adapter's base_model_name_or_path.
 Every export is written into a temporary folder and renamed into place (an existing output is never touched), and a
 verify step says what it compared: the adapter's keys and shapes against a PeftModel built for the base, and for a
 merge the reloaded model's logits against base + adapter on a fixed prompt. Every export also says where the adapter
@@ -15,6 +17,9 @@ RUNTIMES.md into the export folder.
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from finetune.errors import FinetuneError, RecipeError
 from finetune.files import atomic_dir
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from finetune.outputs.runtimes import adapter_verdicts, write_report
+from finetune.outputs.step_folders import CHECKPOINTS, checked_checkpoint, checkpoint_facts, is_checkpoint, step_checkpoint
 from finetune.recipe import Recipe
 
 VERIFY_PROMPT = "What is the capital of France? Answer in one word."
@@ -50,6 +56,12 @@ class Source:
     adapter_dir: Path
     recipe: Recipe | None
     adapter_config: dict
+    checkpoint: Path | None = None  # the training checkpoint the adapter was read from (adapter_dir is then temporary)
+
+    @property
+    def origin(self) -> Path:
+        """What the user pointed at, for messages: the checkpoint, else the adapter folder."""
+        return self.checkpoint or self.adapter_dir
 
     @property
     def base_name(self) -> str:
@@ -60,6 +72,46 @@ class Source:
 
 
 # ------------------------------------------------------------------------------------------------- the source
+@contextmanager
+def open_source(path: str | Path, *, step: int | None = None) -> Iterator[Source]:
+    """The Source of a run folder, an adapter folder, a checkpoint folder, or a run folder's kept checkpoint `step`.
+
+    A checkpoint's adapter is written into a temporary folder first (removed on leaving); its recipe is the
+    checkpoint's own recipe.yaml."""
+    from finetune.outputs.checkpoint_adapter import write_checkpoint_adapter
+
+    folder = Path(path).expanduser()
+    checkpoint = _checkpoint_of(folder, step)
+    if checkpoint is None:
+        yield resolve_source(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="finetune-step-") as tmp:
+        adapter_dir = Path(tmp) / "adapter"
+        recipe = write_checkpoint_adapter(checkpoint, adapter_dir)
+        print(f"[finetune] adapter of checkpoint {checkpoint} (step {checkpoint_facts(checkpoint).get('step')}) read "
+              "from its training state")
+        yield Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()), checkpoint=checkpoint)
+
+
+def _checkpoint_of(folder: Path, step: int | None) -> Path | None:
+    """The checkpoint folder a source names (a checkpoint folder, or a run folder with --step), or None."""
+    if not folder.exists():
+        raise ExportError(f"{folder}: not found. Pass a run folder (output.dir of a run), an adapter folder, or a "
+                          f"checkpoint folder ({CHECKPOINTS}/step-N).")
+    if is_checkpoint(folder):
+        own = checkpoint_facts(folder).get("step")
+        if step is not None and step != own:
+            raise ExportError(f"{folder} is the checkpoint of step {own}, and --step says {step}. Fix: pass the run "
+                              f"folder ({folder.parent.parent}) with --step {step}, or this folder without --step.")
+        return checked_checkpoint(folder)
+    if step is None:
+        return None
+    if (folder / CHECKPOINTS).is_dir() or (folder / "recipe.yaml").is_file():
+        return step_checkpoint(folder, step)
+    raise ExportError(f"--step {step}: {folder} is not a run folder (it has no {CHECKPOINTS}/ nor recipe.yaml); "
+                      "--step picks a kept checkpoint of a run. Fix: pass the run folder (output.dir), or drop --step.")
+
+
 def resolve_source(path: str | Path) -> Source:
     """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter."""
     from finetune.recipe import load_recipe
