@@ -12,7 +12,6 @@ import json
 import sys
 import tomllib
 
-import pytest
 from conftest import REPO, recipe_dict, write_recipe
 
 from finetune.cli import main

@@ -8,6 +8,7 @@
     checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
+    export_source.py  what an export starts from: a run, an adapter, a checkpoint folder or a run's `--step N`
     export_experts.py mixture-of-experts adapters at export: checked as trained (experts split), written as runtimes read
     runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
     publish.py        push_to_hub: the exported folder uploaded to the Hugging Face Hub
@@ -22,9 +23,19 @@ from finetune.outputs.run_folder import (
     output_dir_problem,
     write_rank_stats,
 )
-from finetune.outputs.step_folders import best_eval_note, newest_kept
+from finetune.outputs.step_folders import newest_kept, report_best_eval
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LOCK_FILE", "adapter_key_map", "begin_outputs", "claim_output_dir",
-    "best_eval_note", "current_rss_bytes", "newest_kept", "output_dir_problem", "save_adapter", "write_rank_stats",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LOCK_FILE",
+    "adapter_key_map",
+    "begin_outputs",
+    "claim_output_dir",
+    "current_rss_bytes",
+    "newest_kept",
+    "output_dir_problem",
+    "report_best_eval",
+    "save_adapter",
+    "write_rank_stats",
 ]

@@ -78,18 +78,19 @@ def describe_kept(out_dir: Path) -> str:
     return ", ".join(one(fact) for fact in facts)
 
 
-def best_eval_note(out_dir: Path, eval_losses: list) -> tuple[int | None, str | None]:
-    """(the step of the run's lowest eval loss, a sentence for the run's final summary saying whether its checkpoint is
-    kept and how to export it); no sentence with fewer than two evaluations."""
+def report_best_eval(out_dir: Path, eval_losses: list) -> int | None:
+    """The step of the run's lowest eval loss; with two evaluations or more, also a line for the end of the run saying
+    whether its checkpoint is kept and how to export it (rank 0 prints)."""
     step = best_step(eval_losses, {int(s) for s, _ in eval_losses})
     if step is None or len(eval_losses) < 2:
-        return step, None
-    loss = dict((int(s), float(value)) for s, value in eval_losses)[step]
+        return step
+    loss = {int(s): float(value) for s, value in eval_losses}[step]
     kept = dict(list_checkpoints(out_dir)).get(step)
     where = (f"its checkpoint {kept} is kept: `finetune export {out_dir} OUT --step {step}` exports it" if kept else
              "its checkpoint is not kept (train.keep_best: true keeps it; a checkpoint is written every "
              "train.save_every steps)")
-    return step, f"[finetune] best eval loss {loss:.4f} at step {step} of {len(eval_losses)} evaluations; {where}"
+    distributed.print0(f"[finetune] best eval loss {loss:.4f} at step {step} of {len(eval_losses)} evaluations; {where}")
+    return step
 
 
 def checkpoints_table(run_dir: Path) -> str:
