@@ -194,6 +194,23 @@ def test_a_damaged_checkpoint_is_refused(stepped_run, tmp_path, capsys):
     assert "cannot be used" in err and "truncated" in err and not (tmp_path / "out").exists()
 
 
+def test_a_deepspeed_checkpoint_is_refused_with_the_way_out(stepped_run, tmp_path, capsys):
+    """DeepSpeed writes its own format (deepspeed/ instead of trainable/): refused in one paragraph."""
+    import shutil
+
+    run, _ = stepped_run
+    folder = tmp_path / "run" / "checkpoints" / "step-00000006"
+    shutil.copytree(step_folders.list_checkpoints(run)[-1][1], folder)
+    (folder / "trainable").rename(folder / "deepspeed")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "strategy": "DeepSpeed ZeRO-3 over 2 processes"}))
+    checkpoint._write_manifest(folder, 6, state)
+    assert main(["export", str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSpeed ZeRO-3" in err and "holds no trainable/" in err and "Fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_checkpoints_lists_each_kept_step_with_its_eval_loss(stepped_run, capsys):
     run, _ = stepped_run
     evals = eval_losses_from_metrics(run)
