@@ -3,6 +3,7 @@
     finetune generate runs/quickstart --prompt "Write 2023-07-04 as a ledger stamp."
     finetune generate runs/quickstart --prompt "..." --no-adapter     the base alone, for comparison
     finetune generate runs/quickstart                                 interactive chat (/reset, /exit)
+    finetune generate runs/quickstart --step 20 --prompt "..."        a kept checkpoint's adapter (finetune checkpoints)
 
 The base is loaded exactly as in training (the run's recipe: 4-bit, GGUF conversion, dtype), prompts are rendered
 with the run's chat template and system prompt, and decoding is greedy, so the same prompt gives the same answer.
