@@ -32,7 +32,7 @@ from pydantic import (
 
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
-from finetune.recipe_checks import check_objective, check_streaming
+from finetune.recipe_checks import check_keep_best, check_objective, check_streaming
 from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -160,6 +160,10 @@ class TrainSection(_Section):
         100, ge=0, description="Checkpoint every N steps; one is also written at the last step and on SIGTERM/SIGINT. 0: only those."
     )
     keep_last: int = Field(2, gt=0, description="Checkpoints kept in output.dir/checkpoints (older ones are removed).")
+    keep_best: bool = Field(
+        False, description="Also keep the checkpoint of the lowest eval loss: keep_last never removes it (at most "
+        "keep_last + 1 kept). Needs eval data and an eval at every checkpoint (save_every a multiple of eval_every); "
+        "`finetune export RUN OUT --step N` exports it.")
     resume: str | None = Field(
         None, description="`auto`: continue from the newest good checkpoint in output.dir, if any; or a checkpoint / run folder."
     )
@@ -314,6 +318,7 @@ class Recipe(_Section):
                 )
         check_objective(self)
         check_streaming(self)
+        check_keep_best(self)
         if self.train.num_epochs is None:  # with num_epochs, once the run knows its steps (resolve_num_epochs)
             self._fit_warmup()
         return self

@@ -1,4 +1,5 @@
-"""Recipe checks that span sections: what a training objective needs of the data, what streaming cannot do.
+"""Recipe checks that span sections: what a training objective needs of the data, what streaming cannot do, what
+train.keep_best needs.
 
 A leaf: recipe.py calls these from its cross-field validator with the recipe being validated; each raises ValueError
 with the keys and the fix, which the schema turns into one paragraph naming the file.
@@ -52,3 +53,21 @@ def check_streaming(recipe) -> None:  # a finetune.recipe.Recipe
                         "set train.max_steps instead, or data.streaming: false.")
     if problems:
         raise ValueError("data.streaming: " + " ".join(problems))
+
+
+def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
+    """train.keep_best compares checkpoints by their eval loss: every checkpoint must have one, so the run needs eval
+    data and an eval at every step it saves at."""
+    t, data = recipe.train, recipe.data
+    if not t.keep_best:
+        return
+    problems = []
+    if not data.eval_datasets and data.eval_fraction == 0:
+        problems.append("there is no eval data (data.eval_fraction is 0 and data.eval_datasets is empty). Fix: set "
+                        "data.eval_fraction (e.g. 0.05) or data.eval_datasets.")
+    if t.eval_every == 0 or t.save_every == 0 or t.save_every % t.eval_every:
+        problems.append(f"checkpoints are written every train.save_every ({t.save_every}) steps and evaluations run "
+                        f"every train.eval_every ({t.eval_every}) steps (0: only at the end), so some checkpoints would "
+                        "have no eval loss. Fix: set train.eval_every to train.save_every or a divisor of it.")
+    if problems:
+        raise ValueError("train.keep_best: " + " ".join(problems))

@@ -75,9 +75,10 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
             tracking.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
             tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()
+    best_step = outputs.report_best_eval(out_dir, result.eval_losses)  # the lowest eval loss: its step and checkpoint
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,
-               "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None,
+               "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None, "best_eval_step": best_step,
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
     distributed.print0(f"[finetune] done: {summary}")
     return summary

@@ -4,7 +4,8 @@
     validate.py    `validate`: every pre-flight check of a run, no weights      plan.py      `plan`, the library table
     preview.py     `data`: rendered examples with their trained spans          library.py   `recipes`: the library
     generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)
-    export.py      `export`: a clean adapter or a verified merge (the work is finetune/outputs/export.py)
+    export.py      `export`: a clean adapter or a verified merge, of a run or a kept checkpoint (--step); `checkpoints`:
+                   a run's kept checkpoints with their eval losses (the work is in finetune/outputs/)
     tiny.py        `tiny-model`: tiny random models + tokenizers for tests, smoke runs and benchmarks
     quantize.py    `quantize`: a bf16 base written as a 4-bit checkpoint, or into the quantized cache
 """

@@ -1,4 +1,4 @@
-"""The `finetune` command: train, validate, plan, data, export, generate, recipes, runs, quickstart, plot, quantize.
+"""The `finetune` command: train, validate, plan, data, export, checkpoints, generate, recipes, runs, quickstart, plot, quantize.
 
 Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
 imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
@@ -138,17 +138,24 @@ def _add_look_verbs(verbs) -> None:
 
 
 def _add_output_verbs(verbs) -> None:
-    """export, generate, recipes, runs, quickstart, plot, tiny-model: what runs produce, and where to start."""
+    """export, checkpoints, generate, recipes, runs, quickstart, plot, tiny-model: what runs produce, and where to start."""
     p = verbs.add_parser("export", help="export a run's adapter, or merge it into a full bf16 model")
-    p.add_argument("source", help="run folder or adapter folder")
+    p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
     p.add_argument("out", help="output folder (must not exist)")
+    p.add_argument("--step", type=int, help="the run's kept checkpoint of this step instead of its final adapter "
+                   "(`finetune checkpoints RUN` lists them)")
     p.add_argument("--merge", action="store_true", help="merge into the base and save a full model + tokenizer")
     p.add_argument("--base", help="base model folder or hub id (default: from the adapter/run)")
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload to this hub repo")
     p.set_defaults(func=_delegate("finetune.cli.export", "cli_export"))
 
+    p = verbs.add_parser("checkpoints", help="a run's kept checkpoints with their eval losses (the best marked)")
+    p.add_argument("run", help="run folder (output.dir)")
+    p.set_defaults(func=_delegate("finetune.cli.export", "cli_checkpoints"))
+
     p = verbs.add_parser("generate", help="generate with a run's adapter (or chat interactively)")
-    p.add_argument("source", help="run folder or adapter folder")
+    p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
+    p.add_argument("--step", type=int, help="the run's kept checkpoint of this step instead of its final adapter")
     p.add_argument("--prompt", action="append", help="prompt (repeatable); none: interactive chat")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")

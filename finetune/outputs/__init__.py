@@ -1,10 +1,14 @@
 """Outputs: what a run writes and what comes out of it, each written atomically (nothing the user had is lost).
 
     run_folder.py     claim_output_dir (one run per folder, a lock), begin_outputs, output_dir_problem, rank stats
-    step_folders.py   the checkpoints a run folder holds, each checked against its manifest; resume_source
-    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    step_folders.py   the checkpoints a run folder holds, each checked against its manifest, with its eval loss;
+                      resume_source; the checkpoint of `--step N`; the best eval of a run
+    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state),
+                      read_trainable_tensors (a checkpoint's LoRA tensors whole, in one process)
+    checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
+    export_source.py  what an export starts from: a run, an adapter, a checkpoint folder or a run's `--step N`
     export_experts.py mixture-of-experts adapters at export: checked as trained (experts split), written as runtimes read
     runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
     publish.py        push_to_hub: the exported folder uploaded to the Hugging Face Hub
@@ -19,9 +23,19 @@ from finetune.outputs.run_folder import (
     output_dir_problem,
     write_rank_stats,
 )
-from finetune.outputs.step_folders import newest_kept
+from finetune.outputs.step_folders import newest_kept, report_best_eval
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LOCK_FILE", "adapter_key_map", "begin_outputs", "claim_output_dir",
-    "current_rss_bytes", "newest_kept", "output_dir_problem", "save_adapter", "write_rank_stats",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LOCK_FILE",
+    "adapter_key_map",
+    "begin_outputs",
+    "claim_output_dir",
+    "current_rss_bytes",
+    "newest_kept",
+    "output_dir_problem",
+    "report_best_eval",
+    "save_adapter",
+    "write_rank_stats",
 ]

@@ -50,6 +50,7 @@ from finetune.outputs.step_folders import (
     MANIFEST,
     STEP_PREFIX,
     TRAINER_STATE,
+    best_step,
     list_checkpoints,
     newest_kept,
 )
@@ -155,17 +156,19 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
-                    trainer_state: dict, recipe_yaml: str, *, keep_last: int, verify: bool = False) -> Path:
+                    trainer_state: dict, recipe_yaml: str, *, keep_last: int, keep_best: bool = False,
+                    verify: bool = False) -> Path:
     """Write checkpoints/step-N atomically (collective: every rank writes its shard and its RNG state).
 
-    Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last.
+    Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last
+    (and, with `keep_best`, never the checkpoint of the lowest eval loss so far).
     With `verify`, every rank then reads its part back and compares it with what it saved.
     """
     final = checkpoint_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
     try:
         return _save(out_dir, step, model, optimizer, names, trainer_state, recipe_yaml, final=final, tmp=tmp,
-                     keep_last=keep_last, verify=verify)
+                     keep_last=keep_last, keep_best=keep_best, verify=verify)
     except BaseException as exc:  # a lost peer: nothing is published, and every survivor removes the partial folder
         if distributed.is_communication_failure(exc):  # (rank 0, which would, may be the lost one)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -173,7 +176,8 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 
 def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
-          trainer_state: dict, recipe_yaml: str, *, final: Path, tmp: Path, keep_last: int, verify: bool) -> Path:
+          trainer_state: dict, recipe_yaml: str, *, final: Path, tmp: Path, keep_last: int, keep_best: bool,
+          verify: bool) -> Path:
     started = time.perf_counter()
 
     def make_tmp() -> None:
@@ -204,7 +208,8 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
             if final.exists() and not (final / MANIFEST).exists():
                 shutil.rmtree(final, ignore_errors=True)
             raise CheckpointError(_not_written(out_dir, step, no_room(exc), _reason(exc), tensors=tensors)) from None
-        prune_checkpoints(out_dir, keep_last=keep_last, newest=step)
+        prune_checkpoints(out_dir, keep_last=keep_last, newest=step,
+                          eval_losses=trainer_state.get("eval_losses") if keep_best else None)
         return size
 
     size = on_main(publish)
@@ -284,9 +289,13 @@ def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:
     return sum(entry["bytes"] for entry in files.values())
 
 
-def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int) -> None:
+def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int,
+                      eval_losses: list[tuple[int, float]] | None = None) -> None:
     """Keep the `keep_last` newest checkpoints up to step `newest`; remove older ones, leftovers of interrupted saves,
-    and checkpoints of steps after `newest` (a timeline abandoned by resuming from an earlier checkpoint)."""
+    and checkpoints of steps after `newest` (a timeline abandoned by resuming from an earlier checkpoint).
+
+    `eval_losses` ((step, eval loss) of the run so far; train.keep_best): the kept checkpoint whose step has the lowest
+    eval loss is never removed, so the run keeps at most keep_last + 1 checkpoints."""
     root = Path(out_dir) / CHECKPOINTS
     for leftover in root.glob(f".{STEP_PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -295,9 +304,11 @@ def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int) -> None:
         if step > newest:
             distributed.print0(f"[finetune] removing {path}: it is after the step this run resumed from")
             shutil.rmtree(path, ignore_errors=True)
-    kept = [path for step, path in checkpoints if step <= newest]
-    for path in kept[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+    kept = [(step, path) for step, path in checkpoints if step <= newest]
+    best = best_step(eval_losses or [], {step for step, _ in kept})
+    for step, path in kept[:-keep_last]:
+        if step != best:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def verify_readback(path: Path, saved: dict) -> None:
@@ -353,6 +364,44 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     _set_trainable_state(model, optimizer, state)
     _load_rng(path)
     return trainer_state
+
+
+def read_trainable_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The whole LoRA tensors of checkpoint `path`, keyed by the model's parameter names, read in this process alone.
+
+    DCP stores every tensor with its global shape, whichever ranks wrote shards of it (FSDP2's DTensors, FSDP1's
+    ShardedTensors) or the whole of it (single process, DDP, layer split), and a load into full-size plain tensors
+    reshards to one process: no process group, no model, no optimizer state read. DeepSpeed's own format is refused.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = path / "trainable"
+    if not folder.is_dir():
+        strategy = _strategy_of(path)
+        raise CheckpointError(f"checkpoint {path} holds no trainable/ folder{f' (written by {strategy})' if strategy else ''}: "
+                              "an adapter is read from the DCP checkpoints of single-process, DDP, FSDP and layer-split "
+                              "runs; DeepSpeed writes its own format. Fix: export the finished run's adapter/, or resume "
+                              "the run with train.max_steps set to this step to get its adapter.")
+    with _quiet_torch_distributed():
+        metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
+             for key, entry in metadata.items()
+             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"checkpoint {path}: trainable/ holds no model tensors; the checkpoint is damaged.")
+    state = {"model": model}
+    with _quiet_torch_distributed():  # no_dist: this process reads every tensor whole, process group or not
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state["model"]
+
+
+def _strategy_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / TRAINER_STATE).read_text()).get("strategy")
+    except (OSError, ValueError):
+        return None
 
 
 def _set_trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

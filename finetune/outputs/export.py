@@ -3,8 +3,10 @@
     finetune export runs/x exported-adapter          clean adapter (+ tokenizer), checked against the base's structure
     finetune export runs/x merged --merge            base in full precision + adapter, merged, saved as bf16 safetensors
 
-Source: a run folder (holding adapter/ and recipe.yaml) or an adapter folder. The base comes from --base, else the
-run's recipe (so GGUF bases resolve exactly as in training), else the adapter's base_model_name_or_path.
+Source: a run folder (holding adapter/ and recipe.yaml), an adapter folder, a checkpoint folder (checkpoints/step-N),
+or a run folder with `--step N` (a kept checkpoint: finetune/outputs/checkpoint_adapter.py writes its adapter first).
+The base comes from --base, else the run's (or checkpoint's) recipe (so GGUF bases resolve exactly as in training),
+else the adapter's base_model_name_or_path.
 Every export is written into a temporary folder and renamed into place (an existing output is never touched), and a
 verify step says what it compared: the adapter's keys and shapes against a PeftModel built for the base, and for a
 merge the reloaded model's logits against base + adapter on a fixed prompt. Every export also says where the adapter
@@ -15,16 +17,15 @@ RUNTIMES.md into the export folder.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from finetune.errors import FinetuneError, RecipeError
+from finetune.errors import FinetuneError
 from finetune.files import atomic_dir
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from finetune.outputs.export_source import ExportError, Source, open_source, resolve_source  # noqa: F401 (the API)
 from finetune.outputs.runtimes import adapter_verdicts, write_report
-from finetune.recipe import Recipe
 
 VERIFY_PROMPT = "What is the capital of France? Answer in one word."
 _TOKENIZER_FILES = (
@@ -37,57 +38,6 @@ _TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
-
-
-class ExportError(FinetuneError):
-    """The export source, base or output folder cannot be used as asked."""
-
-
-@dataclass
-class Source:
-    """What an export or generation starts from: the adapter folder and, when known, the run's recipe."""
-
-    adapter_dir: Path
-    recipe: Recipe | None
-    adapter_config: dict
-
-    @property
-    def base_name(self) -> str:
-        if self.recipe is not None:
-            model = self.recipe.model
-            return f"{model.name_or_path} ({model.gguf_file})" if model.gguf_file else model.name_or_path
-        return str(self.adapter_config.get("base_model_name_or_path") or "?")
-
-
-# ------------------------------------------------------------------------------------------------- the source
-def resolve_source(path: str | Path) -> Source:
-    """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter."""
-    from finetune.recipe import load_recipe
-
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise ExportError(
-            f"{folder}: not found. Pass a run folder (output.dir of a finished run) or an adapter folder."
-        )
-    adapter_dir = folder / "adapter" if (folder / "adapter" / ADAPTER_CONFIG).exists() else folder
-    weights = adapter_dir / ADAPTER_WEIGHTS
-    if not (adapter_dir / ADAPTER_CONFIG).exists() or not weights.exists() or weights.stat().st_size == 0:
-        raise ExportError(
-            f"{folder}: holds no adapter (looked for {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in {folder}/adapter and "
-            f"{folder}). The run did not finish or saved nothing. Fix: point at a finished run folder or an adapter folder "
-            "(a checkpoint's adapter works too)."
-        )
-    recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
-    recipe = None
-    if recipe_file is not None:
-        try:
-            recipe = load_recipe(recipe_file)
-        except RecipeError as exc:
-            print(
-                f"[finetune] note: {recipe_file} is not a valid recipe any more ({str(exc).splitlines()[0]}); "
-                "using the adapter's base_model_name_or_path"
-            )
-    return Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))
 
 
 def normalize_key(key: str) -> str:

@@ -1,4 +1,5 @@
-"""Finding checkpoints: the step folders of a run folder, each checked against its manifest, and the one a resume takes.
+"""Finding checkpoints: the step folders of a run folder, each checked against its manifest, the one a resume takes,
+the one an export of `--step N` takes, and each one's eval loss (`finetune checkpoints`, train.keep_best).
 
 Below both the training checkpoints (finetune/outputs/checkpoint.py, which write these folders) and the output-folder
 guard (finetune/outputs/run_folder.py, which refuses to start over a run that did not finish).
@@ -38,6 +39,116 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
             if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
                 found.append((int(digits), path))
     return sorted(found)
+
+
+def best_step(eval_losses: list, steps: set[int]) -> int | None:
+    """The step among `steps` with the lowest eval loss (the earliest of equals); None when none of them was evaluated.
+    `eval_losses`: (step, eval loss) pairs, as a checkpoint's trainer state holds them."""
+    losses = {int(step): float(loss) for step, loss in eval_losses if int(step) in steps}
+    return min(losses, key=lambda step: (losses[step], step)) if losses else None
+
+
+def checkpoint_facts(path: Path) -> dict:
+    """What a checkpoint says of itself (trainer_state.json): step, eval loss at that step (None when the run did not
+    evaluate there), train loss of that step, strategy; empty when unreadable."""
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    evals = {int(s): float(loss) for s, loss in state.get("eval_losses") or []}
+    losses = state.get("losses") or []
+    return {"step": step, "eval_loss": evals.get(step), "loss": float(losses[-1]) if losses else None,
+            "strategy": state.get("strategy"), "world_size": state.get("world_size")}
+
+
+def describe_kept(out_dir: Path) -> str:
+    """The kept checkpoints of a run folder in a few words each (`step 40 (eval loss 1.2345, best)`), for messages."""
+    facts = [checkpoint_facts(path) | {"step": step} for step, path in list_checkpoints(out_dir)]
+    if not facts:
+        return "none"
+    best = best_step([(f["step"], f["eval_loss"]) for f in facts if f.get("eval_loss") is not None],
+                     {f["step"] for f in facts})
+
+    def one(fact: dict) -> str:
+        loss = fact.get("eval_loss")
+        detail = f"eval loss {loss:.4f}{', best' if fact['step'] == best else ''}" if loss is not None else "no eval"
+        return f"step {fact['step']} ({detail})"
+
+    return ", ".join(one(fact) for fact in facts)
+
+
+def report_best_eval(out_dir: Path, eval_losses: list) -> int | None:
+    """The step of the run's lowest eval loss; with two evaluations or more, also a line for the end of the run saying
+    whether its checkpoint is kept and how to export it (rank 0 prints)."""
+    step = best_step(eval_losses, {int(s) for s, _ in eval_losses})
+    if step is None or len(eval_losses) < 2:
+        return step
+    loss = {int(s): float(value) for s, value in eval_losses}[step]
+    kept = dict(list_checkpoints(out_dir)).get(step)
+    where = (f"its checkpoint {kept} is kept: `finetune export {out_dir} OUT --step {step}` exports it" if kept else
+             "its checkpoint is not kept (train.keep_best: true keeps it; a checkpoint is written every "
+             "train.save_every steps)")
+    distributed.print0(f"[finetune] best eval loss {loss:.4f} at step {step} of {len(eval_losses)} evaluations; {where}")
+    return step
+
+
+def checkpoints_table(run_dir: Path) -> str:
+    """`finetune checkpoints RUN`: one line per kept checkpoint (step, eval loss, train loss, intact or why not, size),
+    the lowest eval loss marked `best`, and how to export one."""
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: not found. Pass a run folder (output.dir of a run).")
+    kept = list_checkpoints(run_dir)
+    if not kept:
+        raise CheckpointError(f"{run_dir}: no checkpoints kept (no {CHECKPOINTS}/step-N folder). A run writes one every "
+                              "train.save_every steps and at its last step; pass the run's output.dir.")
+    facts = {step: checkpoint_facts(path) for step, path in kept}
+    best = best_step([(step, f["eval_loss"]) for step, f in facts.items() if f.get("eval_loss") is not None], set(facts))
+
+    def number(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    rows = [("step", "eval loss", "train loss", "state", "MB", "folder")]
+    for step, path in kept:
+        problem = checkpoint_problem(path)
+        size = sum(item.stat().st_size for item in path.rglob("*") if item.is_file()) / 1e6
+        rows.append((f"{step}{' best' if step == best else ''}", number(facts[step].get("eval_loss")),
+                     number(facts[step].get("loss")), "intact" if problem is None else f"damaged: {problem}",
+                     f"{size:.2f}", str(path)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    example = best if best is not None else kept[-1][0]
+    return (f"{table}\n`best`: the lowest eval loss among the kept checkpoints (- : no eval at that step). Export one: "
+            f"finetune export {run_dir} OUT --step {example}")
+
+
+def step_checkpoint(run_dir: Path, step: int) -> Path:
+    """The kept, intact checkpoint of step `step` in run folder `run_dir` (export and generate `--step`); otherwise
+    CheckpointError listing the kept steps."""
+    found = dict(list_checkpoints(run_dir))
+    if step not in found:
+        kept = describe_kept(run_dir)
+        raise CheckpointError(
+            f"{run_dir}: no checkpoint of step {step} is kept (kept: {kept}). Checkpoints are written every "
+            "train.save_every steps and at the last step; train.keep_last rotates the older ones away, and "
+            "train.keep_best: true also keeps the one of the lowest eval loss. Fix: pass one of the kept steps to "
+            f"--step (`finetune checkpoints {run_dir}` lists them with their eval losses).")
+    return checked_checkpoint(found[step])
+
+
+def checked_checkpoint(path: Path) -> Path:
+    """`path` when its files match its manifest; otherwise CheckpointError naming the problem."""
+    problem = checkpoint_problem(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} cannot be used: {problem}. Nothing was written. Fix: choose another "
+                              f"kept step (`finetune checkpoints {path.parent.parent}` lists them).")
+    return path
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint folder (checkpoints/step-N), as opposed to a run folder or an adapter folder."""
+    return path.is_dir() and (path / TRAINER_STATE).is_file() and (
+        path.name.startswith(STEP_PREFIX) or (path / MANIFEST).exists())
 
 
 def newest_kept(out_dir: Path) -> str:

@@ -4,8 +4,9 @@
     finetune plot runs/a runs/b --out x.png   (runs compared on one chart; default compare.png)
 
 At the end of a run, run.py calls `plot_run(out_dir)`, which writes `<out_dir>/plot.png` and never fails the
-finished run: without matplotlib, or on any plotting problem, it prints one warning line. matplotlib draws with
-its headless Agg canvas (no display on training machines).
+finished run: on any plotting problem it prints one warning line, and without matplotlib (an optional extra:
+`pip install 'finetune[plot]'`) one line per process. matplotlib draws with its headless Agg canvas (no display on
+training machines).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 
 from finetune.errors import FinetuneError
 from finetune.tracking.metrics_file import read_records
+
+INSTALL_PLOT = "pip install 'finetune[plot]'"
+_said_missing = False  # the missing-matplotlib warning is said once per process (quickstart --dpo runs twice)
 
 
 def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -80,10 +84,14 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
 
 def plot_run(out_dir: str | Path) -> Path | None:
     """`<out_dir>/plot.png` at the end of a run; a warning instead of an error, whatever goes wrong."""
+    global _said_missing
     try:
         return plot_runs([out_dir], Path(out_dir) / "plot.png")
     except ImportError:
-        reason = "matplotlib is not installed (`pip install matplotlib`)"
+        if _said_missing:
+            return None
+        _said_missing = True
+        reason = f"matplotlib is not installed, it is optional: {INSTALL_PLOT}"
     except Exception as exc:  # noqa: BLE001 - the run is finished and saved; a chart must not fail it
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     print(f"[finetune] warning: no plot.png ({reason}); metrics.jsonl has the numbers.", file=sys.stderr, flush=True)
@@ -97,6 +105,6 @@ def cli_plot(args) -> int:
     try:
         path = plot_runs(runs, out)
     except ImportError:
-        raise FinetuneError("`finetune plot` needs matplotlib: `pip install matplotlib`.") from None
+        raise FinetuneError(f"`finetune plot` needs matplotlib, which is optional. Fix: {INSTALL_PLOT}.") from None
     print(f"plot written to {path}")
     return 0

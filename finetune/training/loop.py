@@ -270,7 +270,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     distributed.doing(f"the checkpoint of step {step}")
                     state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
                     saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
-                                                       keep_last=t.keep_last, verify=verify_next_save)
+                                                       keep_last=t.keep_last, keep_best=t.keep_best,
+                                                       verify=verify_next_save)
                     verify_next_save = False
                 if stop:
                     progress.close()
