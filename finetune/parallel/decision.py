@@ -26,6 +26,8 @@ class ParallelPlan:
     zero: zero.ZeroSettings | None = None  # strategy deepspeed
     device_map: dict | None = None
     sharded_loading: bool = False  # FSDP: the wrap builds each unit from the checkpoint and shards it at once
+    backward_prefetch: str | None = None  # the accelerate config's fsdp_backward_prefetch; None: FSDP's default
+    forward_prefetch: bool = False  # the accelerate config's fsdp_forward_prefetch
     notes: list[str] = field(default_factory=list)
 
     def own_shard(self, rank: int) -> RankShard | None:
@@ -39,7 +41,10 @@ class ParallelPlan:
         if self.strategy == "fsdp":
             shard = "full shard" if self.reshard_after_forward else "shard-grad-op"
             offload = ", params offloaded to CPU" if self.cpu_offload else ""
-            return f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}), unit = {self.layer_class}"
+            prefetch = (f", backward prefetch {self.backward_prefetch}" if self.backward_prefetch else "") + (
+                ", forward prefetch" if self.forward_prefetch else "")
+            return (f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}{prefetch}), "
+                    f"unit = {self.layer_class}")
         if self.strategy == "ddp":
             return f"DDP over {self.world_size} processes"
         if self.strategy == "deepspeed":

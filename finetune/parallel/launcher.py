@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from finetune.errors import LaunchError
-from finetune.parallel import zero
+from finetune.parallel import accelerate_keys, zero
 
 
 # ---------------------------------------------------------------------------------------- launcher settings
@@ -36,6 +36,29 @@ def accelerate_config_env(path: str) -> dict[str, str]:
     return env
 
 
+SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "_HYBRID_SHARD_ZERO2"}
+
+
+def fsdp_sharding(env) -> str | None:
+    """The FSDP sharding strategy the config asks for, by name, from either of accelerate's two keys.
+
+    accelerate writes both whatever the file says: FSDP_RESHARD_AFTER_FORWARD (default "true"; FSDP2 takes a bool,
+    FSDP1 a bool or a strategy name) and FSDP_SHARDING_STRATEGY (default FULL_SHARD; the older FSDP1 key, a name or
+    its number). A value other than the default states the file's choice: `fsdp_sharding_strategy: SHARD_GRAD_OP` left
+    the reshard key at its default "true", which alone read as full shard.
+    """
+    reshard = (env.get("FSDP_RESHARD_AFTER_FORWARD") or "").strip()
+    strategy = (env.get("FSDP_SHARDING_STRATEGY") or "").strip().upper()
+    strategy = SHARDING_NUMBERS.get(strategy, strategy)
+    if reshard.lower() in ("false", "0", "no"):
+        return "SHARD_GRAD_OP"
+    if reshard and reshard.lower() not in ("true", "1", "yes"):
+        return SHARDING_NUMBERS.get(reshard.upper(), reshard.upper())
+    if strategy:
+        return strategy
+    return "FULL_SHARD" if reshard else None
+
+
 def launcher_settings(env: dict[str, str] | None = None) -> dict:
     """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
     env = os.environ if env is None else env
@@ -50,11 +73,11 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
     if _env_bool("ACCELERATE_USE_FSDP"):
         settings["strategy"] = "fsdp"
         settings["fsdp_version"] = int(env.get("FSDP_VERSION", "1") or 1)
-        reshard = _env_bool("FSDP_RESHARD_AFTER_FORWARD")
-        strategy_name = env.get("FSDP_SHARDING_STRATEGY", "")
-        if reshard is None and strategy_name:
-            reshard = strategy_name.upper() not in ("SHARD_GRAD_OP", "2")
-        settings["reshard_after_forward"] = reshard
+        sharding = fsdp_sharding(env)
+        if sharding is not None:
+            settings["reshard_after_forward"] = sharding not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
+            if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+                settings["sharding_strategy"] = sharding  # judged in accelerate_keys.check
         # accelerate writes these two as "false" even when the config file does not mention them, so only an
         # explicit "true" is a statement of the config that the recipe may contradict.
         settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS") or None
@@ -62,6 +85,7 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
         settings["layer_class"] = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
         settings["auto_wrap_policy"] = env.get("FSDP_AUTO_WRAP_POLICY") or None
         settings["cpu_ram_efficient_loading"] = _env_bool("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    settings.update(accelerate_keys.read(env))
     settings.update(zero.launcher_settings(env))
     mixed = env.get("ACCELERATE_MIXED_PRECISION")
     if mixed and mixed != "no":

@@ -7,6 +7,7 @@ Wrapping uses torch's own APIs, so the code the CPU tests run with gloo is the c
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -79,6 +80,10 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
             byte_guard.store_as_bytes(layer)
         checksums.append((index, layer, byte_guard.unit_checksums(layer, rank=dist.rank, world_size=dist.world_size)))
         fully_shard(layer, **options)
+    if plan.forward_prefetch:  # the accelerate config's fsdp_forward_prefetch: gather the next layer during this one
+        layers = _layer_modules(model, plan)
+        for layer, following in itertools.pairwise(layers):
+            layer.set_modules_to_forward_prefetch([following])
     if materialize is not None:
         materialize(model)  # what is left: embeddings, final norm, LM head
     fully_shard(model, **options)
@@ -114,9 +119,20 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         cpu_offload=CPUOffload(offload_params=plan.cpu_offload),
         device_id=dist.device,  # required on CPU too ("FSDP needs a non-CPU accelerator device" otherwise)
         limit_all_gathers=True,
+        # The accelerate config's prefetch keys (finetune/parallel/accelerate_keys.py); unset: FSDP1's defaults.
+        backward_prefetch=_fsdp1_backward_prefetch(plan.backward_prefetch),
+        forward_prefetch=plan.forward_prefetch,
         use_orig_params=False,
         param_init_fn=materialize,  # sharded loading: called per unit, on its modules, before the unit is flattened
     )
+
+
+def _fsdp1_backward_prefetch(name: str | None):
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    if name is None:
+        return BackwardPrefetch.BACKWARD_PRE  # FSDP1's own default
+    return None if name == "NO_PREFETCH" else BackwardPrefetch[name]
 
 
 def keep_lora_inputs_in_compute_dtype(model: nn.Module) -> None:
