@@ -69,7 +69,7 @@ class ModelFacts:
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
     notes: list[str] = field(default_factory=list)
-    # Mixture of experts (finetune/model/experts.py: one 4-bit Linear per expert projection): experts per layer, how
+    # Mixture of experts (finetune/model/experts/: one 4-bit Linear per expert projection): experts per layer, how
     # many each token is routed to, and an expert's intermediate size. 0: a dense model.
     experts: int = 0
     experts_per_token: int = 0
