@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
+from finetune.model.attention import resolve_attention
 from finetune.model.lora_init import init_lora_weights
 from finetune.model.settings import (
     hub_kwargs,
@@ -37,7 +38,14 @@ def import_backends() -> None:
 
 
 def load_config(recipe: Recipe):
-    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too)."""
+    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too).
+    model.attn_implementation: auto is resolved here, on the recipe, for this model (finetune/model/attention.py)."""
+    config = _config(recipe)
+    resolve_attention(recipe, config)
+    return config
+
+
+def _config(recipe: Recipe):
     from transformers import AutoConfig
 
     check_adapter(recipe)
@@ -85,6 +93,8 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
     from transformers import AutoModelForCausalLM
 
     offline_guard(recipe.model.name_or_path)
+    if recipe.model.attn_implementation == "auto":
+        load_config(recipe)  # resolves it for this model
     kwargs = dict(
         dtype=torch_dtype(recipe.model.dtype),
         attn_implementation=recipe.model.attn_implementation,

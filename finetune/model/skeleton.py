@@ -6,13 +6,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from finetune.model.attention import supported_attention
 
-def meta_base_model(config, *, dtype: torch.dtype, bnb_config, attn_implementation: str = "sdpa",
+
+def meta_base_model(config, *, dtype: torch.dtype, bnb_config, attn_implementation: str = "auto",
                     trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM on the meta device, its Linear layers turned into `Linear4bit` as `from_pretrained` would."""
+    """The causal LM on the meta device, its Linear layers turned into `Linear4bit` as `from_pretrained` would
+    (attention `auto`: what the model's class supports, finetune/model/attention.py)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == "auto":
+        attn_implementation = supported_attention(config)[0]
     with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
                                                 trust_remote_code=trust_remote_code)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from finetune.errors import FinetuneError
+from finetune.model.attention import attention_for
 
 GiB = 1024**3
 GB = 1000**3
@@ -208,7 +209,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attn_impl = recipe.model.attn_implementation
+    attn_impl = attention_for(recipe, config)  # auto (a stored config skips load_config): what the run will pick
     facts = ModelFacts(
         name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
         generic=False, num_layers=num_layers, hidden=config.hidden_size,
