@@ -51,7 +51,9 @@ class ModelSection(_Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of every non-quantized weight, and of the 4-bit storage. auto: bfloat16 where the "
         "device computes it natively (CUDA compute capability >= 8.0, CPUs with AVX512-BF16 or AMX), float32 elsewhere.")
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto: sdpa where the model class supports it, else eager (said in one line when the model "
+        "config is read; gpt-oss has no sdpa). flash_attention_2 needs the flash-attn package and a CUDA device.")
     adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
     quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")

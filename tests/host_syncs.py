@@ -34,7 +34,7 @@ _MASK_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_
 
 
 def _caller() -> str:
-    """The innermost frame outside torch and this file, e.g. `finetune/model/experts.py:95`: the code that asked for
+    """The innermost frame outside torch and this file, e.g. `finetune/model/experts/routed.py:95`: the code that asked for
     the value (ours, or a library's such as transformers' mask preparation), for the assertions and their messages."""
     for frame in reversed(traceback.extract_stack()):
         path = frame.filename.replace("\\", "/")

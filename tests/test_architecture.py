@@ -45,17 +45,6 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
     return found
 
 
-def _module_level(body: list) -> list:
-    """Statements run at import: the module body and what its `if` / `try` blocks hold."""
-    found = []
-    for node in body:
-        found.append(node)
-        if isinstance(node, (ast.If, ast.Try)):
-            found += _module_level(node.body + node.orelse + getattr(node, "finalbody", []) +
-                                   [s for h in getattr(node, "handlers", []) for s in h.body])
-    return found
-
-
 def room(module: str) -> str:
     """The stage folder or leaf a module belongs to (`finetune.model.base` -> model, `finetune.errors` -> errors)."""
     parts = module.split(".")
@@ -89,18 +78,18 @@ def test_stages_import_only_leaves_and_earlier_stages():
 
 
 def test_no_import_circle_between_modules():
-    """Module-level imports (`if TYPE_CHECKING:` blocks included: a circle in the types is one in the design; a
-    function-level import runs after both modules exist), package parents excluded."""
+    """Every import counts, at module level or inside a function (a function-level import only hides a circle from
+    Python's import order, not from the design); `if TYPE_CHECKING:` blocks too. Package parents are excluded: a
+    module importing its own package's `__init__` is how a package is built, not a circle. Importing a module imports the
+faces (`__init__`) of the packages above it first, so those count as imported too."""
     known = modules()
     graph: dict[str, set[str]] = {name: set() for name in known}
     for name, path in known.items():
-        for node in _module_level(ast.parse(path.read_text()).body):
-            targets = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            graph[name] |= {t for t in targets if t in known and not name.startswith(t + ".") and t != name}
+        for target, _ in imports(path, known):
+            # Importing a.b.c runs a/__init__ and a/b/__init__ first: a package's face is imported with its module.
+            parts = target.split(".")
+            graph[name] |= {t for t in (".".join(parts[:n]) for n in range(2, len(parts) + 1))
+                            if t in known and not name.startswith(t + ".") and t != name}
     state: dict[str, int] = {}
     circles = []
 

@@ -15,7 +15,7 @@ from finetune import data, model, outputs, parallel
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
-from finetune.model import prequantized
+from finetune.model.quantization import prequantized
 from finetune.recipe import load_recipe
 
 

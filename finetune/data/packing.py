@@ -14,7 +14,8 @@ from finetune.errors import DataError
 
 # Attention implementations that turn restarting position_ids (with no attention_mask) into a block-diagonal mask
 # in transformers 5: sdpa/eager/flex through masking_utils.find_packed_sequence_indices, flash through cu_seqlens.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# `auto` (finetune/model/attention.py) becomes sdpa or eager, both of them.
+PACKING_ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 # ---------------------------------------------------------------------------------------------------- packing

@@ -1,15 +1,15 @@
 """Model: the tokenizer, the 4-bit base (bitsandbytes NF4) with LoRA attached (PEFT), loaded whole or unit by unit.
 
-    base.py          load_config, load_tokenizer, load_base_model, build_model (4-bit + k-bit prep + LoRA), the LoRA init
+    base.py          load_config, load_tokenizer, load_base_model, build_model (4-bit + k-bit prep + LoRA), the adapter
+    settings.py      the recipe's dtypes, BitsAndBytesConfig and hub arguments; local or hub, the offline guard, load errors
+    lora_init.py     the LoRA start seeded by (seed, tensor name), and its fingerprint across ranks
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
-    checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
+    skeleton.py      the meta-device model with its 4-bit layers (the sharded loader's and `finetune quantize`'s)
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
-    experts.py       mixture-of-experts layers split into one Linear per expert projection (4-bit, LoRA on each)
-    conversions.py   transformers' checkpoint key renames and expert fusion applied to a checkpoint index
-    prequantized.py  4-bit checkpoints (transformers' bitsandbytes layout) as input: settings checked, bytes kept as stored
-    quantize.py      writes a bf16 base as such a 4-bit checkpoint, one tensor at a time (`finetune quantize`, the cache)
-    quantized_cache.py  model.quantized_cache: auto: a bf16 base quantized once, its 4-bit bytes loaded at later starts
     shard_reads.py   FSDP2: each rank reads and quantizes only its own chunk of each tensor (bitwise the whole tensor's)
+    checkpoints/     reading the base: safetensors files (headers, the folder, per-tensor reads), transformers' key renames
+    quantization/    4-bit checkpoints as input, `finetune quantize`'s writer, the 4-bit cache (model.quantized_cache)
+    experts/         mixture-of-experts layers split into one Linear per expert projection, one module per layout family
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)
@@ -20,16 +20,15 @@ from finetune.model.base import (
     build_model,
     count_parameters,
     import_backends,
-    is_local,
     keep_4bit_weights_trainable_on_cpu,
     load_base_model,
     load_config,
     load_tokenizer,
-    lora_checksum,
     lora_config,
-    torch_dtype,
 )
 from finetune.model.loading import LoadedModel, load_model
+from finetune.model.lora_init import lora_checksum
+from finetune.model.settings import is_local, torch_dtype
 
 __all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
            "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype"]

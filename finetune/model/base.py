@@ -10,20 +10,25 @@ parameter; FSDP computes with them in model.dtype, see finetune/parallel/checks.
 from __future__ import annotations
 
 import logging
-import math
-import zlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
+from finetune.model.attention import resolve_attention
+from finetune.model.lora_init import init_lora_weights
+from finetune.model.settings import (
+    hub_kwargs,
+    is_local,
+    load_error,
+    offline_guard,
+    quantization_config,
+    torch_dtype,
+)
 from finetune.recipe import Recipe
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def import_backends() -> None:
     """Import the modelling libraries now (transformers' model classes, PEFT, bitsandbytes)."""
@@ -32,47 +37,15 @@ def import_backends() -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
-def is_local(name_or_path: str) -> bool:
-    return Path(name_or_path).expanduser().exists()
-
-
-def _hub_kwargs(recipe: Recipe) -> dict:
-    kwargs = {"trust_remote_code": recipe.model.trust_remote_code}
-    if recipe.model.revision:
-        kwargs["revision"] = recipe.model.revision
-    return kwargs
-
-
-def _load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
-    local = is_local(name)
-    if local:
-        fix = f"check that {name} is a saved transformers folder (config.json, weights, tokenizer files)."
-    else:
-        fix = (
-            "this looks like a hub id and it is neither in the local cache nor fetchable now (offline, gated or "
-            "misspelled). Download it where the hub "
-            f"is reachable (`hf download {name} --local-dir DIR`) and set model.name_or_path to DIR, or set "
-            "HF_HUB_OFFLINE=1 to use only the local cache."
-        )
-    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    return ModelLoadError(f"model.name_or_path `{name}`: cannot load the {what} ({reason}). Fix: {fix}")
-
-
-def offline_guard(name_or_path: str) -> None:
-    """Fail fast (not hang) when a hub id is needed and the hub cannot be reached: use the local cache only."""
-    if is_local(name_or_path):
-        return
-    from finetune.hub import use_cache_only_if_unreachable
-
-    use_cache_only_if_unreachable()
-
-
 def load_config(recipe: Recipe):
-    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too)."""
+    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too).
+    model.attn_implementation: auto is resolved here, on the recipe, for this model (finetune/model/attention.py)."""
+    config = _config(recipe)
+    resolve_attention(recipe, config)
+    return config
+
+
+def _config(recipe: Recipe):
     from transformers import AutoConfig
 
     check_adapter(recipe)
@@ -90,9 +63,9 @@ def load_config(recipe: Recipe):
             return stored
     offline_guard(recipe.model.name_or_path)
     try:
-        return AutoConfig.from_pretrained(recipe.model.name_or_path, **_hub_kwargs(recipe))
+        return AutoConfig.from_pretrained(recipe.model.name_or_path, **hub_kwargs(recipe))
     except (OSError, ValueError) as exc:
-        raise _load_error("config", recipe.model.name_or_path, exc) from None
+        raise load_error("config", recipe.model.name_or_path, exc) from None
 
 
 def load_tokenizer(recipe: Recipe):
@@ -105,9 +78,9 @@ def load_tokenizer(recipe: Recipe):
         name = str(converted_folder(recipe.model.name_or_path, recipe.model.gguf_file))
     offline_guard(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, **_hub_kwargs(recipe))
+        tokenizer = AutoTokenizer.from_pretrained(name, **hub_kwargs(recipe))
     except (OSError, ValueError) as exc:
-        raise _load_error("tokenizer", name, exc) from None
+        raise load_error("tokenizer", name, exc) from None
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token
@@ -115,32 +88,18 @@ def load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def quantization_config(recipe: Recipe):
-    """BitsAndBytesConfig for the recipe, or None for `quantization: none`."""
-    q = recipe.quantization
-    if q.method == "none":
-        return None
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=q.method,
-        bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=torch_dtype(recipe.compute_dtype),
-        bnb_4bit_quant_storage=torch_dtype(q.quant_storage or recipe.model.dtype),
-    )
-
-
 def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | None = None) -> nn.Module:
     """The causal LM, quantized to 4 bits while loading (unless `quantization: none`), all base weights frozen."""
     from transformers import AutoModelForCausalLM
 
     offline_guard(recipe.model.name_or_path)
+    if recipe.model.attn_implementation == "auto":
+        load_config(recipe)  # resolves it for this model
     kwargs = dict(
         dtype=torch_dtype(recipe.model.dtype),
         attn_implementation=recipe.model.attn_implementation,
         quantization_config=quantization_config(recipe),
-        **_hub_kwargs(recipe),
+        **hub_kwargs(recipe),
     )
     name = recipe.model.name_or_path
     if recipe.model.gguf_file:
@@ -154,8 +113,8 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
-        raise _load_error("model", name, exc) from None
-    from finetune.model.experts import quantize_split_experts, split_experts
+        raise load_error("model", name, exc) from None
+    from finetune.model.experts.split import quantize_split_experts, split_experts
 
     # transformers leaves fused MoE experts in model.dtype: one Linear per expert projection, 4-bit like the rest.
     quantized = kwargs["quantization_config"] is not None
@@ -242,14 +201,13 @@ def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, t
         return None
     from safetensors.torch import load_file
 
-    from finetune.model.experts import has_routed_experts
+    from finetune.model.checkpoints.conversions import model_names
+    from finetune.model.experts.routed import has_routed_experts
 
     tensors = {key.removeprefix("base_model.model."): value
                for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
     if model is None or not has_routed_experts(model):
         return tensors
-    from finetune.model.conversions import model_names
-
     names = model_names(model, list(tensors))
     return {names[key]: value for key, value in tensors.items()}
 
@@ -257,7 +215,7 @@ def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, t
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
     (or from model.adapter's values)."""
-    from finetune.model.experts import get_peft_model
+    from finetune.model.experts.lora import get_peft_model
 
     peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
@@ -273,68 +231,6 @@ def build_model(recipe: Recipe, *, device: torch.device, device_map: dict | None
     base = load_base_model(recipe, device=device, device_map=device_map)
     prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
     return attach_lora(base, recipe)
-
-
-# ------------------------------------------------------------------------------------------- LoRA init, seeded
-def lora_tensor_name(model_name: str) -> str:
-    """The module path of a LoRA tensor without PEFT's wrapper levels: the same for every loader and wrapper."""
-    return model_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
-def _name_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(lora_tensor_name(name).encode())) % (2**63)
-
-
-def init_lora_tensor(tensor: torch.Tensor, name: str, seed: int, start: dict[str, torch.Tensor] | None = None) -> bool:
-    """PEFT's default LoRA init (A: kaiming-uniform with a=sqrt(5), B: zeros), A drawn from a generator seeded by
-    (seed, name). Returns False for tensors that are not A/B matrices (DoRA magnitudes keep PEFT's values).
-
-    Why not PEFT's own draw from the global generator: its values depend on the order in which modules are created
-    and on the device of the base (PEFT rounds the init through the base's dtype). Seeding by name makes the
-    adapter's start the same for the per-rank loader and sharded loading, on every rank and every device.
-    `start` (model.adapter's tensors, `adapter_start`): A and B are copied from it instead.
-    """
-    if start is not None and ".lora_" in name:
-        key = lora_tensor_name(name).replace(".default.", ".")
-        if key not in start or start[key].shape != tensor.shape:
-            found = "missing" if key not in start else f"shape {list(start[key].shape)}, the model's {list(tensor.shape)}"
-            raise ModelLoadError(f"model.adapter: tensor {key} is {found}: the adapter was not trained for this base model "
-                                 "and LoRA layout. Fix: use the adapter of a run on the same model.name_or_path.")
-        tensor.copy_(start[key])
-        return True
-    if ".lora_A." in name or ".lora_embedding_A." in name:
-        generator = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-        nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
-        return True
-    if ".lora_B." in name or ".lora_embedding_B." in name:
-        nn.init.zeros_(tensor)
-        return True
-    return False
-
-
-def lora_fingerprint(tensor: torch.Tensor, name: str) -> float:
-    """A float that changes with any LoRA value and with its name (summed over tensors, compared across ranks)."""
-    weight = 1.0 + (zlib.crc32(lora_tensor_name(name).encode()) % 997) / 997.0
-    return float(tensor.detach().to("cpu", torch.float64).sum()) * weight
-
-
-def init_lora_weights(model: nn.Module, seed: int, *, start: dict[str, torch.Tensor] | None = None) -> float:
-    """Initialise every LoRA A/B tensor of a loaded PeftModel from its seed (or `start`); returns the checksum."""
-    checksum = 0.0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" not in name:
-                continue
-            value = param.detach().to("cpu", copy=True)
-            init_lora_tensor(value, name, seed, start)
-            param.copy_(value.to(param.device))
-            checksum += lora_fingerprint(value, name)
-    return checksum
-
-
-def lora_checksum(model: nn.Module) -> float:
-    """The fingerprint of the LoRA tensors as they are now (compare across ranks: all must start the same)."""
-    return sum(lora_fingerprint(p, name) for name, p in model.named_parameters() if ".lora_" in name)
 
 
 def stored_numel(param: torch.Tensor) -> int:

@@ -30,8 +30,8 @@ from torch import nn
 
 from finetune import distributed
 from finetune.errors import ModelLoadError
-from finetune.model import prequantized, quantized_cache
-from finetune.model.checkpoint_files import (  # noqa: F401
+from finetune.model.checkpoints.conversions import convert_index
+from finetune.model.checkpoints.files import (  # noqa: F401
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointIndex,
@@ -40,7 +40,8 @@ from finetune.model.checkpoint_files import (  # noqa: F401
     checkpoint_index,
     convert_to_safetensors,
 )
-from finetune.model.conversions import convert_index
+from finetune.model.experts.split import fused_expert_views
+from finetune.model.lora_init import lora_checksum
 from finetune.model.materialize import (  # noqa: F401
     Materializer,
     alive_tensor_bytes,
@@ -50,8 +51,11 @@ from finetune.model.materialize import (  # noqa: F401
     place_buffers,
     tied_groups,
 )
-from finetune.model.prequantized import PackedLayout
+from finetune.model.quantization import cache as quantized_cache
+from finetune.model.quantization import prequantized
+from finetune.model.quantization.prequantized import PackedLayout
 from finetune.model.shard_reads import RankShard
+from finetune.model.skeleton import meta_base_model
 from finetune.recipe import Recipe
 
 
@@ -59,7 +63,7 @@ from finetune.recipe import Recipe
 def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> nn.Module:
     """The PeftModel (4-bit layers and LoRA included) with every parameter on the meta device."""
     from finetune.model import base as model_stage
-    from finetune.model.experts import get_peft_model
+    from finetune.model.experts.lora import get_peft_model
 
     base = meta_base_model(config, dtype=model_stage.torch_dtype(recipe.model.dtype),
                            bnb_config=model_stage.quantization_config(recipe),
@@ -74,37 +78,6 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
 
         use_fused_lora(peft_model)
     return peft_model
-
-
-def meta_base_model(config, *, dtype: torch.dtype, bnb_config, attn_implementation: str = "sdpa",
-                    trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM on the meta device, its Linear layers turned into `Linear4bit` as `from_pretrained` would."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
-        base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
-                                                trust_remote_code=trust_remote_code)
-    base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
-    from finetune.model.experts import split_experts
-
-    # Fused MoE experts -> one Linear per expert projection (quantized below); refused here if they cannot be.
-    split_experts(base, dtype=dtype, quantized=bnb_config is not None)
-    if bnb_config is not None:
-        from transformers.quantizers import AutoHfQuantizer
-
-        # transformers' own bnb quantizer picks the modules to convert (not lm_head, not tied weights) and builds the
-        # Linear4bit layers: the same skeleton `from_pretrained(quantization_config=...)` fills in.
-        quantizer = AutoHfQuantizer.from_config(bnb_config, pre_quantized=False)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # as in from_pretrained: the new layers' biases are created in model.dtype
-        try:
-            quantizer.preprocess_model(model=base, device_map=None, dtype=dtype)
-        finally:
-            torch.set_default_dtype(previous)
-        base.hf_quantizer = quantizer
-        quantizer.postprocess_model(base)
-    return base
 
 
 def check_checkpoint(model: nn.Module, index: CheckpointIndex, packed: PackedLayout | None = None) -> None:
@@ -179,13 +152,14 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         if device_map is None:  # one device: its init-time buffers there too, whatever from_pretrained did with them
             for module in peft_model.modules():
                 place_buffers(module, device)
-        checksum = model_stage.lora_checksum(peft_model)
+        checksum = lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
     folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
     with distributed.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
         index = checkpoint_index(folder)
-        convert_index(index, skeleton)  # transformers' key renames; per-expert tensors (fused ones sliced per expert)
+        convert_index(index, skeleton)  # transformers' key renames
+        fused_expert_views(index, skeleton)  # per-expert tensors stored fused: each read as its expert's slice
         packed = prequantized.packed_layout(recipe, folder, index)  # a 4-bit checkpoint: its settings are the recipe's
         check_checkpoint(skeleton, index, packed)
     # Range reads (FSDP2): of a bf16 weight a chunk is read and quantized; of a 4-bit checkpoint's weight the chunk's

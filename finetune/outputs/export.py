@@ -186,7 +186,7 @@ def check_base_matches(source: Source, config, base: str | None, tokenizer=None)
 
 def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, ...]]:
     """On-disk adapter keys and shapes that PEFT expects for this base config (built on the meta device: no weights),
-    mixture-of-experts layers split into per-expert Linears as training split them (finetune/model/experts.py)."""
+    mixture-of-experts layers split into per-expert Linears as training split them (finetune/model/experts/)."""
     from peft import PeftConfig
     from peft.utils import get_peft_model_state_dict
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts adapters at export: checked and merged in the layout training used, written in the layout other
 runtimes read.
 
-Training splits transformers 5's fused experts into one Linear per expert projection (finetune/model/experts.py), so the
+Training splits transformers 5's fused experts into one Linear per expert projection (finetune/model/experts/), so the
 run's adapter holds one LoRA per expert projection under the model's names (`mlp.experts.3.w1`). At export:
   * the checks and the merge build the base as training built it (experts split), so every key matches one to one;
   * the written adapter names its tensors as the base checkpoint names them (transformers' renames reversed, as its
@@ -42,7 +42,7 @@ def is_moe(config) -> bool:
 
 def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Adapter tensors under the model's names (an adapter exported by finetune names them as the checkpoint does)."""
-    from finetune.model.conversions import model_names
+    from finetune.model.checkpoints.conversions import model_names
 
     names = model_names(split_meta_model(config), list(tensors))
     return {names[key]: value for key, value in tensors.items()}
@@ -50,7 +50,7 @@ def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.
 
 def for_runtimes(tensors: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors under the checkpoint's names, adapter_config.json updates) for the written MoE adapter."""
-    from finetune.model.conversions import checkpoint_names
+    from finetune.model.checkpoints.conversions import checkpoint_names
 
     # LoRA only: a trained router (lora.train_router, PEFT's modules_to_save) stays under the model's name, which PEFT
     # maps onto its copy without converting it (vLLM and llama.cpp refuse modules_to_save whatever its name).

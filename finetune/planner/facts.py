@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from finetune.errors import FinetuneError
+from finetune.model.attention import attention_for
 
 GiB = 1024**3
 GB = 1000**3
@@ -69,7 +70,7 @@ class ModelFacts:
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
     notes: list[str] = field(default_factory=list)
-    # Mixture of experts (finetune/model/experts.py: one 4-bit Linear per expert projection): experts per layer, how
+    # Mixture of experts (finetune/model/experts/: one 4-bit Linear per expert projection): experts per layer, how
     # many each token is routed to, and an expert's intermediate size. 0: a dense model.
     experts: int = 0
     experts_per_token: int = 0
@@ -208,7 +209,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attn_impl = recipe.model.attn_implementation
+    attn_impl = attention_for(recipe, config)  # auto (a stored config skips load_config): what the run will pick
     facts = ModelFacts(
         name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
         generic=False, num_layers=num_layers, hidden=config.hidden_size,

@@ -30,6 +30,7 @@ import torch
 from finetune import distributed, parallel
 from finetune.model import base as model_base
 from finetune.model import loading
+from finetune.model.lora_init import lora_checksum
 from finetune.recipe import Recipe
 
 
@@ -133,7 +134,7 @@ def main() -> None:
             bounds = read_bounds(loaded.model, loaded.builder.reader.index, info.rank, info.world_size)
         else:  # transformers' from_pretrained, the reference for every byte
             whole = model_base.build_model(recipe, device=info.device, gradient_checkpointing=False)
-            checksum = model_base.lora_checksum(whole)  # before the wrap shards the LoRA tensors
+            checksum = lora_checksum(whole)  # before the wrap shards the LoRA tensors
             loaded = loading.LoadedModel(whole, None, lambda: checksum)
         after_load = loading.alive_tensor_bytes() - before
         lora_bytes = sum(p.numel() * 4 for n, p in loaded.model.named_parameters() if ".lora_" in n)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models as real QLoRA (finetune/model/experts.py, conversions.py): on a tiny Mixtral and a tiny
+"""Mixture-of-experts models as real QLoRA (finetune/model/experts/, checkpoints/conversions.py): on a tiny Mixtral and a tiny
 Qwen3-MoE saved by transformers 5's own `save_pretrained` (per-expert tensors, as hub checkpoints ship them), every
 expert weight is 4-bit, LoRA with dropout sits on every expert projection, the router stays unquantized and frozen,
 and the per-tensor loader reads the checkpoint through transformers' key conversions with from_pretrained's bytes.
@@ -143,7 +143,7 @@ def test_experts_wait_for_the_device_once_per_layer_not_once_per_expert(moe_mode
     with HostSyncs() as syncs:
         model(input_ids=ids).logits.square().mean().backward()
     assert len(syncs.ours()) <= config.num_hidden_layers, syncs.ours()
-    assert all("finetune/model/experts.py" in where for where in syncs.ours()), syncs.ours()
+    assert all("finetune/model/experts/" in where for where in syncs.ours()), syncs.ours()
 
 
 @pytest.mark.parametrize("targets,says", [
@@ -152,7 +152,8 @@ def test_experts_wait_for_the_device_once_per_layer_not_once_per_expert(moe_mode
 ])
 def test_lora_targets_that_cannot_work_are_refused_before_any_weight_loads(moe_models, monkeypatch, targets, says):
     from finetune.errors import ModelLoadError
-    from finetune.model import checkpoint_files, loading
+    from finetune.model import loading
+    from finetune.model.checkpoints import files as checkpoint_files
 
     def no_reads(self, name):
         raise AssertionError(f"read {name} before refusing")

@@ -53,7 +53,7 @@ def many_layer_models(tmp_path_factory):
 
 def _mixtral_renamed_and_fused(folder: Path) -> Path:
     """A tiny Mixtral (4 experts, top-2, 4 layers) whose checkpoint takes both of transformers' key conversions that
-    finetune/model/conversions.py applies: the old module name (`block_sparse_moe.`, renamed to `mlp.`) and the experts
+    finetune/model/checkpoints/conversions.py applies: the old module name (`block_sparse_moe.`, renamed to `mlp.`) and the experts
     stored fused (3-D `experts.gate_up_proj` / `down_proj`, sliced per expert for the 4-bit per-expert Linears).
     Qwen3-MoE's per-expert checkpoint (as the hub ships it) is read sharded under FSDP2 below; the per-tensor loader
     == from_pretrained for both families in tests/model/test_experts.py. No memory bound on 4 layers: it needs many
@@ -142,6 +142,7 @@ def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_mod
     from loading_check import held_tensors
 
     from finetune.model import base, loading
+    from finetune.model.lora_init import lora_checksum
     from finetune.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": {"name_or_path": str(many_layer_models["llama-sharded-index"]),
@@ -150,7 +151,7 @@ def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_mod
                                     "data": {"datasets": [{"path": "x.jsonl", "format": "alpaca"}]}})
     cpu = torch.device("cpu")
     reference = base.build_model(recipe, device=cpu, gradient_checkpointing=False)
-    expected, expected_checksum = held_tensors(reference), base.lora_checksum(reference)
+    expected, expected_checksum = held_tensors(reference), lora_checksum(reference)
     del reference
     gc.collect()
     before, alive_after_read = loading.alive_tensor_bytes(), []

@@ -52,7 +52,7 @@ def test_each_ranks_chunk_and_the_quant_state_are_the_whole_tensors(tmp_path, sh
     import bitsandbytes as bnb
     from safetensors.torch import save_file
 
-    from finetune.model.checkpoint_files import TensorReader, checkpoint_index
+    from finetune.model.checkpoints.files import TensorReader, checkpoint_index
 
     torch.manual_seed(0)
     weight = torch.randn(shape) * 0.02
@@ -95,7 +95,7 @@ def test_a_flat_range_reads_exactly_its_bytes(tmp_path):
     """Every [start, stop) of a matrix: the values of the flattened tensor, and the reader counts exactly their bytes."""
     from safetensors.torch import save_file
 
-    from finetune.model.checkpoint_files import TensorReader, checkpoint_index
+    from finetune.model.checkpoints.files import TensorReader, checkpoint_index
 
     matrix = torch.arange(70.0).reshape(7, 10)
     save_file({"w": matrix, "n": torch.arange(5.0)}, str(tmp_path / "model.safetensors"))

@@ -1,5 +1,5 @@
 """Mixture-of-experts QLoRA under the shipped accelerate configs: a tiny Mixtral and a tiny Qwen3-MoE (4 experts, top-2,
-4-bit experts with LoRA on each, finetune/model/experts.py) train with the library's settings (LoRA dropout 0.05, bf16,
+4-bit experts with LoRA on each, finetune/model/experts/) train with the library's settings (LoRA dropout 0.05, bf16,
 gradient checkpointing on) under ddp.yaml and fsdp2.yaml (FSDP2 loading them sharded, one decoder layer at a time) with
 equal loss curves at the same global batch, and Mixtral under single_gpu.yaml within the spread of other dropout masks.
 

@@ -6,7 +6,7 @@ Such a folder has `quantization_config` (quant_method: bitsandbytes) in config.j
 loaded for FSDP), `W.absmax`, `W.quant_map`, with double quantization `W.nested_absmax` and `W.nested_quant_map`, and
 `W.quant_state.bitsandbytes__nf4` (or `__fp4`): a small uint8 tensor holding the rest as JSON (blocksize, shape,
 dtype, nested offset). The "-bnb-4bit" repositories on the hub are such folders, and so is what `finetune quantize`
-and the quantized cache (quantized_cache.py) write.
+and the quantized cache (cache.py) write.
 
 Why reinterpret and never dequantize: the packed codes are bytes; the storage dtype only says how FSDP sees them. The
 recipe keeps the dtype rule (every frozen tensor in model.dtype, one dtype per FSDP unit) by viewing the same bytes
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoint_files import CheckpointIndex, TensorReader
+from finetune.model.checkpoints.files import CheckpointIndex, TensorReader
 from finetune.model.shard_reads import RankShard, packed_value_range
 from finetune.recipe import Recipe
 
@@ -69,7 +69,7 @@ def is_prequantized(folder: Path) -> bool:
 def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> PackedLayout | None:
     """The layout of a pre-quantized checkpoint, refused in one paragraph where its settings are not the recipe's
     (config.json and the quant states against `quantization.*`); None for an unquantized checkpoint."""
-    from finetune.model.base import torch_dtype
+    from finetune.model.settings import torch_dtype
 
     stored = stored_quantization(folder)
     if stored is None:
@@ -107,8 +107,8 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
 def check_local_checkpoint(recipe: Recipe) -> bool:
     """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
     only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
-    from finetune.model.base import is_local
-    from finetune.model.checkpoint_files import checkpoint_index
+    from finetune.model.checkpoints.files import checkpoint_index
+    from finetune.model.settings import is_local
 
     folder = Path(recipe.model.name_or_path).expanduser()
     if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):

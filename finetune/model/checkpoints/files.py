@@ -27,8 +27,14 @@ class CheckpointIndex:
     files: dict[str, Path] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # A model tensor stored under another name, or as part of a stored tensor (transformers' key renames and expert
-    # fusion, finetune/model/conversions.py): model name -> (name in the file, expert index or None, part, parts).
+    # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part, parts).
     views: dict[str, tuple[str, int | None, int, int]] = field(default_factory=dict)
+
+    def add_view(self, name: str, view: tuple[str, int | None, int, int], shape: tuple[int, ...]) -> None:
+        """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts)."""
+        self.views[name] = view
+        self.files[name] = self.files[view[0]]
+        self.shapes[name] = shape
 
 
 def conversion_command(folder: Path) -> str:
@@ -85,7 +91,7 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
 
 def checkpoint_folder(recipe: Recipe) -> Path:
     """The local folder holding the base's weights: the recipe's path, the converted GGUF folder, or the hub cache."""
-    from finetune.model.base import is_local, offline_guard
+    from finetune.model.settings import is_local, load_error, offline_guard
 
     name = recipe.model.name_or_path
     if recipe.model.gguf_file:
@@ -101,9 +107,7 @@ def checkpoint_folder(recipe: Recipe) -> Path:
         return Path(snapshot_download(name, revision=recipe.model.revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     except Exception as exc:  # noqa: BLE001 (hub errors come in many classes; all mean "not available here")
-        from finetune.model.base import _load_error
-
-        raise _load_error("model", name, exc) from None
+        raise load_error("model", name, exc) from None
 
 
 class TensorReader:
@@ -134,7 +138,7 @@ class TensorReader:
         return stored if expert is None and parts == 1 else None
 
     def _part(self, name: str) -> torch.Tensor:
-        """A tensor stored inside another (finetune/model/conversions.py): only its own bytes are read, the rows of
+        """A tensor stored inside another (conversions.py): only its own bytes are read, the rows of
         part `part` of `parts` (torch.chunk's split) of the whole tensor or of expert `expert`'s slice."""
         stored, expert, part, parts = self.index.views[name]
         handle = self._handle(stored)

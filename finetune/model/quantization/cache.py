@@ -25,8 +25,8 @@ import torch
 
 from finetune import distributed
 from finetune.files import exclusive_lock
-from finetune.model.checkpoint_files import checkpoint_index
-from finetune.model.prequantized import is_prequantized
+from finetune.model.checkpoints.files import checkpoint_index
+from finetune.model.quantization.prequantized import is_prequantized
 from finetune.recipe import Recipe
 
 CACHE_VERSION = 1  # bump when the written layout or the quantization path changes: old entries are then not read
@@ -85,8 +85,8 @@ def cached_checkpoint(recipe: Recipe, base: Path, *, device: torch.device) -> Pa
 
 def _build(recipe: Recipe, base: Path, target: Path, identity: dict, reason: str, *, device: torch.device) -> Path:
     from finetune.files import free_mb, no_room
-    from finetune.model.base import quantization_config, torch_dtype
-    from finetune.model.quantize import write_quantized
+    from finetune.model.quantization.writer import write_quantized
+    from finetune.model.settings import quantization_config, torch_dtype
 
     needed = sum(size for size, _ in identity.values()) // 3  # 4-bit codes + quant state + bf16 norms/embeddings
     free = shutil.disk_usage(_existing_parent(target)).free

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoint_files import INDEX_FILE, TensorReader, checkpoint_index
-from finetune.model.prequantized import stored_quantization
+from finetune.model.checkpoints.files import INDEX_FILE, TensorReader, checkpoint_index
+from finetune.model.quantization.prequantized import stored_quantization
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -31,7 +31,7 @@ DEFAULT_SHARD_BYTES = 2 * 2**30
 
 def quantized_names(config, bnb_config, dtype: torch.dtype) -> dict[str, dict]:
     """Checkpoint name -> the skeleton's Params4bit settings, for every weight transformers' quantizer converts."""
-    from finetune.model.loading import meta_base_model  # loading imports the cache, which imports this module
+    from finetune.model.skeleton import meta_base_model
 
     model = meta_base_model(config, dtype=dtype, bnb_config=bnb_config)
     settings = {}

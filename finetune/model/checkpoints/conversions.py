@@ -1,20 +1,22 @@
 """transformers' checkpoint key conversions, applied to a checkpoint's index so that the per-tensor readers find each
 model tensor: the renames `from_pretrained` applies (Mixtral's `block_sparse_moe.` -> `mlp.`, legacy LayerNorm names,
-...), read from the installed transformers' conversion mapping for the model, and the expert tensors of `RoutedExperts`
-(finetune/model/experts.py): per-expert in the checkpoint (as hub checkpoints and transformers 5's `save_pretrained`
-store them) they map one to one after the renames; fused 3-D in the checkpoint, each is read as its expert's slice.
+...), read from the installed transformers' conversion mapping for the model. The expert tensors of `RoutedExperts`
+(finetune/model/experts/), per-expert in the checkpoint (as hub checkpoints and transformers 5's `save_pretrained`
+store them), map one to one after these renames; fused 3-D in the checkpoint, each is read as its expert's slice
+(`fused_expert_views` in finetune/model/experts/split.py: the experts know their layout, the checkpoint does not).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from finetune.model.checkpoint_files import CheckpointIndex
+from finetune.model.checkpoints.files import CheckpointIndex
 
 
 def convert_index(index: CheckpointIndex, model: nn.Module) -> int:
-    """Add to `index` (its `views`, files and shapes) every model tensor stored under another name or inside a fused
-    tensor; `model` is the (Peft) model being loaded. Returns the number of views added."""
+    """Add to `index` (its `views`, files and shapes) every model tensor stored under another name; `model` is the
+    (Peft) model being loaded. Returns the number of views added. (Expert tensors stored fused get their per-expert
+    views from finetune/model/experts/split.py, `fused_expert_views`.)"""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -24,38 +26,8 @@ def convert_index(index: CheckpointIndex, model: nn.Module) -> int:
     for stored in list(index.shapes):
         renamed, _ = rename_source_key(stored, renamings, [])
         if renamed != stored and renamed not in index.shapes:
-            _add(index, renamed, (stored, None, 0, 1), index.shapes[stored])
+            index.add_view(renamed, (stored, None, 0, 1), index.shapes[stored])
             added += 1
-    return added + _fused_expert_views(index, base)
-
-
-def _add(index: CheckpointIndex, name: str, view: tuple, shape: tuple[int, ...]) -> None:
-    index.views[name] = view
-    index.files[name] = index.files[view[0]]
-    index.shapes[name] = shape
-
-
-def _fused_expert_views(index: CheckpointIndex, base: nn.Module) -> int:
-    """Per-expert weights of `RoutedExperts` missing from the checkpoint but stored fused (experts x out x in):
-    expert e's part i of n is rows i/n of the fused tensor's slice e (transformers' `Concatenate(dim=1)` order)."""
-    from finetune.model.experts import RoutedExperts
-
-    added = 0
-    for name, module in base.named_modules():
-        if not isinstance(module, RoutedExperts) or not len(module):
-            continue
-        names = module[0].names
-        for fused, parts in ((f"{name}.gate_up_proj", names.gate_up), (f"{name}.down_proj", names.down)):
-            if fused not in index.shapes:
-                continue
-            stored = index.views.get(fused, (fused,))[0]
-            shape = index.shapes[fused]
-            for expert in range(shape[0]):
-                for part, part_name in enumerate(parts):
-                    key = f"{name}.{expert}.{part_name}.weight"
-                    if key not in index.shapes:
-                        _add(index, key, (stored, expert, part, len(parts)), (shape[1] // len(parts), *shape[2:]))
-                        added += 1
     return added
 
 

@@ -1,0 +1,35 @@
+"""The expert layouts finetune can split into per-expert Linears: one module per family, registered here by name.
+
+A family module holds (see concatenated.py): `MODELS` (the models it covers, for messages), `why_not(module)` (None
+when this family takes a fused experts module, else why not), `names(model, name, module)` (the per-expert
+`ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `copy_in(split,
+module)` (the fused weights into the per-expert Linears) and `fused_tensors(split)` (the reverse, for export). A new
+family (Llama 4's transposed experts, gpt-oss's biased, interleaved ones) is one new module and one line below.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from torch import nn
+
+from finetune.model.experts.families import concatenated
+
+FAMILIES: dict[str, ModuleType] = {"concatenated": concatenated}
+
+
+def family_for(module: nn.Module) -> tuple[str | None, list[str]]:
+    """The name of the family that takes this fused experts module (the first in `FAMILIES`), or None and every
+    family's reason for refusing it."""
+    reasons = []
+    for name, family in FAMILIES.items():
+        reason = family.why_not(module)
+        if reason is None:
+            return name, []
+        reasons.append(reason)
+    return None, reasons
+
+
+def covered_models() -> str:
+    """The models the registered families cover, for error messages."""
+    return "; ".join(family.MODELS for family in FAMILIES.values())

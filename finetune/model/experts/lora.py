@@ -1,0 +1,147 @@
+"""LoRA on `RoutedExperts`: PEFT's own `lora.Linear4bit` on every expert projection, the targets a mixture-of-experts
+model cannot take refused, the routers trainable in full on request, and adapters loaded one to one per expert."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from finetune.errors import ModelLoadError
+from finetune.model.checkpoints.conversions import model_names
+from finetune.model.experts.routed import RoutedExperts, has_routed_experts
+
+
+@contextmanager
+def per_expert_layout():
+    """PEFT 0.21 rewrites the LoRA targets of a Mixtral- or Qwen-MoE-type model for transformers 5's fused experts
+    (`w1`/`gate_proj`... -> `target_parameters=gate_up_proj`, ParamWrapper, no dropout; `all-linear` -> the router's
+    `gate.weight` too), and fuses a loaded adapter's per-expert tensors the same way. Split into `RoutedExperts`, the
+    model has transformers 4's per-expert Linears again, so both rewrites would target parameters that no longer
+    exist: PEFT is told, inside this block only, that it is not on transformers 5."""
+    from peft.tuners import tuners_utils
+    from peft.utils import save_and_load
+
+    previous = tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5
+    tuners_utils.is_transformers_ge_v5 = save_and_load.is_transformers_ge_v5 = False
+    try:
+        yield
+    finally:
+        tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5 = previous
+
+
+def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kwargs):
+    """PEFT's `get_peft_model`, with the per-expert Linears of `RoutedExperts` targeted as the Linears they are.
+
+    On a MoE model, targets that cannot work are refused first (`check_expert_targets`), before any weight is read
+    when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules.
+    `train_router` (lora.train_router): the routers become PEFT's modules_to_save (`trainable_routers`)."""
+    from peft import get_peft_model as peft_get_peft_model
+
+    if train_router:
+        config.modules_to_save = router_names(model)
+    if not has_routed_experts(model):
+        return peft_get_peft_model(model, config, **kwargs)
+    check_expert_targets(model, config)
+    try:
+        with per_expert_layout():
+            peft_model = peft_get_peft_model(model, config, **kwargs)
+    except ValueError as exc:
+        raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
+                             f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
+                             f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
+    trainable_routers(peft_model)
+    return peft_model
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """The routers' module names (`gate`): the leaf module with one weight beside each layer's `RoutedExperts`.
+    ModelLoadError when the model has none (lora.train_router on a dense model)."""
+    names = sorted({name for parent in model.modules() if any(isinstance(c, RoutedExperts) for c in parent.children())
+                    for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))
+                    and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor)})
+    if not names:
+        raise ModelLoadError("lora.train_router: true, but this model has no mixture-of-experts router to train. Fix: "
+                             "remove lora.train_router (it applies to Mixtral- and Qwen-MoE-style models).")
+    return names
+
+
+def trainable_routers(peft_model: nn.Module) -> int:
+    """The trainable copies PEFT made of the routers (modules_to_save): fp32 master weights like the LoRA tensors, and
+    their input cast to the weight's dtype, as the router's own `F.linear` needs one dtype (fp32 on a single process
+    or DDP; the compute dtype inside FSDP's mixed precision). The frozen original stays in model.dtype."""
+    from peft.utils import ModulesToSaveWrapper
+
+    count = 0
+    for module in peft_model.modules():
+        if not isinstance(module, ModulesToSaveWrapper):
+            continue
+        for copy in module.modules_to_save.values():
+            copy.float().requires_grad_(True)
+            copy.register_forward_pre_hook(_input_in_weight_dtype)
+            count += 1
+    return count
+
+
+def _input_in_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(module.weight.dtype), *args[1:])
+
+
+def load_adapter(model: nn.Module, folder: str | Path):
+    """`PeftModel.from_pretrained` for a model with `RoutedExperts`: the adapter's expert tensors (under the model's
+    names or the checkpoint's, `conversions.model_names`) are loaded one to one into the per-expert LoRA layers, not
+    fused for transformers 5's experts as PEFT would. Any key the model has no place for is refused."""
+    from peft import PeftConfig, PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    if not has_routed_experts(model):
+        return PeftModel.from_pretrained(model, str(folder))
+    config = PeftConfig.from_pretrained(str(folder))
+    config.inference_mode = True
+    peft_model = get_peft_model(model, config)
+    weights = load_peft_weights(str(folder), device="cpu")
+    names = model_names(model, list(weights))
+    with per_expert_layout():
+        result = set_peft_model_state_dict(peft_model, {names[key]: value for key, value in weights.items()})
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if result.unexpected_keys or missing:
+        raise ModelLoadError(f"{folder}: the adapter does not fit this mixture-of-experts model "
+                             f"({len(result.unexpected_keys)} unexpected, {len(missing)} missing LoRA tensors, e.g. "
+                             f"{(list(result.unexpected_keys) or missing)[0]}). Fix: use the adapter of a run on this base.")
+    return peft_model.eval()
+
+
+def _expert_leaf_names(model: nn.Module) -> str:
+    names = next((module[0].names for module in model.modules() if isinstance(module, RoutedExperts) and len(module)), None)
+    return "/".join((*names.gate_up, *names.down)) if names else "projections"
+
+
+def check_expert_targets(model: nn.Module, config) -> None:
+    """Refuse LoRA targets a MoE model cannot take, naming the key and the fix: the router (not a Linear in
+    transformers 5; it stays frozen), the fused expert names of transformers 5 (`gate_up_proj`), and an adapter
+    trained on the fused experts (PEFT's `target_parameters`, ParamWrapper: no dropout, bf16 experts)."""
+    if getattr(config, "target_parameters", None):
+        raise ModelLoadError(
+            f"model.adapter: it puts LoRA on transformers 5's fused expert tensors (target_parameters "
+            f"{sorted(config.target_parameters)}), which finetune keeps as one 4-bit Linear per expert. Fix: train a new "
+            f"adapter with finetune (target_modules all-linear puts LoRA on every expert's {_expert_leaf_names(model)}).")
+    targets = config.target_modules
+    if targets is None or isinstance(targets, str):
+        return  # all-linear (or a regex) matches Linears only: the experts' projections, never the router
+    routers = {name.rsplit(".", 1)[-1] for parent_name, parent in model.named_modules()
+               if any(isinstance(child, RoutedExperts) for child in parent.children())
+               for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))}
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for target in targets:
+        leaf = target.rsplit(".", 1)[-1]
+        if leaf in routers:
+            raise ModelLoadError(
+                f"lora.target_modules: `{target}` is the experts' router, which stays unquantized and takes no LoRA (it "
+                "is no Linear in transformers 5). Fix: remove it from lora.target_modules; to train the routers, set "
+                "lora.train_router: true (each router trained in full, as PEFT's modules_to_save).")
+        if leaf in ("gate_up_proj", "down_proj") and leaf not in leaves:
+            raise ModelLoadError(
+                f"lora.target_modules: `{target}` is transformers 5's fused expert tensor; finetune keeps one Linear per "
+                f"expert projection. Fix: name them as the checkpoint does ({_expert_leaf_names(model)}), or use all-linear.")
