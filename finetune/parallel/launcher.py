@@ -36,6 +36,50 @@ def accelerate_config_env(path: str) -> dict[str, str]:
     return env
 
 
+# accelerate's FSDP1 sharding strategies (its constants.FSDP_SHARDING_STRATEGY; the number is the name's place + 1). The
+# names reach the workers in two variables: FSDP_SHARDING_STRATEGY (fsdp_sharding_strategy, the older key; accelerate
+# launch always sets it, FULL_SHARD when the config has none) and FSDP_RESHARD_AFTER_FORWARD (fsdp_reshard_after_forward,
+# where `accelerate config` writes FSDP1's strategy name, and FSDP2's bool; accelerate launch always sets it, "true"
+# when the config has none). Both are read: HYBRID_SHARD in either means hybrid, SHARD_GRAD_OP or false in either means
+# no reshard after forward, so neither variable's default hides what the other states.
+SHARDING_NAMES = {"FULL_SHARD": (True, False), "SHARD_GRAD_OP": (False, False), "HYBRID_SHARD": (True, True)}
+UNSUPPORTED_SHARDING = {"NO_SHARD": "NO_SHARD replicates the whole model on every rank: that is DDP (accelerate_configs/"
+                                    "ddp.yaml, or parallel.strategy: ddp)",
+                        "HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2 (hybrid shard without resharding after forward) is not "
+                                              "implemented: use HYBRID_SHARD"}
+_NUMBERED = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+
+
+def sharding_settings(strategy: str | None, reshard: str | None) -> dict:
+    """reshard_after_forward / hybrid_shard from the two variables accelerate writes (see SHARDING_NAMES), or
+    `unsupported_sharding` (a sentence) for a name this tool does not implement, refused by the checks; hybrid_shard
+    only when a variable says HYBRID_SHARD (the defaults accelerate writes state nothing about it)."""
+    reshard_values, hybrid = [], False
+    for key, value in (("fsdp_sharding_strategy", strategy), ("fsdp_reshard_after_forward", reshard)):
+        text = (value or "").strip()
+        if text.lower() in ("", "none"):
+            continue
+        if key == "fsdp_reshard_after_forward" and text.lower() in ("true", "false", "1", "0", "yes", "no"):
+            reshard_values.append(text.lower() in ("true", "1", "yes"))  # FSDP2's bool (and FSDP1's, as accelerate writes it)
+            continue
+        name = text.upper().lstrip("_")
+        if name.isdigit() and 1 <= int(name) <= len(_NUMBERED):
+            name = _NUMBERED[int(name) - 1]
+        if name not in SHARDING_NAMES:
+            why = UNSUPPORTED_SHARDING.get(name, f"{text!r} is not an FSDP sharding strategy this tool knows "
+                                                 f"(FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD)")
+            return {"unsupported_sharding": f"the accelerate config has {key}: {text}: {why}"}
+        name_reshards, name_hybrid = SHARDING_NAMES[name]
+        reshard_values.append(name_reshards)
+        hybrid = hybrid or name_hybrid
+    settings: dict = {}
+    if reshard_values:
+        settings["reshard_after_forward"] = all(reshard_values)
+    if hybrid:
+        settings["hybrid_shard"] = True
+    return settings
+
+
 def launcher_settings(env: dict[str, str] | None = None) -> dict:
     """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
     env = os.environ if env is None else env
@@ -50,11 +94,7 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
     if _env_bool("ACCELERATE_USE_FSDP"):
         settings["strategy"] = "fsdp"
         settings["fsdp_version"] = int(env.get("FSDP_VERSION", "1") or 1)
-        reshard = _env_bool("FSDP_RESHARD_AFTER_FORWARD")
-        strategy_name = env.get("FSDP_SHARDING_STRATEGY", "")
-        if reshard is None and strategy_name:
-            reshard = strategy_name.upper() not in ("SHARD_GRAD_OP", "2")
-        settings["reshard_after_forward"] = reshard
+        settings.update(sharding_settings(env.get("FSDP_SHARDING_STRATEGY"), env.get("FSDP_RESHARD_AFTER_FORWARD")))
         # accelerate writes these two as "false" even when the config file does not mention them, so only an
         # explicit "true" is a statement of the config that the recipe may contradict.
         settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS") or None
