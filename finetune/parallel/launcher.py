@@ -21,7 +21,8 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
     except yaml.YAMLError as exc:
         raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
-    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1))}
+    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1)),
+           "ACCELERATE_NUM_MACHINES": str(config.get("num_machines", 1))}  # ours: accelerate gives workers LOCAL_WORLD_SIZE
     if config.get("mixed_precision"):
         env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
     if config.get("distributed_type") == "FSDP":

@@ -135,3 +135,16 @@ def test_plan_cli_lists_hybrid_shard_for_several_nodes(capsys):
     assert "FSDP hybrid shard" in text and "replicated across 2 nodes" in text
     assert cli_main(["plan", "llama-3.1-8b", "--gpus", "4", "--gpu-memory", "80GB"]) == 0
     assert "hybrid" not in capsys.readouterr().out  # one node: nothing to replicate across
+
+
+def test_validate_the_multi_node_template_with_its_hybrid_shard_line(tmp_path, capsys):
+    """The template's commented HYBRID_SHARD line, uncommented (the file is otherwise as shipped): `finetune validate`
+    plans 2 machines x 8 processes as hybrid shard over each machine's 8 (num_machines gives the processes per node)."""
+    from pathlib import Path
+
+    shipped = (Path(__file__).resolve().parents[2] / "accelerate_configs" / "multi_node.yaml").read_text()
+    assert "  # fsdp_sharding_strategy: HYBRID_SHARD\n" in shipped  # the template offers it
+    hybrid = tmp_path / "multi_node_hybrid.yaml"
+    hybrid.write_text(shipped.replace("  # fsdp_sharding_strategy: HYBRID_SHARD\n", "  fsdp_sharding_strategy: HYBRID_SHARD\n"))
+    assert cli_main(["validate", "llama-3.1-8b", "--accelerate-config", str(hybrid)]) == 0
+    assert "hybrid shard: sharded over the 8 processes of each node, replicated across 2 nodes" in capsys.readouterr().out

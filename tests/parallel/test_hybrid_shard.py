@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 # fp32 on both sides; the only difference is the order of the gradient sums (reduce-scatter over 4, or over 2 then an
 # all-reduce over 2). Measured (2026-12-04, 4 steps): the logged losses equal to all 7 digits, the adapters within
-# 2.2e-7 (LoRA values up to 0.13); a wrong sharding (a node's replica missing from the mean) is off by ~1e-2.
+# 2.2e-7 (LoRA values up to 0.13).
 FP32_TOLERANCE = 1e-5
 STEPS = ["train.max_steps=4", "train.save_every=2", "train.micro_batch_size=1", "train.log_every=1"]
 FOUR = ("--num_processes", "4")  # 2 machines x 2 processes (the row's machines = 2)
