@@ -200,6 +200,11 @@ def all_reduce_sum(values: list, device: torch.device | None = None) -> list[flo
     return tensor.tolist()
 
 
+def world_size() -> int:
+    """Ranks in the process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def all_gather_padded(tensor: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """Every rank's 1-D `tensor` (rank r's has lengths[r] elements, known on every rank), in rank order: one
     all-gather of pieces padded to the longest (sharded loading's absmax, finetune/model/shard_reads.py)."""

@@ -240,6 +240,9 @@ class ParallelSection(_Section):
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "layer_split"] = "auto"
     fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
     reshard_after_forward: bool | None = Field(None, description="True: full shard; False: shard-grad-op.")
+    hybrid_shard: bool | None = Field(None, description="FSDP over several machines: shard within each machine and "
+                                      "replicate across machines (HSDP; accelerate's fsdp_sharding_strategy: "
+                                      "HYBRID_SHARD). Default: the accelerate config's, else false (shard over all ranks).")
     cpu_offload: bool | None = None
     zero_stage: Literal[2, 3] | None = Field(None, description="DeepSpeed ZeRO stage (strategy deepspeed): 3 shards everything, 2 "
                                              "optimizer state and gradients. Default: the DeepSpeed config's, else 3.")

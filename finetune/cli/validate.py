@@ -50,11 +50,15 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
 
     launcher = None
+    machines = 1
     if accelerate_config:
         env = parallel.accelerate_config_env(accelerate_config)
         launcher = parallel.launcher_settings(env)
         num_processes = max(num_processes, int(env["ACCELERATE_NUM_PROCESSES"]))
-    info = DistInfo(rank=0, world_size=num_processes, local_rank=0, local_world_size=num_processes,
+        machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
+    # A multi-machine config's processes per machine (what LOCAL_WORLD_SIZE will be): hybrid shard's node count.
+    per_machine = num_processes // machines if num_processes % machines == 0 else num_processes
+    info = DistInfo(rank=0, world_size=num_processes, local_rank=0, local_world_size=per_machine,
                     device=torch.device("cpu"), backend=None)
     plan = parallel.resolve_plan(recipe, info, config, launcher=launcher)
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")

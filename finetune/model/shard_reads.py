@@ -37,7 +37,8 @@ from finetune.model.checkpoints.files import TensorReader
 
 @dataclass(frozen=True)
 class RankShard:
-    """This rank's place among the ranks FSDP2 shards over (one flat mesh: the whole world)."""
+    """This rank's place among the ranks FSDP2 shards over: the whole world, or under hybrid shard its node's shard
+    group (`rank` = global rank % `world_size`, finetune/parallel/decision.py)."""
 
     rank: int
     world_size: int
@@ -125,7 +126,7 @@ def finish_quant_states(pending: list[PendingQuantState], *, shard: RankShard, d
                         load_dtype: torch.dtype) -> None:
     """Gather every rank's absmax of the unit's 4-bit weights (one collective), then give each weight the quant state
     that quantizing the whole tensor gives: the full absmax, double-quantized from the full vector when asked."""
-    from finetune.distributed import all_gather_padded
+    from finetune.distributed import all_gather_padded, world_size
 
     if not pending:
         return
@@ -133,7 +134,12 @@ def finish_quant_states(pending: list[PendingQuantState], *, shard: RankShard, d
     per_rank = [[packed_value_range(p.numel, _storage_bytes(p.param), rank, shard.world_size, p.param.blocksize)
                  for p in pending] for rank in range(shard.world_size)]
     lengths = [sum(_blocks(r, p.param.blocksize) for r, p in zip(ranges, pending)) for ranges in per_rank]
-    gathered = all_gather_padded(torch.cat([p.absmax for p in pending]), lengths)
+    # Hybrid shard: `shard` is the rank's place in its node's shard group, and the world is `replicas` such groups
+    # laid out one after another (global rank = group * shard.world_size + shard.rank), each holding the same chunks.
+    # The gather runs over the world (every rank's piece, the group's lengths repeated) and keeps the first group's:
+    # the same absmax on every rank, with no process group of its own in the model stage.
+    replicas = max(1, world_size() // shard.world_size)
+    gathered = all_gather_padded(torch.cat([p.absmax for p in pending]), lengths * replicas)[: shard.world_size]
     for index, item in enumerate(pending):
         blocksize = item.param.blocksize
         full = torch.empty(-(-item.numel // blocksize), dtype=torch.float32, device=device)

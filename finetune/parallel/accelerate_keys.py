@@ -53,22 +53,6 @@ def read(env) -> dict:
 def check(launcher: dict, plan, problems: list[str]) -> None:
     """Refuse what these keys ask for and this run cannot do; keep in the plan what it honours."""
     fsdp = plan.strategy == "fsdp"
-    sharding = launcher.get("sharding_strategy")
-    if sharding is not None and fsdp:
-        if sharding == "NO_SHARD":
-            problems.append(
-                "the accelerate config has fsdp_sharding_strategy: NO_SHARD: every rank keeps the whole model, which is "
-                "DDP. Fix: launch with accelerate_configs/ddp.yaml (or parallel.strategy: ddp), which keeps the 4-bit "
-                "base without FSDP's flat-parameter rules.")
-        elif sharding in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-            problems.append(
-                f"the accelerate config has fsdp_sharding_strategy: {sharding} (shard within a node, replicate across "
-                "nodes), which finetune does not implement yet; it would otherwise run as full shard over every rank. "
-                "Fix: set FULL_SHARD (fsdp_reshard_after_forward: true) or SHARD_GRAD_OP, or remove the key.")
-        else:
-            problems.append(
-                f"the accelerate config has fsdp_sharding_strategy / fsdp_reshard_after_forward: {sharding}, not a "
-                "strategy FSDP knows. Fix: FULL_SHARD or SHARD_GRAD_OP (fsdp_reshard_after_forward: true / false).")
     prefetch = launcher.get("backward_prefetch")
     if prefetch is not None and fsdp:
         if prefetch not in BACKWARD_PREFETCH:

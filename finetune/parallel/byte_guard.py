@@ -97,8 +97,11 @@ def store_as_bytes(module: nn.Module) -> int:
     return count
 
 
-def unit_checksums(module: nn.Module, *, rank: int = 0, world_size: int = 1) -> dict[str, int]:
+def unit_checksums(module: nn.Module, *, rank: int = 0, world_size: int = 1, group=None) -> dict[str, int]:
     """The checksum of each packed weight of `module` before `fully_shard` (a collective when world_size > 1).
+
+    `rank` / `world_size` / `group`: the rank's place in its shard group and that group (hybrid shard: a node's ranks;
+    None: every rank), so the sum covers each chunk once.
 
     Each rank sums the bytes of the chunk FSDP2 will keep on it (dim 0, torch.chunk pieces) and the sums are added
     over the ranks: the whole tensor's checksum, which `verify_unit` compares after an unshard. Under FSDP2 sharded
@@ -116,7 +119,7 @@ def unit_checksums(module: nn.Module, *, rank: int = 0, world_size: int = 1) -> 
         import torch.distributed as dist
 
         totals = torch.tensor(sums, dtype=torch.int64, device=packed_parameters(module)[0][1].device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=group)
         sums = totals.tolist()
     return dict(zip(names, sums))
 

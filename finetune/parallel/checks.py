@@ -47,6 +47,12 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
                 f"parallel.{key} is {recipe_value!r} in the recipe but the accelerate config has {config_key}: {config_value!r}. "
                 f"Fix: make them equal, or remove parallel.{key} from the recipe to follow the config."
             )
+    if p.hybrid_shard is False and launcher.get("hybrid_shard"):
+        problems.append(
+            "parallel.hybrid_shard is false in the recipe but the accelerate config asks for HYBRID_SHARD "
+            "(fsdp_sharding_strategy / fsdp_reshard_after_forward). Fix: make them agree: remove parallel.hybrid_shard "
+            "to follow the config, or set the config's strategy to FULL_SHARD."
+        )
     config_ckpt = launcher.get("activation_checkpointing")
     if config_ckpt is not None and config_ckpt != plan.activation_checkpointing:
         problems.append(

@@ -19,6 +19,10 @@ class ParallelPlan:
     world_size: int
     fsdp_version: int = 2
     reshard_after_forward: bool = True
+    # HSDP (FSDP hybrid shard): `replicas` groups of `shard_size` ranks each; every group holds the whole model sharded
+    # over its ranks, and the groups are replicas (gradients all-reduced across them). 1 = shard over every rank.
+    # The ranks of one node form a group (shard within a node, replicate across nodes): see parallel/plan.py.
+    replicas: int = 1
     cpu_offload: bool = False
     layer_class: str | None = None
     activation_checkpointing: bool = True
@@ -30,11 +34,20 @@ class ParallelPlan:
     forward_prefetch: bool = False  # the accelerate config's fsdp_forward_prefetch
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def shard_size(self) -> int:
+        """Ranks one FSDP shard group spans: the world, or a node's ranks under hybrid shard."""
+        return self.world_size // max(1, self.replicas)
+
     def own_shard(self, rank: int) -> RankShard | None:
         """FSDP2 sharded loading: `rank` reads and quantizes only its chunk of each tensor (finetune/model/shard_reads.py).
-        FSDP1 reads whole units: its flat parameters cut a unit's concatenation, not each tensor."""
+        FSDP1 reads whole units: its flat parameters cut a unit's concatenation, not each tensor.
+
+        Under hybrid shard the chunk is the one of the rank's place in its shard group (the mesh's "shard" dimension,
+        rank % shard_size: init_device_mesh lays the (replicate, shard) mesh out row-major over the global ranks), not
+        of its global rank; each replica group reads the whole checkpoint once."""
         if self.strategy == "fsdp" and self.fsdp_version == 2 and self.sharded_loading:
-            return RankShard(rank, self.world_size)
+            return RankShard(rank % self.shard_size, self.shard_size)
         return None
 
     def describe(self) -> str:
@@ -43,6 +56,9 @@ class ParallelPlan:
             offload = ", params offloaded to CPU" if self.cpu_offload else ""
             prefetch = (f", backward prefetch {self.backward_prefetch}" if self.backward_prefetch else "") + (
                 ", forward prefetch" if self.forward_prefetch else "")
+            if self.replicas > 1:
+                shard = (f"hybrid shard: sharded over the {self.shard_size} processes of each node, replicated across "
+                         f"{self.replicas} nodes, " + shard)
             return (f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}{prefetch}), "
                     f"unit = {self.layer_class}")
         if self.strategy == "ddp":

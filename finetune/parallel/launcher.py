@@ -21,7 +21,8 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
     except yaml.YAMLError as exc:
         raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
-    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1))}
+    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1)),
+           "ACCELERATE_NUM_MACHINES": str(config.get("num_machines", 1))}  # ours: accelerate gives workers LOCAL_WORLD_SIZE
     if config.get("mixed_precision"):
         env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
     if config.get("distributed_type") == "FSDP":
@@ -36,27 +37,48 @@ def accelerate_config_env(path: str) -> dict[str, str]:
     return env
 
 
-SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "_HYBRID_SHARD_ZERO2"}
+# accelerate's FSDP1 sharding strategies (its constants.FSDP_SHARDING_STRATEGY; the number is the name's place + 1). The
+# names reach the workers in two variables: FSDP_SHARDING_STRATEGY (fsdp_sharding_strategy, the older key; accelerate
+# launch always sets it, FULL_SHARD when the config has none) and FSDP_RESHARD_AFTER_FORWARD (fsdp_reshard_after_forward,
+# where `accelerate config` writes FSDP1's strategy name, and FSDP2's bool; accelerate launch always sets it, "true"
+# when the config has none). Both are read: HYBRID_SHARD in either means hybrid, SHARD_GRAD_OP or false in either means
+# no reshard after forward, so neither variable's default hides what the other states.
+SHARDING_NAMES = {"FULL_SHARD": (True, False), "SHARD_GRAD_OP": (False, False), "HYBRID_SHARD": (True, True)}
+UNSUPPORTED_SHARDING = {"NO_SHARD": "NO_SHARD replicates the whole model on every rank: that is DDP (accelerate_configs/"
+                                    "ddp.yaml, or parallel.strategy: ddp)",
+                        "HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2 (hybrid shard without resharding after forward) is not "
+                                              "implemented: use HYBRID_SHARD"}
+_NUMBERED = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
-def fsdp_sharding(env) -> str | None:
-    """The FSDP sharding strategy the config asks for, by name, from either of accelerate's two keys.
-
-    accelerate writes both whatever the file says: FSDP_RESHARD_AFTER_FORWARD (default "true"; FSDP2 takes a bool,
-    FSDP1 a bool or a strategy name) and FSDP_SHARDING_STRATEGY (default FULL_SHARD; the older FSDP1 key, a name or
-    its number). A value other than the default states the file's choice: `fsdp_sharding_strategy: SHARD_GRAD_OP` left
-    the reshard key at its default "true", which alone read as full shard.
-    """
-    reshard = (env.get("FSDP_RESHARD_AFTER_FORWARD") or "").strip()
-    strategy = (env.get("FSDP_SHARDING_STRATEGY") or "").strip().upper()
-    strategy = SHARDING_NUMBERS.get(strategy, strategy)
-    if reshard.lower() in ("false", "0", "no"):
-        return "SHARD_GRAD_OP"
-    if reshard and reshard.lower() not in ("true", "1", "yes"):
-        return SHARDING_NUMBERS.get(reshard.upper(), reshard.upper())
-    if strategy:
-        return strategy
-    return "FULL_SHARD" if reshard else None
+def sharding_settings(strategy: str | None, reshard: str | None) -> dict:
+    """reshard_after_forward / hybrid_shard from the two variables accelerate writes (see SHARDING_NAMES), or
+    `unsupported_sharding` (a sentence) for a name this tool does not implement, refused by the checks; hybrid_shard
+    only when a variable says HYBRID_SHARD (the defaults accelerate writes state nothing about it)."""
+    reshard_values, hybrid = [], False
+    for key, value in (("fsdp_sharding_strategy", strategy), ("fsdp_reshard_after_forward", reshard)):
+        text = (value or "").strip()
+        if text.lower() in ("", "none"):
+            continue
+        if key == "fsdp_reshard_after_forward" and text.lower() in ("true", "false", "1", "0", "yes", "no"):
+            reshard_values.append(text.lower() in ("true", "1", "yes"))  # FSDP2's bool (and FSDP1's, as accelerate writes it)
+            continue
+        name = text.upper().lstrip("_")
+        if name.isdigit() and 1 <= int(name) <= len(_NUMBERED):
+            name = _NUMBERED[int(name) - 1]
+        if name not in SHARDING_NAMES:
+            why = UNSUPPORTED_SHARDING.get(name, f"{text!r} is not an FSDP sharding strategy this tool knows "
+                                                 f"(FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD)")
+            return {"unsupported_sharding": f"the accelerate config has {key}: {text}: {why}"}
+        name_reshards, name_hybrid = SHARDING_NAMES[name]
+        reshard_values.append(name_reshards)
+        hybrid = hybrid or name_hybrid
+    settings: dict = {}
+    if reshard_values:
+        settings["reshard_after_forward"] = all(reshard_values)
+    if hybrid:
+        settings["hybrid_shard"] = True
+    return settings
 
 
 def launcher_settings(env: dict[str, str] | None = None) -> dict:
@@ -73,11 +95,7 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
     if _env_bool("ACCELERATE_USE_FSDP"):
         settings["strategy"] = "fsdp"
         settings["fsdp_version"] = int(env.get("FSDP_VERSION", "1") or 1)
-        sharding = fsdp_sharding(env)
-        if sharding is not None:
-            settings["reshard_after_forward"] = sharding not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
-            if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-                settings["sharding_strategy"] = sharding  # judged in accelerate_keys.check
+        settings.update(sharding_settings(env.get("FSDP_SHARDING_STRATEGY"), env.get("FSDP_RESHARD_AFTER_FORWARD")))
         # accelerate writes these two as "false" even when the config file does not mention them, so only an
         # explicit "true" is a statement of the config that the recipe may contradict.
         settings["cpu_offload"] = _env_bool("FSDP_OFFLOAD_PARAMS") or None

@@ -51,6 +51,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
         param_dtype=torch_dtype(recipe.model.dtype),
     )
+    plan.replicas = _hybrid_replicas(recipe, dist, launcher, plan, problems)
     if decision is not None:
         _apply_decision(recipe, plan, decision, launcher, problems)
     check_agreement(recipe, launcher, plan, problems)
@@ -85,6 +86,48 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         why = "lora.dora: DoRA's magnitudes come from the full weights" if recipe.lora.dora else "parallel.sharded_loading: false"
         plan.notes.append(f"{why}: every rank loads and quantizes the full base before FSDP shards it")
     return plan
+
+
+def _hybrid_replicas(recipe: Recipe, dist: DistInfo, launcher: dict, plan: ParallelPlan, problems: list[str]) -> int:
+    """Replica groups under hybrid shard (parallel.hybrid_shard, or the accelerate config's HYBRID_SHARD): one per node.
+
+    The node count is the launcher's: WORLD_SIZE // LOCAL_WORLD_SIZE (accelerate's num_machines and torchrun's
+    --nnodes both set LOCAL_WORLD_SIZE to the processes of one machine). Shard groups are the ranks of one node, so
+    the all-gathers and reduce-scatters of every layer stay inside a machine and only the gradient all-reduce crosses
+    machines. A hybrid shard asked for on one node is FSDP full shard (one group), said in a note.
+    """
+    asked = recipe.parallel.hybrid_shard
+    hybrid = asked if asked is not None else bool(launcher.get("hybrid_shard"))
+    if launcher.get("unsupported_sharding"):
+        problems.append(f"{launcher['unsupported_sharding']}. Fix: set fsdp_sharding_strategy (or "
+                        "fsdp_reshard_after_forward) to FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, or remove it.")
+    if not hybrid:
+        return 1
+    if plan.strategy != "fsdp":
+        problems.append(f"parallel.hybrid_shard is true but the strategy is {plan.strategy}: hybrid shard is an FSDP "
+                        "sharding. Fix: set parallel.strategy: fsdp (or launch with an FSDP accelerate config), or "
+                        "remove parallel.hybrid_shard.")
+        return 1
+    if plan.fsdp_version == 1:
+        # FSDP1's HYBRID_SHARD needs its own process groups through every FSDP1 path here (the LoRA units' sharded
+        # state dicts for DCP checkpoints, the per-unit gathers of the adapter): not built or tested. Refused rather
+        # than trained as full shard.
+        problems.append("hybrid shard (HYBRID_SHARD) is implemented for FSDP2 only: FSDP1's hybrid sharding would need "
+                        "its own process groups in the checkpoint and adapter code, which is not built, and it is not "
+                        "trained as full shard behind your back. Fix: use FSDP2 (fsdp_version: 2 in the accelerate "
+                        "config, e.g. accelerate_configs/multi_node.yaml, or parallel.fsdp_version: 2), or drop "
+                        "HYBRID_SHARD / parallel.hybrid_shard to shard over every rank.")
+        return 1
+    per_node = dist.local_world_size
+    if dist.world_size % per_node:
+        problems.append(f"hybrid shard needs the same number of processes on every node, but {dist.world_size} "
+                        f"processes do not split into nodes of {per_node} (LOCAL_WORLD_SIZE). Fix: start the same "
+                        "number of processes on each machine, or drop hybrid shard.")
+        return 1
+    if dist.num_nodes == 1:
+        plan.notes.append(f"hybrid shard asked for on one node: sharded over its {dist.world_size} processes, as "
+                          "FSDP full shard (replicas need several nodes)")
+    return dist.num_nodes
 
 
 def _planner_decision(recipe: Recipe, dist: DistInfo, model_config, gpus: tuple[int, int]):
@@ -140,6 +183,7 @@ def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict
         key = "zero3" if stage == 3 else "zero2"
     elif key is None:
         key = "fsdp_offload" if plan.cpu_offload else ("fsdp" if plan.reshard_after_forward else "fsdp_grad_op")
+        key = "hsdp" if key == "fsdp" and plan.replicas > 1 and "hsdp" in by_key else key
     chosen = by_key.get(key)
     if chosen is None or chosen.fits:
         return

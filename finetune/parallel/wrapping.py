@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from finetune.distributed import DistInfo, any_rank, doing, print0
+from finetune.model.shard_reads import RankShard
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
 
@@ -54,7 +55,16 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    if plan.replicas > 1:
+        # HSDP: a 2-D mesh, rows = nodes (replicas), columns = a node's ranks (the shard group). fully_shard shards
+        # every parameter over "shard" and replicates over "replicate": a layer's all-gather and reduce-scatter stay
+        # within a node, and only the reduce-scattered gradient shards are all-reduced across nodes.
+        mesh = init_device_mesh(dist.device.type, (plan.replicas, plan.shard_size), mesh_dim_names=("replicate", "shard"))
+        shard_group = mesh.get_group("shard")
+    else:
+        mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+        shard_group = None
+    shard = RankShard(dist.rank % plan.shard_size, plan.shard_size)  # this rank's place in its shard group
     options = {
         "mesh": mesh,
         "reshard_after_forward": plan.reshard_after_forward,
@@ -78,7 +88,8 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
                 print0(f"[finetune] note: {plan.notes[-1]}")
         if as_bytes:
             byte_guard.store_as_bytes(layer)
-        checksums.append((index, layer, byte_guard.unit_checksums(layer, rank=dist.rank, world_size=dist.world_size)))
+        checksums.append((index, layer, byte_guard.unit_checksums(layer, rank=shard.rank, world_size=shard.world_size,
+                                                                  group=shard_group)))
         fully_shard(layer, **options)
     if plan.forward_prefetch:  # the accelerate config's fsdp_forward_prefetch: gather the next layer during this one
         layers = _layer_modules(model, plan)

@@ -146,7 +146,7 @@ def lora_path_for(recipe, key: str, *, fsdp_version: int = 2) -> str:
     forward (finetune/model/lora_fused.py falls back there), in the compute dtype (finetune/parallel/wrapping.py keeps
     the inputs uncast); FSDP2 fused or PEFT's forward, in the compute dtype (the gathered LoRA weights are in
     param_dtype); every other strategy fused or PEFT's forward with its fp32 copies."""
-    fsdp = key.startswith("fsdp")
+    fsdp = key.startswith("fsdp") or key == "hsdp"
     if fsdp and fsdp_version == 1:
         return "peft_compute"
     if getattr(recipe.lora, "fused", False):
@@ -263,6 +263,7 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "FSDP full shard",
     "fsdp_grad_op": "FSDP shard-grad-op",
     "fsdp_offload": "FSDP + CPU offload",
+    "hsdp": "FSDP hybrid shard",
     "layer_split": "layer split",
     "zero3": "DeepSpeed ZeRO-3",
     "zero2": "DeepSpeed ZeRO-2",
@@ -294,15 +295,20 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     """
     world = {"single": 1, "layer_split": 1}.get(key, hw.total_gpus)
     devices = hw.gpus_per_node if key == "layer_split" else 1
-    fsdp = key.startswith("fsdp")
+    fsdp = key.startswith("fsdp") or key == "hsdp"
+    # Hybrid shard (HSDP): sharded over the GPUs of one node, replicated across nodes. A rank holds and loads what
+    # FSDP full shard over `gpus_per_node` ranks holds; the cross-node gradient all-reduce runs in place on the
+    # reduce-scattered shard, so it adds no memory.
+    shard_world = hw.gpus_per_node if key == "hsdp" else world
     offload = key == "fsdp_offload"
     checkpointing = recipe.parallel.activation_checkpointing
     checkpointing = recipe.train.gradient_checkpointing if checkpointing is None else checkpointing
-    held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=world, fsdp_version=facts.fsdp_version)
+    held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=shard_world,
+                                fsdp_version=facts.fsdp_version)
     trainable = 0 if offload else held["trainable_bytes"] // devices
     step = _step_terms(facts, recipe, micro_batch=micro_batch or recipe.train.micro_batch_size,
                        checkpointing=checkpointing, lora_path=lora_path_for(recipe, key, fsdp_version=facts.fsdp_version),
-                       gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, world),
+                       gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, shard_world),
                        optimizer_temporary=trainable)
     _, root_unit = _unit_sizes(facts)
     parts = {
@@ -327,13 +333,17 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
                       cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
     sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
-    load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, world, sharded=sharded)
+    load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, shard_world, sharded=sharded)
     result.load_peak_bytes = load_peak
     result.peak_moment = step["moment"]
     result.gradient_bytes = (trainable if key == "ddp" else 0) + step["gradients"]
     own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
-    result.reads = checkpoint_reads(facts, processes=world, per_node=min(world, hw.gpus_per_node), own_shard=own_shard,
+    result.reads = checkpoint_reads(facts, processes=shard_world, per_node=min(shard_world, hw.gpus_per_node), own_shard=own_shard,
                                     read_bytes_per_s=hw.read_bytes_per_s)
+    if key == "hsdp":
+        result.notes.append(f"sharded over the {hw.gpus_per_node} GPUs of a node, replicated across {hw.nodes} nodes "
+                            "(parallel.hybrid_shard, or fsdp_sharding_strategy: HYBRID_SHARD): per-layer gathers stay "
+                            "within a node")
     _verdict(result, recipe, hw, sharded=sharded)
     return result
 
@@ -376,7 +386,7 @@ def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
     """Bytes of one layer's gradients while they are reduced, beyond the gradients kept: FSDP reduce-scatters a unit's
     LoRA gradients made in param_dtype from an fp32 copy (reduce_dtype) into an fp32 shard; DDP, single and layer split
     write them straight into the kept gradients (DDP copies them into its buckets, counted with the model state)."""
-    if not key.startswith("fsdp"):  # (with CPU offload too: the reduce-scatter runs on the GPU)
+    if not (key.startswith("fsdp") or key == "hsdp"):  # (with CPU offload too: the reduce-scatter runs on the GPU)
         return 0
     numel = _layer_lora_numel(facts)
     return numel * facts.dtype_bytes + 4 * numel + math.ceil(4 * numel / world)
@@ -428,6 +438,8 @@ def estimates_for(facts: ModelFacts, recipe, hw: Hardware, **kwargs) -> list[Est
     keys = ["single"]
     if hw.total_gpus > 1:
         keys += ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero3", "zero2"]
+    if hw.nodes > 1 and hw.gpus_per_node > 1:
+        keys.append("hsdp")  # listed beside FSDP over every GPU; chosen only when asked (parallel.hybrid_shard)
     if hw.gpus_per_node > 1:
         keys.append("layer_split")
     return [estimate(facts, recipe, key, hw, **kwargs) for key in keys]

@@ -65,8 +65,8 @@ def test_fsdp1s_sharding_strategy_key_is_read(fsdp, expected, tiny_llama, tmp_pa
 
 
 @pytest.mark.parametrize("config,fsdp,top,needle", [
-    ("fsdp1", {"fsdp_sharding_strategy": "NO_SHARD"}, {}, "NO_SHARD: every rank keeps the whole model, which is DDP"),
-    ("fsdp1", {"fsdp_sharding_strategy": "HYBRID_SHARD"}, {}, "HYBRID_SHARD .*does not implement yet"),
+    ("fsdp1", {"fsdp_sharding_strategy": "NO_SHARD"}, {}, "NO_SHARD replicates the whole model on every rank: that is DDP"),
+    ("fsdp1", {"fsdp_sharding_strategy": "HYBRID_SHARD"}, {}, "implemented for FSDP2 only"),  # was full shard
     ("fsdp2", {"fsdp_backward_prefetch": "NO_PREFETCH"}, {}, "fsdp_backward_prefetch: NO_PREFETCH, which FSDP2 does not have"),
     ("fsdp2", {"fsdp_backward_prefetch": "BACKWARD_POST"}, {}, "BACKWARD_POST, which FSDP2 does not have"),
     ("fsdp2", {"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, {}, "LOCAL_STATE_DICT: a rank's flat shard"),
