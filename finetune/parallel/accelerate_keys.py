@@ -93,6 +93,11 @@ def check(launcher: dict, plan, problems: list[str]) -> None:
             f"the accelerate config has fsdp_ignored_modules: {launcher['ignored_modules']}. finetune wraps every decoder "
             "layer and shards everything else with the root: a module left out of FSDP would be replicated and trained "
             "without its gradients reduced. Fix: remove the key.")
+    _check_engine_keys(launcher, problems)
+
+
+def _check_engine_keys(launcher: dict, problems: list[str]) -> None:
+    """Keys outside fsdp_config: torch.compile and accelerate's ParallelismConfig."""
     if launcher.get("dynamo_backend"):
         problems.append(
             f"the accelerate config has dynamo_backend: {launcher['dynamo_backend']}. finetune does not torch.compile the "

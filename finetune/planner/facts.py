@@ -92,6 +92,10 @@ class ModelFacts:
         return sum(t.numel for t in self.tensors if t.trainable)
 
 
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
 def _lora_targets(name: str, is_output: bool, target_modules) -> bool:
     """PEFT's matching: `all-linear` is every Linear but the output layer; a list matches the name's suffix."""
     if target_modules == "all-linear":

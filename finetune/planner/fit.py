@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from finetune.planner.facts import GB, GiB, ModelFacts, PlanError, facts_from_config
-from finetune.planner.memory import SAFETY_MARGIN, Estimate, Hardware, StrategyName, _gib, estimate, estimates_for
+from finetune.planner.facts import GB, GiB, ModelFacts, PlanError, facts_from_config, gib
+from finetune.planner.memory import SAFETY_MARGIN, Estimate, Hardware, StrategyName, estimate, estimates_for
 
 
 def format_table(estimates: list[Estimate], hw: Hardware) -> str:
@@ -26,7 +26,7 @@ def format_table(estimates: list[Estimate], hw: Hardware) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
     lines.insert(1, "-" * len(lines[0]))
     notes = [f"  {e.label}: {n}" for e in estimates for n in e.notes]
-    unit = f"GiB per GPU; {hw.total_gpus} x {_gib(hw.gpu_memory_bytes)}, fits = peak <= {100 - SAFETY_MARGIN * 100:.0f}% of a GPU"
+    unit = f"GiB per GPU; {hw.total_gpus} x {gib(hw.gpu_memory_bytes)}, fits = peak <= {100 - SAFETY_MARGIN * 100:.0f}% of a GPU"
     reads = (f"read/rank, read/node: GiB of checkpoint read at load (FSDP2: each rank its own shard; otherwise every "
              f"rank the whole, once per node from storage); read s: a node's bytes at {hw.read_bytes_per_s / GB:g} GB/s")
     return "\n".join([*lines, f"({unit})", f"({reads})", *notes])
@@ -105,19 +105,19 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
     name = f"{facts.name} ({facts.model_type}{', GENERIC ESTIMATE: architecture not built' if facts.generic else ''})"
     shape = f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens"
     if chosen.fits:
-        text = (f"{name}: {chosen.label} on {chosen.world_size} GPU(s) fits, {_gib(chosen.peak_bytes)} of "
-                f"{_gib(hw.gpu_memory_bytes)} per GPU and {_gib(chosen.cpu_bytes_per_node)} of CPU RAM per node at "
+        text = (f"{name}: {chosen.label} on {chosen.world_size} GPU(s) fits, {gib(chosen.peak_bytes)} of "
+                f"{gib(hw.gpu_memory_bytes)} per GPU and {gib(chosen.cpu_bytes_per_node)} of CPU RAM per node at "
                 f"{shape}; largest micro-batch that fits: {max_batch}.")
     else:
-        text = (f"{name}: nothing fits on {hw.total_gpus} x {_gib(hw.gpu_memory_bytes)} at {shape}; closest is "
-                f"{chosen.label} at {_gib(chosen.peak_bytes)} per GPU ({_gib(-chosen.margin_bytes)} short).")
+        text = (f"{name}: nothing fits on {hw.total_gpus} x {gib(hw.gpu_memory_bytes)} at {shape}; closest is "
+                f"{chosen.label} at {gib(chosen.peak_bytes)} per GPU ({gib(-chosen.margin_bytes)} short).")
         if max_batch == 0:
             text += " Fix: lower data.max_length or train.micro_batch_size, turn on train.gradient_checkpointing, or add GPUs."
     if chosen.reads is not None:
         reads = chosen.reads
         how = "its own shard" if reads.own_shard else "the whole checkpoint"
         how += {"checkpoint": " of the 4-bit checkpoint", "cache": " of the 4-bit cache entry"}.get(facts.stored_4bit, "")
-        text += (f" Loading: each rank reads {how} ({_gib(reads.rank_bytes)}), a node {_gib(reads.node_bytes)}: "
+        text += (f" Loading: each rank reads {how} ({gib(reads.rank_bytes)}), a node {gib(reads.node_bytes)}: "
                  f"~{reads.seconds:.0f} s at {hw.read_bytes_per_s / GB:g} GB/s.")
     return text + "".join(f" Note: {n}." for n in chosen.notes + facts.notes)
 

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from finetune.planner.facts import GiB, ModelFacts
+from finetune.planner.facts import GiB, ModelFacts, gib
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 
@@ -252,10 +252,6 @@ def _layer_lora_numel(facts: ModelFacts) -> int:
     return max(per_layer.values(), default=0)
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB"
-
-
 # ------------------------------------------------------------------------------------------------ strategies
 STRATEGIES: dict[str, str] = {
     "single": "single GPU",
@@ -292,13 +288,14 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     Loading counts too (`_load_peak`): FSDP strategies load sharded (parallel.sharded_loading, the default), the others
     load a full copy per rank. `per_rank_full_load`: True counts a full copy for every strategy (the v1 loader),
     False leaves loading out (training peak only).
+
+    Hybrid shard (HSDP): sharded over the GPUs of one node, replicated across nodes. A rank holds and loads what FSDP
+    full shard over `gpus_per_node` ranks holds; the cross-node gradient all-reduce runs in place on the
+    reduce-scattered shard, so it adds no memory.
     """
     world = {"single": 1, "layer_split": 1}.get(key, hw.total_gpus)
     devices = hw.gpus_per_node if key == "layer_split" else 1
     fsdp = key.startswith("fsdp") or key == "hsdp"
-    # Hybrid shard (HSDP): sharded over the GPUs of one node, replicated across nodes. A rank holds and loads what
-    # FSDP full shard over `gpus_per_node` ranks holds; the cross-node gradient all-reduce runs in place on the
-    # reduce-scattered shard, so it adds no memory.
     shard_world = hw.gpus_per_node if key == "hsdp" else world
     offload = key == "fsdp_offload"
     checkpointing = recipe.parallel.activation_checkpointing
@@ -333,19 +330,25 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
                       cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
     sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
-    load_peak = 0 if per_rank_full_load is False else _load_peak(facts, key, devices, shard_world, sharded=sharded)
-    result.load_peak_bytes = load_peak
+    _loading(result, facts, recipe, key, hw, devices=devices, shard_world=shard_world, sharded=sharded,
+             counted=per_rank_full_load is not False)
     result.peak_moment = step["moment"]
     result.gradient_bytes = (trainable if key == "ddp" else 0) + step["gradients"]
-    own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
-    result.reads = checkpoint_reads(facts, processes=shard_world, per_node=min(shard_world, hw.gpus_per_node), own_shard=own_shard,
-                                    read_bytes_per_s=hw.read_bytes_per_s)
     if key == "hsdp":
         result.notes.append(f"sharded over the {hw.gpus_per_node} GPUs of a node, replicated across {hw.nodes} nodes "
                             "(parallel.hybrid_shard, or fsdp_sharding_strategy: HYBRID_SHARD): per-layer gathers stay "
                             "within a node")
     _verdict(result, recipe, hw, sharded=sharded)
     return result
+
+
+def _loading(result: Estimate, facts: ModelFacts, recipe, key: str, hw: Hardware, *, devices: int, shard_world: int,
+             sharded: bool, counted: bool) -> None:
+    """The load's peak (0 when not `counted`) and the checkpoint reads of each process."""
+    result.load_peak_bytes = _load_peak(facts, key, devices, shard_world, sharded=sharded) if counted else 0
+    own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
+    result.reads = checkpoint_reads(facts, processes=shard_world, per_node=min(shard_world, hw.gpus_per_node),
+                                    own_shard=own_shard, read_bytes_per_s=hw.read_bytes_per_s)
 
 
 def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
@@ -358,10 +361,10 @@ def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
     if result.load_peak_bytes > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
                else "each rank quantizes a full copy of the base on its GPU")
-        result.notes.append(f"loading needs {_gib(result.load_peak_bytes)} per GPU ({how})")
+        result.notes.append(f"loading needs {gib(result.load_peak_bytes)} per GPU ({how})")
     if hw.cpu_memory_bytes and result.cpu_bytes_per_node > hw.cpu_memory_bytes:
         result.fits = False
-        result.notes.append(f"needs {_gib(result.cpu_bytes_per_node)} CPU RAM per node, {_gib(hw.cpu_memory_bytes)} available")
+        result.notes.append(f"needs {gib(result.cpu_bytes_per_node)} CPU RAM per node, {gib(hw.cpu_memory_bytes)} available")
 
 
 def _gathered_bytes(facts: ModelFacts, key: str) -> int:
