@@ -98,6 +98,7 @@ def test_accelerate_configs_resolve_by_name(capsys):
     assert "fsdp3" in err and "fsdp2" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_wheel_carries_the_library(tmp_path):
     """`pip wheel` of the project holds every recipe, accelerate config and module (the package-dir mapping)."""
     import shutil

@@ -289,6 +289,7 @@ def test_index_naming_a_missing_shard_is_named(many_layer_models, tmp_path):
         loading.checkpoint_index(model_dir)
 
 
+@pytest.mark.slow
 def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, tmp_path):
     from finetune.errors import ModelLoadError
     from finetune.model import loading
@@ -308,6 +309,7 @@ def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, t
     assert loading.checkpoint_index(model_dir).shapes
 
 
+@pytest.mark.slow
 def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_llama, tmp_path):
     """The checkpoint's header check is made alike by every rank; the first to fail exits and the launcher SIGTERMs
     the rest, so rank 0 (the one printing the whole paragraph, and removing the run folder it created) could die

@@ -182,6 +182,7 @@ def test_deepspeed_zero_rows_follow_the_fsdp_memory_model():
 
 
 # ------------------------------------------------------------------------------------------ measured on CPU
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 2), ("fsdp", 1), ("ddp", 2)])
 def test_per_rank_parameter_bytes_and_peak_match_a_real_run(tiny_llama, alpaca_file, tmp_path, strategy, fsdp_version):
     """fp32 runs (the strategy set in the recipe, torchrun): per-rank bytes exact, peak RSS close. The shipped bf16

@@ -144,6 +144,7 @@ def epoch_runs(tiny_llama, tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.slow
 def test_num_epochs_sets_the_run_length_the_schedule_and_the_saved_recipe(epoch_runs):
     ref, output = epoch_runs["ref"], epoch_runs["ref_run"].stdout
     assert (f"[finetune] length: train.max_steps {MAX_STEPS} = ceil(train.num_epochs 2 x {STEPS_PER_EPOCH} steps per "
