@@ -155,10 +155,11 @@ class Tiers:
         tiers = {name: [n for n in self.seconds if self.slow.get(n) == (name == "slow")] for name in ("fast", "slow")}
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         lines = [
-            "# Wall seconds of every test (setup + call + teardown; a session fixture counts in the first test that",
-            "# uses it), written by `make durations` (pytest --durations-record, tests/tiers.py). Regenerate it with a",
-            "# change that adds or slows tests, so that the growth shows in review. `make durations MARK='not slow'`",
-            "# records the fast tier only.",
+            "# Wall and CPU seconds of every test (setup + call + teardown; a session fixture counts in the first test",
+            "# that uses it; CPU: the pytest process's threads and the processes it waited for, which moves less with the",
+            "# machine's load than wall time does), written by `make durations` (pytest --durations-record,",
+            "# tests/tiers.py). Regenerate it in a change that adds or slows tests, so that the growth shows in review.",
+            "# `make durations MARK='not slow'` records the fast tier only.",
             (f"# selection: -m {selection!r}; {len(self.seconds)} tests, {wall:.0f} s wall "
              f"({time.strftime('%Y-%m-%d', time.gmtime())}; {machine()}; load average {load:.1f} at the end)"),
         ]
