@@ -132,6 +132,7 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
         assert new["planner_bytes_read"] == pytest.approx(new["bytes_read"], rel=0.05)  # finetune plan's read/rank
 
 
+@pytest.mark.slow
 def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_models, monkeypatch):
     """Single process / DDP / DeepSpeed: the per-tensor reader (no copy of the whole model in model.dtype, which
     transformers' from_pretrained holds while it quantizes) gives from_pretrained's bytes, bitwise. Tensor bytes alive
