@@ -117,7 +117,6 @@ class Tiers:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.item = item
-        self.slow[item.nodeid] = item.get_closest_marker("slow") is not None
         started = cpu_time()
         self.children_at_start = children_cpu_time()
         try:
@@ -141,6 +140,7 @@ class Tiers:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        self.slow[report.nodeid] = "slow" in report.keywords  # also under xdist, where the items run elsewhere
         if report.failed:
             self.failed.add(report.nodeid)
 
@@ -173,7 +173,8 @@ class Tiers:
         for nodeid in sorted(self.seconds):
             tier = "slow" if self.slow.get(nodeid) else "fast"
             mark = "  FAILED" if nodeid in self.failed else ""
-            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {self.cpu_seconds.get(nodeid, 0.0):7.1f}  {nodeid}{mark}")
+            cpu = f"{self.cpu_seconds[nodeid]:7.1f}" if nodeid in self.cpu_seconds else "      -"  # xdist: not measured
+            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {cpu}  {nodeid}{mark}")
         return "\n".join(lines) + "\n"
 
 
