@@ -4,7 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart test test-fast test-compat wheel-check lint bench bench-dtype bench-peers gpu-smoke clean
+.PHONY: install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint bench bench-dtype \
+	bench-peers gpu-smoke clean
 
 install: $(STAMP)
 
@@ -36,11 +37,27 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 quickstart: $(STAMP)
 	$(BIN)/finetune quickstart output.overwrite=true
 
+# The README's quickstart figures (exact match before -> after; SFT -> DPO), from the two runs that produce them,
+# printed in the README's words with the machine (~2 + ~4 minutes on 2 idle cores).
+quickstart-figures: $(STAMP)
+	$(BIN)/python benchmarks/quickstart_figures.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25
 
+# The in-process tier: no launches (tests/tiers.py fails a test without the `slow` mark that starts one). Budget:
+# 5 minutes on 2 cores; the wall time is printed at the end.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not slow" --durations=10; code=$$?; \
+	wall=$$(( $$(date +%s) - start )); \
+	echo "test-fast: $$wall s wall on $$(nproc) cores, load average $$(cut -d' ' -f1 /proc/loadavg) (budget: 300 s on 2 cores)"; \
+	exit $$code
+
+# Every test's wall and CPU seconds into tests/durations.txt (commit it: growth shows in review). The whole suite by
+# default (~30 min on 2 cores); MARK="not slow" records the fast tier only.
+MARK ?=
+durations: $(STAMP)
+	$(BIN)/python -m pytest -q $(if $(MARK),-m "$(MARK)") --durations-record=tests/durations.txt
 
 # Both ends of the declared range (constraints/floor.txt, constraints/newest.txt), each in a venv of its own kept under
 # ~/.cache/finetune/compat, through a representative subset of the suite (.ci/compat.sh says which).

@@ -42,6 +42,18 @@ def _hermetic_cache() -> Path:
 TEST_CACHE = _hermetic_cache()
 
 
+def pytest_addoption(parser):
+    import tiers
+
+    tiers.addoption(parser)
+
+
+def pytest_configure(config):
+    import tiers  # the fast tier's launch guard and the durations record (tests/tiers.py)
+
+    config.pluginmanager.register(tiers.Tiers(config), "finetune-tiers")
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 

@@ -251,6 +251,7 @@ def test_strategy_single_under_torchrun_is_refused_on_every_rank(workspace):
     assert snapshot(workspace.root) == before
 
 
+@pytest.mark.slow
 def test_the_launchers_sigterm_does_not_cut_rank_0s_paragraph(workspace):
     """Every rank makes the pre-flight checks; the first to fail exits and the launcher SIGTERMs the rest at once. Rank
     0 prints the whole paragraph (the others its first line), so it must not die before printing (CI, a busy machine:

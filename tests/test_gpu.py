@@ -14,6 +14,7 @@ from conftest import GPU_ENV
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_gpu_smoke_passes_on_cuda(tmp_path):
     """`make gpu-smoke`'s script at its own sizes (smaller ones leave the planner checks to allocator granularity and

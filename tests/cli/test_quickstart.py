@@ -60,6 +60,7 @@ def test_generation_eval_on_a_tiny_model(tiny_llama):
     assert generation_eval(model, tokenizer, echo, max_new_tokens=4)["score"] == 1.0
 
 
+@pytest.mark.slow
 def test_tiny_quickstart_end_to_end(tmp_path):
     out = tmp_path / "qs"
     result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--tiny", "--out", str(out)], timeout=300)
@@ -71,6 +72,7 @@ def test_tiny_quickstart_end_to_end(tmp_path):
     assert len(losses) == 4
 
 
+@pytest.mark.slow
 def test_tiny_dpo_quickstart_runs_sft_then_dpo_from_its_adapter(tmp_path):
     out = tmp_path / "qs-dpo"
     result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--dpo", "--tiny", "--out", str(out)], timeout=300)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import REPO, addition_rows, child_env, write_jsonl
 
 from finetune import data
@@ -29,6 +30,7 @@ print(json.dumps({"built": prepared.stats.cached_datasets == 0, "rows": len(prep
 """
 
 
+@pytest.mark.slow
 def test_two_processes_started_together_tokenize_once_and_map_the_same_rows(tmp_path):
     """Two processes (as two ranks of a node) want the same dataset at once: one builds it while the other waits on
     the lock, then both map the same files and pack the same rows."""
@@ -87,6 +89,7 @@ def test_a_hub_dataset_is_cached_by_its_datasets_fingerprint(tmp_path, monkeypat
     assert data.prepare(recipe, tokenizer).stats.cached_datasets == 0
 
 
+@pytest.mark.slow
 def test_a_ddp_launch_tokenizes_in_worker_processes_forked_after_the_process_group(tiny_llama, tmp_path, monkeypatch):
     """The cache is built inside a launched run, after the gloo group formed: one rank forks data.num_proc workers
     (more than one chunk of rows), the other waits on the lock, and both train on the one mapped entry."""

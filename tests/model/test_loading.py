@@ -132,6 +132,7 @@ def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models
         assert new["planner_bytes_read"] == pytest.approx(new["bytes_read"], rel=0.05)  # finetune plan's read/rank
 
 
+@pytest.mark.slow
 def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_models, monkeypatch):
     """Single process / DDP / DeepSpeed: the per-tensor reader (no copy of the whole model in model.dtype, which
     transformers' from_pretrained holds while it quantizes) gives from_pretrained's bytes, bitwise. Tensor bytes alive
@@ -290,6 +291,7 @@ def test_index_naming_a_missing_shard_is_named(many_layer_models, tmp_path):
         loading.checkpoint_index(model_dir)
 
 
+@pytest.mark.slow
 def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, tmp_path):
     from finetune.errors import ModelLoadError
     from finetune.model import loading
@@ -309,6 +311,7 @@ def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, t
     assert loading.checkpoint_index(model_dir).shapes
 
 
+@pytest.mark.slow
 def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_llama, tmp_path):
     """The checkpoint's header check is made alike by every rank; the first to fail exits and the launcher SIGTERMs
     the rest, so rank 0 (the one printing the whole paragraph, and removing the run folder it created) could die

@@ -37,6 +37,7 @@ def _ids() -> torch.Tensor:
     return torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
 
 
+@pytest.mark.slow
 def test_clean_adapter_loads_in_plain_peft(trained_run, tiny_llama, tmp_path, capsys):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -62,6 +63,7 @@ def test_clean_adapter_loads_in_plain_peft(trained_run, tiny_llama, tmp_path, ca
     assert (_logits(exported, _ids()) - reference).abs().max() > 1e-4, "the exported adapter must change the model"
 
 
+@pytest.mark.slow
 def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_path, capsys):
     from peft import PeftModel
     from safetensors import safe_open
@@ -86,6 +88,7 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["merge", "save"])
 def test_a_wrong_merge_or_save_is_refused_and_nothing_is_written(trained_run, tmp_path, monkeypatch, capsys, where):
     """One merged tensor corrupted, in memory after PEFT's merge or in the saved file: the verification names the step
@@ -124,6 +127,7 @@ def test_a_wrong_merge_or_save_is_refused_and_nothing_is_written(trained_run, tm
     assert not out.exists() and not list(tmp_path.glob(".merged*"))
 
 
+@pytest.mark.slow
 def test_wrapper_prefixed_keys_are_normalized(trained_run, tmp_path):
     """An adapter gathered from FSDP1-wrapped modules (prefixes, adapter names) exports as a standard one."""
     from safetensors.torch import load_file, save_file
@@ -140,6 +144,7 @@ def test_wrapper_prefixed_keys_are_normalized(trained_run, tmp_path):
     assert load_file(str(tmp_path / "clean" / "adapter_model.safetensors")).keys() == tensors.keys()
 
 
+@pytest.mark.slow
 def test_run_without_adapter_exits_2(trained_run, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
@@ -149,6 +154,7 @@ def test_run_without_adapter_exits_2(trained_run, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_existing_output_is_never_overwritten(trained_run, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
@@ -159,6 +165,7 @@ def test_existing_output_is_never_overwritten(trained_run, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, kwargs, words", [("qwen2", {}, "model_type"), ("llama", {"hidden_size": 32}, "hidden_size")]
 )
@@ -173,6 +180,7 @@ def test_merge_onto_another_architecture_exits_2(trained_run, tmp_path, capsys, 
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_merge_onto_another_vocabulary_exits_2(trained_run, tiny_llama, tmp_path, capsys):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,6 +193,7 @@ def test_merge_onto_another_vocabulary_exits_2(trained_run, tiny_llama, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(trained_run, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "adapter"
@@ -194,6 +203,7 @@ def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(trained_run, tmp
     assert (out / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_generate_with_and_without_adapter(trained_run, capsys):
     assert main(["generate", str(trained_run), "--prompt", "Add the two numbers.", "--max-new-tokens", "4"]) == 0
     with_adapter = capsys.readouterr().out

@@ -39,8 +39,6 @@ from shipped import CPU_SWITCH
 
 from finetune.outputs import checkpoint, step_folders
 
-pytestmark = pytest.mark.slow
-
 MAX_STEPS, SAVE_EVERY = 9, 3
 
 
@@ -92,6 +90,7 @@ def faults(tiny_llama, tmp_path_factory):
     return recipe, root, root / "ref"
 
 
+@pytest.mark.slow
 def test_one_killed_rank_ends_the_job_names_it_and_the_resume_is_bitwise(faults):
     recipe, root, ref = faults
     step, rank, note = kill_plan("fsdp2-accelerate-one-rank", SAVE_EVERY + 1, MAX_STEPS - 1, ranks=2)
@@ -117,6 +116,7 @@ def test_one_killed_rank_ends_the_job_names_it_and_the_resume_is_bitwise(faults)
     assert_nothing_damaged(out)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_fails_the_others_after_the_collective_timeout(faults):
     recipe, root, _ = faults
     step, rank, note = kill_plan("ddp-accelerate-sigstop", SAVE_EVERY + 1, MAX_STEPS - 1, ranks=2)
@@ -177,6 +177,7 @@ def _pages(folder: Path) -> int:
     return sum(-(-f.stat().st_size // 4096) * 4096 for f in folder.rglob("*") if f.is_file())
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_paragraph_and_the_resume_after_it_is_bitwise(faults):
     recipe, root, ref = faults
     size = _pages(step_folders.list_checkpoints(ref)[-1][1])

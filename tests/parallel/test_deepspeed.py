@@ -45,7 +45,7 @@ from finetune import cli
 from finetune.outputs import step_folders
 from finetune.parallel import zero, zero_checkpoint
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [
               pytest.mark.skipif(not zero.installed(), reason="deepspeed not installed (pip install 'finetune[deepspeed]')")]
 
 MAX_STEPS, SAVE_EVERY = 6, 2
@@ -127,6 +127,7 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------ the runs
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3", "accelerate_zero3", "accelerate_zero2"])
 def test_two_deepspeed_ranks(runs, name):
     stats = rank_stats(runs[name])
@@ -137,6 +138,7 @@ def test_two_deepspeed_ranks(runs, name):
                                            .read_text())["strategy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,reference,tolerance", [("zero3", "single", 1e-4), ("accelerate_zero3", "single_bf16_peft", 1e-3),
                                                       ("accelerate_zero2", "single_bf16", 1e-3)])
 def test_loss_curve_equals_one_process(runs, name, reference, tolerance):
@@ -148,6 +150,7 @@ def test_loss_curve_equals_one_process(runs, name, reference, tolerance):
     assert all(n > 0 for n in norms) and norms == pytest.approx(reference_norms, rel=20 * tolerance)
 
 
+@pytest.mark.slow
 def test_zero3_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
     """ZeRO-3 with optimizer and parameter offload on a CPU-only machine: DeepSpeed's offload code runs (its CPU
     accelerator pins nothing) instead of being switched off, with the losses and adapter of the run without offload.
@@ -166,6 +169,7 @@ def test_zero3_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
     assert got.keys() == reference.keys() and all(torch.allclose(got[k], reference[k], atol=1e-5) for k in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3", "accelerate_zero3"])
 def test_zero3_ranks_hold_half_of_the_4bit_base(runs, name):
     """Measured from DeepSpeed's partitions (`ds_tensor` of every parameter), after training, eval and generation."""
@@ -178,6 +182,7 @@ def test_zero3_ranks_hold_half_of_the_4bit_base(runs, name):
         assert 0.45 * whole <= stats["frozen_bytes"] <= 0.56 * whole, (stats, whole)
 
 
+@pytest.mark.slow
 def test_planner_predicts_the_measured_zero3_partitions(runs, setup):
     """planner.held_parameter_bytes for ZeRO-3 (threshold 0, as in this recipe's JSON) = DeepSpeed's own partitions."""
     from transformers import AutoConfig
@@ -192,11 +197,13 @@ def test_planner_predicts_the_measured_zero3_partitions(runs, setup):
         assert (stats["frozen_bytes"], stats["trainable_bytes"]) == (predicted["frozen_bytes"], predicted["trainable_bytes"])
 
 
+@pytest.mark.slow
 def test_zero2_ranks_hold_the_whole_base(runs):
     whole = rank_stats(runs["single_bf16"])[0]["frozen_bytes"]
     assert all(s["frozen_bytes"] == whole and s["gathered_bytes"] == 0 for s in rank_stats(runs["accelerate_zero2"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,reference,tolerance", [("zero3", "single", 1e-4), ("accelerate_zero3", "single_bf16_peft", 5e-3),
                                                       ("accelerate_zero2", "single_bf16", 5e-3)])
 def test_adapter_gathered_from_partitions(runs, name, reference, tolerance):
@@ -212,6 +219,7 @@ def test_adapter_gathered_from_partitions(runs, name, reference, tolerance):
         torch.testing.assert_close(value, expected[key], atol=tolerance, rtol=0)
 
 
+@pytest.mark.slow
 def test_adapter_reloads_with_plain_peft_to_the_trained_model(runs, setup):
     """transformers + BitsAndBytesConfig + PeftModel.from_pretrained: the held-out loss the run logged at its last step."""
     from peft import PeftModel
@@ -233,6 +241,7 @@ def test_adapter_reloads_with_plain_peft_to_the_trained_model(runs, setup):
     assert training.evaluate(peft_model, eval_examples, recipe, pad_id=tokenizer.pad_token_id) == pytest.approx(logged, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_generation_eval_under_zero3_answers_like_one_process(runs):
     """Greedy generation before and after training with ZeRO-3 partitions (fixed-length decoding on every rank)."""
     def answers(run_dir):
@@ -243,6 +252,7 @@ def test_generation_eval_under_zero3_answers_like_one_process(runs):
 
 
 # ------------------------------------------------------------------------------------------ kill and resume
+@pytest.mark.slow
 def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs, tmp_path):
     """torchrun ZeRO-3, one worker SIGKILLed at a random step (the launcher ends the job); `deepspeed` resumes it from DeepSpeed's checkpoint: the
     same losses and, bitwise, the same adapter as the uninterrupted ZeRO-3 run."""
@@ -305,6 +315,7 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
         torch.testing.assert_close(adapter(tmp_path / "killed"), adapter(reference), rtol=1e-3, atol=5e-4)
 
 
+@pytest.mark.slow
 def test_nan_loss_under_zero3_stops_before_the_update(setup, tmp_path):
     """ZeRO computes the gradient norm inside its step and skips an update whose norm is NaN/inf; the loop then applies
     train.nan_policy (stop): no NaN reaches a checkpoint or the adapter."""
@@ -411,6 +422,7 @@ def test_deepspeed_not_installed_gives_the_install_hint(workspace, monkeypatch, 
     assert code == 2 and "pip install 'finetune[deepspeed]'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_import_finetune_does_not_need_deepspeed():
     """`import finetune` and every stage module work where deepspeed is not installed (imports blocked here)."""
     code = ("import sys\n"

@@ -33,7 +33,6 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
 STEPS, STRATEGIES = STRATEGY_STEPS, STRATEGY_OVERRIDES
 
 
@@ -63,6 +62,7 @@ def adapter(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,strategy", [("fsdp2", "fsdp"), ("fsdp1", "fsdp"), ("ddp", "ddp")])
 def test_world_size_and_strategy(runs, name, strategy):
     stats = rank_stats(runs[name])
@@ -70,6 +70,7 @@ def test_world_size_and_strategy(runs, name, strategy):
     assert all(s["world_size"] == 2 and s["strategy"] == strategy for s in stats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
 def test_fsdp_ranks_hold_half_of_the_base(runs, name):
     whole = rank_stats(runs["single"])[0]["frozen_bytes"]
@@ -78,11 +79,13 @@ def test_fsdp_ranks_hold_half_of_the_base(runs, name):
         assert 0.45 * whole <= stats["frozen_bytes"] <= 0.56 * whole, (stats, whole)
 
 
+@pytest.mark.slow
 def test_ddp_ranks_hold_everything(runs):
     whole = rank_stats(runs["single"])[0]["frozen_bytes"]
     assert all(s["frozen_bytes"] == whole for s in rank_stats(runs["ddp"]))
 
 
+@pytest.mark.slow
 def test_lora_identical_across_ranks(runs):
     """DDP's replicas end equal (each rank's own copy is checksummed). Under FSDP the checksum is of the all-gathered
     adapter, equal on every rank by construction, so it checks nothing there: FSDP's sharded training is checked by its
@@ -91,6 +94,7 @@ def test_lora_identical_across_ranks(runs):
     assert len(checksums) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
 def test_losses_and_adapter_match_single_process(runs, name):
     """Packed rows (the module's recipe): DDP once crashed in the packing check, which asked the DDP wrapper for the
@@ -106,6 +110,7 @@ def generation_records(run_dir) -> list[dict]:
     return [m for m in read_metrics(run_dir) if "generation_score" in m]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])
 def test_generation_eval_runs_under_every_strategy(runs, name):
     """Greedy generation before/after training works sharded (FSDP2 generate through the root's hooks, FSDP1 greedy
@@ -122,6 +127,7 @@ def test_generation_eval_runs_under_every_strategy(runs, name):
 BF16_LOSS_TOLERANCE = 3e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama"])
 def test_shipped_configs_train_the_same_bf16_loss_curve(shipped_run, family):
     """fsdp1.yaml, fsdp2.yaml, ddp.yaml (2 processes x 2 rows) and single_gpu.yaml (1 x 4 rows) as shipped (bf16 mixed
@@ -142,6 +148,7 @@ def test_shipped_configs_train_the_same_bf16_loss_curve(shipped_run, family):
     assert reference[-1] < reference[0] - 10 * BF16_LOSS_TOLERANCE  # the curves compared really move
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_match_one_node(setup, runs):
     """torchrun --nnodes 2 --nproc_per_node 1, rendezvous on 127.0.0.1: same adapter as 1 node x 2 processes."""
     root, recipe = setup
@@ -163,6 +170,7 @@ def test_two_nodes_on_loopback_match_one_node(setup, runs):
         assert torch.allclose(value, reference[key], atol=1e-5), key
 
 
+@pytest.mark.slow
 def test_fsdp_with_one_process_is_refused(setup):
     root, recipe = setup
     result = run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={root / 'x'}", "parallel.strategy=fsdp"])
@@ -177,6 +185,7 @@ def no_traceback_from_us(stderr: str) -> bool:
     return "finetune/" not in "".join(line for line in stderr.splitlines(True) if line.lstrip().startswith("File "))
 
 
+@pytest.mark.slow
 def test_unknown_layer_class_is_refused(setup):
     root, recipe = setup
     result = accelerate_launch("fsdp2", recipe, f"output.dir={root / 'y'}", "model.dtype=bfloat16",
@@ -185,6 +194,7 @@ def test_unknown_layer_class_is_refused(setup):
     assert "`LlamaBlock` is not a module class of this model" in result.stderr and "LlamaDecoderLayer" in result.stderr
 
 
+@pytest.mark.slow
 def test_finetune_train_checks_before_launching(setup):
     """`finetune train --accelerate-config` runs the pre-flight checks in the parent: exit 2, no launcher noise."""
     root, recipe = setup
@@ -195,6 +205,7 @@ def test_finetune_train_checks_before_launching(setup):
     assert "accelerate config is an FSDP config" in result.stderr
 
 
+@pytest.mark.slow
 def test_strategy_contradicting_the_accelerate_config_is_refused(setup):
     root, recipe = setup
     result = accelerate_launch("fsdp2", recipe, f"output.dir={root / 'z'}", "model.dtype=bfloat16", "parallel.strategy=ddp")
@@ -202,6 +213,7 @@ def test_strategy_contradicting_the_accelerate_config_is_refused(setup):
     assert "accelerate config is an FSDP config" in result.stderr
 
 
+@pytest.mark.slow
 def test_silent_single_process_split_is_refused(setup):
     """`accelerate launch --num_processes 2` without a multi-process config starts one process on CPU: refuse it."""
     root, recipe = setup
@@ -274,6 +286,7 @@ def test_memory_report_covers_every_gpu_the_rank_used(monkeypatch):
     assert peaks["peak_gpu_bytes_by_device"] == {"cuda:0": 5, "cuda:1": 7}
 
 
+@pytest.mark.slow
 def test_fsdp2_cpu_offload_runs_its_code_and_trains_the_same(setup, runs):
     """FSDP2 with CPUOffloadPolicy (unpinned on CPU) trains, clips and steps on CPU-resident shards and gradients: the
     same losses and adapter as FSDP2 without offload. On CPU the offload used to be switched off, so not even gloo ran
@@ -344,6 +357,7 @@ print("went on after the launcher's SIGTERM", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["in the loop", "after the loop"])
 def test_the_launchers_sigterm_waits_until_the_lost_peer_is_named(where):
     """The launcher SIGTERMs the survivors as soon as it sees a dead rank; a survivor that has already left the training

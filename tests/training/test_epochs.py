@@ -144,6 +144,7 @@ def epoch_runs(tiny_llama, tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.slow
 def test_num_epochs_sets_the_run_length_the_schedule_and_the_saved_recipe(epoch_runs):
     ref, output = epoch_runs["ref"], epoch_runs["ref_run"].stdout
     assert (f"[finetune] length: train.max_steps {MAX_STEPS} = ceil(train.num_epochs 2 x {STEPS_PER_EPOCH} steps per "
@@ -158,6 +159,7 @@ def test_num_epochs_sets_the_run_length_the_schedule_and_the_saved_recipe(epoch_
     assert yaml.safe_load(saved)["train"]["max_steps"] == MAX_STEPS and yaml.safe_load(saved)["train"]["num_epochs"] is None
 
 
+@pytest.mark.slow
 def test_epoch_is_on_every_training_line_and_in_tensorboard(epoch_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -169,6 +171,7 @@ def test_epoch_is_on_every_training_line_and_in_tensorboard(epoch_runs):
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("epoch")] == list(zip(range(1, MAX_STEPS + 1), expected))
 
 
+@pytest.mark.slow
 def test_each_epoch_takes_whole_steps_of_its_own_shuffle(epoch_runs, tmp_path):
     """The tokens of every logged step are those of the rows the seeded order of its epoch gives it: epoch 2 starts
     a new order at step 7 (not the 13th micro-batch of epoch 1's), and that order is not epoch 1's."""
@@ -187,6 +190,7 @@ def test_each_epoch_takes_whole_steps_of_its_own_shuffle(epoch_runs, tmp_path):
     assert tokens[:STEPS_PER_EPOCH] != tokens[STEPS_PER_EPOCH:]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_in_epoch_2_resumes_to_the_same_adapter_bitwise(epoch_runs):
     from safetensors.torch import load_file
 

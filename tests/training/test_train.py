@@ -33,6 +33,7 @@ def cli_run(tiny_llama, tmp_path_factory):
     return out, recipe, result
 
 
+@pytest.mark.slow
 def test_run_writes_the_output_contract(cli_run):
     out, _, result = cli_run
     assert (out / "adapter" / "adapter_config.json").exists()
@@ -56,11 +57,13 @@ def test_run_writes_the_output_contract(cli_run):
     assert "parallel: single process" in result.stdout
 
 
+@pytest.mark.slow
 def test_golden_losses(cli_run):
     out, _, _ = cli_run
     assert train_losses(out) == pytest.approx(GOLDEN_LOSSES, abs=2e-3)
 
 
+@pytest.mark.slow
 def test_finetune_train_is_the_same_code_path(cli_run, tmp_path):
     out, recipe, _ = cli_run
     result = run_cmd([sys.executable, "-m", "finetune", "train", str(recipe), f"output.dir={tmp_path / 'r'}", "train.max_steps=6"])
@@ -99,6 +102,7 @@ def test_adapter_loads_with_plain_peft_and_reproduces_logits(tiny_llama, alpaca_
     assert config["base_model_name_or_path"] == str(tiny_llama) and config["r"] == 8
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_fixed_dataset(cli_run):
     out, _, _ = cli_run
     losses = train_losses(out)

@@ -1,0 +1,74 @@
+"""The fast tier's launch guard and the durations record (tests/tiers.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tiers
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize("args", [
+    [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "finetune/run.py", "r.yaml"],
+    [PY, "-m", "accelerate.commands.launch", "--num_processes", "2", "run.py"],
+    [PY, "/repo/finetune/run.py", "r.yaml"],
+    [PY, "-m", "finetune", "quickstart", "--tiny"],
+    [PY, "-m", "pip", "wheel", "-q", "--no-deps", "."],
+    ["torchrun", "--nproc_per_node=2", "x.py"],
+    ["/usr/bin/accelerate", "launch", "x.py"],
+    [PY, "-u", "/tmp/tool/convert_lora_to_gguf.py", "--base", "tiny"],
+    [PY, "-m", "pytest", "-q", "tests/x.py"],
+    ["sh", "-c", "python -m finetune train r.yaml"],
+    "python -m finetune train r.yaml",  # shell=True
+])
+def test_a_launch_is_recognised(args):
+    assert tiers.launch_in(args) is not None
+
+
+@pytest.mark.parametrize("args", [
+    [PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],  # a peer that is killed
+    ["uname", "-p"],
+    ["nvidia-smi", "-L"],
+    ["mount", "-t", "tmpfs", "tmpfs", "/tmp/pytest-of-root/test_finetune_x0/disk"],  # not Python: its path is no launch
+    ["git", "status"],
+    [PY, "-c", "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_CREAT)", "/tmp/run/.finetune.lock"],
+    [PY, "-m", "json.tool", "/tmp/finetune/metrics.json"],
+    # Judged by the CPU they use instead (test_a_fast_tier_test_whose_processes_use_cpu_fails):
+    [PY, "-c", "import sys\nfrom finetune.errors import exit_process\nexit_process(3)"],
+    ["bash", "benchmarks/gpu_smoke.sh"],
+])
+def test_a_cheap_helper_process_is_not_a_launch_by_its_command_line(args):
+    assert tiers.launch_in(args) is None
+
+
+def test_a_fast_tier_test_cannot_launch_and_a_slow_one_can(request, tmp_path):
+    script = tmp_path / "noop.py"  # a script file is a launch by the rule; this one takes milliseconds
+    script.write_text("import sys; sys.exit(7)\n")
+    with pytest.raises(tiers.LaunchInFastTier, match="mark this test @pytest.mark.slow"):
+        subprocess.run([PY, str(script)], check=False)
+    request.node.add_marker(pytest.mark.slow)  # the guard asks at the moment of the launch
+    assert subprocess.run([PY, str(script)], check=False).returncode == 7
+
+
+def test_a_fast_tier_test_whose_processes_use_cpu_fails(pytestconfig, request):
+    plugin = pytestconfig.pluginmanager.get_plugin("finetune-tiers")
+    plugin.check_children(request.node, tiers.CHILD_CPU_LIMIT)  # at the limit: allowed
+    with pytest.raises(tiers.LaunchInFastTier, match=r"used 3\.0 s of CPU .* mark this test @pytest.mark.slow"):
+        plugin.check_children(request.node, 3.0)
+    request.node.add_marker(pytest.mark.slow)
+    plugin.check_children(request.node, 3.0)
+
+
+def test_the_record_lists_each_test_with_its_tier_and_seconds(pytestconfig):
+    plugin = pytestconfig.pluginmanager.get_plugin("finetune-tiers")
+    finished = tiers.Tiers.__new__(tiers.Tiers)  # a finished run's figures, without patching subprocess a second time
+    finished.__dict__.update(config=plugin.config, started=plugin.started, failed={"t.py::b"},
+                             seconds={"t.py::a": 1.34, "t.py::b": 30.0}, cpu_seconds={"t.py::a": 1.0, "t.py::b": 4.0},
+                             slow={"t.py::a": False, "t.py::b": True})
+    lines = finished.record(None).splitlines()
+    assert "fast      1.3      1.0  t.py::a" in lines
+    assert "slow     30.0      4.0  t.py::b  FAILED" in lines
+    assert "# fast tier: 1 tests, 1 s wall, 1 s CPU" in lines and "# slow tier: 1 tests, 30 s wall, 4 s CPU" in lines
