@@ -53,6 +53,7 @@ exit 3
     assert work.name and not work.exists(), work
 
 
+@pytest.mark.slow  # the script's python imports torch: ~2 s of CPU, over the fast tier's launch limit
 def test_gpu_smoke_without_a_gpu_says_so_in_one_line(tmp_path):
     """On a CPU-only machine (here: CUDA hidden, no NVIDIA driver on PATH) the script exits 2 with one line."""
     if shutil.which("nvidia-smi"):

@@ -76,6 +76,7 @@ def assert_equal_tensors(got: dict, expected: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ keep_best
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_keep_best_keeps_the_lowest_eval_loss_and_the_summary_names_it(stepped_run):
     run, stdout = stepped_run
     evals = eval_losses_from_metrics(run)
@@ -112,6 +113,7 @@ def test_keep_best_without_an_eval_at_every_checkpoint_is_refused(tmp_path, alpa
 
 
 # ------------------------------------------------------------------------------------------------ export --step
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_export_step_loads_in_plain_peft_and_holds_the_checkpoints_weights(stepped_run, tiny_llama, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -139,6 +141,7 @@ def test_export_step_loads_in_plain_peft_and_holds_the_checkpoints_weights(stepp
         assert (model(input_ids=ids).logits - reference).abs().max() > 1e-4
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_the_last_checkpoint_exports_the_runs_own_adapter(stepped_run, tmp_path):
     """--step of the last step, and that checkpoint's folder given directly: bit-identical to adapter/ (gathered from
     the live model by training), with the adapter_config.json an export of the run writes."""
@@ -158,6 +161,7 @@ def adapter_config(folder: Path) -> dict:
     return {**config, "target_modules": sorted(config["target_modules"])}  # PEFT writes a set: any order
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_a_step_that_is_not_kept_lists_the_kept_steps(stepped_run, tmp_path, capsys):
     run, _ = stepped_run
     kept = [step for step, _ in step_folders.list_checkpoints(run)]
@@ -170,6 +174,7 @@ def test_a_step_that_is_not_kept_lists_the_kept_steps(stepped_run, tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_step_on_an_adapter_folder_or_another_checkpoint_is_refused(stepped_run, tmp_path, capsys):
     run, _ = stepped_run
     assert main(["export", str(run / "adapter"), str(tmp_path / "a"), "--step", "4"]) == 2
@@ -180,6 +185,7 @@ def test_step_on_an_adapter_folder_or_another_checkpoint_is_refused(stepped_run,
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_a_damaged_checkpoint_is_refused(stepped_run, tmp_path, capsys):
     import shutil
 
@@ -194,6 +200,7 @@ def test_a_damaged_checkpoint_is_refused(stepped_run, tmp_path, capsys):
     assert "cannot be used" in err and "truncated" in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_a_deepspeed_checkpoint_is_refused_with_the_way_out(stepped_run, tmp_path, capsys):
     """DeepSpeed writes its own format (deepspeed/ instead of trainable/): refused in one paragraph."""
     import shutil
@@ -211,6 +218,7 @@ def test_a_deepspeed_checkpoint_is_refused_with_the_way_out(stepped_run, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_checkpoints_lists_each_kept_step_with_its_eval_loss(stepped_run, capsys):
     run, _ = stepped_run
     evals = eval_losses_from_metrics(run)
@@ -224,6 +232,7 @@ def test_checkpoints_lists_each_kept_step_with_its_eval_loss(stepped_run, capsys
         assert (line.split()[1] == "best") == (int(step) == best)
 
 
+@pytest.mark.slow  # stepped_run launches `finetune train`
 def test_generate_from_a_step(stepped_run, capsys):
     run, _ = stepped_run
     assert main(["generate", str(run), "--step", str(MAX_STEPS), "--prompt", "Add the two numbers.",
