@@ -163,7 +163,7 @@ class Reference:
         self.mode = recipe.dpo.reference
         # The starting LoRA values, when they are not zero (an SFT adapter) and a loss compares with them: this rank's
         # own storage of each.
-        compared = recipe.dpo.loss in WITH_REFERENCE
+        compared = recipe.train.objective == "kto" or recipe.dpo.loss in WITH_REFERENCE
         self.start = None
         if recipe.model.adapter and compared:
             parallel.reshard(model)
