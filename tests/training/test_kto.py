@@ -75,6 +75,11 @@ def test_rows_score_the_completion_only_and_carry_their_label(tiny_llama, tmp_pa
     assert [e.desirable for e in examples] == [True, False, True]
     assert [_scored(e, tokenizer).split("<")[0] for e in examples] == ["Blue", "Seven", "Blue"]
     assert "Hello" not in _scored(examples[2], tokenizer)
+    from finetune.cli.preview import render_preview
+
+    recipe = validate_recipe(kto_recipe(tiny_llama, tmp_path / "rows.jsonl", tmp_path / "out"))
+    preview = render_preview(prepared, tokenizer, recipe, rows=2)  # what `finetune data` prints
+    assert "trained, desirable) ---" in preview and "trained, undesirable) ---" in preview
     # through the token store (the cache), the labels come back with the rows
     cached, _ = _prepared(tiny_llama, rows, tmp_path, cache=True)
     assert [e.desirable for e in cached.train] == [True, False, True]
