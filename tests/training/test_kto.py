@@ -29,12 +29,13 @@ from finetune.training import kto, objectives, preference
 CPU = torch.device("cpu")
 
 
-def unpaired_rows(n: int = 48, seed: int = 0) -> list[dict]:
-    """Addition questions, each answered once: the right sum desirable, a wrong one undesirable (about half each)."""
+def unpaired_rows(n: int = 48, seed: int = 0, desirable: float = 0.5) -> list[dict]:
+    """Addition questions, each answered once: the right sum desirable, a wrong one undesirable (`desirable`: the
+    share of desirable rows, in expectation)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b, good = rng.randint(0, 50), rng.randint(0, 50), rng.random() < 0.5
+        a, b, good = rng.randint(0, 50), rng.randint(0, 50), rng.random() < desirable
         answer = a + b if good else a + b + rng.randint(1, 9)
         rows.append({"prompt": f"What is {a} plus {b}?", "completion": f"{answer}.", "label": good})
     return rows
@@ -285,24 +286,28 @@ ZERO3_TOLERANCE = 6e-3  # PEFT's bf16 LoRA forward under ZeRO-3 (test_preference
 
 
 @pytest.mark.slow
-def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, unpaired_file, sft_adapter,
-                                                                           tmp_path):
+def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, sft_adapter, tmp_path):
     from conftest import LIBRARY_LORA
     from shipped import ACCELERATE_CONFIG_RUNS, recipe_dtype
 
+    # mostly desirable rows: the policy raises the answers' log-probs under other prompts too, so the KL estimate is
+    # positive (live in the loss) in these steps
+    rows = write_jsonl(tmp_path / "rows.jsonl", unpaired_rows(desirable=0.8))
     curves, kls = {}, {}
     for config in SHIPPED:
         processes = ACCELERATE_CONFIG_RUNS[f"{config}.yaml"].processes
-        values = kto_recipe(tiny_llama, unpaired_file, tmp_path / config, lora=LIBRARY_LORA,
+        values = kto_recipe(tiny_llama, rows, tmp_path / config, lora=LIBRARY_LORA, kto={"beta": 0.5},
                             model={"dtype": recipe_dtype(f"{config}.yaml"), "adapter": str(sft_adapter)},
-                            train={"max_steps": 6, "micro_batch_size": 8 // processes, "learning_rate": 1e-2})
+                            train={"max_steps": 6, "micro_batch_size": 8 // processes, "learning_rate": 2e-2})
         result = accelerate_launch(config, write_recipe(tmp_path / f"{config}.yaml", values))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         curves[config] = train_losses(tmp_path / config)
         kls[config] = [m["kl"] for m in read_metrics(tmp_path / config) if "kl" in m]
     reference = curves.pop("single_gpu")
+    print({config: (curves.get(config, reference), kls[config]) for config in kls})
     assert reference[0] == pytest.approx(0.5, abs=1e-6) and max(abs(loss - 0.5) for loss in reference) > 5 * BF16_TOLERANCE
-    assert max(kls["single_gpu"]) > 0  # the KL term is live in these steps
+    assert max(kls["single_gpu"]) > 0.01  # the KL term is live in these steps
     for config, losses in curves.items():
         tolerance = ZERO3_TOLERANCE if "deepspeed" in config else BF16_TOLERANCE
         assert losses == pytest.approx(reference, abs=tolerance), (config, losses, reference)
+        assert kls[config] == pytest.approx(kls["single_gpu"], abs=10 * tolerance), (config, kls)
