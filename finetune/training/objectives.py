@@ -114,7 +114,7 @@ class KTO:
         self.config = recipe.kto
         if recipe.dpo.disable_dropout:
             preference.disable_dropout(model)
-        self.reference = preference.Reference(model, recipe)  # before a resume loads newer LoRA values
+        self.reference = preference.Reference(model, recipe, compared=True)  # before a resume loads newer LoRA values
 
     def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
         """Work before step 1 (none: the reference is computed in each step)."""

@@ -159,11 +159,11 @@ class Reference:
     """Where the reference log-probs come from (module docstring): adapter off, the starting adapter swapped in, or
     the values precomputed into the examples (the batch's `reference_logps`)."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe):
+    def __init__(self, model: nn.Module, recipe: Recipe, *, compared: bool | None = None):
         self.mode = recipe.dpo.reference
-        # The starting LoRA values, when they are not zero (an SFT adapter) and a loss compares with them: this rank's
-        # own storage of each.
-        compared = recipe.train.objective == "kto" or recipe.dpo.loss in WITH_REFERENCE
+        # The starting LoRA values, when they are not zero (an SFT adapter) and a loss compares with them (`compared`:
+        # default, dpo.loss is one with a reference; KTO's always is): this rank's own storage of each.
+        compared = recipe.dpo.loss in WITH_REFERENCE if compared is None else compared
         self.start = None
         if recipe.model.adapter and compared:
             parallel.reshard(model)
