@@ -7,7 +7,6 @@ with the keys and the fix, which the schema turns into one paragraph naming the 
 
 from __future__ import annotations
 
-
 # The data format each objective trains on, and what to say when the other kind of preference data is given.
 OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",)}
 FORMAT_HINTS = {

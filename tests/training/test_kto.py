@@ -17,14 +17,14 @@ import random
 
 import pytest
 import torch
-from conftest import accelerate_launch, read_metrics, recipe_dict, run_cmd, train_losses, write_jsonl, write_recipe
+from conftest import accelerate_launch, read_metrics, recipe_dict, train_losses, write_jsonl, write_recipe
 from test_preference import _train, sft_adapter  # noqa: F401  (the SFT adapter fixture of the SFT -> DPO pipeline)
 
 from finetune import data, model
 from finetune.data import IGNORE_INDEX, BatchStream, Example, kl_sequence
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import validate_recipe
-from finetune.training import kto, objectives, preference
+from finetune.training import kto, objectives
 
 CPU = torch.device("cpu")
 
@@ -281,12 +281,14 @@ def test_step_one_is_half_the_mean_weight_and_it_learns(tiny_llama, unpaired_fil
 # LoRA values into DDP replicas, FSDP2 DTensor shards, FSDP1 flat parameters and ZeRO-3 partitions, then back. The KL
 # estimate is the step's, all-reduced with the counts: the curve is the single process's within bf16's tolerance.
 SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero3")
+# Measured (6 steps, 2 CPU processes): DDP, FSDP2, FSDP1 within 9.1e-4 of one process, ZeRO-3 within 8.2e-4; the
+# logged kl (0.53 and 0.39 at steps 4 and 5, 0 elsewhere: clamped) within 2.5e-3 and 5.3e-3 (ZeRO-3).
 BF16_TOLERANCE = 3e-3  # as test_preference.py
 ZERO3_TOLERANCE = 6e-3  # PEFT's bf16 LoRA forward under ZeRO-3 (test_preference.py)
 
 
 @pytest.mark.slow
-def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, sft_adapter, tmp_path):
+def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, sft_adapter, tmp_path):  # noqa: F811
     from conftest import LIBRARY_LORA
     from shipped import ACCELERATE_CONFIG_RUNS, recipe_dtype
 
@@ -304,7 +306,6 @@ def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny
         curves[config] = train_losses(tmp_path / config)
         kls[config] = [m["kl"] for m in read_metrics(tmp_path / config) if "kl" in m]
     reference = curves.pop("single_gpu")
-    print({config: (curves.get(config, reference), kls[config]) for config in kls})
     assert reference[0] == pytest.approx(0.5, abs=1e-6) and max(abs(loss - 0.5) for loss in reference) > 5 * BF16_TOLERANCE
     assert max(kls["single_gpu"]) > 0.01  # the KL term is live in these steps
     for config, losses in curves.items():

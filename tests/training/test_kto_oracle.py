@@ -71,7 +71,7 @@ def ours(config: KTOSection, policy, reference, mask, kl_policy, kl_reference, k
     objective.reference = _Reference({"rows": filler(reference), "kl": filler(kl_reference)})
     totals = [float(v) for v in objective.counts(None, [batch], CPU)]
     assert totals[:3] == [ROWS, int(DESIRABLE.sum()), ROWS - int(DESIRABLE.sum())]  # the filler is not counted
-    to_backward, share, sums = objective.loss(None, batch, totals, CPU)
+    to_backward, _, sums = objective.loss(None, batch, totals, CPU)
     return to_backward, objective.metrics(sums.tolist(), totals)
 
 
@@ -125,7 +125,7 @@ def test_kto_equals_trl(case, monkeypatch):
     (grad,) = torch.autograd.grad(loss, values[0])
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
-    policy, _, mask = values[:3]
+    mask = values[2]
     assert float(grad[mask].abs().sum()) > 0 and bool((grad[~mask] == 0).all())
     expected_names = {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"}
     assert set(metrics) == expected_names and expected_names <= set(trl_metrics)  # TRL's names
