@@ -245,8 +245,7 @@ class KTOSection(_Section):
     beta: float = Field(0.1, gt=0, description="KTO's beta: the strength of the pull to the reference.")
     desirable_weight: float = Field(1.0, gt=0, description="Weight of the desirable (label: true) completions' losses.")
     undesirable_weight: float = Field(1.0, gt=0, description="Weight of the undesirable (label: false) completions' "
-                                      "losses. With unequal counts, TRL advises desirable_weight x desirable rows / "
-                                      "(undesirable_weight x undesirable rows) in [1, 4/3].")
+                                      "losses (unequal counts: docs/preference.md, KTO).")
 
 
 class ParallelSection(_Section):
