@@ -133,8 +133,14 @@ class BatchStream:
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
-        self.unpaired = examples[0].desirable is not None  # KTO rows: each micro-batch carries its KL rows
+        # KTO rows, given kl_max_length (the loss has a KL term): each micro-batch carries its KL rows
+        self.unpaired = kl_max_length is not None and examples[0].desirable is not None
         self.kl_max_length = kl_max_length
+        if self.unpaired and global_batch * grad_accum == 1:
+            raise DataError(
+                "train.objective kto: an optimizer step of one row pairs its prompt with its own completion, so the KL "
+                "estimate is the row's own reward (TRL refuses a batch of 1 too). Fix: raise train.micro_batch_size or "
+                "train.grad_accum (the mismatched pairs are formed over the rows of a step).")
         steps = steps_per_epoch(len(examples), micro_batch_size=micro_batch_size, world_size=world_size,
                                 grad_accum=grad_accum)
         # Rows for less than one step (a 2-step smoke run of a grad_accum 32 recipe on 40 rows; train.max_steps only,

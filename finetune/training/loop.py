@@ -187,7 +187,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = batch_stream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
                           world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum,
-                          kl_max_length=recipe.data.max_length)
+                          kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None)
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
     first_step = 1

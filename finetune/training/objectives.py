@@ -173,6 +173,11 @@ class KTO:
                 **kto.metric_means(total[1:-3], rows, estimate, self.config, prefix="eval_")}
 
 
+def uses_kl(recipe: Recipe) -> bool:
+    """Whether the train batches need KTO's mismatched (KL) rows."""
+    return recipe.train.objective == "kto" and kto.uses_kl(recipe.kto)
+
+
 OBJECTIVES = {"sft": lambda model, recipe: Supervised(), "dpo": Preference, "kto": KTO}
 
 

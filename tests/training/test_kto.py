@@ -181,6 +181,11 @@ def _step_kl_rows(n: int, *, micro_batch_size: int, world_size: int, grad_accum:
     return steps
 
 
+def test_a_step_of_one_row_is_refused():
+    with pytest.raises(DataError, match="pairs its prompt with its own completion.*Fix: raise train.micro_batch_size"):
+        BatchStream(_rows(4), micro_batch_size=1, rank=0, world_size=1, seed=0, pad_id=0, kl_max_length=64)
+
+
 def test_the_kl_rows_are_the_same_for_any_world_size_and_micro_batch_split():
     """TRL's rotation by one (the first row takes the last row's completion), over the optimizer step's rows: the
     same mismatched pairs for 1 x 8, 2 x 4, 2 x 2 x accumulation 2 and 1 x 1 x accumulation 8."""
