@@ -194,6 +194,12 @@ def test_the_kl_rows_are_the_same_for_any_world_size_and_micro_batch_split():
                   {"micro_batch_size": 2, "world_size": 2, "grad_accum": 2},
                   {"micro_batch_size": 1, "world_size": 1, "grad_accum": 8}):
         assert _step_kl_rows(24, **split) == single, split
+    # one micro-batch per step: exactly TRL's `[completion_ids[-1]] + completion_ids[:-1]` over the batch's rows
+    batch = next(iter(BatchStream(_rows(24), micro_batch_size=8, rank=0, world_size=1, seed=3, pad_id=0,
+                                  kl_max_length=64)))
+    completions = batch["input_ids"][:, 2].tolist()
+    assert batch["kl_input_ids"][:, 2].tolist() == completions[-1:] + completions[:-1]
+    assert batch["kl_input_ids"][:, 0].tolist() == batch["input_ids"][:, 0].tolist()  # each row's own prompt
     for pairs in single:  # every prompt once, every completion once, never its own
         prompts, completions = zip(*pairs)
         assert len(set(prompts)) == len(set(completions)) == 8 and all(p - 100 != c for p, c in pairs)
