@@ -88,7 +88,7 @@ class LoraSection(_Section):
 
 class DatasetSpec(_Section):
     path: str = Field(description="Local file (.jsonl/.json/.csv/.parquet), load_from_disk folder, or `datasets` name.")
-    format: Literal["alpaca", "chat", "completion", "text", "preference"] = "alpaca"
+    format: Literal["alpaca", "chat", "completion", "text", "preference", "unpaired_preference"] = "alpaca"
     split: str = "train"
     subset: str | None = None
     weight: float = Field(1.0, gt=0, description="Mixing weight: 2 repeats the train examples, 0.5 takes half.")
@@ -137,9 +137,10 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "kto"] = Field(
         "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
-        "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO).")
+        "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO). kto: KTO on single completions labelled "
+        "desirable or not (format: unpaired_preference; the `kto:` section).")
     max_steps: int = Field(100, gt=0, description="Optimizer steps of the run; or set num_epochs instead (not both).")
     num_epochs: float | None = Field(
         None, gt=0, description="Passes over the training rows instead of max_steps (not both; 1.5: one pass and half "
@@ -236,6 +237,19 @@ class PreferenceSection(_Section):
         return self.length_normalize if self.length_normalize is not None else self.loss in ("ipo", "orpo", "simpo")
 
 
+class KTOSection(_Section):
+    """KTO (train.objective: kto). Names and defaults as TRL's KTOConfig; the reference is dpo.reference's, dropout
+    follows dpo.disable_dropout."""
+
+    loss: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto", description="kto: KTO's loss, with the batch's KL estimate from mismatched prompt/completion pairs. "
+        "apo_zero_unpaired: APO-zero's unpaired variant (no KL term).")
+    beta: float = Field(0.1, gt=0, description="KTO's beta: the strength of the pull to the reference.")
+    desirable_weight: float = Field(1.0, gt=0, description="Weight of the desirable (label: true) completions' losses.")
+    undesirable_weight: float = Field(1.0, gt=0, description="Weight of the undesirable (label: false) completions' "
+                                      "losses (unequal counts: docs/preference.md, KTO).")
+
+
 class ParallelSection(_Section):
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "layer_split"] = "auto"
     fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
@@ -281,6 +295,7 @@ class Recipe(_Section):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
     dpo: PreferenceSection = Field(default_factory=PreferenceSection)
+    kto: KTOSection = Field(default_factory=KTOSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     output: OutputSection = Field(default_factory=OutputSection)
     eval: EvalSection = Field(default_factory=EvalSection)

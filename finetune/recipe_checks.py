@@ -7,28 +7,70 @@ with the keys and the fix, which the schema turns into one paragraph naming the 
 
 from __future__ import annotations
 
+# The data format each objective trains on, and what to say when the other kind of preference data is given.
+OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",)}
+FORMAT_HINTS = {
+    "dpo": "give rows with prompt/chosen/rejected and set its format: preference",
+    "kto": "give rows with prompt/completion/label (label true: desirable, false: undesirable) and set its format: "
+           "unpaired_preference (a pair file unpairs into one desirable and one undesirable row per pair)",
+}
+# dpo: keys that also configure train.objective: kto (the reference and dropout are shared).
+SHARED_DPO_KEYS = ("reference", "disable_dropout")
+
 
 def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
-    """Preference data goes with train.objective: dpo and only with it; pairs are not packed; the prompt leaves room."""
-    data, dpo = recipe.data, recipe.dpo
+    """Preference data goes with its objective and only with it (pairs: dpo, unpaired: kto); preference rows are not
+    packed; the prompt leaves room; the sections set are the objective's."""
+    data, dpo, objective = recipe.data, recipe.dpo, recipe.train.objective
+    preference_formats = {f for formats in OBJECTIVE_FORMATS.values() for f in formats}
     for key, specs in (("data.datasets", data.datasets), ("data.eval_datasets", data.eval_datasets)):
         for index, spec in enumerate(specs):
-            if recipe.train.objective == "dpo" and spec.format != "preference":
+            if objective in OBJECTIVE_FORMATS and spec.format not in OBJECTIVE_FORMATS[objective]:
                 raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `{spec.format}`, but train.objective is dpo, which trains "
-                    "on preference pairs. Fix: give rows with prompt/chosen/rejected and set its format: preference, or "
-                    "set train.objective: sft to fine-tune on this data.")
-            if recipe.train.objective == "sft" and spec.format == "preference":
+                    f"{key}[{index}] ({spec.path}) has format `{spec.format}`, but train.objective is {objective}, which "
+                    f"trains on {OBJECTIVE_FORMATS[objective][0]} rows. Fix: {FORMAT_HINTS[objective]}, or set "
+                    f"train.objective: {_objective_of(spec.format)} to train on this data.")
+            if objective == "sft" and spec.format in preference_formats:
                 raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `preference` (chosen/rejected pairs), but "
-                    "train.objective is sft. Fix: set train.objective: dpo (and the dpo: section) to learn from the pairs, "
-                    "or give SFT data in another format.")
-    if recipe.train.objective == "dpo" and data.packing:
-        raise ValueError("data.packing: pairs are not packed (a chosen and a rejected response are scored as whole "
-                         "sequences). Fix: remove data.packing for train.objective: dpo.")
+                    f"{key}[{index}] ({spec.path}) has format `{spec.format}` (preference data), but train.objective is "
+                    f"sft. Fix: set train.objective: {_objective_of(spec.format)} (and its section) to learn from it, or "
+                    "give SFT data in another format.")
+    if objective in OBJECTIVE_FORMATS and data.packing:
+        raise ValueError(f"data.packing: preference rows are not packed (responses are scored as whole sequences). "
+                         f"Fix: remove data.packing for train.objective: {objective}.")
     if dpo.max_prompt_length is not None and dpo.max_prompt_length >= data.max_length:
         raise ValueError(f"dpo.max_prompt_length ({dpo.max_prompt_length}) leaves no room for a response within "
                          f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
+    _check_sections(recipe)
+
+
+def _objective_of(data_format: str) -> str:
+    return next((name for name, formats in OBJECTIVE_FORMATS.items() if data_format in formats), "sft")
+
+
+def _changed(section) -> list[str]:
+    """The keys of a section whose values differ from their defaults (a resolved recipe.yaml lists every key, so what
+    was set cannot be told from what was written)."""
+    default = type(section)()
+    return sorted(name for name in type(section).model_fields if getattr(section, name) != getattr(default, name))
+
+
+def _check_sections(recipe) -> None:
+    """A dpo: key that KTO does not read, or a kto: section without train.objective: kto, is a mistake to name."""
+    objective = recipe.train.objective
+    if objective != "kto" and _changed(recipe.kto):
+        raise ValueError(f"kto.{', kto.'.join(_changed(recipe.kto))}: set, but train.objective is {objective}, which does "
+                         "not read the kto: section. Fix: set train.objective: kto, or remove the kto: section.")
+    if objective == "kto":
+        unread = [name for name in _changed(recipe.dpo) if name not in SHARED_DPO_KEYS]
+        if unread:
+            raise ValueError(f"dpo.{', dpo.'.join(unread)}: train.objective kto reads only dpo.reference and "
+                             "dpo.disable_dropout from the dpo: section. Fix: set KTO's loss and beta in the kto: section "
+                             "(kto.loss, kto.beta, kto.desirable_weight, kto.undesirable_weight), and remove the rest.")
+        if recipe.dpo.reference == "precomputed":
+            raise ValueError("dpo.reference: precomputed is not supported with train.objective: kto: KTO's KL term "
+                             "scores each prompt with another row's completion, which changes with the shuffle. Fix: "
+                             "dpo.reference: adapter_off (the default).")
 
 
 def check_streaming(recipe) -> None:  # a finetune.recipe.Recipe
@@ -48,6 +90,10 @@ def check_streaming(recipe) -> None:  # a finetune.recipe.Recipe
         problems.append("dpo.reference: precomputed computes every pair's reference log-probs before step 1, and a "
                         "stream never holds every pair. Fix: dpo.reference: adapter_off (the default), or "
                         "data.streaming: false.")
+    if recipe.train.objective == "kto":
+        problems.append("train.objective: kto pairs each prompt with another completion of its optimizer step for the "
+                        "KL term, which the shuffled rows provide and a stream does not (yet). Fix: data.streaming: "
+                        "false.")
     if recipe.train.num_epochs is not None:  # a stream has no length
         problems.append("train.num_epochs: a stream's length is unknown, so epochs cannot be turned into steps. Fix: "
                         "set train.max_steps instead, or data.streaming: false.")

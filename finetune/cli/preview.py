@@ -66,7 +66,8 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
             parts.append(f"--- pair {number}: rejected ({len(rejected.input_ids)} tokens, {rejected.num_trained} scored) ---")
             parts.append(mark_trained(rejected, tokenizer, color=color))
             continue
-        parts.append(f"--- example {number} ({len(example.input_ids)} tokens, {example.num_trained} trained) ---")
+        label = "" if example.desirable is None else f", {'desirable' if example.desirable else 'undesirable'}"
+        parts.append(f"--- example {number} ({len(example.input_ids)} tokens, {example.num_trained} trained{label}) ---")
         parts.append(mark_trained(example, tokenizer, color=color))
     for number, example in enumerate(prepared.eval_files[: max(min(rows, 2), 0)], start=1):
         parts.append(f"--- eval example {number} (data.eval_datasets; {len(example.input_ids)} tokens, "

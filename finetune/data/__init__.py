@@ -45,6 +45,7 @@ from finetune.data.loader import (
     collate,
     epoch_permutation,
     eval_batches,
+    kl_sequence,
     real_token_count,
     steps_per_epoch,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "epoch_permutation",
     "eval_batches",
     "eval_file_examples",
+    "kl_sequence",
     "load_rows",
     "normalize_messages",
     "open_source",

@@ -148,6 +148,7 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
         counts.setdefault("skipped_reasons", [])
         counts.setdefault("dropped_rows", [])
         counts["pairs"] = spec.format == "preference"
+        counts["unpaired"] = spec.format == "unpaired_preference"
         writer.finish(counts, pairs=counts["pairs"])
         if target.exists():
             shutil.rmtree(target)

@@ -13,7 +13,8 @@ class Example:
     """One training row: token ids, labels (IGNORE_INDEX where untrained), position ids when packed.
 
     A preference pair is its chosen sequence with the rejected one attached (`rejected`); `reference_logps` holds the
-    reference model's (chosen, rejected) log-probabilities when dpo.reference is precomputed.
+    reference model's (chosen, rejected) log-probabilities when dpo.reference is precomputed. An unpaired preference
+    row (KTO) is one sequence whose `desirable` says whether its completion is desirable (its label).
     """
 
     input_ids: list[int]
@@ -21,6 +22,7 @@ class Example:
     position_ids: list[int] | None = None
     rejected: Example | None = None
     reference_logps: tuple[float, float] | None = None
+    desirable: bool | None = None
 
     @property
     def num_trained(self) -> int:

@@ -12,7 +12,8 @@ from finetune.errors import DataError
 
 
 # ------------------------------------------------------------------------------------------------- batching
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, *, kl_partners: list[Example] | None = None,
+            max_length: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row; padding is never trained.
 
     Unpacked rows carry an attention_mask. Packed rows carry position_ids instead (no attention_mask: transformers
@@ -21,7 +22,17 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
     Preference pairs: the B chosen sequences, then the B rejected ones, in one batch of 2B rows (one forward scores
     both), with `reference_logps` (2B values, same order) when they were precomputed.
+
+    Unpaired preference rows (KTO): the rows and their labels (`desirable`); given `kl_partners`, also the KL rows
+    (`kl_input_ids`, `kl_labels`, `kl_attention_mask`): each row's prompt followed by its partner's completion.
     """
+    if examples and examples[0].desirable is not None:
+        batch = _collate_rows(examples, pad_id)
+        batch["desirable"] = torch.tensor([bool(e.desirable) for e in examples], dtype=torch.bool)
+        if kl_partners is not None:
+            mismatched = [kl_sequence(e, partner, max_length=max_length) for e, partner in zip(examples, kl_partners)]
+            batch.update({f"kl_{key}": value for key, value in _collate_rows(mismatched, pad_id).items()})
+        return batch
     if examples and examples[0].rejected is not None:
         batch = _collate_rows(examples + [e.rejected for e in examples], pad_id)
         if all(e.reference_logps is not None for e in examples):
@@ -48,6 +59,20 @@ def _collate_rows(examples: list[Example], pad_id: int) -> dict[str, torch.Tenso
         else:
             extra[row, :n] = 1
     return {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+
+
+def kl_sequence(example: Example, partner: Example, *, max_length: int | None) -> Example:
+    """`example`'s prompt (its tokens before the first trained one) followed by `partner`'s completion (from its first
+    trained token on), cut to max_length as a row is (keep the start): the mismatched pair of KTO's KL estimate, as
+    TRL concatenates prompt_ids and the rotated completion_ids. A cut that leaves no trained token scores nothing."""
+    prompt, start = _first_trained(example), _first_trained(partner)
+    ids = example.input_ids[:prompt] + partner.input_ids[start:]
+    labels = [IGNORE_INDEX] * prompt + partner.labels[start:]
+    return Example(ids[:max_length], labels[:max_length])
+
+
+def _first_trained(example: Example) -> int:
+    return next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), len(example.labels))
 
 
 def real_token_count(batch: dict[str, torch.Tensor], pad_id: int) -> int:
@@ -97,7 +122,7 @@ class BatchStream:
     """
 
     def __init__(self, examples: Sequence[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 pad_id: int, grad_accum: int = 1):
+                 pad_id: int, grad_accum: int = 1, kl_max_length: int | None = None):
         global_batch = micro_batch_size * world_size
         if len(examples) < global_batch:
             raise DataError(
@@ -108,6 +133,14 @@ class BatchStream:
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
+        # KTO rows, given kl_max_length (the loss has a KL term): each micro-batch carries its KL rows
+        self.unpaired = kl_max_length is not None and examples[0].desirable is not None
+        self.kl_max_length = kl_max_length
+        if self.unpaired and global_batch * grad_accum == 1:
+            raise DataError(
+                "train.objective kto: an optimizer step of one row pairs its prompt with its own completion, so the KL "
+                "estimate is the row's own reward (TRL refuses a batch of 1 too). Fix: raise train.micro_batch_size or "
+                "train.grad_accum (the mismatched pairs are formed over the rows of a step).")
         steps = steps_per_epoch(len(examples), micro_batch_size=micro_batch_size, world_size=world_size,
                                 grad_accum=grad_accum)
         # Rows for less than one step (a 2-step smoke run of a grad_accum 32 recipe on 40 rows; train.max_steps only,
@@ -128,9 +161,22 @@ class BatchStream:
             while self.cursor < self.batches_per_epoch:
                 start = self.cursor * self.batch * self.world
                 rows = perm[start : start + self.batch * self.world][self.rank :: self.world]
+                partners = [self.examples[i] for i in self._kl_partners(perm)] if self.unpaired else None
                 self.cursor += 1
-                yield collate([self.examples[i] for i in rows], self.pad_id)
+                yield collate([self.examples[i] for i in rows], self.pad_id, kl_partners=partners,
+                              max_length=self.kl_max_length)
             self.epoch, self.cursor = self.epoch + 1, 0
+
+    def _kl_partners(self, perm: list[int]) -> list[int]:
+        """KTO's KL rows for this rank's rows of the current global micro-batch: the rows of the optimizer step (its
+        grad_accum global micro-batches, in order) each take the completion of the row before, the first the last's.
+        TRL rotates by one within one device's batch; over the whole step instead, the KL rows, like the rows, are the
+        same for any world size and micro-batch split."""
+        size = self.batch * self.world
+        first = self.cursor - self.cursor % self.grad_accum
+        block = perm[first * size : min(first + self.grad_accum, self.batches_per_epoch) * size]
+        offset = (self.cursor - first) * size
+        return [block[position - 1] for position in range(offset + self.rank, offset + size, self.world)]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world, "micro_batch_size": self.batch,
@@ -156,7 +202,8 @@ class BatchStream:
 def _filler(example: Example) -> Example:
     """A copy of `example` with nothing trained (a pair's two sequences alike): it adds no loss and no count."""
     ignored = Example(example.input_ids, [IGNORE_INDEX] * len(example.input_ids),
-                      reference_logps=(0.0, 0.0) if example.reference_logps is not None else None)
+                      reference_logps=(0.0, 0.0) if example.reference_logps is not None else None,
+                      desirable=example.desirable)
     if example.rejected is not None:
         ignored.rejected = Example(example.rejected.input_ids, [IGNORE_INDEX] * len(example.rejected.input_ids))
     return ignored

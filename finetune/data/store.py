@@ -2,7 +2,8 @@
 
 A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
 token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
-example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version). Every
+example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version); unpaired preference rows
+(KTO) add `desirable.npy` (each row's label). Every
 rank maps the same files, so the pages are shared through the page cache: a rank's own memory holds only per-example
 arrays (offsets, lengths), never Python lists of every token. An `Example` (lists of ints) is built only for the rows of the micro-batch being collated.
 
@@ -38,6 +39,7 @@ class StoreWriter:
         self._trained = open(self.folder / "trained.bin", "wb")  # noqa: SIM115
         self._lengths: list[np.ndarray] = []
         self._trained_counts: list[np.ndarray] = []
+        self._desirable: list[np.ndarray] = []
 
     def add(self, arrays: dict[str, np.ndarray]) -> None:
         """Write one chunk's `chunk_arrays`."""
@@ -45,6 +47,8 @@ class StoreWriter:
         self._trained.write(arrays["trained"].tobytes())
         self._lengths.append(arrays["lengths"])
         self._trained_counts.append(arrays["trained_counts"])
+        if "desirable" in arrays:
+            self._desirable.append(arrays["desirable"])
 
     def finish(self, counts: dict, *, pairs: bool) -> None:
         self._ids.close()
@@ -53,6 +57,9 @@ class StoreWriter:
         np.save(self.folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         counts_per_sequence = np.concatenate(self._trained_counts) if self._trained_counts else np.zeros(0, np.int64)
         np.save(self.folder / "trained_counts.npy", counts_per_sequence)
+        if counts.get("unpaired"):  # unpaired preference rows (KTO): each one's label
+            desirable = np.concatenate(self._desirable) if self._desirable else np.zeros(0, dtype=np.bool_)
+            np.save(self.folder / "desirable.npy", desirable.astype(np.bool_))
         meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
         (self.folder / "meta.json").write_text(json.dumps(meta))
 
@@ -67,8 +74,11 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
     lengths = np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64, count=len(sequences))
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     trained_counts = np.add.reduceat(trained.astype(np.int64), bounds[:-1]) if len(ids) else np.zeros(len(lengths), np.int64)
-    return {"ids": ids, "trained": trained, "lengths": lengths,
-            "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
+    arrays = {"ids": ids, "trained": trained, "lengths": lengths,
+              "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
+    if examples and examples[0].desirable is not None:
+        arrays["desirable"] = np.fromiter((bool(e.desirable) for e in examples), dtype=np.bool_, count=len(examples))
+    return arrays
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -89,6 +99,10 @@ class TokenStore:
         self.trained = _mapped(folder / "trained.bin", np.bool_, total)
         self.pairs = bool(self.meta["pairs"])
         self.counts = self.meta["counts"]
+        labels = folder / "desirable.npy"
+        self.desirable = np.load(labels) if self.counts.get("unpaired") else None
+        if self.desirable is not None and len(self.desirable) != len(self.bounds) - 1:
+            raise ValueError(f"{labels}: {len(self.desirable)} labels for {len(self.bounds) - 1} rows (a damaged entry)")
 
     def __len__(self) -> int:
         return (len(self.bounds) - 1) // (2 if self.pairs else 1)
@@ -99,6 +113,10 @@ class TokenStore:
         return Example(ids.tolist(), np.where(self.trained[start:end], ids, IGNORE_INDEX).tolist())
 
     def example(self, index: int) -> Example:
+        if self.desirable is not None:
+            example = self.sequence(index)
+            example.desirable = bool(self.desirable[index])
+            return example
         if not self.pairs:
             return self.sequence(index)
         chosen = self.sequence(2 * index)

@@ -15,6 +15,7 @@ FORMAT_FIELDS = {
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # prompt optional: the implicit-prompt form has none
+    "unpaired_preference": (("prompt", "completion", "label"), ()),  # TRL's KTO rows; label: desirable or not
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -134,6 +135,8 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
         return [(str(_field(row, spec, "prompt")), False), (str(_field(row, spec, "completion")) + eos, True)]
     if spec.format == "preference":
         return render_pair(row, spec, tokenizer, system_prompt, where)
+    if spec.format == "unpaired_preference":
+        return render_unpaired(row, spec, tokenizer, system_prompt, where)
     if spec.format == "chat":
         messages = normalize_messages(_field(row, spec, "messages"), spec, where)
         if system_prompt and messages[0]["role"] != "system":
@@ -173,30 +176,57 @@ def render_pair(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | No
     if chosen == rejected:
         raise DataError(f"{where}: `chosen` and `rejected` are identical, so the pair says nothing. Fix the row or set "
                         "data.bad_rows: skip to skip such pairs with a count.")
-    chat = isinstance(prompt, list) or isinstance(chosen, list) or bool(getattr(tokenizer, "chat_template", None))
+    chosen_segments, rejected_segments = _answered(prompt, (("chosen", chosen), ("rejected", rejected)), spec,
+                                                   tokenizer, system_prompt, where)
+    return chosen_segments, rejected_segments
+
+
+def render_unpaired(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None,
+                    where: str) -> tuple[list[tuple[str, bool]], bool]:
+    """An unpaired preference row (TRL's KTO format: prompt, completion, label) -> (segments, desirable): the prompt
+    untrained, the completion trained, rendered as a pair's response is (render_pair)."""
+    label = _field(row, spec, "label")
+    if not isinstance(label, (bool, np.bool_)):
+        raise DataError(f"{where}: `{_column(spec, 'label')}` must be true (a desirable completion) or false (an "
+                        f"undesirable one), got {label!r}. Fix the row (JSON true/false, not a number or a string) or "
+                        "set data.bad_rows: skip.")
+    prompt, completion = _field(row, spec, "prompt"), _field(row, spec, "completion")
+    (segments,) = _answered(prompt, (("completion", completion),), spec, tokenizer, system_prompt, where)
+    return segments, bool(label)
+
+
+def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec, tokenizer, system_prompt: str | None,
+              where: str) -> list[list[tuple[str, bool]]]:
+    """Segments of each (name, answer) to the same prompt, the answers trained.
+
+    Text prompts go through the tokenizer's chat template as a user turn when it has one, else stay raw text (a
+    base model); message-list prompts must end with a user turn, and the answers are assistant turn(s).
+    """
+    chat = isinstance(prompt, list) or any(isinstance(a, list) for _, a in answers) or \
+        bool(getattr(tokenizer, "chat_template", None))
     if not chat:
         if prompt in (None, ""):
-            raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: a pair of text responses needs the prompt "
-                            "they answer. Add it, map it with data.datasets[].columns, or give whole conversations.")
+            raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: a text response needs the prompt it "
+                            "answers. Add it, map it with data.datasets[].columns, or give whole conversations.")
         eos = tokenizer.eos_token or ""
-        return tuple([(str(prompt), False), (str(answer) + eos, True)] for answer in (chosen, rejected))
+        return [[(str(prompt), False), (str(answer) + eos, True)] for _, answer in answers]
     turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) and prompt else \
         convert_turns(prompt or [], spec, where)
     if not turns or turns[-1]["role"] != "user":
-        raise DataError(f"{where}: the prompt of a conversational pair must end with a user turn (it ends with "
-                        f"{turns[-1]['role'] if turns else 'nothing'}), so that chosen and rejected answer it. Fix the "
+        raise DataError(f"{where}: the prompt of a conversational row must end with a user turn (it ends with "
+                        f"{turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "
                         "row or set data.bad_rows: skip.")
     system = system_prompt if system_prompt and turns[0]["role"] != "system" else None
     turns = ([{"role": "system", "content": system}] if system else []) + turns
     sequences = []
-    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+    for name, answer in answers:
         reply = [{"role": "assistant", "content": str(answer)}] if not isinstance(answer, list) else \
             convert_turns(answer, spec, where)
         messages = normalize_messages(turns + reply, spec, f"{where} ({name})")
         if messages[len(turns)]["role"] != "assistant" or not any(m["content"].strip() for m in messages[len(turns):]):
             raise DataError(f"{where}: `{name}` must be a non-empty assistant answer. Fix the row or set data.bad_rows: skip.")
         sequences.append(_chat_segments(messages, tokenizer, where, trained_from=len(turns)))
-    return sequences[0], sequences[1]
+    return sequences
 
 
 # -------------------------------------------------------------------------------------------------- tokenizing

@@ -62,6 +62,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
     for name in required:
         if dict_rows and all(_column(spec, name, row) not in row for row in dict_rows):
             columns = sorted({key for row in dict_rows for key in row})
+            _other_preference_kind(spec, columns, source)
             mapped = f" (mapped from `{name}`)" if name in spec.columns else ""
             raise DataError(
                 f"{source}: column `{_column(spec, name, dict_rows[0])}`{mapped}, needed by format `{spec.format}`, does "
@@ -76,6 +77,21 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
         )
 
 
+def _other_preference_kind(spec: DatasetSpec, columns: list[str], source: str) -> None:
+    """Pairs given as unpaired preference data, or unpaired rows as pairs: say which kind the rows are."""
+    if spec.format == "unpaired_preference" and {"chosen", "rejected"} <= set(columns):
+        raise DataError(
+            f"{source}: the rows have `chosen` and `rejected` (preference pairs), but format `unpaired_preference` "
+            "(train.objective: kto) needs one completion per row with a `label` (true: desirable, false: undesirable). "
+            "Fix: unpair the file (each pair -> a row with the chosen completion and label true, and a row with the "
+            "rejected one and label false), or train on the pairs with format: preference and train.objective: dpo.")
+    if spec.format == "preference" and {"completion", "label"} <= set(columns):
+        raise DataError(
+            f"{source}: the rows have `completion` and `label` (unpaired preference data, TRL's KTO format), but "
+            "format `preference` (train.objective: dpo) needs `chosen` and `rejected` answers per row. Fix: set its "
+            "format: unpaired_preference and train.objective: kto, or give prompt/chosen/rejected pairs.")
+
+
 def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: DatasetSpec, recipe: Recipe,
                    tokenizer) -> ChunkResult:
     """Render, tokenize and length-limit one chunk of rows (`broken`: reasons of rows that could not even be read)."""
@@ -88,6 +104,11 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
     if spec.format == "preference":
         _pairs(kept, spec, recipe, tokenizer, result)
+    elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
+        tokenized = tokenize_many([segments for (segments, _), _ in kept], tokenizer)
+        for example, ((_, desirable), place) in zip(tokenized, kept):
+            example.desirable = desirable
+            _length_policy(example, f"{spec.path} {place}", data, result)
     else:
         for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (p for _, p in kept)):
             _length_policy(example, f"{spec.path} {place}", data, result)
@@ -104,7 +125,8 @@ def _length_policy(example: Example, where: str, data, result: ChunkResult) -> N
     if overlong and data.overlong == "drop":
         _dropped(result, where)
         return
-    kept = Example(example.input_ids[: data.max_length], example.labels[: data.max_length]) if overlong else example
+    kept = Example(example.input_ids[: data.max_length], example.labels[: data.max_length],
+                   desirable=example.desirable) if overlong else example
     if any(label != IGNORE_INDEX for label in kept.labels):
         result.counts["truncated"] += int(overlong)
         result.examples.append(kept)

@@ -356,7 +356,7 @@ def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, result.load_peak_bytes)
     result.fits = result.margin_bytes >= 0
-    if recipe.train.objective == "dpo":
+    if recipe.train.objective in ("dpo", "kto"):
         result.notes.append(_preference_note(recipe))
     if result.load_peak_bytes > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
@@ -396,12 +396,18 @@ def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
 
 
 def _swaps_reference(recipe) -> bool:
+    if recipe.train.objective == "kto":
+        return bool(recipe.model.adapter)
     return (recipe.train.objective == "dpo" and bool(recipe.model.adapter) and recipe.dpo.reference == "adapter_off"
             and recipe.dpo.loss in ("sigmoid", "ipo", "hinge"))
 
 
 def _preference_note(recipe) -> str:
     dpo = recipe.dpo
+    if recipe.train.objective == "kto":
+        start = " (base + model.adapter: its values swapped in)" if recipe.model.adapter else ""
+        return (f"kto: 1 sequence per row; no-grad forwards of the mismatched (KL) rows and the reference per "
+                f"micro-batch{start}")
     if dpo.loss not in ("sigmoid", "ipo", "hinge"):
         return f"dpo ({dpo.loss}): 2 sequences per pair in one forward, no reference pass"
     if dpo.reference == "precomputed":

@@ -151,7 +151,7 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 
 def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
-                     objective: objectives.Supervised | objectives.Preference | None = None) -> dict | None:
+                     objective: objectives.Supervised | objectives.Preference | objectives.KTO | None = None) -> dict | None:
     """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
         return None
@@ -186,7 +186,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = batch_stream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
-                          world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum)
+                          world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum,
+                          kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None)
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
     first_step = 1
@@ -219,7 +220,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
                     micro_batches = [next(batches) for _ in range(t.grad_accum)]
                     local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
-                    *totals, global_seen = distributed.all_reduce_sum([*objective.counts(micro_batches), local_seen])
+                    *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
                     for index, batch in enumerate(micro_batches):

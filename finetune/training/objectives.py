@@ -1,6 +1,8 @@
-"""What a step minimizes, side by side: next-token SFT and preference tuning (training/preference.py).
+"""What a step minimizes, side by side: next-token SFT, preference tuning (training/preference.py) and KTO
+(training/kto.py).
 
-The loop asks an objective for three things: the counts its normalization needs (summed over ranks once per step),
+The loop asks an objective for three things: the counts its normalization needs (summed over ranks once per step;
+KTO's include its KL estimate, from no-grad forwards before the step's first backward),
 each micro-batch's share of the step loss (what is backpropagated, times the world size, because DDP, FSDP and
 DeepSpeed average gradients over ranks), and the evaluation on held-out examples. So the loop is one loop whatever
 is trained, and every strategy, checkpoint and tracker works for both.
@@ -12,9 +14,9 @@ import torch
 from torch import nn
 
 from finetune import distributed
-from finetune.data import IGNORE_INDEX, Example, eval_batches
+from finetune.data import IGNORE_INDEX, Example, eval_batches, kl_sequence
 from finetune.recipe import Recipe
-from finetune.training import preference
+from finetune.training import kto, preference
 from finetune.training.loss import token_loss_and_correct
 
 
@@ -25,7 +27,7 @@ class Supervised:
     def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
         """Work before step 1 (none for SFT)."""
 
-    def counts(self, micro_batches: list[dict]) -> list[float]:
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
         return [sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)]
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
@@ -69,7 +71,7 @@ class Preference:
         preference.attach_reference(model, self.reference, {"train": train, "eval": evaluation}, recipe, pad_id=pad_id,
                                     out_dir=out_dir, resume_from=resume_from)
 
-    def counts(self, micro_batches: list[dict]) -> list[float]:
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
         pairs, tokens = 0, 0
         for batch in micro_batches:
             trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
@@ -105,5 +107,79 @@ class Preference:
         return {"eval_loss": loss, **preference.metric_means(metric_sums, [pairs, tokens], self.config, prefix="eval_")}
 
 
-def for_recipe(model: nn.Module, recipe: Recipe) -> Supervised | Preference:
-    return Preference(model, recipe) if recipe.train.objective == "dpo" else Supervised()
+class KTO:
+    """Mean over the rows of the global batch of the weighted KTO loss, with one KL estimate per step (training/kto.py)."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe):
+        self.config = recipe.kto
+        if recipe.dpo.disable_dropout:
+            preference.disable_dropout(model)
+        self.reference = preference.Reference(model, recipe, compared=True)  # before a resume loads newer LoRA values
+
+    def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
+        """Work before step 1 (none: the reference is computed in each step)."""
+
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
+        """[rows, desirable, undesirable, KL log-ratio sum, KL rows]: the KL part from this rank's mismatched rows."""
+        rows = [0, 0, 0]
+        for batch in micro_batches:
+            trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1) > 0
+            desirable = batch["desirable"]
+            rows = [rows[0] + int(trained.sum()), rows[1] + int((trained & desirable).sum()),
+                    rows[2] + int((trained & ~desirable).sum())]
+        kl = torch.zeros(2, dtype=torch.float64, device=device)
+        if kto.uses_kl(self.config):
+            for batch in micro_batches:
+                kl = kl + kto.kl_terms(model, batch, self.reference, device).to(device)
+        return [*rows, kl[0], kl[1]]
+
+    def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
+        loss_sum, metric_sums, _ = kto.micro_batch_terms(model, batch, self.config, self.reference,
+                                                         kto.kl_estimate(totals[3], totals[4]), device)
+        share = loss_sum / max(totals[0], 1)
+        return share * distributed.info().world_size, share.detach(), metric_sums
+
+    def step_loss(self, summed: float, totals: list[float]) -> float:
+        return summed
+
+    def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        if sums is None:
+            return {}
+        return kto.metric_means(sums, totals[:3], kto.kl_estimate(totals[3], totals[4]), self.config)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
+        """eval_loss (mean over the held-out rows, the KL estimate over the whole eval set) and eval_rewards/...,
+        identical for any world size."""
+        info = distributed.info()
+        batches = lambda rows: eval_batches(rows, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank,
+                                            world_size=info.world_size, pad_id=pad_id)
+        estimate = 0.0
+        if kto.uses_kl(self.config):  # each held-out prompt with the previous row's completion
+            mismatched = [kl_sequence(examples[i], examples[i - 1], max_length=recipe.data.max_length)
+                          for i in range(len(examples))]
+            kl = torch.zeros(2, dtype=torch.float64)
+            for batch in batches(mismatched):
+                kl += kto.kl_terms(model, {f"kl_{k}": v for k, v in batch.items()}, self.reference, info.device).cpu()
+            estimate = kto.kl_estimate(*distributed.all_reduce_sum(kl.tolist()))
+        sums = torch.zeros(1 + len(kto.SUMS) + 3, dtype=torch.float64)
+        for batch in batches(examples):
+            loss_sum, metric_sums, rows = kto.micro_batch_terms(model, batch, self.config, self.reference, estimate,
+                                                                info.device)
+            sums += torch.cat([loss_sum.double().reshape(1), metric_sums, rows]).cpu()
+        total = distributed.all_reduce_sum(sums.tolist())
+        rows = total[-3:]
+        return {"eval_loss": total[0] / max(rows[0], 1),
+                **kto.metric_means(total[1:-3], rows, estimate, self.config, prefix="eval_")}
+
+
+def uses_kl(recipe: Recipe) -> bool:
+    """Whether the train batches need KTO's mismatched (KL) rows."""
+    return recipe.train.objective == "kto" and kto.uses_kl(recipe.kto)
+
+
+OBJECTIVES = {"sft": lambda model, recipe: Supervised(), "dpo": Preference, "kto": KTO}
+
+
+def for_recipe(model: nn.Module, recipe: Recipe) -> Supervised | Preference | KTO:
+    return OBJECTIVES[recipe.train.objective](model, recipe)

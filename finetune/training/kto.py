@@ -1,0 +1,98 @@
+"""KTO on the preference engine: single completions labelled desirable or not, against the reference of DPO.
+
+A micro-batch of B unpaired rows (data/loader.py) is scored as DPO's sequences are (`sequence_logps`: the summed
+log-probs of the completion tokens), the reference as dpo.reference says (preference.Reference: the adapter off, or
+the SFT adapter's starting values swapped in). Formulas, metric names and defaults as TRL's KTOTrainer (1.16):
+  * kto (TRL's default): desirable 1 - sigmoid(beta (r - z)), undesirable 1 - sigmoid(beta (z - r)), r the row's
+    log-ratio policy - reference, z the KL estimate: the mean over mismatched rows (each prompt with another row's
+    completion) of their policy - reference log-ratio, clamped at 0, no gradient;
+  * apo_zero_unpaired: desirable 1 - sigmoid(beta r), undesirable sigmoid(beta r), no KL term.
+The losses are weighted (kto.desirable_weight, kto.undesirable_weight) and averaged over the rows.
+
+Where this is the same for any world size and micro-batch split, and where it differs from TRL: the loss is the mean
+over the rows of the global batch, and z is one number per optimizer step, the mean over the step's mismatched rows of
+every rank and micro-batch (computed by `kl_terms` before the step's first backward, summed over ranks with the
+counts). The mismatched rows are the step's rows, each prompt with the completion of the row before it in the step's
+order (data.BatchStream). TRL rotates completions within one device's micro-batch and averages the per-device means
+of one micro-batch: the same numbers for one process without accumulation; with several processes or grad_accum,
+TRL's z is a per-micro-batch quantity and ours the step's. Evaluation pairs each held-out row with the previous
+one's completion over the whole eval set (TRL: within each eval batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from finetune.recipe import KTOSection
+from finetune.training.loss import sequence_logps
+from finetune.training.preference import Reference
+
+# Summed per micro-batch, in this order; the logged metrics (`metric_means`) are TRL's KTOTrainer's names.
+SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
+
+
+def uses_kl(config: KTOSection) -> bool:
+    return config.loss == "kto"
+
+
+def row_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor, kl: float | torch.Tensor,
+               config: KTOSection) -> torch.Tensor:
+    """Per row: the weighted KTO (or APO-zero unpaired) loss from its policy and reference completion log-probs."""
+    ratio = policy - reference
+    beta = config.beta
+    if config.loss == "kto":
+        chosen, rejected = 1 - F.sigmoid(beta * (ratio - kl)), 1 - F.sigmoid(beta * (kl - ratio))
+    else:
+        chosen, rejected = 1 - F.sigmoid(beta * ratio), F.sigmoid(beta * ratio)
+    return torch.where(desirable, config.desirable_weight * chosen, config.undesirable_weight * rejected)
+
+
+def kl_terms(model: nn.Module, batch: dict[str, torch.Tensor], reference: Reference,
+             device: torch.device) -> torch.Tensor:
+    """[sum over the micro-batch's mismatched rows of policy - reference log-probs, their count]: no gradient. A KL row
+    left with no completion token (cut by max_length, a filler) counts for nothing."""
+    mismatched = {key[3:]: value for key, value in batch.items() if key.startswith("kl_")}
+    with torch.no_grad():
+        policy, counts = sequence_logps(model, mismatched, device)
+        ref = reference.logps(model, mismatched, device).to(policy.device, policy.dtype)
+    valid = (counts > 0).to(policy.dtype)
+    return torch.stack([((policy - ref) * valid).sum().double(), valid.sum().double()])
+
+
+def kl_estimate(kl_sum: float, kl_count: float) -> float:
+    """z of the KTO loss: the mean mismatched log-ratio, clamped at 0 (as TRL)."""
+    return max(kl_sum / kl_count, 0.0) if kl_count > 0 else 0.0
+
+
+def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: KTOSection, reference: Reference,
+                      kl: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of the rows' weighted losses, metric sums (`SUMS`), [rows, desirable rows, undesirable rows]) of one
+    micro-batch; a row with no completion token (an eval filler) counts for nothing."""
+    logps, counts = sequence_logps(model, batch, device)
+    ref = reference.logps(model, batch, device).to(logps.device, logps.dtype)
+    desirable = batch["desirable"].to(logps.device)
+    weight = (counts > 0).to(logps.dtype)
+    losses = row_losses(logps, ref, desirable, kl, config)
+    chosen, rejected = weight * desirable, weight * ~desirable
+    rewards, policy = config.beta * (logps.detach() - ref), logps.detach()
+    sums = torch.stack([(rewards * chosen).sum(), (policy * chosen).sum(), (rewards * rejected).sum(),
+                        (policy * rejected).sum()]).double()
+    return (losses * weight).sum(), sums, torch.stack([weight.sum(), chosen.sum(), rejected.sum()]).double()
+
+
+def metric_means(sums: list[float], rows: list[float], kl: float, config: KTOSection, prefix: str = "") -> dict:
+    """TRL's KTO metrics: rewards and logps of each kind over its own rows (left out when the step has none, as TRL),
+    rewards/margins when both kinds are there, kl (the estimate the loss used; 0 for apo_zero_unpaired)."""
+    _, chosen, rejected = rows
+    values = dict(zip(SUMS, sums))
+    out = {}
+    for name, count in (("chosen", chosen), ("rejected", rejected)):
+        if count > 0:
+            out[f"rewards/{name}"] = values[f"rewards/{name}"] / count
+            out[f"logps/{name}"] = values[f"logps/{name}"] / count
+    if chosen > 0 and rejected > 0:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    out["kl"] = kl
+    return {f"{prefix}{name}": round(value, 6) for name, value in out.items()}
