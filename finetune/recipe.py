@@ -32,7 +32,7 @@ from pydantic import (
 
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
-from finetune.recipe_checks import check_keep_best, check_objective, check_streaming
+from finetune.recipe_checks import check_dtypes, check_keep_best, check_objective, check_streaming
 from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -319,23 +319,7 @@ class Recipe(_Section):
         if self._dtype_choice is None:
             self._dtype_choice = choose_dtype(self.model.dtype, device=device)
             self.model.dtype = self._dtype_choice.dtype
-        q = self.quantization
-        for key, value in (("model.dtype", self.model.dtype), ("quantization.compute_dtype", q.compute_dtype)):
-            if value == "float16":
-                # The loop has no loss scaler: small LoRA gradients underflow to zero in fp16, with no error.
-                raise ValueError(
-                    f"{key}: float16 is not supported for training: without loss scaling the LoRA gradients underflow "
-                    "silently. Fix: bfloat16 (GPUs from Ampere on, and CPUs), or float32 on GPUs without bf16 "
-                    "(V100, T4); with an accelerate config, set its mixed_precision to bf16 or no to match."
-                )
-        if q.method != "none":
-            storage = q.quant_storage or self.model.dtype
-            if storage != self.model.dtype:
-                raise ValueError(
-                    f"quantization.quant_storage ({storage}) must equal model.dtype ({self.model.dtype}): FSDP shards the "
-                    "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
-                    f"Fix: remove quantization.quant_storage or set it to {self.model.dtype}."
-                )
+        check_dtypes(self)
         check_objective(self)
         check_streaming(self)
         check_keep_best(self)

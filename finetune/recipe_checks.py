@@ -1,5 +1,5 @@
-"""Recipe checks that span sections: what a training objective needs of the data, what streaming cannot do, what
-train.keep_best needs.
+"""Recipe checks that span sections: the training dtypes, what a training objective needs of the data, what
+streaming cannot do, what train.keep_best needs.
 
 A leaf: recipe.py calls these from its cross-field validator with the recipe being validated; each raises ValueError
 with the keys and the fix, which the schema turns into one paragraph naming the file.
@@ -16,6 +16,27 @@ FORMAT_HINTS = {
 }
 # dpo: keys that also configure train.objective: kto (the reference and dropout are shared).
 SHARED_DPO_KEYS = ("reference", "disable_dropout")
+
+
+def check_dtypes(recipe) -> None:
+    """No fp16 training (no loss scaler), and the 4-bit storage dtype is model.dtype (what FSDP shards)."""
+    q = recipe.quantization
+    for key, value in (("model.dtype", recipe.model.dtype), ("quantization.compute_dtype", q.compute_dtype)):
+        if value == "float16":
+            # The loop has no loss scaler: small LoRA gradients underflow to zero in fp16, with no error.
+            raise ValueError(
+                f"{key}: float16 is not supported for training: without loss scaling the LoRA gradients underflow "
+                "silently. Fix: bfloat16 (GPUs from Ampere on, and CPUs), or float32 on GPUs without bf16 "
+                "(V100, T4); with an accelerate config, set its mixed_precision to bf16 or no to match."
+            )
+    if q.method != "none":
+        storage = q.quant_storage or recipe.model.dtype
+        if storage != recipe.model.dtype:
+            raise ValueError(
+                f"quantization.quant_storage ({storage}) must equal model.dtype ({recipe.model.dtype}): FSDP shards the "
+                "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
+                f"Fix: remove quantization.quant_storage or set it to {recipe.model.dtype}."
+            )
 
 
 def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from finetune.planner.facts import GiB, ModelFacts, gib
+from finetune.planner.objectives import preference_note, swaps_reference
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 
@@ -321,7 +322,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     }
     if key.startswith("zero"):
         parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
-    if _swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
+    if swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
         parts["dpo_reference_copy"] = 2 * held["trainable_bytes"] // devices
     if fsdp:
         parts["fsdp_unsharded"] = _gathered_bytes(facts, key)
@@ -357,7 +358,7 @@ def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
     result.margin_bytes = usable - max(result.peak_bytes, result.load_peak_bytes)
     result.fits = result.margin_bytes >= 0
     if recipe.train.objective in ("dpo", "kto"):
-        result.notes.append(_preference_note(recipe))
+        result.notes.append(preference_note(recipe))
     if result.load_peak_bytes > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
                else "each rank quantizes a full copy of the base on its GPU")
@@ -393,27 +394,6 @@ def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
         return 0
     numel = _layer_lora_numel(facts)
     return numel * facts.dtype_bytes + 4 * numel + math.ceil(4 * numel / world)
-
-
-def _swaps_reference(recipe) -> bool:
-    if recipe.train.objective == "kto":
-        return bool(recipe.model.adapter)
-    return (recipe.train.objective == "dpo" and bool(recipe.model.adapter) and recipe.dpo.reference == "adapter_off"
-            and recipe.dpo.loss in ("sigmoid", "ipo", "hinge"))
-
-
-def _preference_note(recipe) -> str:
-    dpo = recipe.dpo
-    if recipe.train.objective == "kto":
-        start = " (base + model.adapter: its values swapped in)" if recipe.model.adapter else ""
-        return (f"kto: 1 sequence per row; no-grad forwards of the mismatched (KL) rows and the reference per "
-                f"micro-batch{start}")
-    if dpo.loss not in ("sigmoid", "ipo", "hinge"):
-        return f"dpo ({dpo.loss}): 2 sequences per pair in one forward, no reference pass"
-    if dpo.reference == "precomputed":
-        return "dpo: 2 sequences per pair; reference log-probs precomputed before step 1 (16 bytes per pair of CPU RAM)"
-    start = " (base + model.adapter: its values swapped in)" if recipe.model.adapter else ""
-    return f"dpo: 2 sequences per pair; one no-grad reference forward per micro-batch{start}"
 
 
 def _load_peak(facts: ModelFacts, key: str, devices: int, world: int, *, sharded: bool) -> int:

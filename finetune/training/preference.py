@@ -187,7 +187,6 @@ class Reference:
         # Shard-grad-op keeps FSDP units gathered between forwards: back to the shards before writing into them, and
         # again after the reference forward, so that the policy's forward gathers the trained values, not these.
         parallel.reshard(model)
-        _release_gathered(model)
         trained = [_local(p) for p in _trained(model)]
         current = [t.detach().clone() for t in trained]
         with torch.no_grad():
@@ -197,7 +196,6 @@ class Reference:
             yield
         finally:
             parallel.reshard(model)
-            _release_gathered(model)
             with torch.no_grad():
                 for tensor, value in zip(trained, current):
                     tensor.copy_(value)
@@ -205,20 +203,6 @@ class Reference:
 
 def _trained(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def _release_gathered(model: nn.Module) -> None:
-    """ZeRO-3: trained parameters a forward left gathered (DeepSpeed keeps a no-grad forward's parameters whole until
-    they are next needed) are freed back to their partitions, which the swap writes, so that the next forward gathers
-    the values written. Without this, KTO's no-grad forwards before the step (the KL rows, then their reference with
-    the starting values swapped in) left the starting values gathered: every later forward of the step, policy and
-    reference, used them, the rewards stayed 0 and the loss 0.5 (measured on deepspeed_zero3.yaml: half the swaps
-    found the LoRA parameters gathered). `partition(has_been_updated=False)` frees the gathered copy without writing it
-    back. Belongs in parallel.reshard (which says ZeRO needs nothing) once parallel/ is free to change."""
-    for param in _trained(model):
-        status = getattr(param, "ds_status", None)
-        if status is not None and status.name == "AVAILABLE":
-            param.partition(has_been_updated=False)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
