@@ -44,7 +44,8 @@ def test_recipe_model_architecture_is_stored(path: Path):
     name = load_recipe(path).model.name_or_path
     config = architectures.stored_config(name)
     assert config is not None, f"no stored architecture for {name}: add its config.json to finetune/model/architectures"
-    assert config.num_hidden_layers > 0 and config.vocab_size > 1000
+    text = config.get_text_config()  # a multimodal checkpoint's language model (Gemma 3 12B/27B); else the config
+    assert text.num_hidden_layers > 0 and text.vocab_size > 1000
 
 
 def test_list_shows_every_recipe_with_its_purpose(capsys):
