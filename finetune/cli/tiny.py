@@ -126,8 +126,8 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
     if fields is None:
         return None
     fields = {key: value for key, value in fields.items() if key not in _PROVENANCE_KEYS}
-    sizes = dict(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, hidden_size=hidden_size,
-                 num_layers=num_layers)
+    sizes = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+             "hidden_size": hidden_size, "num_layers": num_layers}
     if isinstance(fields.get("text_config"), dict):  # multimodal (Gemma 3 12B/27B): the language model nested
         return _tiny_multimodal(fields, **sizes)
     fields = _tiny_text_fields(fields, **sizes)
