@@ -47,7 +47,7 @@ def cli_plan(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------------------------- library table
 LIBRARY_HARDWARE = [("1x24 GB", 1, 24 * GB), ("2x24 GB", 2, 24 * GB), ("4x24 GB", 4, 24 * GB), ("8x24 GB", 8, 24 * GB),
-                    ("4x48 GB", 4, 48 * GB), ("8x80 GB", 8, 80 * GB)]
+                    ("1x80 GB", 1, 80 * GB), ("4x48 GB", 4, 48 * GB), ("8x80 GB", 8, 80 * GB)]
 TYPICAL_RECIPE = {"lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
                   "data": {"max_length": 2048}, "train": {"micro_batch_size": 1, "gradient_checkpointing": True}}
 
@@ -75,7 +75,7 @@ def _library_entries() -> list[tuple[str, object]]:
 
 
 def library_table() -> str:
-    """Markdown: for each library recipe, the strategy the planner picks on 1, 2, 4 and 8 x 24 GB, 4x48 and 8x80 GB
+    """Markdown: for each library recipe, the strategy the planner picks on 1, 2, 4 and 8 x 24 GB, 1x80, 4x48 and 8x80 GB
     (with CPU offload, the CPU RAM per machine too)."""
     header = "| recipe | model | " + " | ".join(label for label, _, _ in LIBRARY_HARDWARE) + " |"
     lines = [header, "|" + "---|" * (2 + len(LIBRARY_HARDWARE))]

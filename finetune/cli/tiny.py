@@ -126,6 +126,18 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
     if fields is None:
         return None
     fields = {key: value for key, value in fields.items() if key not in _PROVENANCE_KEYS}
+    sizes = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+             "hidden_size": hidden_size, "num_layers": num_layers}
+    if isinstance(fields.get("text_config"), dict):  # multimodal (Gemma 3 12B/27B): the language model nested
+        return _tiny_multimodal(fields, **sizes)
+    fields = _tiny_text_fields(fields, **sizes)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _tiny_text_fields(fields: dict, *, vocab_size: int, eos_token_id: int, pad_token_id: int, hidden_size: int,
+                      num_layers: int) -> dict:
+    """A language model's stored fields with the sizes shrunk (see tiny_config_like)."""
+    fields = dict(fields)
     heads = fields.get("num_attention_heads") or 4
     grouped = (fields.get("num_key_value_heads") or heads) < heads
     fields.update(
@@ -142,6 +154,25 @@ def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, p
         fields["moe_intermediate_size"] = hidden_size * 2
     if fields.get("max_window_layers"):  # Qwen2: layers past this use the sliding window (when enabled)
         fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
+    return fields
+
+
+def _tiny_multimodal(fields: dict, *, vocab_size: int, **sizes):
+    """A multimodal stored config scaled down: its text config as a language model's, a one-layer vision tower of
+    28-pixel images in 14-pixel patches, 4 image tokens. The image token ids sit past the tokenizer's (the text
+    vocabulary grows by 4 for them), so no text token is ever taken for an image token."""
+    from transformers import AutoConfig
+
+    # head_dim explicit even where the hub config leaves it to the class default (gemma-3-12b-it: 256)
+    text = _tiny_text_fields(dict(fields["text_config"], head_dim=None), vocab_size=vocab_size + 4, **sizes)
+    vision = {key: value for key, value in (fields.get("vision_config") or {}).items() if key not in _PROVENANCE_KEYS}
+    vision.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    fields = dict(fields, text_config=text, vision_config=vision, eos_token_id=sizes["eos_token_id"],
+                  pad_token_id=sizes["pad_token_id"], mm_tokens_per_image=4)
+    for offset, key in enumerate(("boi_token_index", "eoi_token_index", "image_token_index"), start=1):
+        if key in fields:
+            fields[key] = vocab_size + offset
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 

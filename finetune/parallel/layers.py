@@ -30,13 +30,29 @@ def decoder_layer_class(model: nn.Module, requested: str | None = None) -> type[
             )
         return classes[requested]
     base = getattr(model, "get_base_model", lambda: model)()
-    for name in getattr(base, "_no_split_modules", None) or []:
+    names = getattr(base, "_no_split_modules", None) or []
+    # transformers 5 gives a multimodal model's `_no_split_modules` as a set, iterated in a per-process (hash-seeded)
+    # order: Gemma 3 12B/27B (SigLIP blocks beside Gemma3DecoderLayer) got a different unit on each rank and the FSDP
+    # wrap aborted. The unit is a block of the language model (what the planner counts and sharded loading builds one
+    # at a time), chosen alike on every rank.
+    names = list(names) if isinstance(names, (list, tuple)) else sorted(names)
+    in_language_model = {type(m).__name__ for m in _language_model(base).modules()}
+    for name in [n for n in names if n in in_language_model] + names:
         if name in classes:
             return classes[name]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if lists:
         return type(max(lists, key=len)[0])
     raise LaunchError("cannot find the decoder layer class of this model; set parallel.layer_class.")
+
+
+def _language_model(base: nn.Module) -> nn.Module:
+    """The text decoder of a multimodal model (transformers' `get_decoder`), else the model itself."""
+    try:
+        decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = base
+    return decoder if isinstance(decoder, nn.Module) else base
 
 
 def decoder_layers_path(model: nn.Module, layer_cls: type[nn.Module]) -> tuple[str, int]:

@@ -41,7 +41,11 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
 
         # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
         device_ids = [dist.device] if dist.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+        # A multimodal checkpoint trained on text rows (Gemma 3 12B/27B): `all-linear` LoRA on its vision tower never
+        # gets a gradient, and DDP's reducer stops at the first step ("did not receive grad") unless it looks for
+        # unused parameters, which it then does at every step (a walk of the autograd graph).
+        unused = getattr(getattr(model, "config", None), "vision_config", None) is not None
+        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False, find_unused_parameters=unused)
     if plan.strategy == "deepspeed":
         return zero.initialize(model, plan.zero, device_type=dist.device.type)  # ZeRO-3 partitions it
     return model

@@ -210,19 +210,17 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
                 lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
     if experts and recipe.lora.train_router:
         tensors += _trainable_router_copies(model)
-    heads = getattr(config, "num_attention_heads", 1)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    text, heads, kv_dim = _text_shape(config)
     attn_impl = attention_for(recipe, config)  # auto (a stored config skips load_config): what the run will pick
     facts = ModelFacts(
         name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
-        generic=False, num_layers=num_layers, hidden=config.hidden_size,
-        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
-        heads=heads, kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
+        generic=False, num_layers=num_layers, hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size), vocab=text.vocab_size,
+        heads=heads, kv_dim=kv_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
         lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
         checkpoint_dtype_bytes=_stored_dtype_bytes(config),
-        eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
-        extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
+        eager_attention=attn_impl == "eager" or (bool(getattr(text, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
+        extra_norms=2 if getattr(text, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
         experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
         stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
@@ -233,6 +231,16 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     if not layers_path:
         facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
     return facts
+
+
+def _text_shape(config) -> tuple[object, int, int]:
+    """(text config, attention heads, key/value width). A multimodal checkpoint (Gemma 3 12B/27B: the language model in
+    `text_config`, a vision tower beside it) is counted whole, tensor by tensor; its text numbers (the activations, the
+    logits) come from its text config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 1)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text, heads, (getattr(text, "num_key_value_heads", None) or heads) * head_dim
 
 
 def _trainable_router_copies(model) -> list[Tensor]:

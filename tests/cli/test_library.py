@@ -44,7 +44,40 @@ def test_recipe_model_architecture_is_stored(path: Path):
     name = load_recipe(path).model.name_or_path
     config = architectures.stored_config(name)
     assert config is not None, f"no stored architecture for {name}: add its config.json to finetune/model/architectures"
-    assert config.num_hidden_layers > 0 and config.vocab_size > 1000
+    text = config.get_text_config()  # a multimodal checkpoint's language model (Gemma 3 12B/27B); else the config
+    assert text.num_hidden_layers > 0 and text.vocab_size > 1000
+
+
+# The chat templates of the library's models as they ship on the hub, from TRL's stored copies ("original templates",
+# trl/chat_templates; trl is a dev dependency). Models without a copy there are not checked here.
+SHIPPED_TEMPLATES = {"meta-llama/Llama-3.1-": "llama3_1.jinja", "Qwen/Qwen2.5-": "qwen2_5.jinja",
+                     "Qwen/Qwen3-": "qwen3.jinja", "google/gemma-3-": "gemma3.jinja"}
+CHAT_RECIPES = [p for p in RECIPES if p.stem != "quickstart"
+                and any(spec.format == "chat" for spec in load_recipe(p).data.datasets)]
+
+
+@pytest.mark.parametrize("path", CHAT_RECIPES, ids=lambda p: p.stem)
+def test_chat_recipe_renders_multi_turn_rows_with_its_model_template(path: Path):
+    """The suite trains recipes with a tiny ChatML tokenizer, so a model template that rewrites earlier turns (Qwen3's
+    drops their <think> blocks) passes there while finetune refuses every multi-turn row of the real run: render a
+    two-turn row of the recipe's dataset with the template the recipe's model ships."""
+    trl = pytest.importorskip("trl")
+    from finetune.cli.tiny import build_tokenizer
+    from finetune.data.templates import render_segments
+
+    recipe = load_recipe(path)
+    name = next((file for prefix, file in SHIPPED_TEMPLATES.items() if recipe.model.name_or_path.startswith(prefix)), None)
+    if name is None:
+        pytest.skip(f"no stored chat template for {recipe.model.name_or_path}")
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / name).read_text()
+    for spec in (spec for spec in recipe.data.datasets if spec.format == "chat"):
+        role, content = spec.columns.get("role", "role"), spec.columns.get("content", "content")
+        turns = [("user", "What is 2 plus 3?"), ("assistant", "5"), ("user", "And 4 plus 4?"), ("assistant", "8")]
+        row = {spec.columns.get("messages", "messages"): [{role: r, content: text} for r, text in turns]}
+        trained = [text for text, is_trained in render_segments(row, spec, tokenizer, recipe.data.system_prompt, "row 1")
+                   if is_trained]
+        assert [text[:1] for text in trained] == ["5", "8"], trained
 
 
 def test_list_shows_every_recipe_with_its_purpose(capsys):

@@ -110,6 +110,28 @@ def test_all_problems_reported_together(tiny_llama):
     assert str(err.value).count("\n  - ") == 2
 
 
+@pytest.mark.slow
+def test_multimodal_unit_is_the_language_model_layer_on_every_rank():
+    """Gemma 3 12B/27B: `_no_split_modules` is a set holding the SigLIP blocks and Gemma3DecoderLayer, iterated in a
+    hash-seeded order that differs between processes, so ranks wrapped different units and FSDP aborted. Each seed
+    stands for a rank's process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from finetune.cli.tiny import tiny_config_like; from finetune import parallel; "
+            "meta = parallel.meta_model(tiny_config_like('google/gemma-3-27b-it', vocab_size=512, eos_token_id=2, "
+            "pad_token_id=0)); print(parallel.decoder_layer_class(meta).__name__)")
+    chosen = set()
+    for seed in range(4):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                             check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        chosen.add(out.stdout.strip().splitlines()[-1])
+    assert chosen == {"Gemma3DecoderLayer"}
+
+
 def test_layer_split_placement_is_balanced(tiny_llama):
     from finetune.cli.tiny import build_tiny_model
 

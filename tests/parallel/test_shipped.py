@@ -177,6 +177,18 @@ def test_library_recipe_trains_two_steps(path: Path, tmp_path):
     """The recipe's own settings (LoRA, lengths, batch, accumulation, schedule, precision, checkpointing, attention,
     eval) under the accelerate config it names; a tiny model of its architecture and a local file of its format. A
     recipe whose run would be another's to the byte (TRAINED_FOR) is trained once."""
+    _train_two_steps(path, tmp_path, named_config(path))
+
+
+@pytest.mark.slow
+def test_multimodal_recipe_trains_under_ddp(tmp_path):
+    """gemma-3-12b loads its multimodal checkpoint whole and trains on text rows: the LoRA on its vision tower gets no
+    gradient, which stopped DDP's reducer at the first step ("did not receive grad") until the DDP wrap looked for
+    unused parameters for such a model (parallel/wrapping.py). The planner picks DDP for it on 2 or more GPUs."""
+    _train_two_steps(REPO / "recipes" / "gemma-3-12b.yaml", tmp_path, "ddp.yaml")
+
+
+def _train_two_steps(path: Path, tmp_path: Path, config: str) -> None:
     from finetune.cli.tiny import build_tiny_model_like
 
     recipe = load_recipe(path)
@@ -193,7 +205,6 @@ def test_library_recipe_trains_two_steps(path: Path, tmp_path):
     for index, spec in enumerate(recipe.data.eval_datasets):
         eval_file = write_jsonl(tmp_path / f"eval{index}.jsonl", rows_for(spec, count=8))
         overrides.append(f"data.eval_datasets.{index}.path={eval_file}")
-    config = named_config(path)
     result = accelerate_launch(config, path, *overrides)
     _ok(result)
     logged = [m for m in read_metrics(run_dir) if "loss" in m]  # every train.log_every steps, and the last one

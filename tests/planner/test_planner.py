@@ -47,6 +47,10 @@ def _recipe(name: str = "x", **sections):
     ("Qwen/Qwen2.5-14B-Instruct", 14.770), ("Qwen/Qwen2.5-32B-Instruct", 32.764), ("Qwen/Qwen2.5-72B-Instruct", 72.706),
     ("google/gemma-2-9b-it", 9.242), ("microsoft/phi-4", 14.660), ("HuggingFaceTB/SmolLM2-135M-Instruct", 0.134515),
     ("mistralai/Mixtral-8x7B-Instruct-v0.1", 46.703), ("Qwen/Qwen3-30B-A3B", 30.532),
+    # Model cards: Qwen3-8B 8.2B, Qwen3-32B 32.8B; gemma-3-12b-it 12.2B and gemma-3-27b-it 27.4B (the multimodal
+    # checkpoint, SigLIP vision tower included); Llama 3.3 70B is Llama 3.1 70B's architecture.
+    ("Qwen/Qwen3-8B", 8.19), ("Qwen/Qwen3-32B", 32.8), ("google/gemma-3-12b-it", 12.2), ("google/gemma-3-27b-it", 27.4),
+    ("meta-llama/Llama-3.3-70B-Instruct", 70.554),
 ])
 def test_stored_architectures_have_the_published_parameter_counts(name, billions):
     import torch
@@ -57,7 +61,7 @@ def test_stored_architectures_have_the_published_parameter_counts(name, billions
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=2e-3)
     assert stored_config_dict(name)["model_type"] == config.model_type
-    assert len(stored_names()) == 14 and stored_config("nobody/unknown-model") is None
+    assert len(stored_names()) == 19 and stored_config("nobody/unknown-model") is None
 
 
 # ------------------------------------------------------------------------------------------- published figures
