@@ -7,6 +7,8 @@ Before: split_experts refused gpt-oss under 4-bit ("stored transposed"), so it t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import recipe_dict
@@ -68,6 +70,10 @@ def gpt_oss_checkpoints(tmp_path_factory):
     save_file(tensors, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
     for name in [p.name for p in bf16.iterdir() if p.suffix != ".safetensors"]:
         (mxfp4 / name).write_bytes((bf16 / name).read_bytes())
+    config = json.loads((mxfp4 / "config.json").read_text())  # as openai/gpt-oss-20b's config.json says it
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mxfp4 / "config.json").write_text(json.dumps(config, indent=2))
     return {"bf16": bf16, "mxfp4": mxfp4}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from finetune.errors import ModelLoadError
 from finetune.model.checkpoints.files import CheckpointIndex, DerivedView
 from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 
@@ -121,6 +122,22 @@ def expert_views(index: CheckpointIndex, name: str, split: RoutedExperts) -> int
                     index.add_view(f"{key}.bias", DerivedView((bias,), _bias(bias, expert, part, len(parts))), shape[:1])
                     added += 1
     return added
+
+
+def refuse_mxfp4_in_from_pretrained(config, name: str) -> None:
+    """An MXFP4 checkpoint (config.json `quantization_config.quant_method: mxfp4`, as openai/gpt-oss-* ship) is read by
+    finetune's per-tensor loader only: transformers' `from_pretrained` takes one quantizer, so it cannot dequantize
+    MXFP4 and store NF4 in one load. Refused, with the fix, where a run would go through it."""
+    method = (getattr(config, "quantization_config", None) or {})
+    method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
+    if str(method).lower().endswith("mxfp4"):
+        raise ModelLoadError(
+            f"model.name_or_path `{name}`: its experts are stored in MXFP4 (config.json quantization_config.quant_method: "
+            "mxfp4). finetune dequantizes them to bf16 and stores NF4 in its tensor-by-tensor loader, which this run "
+            "does not use (a layer split over several devices, lora.dora, or a checkpoint without safetensors goes "
+            "through transformers' from_pretrained, which cannot combine MXFP4 with bitsandbytes). Fix: use a bf16 "
+            "checkpoint of the model (e.g. unsloth/gpt-oss-20b-BF16), or train with FSDP, DDP or on one device "
+            "without lora.dora (the tensor-by-tensor loader reads this checkpoint).")
 
 
 def _unpacked_weight(sources, expert, part, parts):
