@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import recipe_dict
+from conftest import recipe_dict, train_losses
 from loading_check import held_tensors
 from safetensors.torch import load_file, save_file
 
@@ -174,3 +174,44 @@ def test_4bit_gpt_oss_learns(gpt_oss_checkpoints):
     assert losses[-1] < losses[0] - 0.1, losses
     moved = [n for n, p in model.named_parameters() if n in expert_lora and not torch.equal(p, expert_lora[n])]
     assert len(moved) == len(expert_lora)
+
+
+@pytest.mark.slow
+def test_gpt_oss_trains_under_single_process_and_fsdp2_and_exports_both_ways(shipped_run, tiny_gpt_oss, tmp_path):
+    """The library's LoRA settings on a tiny gpt-oss: a single process and FSDP2 (2 ranks, loading sharded through the
+    per-expert views of the fused checkpoint) both train every expert's LoRA; the single run exports an adapter (its
+    expert LoRA under the per-expert names) and a merged model that plain transformers reloads with gpt-oss's own
+    fused experts, under the checkpoint's own tensor names."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from finetune.cli import main
+    from finetune.model.experts import load_adapter, split_experts
+
+    runs = {config: shipped_run(config, "gpt_oss", True) for config in ("single_gpu", "fsdp2")}
+    for config, (run_dir, result) in runs.items():
+        assert result.returncode == 0, f"{config}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+        expert_b = [t for name, t in adapter.items() if ".experts." in name and "lora_B" in name]
+        assert len(expert_b) == 2 * 4 * 3 and all(t.abs().sum() > 0 for t in expert_b), config
+        losses = train_losses(run_dir)
+        assert losses[-1] < losses[0], (config, losses)
+
+    run_dir = runs["single_gpu"][0]
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", str(run_dir), str(adapter)]) == 0
+    assert main(["export", str(run_dir), str(merged), "--merge"]) == 0
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+        assert sum(".mlp.experts.3.up_proj.lora_A" in k for k in handle.keys()) == 2  # noqa: SIM118 (not a dict)
+    with safe_open(str(merged / "model.safetensors"), "pt") as handle, \
+            safe_open(str(tiny_gpt_oss / "model.safetensors"), "pt") as base_handle:
+        assert sorted(handle.keys()) == sorted(base_handle.keys())
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    ours = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss, dtype=torch.float32)
+    split_experts(ours, dtype=torch.float32, quantized=False)
+    with torch.no_grad():
+        reference = load_adapter(ours, run_dir / "adapter")(input_ids=ids).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+        assert type(reloaded.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+        got = reloaded(input_ids=ids).logits
+    assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
