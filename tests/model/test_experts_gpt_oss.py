@@ -80,9 +80,9 @@ def gpt_oss_checkpoints(tmp_path_factory):
 def _recipe(model_dir, **sections):
     from finetune.recipe import Recipe
 
+    lora = {"r": 2, "alpha": 4, "dropout": 0.05, "target_modules": "all-linear"}
     return Recipe.model_validate(recipe_dict(model_dir, model_dir / "unused.jsonl", model_dir / "unused-run",
-                                             model={"dtype": "bfloat16"}, **sections,
-                                             lora={"r": 2, "alpha": 4, "dropout": 0.05, "target_modules": "all-linear"}))
+                                             model={"dtype": "bfloat16"}, lora=lora, **sections))
 
 
 def test_split_computes_what_gpt_oss_experts_compute_and_fuses_back_bitwise(gpt_oss_checkpoints, tmp_path):
@@ -105,7 +105,8 @@ def test_split_computes_what_gpt_oss_experts_compute_and_fuses_back_bitwise(gpt_
         split = model(input_ids=ids).logits
     expert = next(m for m in model.modules() if isinstance(m, RoutedExperts))[0]
     assert [(n, tuple(p.shape)) for n, p in expert.named_parameters()] == [
-        ("gate_proj.weight", (64, 64)), ("gate_proj.bias", (64,)), ("up_proj.weight", (64, 64)), ("up_proj.bias", (64,)),
+        ("gate_proj.weight", (64, 64)), ("gate_proj.bias", (64,)),
+        ("up_proj.weight", (64, 64)), ("up_proj.bias", (64,)),
         ("down_proj.weight", (64, 64)), ("down_proj.bias", (64,))]
     torch.testing.assert_close(split, fused, rtol=1e-5, atol=1e-5)
     assert not torch.equal(fused, torch.zeros_like(fused))
@@ -137,7 +138,8 @@ def test_experts_load_4bit_with_biases_and_lora_from_bf16_and_mxfp4_checkpoints(
     assert sorted(held) == sorted(expected)
     assert [k for k in held if not torch.equal(held[k], expected[k])] == []
 
-    weights = {n: p for n, p in model.named_parameters() if ".experts." in n and n.endswith(".weight") and ".lora_" not in n}
+    weights = {n: p for n, p in model.named_parameters()
+               if ".experts." in n and n.endswith(".weight") and ".lora_" not in n}
     biases = {n: p for n, p in model.named_parameters() if ".experts." in n and n.endswith(".bias")}
     assert len(weights) == len(biases) == config.num_hidden_layers * config.num_local_experts * 3
     assert all(type(p).__name__ == "Params4bit" for p in weights.values())
@@ -147,7 +149,22 @@ def test_experts_load_4bit_with_biases_and_lora_from_bf16_and_mxfp4_checkpoints(
     assert not [n for n, p in model.named_parameters() if p.dim() == 3]
     lora = [m for n, m in model.named_modules() if ".experts." in n and "default" in getattr(m, "lora_dropout", {})]
     assert len(lora) == len(weights)
-    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for n, p in model.named_parameters() if ".router." in n)
+    routers = [p for n, p in model.named_parameters() if ".router." in n]
+    assert len(routers) == 2 * config.num_hidden_layers  # weight and bias: model.dtype, frozen
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in routers)
+
+
+def test_mxfp4_checkpoint_is_refused_with_the_fix_where_from_pretrained_would_load_it(gpt_oss_checkpoints):
+    """lora.dora loads through transformers' from_pretrained, which cannot dequantize MXFP4 and store NF4 in one load
+    (it raised "quantized with Mxfp4Config but you are passing a BitsAndBytesConfig", blamed on the folder)."""
+    from finetune.errors import ModelLoadError
+    from finetune.model import loading
+
+    recipe = _recipe(gpt_oss_checkpoints["mxfp4"])
+    recipe.lora = recipe.lora.model_copy(update={"dora": True})
+    with pytest.raises(ModelLoadError, match=r"stored in MXFP4.*Fix: use a bf16 checkpoint.*unsloth/gpt-oss-20b-BF16"):
+        loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
+                           gradient_checkpointing=False)
 
 
 def test_4bit_gpt_oss_learns(gpt_oss_checkpoints):

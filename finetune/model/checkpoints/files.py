@@ -156,7 +156,8 @@ class TensorReader:
         part `part` of `parts` (torch.chunk's split) of the whole tensor or of expert `expert`'s slice; a `DerivedView`
         reads what its layout needs."""
         if isinstance(self.index.views[name], DerivedView):
-            return self.index.views[name].read(lambda stored, at: self._counted(self._handle(stored).get_slice(stored)[at]))
+            return self.index.views[name].read(
+                lambda stored, at: self._counted(self._handle(stored).get_slice(stored)[at]))
         stored, expert, part, parts = self.index.views[name]
         handle = self._handle(stored)
         if expert is None and parts == 1:

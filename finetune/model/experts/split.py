@@ -44,7 +44,8 @@ def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = Tru
         experts, hidden, inter = family.sizes(module, names)
         device = module.gate_up_proj.device
         with torch.device(device):
-            split = RoutedExperts([family.new_expert(module, names, hidden, inter, dtype=dtype) for _ in range(experts)])
+            split = RoutedExperts([family.new_expert(module, names, hidden, inter, dtype=dtype)
+                                   for _ in range(experts)])
         # Plain attributes (no state, nothing for FSDP to see): what `fuse_experts` needs to give the layout back.
         split.family, split.fused_type, split.fused_config = family_name, type(module), getattr(module, "config", None)
         if device.type != "meta":

@@ -93,9 +93,9 @@ def fused_tensors(split: RoutedExperts) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------------ checkpoint reads
 def expert_views(index: CheckpointIndex, name: str, split: RoutedExperts) -> int:
-    """Add to `index` each expert's weights and biases, read out of the checkpoint's fused tensors: bf16 (`gate_up_proj`,
-    experts x in x out) or MXFP4 (`gate_up_proj_blocks` experts x out x in/32 x 16, `_scales` experts x out x in/32:
-    one expert's rows read and dequantized). Returns the number of views added."""
+    """Add to `index` each expert's weights and biases, read out of the checkpoint's fused tensors: bf16
+    (`gate_up_proj`, experts x in x out) or MXFP4 (`gate_up_proj_blocks` experts x out x in/32 x 16, `_scales`
+    experts x out x in/32: one expert's slab read and dequantized). Returns the number of views added."""
     added = 0
     for fused, parts in (("gate_up_proj", NAMES.gate_up), ("down_proj", NAMES.down)):
         stored = f"{name}.{fused}"
@@ -113,13 +113,13 @@ def expert_views(index: CheckpointIndex, name: str, split: RoutedExperts) -> int
         bias = f"{stored}_bias"
         for expert in range(experts):
             for part, part_name in enumerate(parts):
-                key = f"{name}.{expert}.{part_name}"
+                key, at = f"{name}.{expert}.{part_name}", (expert, part, len(parts))
                 shape = (out_parts // len(parts), width)
                 if f"{key}.weight" not in index.shapes:
-                    index.add_view(f"{key}.weight", DerivedView(sources, weight(sources, expert, part, len(parts))), shape)
+                    index.add_view(f"{key}.weight", DerivedView(sources, weight(sources, *at)), shape)
                     added += 1
                 if f"{key}.bias" not in index.shapes and bias in index.shapes:
-                    index.add_view(f"{key}.bias", DerivedView((bias,), _bias(bias, expert, part, len(parts))), shape[:1])
+                    index.add_view(f"{key}.bias", DerivedView((bias,), _bias(bias, *at)), shape[:1])
                     added += 1
     return added
 
@@ -132,10 +132,10 @@ def refuse_mxfp4_in_from_pretrained(config, name: str) -> None:
     method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
     if str(method).lower().endswith("mxfp4"):
         raise ModelLoadError(
-            f"model.name_or_path `{name}`: its experts are stored in MXFP4 (config.json quantization_config.quant_method: "
-            "mxfp4). finetune dequantizes them to bf16 and stores NF4 in its tensor-by-tensor loader, which this run "
-            "does not use (a layer split over several devices, lora.dora, or a checkpoint without safetensors goes "
-            "through transformers' from_pretrained, which cannot combine MXFP4 with bitsandbytes). Fix: use a bf16 "
+            f"model.name_or_path `{name}`: its experts are stored in MXFP4 (config.json "
+            "quantization_config.quant_method: mxfp4). finetune dequantizes them to bf16 and stores NF4 in its "
+            "tensor-by-tensor loader, which this run does not use (a layer split over several devices, lora.dora, or "
+            "a checkpoint without safetensors goes through transformers' from_pretrained, which cannot combine MXFP4 with bitsandbytes). Fix: use a bf16 "
             "checkpoint of the model (e.g. unsloth/gpt-oss-20b-BF16), or train with FSDP, DDP or on one device "
             "without lora.dora (the tensor-by-tensor loader reads this checkpoint).")
 
