@@ -168,17 +168,20 @@ def test_mxfp4_checkpoint_is_refused_with_the_fix_where_from_pretrained_would_lo
 
 
 def test_4bit_gpt_oss_learns(gpt_oss_checkpoints):
-    """A few steps of LoRA on the 4-bit model (experts included) lower the loss on a fixed batch; the expert LoRA
-    weights move."""
+    """A few steps of LoRA on the 4-bit model read from MXFP4 (experts included) lower the loss on a fixed batch; every
+    expert's LoRA moves, and so do the routers with lora.train_router (weight and bias, PEFT's modules_to_save)."""
     from finetune.model import loading
 
     recipe = _recipe(gpt_oss_checkpoints["mxfp4"])
     recipe.model.dtype = "float32"
+    recipe.lora = recipe.lora.model_copy(update={"train_router": True})
     model = loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
                                gradient_checkpointing=False).model
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     expert_lora = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n and "lora_B" in n}
+    routers = {n: p.detach().clone() for n, p in model.named_parameters() if ".router.modules_to_save." in n}
+    assert len(routers) == 2 * 2 and all(p.requires_grad for n, p in model.named_parameters() if n in routers)
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
     losses = []
@@ -189,8 +192,9 @@ def test_4bit_gpt_oss_learns(gpt_oss_checkpoints):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
-    moved = [n for n, p in model.named_parameters() if n in expert_lora and not torch.equal(p, expert_lora[n])]
-    assert len(moved) == len(expert_lora)
+    before = expert_lora | routers
+    moved = [n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert len(moved) == len(before)
 
 
 @pytest.mark.slow
