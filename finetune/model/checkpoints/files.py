@@ -115,9 +115,11 @@ def checkpoint_folder(recipe: Recipe) -> Path:
     offline_guard(name)
     from huggingface_hub import snapshot_download
 
-    try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold
+    try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold, nor the
+        # original-format copy in original/ (openai/gpt-oss-*: original/*.safetensors, 13 GB more for 20b; metal/)
         return Path(snapshot_download(name, revision=recipe.model.revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"],
+                                      ignore_patterns=["original/*", "metal/*"]))
     except Exception as exc:  # noqa: BLE001 (hub errors come in many classes; all mean "not available here")
         raise load_error("model", name, exc) from None
 
