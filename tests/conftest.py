@@ -121,6 +121,13 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    from finetune.cli.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), family="gpt_oss")
+
+
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []

@@ -2,7 +2,7 @@
 
 No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
 special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
-family (llama, qwen2, mistral, gemma, qwen3; mixtral and qwen3_moe with experts), saved with `save_pretrained` so it
+family (llama, qwen2, mistral, gemma, qwen3; mixtral, qwen3_moe and gpt_oss with experts), saved with `save_pretrained` so it
 loads like any hub model.
 """
 
@@ -56,6 +56,8 @@ _FAMILY_KWARGS = {
     # Mixture of experts: 4 experts, 2 routed per token (each expert as wide as the dense families' MLP).
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
+    # gpt-oss: biased, interleaved experts (finetune/model/experts/families/gpt_oss.py); sliding and full layers.
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
 }
 
 

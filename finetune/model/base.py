@@ -110,6 +110,10 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
         kwargs["device_map"] = device_map
     elif device.type == "cuda":
         kwargs["device_map"] = {"": device}
+    if kwargs["quantization_config"] is not None and not recipe.model.gguf_file:
+        from finetune.model.experts.families.gpt_oss import refuse_mxfp4_in_from_pretrained
+
+        refuse_mxfp4_in_from_pretrained(load_config(recipe), name)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:

@@ -166,17 +166,19 @@ def test_lora_targets_that_cannot_work_are_refused_before_any_weight_loads(moe_m
     assert "w1/w3/w2" in str(error.value) or "`gate` is the experts' router" in str(error.value)
 
 
-def test_expert_layouts_it_cannot_split_are_refused_when_quantizing():
-    """gpt-oss keeps its experts transposed with biases: refused with the fix under 4-bit, left fused without it."""
+def test_expert_layouts_it_cannot_split_are_refused_when_quantizing(moe_models):
+    """A fused layout no family takes (here Mixtral's experts given biases, which only gpt-oss's family reads, and
+    gpt-oss's is another class): refused with every family's reason and the fix under 4-bit, left fused without it.
+    (gpt-oss itself is split: tests/model/test_experts_gpt_oss.py.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.errors import ModelLoadError
-    from finetune.model.experts import split_experts
+    from finetune.model.experts import fused_expert_modules, split_experts
 
-    config = AutoConfig.for_model("gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ModelLoadError, match=r"stored transposed.*Fix: set quantization.method: none"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_models["mixtral"]))
+    for _, module in fused_expert_modules(model):
+        module.has_bias = True
+    with pytest.raises(ModelLoadError, match=r"have biases; it is not gpt-oss's.*Fix: set quantization.method: none"):
         split_experts(model, dtype=torch.bfloat16, quantized=True)
     assert split_experts(model, dtype=torch.bfloat16, quantized=False) == 0

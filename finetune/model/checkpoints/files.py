@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,16 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+@dataclass(frozen=True)
+class DerivedView:
+    """A model tensor computed from stored ones by its layout's owner (an expert family: gpt-oss's transposed,
+    interleaved or MXFP4 experts, finetune/model/experts/families/): `read(get)` builds it, `get(stored, index)`
+    reading only `stored[index]` (safetensors slicing on the leading dimensions, counted as read)."""
+
+    sources: tuple[str, ...]
+    read: Callable[[Callable[[str, tuple], torch.Tensor]], torch.Tensor]
+
+
 @dataclass
 class CheckpointIndex:
     """Where each tensor of a safetensors checkpoint lives, and its shape (from the file headers only)."""
@@ -27,13 +38,14 @@ class CheckpointIndex:
     files: dict[str, Path] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # A model tensor stored under another name, or as part of a stored tensor (transformers' key renames and expert
-    # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part, parts).
-    views: dict[str, tuple[str, int | None, int, int]] = field(default_factory=dict)
+    # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part,
+    # parts), or a `DerivedView` for a layout that is no row block of one stored tensor.
+    views: dict[str, tuple[str, int | None, int, int] | DerivedView] = field(default_factory=dict)
 
-    def add_view(self, name: str, view: tuple[str, int | None, int, int], shape: tuple[int, ...]) -> None:
-        """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts)."""
+    def add_view(self, name: str, view: tuple[str, int | None, int, int] | DerivedView, shape: tuple[int, ...]) -> None:
+        """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts; or derived)."""
         self.views[name] = view
-        self.files[name] = self.files[view[0]]
+        self.files[name] = self.files[view.sources[0] if isinstance(view, DerivedView) else view[0]]
         self.shapes[name] = shape
 
 
@@ -103,9 +115,11 @@ def checkpoint_folder(recipe: Recipe) -> Path:
     offline_guard(name)
     from huggingface_hub import snapshot_download
 
-    try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold
+    try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold, nor the
+        # original-format copy in original/ (openai/gpt-oss-*: original/*.safetensors, 13 GB more for 20b; metal/)
         return Path(snapshot_download(name, revision=recipe.model.revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"],
+                                      ignore_patterns=["original/*", "metal/*"]))
     except Exception as exc:  # noqa: BLE001 (hub errors come in many classes; all mean "not available here")
         raise load_error("model", name, exc) from None
 
@@ -133,13 +147,19 @@ class TensorReader:
 
     def _stored_as(self, name: str) -> str | None:
         """The name in the files of a tensor stored whole (itself, or under transformers' renamed key); None for a
-        part of a fused tensor (one expert of a 3-D tensor, or one half of a fused projection)."""
+        part of a fused tensor (one expert of a 3-D tensor, or one half of a fused projection) or a derived one."""
+        if isinstance(self.index.views.get(name), DerivedView):
+            return None
         stored, expert, _, parts = self.index.views.get(name, (name, None, 0, 1))
         return stored if expert is None and parts == 1 else None
 
     def _part(self, name: str) -> torch.Tensor:
         """A tensor stored inside another (conversions.py): only its own bytes are read, the rows of
-        part `part` of `parts` (torch.chunk's split) of the whole tensor or of expert `expert`'s slice."""
+        part `part` of `parts` (torch.chunk's split) of the whole tensor or of expert `expert`'s slice; a `DerivedView`
+        reads what its layout needs."""
+        if isinstance(self.index.views[name], DerivedView):
+            return self.index.views[name].read(
+                lambda stored, at: self._counted(self._handle(stored).get_slice(stored)[at]))
         stored, expert, part, parts = self.index.views[name]
         handle = self._handle(stored)
         if expert is None and parts == 1:

@@ -9,7 +9,7 @@ from torch import nn
 from finetune.errors import ModelLoadError
 from finetune.model.checkpoints.files import CheckpointIndex
 from finetune.model.experts.families import FAMILIES, covered_models, family_for
-from finetune.model.experts.routed import ExpertMLP, RoutedExperts
+from finetune.model.experts.routed import RoutedExperts
 
 
 def fused_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -44,7 +44,8 @@ def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = Tru
         experts, hidden, inter = family.sizes(module, names)
         device = module.gate_up_proj.device
         with torch.device(device):
-            split = RoutedExperts([ExpertMLP(names, hidden, inter, module.act_fn, dtype=dtype) for _ in range(experts)])
+            split = RoutedExperts([family.new_expert(module, names, hidden, inter, dtype=dtype)
+                                   for _ in range(experts)])
         # Plain attributes (no state, nothing for FSDP to see): what `fuse_experts` needs to give the layout back.
         split.family, split.fused_type, split.fused_config = family_name, type(module), getattr(module, "config", None)
         if device.type != "meta":
@@ -68,10 +69,14 @@ def quantize_split_experts(model: nn.Module, bnb_config, *, load_dtype: torch.dt
         if not isinstance(module, RoutedExperts):
             continue
         for expert in module:
-            values = {name: child.weight.detach() for name, child in expert.named_children() if type(child) is nn.Linear}
+            linears = {name: child for name, child in expert.named_children() if type(child) is nn.Linear}
+            values = {name: child.weight.detach() for name, child in linears.items()}
+            biases = {name: child.bias for name, child in linears.items() if child.bias is not None}
             replace_with_bnb_linear(expert, quantization_config=bnb_config)
             for name, value in values.items():
                 layer = getattr(expert, name)
+                if name in biases:  # gpt-oss: the bias stays in model.dtype (bitsandbytes quantizes the weight only)
+                    layer.bias = biases[name]
                 value = value.to(dtype=load_dtype)
                 layer.weight = bnb.nn.Params4bit(value, requires_grad=False, **layer.weight.__dict__).to(value.device)
                 count += 1
@@ -85,11 +90,11 @@ def fuse_experts(model: nn.Module) -> int:
     replaced = 0
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]:
         with torch.no_grad():
-            gate_up, down = FAMILIES[module.family].fused_tensors(module)
+            tensors = FAMILIES[module.family].fused_tensors(module)
         with torch.device("meta"):
             fused = module.fused_type(module.fused_config)
-        fused.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-        fused.down_proj = nn.Parameter(down, requires_grad=False)
+        for key, value in tensors.items():  # gate_up_proj, down_proj (and gpt-oss's biases)
+            setattr(fused, key, nn.Parameter(value, requires_grad=False))
         model.set_submodule(name, fused)
         replaced += 1
     return replaced
@@ -102,6 +107,10 @@ def fused_expert_views(index: CheckpointIndex, model: nn.Module) -> int:
     added = 0
     for name, module in base.named_modules():
         if not isinstance(module, RoutedExperts) or not len(module):
+            continue
+        family = FAMILIES[getattr(module, "family", "concatenated")]
+        if hasattr(family, "expert_views"):  # a layout that is no row block of the stored tensor (gpt-oss)
+            added += family.expert_views(index, name, module)
             continue
         names = module[0].names
         for fused, parts in ((f"{name}.gate_up_proj", names.gate_up), (f"{name}.down_proj", names.down)):

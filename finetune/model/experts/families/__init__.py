@@ -2,9 +2,11 @@
 
 A family module holds (see concatenated.py): `MODELS` (the models it covers, for messages), `why_not(module)` (None
 when this family takes a fused experts module, else why not), `names(model, name, module)` (the per-expert
-`ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `copy_in(split,
-module)` (the fused weights into the per-expert Linears) and `fused_tensors(split)` (the reverse, for export). A new
-family (Llama 4's transposed experts, gpt-oss's biased, interleaved ones) is one new module and one line below.
+`ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `new_expert(module,
+names, hidden, inter, dtype=)` (one expert's module), `copy_in(split, module)` (the fused weights into the per-expert
+Linears) and `fused_tensors(split)` (the reverse, for export: the fused module's parameters by name); optionally
+`expert_views(index, name, split)` (how the checkpoint's tensors are read per expert, where they are no row blocks of a
+stored 3-D tensor; gpt_oss.py). A new family (Llama 4's transposed experts) is one new module and one line below.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from types import ModuleType
 
 from torch import nn
 
-from finetune.model.experts.families import concatenated
+from finetune.model.experts.families import concatenated, gpt_oss
 
-FAMILIES: dict[str, ModuleType] = {"concatenated": concatenated}
+FAMILIES: dict[str, ModuleType] = {"concatenated": concatenated, "gpt_oss": gpt_oss}
 
 
 def family_for(module: nn.Module) -> tuple[str | None, list[str]]:

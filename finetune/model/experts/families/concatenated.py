@@ -10,7 +10,7 @@ import re
 import torch
 from torch import nn
 
-from finetune.model.experts.routed import ExpertNames, RoutedExperts
+from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 
 MODELS = "Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-style"
 # Where the checkpoint has no per-expert converter (it ships the fused tensors), the per-expert names transformers 4 used.
@@ -60,6 +60,11 @@ def sizes(module: nn.Module, names: ExpertNames) -> tuple[int, int, int]:
     return experts, hidden, inter_parts // len(names.gate_up)
 
 
+def new_expert(module: nn.Module, names: ExpertNames, hidden: int, inter: int, *, dtype) -> ExpertMLP:
+    """One expert: act(gate(x)) * up(x), then down, with the fused module's activation."""
+    return ExpertMLP(names, hidden, inter, module.act_fn, dtype=dtype)
+
+
 def copy_in(split: RoutedExperts, module: nn.Module) -> None:
     """Each expert's weights copied out of the fused tensors (gate and up are row blocks of `gate_up_proj`)."""
     parts = len(split[0].names.gate_up)
@@ -69,9 +74,9 @@ def copy_in(split: RoutedExperts, module: nn.Module) -> None:
         getattr(expert, expert.names.down[0]).weight.copy_(module.down_proj[index])
 
 
-def fused_tensors(split: RoutedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_tensors(split: RoutedExperts) -> dict[str, torch.Tensor]:
     """`copy_in` reversed: the stacked `gate_up_proj` and `down_proj` transformers' experts module holds."""
     names = split[0].names
     gate_up = torch.stack([torch.cat([getattr(expert, part).weight for part in names.gate_up]) for expert in split])
     down = torch.stack([getattr(expert, names.down[0]).weight for expert in split])
-    return gate_up, down
+    return {"gate_up_proj": gate_up, "down_proj": down}
