@@ -109,6 +109,22 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_arch():
+    """`build(model_type) -> folder`: a tiny bf16 model of any transformers text causal LM, built from transformers'
+    own config class (finetune/cli/tiny_arch.py), once per session, under the suite's cache."""
+    from finetune.cli.tiny_arch import build_tiny_arch
+
+    built: dict[str, Path] = {}
+
+    def build(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_tiny_arch(model_type, TEST_CACHE / "tiny-archs" / model_type)
+        return built[model_type]
+
+    return build
+
+
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []

@@ -72,7 +72,16 @@ def offline_guard(name_or_path: str) -> None:
 
 
 def load_config(recipe: Recipe):
-    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too)."""
+    """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too).
+    An architecture finetune cannot train is refused here, before any weight loads (finetune/model/support.py)."""
+    from finetune.model.support import check_supported
+
+    config = _read_config(recipe)
+    check_supported(config, recipe)
+    return config
+
+
+def _read_config(recipe: Recipe):
     from transformers import AutoConfig
 
     check_adapter(recipe)
