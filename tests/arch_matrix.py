@@ -48,6 +48,7 @@ def train_arch(model_type: str, model_dir: Path, out_dir: Path) -> MatrixResult:
 
     from finetune import model, outputs, parallel
     from finetune.errors import FinetuneError
+    from finetune.model.experts import has_routed_experts
 
     start = time.perf_counter()
     recipe = arch_recipe(model_dir, out_dir)
@@ -72,20 +73,42 @@ def train_arch(model_type: str, model_dir: Path, out_dir: Path) -> MatrixResult:
         losses.append(float(loss.detach()))
     state = parallel.trainable_state_dict(peft_model, key_map)
     outputs.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
-    _reload_with_plain_peft(model_dir, out_dir / "adapter", len(state))
+    _reload_with_plain_peft(model_dir, out_dir / "adapter", len(state), experts=has_routed_experts(peft_model))
     return MatrixResult(model_type, "trained", "", losses, time.perf_counter() - start)
 
 
-def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int) -> None:
-    """The saved adapter loads with PEFT alone onto the unquantized base, every tensor placed (none left unused)."""
+def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *, experts: bool) -> None:
+    """The adapter loads with PEFT alone onto the unquantized stock base: no key missing (nor, dense, left over), and it
+    changes the logits. A mixture-of-experts adapter goes through `finetune export` first (the run's adapter names its
+    experts as finetune's per-expert layout does; the export, as the checkpoint does, for PEFT's own conversion)."""
+    import warnings
+
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
-    loaded = sum(1 for name, _ in reloaded.named_parameters() if ".lora_" in name)
-    assert loaded == tensors, f"{adapter_dir}: {tensors} adapter tensors saved, {loaded} LoRA tensors after reload"
+    if experts:
+        from finetune.cli.command import main as finetune_main
+
+        exported = adapter_dir.parent / "exported"
+        assert finetune_main(["export", str(adapter_dir), str(exported)]) == 0
+        adapter_dir = exported
+    ids = torch.arange(3, 19).unsqueeze(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
+    key_warnings = [str(w.message)[:300] for w in caught  # PEFT's words for keys it could not place
+                    if any(word in str(w.message).lower() for word in ("missing", "unexpected"))]
+    assert not key_warnings, f"{adapter_dir} ({tensors} tensors): {key_warnings}"
+    if not experts:  # PEFT warns of missing keys only: a saved tensor it found no module for passes silently
+        placed = sum(1 for name, _ in reloaded.named_parameters() if ".lora_" in name)
+        assert placed == tensors, f"{adapter_dir}: {tensors} adapter tensors saved, {placed} placed by PEFT"
+    with torch.no_grad():
+        after = reloaded(input_ids=ids).logits
+    assert (after - before).abs().max() > 0, f"{adapter_dir}: the reloaded adapter does not change the logits"
 
 
 def main(model_types: list[str]) -> None:

@@ -4,6 +4,7 @@
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
     checkpoint_files.py  the base's safetensors files: headers, the folder (local, GGUF-converted, hub), per-tensor reads
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
+    support.py       the architectures the suite's matrix trains; refusals (no sdpa, fused experts) before weights load
     experts.py       mixture-of-experts layers split into one Linear per expert projection (4-bit, LoRA on each)
     conversions.py   transformers' checkpoint key renames and expert fusion applied to a checkpoint index
     prequantized.py  4-bit checkpoints (transformers' bitsandbytes layout) as input: settings checked, bytes kept as stored

@@ -55,10 +55,14 @@ SHARDED = ("qwen3", "gemma3_text", "qwen3_moe")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
 REFUSED = {
-    "llama4_text": ("its experts are one fused tensor stored transposed (in x out) and routed outside the experts "
-                    "module, which finetune cannot yet split into 4-bit per-expert Linears", "stored transposed"),
-    "gpt_oss": ("transformers has no sdpa attention for it (learned attention sinks), and its experts (biases, "
-                "interleaved gate/up) cannot yet be stored in 4 bits", "sdpa"),
+    "llama4_text": (
+        ("its experts are one fused tensor stored transposed (in x out) and routed outside the experts module, which "
+        "finetune cannot yet split into 4-bit per-expert Linears"),
+        "stored transposed"),
+    "gpt_oss": (
+        ("transformers has no sdpa attention for it (learned attention sinks), and its experts (biases, interleaved "
+        "gate/up) cannot yet be stored in 4 bits"),
+        "sdpa"),
 }
 KNOWN_NAMES = {"llama4_text": "Llama 4 (text)", "gpt_oss": "gpt-oss"}
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
