@@ -29,12 +29,13 @@ class MatrixResult:
     seconds: float
 
 
-def arch_recipe(model_dir: Path, out_dir: Path):
-    """The library's settings on `model_dir`: NF4, LoRA r16 / dropout 0.05 on all linears, checkpointing, dtype auto."""
+def arch_recipe(model_dir: Path, out_dir: Path, model_settings: dict | None = None):
+    """The library's settings on `model_dir`: NF4, LoRA r16 / dropout 0.05 on all linears, checkpointing, dtype auto;
+    `model_settings`: model keys the architecture needs (finetune/model/support.py's MODEL_SETTINGS)."""
     from finetune.recipe import validate_recipe
 
     return validate_recipe({
-        "model": {"name_or_path": str(model_dir)},
+        "model": {"name_or_path": str(model_dir), **(model_settings or {})},
         "lora": dict(LIBRARY_LORA),
         "data": {"datasets": [{"path": str(out_dir / "unused.jsonl"), "format": "alpaca"}], "max_length": 64},
         "train": {"max_steps": STEPS, "micro_batch_size": 2, "gradient_checkpointing": True},
@@ -49,9 +50,10 @@ def train_arch(model_type: str, model_dir: Path, out_dir: Path) -> MatrixResult:
     from finetune import model, outputs, parallel
     from finetune.errors import FinetuneError
     from finetune.model.experts import has_routed_experts
+    from finetune.model.support import MODEL_SETTINGS
 
     start = time.perf_counter()
-    recipe = arch_recipe(model_dir, out_dir)
+    recipe = arch_recipe(model_dir, out_dir, MODEL_SETTINGS.get(model_type, {}))
     try:
         model.load_config(recipe)  # the pre-flight refusal of a known-unsupported architecture happens here
         torch.manual_seed(0)

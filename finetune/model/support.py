@@ -49,9 +49,14 @@ TRAINED = {
     "gpt_neox": "GPT-NeoX / Pythia",
     "falcon": "Falcon",
 }
+# model_type -> the model keys it needs besides the library's defaults (the matrix trains it with them).
+MODEL_SETTINGS = {
+    "gemma2": {"attn_implementation": "eager"},  # logit soft-capping: transformers refuses sdpa for it
+}
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
-# (pre and post norms, soft-capping, sliding window), one mixture of experts.
-SHARDED = ("qwen3", "gemma3_text", "qwen3_moe")
+# (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
+# Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py).
+SHARDED = ("qwen3", "gemma3_text", "deepseek_v3")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
 REFUSED = {
@@ -84,8 +89,8 @@ def refusals(config, *, quantized: bool, attn_implementation: str) -> list[str]:
     model_class = causal_lm_class(config)
     reasons = []
     if attn_implementation == "sdpa" and model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
-        reasons.append(f"transformers has no sdpa attention for {model_class.__name__} (gpt-oss adds learned attention "
-                       "sinks that sdpa cannot compute). Fix: set model.attn_implementation: eager")
+        reasons.append(f"transformers has no sdpa attention for {model_class.__name__} (its attention computes what "
+                       "sdpa cannot: logit soft-capping, learned sinks). Fix: set model.attn_implementation: eager")
     if quantized and model_class is not None and _has_experts(config):
         reasons += _expert_refusals(config, model_class)
     return reasons
@@ -151,6 +156,7 @@ def support_rows() -> list[tuple[str, str, str]]:
     rows = []
     for model_type, name in sorted(TRAINED.items()):
         status = "trained; FSDP2 and FSDP1 launched" if model_type in SHARDED else "trained (one process)"
+        status += "".join(f"; needs model.{key}: {value}" for key, value in MODEL_SETTINGS.get(model_type, {}).items())
         rows.append((model_type, name, status))
     for model_type in sorted(REFUSED):
         rows.append((model_type, KNOWN_NAMES.get(model_type, model_type), f"refused: {REFUSED[model_type][0]}"))

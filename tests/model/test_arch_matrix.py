@@ -64,6 +64,17 @@ def test_untried_and_supported_architectures_are_not_refused():
         assert refusals(config, quantized=True, attn_implementation="sdpa") == [], model_type
 
 
+def test_an_architecture_without_sdpa_is_refused_under_sdpa_only():
+    """Gemma 2 (soft-capping): transformers refuses sdpa for it; finetune says so before loading, with the fix that
+    MODEL_SETTINGS records and the matrix trains with."""
+    from finetune.model.support import MODEL_SETTINGS, refusals
+
+    config = tiny_config("gemma2", vocab_size=512, eos_token_id=2, pad_token_id=0)
+    (reason,) = refusals(config, quantized=True, attn_implementation="sdpa")
+    assert "Gemma2ForCausalLM" in reason and "Fix: set model.attn_implementation: eager" in reason
+    assert refusals(config, quantized=True, attn_implementation=MODEL_SETTINGS["gemma2"]["attn_implementation"]) == []
+
+
 def test_docs_and_the_cli_list_the_table(capsys):
     from finetune.cli.command import main
     from finetune.cli.models import models_doc
