@@ -37,6 +37,11 @@ _OVERRIDES: dict[str, dict] = {
 }
 
 
+# Causal-LM classes that are no standalone text decoder: the decoder half of an encoder-decoder (BERT generation,
+# TrOCR's text decoder for an image encoder) and XLNet's permutation language model.
+NOT_DECODERS = ("bert-generation", "trocr", "xlnet")
+
+
 def text_causal_lm_types() -> list[str]:
     """The model types transformers maps to a causal LM that are text decoders: no encoder (masked-LM or seq2seq
     models), no vision or audio sub-config."""
@@ -46,7 +51,7 @@ def text_causal_lm_types() -> list[str]:
     encoders = set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) | set(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
     found = []
     for model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        if model_type in encoders or model_type not in CONFIG_MAPPING:
+        if model_type in encoders or model_type in NOT_DECODERS or model_type not in CONFIG_MAPPING:
             continue
         config_class = CONFIG_MAPPING[model_type]
         subs = getattr(config_class, "sub_configs", None) or {}
