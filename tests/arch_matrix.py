@@ -11,6 +11,7 @@ cost ~10 s a run on a loaded CPU; the launches of a representative set under FSD
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ LIBRARY_LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-li
 @dataclass
 class MatrixResult:
     model_type: str
-    outcome: str  # "trained", "refused" (the library's one-paragraph refusal), "failed" (anything else)
+    outcome: str  # "trained", "adapter-not-peft" (trained; plain PEFT cannot load its exported adapter), "refused"
+    #               (the library's one-paragraph refusal), "failed" (anything else)
     detail: str
     losses: list[float]
     seconds: float
@@ -75,13 +77,15 @@ def train_arch(model_type: str, model_dir: Path, out_dir: Path) -> MatrixResult:
         losses.append(float(loss.detach()))
     state = parallel.trainable_state_dict(peft_model, key_map)
     outputs.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
-    _reload_with_plain_peft(model_dir, out_dir / "adapter", len(state), experts=has_routed_experts(peft_model))
-    return MatrixResult(model_type, "trained", "", losses, time.perf_counter() - start)
+    gap = _reload_with_plain_peft(model_dir, out_dir / "adapter", len(state), experts=has_routed_experts(peft_model))
+    return MatrixResult(model_type, "trained" if gap is None else "adapter-not-peft", gap or "", losses,
+                        time.perf_counter() - start)
 
 
-def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *, experts: bool) -> None:
+def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *, experts: bool) -> str | None:
     """The adapter loads with PEFT alone onto the unquantized stock base: no key missing or left over, and it changes
-    the logits. A mixture-of-experts adapter goes through `finetune export` first (the run's adapter names its
+    the logits; returns why not where `finetune export` says plain PEFT cannot load a MoE adapter (support.py's
+    ADAPTER_GAPS). A mixture-of-experts adapter goes through `finetune export` first (the run's adapter names its
     experts as finetune's per-expert layout does; the export, as the checkpoint does, for PEFT's own conversion)."""
     import torch
     from peft import PeftModel
@@ -98,15 +102,24 @@ def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *,
     with torch.no_grad():
         before = base(input_ids=ids).logits
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
-    # PEFT warns of missing keys only; a saved tensor it found no module for passes silently: ask its load result.
-    placed = reloaded.load_adapter(str(adapter_dir), adapter_name="probe")
-    missing = [key for key in placed.missing_keys if ".lora_" in key and ".probe" in key]
-    assert not placed.unexpected_keys and not missing, (
-        f"{adapter_dir} ({tensors} tensors): unexpected {placed.unexpected_keys[:4]}, missing {missing[:4]}")
-    reloaded.delete_adapter("probe")
+    if experts:
+        # A second load_adapter on PEFT's fused experts reports its own conversion's keys as unexpected; export's
+        # verdict is PEFT's load result of the same file against the stock base (missing, unexpected, values).
+        verdicts = {item["runtime"].split(" ")[0]: item for item in
+                    json.loads((adapter_dir / "runtimes.json").read_text())}
+        if verdicts["PEFT"]["status"] != "valid":
+            return "; ".join(verdicts["PEFT"]["reasons"])[:300]
+    else:
+        # PEFT warns of missing keys only; a saved tensor it found no module for passes silently: ask its load result.
+        placed = reloaded.load_adapter(str(adapter_dir), adapter_name="probe")
+        missing = [key for key in placed.missing_keys if ".lora_" in key and ".probe" in key]
+        assert not placed.unexpected_keys and not missing, (
+            f"{adapter_dir} ({tensors} tensors): unexpected {placed.unexpected_keys[:4]}, missing {missing[:4]}")
+        reloaded.delete_adapter("probe")
     with torch.no_grad():
         after = reloaded(input_ids=ids).logits
     assert (after - before).abs().max() > 0, f"{adapter_dir}: the reloaded adapter does not change the logits"
+    return None
 
 
 def main(model_types: list[str]) -> None:

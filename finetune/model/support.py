@@ -53,6 +53,10 @@ TRAINED = {
 MODEL_SETTINGS = {
     "gemma2": {"attn_implementation": "eager"},  # logit soft-capping: transformers refuses sdpa for it
 }
+# Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet (PEFT's loader leaves tensors
+# unplaced: dense or shared-expert MLPs beside the routed experts, granite's fused-input experts): the matrix expects
+# exactly this, so a fix shows up as a failing row to move out of here.
+ADAPTER_GAPS = ("deepseek_v3", "glm4_moe", "granitemoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
 # Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py).
@@ -157,6 +161,8 @@ def support_rows() -> list[tuple[str, str, str]]:
     for model_type, name in sorted(TRAINED.items()):
         status = "trained; FSDP2 and FSDP1 launched" if model_type in SHARDED else "trained (one process)"
         status += "".join(f"; needs model.{key}: {value}" for key, value in MODEL_SETTINGS.get(model_type, {}).items())
+        if model_type in ADAPTER_GAPS:
+            status += "; its exported adapter does not load in plain PEFT yet"
         rows.append((model_type, name, status))
     for model_type in sorted(REFUSED):
         rows.append((model_type, KNOWN_NAMES.get(model_type, model_type), f"refused: {REFUSED[model_type][0]}"))
