@@ -93,8 +93,9 @@ def refusals(config, *, quantized: bool, attn_implementation: str) -> list[str]:
     model_class = causal_lm_class(config)
     reasons = []
     if attn_implementation == "sdpa" and model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
-        reasons.append(f"transformers has no sdpa attention for {model_class.__name__} (its attention computes what "
-                       "sdpa cannot: logit soft-capping, learned sinks). Fix: set model.attn_implementation: eager")
+        reasons.append(f"transformers refuses sdpa attention for {model_class.__name__} (what its layers compute, "
+                       "such as logit soft-capping or learned sinks, sdpa cannot). Fix: set model.attn_implementation: "
+                       "eager")
     if quantized and model_class is not None and _has_experts(config):
         reasons += _expert_refusals(config, model_class)
     return reasons
