@@ -4,8 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint bench bench-dtype \
-	bench-peers gpu-smoke clean
+.PHONY: install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint models-doc bench \
+	bench-dtype bench-peers gpu-smoke clean
 
 install: $(STAMP)
 
@@ -69,6 +69,10 @@ test-compat:
 # empty folder outside the checkout. WHEEL_CHECK_DIR keeps the venv and runs for a look afterwards.
 wheel-check: $(STAMP)
 	bash .ci/wheel_smoke.sh $(abspath $(BIN))/python $(WHEEL_CHECK_DIR)
+
+# docs/models.md from the architecture table the suite's matrix checks (finetune/model/support.py).
+models-doc: $(STAMP)
+	$(BIN)/python -m finetune models --doc > docs/models.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests benchmarks

@@ -128,6 +128,22 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), family="gpt_oss")
 
 
+@pytest.fixture(scope="session")
+def tiny_arch():
+    """`build(model_type) -> folder`: a tiny bf16 model of any transformers text causal LM, built from transformers'
+    own config class (finetune/cli/tiny_arch.py), once per session, under the suite's cache."""
+    from finetune.cli.tiny_arch import build_tiny_arch
+
+    built: dict[str, Path] = {}
+
+    def build(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_tiny_arch(model_type, TEST_CACHE / "tiny-archs" / model_type)
+        return built[model_type]
+
+    return build
+
+
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []

@@ -1,4 +1,4 @@
-"""The `finetune` command: train, validate, plan, data, export, checkpoints, generate, recipes, runs, quickstart, plot, quantize.
+"""The `finetune` command: train, validate, plan, models, data, export, checkpoints, generate, recipes, runs, quickstart, plot, quantize.
 
 Each verb is a small function here that parses its arguments and calls the module that owns the work; heavy
 imports happen inside the verb, so `finetune --help` and `finetune validate` start fast. User mistakes
@@ -78,6 +78,14 @@ def _delegate(module: str, function: str):
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    if args.arch:
+        from finetune.cli.tiny_arch import build_tiny_arch, text_causal_lm_types
+
+        if args.arch not in text_causal_lm_types():
+            raise FinetuneError(f"--arch {args.arch}: not a text causal LM of this transformers. Fix: one of "
+                                f"{', '.join(text_causal_lm_types())}.")
+        print(f"tiny {args.arch} model + tokenizer written to {build_tiny_arch(args.arch, args.out)}")
+        return 0
     from finetune.cli.tiny import build_tiny_model
 
     path = build_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers)
@@ -128,6 +136,10 @@ def _add_look_verbs(verbs) -> None:
                    "e.g. 2GB (default 2GB): the load time next to the bytes each rank and node reads")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_delegate("finetune.cli.plan", "cli_plan"))
+
+    p = verbs.add_parser("models", help="the architectures the suite trains (and those refused, with the reason)")
+    p.add_argument("--doc", action="store_true", help="print docs/models.md as generated from the table")
+    p.set_defaults(func=_delegate("finetune.cli.models", "cli_models"))
 
     p = verbs.add_parser("data", help="preview rendered examples with trained spans, and data statistics")
     _add_recipe_args(p)
@@ -188,6 +200,8 @@ def _add_output_verbs(verbs) -> None:
     p = verbs.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (tests, smoke runs)")
     p.add_argument("out")
     p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe", "gpt_oss"])
+    p.add_argument("--arch", metavar="MODEL_TYPE", help="any transformers text causal LM type instead (e.g. gemma3_text, "
+                   "qwen3_next): transformers' default config of it, shrunk to 2 layers of hidden size 64")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.set_defaults(func=cmd_tiny_model)

@@ -6,6 +6,7 @@
     loading.py       load_model: the sharded loader (a meta skeleton, each FSDP unit read and quantized on its own)
     skeleton.py      the meta-device model with its 4-bit layers (the sharded loader's and `finetune quantize`'s)
     materialize.py   fills a meta skeleton one module at a time (base weights quantized on the device, LoRA from its seed)
+    support.py       the architectures the suite's matrix trains; refusals (no sdpa, fused experts) before weights load
     shard_reads.py   FSDP2: each rank reads and quantizes only its own chunk of each tensor (bitwise the whole tensor's)
     checkpoints/     reading the base: safetensors files (headers, the folder, per-tensor reads), transformers' key renames
     quantization/    4-bit checkpoints as input, `finetune quantize`'s writer, the 4-bit cache (model.quantized_cache)

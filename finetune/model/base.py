@@ -39,9 +39,13 @@ def import_backends() -> None:
 
 def load_config(recipe: Recipe):
     """The model's config only (no weights): used by pre-flight checks and the planner (model.adapter checked too).
-    model.attn_implementation: auto is resolved here, on the recipe, for this model (finetune/model/attention.py)."""
+    model.attn_implementation: auto is resolved here, on the recipe, for this model (finetune/model/attention.py). An
+    architecture finetune cannot train is refused here, before any weight loads (finetune/model/support.py)."""
+    from finetune.model.support import check_supported
+
     config = _config(recipe)
     resolve_attention(recipe, config)
+    check_supported(config, recipe)
     return config
 
 

@@ -115,9 +115,16 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     layer_cls = {type(m) for m in _layer_modules(model, plan)}
     keep_lora_inputs_in_compute_dtype(model)
 
+    base_dtype = model.get_input_embeddings().weight.dtype
+
     def is_trainable_leaf(module: nn.Module) -> bool:
-        # LoRA A/B (and DoRA magnitude) leaves: own unit, so every flat parameter has one dtype and one requires_grad.
-        return not list(module.named_children()) and any(p.requires_grad for p in module.parameters(recurse=False))
+        # Own unit, so every flat parameter has one dtype and one requires_grad: LoRA A/B (and DoRA magnitude) leaves,
+        # and frozen leaves transformers keeps in another dtype than the base (DeepSeek-V3's and GLM-4.5's fp32 router
+        # weight, `_keep_in_fp32_modules_strict`: "Must flatten tensors with uniform dtype" inside the layer's unit).
+        if list(module.named_children()):
+            return False
+        own = list(module.parameters(recurse=False))
+        return any(p.requires_grad for p in own) or any(p.dtype != base_dtype for p in own)
 
     policy = functools.partial(
         _or_policy,
