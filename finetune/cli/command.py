@@ -187,7 +187,7 @@ def _add_output_verbs(verbs) -> None:
 
     p = verbs.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (tests, smoke runs)")
     p.add_argument("out")
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe"])
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe", "llama4_text"])
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.set_defaults(func=cmd_tiny_model)

@@ -29,6 +29,8 @@ class CheckpointIndex:
     # A model tensor stored under another name, or as part of a stored tensor (transformers' key renames and expert
     # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part, parts).
     views: dict[str, tuple[str, int | None, int, int]] = field(default_factory=dict)
+    # Views of an expert stored (in, out) (Llama 4's fused experts): the part is a block of columns, read transposed.
+    transposed: set[str] = field(default_factory=set)
 
     def add_view(self, name: str, view: tuple[str, int | None, int, int], shape: tuple[int, ...]) -> None:
         """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts)."""
@@ -144,10 +146,14 @@ class TensorReader:
         handle = self._handle(stored)
         if expert is None and parts == 1:
             return self._counted(handle.get_tensor(stored))
+        view = handle.get_slice(stored)
+        if name in self.index.transposed:  # columns of expert `expert`'s (in, out) slice, as an (out, in) weight
+            columns = self.index.shapes[stored][2]
+            size = -(-columns // parts)
+            return self._counted(view[expert, :, part * size : min(columns, (part + 1) * size)]).t().contiguous()
         rows = self.index.shapes[stored][0 if expert is None else 1]
         size = -(-rows // parts)
         first, last = part * size, min(rows, (part + 1) * size)
-        view = handle.get_slice(stored)
         return self._counted(view[first:last] if expert is None else view[expert, first:last])
 
     def get(self, name: str) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 A family module holds (see concatenated.py): `MODELS` (the models it covers, for messages), `why_not(module)` (None
 when this family takes a fused experts module, else why not), `names(model, name, module)` (the per-expert
-`ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `copy_in(split,
-module)` (the fused weights into the per-expert Linears) and `fused_tensors(split)` (the reverse, for export). A new
-family (Llama 4's transposed experts, gpt-oss's biased, interleaved ones) is one new module and one line below.
+`ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `ROUTED` (the
+`RoutedExperts` class, called as transformers calls the fused module), `copy_in(split, module)` (the fused weights into
+the per-expert Linears), `fused_tensors(split)` and `fused_config(module)` (the reverse, for export), and `TRANSPOSED`
+(the stored fused tensors are (in, out): the loader reads an expert's part as columns, transposed). A new family
+(gpt-oss's biased, interleaved experts) is one new module and one line below.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from types import ModuleType
 
 from torch import nn
 
-from finetune.model.experts.families import concatenated
+from finetune.model.experts.families import concatenated, llama4
 
-FAMILIES: dict[str, ModuleType] = {"concatenated": concatenated}
+# Llama 4 first: its experts module looks concatenated (no flag says it is transposed), its class says otherwise.
+FAMILIES: dict[str, ModuleType] = {"llama4": llama4, "concatenated": concatenated}
 
 
 def family_for(module: nn.Module) -> tuple[str | None, list[str]]:
