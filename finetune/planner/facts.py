@@ -185,7 +185,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     tensors: list[Tensor] = []
     qstate = stored_qstate = 0
     lora_inputs: list[tuple[str, int]] = []
-    linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Exactly nn.Linear, as transformers' bnb quantizer converts: a subclass (Llama 4's router) stays in model.dtype.
+    linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if type(m) is nn.Linear}
     unit_load: dict[str, int] = {}
     for pname, param in model.named_parameters():
         unit = _unit_of(pname, layers_path)
@@ -210,20 +211,21 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
                 lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
     if experts and recipe.lora.train_router:
         tensors += _trainable_router_copies(model)
-    heads = getattr(config, "num_attention_heads", 1)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    text = config.get_text_config()  # a multimodal config (Llama 4's) holds the decoder's sizes in its text config
+    heads = getattr(text, "num_attention_heads", 1)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     attn_impl = attention_for(recipe, config)  # auto (a stored config skips load_config): what the run will pick
     facts = ModelFacts(
         name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
-        generic=False, num_layers=num_layers, hidden=config.hidden_size,
-        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
+        generic=False, num_layers=num_layers, hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size), vocab=text.vocab_size,
         heads=heads, kv_dim=kv_heads * head_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
         lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
         checkpoint_dtype_bytes=_stored_dtype_bytes(config),
         eager_attention=attn_impl == "eager" or (bool(getattr(config, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(config, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
-        experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        experts=experts, experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
         stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
     )
