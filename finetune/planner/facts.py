@@ -211,7 +211,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
                 lora_inputs.append((f"expert:{target}" if expert else target, module.in_features))
     if experts and recipe.lora.train_router:
         tensors += _trainable_router_copies(model)
-    text = config.get_text_config()  # a multimodal config (Llama 4's) holds the decoder's sizes in its text config
+    # A multimodal config (Llama 4's) holds the decoder's sizes in its text config (the generic estimate's is a Namespace).
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", 1)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
