@@ -144,6 +144,14 @@ def tiny_arch():
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_llama4(tmp_path_factory) -> Path:
+    """Llama 4 in Scout's layout: every layer MoE, the fused experts stored (in, out) as the hub files store them."""
+    from finetune.cli.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama4"), family="llama4_text")
+
+
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []

@@ -199,7 +199,8 @@ def _add_output_verbs(verbs) -> None:
 
     p = verbs.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (tests, smoke runs)")
     p.add_argument("out")
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe", "gpt_oss"])
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe", "gpt_oss",
+                                                                 "llama4_text"])
     p.add_argument("--arch", metavar="MODEL_TYPE", help="any transformers text causal LM type instead (e.g. gemma3_text, "
                    "qwen3_next): transformers' default config of it, shrunk to 2 layers of hidden size 64")
     p.add_argument("--hidden-size", type=int, default=64)

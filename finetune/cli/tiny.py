@@ -2,7 +2,7 @@
 
 No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
 special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
-family (llama, qwen2, mistral, gemma, qwen3; mixtral, qwen3_moe and gpt_oss with experts), saved with `save_pretrained` so it
+family (llama, qwen2, mistral, gemma, qwen3; mixtral, qwen3_moe, gpt_oss and llama4_text with experts), saved with `save_pretrained` so it
 loads like any hub model.
 """
 
@@ -58,17 +58,22 @@ _FAMILY_KWARGS = {
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
     # gpt-oss: biased, interleaved experts (finetune/model/experts/families/gpt_oss.py); sliding and full layers.
     "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+    # Llama 4 as Scout has it (every layer MoE, one routed expert and a shared one, fused experts stored (in, out));
+    # interleave_moe_layer_step=2 gives Maverick's (MoE every other layer, dense MLPs between).
+    "llama4_text": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1},
 }
 
 
 def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
                      tie_word_embeddings: bool = False, max_shard_size: str | None = None,
-                     intermediate_size: int | None = None, num_attention_heads: int = 4, num_key_value_heads: int = 2):
+                     intermediate_size: int | None = None, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                     llama4: dict | None = None):
     """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path.
 
     `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship.
     `intermediate_size` (default 2 x hidden) and the head counts give odd shapes (FSDP2 chunk boundaries inside a
-    quantization block, uneven chunks)."""
+    quantization block, uneven chunks). `llama4`: Llama4TextConfig fields for family llama4_text (Maverick's
+    {"interleave_moe_layer_step": 2})."""
     from transformers import AutoConfig
 
     if family not in _FAMILY_KWARGS:
@@ -90,6 +95,7 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         bos_token_id=None,
         **_FAMILY_KWARGS[family],
         **({"moe_intermediate_size": hidden_size * 2} if family == "qwen3_moe" else {}),
+        **({"intermediate_size_mlp": hidden_size * 2, **(llama4 or {})} if family == "llama4_text" else {}),
     )
     return _save(config, tokenizer, Path(out_dir), seed=seed, max_shard_size=max_shard_size)
 

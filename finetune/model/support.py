@@ -49,6 +49,7 @@ TRAINED = {
     "gpt_neox": "GPT-NeoX / Pythia",
     "falcon": "Falcon",
     "gpt_oss": "gpt-oss (MoE; attention eager, chosen by model.attn_implementation: auto)",
+    "llama4_text": "Llama 4 (text: Scout, Maverick; MoE, experts stored transposed)",
 }
 # model_type -> the model keys it needs besides the library's defaults (the matrix trains it with them).
 MODEL_SETTINGS = {
@@ -57,20 +58,15 @@ MODEL_SETTINGS = {
 # Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet (PEFT's loader leaves tensors
 # unplaced: dense or shared-expert MLPs beside the routed experts, granite's fused-input experts): the matrix expects
 # exactly this, so a fix shows up as a failing row to move out of here.
-ADAPTER_GAPS = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
+ADAPTER_GAPS = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4_text", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
 # Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py).
 SHARDED = ("qwen3", "gemma3_text", "deepseek_v3")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
-REFUSED = {
-    "llama4_text": (
-        ("its experts are one fused tensor stored transposed (in x out) and routed outside the experts module, which "
-        "finetune cannot yet split into 4-bit per-expert Linears"),
-        "stored transposed"),
-}
-KNOWN_NAMES = {"llama4_text": "Llama 4 (text)"}
+REFUSED: dict[str, tuple[str, str]] = {}
+KNOWN_NAMES: dict[str, str] = {}
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 

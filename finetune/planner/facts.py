@@ -185,7 +185,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     tensors: list[Tensor] = []
     qstate = stored_qstate = 0
     lora_inputs: list[tuple[str, int]] = []
-    linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Exactly nn.Linear, as transformers' bnb quantizer converts: a subclass (Llama 4's router) stays in model.dtype.
+    linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if type(m) is nn.Linear}
     unit_load: dict[str, int] = {}
     for pname, param in model.named_parameters():
         unit = _unit_of(pname, layers_path)
@@ -221,7 +222,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         checkpoint_dtype_bytes=_stored_dtype_bytes(config),
         eager_attention=attn_impl == "eager" or (bool(getattr(text, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(text, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
-        experts=experts, experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        experts=experts, experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
         stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
     )

@@ -15,13 +15,17 @@ from host_syncs import HostSyncs
 from loading_check import held_tensors
 from safetensors.torch import save_file
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "llama4")
+# Per family: the config's expert count and expert width fields, and where the router sits.
+EXPERT_FIELDS = {"mixtral": ("num_local_experts", "intermediate_size", ".mlp.gate."),
+                 "qwen3_moe": ("num_experts", "moe_intermediate_size", ".mlp.gate."),
+                 "llama4": ("num_local_experts", "intermediate_size", ".feed_forward.router.")}
 
 
 @pytest.fixture(scope="module")
-def moe_models(tiny_mixtral, tiny_qwen3_moe):
+def moe_models(tiny_mixtral, tiny_qwen3_moe, tiny_llama4):
     """The session's tiny MoE models (shared with the shipped-config runs and the export test)."""
-    return {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
+    return {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe, "llama4": tiny_llama4}
 
 
 def _recipe(model_dir, **lora):
@@ -44,7 +48,8 @@ def _fused_checkpoint(model_dir, target):
     return target
 
 
-@pytest.mark.parametrize("family,train_router", [("mixtral", False), ("qwen3_moe", True)])
+@pytest.mark.parametrize("family,train_router", [("mixtral", False), ("qwen3_moe", True), ("llama4", False),
+                                                 ("llama4", True)])
 def test_experts_are_4bit_with_lora_and_both_loaders_hold_the_same_bytes(moe_models, family, train_router, tmp_path):
     """Routers frozen by default (Mixtral); with lora.train_router (Qwen3-MoE) each is PEFT's modules_to_save: a
     trainable fp32 copy that both loaders build with the same bytes, the original frozen in model.dtype."""
@@ -63,8 +68,8 @@ def test_experts_are_4bit_with_lora_and_both_loaders_hold_the_same_bytes(moe_mod
     assert [k for k in held if not torch.equal(held[k], expected[k])] == []
 
     # Every expert weight is stored 4-bit: packed bytes = half the expert elements, no 3-D expert tensor left.
-    experts = config.num_local_experts if family == "mixtral" else config.num_experts
-    inter = config.intermediate_size if family == "mixtral" else config.moe_intermediate_size
+    experts_field, inter_field, router = EXPERT_FIELDS[family]
+    experts, inter = getattr(config, experts_field), getattr(config, inter_field)
     expert_elements = config.num_hidden_layers * experts * 3 * config.hidden_size * inter
     expert_weights = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" not in n}
     assert len(expert_weights) == config.num_hidden_layers * experts * 3
@@ -73,7 +78,7 @@ def test_experts_are_4bit_with_lora_and_both_loaders_hold_the_same_bytes(moe_mod
     assert not [n for n, p in model.named_parameters() if p.dim() == 3]
     assert sum(isinstance(m, RoutedExperts) for m in model.modules()) == config.num_hidden_layers
     # The router: model.dtype, unquantized, frozen.
-    routers = {n: p for n, p in model.named_parameters() if ".mlp.gate." in n}
+    routers = {n: p for n, p in model.named_parameters() if router in n}
     frozen = {n: p for n, p in routers.items() if ".modules_to_save." not in n}
     trained = {n: p for n, p in routers.items() if ".modules_to_save." in n}
     assert len(frozen) == config.num_hidden_layers and len(trained) == (config.num_hidden_layers if train_router else 0)
@@ -94,8 +99,8 @@ def test_experts_are_4bit_with_lora_and_both_loaders_hold_the_same_bytes(moe_mod
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values())
 
     # A checkpoint storing the fused 3-D tensors reads as the same bytes (each expert sliced from them). Mixtral's,
-    # renamed and fused, is read sharded under FSDP1 in tests/model/test_loading.py.
-    if family == "mixtral":
+    # renamed and fused, is read sharded under FSDP1 in tests/model/test_loading.py; Llama 4's checkpoint is fused.
+    if family != "qwen3_moe":
         return
     fused_recipe = _recipe(_fused_checkpoint(model_dir, tmp_path / "fused"), train_router=train_router)
     fused = loading.load_model(fused_recipe, sharded=False, device=cpu, device_map=None, gradient_checkpointing=False).model
@@ -133,7 +138,7 @@ def test_experts_wait_for_the_device_once_per_layer_not_once_per_expert(moe_mode
     from finetune.model.experts import RoutedExperts, split_experts
 
     config = AutoConfig.from_pretrained(moe_models[family])
-    setattr(config, "num_local_experts" if family == "mixtral" else "num_experts", 16)
+    setattr(config, EXPERT_FIELDS[family][0], 16)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert split_experts(model, dtype=torch.float32) == config.num_hidden_layers

@@ -48,6 +48,9 @@ def many_layer_models(tmp_path_factory):
         "qwen2-tied": build_tiny_model(root / "qwen2", family="qwen2", num_layers=16, tie_word_embeddings=True, **odd),
         "mixtral": _mixtral_renamed_and_fused(root / "mixtral"),
         "qwen3_moe": build_tiny_model(root / "qwen3-moe", family="qwen3_moe", hidden_size=64, num_layers=4),
+        # Maverick's layout (MoE every other layer, dense MLPs between), its fused experts stored (in, out).
+        "maverick": build_tiny_model(root / "maverick", family="llama4_text", hidden_size=64, num_layers=4,
+                                     llama4={"interleave_moe_layer_step": 2}),
     }
 
 
@@ -74,7 +77,7 @@ def _mixtral_renamed_and_fused(folder: Path) -> Path:
     return folder
 
 
-MOE_MODELS = ("mixtral", "qwen3_moe")
+MOE_MODELS = ("mixtral", "qwen3_moe", "maverick")
 
 
 def _chunk_edges(model_dir: Path) -> tuple[int, int]:
@@ -94,9 +97,11 @@ def _chunk_edges(model_dir: Path) -> tuple[int, int]:
 
 @pytest.mark.slow
 # FSDP1 reads whole tensors through the same reader on every model: one dense model (tied embeddings) and Mixtral
-# (renamed and fused experts). Qwen3-MoE's per-expert checkpoint under FSDP2: each rank's range of every expert.
+# (renamed and fused experts). Qwen3-MoE's per-expert checkpoint under FSDP2: each rank's range of every expert;
+# Llama 4's fused (in, out) experts under FSDP2: each rank's rows of every expert, read as columns, transposed.
 @pytest.mark.parametrize("model_name,fsdp_version", [("llama-sharded-index", 2), ("qwen2-tied", 2), ("qwen2-tied", 1),
-                                                     ("mixtral", 1), ("qwen3_moe", 2)])
+                                                     ("mixtral", 1), ("qwen3_moe", 2), ("maverick", 2),
+                                                     ("maverick", 1)])
 def test_sharded_loading_holds_the_same_bytes_with_less_memory(many_layer_models, model_name, fsdp_version, tmp_path):
     model_dir = many_layer_models[model_name]
     if model_name.startswith("llama"):

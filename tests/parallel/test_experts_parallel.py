@@ -72,3 +72,24 @@ def test_moe_trains_the_same_curve_single_ddp_fsdp2(shipped_run, family, configs
         assert main(["export", str(shipped_run("fsdp2", family, True, train_router=True)[0]), str(tmp_path / "out")]) == 0
         verdicts = {v["runtime"].split(" ")[0]: v["status"] for v in json.loads((tmp_path / "out" / "runtimes.json").read_text())}
         assert verdicts == {"PEFT": "valid", "vLLM": "invalid", "llama.cpp": "invalid"}, verdicts
+
+
+@pytest.mark.slow
+def test_llama4_trains_the_same_curve_ddp_fsdp2(shipped_run):
+    """Llama 4 (Scout's layout, fused (in, out) experts split per expert): FSDP2 loads it sharded, one decoder layer at
+    a time, and trains the curve DDP trains, every rank running every expert (on its routed rows, possibly none: no
+    collective skipped). Top-1 of 4: an expert no token chose on any rank gets no gradient (its input rows are zero),
+    so only most experts move."""
+    curves = {}
+    for config in ("ddp", "fsdp2"):
+        run_dir, result = shipped_run(config, "llama4", True)
+        _ok(result)
+        curves[config] = train_losses(run_dir)
+        adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+        expert_b = [t for name, t in adapter.items() if ".feed_forward.experts." in name and "lora_B" in name]
+        assert len(expert_b) == 2 * 4 * 3 and sum(t.abs().sum() > 0 for t in expert_b) >= len(expert_b) // 2
+        assert not [name for name in adapter if ".router." in name]  # frozen, no LoRA
+    assert "unit = " in result.stdout and "DecoderLayer" in result.stdout
+    assert len(curves["ddp"]) == 3 and curves["ddp"][-1] < curves["ddp"][0] - 10 * BF16_LOSS_TOLERANCE
+    assert curves["ddp"] == pytest.approx(curves["fsdp2"], abs=BF16_LOSS_TOLERANCE)
+    print(f"llama4: curves {curves}")

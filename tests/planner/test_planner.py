@@ -330,3 +330,28 @@ def test_moe_experts_count_4bit_with_top_k_routing_activations():
     assert two_k["mlp"] - 8 * 8 == 2 * (one_k["mlp"] - 8 * 8)  # per routed expert: 3 intermediates + in/out copies
     assert two_k["lora"] - one_k["lora"] == one_k["lora"] - activation_parts_per_token_layer(
         dataclasses.replace(one, experts_per_token=0), recipe, seq_len=1024)["lora"] > 0
+
+
+@pytest.mark.parametrize("name,step,experts,moe_layers", [("scout", 1, 16, 48), ("maverick", 2, 128, 24)])
+def test_llama4_experts_count_4bit_and_its_router_stays_bf16_without_lora(name, step, experts, moe_layers):
+    """Llama 4 text, Scout's and Maverick's sizes (published config values; Maverick: MoE every other layer): each
+    expert projection is a 4-bit Linear with a LoRA (its fused (in, out) tensors split, finetune/model/experts/families/
+    llama4.py), the shared expert too; the router, an nn.Linear subclass that bitsandbytes does not convert, stays
+    bf16 with no LoRA. The multimodal config (what the hub's config.json holds) gives the same facts, not a crash."""
+    from transformers import Llama4Config, Llama4TextConfig
+
+    text = {"hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 202048,
+            "num_local_experts": experts, "num_experts_per_tok": 1, "interleave_moe_layer_step": step}
+    recipe = _recipe(name, lora={"dropout": 0.05})
+    facts = facts_from_config(Llama4TextConfig(**text), recipe)
+    assert (facts.experts, facts.experts_per_token, facts.expert_intermediate) == (experts, 1, 8192)
+    expert_weights = [t for t in facts.tensors if ".feed_forward.experts." in t.name and not t.trainable]
+    assert len(expert_weights) == moe_layers * experts * 3
+    assert sum(t.nbytes for t in expert_weights) == moe_layers * experts * 3 * 5120 * 8192 // 2  # 4 bits each
+    expert_lora = [t for t in facts.tensors if ".feed_forward.experts." in t.name and t.trainable]
+    assert len(expert_lora) == 2 * len(expert_weights)
+    routers = [t for t in facts.tensors if ".router." in t.name]
+    assert [t.nbytes for t in routers] == [experts * 5120 * 2] * moe_layers  # bf16, no LoRA tensors
+    multimodal = facts_from_config(Llama4Config(text_config=text), recipe)
+    assert multimodal.total_bytes(trainable=False) == facts.total_bytes(trainable=False)

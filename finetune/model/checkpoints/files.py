@@ -41,6 +41,8 @@ class CheckpointIndex:
     # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part,
     # parts), or a `DerivedView` for a layout that is no row block of one stored tensor.
     views: dict[str, tuple[str, int | None, int, int] | DerivedView] = field(default_factory=dict)
+    # Views of an expert stored (in, out) (Llama 4's fused experts): the part is a block of columns, read transposed.
+    transposed: set[str] = field(default_factory=set)
 
     def add_view(self, name: str, view: tuple[str, int | None, int, int] | DerivedView, shape: tuple[int, ...]) -> None:
         """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts; or derived)."""
@@ -164,18 +166,32 @@ class TensorReader:
         handle = self._handle(stored)
         if expert is None and parts == 1:
             return self._counted(handle.get_tensor(stored))
+        if name in self.index.transposed:
+            return self._transposed_rows(name, 0, self.index.shapes[name][0])
+        view = handle.get_slice(stored)
         rows = self.index.shapes[stored][0 if expert is None else 1]
         size = -(-rows // parts)
         first, last = part * size, min(rows, (part + 1) * size)
-        view = handle.get_slice(stored)
         return self._counted(view[first:last] if expert is None else view[expert, first:last])
+
+    def _transposed_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of an expert weight stored (in, out) (Llama 4): columns of the expert's slice, part
+        `part`'s block of them, transposed to (out, in); only those columns' bytes are read."""
+        stored, expert, part, parts = self.index.views[name]
+        size = -(-self.index.shapes[stored][2] // parts)
+        first, stop = part * size, min(stop, self.index.shapes[name][0])  # never into the next part's columns
+        columns = self._handle(stored).get_slice(stored)[expert, :, first + start : first + stop]
+        return self._counted(columns).t().contiguous()
 
     def get(self, name: str) -> torch.Tensor:
         stored = self._stored_as(name)
         return self._part(name) if stored is None else self._counted(self._handle(stored).get_tensor(stored))
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of a tensor (dim 0): only their bytes are read (a part of a fused tensor: read whole)."""
+        """Rows [start, stop) of a tensor (dim 0): only their bytes are read (a part of a fused tensor: read whole,
+        except an expert stored (in, out), whose rows are stored columns)."""
+        if name in self.index.transposed:
+            return self._transposed_rows(name, start, stop)
         stored = self._stored_as(name)
         if stored is None:
             return self._part(name)[start:stop]
@@ -184,7 +200,12 @@ class TensorReader:
     def get_flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor, 1-D. A matrix is read in at most three slices (the end of
         a first row, whole rows, the start of a last row), so exactly the range's bytes are read; a tensor of other
-        rank is read in whole rows and trimmed; a part of a fused tensor is read whole and cut."""
+        rank is read in whole rows and trimmed; a part of a fused tensor is read whole and cut (an expert stored
+        (in, out): its whole rows around the range, then trimmed)."""
+        if name in self.index.transposed:  # whole rows (stored columns) around the range, then trimmed
+            width = self.index.shapes[name][1]
+            first, last = start // width, -(-stop // width)
+            return self._transposed_rows(name, first, last).reshape(-1)[start - first * width : stop - first * width]
         stored = self._stored_as(name)
         if stored is None:
             return self._part(name).reshape(-1)[start:stop]

@@ -16,8 +16,10 @@ only through `ParamWrapper`, which has no dropout. Here each such module becomes
   * the checkpoint's per-expert tensors map one to one onto these weights, after transformers' key renames (sharded
     loading reads one expert tensor at a time, `expert_views`); a checkpoint that stores the fused 3-D tensors is read
     by slicing them per expert.
-The router (`gate`) is not an `nn.Linear` in transformers 5: it stays unquantized and, by default, frozen.
-Each layout family (how transformers stores a model's fused experts) is one module in families/.
+The router (`gate`) is not an `nn.Linear` in transformers 5 (Llama 4's `router` is a subclass of one, which bnb does
+not convert and LoRA is kept off): it stays unquantized and, by default, frozen.
+Each layout family (how transformers stores a model's fused experts) is one module in families/: `concatenated`
+(Mixtral, Qwen-MoE, DeepSeek-style: (out, in)) and `llama4` (Scout, Maverick: (in, out), called with pre-scaled rows).
 
     routed.py     ExpertMLP, RoutedExperts: the per-expert module and its token grouping
     families/     one module per expert layout (a new architecture family is one file there, and one registry line)

@@ -45,6 +45,7 @@ def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kw
     if not has_routed_experts(model):
         return peft_get_peft_model(model, config, **kwargs)
     check_expert_targets(model, config)
+    excluded = _exclude_linear_routers(model, config)
     try:
         with per_expert_layout():
             peft_model = peft_get_peft_model(model, config, **kwargs)
@@ -52,20 +53,51 @@ def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kw
         raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
                              f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
                              f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
+    if excluded is not None:  # the adapter's config as if the router had never matched (a reload needs no exclusion)
+        resolved = peft_model.peft_config[kwargs.get("adapter_name", "default")]
+        resolved.exclude_modules = excluded[0]
+        if isinstance(resolved.target_modules, set):  # all-linear, expanded by PEFT to leaf names, the router's too
+            resolved.target_modules -= excluded[1]
     trainable_routers(peft_model)
     return peft_model
 
 
+def _is_router(child: nn.Module) -> bool:
+    """Whether a module beside `RoutedExperts` is the router: a leaf with a weight that is no Linear (transformers 5's
+    `gate`, Mixtral, Qwen-MoE), or a Linear subclass of transformers' own (Llama 4's `router`, which returns scores
+    and logits). A Linear of torch or bitsandbytes there is a projection (Qwen-MoE's `shared_expert_gate`)."""
+    linear_router = isinstance(child, nn.Linear) and type(child).__module__.startswith("transformers.")
+    return (not isinstance(child, RoutedExperts) and (linear_router or not isinstance(child, nn.Linear))
+            and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor))
+
+
 def router_names(model: nn.Module) -> list[str]:
-    """The routers' module names (`gate`): the leaf module with one weight beside each layer's `RoutedExperts`.
+    """The routers' module names (`gate`, `router`), one beside each layer's `RoutedExperts` (`_is_router`).
     ModelLoadError when the model has none (lora.train_router on a dense model)."""
     names = sorted({name for parent in model.modules() if any(isinstance(c, RoutedExperts) for c in parent.children())
-                    for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))
-                    and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor)})
+                    for name, child in parent.named_children() if _is_router(child)})
     if not names:
         raise ModelLoadError("lora.train_router: true, but this model has no mixture-of-experts router to train. Fix: "
                              "remove lora.train_router (it applies to Mixtral- and Qwen-MoE-style models).")
     return names
+
+
+def _exclude_linear_routers(model: nn.Module, config) -> tuple[object, set[str]] | None:
+    """Keep LoRA off a router that is an `nn.Linear` subclass (Llama 4's returns scores and logits, which PEFT's
+    `lora.Linear` cannot add to): all-linear (or a regex) would wrap it. Added to the config's exclude_modules by full
+    name; returns the previous exclude_modules and the routers' leaf names (None when nothing was added). A list of
+    targets naming the router is refused before (`check_expert_targets`)."""
+    routers = [f"{parent_name}.{name}" for parent_name, parent in model.named_modules()
+               if any(isinstance(child, RoutedExperts) for child in parent.children())
+               for name, child in parent.named_children() if isinstance(child, nn.Linear) and _is_router(child)]
+    if not routers or not isinstance(config.target_modules, str):
+        return None
+    excluded = config.exclude_modules
+    if isinstance(excluded, str):  # a regex: add the routers' names as alternatives
+        config.exclude_modules = "|".join([f"(?:{excluded})", *(f"(?:{name.replace('.', '[.]')})" for name in routers)])
+    else:
+        config.exclude_modules = sorted({*(excluded or ()), *routers})
+    return excluded, {name.rsplit(".", 1)[-1] for name in routers}
 
 
 def trainable_routers(peft_model: nn.Module) -> int:
@@ -132,7 +164,7 @@ def check_expert_targets(model: nn.Module, config) -> None:
         return  # all-linear (or a regex) matches Linears only: the experts' projections, never the router
     routers = {name.rsplit(".", 1)[-1] for parent_name, parent in model.named_modules()
                if any(isinstance(child, RoutedExperts) for child in parent.children())
-               for name, child in parent.named_children() if not isinstance(child, (RoutedExperts, nn.Linear))}
+               for name, child in parent.named_children() if _is_router(child)}
     leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     for target in targets:
         leaf = target.rsplit(".", 1)[-1]

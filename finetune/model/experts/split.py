@@ -44,10 +44,10 @@ def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = Tru
         experts, hidden, inter = family.sizes(module, names)
         device = module.gate_up_proj.device
         with torch.device(device):
-            split = RoutedExperts([family.new_expert(module, names, hidden, inter, dtype=dtype)
+            split = family.ROUTED([family.new_expert(module, names, hidden, inter, dtype=dtype)
                                    for _ in range(experts)])
         # Plain attributes (no state, nothing for FSDP to see): what `fuse_experts` needs to give the layout back.
-        split.family, split.fused_type, split.fused_config = family_name, type(module), getattr(module, "config", None)
+        split.family, split.fused_type, split.fused_config = family_name, type(module), family.fused_config(module)
         if device.type != "meta":
             with torch.no_grad():
                 family.copy_in(split, module)
@@ -101,8 +101,9 @@ def fuse_experts(model: nn.Module) -> int:
 
 
 def fused_expert_views(index: CheckpointIndex, model: nn.Module) -> int:
-    """Add to `index` the per-expert weights of `RoutedExperts` missing from the checkpoint but stored fused (experts x out x in):
-    expert e's part i of n is rows i/n of the fused tensor's slice e (transformers' `Concatenate(dim=1)` order)."""
+    """Add to `index` the per-expert weights of `RoutedExperts` missing from the checkpoint but stored fused. Stored
+    experts x out x in (the concatenated family), expert e's part i of n is rows i/n of the fused tensor's slice e
+    (transformers' `Concatenate(dim=1)` order); stored experts x in x out (Llama 4), it is columns i/n, transposed."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     added = 0
     for name, module in base.named_modules():
@@ -112,7 +113,7 @@ def fused_expert_views(index: CheckpointIndex, model: nn.Module) -> int:
         if hasattr(family, "expert_views"):  # a layout that is no row block of the stored tensor (gpt-oss)
             added += family.expert_views(index, name, module)
             continue
-        names = module[0].names
+        names, transposed = module[0].names, family.TRANSPOSED
         for fused, parts in ((f"{name}.gate_up_proj", names.gate_up), (f"{name}.down_proj", names.down)):
             if fused not in index.shapes:
                 continue
@@ -121,7 +122,12 @@ def fused_expert_views(index: CheckpointIndex, model: nn.Module) -> int:
             for expert in range(shape[0]):
                 for part, part_name in enumerate(parts):
                     key = f"{name}.{expert}.{part_name}.weight"
-                    if key not in index.shapes:
+                    if key in index.shapes:
+                        continue
+                    if transposed:
+                        index.add_view(key, (stored, expert, part, len(parts)), (shape[2] // len(parts), shape[1]))
+                        index.transposed.add(key)
+                    else:
                         index.add_view(key, (stored, expert, part, len(parts)), (shape[1] // len(parts), *shape[2:]))
-                        added += 1
+                    added += 1
     return added

@@ -3,10 +3,12 @@
 A family module holds (see concatenated.py): `MODELS` (the models it covers, for messages), `why_not(module)` (None
 when this family takes a fused experts module, else why not), `names(model, name, module)` (the per-expert
 `ExpertNames`, as the checkpoint names them), `sizes(module, names)` (experts, hidden, intermediate), `new_expert(module,
-names, hidden, inter, dtype=)` (one expert's module), `copy_in(split, module)` (the fused weights into the per-expert
-Linears) and `fused_tensors(split)` (the reverse, for export: the fused module's parameters by name); optionally
-`expert_views(index, name, split)` (how the checkpoint's tensors are read per expert, where they are no row blocks of a
-stored 3-D tensor; gpt_oss.py). A new family (Llama 4's transposed experts) is one new module and one line below.
+names, hidden, inter, dtype=)` (one expert's module), `ROUTED` (the `RoutedExperts` class, called as transformers calls
+the fused module), `copy_in(split, module)` (the fused weights into the per-expert Linears), `fused_tensors(split)` (the
+reverse, for export: the fused module's parameters by name) and `fused_config(module)` (what rebuilds the fused module),
+`TRANSPOSED` (the stored fused tensors are (in, out): the loader reads an expert's part as columns, transposed);
+optionally `expert_views(index, name, split)` (how the checkpoint's tensors are read per expert, where they are no row
+blocks of a stored 3-D tensor; gpt_oss.py). A new family is one new module and one line below.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from types import ModuleType
 
 from torch import nn
 
-from finetune.model.experts.families import concatenated, gpt_oss
+from finetune.model.experts.families import concatenated, gpt_oss, llama4
 
-FAMILIES: dict[str, ModuleType] = {"concatenated": concatenated, "gpt_oss": gpt_oss}
+# Llama 4 first: its experts module looks concatenated (no flag says it is transposed), its class says otherwise.
+FAMILIES: dict[str, ModuleType] = {"llama4": llama4, "concatenated": concatenated, "gpt_oss": gpt_oss}
 
 
 def family_for(module: nn.Module) -> tuple[str | None, list[str]]:

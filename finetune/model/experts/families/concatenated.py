@@ -13,6 +13,8 @@ from torch import nn
 from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 
 MODELS = "Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-style"
+ROUTED = RoutedExperts  # called as transformers' experts: (states, top-k index, top-k weights)
+TRANSPOSED = False  # the stored fused tensors are (out, in), as nn.Linear: an expert's part is a block of rows
 # Where the checkpoint has no per-expert converter (it ships the fused tensors), the per-expert names transformers 4 used.
 DEFAULT_NAMES = (("gate_proj", "up_proj"), ("down_proj",))
 
@@ -52,6 +54,11 @@ def expert_names(model: nn.Module, param_name: str, part: str) -> tuple[str, ...
 
 def names(model: nn.Module, name: str, module: nn.Module) -> ExpertNames:
     return ExpertNames(expert_names(model, f"{name}.gate_up_proj", "gate_up"), expert_names(model, f"{name}.down_proj", "down"))
+
+
+def fused_config(module: nn.Module):
+    """The config transformers' experts module was built from, to rebuild it for export."""
+    return getattr(module, "config", None)
 
 
 def sizes(module: nn.Module, names: ExpertNames) -> tuple[int, int, int]:

@@ -20,6 +20,8 @@ from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 
 MODELS = "gpt-oss-20b, gpt-oss-120b"
 NAMES = ExpertNames(("gate_proj", "up_proj"), ("down_proj",))
+ROUTED = RoutedExperts  # called as transformers' experts: (states, top-k index, top-k weights)
+TRANSPOSED = False  # read through `expert_views`, not as blocks of the stored tensors
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of two e2m1 values each
 
 
@@ -64,6 +66,11 @@ class ClampedSwiGLUExpert(ExpertMLP):
 
 def new_expert(module: nn.Module, names: ExpertNames, hidden: int, inter: int, *, dtype) -> ExpertMLP:
     return ClampedSwiGLUExpert(names, hidden, inter, alpha=module.alpha, limit=module.limit, dtype=dtype)
+
+
+def fused_config(module: nn.Module):
+    """The config transformers' experts module was built from, to rebuild it for export."""
+    return getattr(module, "config", None)
 
 
 def copy_in(split: RoutedExperts, module: nn.Module) -> None:
