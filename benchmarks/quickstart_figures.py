@@ -29,21 +29,13 @@ DPO_PAIRS = re.compile(r"held-out pairs: reward accuracy (\d+)%, margin ([-+.\d]
 
 
 def machine() -> str:
-    """`2 cores (Intel(R) Xeon(R) Processor, AMX), torch 2.13.0, load average 3.1 before`: what the wall time needs."""
-    import platform
-
+    """`2 cores, Intel(R) Xeon(R) Processor, AMX, torch 2.13.0, load average 3.1 at the start`: what the wall time needs."""
     import torch
 
-    name, units = platform.processor() or platform.machine(), ""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1).strip()
-        units = ", AMX" if "amx_bf16" in cpuinfo else ", AVX512-BF16" if "avx512_bf16" in cpuinfo else ", no bf16 units"
-    except (OSError, AttributeError):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from finetune.precision import cpu_summary
+
     load = f", load average {os.getloadavg()[0]:.1f} at the start" if hasattr(os, "getloadavg") else ""
-    return f"{cores} cores ({name}{units}), torch {torch.__version__}{load}"
+    return f"{cpu_summary()}, torch {torch.__version__}{load}"
 
 
 def run_quickstart(args: list[str], log: Path) -> tuple[str, float]:

@@ -52,6 +52,25 @@ def cpu_bf16_flags() -> list[str]:
     return []
 
 
+def cpu_summary() -> str:
+    """`2 cores, Intel(R) Xeon(R) Processor, AMX`: what a CPU timing depends on most (benchmarks, the durations
+    record)."""
+    import platform
+    import re
+
+    name, units = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            found = re.search(r"model name\s*:\s*(.*)", handle.read())
+        name = found.group(1).strip() if found else name
+    except OSError:
+        pass
+    flags = cpu_bf16_flags()
+    units = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if flags else "no bf16 matmul units"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ", ".join(part for part in (f"{cores} cores", name, units) if part)
+
+
 def native_bf16(device_type: str, index: int = 0) -> tuple[bool, str]:
     """Whether `device_type` computes bf16 natively, and the fact that says so (for the one [finetune] line)."""
     import torch

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from finetune.precision import cpu_summary
 
 LAUNCHERS = {"torchrun", "accelerate", "deepspeed", "pip", "pip3", "finetune"}
 # A Python process is a launch by its command line when it runs a module of the project, a launcher, pip, a build or a
@@ -161,7 +162,7 @@ class Tiers:
             "# tests/tiers.py). Regenerate it in a change that adds or slows tests, so that the growth shows in review.",
             "# `make durations MARK='not slow'` records the fast tier only.",
             (f"# selection: -m {selection!r}; {len(self.seconds)} tests, {wall:.0f} s wall "
-             f"({time.strftime('%Y-%m-%d', time.gmtime())}; {machine()}; load average {load:.1f} at the end)"),
+             f"({time.strftime('%Y-%m-%d', time.gmtime())}; {cpu_summary()}; load average {load:.1f} at the end)"),
         ]
         for name, ids in tiers.items():
             if ids:
@@ -190,19 +191,6 @@ def children_cpu_time() -> float:
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return children.ru_utime + children.ru_stime
-
-
-def machine() -> str:
-    """`2 cores, Intel(R) Xeon(R) Processor, AMX`: what a duration depends on most."""
-    name, flags = platform.processor() or platform.machine(), ""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.*)", cpuinfo).group(1).strip()
-        flags = "AMX" if "amx_bf16" in cpuinfo else "AVX512-BF16" if "avx512_bf16" in cpuinfo else "no bf16 matmul units"
-    except (OSError, AttributeError):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ", ".join(part for part in (f"{cores} cores", name, flags) if part)
 
 
 def addoption(parser: pytest.Parser) -> None:
