@@ -5,6 +5,7 @@
     python benchmarks/bench_peers.py --only ours,trl --modes packed --distributed
     python benchmarks/bench_peers.py --summarize results.json         # the tables of an earlier --json run
     python benchmarks/bench_peers.py --dpo                # DPO against TRL's DPOTrainer (benchmarks/bench_peers_dpo.py)
+    python benchmarks/bench_peers.py --grpo               # GRPO against TRL's GRPOTrainer (benchmarks/bench_peers_grpo.py)
 
 Work: QLoRA (NF4 base, bf16, LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
 quickstart's model) on the ledger_report task (finetune/cli/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
@@ -256,6 +257,26 @@ def cpu_seconds() -> tuple[float, float]:
     return busy, children.ru_utime + children.ru_stime
 
 
+def worker_env(**extra: str) -> dict[str, str]:
+    """A worker's environment: this one without a launcher's rank variables, offline, unbuffered."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_measured(command: list[str], env: dict[str, str], label: str) -> tuple[float, float]:
+    """Run a worker to its end: (its wall seconds, the share of the machine other processes kept busy meanwhile).
+    A failed worker ends the benchmark with its output."""
+    busy_before, own_before = cpu_seconds()
+    started = time.perf_counter()
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    busy_after, own_after = cpu_seconds()
+    if result.returncode != 0:
+        raise SystemExit(f"{label} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return wall, max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall * os.cpu_count())
+
+
 def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
     """Run one configuration in fresh processes; returns the figures read back from their reports."""
     overrides = [f"train.max_steps={steps}", f"data.packing={str(config['mode'] == 'packed').lower()}"]
@@ -266,22 +287,14 @@ def launch(config: dict, recipe: Path, out: Path, steps: int) -> dict:
         overrides += ["parallel.fsdp_version=2"] if config["strategy"] == "fsdp2" else []
     worker = [str(Path(__file__).resolve()), "--worker", config["runner"], "--recipe", str(recipe), "--out", str(out),
               "--mode", config["mode"], *overrides]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = worker_env()
     if config["procs"] > 1:
         env["OMP_NUM_THREADS"] = "1"  # two processes share the cores
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config['procs']}",
                    "--master_port=29533", *worker]
     else:
         command = [sys.executable, *worker]
-    busy_before, own_before = cpu_seconds()
-    started = time.perf_counter()
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    busy_after, own_after = cpu_seconds()
-    if result.returncode != 0:
-        raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    other = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall * os.cpu_count())
+    wall, other = run_measured(command, env, str(config))
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
     return {**config, "steps": steps, **throughput(reports, steps), "other_cpu": other,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in reports), "eval_loss": reports[0]["eval_loss"],
@@ -367,6 +380,11 @@ def main() -> None:
         from bench_peers_dpo import main as dpo_main
 
         dpo_main([arg for arg in sys.argv[1:] if arg != "--dpo"])
+        return
+    if "--grpo" in sys.argv:  # online RL against TRL's GRPOTrainer: benchmarks/bench_peers_grpo.py
+        from bench_peers_grpo import main as grpo_main
+
+        grpo_main([arg for arg in sys.argv[1:] if arg != "--grpo"])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")

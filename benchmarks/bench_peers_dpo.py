@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import SYSTEM_PROMPT, cpu_seconds, device, peak_rss_mb, throughput, write_report
+from bench_peers import SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
 
 RUNNERS = ("ours", "ours-precomputed", "trl")
 PAIRS = 200
@@ -176,23 +175,14 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------- orchestration
 def launch(runner: str, recipe: Path, out: Path, steps: int) -> dict:
-    import os
 
     overrides = [f"train.max_steps={steps}"]
     if runner == "ours-precomputed":
         overrides.append("dpo.reference=precomputed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = worker_env()
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", runner, "--recipe", str(recipe), "--out",
                str(out), *overrides]
-    busy_before, own_before = cpu_seconds()
-    started = time.perf_counter()
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    busy_after, own_after = cpu_seconds()
-    if result.returncode != 0:
-        raise SystemExit(f"{runner} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    other = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall * os.cpu_count())
+    _, other = run_measured(command, env, runner)
     report = json.loads((out / "bench_rank0.json").read_text())
     return {"runner": runner, **throughput([report], steps), "peak_rss_mb": report["train_peak_rss_mb"],
             "first_loss": report["first_loss"], "reward_accuracy": report["reward_accuracy"], "other_cpu": other}

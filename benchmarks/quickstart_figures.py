@@ -1,6 +1,6 @@
-"""The README's quickstart figures, from the runs that produce them: `finetune quickstart` and `finetune quickstart --dpo`.
+"""The README's quickstart figures, from the runs that produce them: `finetune quickstart`, `--dpo` and `--grpo`.
 
-    python benchmarks/quickstart_figures.py [--only sft|dpo] [--out DIR]      (make quickstart-figures)
+    python benchmarks/quickstart_figures.py [--only sft|dpo|grpo] [--out DIR]      (make quickstart-figures)
 
 Each command runs as a user runs it (`python -m finetune quickstart ...`, the shipped recipe unchanged, its own
 process, the machine's GGUF cache: the first run ever converts the GGUF file, ~25 s, which is counted in its wall time);
@@ -25,6 +25,8 @@ sys.path.insert(0, str(REPO))
 # The lines of the quickstart's reports (finetune/cli/quickstart.py: report, dpo_report) that hold the figures.
 SFT_SCORES = re.compile(r"exact match on (\d+) held-out prompts: before (\d+)% \((\d+)/\d+\) -> after (\d+)% \((\d+)/\d+\)")
 DPO_SCORES = re.compile(r"exact match on (\d+) held-out prompts: after SFT (\d+)% -> after DPO (\d+)%")
+GRPO_SCORES = re.compile(r"exact match on (\d+) held-out prompts: after SFT (\d+)% \((\d+)/\d+\) -> after GRPO (\d+)% "
+                         r"\((\d+)/\d+\)")
 DPO_PAIRS = re.compile(r"held-out pairs: reward accuracy (\d+)%, margin ([-+.\d]+), eval loss ([.\d]+)")
 
 
@@ -82,9 +84,22 @@ def dpo_figures(root: Path) -> str:
     return line + ")"
 
 
+def grpo_figures(root: Path) -> str:
+    from finetune.cli.quickstart import SFT_STEPS
+
+    text, wall = run_quickstart(["--grpo", "--out", str(root / "quickstart-grpo"), "output.overwrite=true"],
+                                root / "quickstart-grpo.log")
+    scores = GRPO_SCORES.search(text)
+    if not scores:
+        raise SystemExit(f"the GRPO quickstart's report has no exact-match line:\n{text[-2000:]}")
+    prompts, after_sft, _, after_grpo, _ = scores.groups()
+    return (f"`finetune quickstart --grpo`: a {SFT_STEPS}-step SFT answers {after_sft}% of {prompts} held-out prompts "
+            f"exactly, GRPO from its adapter {after_grpo}%, {wall:.0f} s wall time\n    (its report: {scores.group(0)})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["sft", "dpo"], help="one of the two runs")
+    parser.add_argument("--only", choices=["sft", "dpo", "grpo"], help="one of the three runs")
     parser.add_argument("--out", type=Path, help="keep the run folders and logs here (default: a temporary folder)")
     args = parser.parse_args()
     print(f"[quickstart-figures] machine: {machine()}", flush=True)
@@ -92,7 +107,7 @@ def main() -> int:
         root = (args.out or Path(scratch)).resolve()
         root.mkdir(parents=True, exist_ok=True)
         lines = []
-        for name, figures in (("sft", sft_figures), ("dpo", dpo_figures)):
+        for name, figures in (("sft", sft_figures), ("dpo", dpo_figures), ("grpo", grpo_figures)):
             if args.only in (None, name):
                 lines.append(figures(root))
                 print(f"[quickstart-figures] {lines[-1]}", flush=True)

@@ -34,6 +34,10 @@ class ModelLoadError(FinetuneError):
     """The model or tokenizer cannot be found or loaded (offline hub, missing folder...)."""
 
 
+class RewardError(FinetuneError):
+    """A GRPO reward function raised or returned something unusable; the run stops before the step's update."""
+
+
 # ------------------------------------------------------------------ refusals the recipe schema words itself
 DATA_PARALLEL_NAMES = ("dp", "data_parallel", "data-parallel", "dataparallel")
 

@@ -33,6 +33,7 @@ from pydantic import (
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
 from finetune.recipe_checks import check_dtypes, check_keep_best, check_objective, check_streaming
+from finetune.recipe_grpo import GRPOSection
 from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -88,7 +89,7 @@ class LoraSection(_Section):
 
 class DatasetSpec(_Section):
     path: str = Field(description="Local file (.jsonl/.json/.csv/.parquet), load_from_disk folder, or `datasets` name.")
-    format: Literal["alpaca", "chat", "completion", "text", "preference", "unpaired_preference"] = "alpaca"
+    format: Literal["alpaca", "chat", "completion", "text", "preference", "unpaired_preference", "prompt"] = "alpaca"
     split: str = "train"
     subset: str | None = None
     weight: float = Field(1.0, gt=0, description="Mixing weight: 2 repeats the train examples, 0.5 takes half.")
@@ -137,16 +138,18 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo", "kto"] = Field(
+    objective: Literal["sft", "dpo", "kto", "grpo"] = Field(
         "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
         "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO). kto: KTO on single completions labelled "
-        "desirable or not (format: unpaired_preference; the `kto:` section).")
+        "desirable or not (format: unpaired_preference; the `kto:` section). grpo: online RL, completions sampled by "
+        "the policy and scored by reward functions (format: prompt; the `grpo:` section; docs/grpo.md).")
     max_steps: int = Field(100, gt=0, description="Optimizer steps of the run; or set num_epochs instead (not both).")
     num_epochs: float | None = Field(
         None, gt=0, description="Passes over the training rows instead of max_steps (not both; 1.5: one pass and half "
         "of a reshuffled second). At the run's start max_steps becomes ceil(num_epochs x steps per epoch), steps per "
         "epoch = rows // (micro_batch_size x processes x grad_accum): the resolved recipe.yaml says that max_steps.")
-    micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass.")
+    micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass (grpo: completions, as TRL's "
+                                  "per_device_train_batch_size: micro_batch_size / grpo.num_generations prompts).")
     grad_accum: int = Field(1, gt=0)
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -296,6 +299,7 @@ class Recipe(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     dpo: PreferenceSection = Field(default_factory=PreferenceSection)
     kto: KTOSection = Field(default_factory=KTOSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     output: OutputSection = Field(default_factory=OutputSection)
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -377,6 +381,11 @@ class Recipe(_Section):
         return list(self._notes)
 
     # Resolved values used by the stages (one place for the defaults that depend on other keys).
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Data rows per rank per micro-batch: train.micro_batch_size; GRPO's prompts (it counts completions)."""
+        return self.train.micro_batch_size // (self.grpo.num_generations if self.train.objective == "grpo" else 1)
+
     @property
     def compute_dtype(self) -> str:
         return self.quantization.compute_dtype or self.model.dtype

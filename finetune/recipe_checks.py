@@ -8,11 +8,13 @@ with the keys and the fix, which the schema turns into one paragraph naming the 
 from __future__ import annotations
 
 # The data format each objective trains on, and what to say when the other kind of preference data is given.
-OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",)}
+OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",), "grpo": ("prompt",)}
 FORMAT_HINTS = {
     "dpo": "give rows with prompt/chosen/rejected and set its format: preference",
     "kto": "give rows with prompt/completion/label (label true: desirable, false: undesirable) and set its format: "
            "unpaired_preference (a pair file unpairs into one desirable and one undesirable row per pair)",
+    "grpo": "give rows with a `prompt` (text or chat messages) and the columns your reward functions read, and set its "
+            "format: prompt",
 }
 # dpo: keys that also configure train.objective: kto (the reference and dropout are shared).
 SHARED_DPO_KEYS = ("reference", "disable_dropout")
@@ -53,9 +55,16 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
                     f"train.objective: {_objective_of(spec.format)} to train on this data.")
             if objective == "sft" and spec.format in preference_formats:
                 raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `{spec.format}` (preference data), but train.objective is "
-                    f"sft. Fix: set train.objective: {_objective_of(spec.format)} (and its section) to learn from it, or "
-                    "give SFT data in another format.")
+                    f"{key}[{index}] ({spec.path}) has format `{spec.format}` "
+                    f"({'prompt' if spec.format == 'prompt' else 'preference'} data), but train.objective is sft. Fix: "
+                    f"set train.objective: {_objective_of(spec.format)} (and its section) to learn from it, or give "
+                    "SFT data in another format.")
+    if objective == "grpo":
+        from finetune.recipe_grpo import check_grpo  # a leaf module beside this one
+
+        check_grpo(recipe)
+        _check_sections(recipe)
+        return
     if objective in OBJECTIVE_FORMATS and data.packing:
         raise ValueError(f"data.packing: preference rows are not packed (responses are scored as whole sequences). "
                          f"Fix: remove data.packing for train.objective: {objective}.")
@@ -79,6 +88,18 @@ def _changed(section) -> list[str]:
 def _check_sections(recipe) -> None:
     """A dpo: key that KTO does not read, or a kto: section without train.objective: kto, is a mistake to name."""
     objective = recipe.train.objective
+    if objective != "grpo" and _changed(recipe.grpo):
+        raise ValueError(f"grpo.{', grpo.'.join(_changed(recipe.grpo))}: set, but train.objective is {objective}, which "
+                         "does not read the grpo: section. Fix: set train.objective: grpo, or remove the grpo: section.")
+    if objective == "grpo" and _changed(recipe.kto):
+        raise ValueError(f"kto.{', kto.'.join(_changed(recipe.kto))}: set, but train.objective is grpo, which does not "
+                         "read the kto: section. Fix: remove the kto: section.")
+    if objective == "grpo":
+        unread = [name for name in _changed(recipe.dpo) if name != "reference"]
+        if unread:
+            raise ValueError(f"dpo.{', dpo.'.join(unread)}: train.objective grpo does not read the dpo: section (its "
+                             "loss is set in grpo:). Fix: remove these keys.")
+        return
     if objective != "kto" and _changed(recipe.kto):
         raise ValueError(f"kto.{', kto.'.join(_changed(recipe.kto))}: set, but train.objective is {objective}, which does "
                          "not read the kto: section. Fix: set train.objective: kto, or remove the kto: section.")

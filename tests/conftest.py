@@ -260,6 +260,15 @@ def shipped_run(request, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def sft_adapter(tiny_llama, tmp_path_factory) -> Path:
+    """The adapter of an SFT run on the preference tests' prompts (the SFT -> DPO / KTO pipeline's first half), trained
+    once per session for tests/training/test_preference.py and test_kto.py (a module fixture trained it twice)."""
+    from test_preference import train_sft_adapter  # tests/training/, on the path wherever this fixture is asked for
+
+    return train_sft_adapter(tiny_llama, tmp_path_factory.mktemp("sft"))
+
+
 def torchrun(recipe: Path, *overrides: str, nproc: int = 2, nnodes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
             f"--master_port={free_port()}", str(RUN_PY), str(recipe), *overrides]
@@ -278,6 +287,57 @@ def step_tokens(metrics: list[dict]) -> list[int]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+# Checkpointed runs, uninterrupted: tiny Llama on the addition rows, 12 steps with a checkpoint every 3 (the last 2
+# kept), logged at every step, the same global batch (4 rows) for 1 and 2 processes, so that a resharded resume
+# continues the same run. One per strategy per session, shared by tests/outputs/test_checkpoint.py (the reference of
+# each kill and resume) and tests/outputs/test_export_step.py (a two-process run's checkpoints, exported).
+CHECKPOINT_STEPS, CHECKPOINT_EVERY = 12, 3
+CHECKPOINT_STRATEGIES = {  # strategy: (processes, overrides)
+    "single": (1, []),
+    "ddp": (2, ["parallel.strategy=ddp", "train.micro_batch_size=2"]),
+    "fsdp2": (2, ["parallel.strategy=fsdp", "parallel.fsdp_version=2", "train.micro_batch_size=2"]),
+    "fsdp1": (2, ["parallel.strategy=fsdp", "parallel.fsdp_version=1", "train.micro_batch_size=2"]),
+}
+
+
+def checkpoint_command(recipe: Path, out_dir: Path, strategy: str, *extra: str) -> list[str]:
+    """The launch of `recipe` under a CHECKPOINT_STRATEGIES strategy (torchrun for 2 processes) into `out_dir`."""
+    nproc, overrides = CHECKPOINT_STRATEGIES[strategy]
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    return [*launcher, str(RUN_PY), str(recipe), f"output.dir={out_dir}", *overrides, *extra]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_recipe(tiny_llama, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    data = write_jsonl(root / "train.jsonl", addition_rows())
+    values = recipe_dict(tiny_llama, data, root / "unused", train={"max_steps": CHECKPOINT_STEPS, "keep_last": 2,
+                                                                   "save_every": CHECKPOINT_EVERY, "log_every": 1})
+    return write_recipe(root / "recipe.yaml", values)
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(checkpoint_recipe, tmp_path_factory):
+    """`run(strategy) -> run folder`: checkpoint_recipe trained to the end under the strategy, launched on first use.
+    Shared: a test that changes the folder works on a copy."""
+    from processes import finish, start
+
+    root = tmp_path_factory.mktemp("checkpointed")
+    done: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in done:
+            out, log = root / strategy, root / f"{strategy}.log"
+            code, output = finish(start(checkpoint_command(checkpoint_recipe, out, strategy), log), log)
+            assert code == 0, output[-3000:]
+            done[strategy] = out
+        return done[strategy]
+
+    return run
 
 
 # One run per strategy on one recipe, shared by the files that check those runs (tests/parallel/test_distributed.py:
@@ -302,13 +362,21 @@ def strategy_recipe(tiny_llama, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def strategy_runs(strategy_recipe) -> dict[str, Path]:
-    """Run folders: "single" (one process, 1 x 4 rows a step) and one per STRATEGY_OVERRIDES (torchrun, 2 x 2 rows)."""
+    """Run folders: "single" (one process, 1 x 4 rows a step) and one per STRATEGY_OVERRIDES (torchrun, 2 x 2 rows).
+    What each launch printed (stdout, then stderr) is kept beside its folder, in `<name>.log` (strategy_output)."""
     root, recipe = strategy_recipe
     out = {"single": root / "single"}
     result = run_cmd([sys.executable, str(RUN_PY), str(recipe), f"output.dir={out['single']}", *STRATEGY_STEPS])
     assert result.returncode == 0, f"single:\n{result.stderr[-4000:]}"
+    (root / "single.log").write_text(result.stdout + result.stderr)
     for name, strategy in STRATEGY_OVERRIDES.items():
         out[name] = root / name
         result = torchrun(recipe, f"output.dir={out[name]}", "train.micro_batch_size=2", *strategy, *STRATEGY_STEPS)
         assert result.returncode == 0, f"{name}:\nstdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-4000:]}"
+        (root / f"{name}.log").write_text(result.stdout + result.stderr)
     return out
+
+
+def strategy_output(run_dir: Path) -> str:
+    """What the strategy_runs launch of `run_dir` printed (stdout, then stderr)."""
+    return run_dir.with_name(f"{run_dir.name}.log").read_text()

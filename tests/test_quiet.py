@@ -80,11 +80,13 @@ FSDP1_NOISE = ("FutureWarning", "UserWarning", "state_dict_type", "ShardedTensor
 
 
 @pytest.mark.slow
-def test_an_fsdp1_run_is_quiet_unless_verbose(recipe):
-    """FSDP1 through torchrun (gloo): torch's FSDP.state_dict_type() and ShardedTensor FutureWarnings, said at every
-    checkpoint save by every process, and the NO_SHARD UserWarnings of a one-process run stay out of the output;
-    FINETUNE_VERBOSE=1 (what --verbose sets for the processes a launch starts) lets them through."""
-    from conftest import RUN_PY
+def test_an_fsdp1_run_is_quiet_unless_verbose(recipe, strategy_runs, shipped_run):
+    """FSDP1 (gloo): torch's FSDP.state_dict_type() and ShardedTensor FutureWarnings, said at every checkpoint save by
+    every process, and the NO_SHARD UserWarnings of a one-process run stay out of the output; FINETUNE_VERBOSE=1 (what
+    --verbose sets for the processes a launch starts) lets them through. Two processes: the suite's shared FSDP1 runs,
+    through torchrun (tests/conftest.py strategy_runs, fp32) and through the shipped fsdp1.yaml (shipped_run: bf16, the
+    library's LoRA dropout 0.05); one process: this recipe (dropout 0.05) through torchrun, quiet and verbose."""
+    from conftest import RUN_PY, strategy_output
 
     def launch(nproc: int, **env: str):
         args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
@@ -94,8 +96,11 @@ def test_an_fsdp1_run_is_quiet_unless_verbose(recipe):
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout + result.stderr
 
-    for nproc in (2, 1):
-        output = launch(nproc)
+    _, shipped = shipped_run("fsdp1", "llama", True)
+    assert shipped.returncode == 0, shipped.stderr[-3000:]
+    two_processes = {"torchrun": strategy_output(strategy_runs["fsdp1"]), "fsdp1.yaml": shipped.stdout + shipped.stderr}
+    assert all("parallel: FSDP1 over 2 processes" in output for output in two_processes.values()), two_processes
+    for output in [*two_processes.values(), launch(1)]:
         assert not [word for word in FSDP1_NOISE if word in output], output[-4000:]
     loud = launch(1, FINETUNE_VERBOSE="1")
     assert "NO_SHARD" in loud and "FSDP.state_dict_type() and FSDP.set_state_dict_type()" in loud, loud[-3000:]

@@ -148,7 +148,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
     else:
         lines.append(f"packing: off; efficiency {stats.batch_efficiency:.1%} non-pad tokens (data.packing: true would "
                      "put several examples per row)")
-    lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch)
+    lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch,
+                          rows_per_micro_batch=recipe.rows_per_micro_batch)
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
@@ -158,14 +159,17 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
     return "\n".join(lines)
 
 
-def length_lines(rows: int, train, *, processes: int, launch: str) -> list[str]:
+def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micro_batch: int | None = None) -> list[str]:
     """Steps per epoch at the launch's process count (and at twice as many, with the formula for any other), and
-    what train.max_steps or train.num_epochs makes of it: what the run prints at its start."""
+    what train.max_steps or train.num_epochs makes of it: what the run prints at its start. `rows_per_micro_batch`:
+    Recipe.rows_per_micro_batch (GRPO: prompts), default train.micro_batch_size."""
+    batch = rows_per_micro_batch or train.micro_batch_size
+
     def per_epoch(count: int) -> int:
-        return steps_per_epoch(rows, micro_batch_size=train.micro_batch_size, world_size=count, grad_accum=train.grad_accum)
+        return steps_per_epoch(rows, micro_batch_size=batch, world_size=count, grad_accum=train.grad_accum)
 
     steps, at = per_epoch(processes), f"at {processes} process{'es' if processes > 1 else ''}"
-    lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // (micro_batch_size {train.micro_batch_size} x "
+    lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // (micro_batch_size {batch} x "
               f"{processes} x grad_accum {train.grad_accum}); {per_epoch(2 * processes)} at {2 * processes} processes; "
               f"in general rows // (micro_batch_size x processes x grad_accum)")]
     if steps == 0 and train.num_epochs is not None:

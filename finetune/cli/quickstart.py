@@ -10,6 +10,10 @@ adapter that DPO starts from (model.adapter, so it is also the reference); DPO t
 right stamp preferred to the mistakes a half-trained model makes) and the report shows the held-out reward accuracy,
 the eval loss from ln 2, and the exact-match score of greedy answers after SFT and after DPO.
 
+`--grpo`: SFT -> GRPO (finetune/cli/quickstart_grpo.py): the same short SFT, then GRPO from its adapter on prompts
+it never saw, rewarded 1/0 by finetune.rewards:exact_match; the report shows greedy exact match after SFT and after
+GRPO on held-out prompts.
+
 `--tiny` swaps in a tiny random model (finetune.cli.tiny) for a seconds-long smoke run of the same path (the tests use it;
 it shows no learning).
 """
@@ -158,6 +162,20 @@ def cli_quickstart(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = Path(args.out)
+    for override in args.overrides or []:  # output.dir=... given as an override is the same as --out
+        if override.startswith("output.dir="):
+            args.out = override.split("=", 1)[1]
+            out = Path(args.out)
+    args.overrides = [o for o in args.overrides or [] if not o.startswith("output.dir=")]
+    if getattr(args, "grpo", False):
+        from finetune.cli.quickstart_grpo import run_grpo_quickstart
+
+        out = out if args.out != "runs/quickstart" else Path("runs/quickstart-grpo")
+        sft_steps = [] if args.tiny else [f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]
+        return run_grpo_quickstart(out, recipe=quickstart_recipe(), sft_overrides=prepare(out / "sft", tiny=args.tiny)
+                                   + sft_steps, sft_rows=64 if args.tiny else TRAIN_ROWS,
+                                   sft_steps=4 if args.tiny else SFT_STEPS, tiny=args.tiny,
+                                   extra=list(args.overrides or []))
     if getattr(args, "dpo", False):
         out = out if args.out != "runs/quickstart" else Path("runs/quickstart-dpo")
         sft_out = out / "sft"

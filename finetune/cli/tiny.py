@@ -105,6 +105,10 @@ def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    # A multimodal config is saved as its hub checkpoint is (the whole image-text model): transformers maps Gemma 3's to
+    # the multimodal class as a causal LM too, but Llama 4's to the text-only Llama4ForCausalLM.
+    if getattr(config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText as AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
@@ -112,8 +116,11 @@ def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | 
     return out_dir
 
 
-# Stored config keys that describe the published checkpoint, not the architecture.
-_PROVENANCE_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache")
+# Stored config keys that describe the published checkpoint, not the architecture. quantization_config: how the
+# hub stores the weights (gpt-oss: MXFP4 experts); the tiny model is saved unquantized (the MXFP4 read is
+# tests/model/test_experts_gpt_oss.py's).
+_PROVENANCE_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
+                    "quantization_config")
 
 
 def tiny_config_like(name_or_path: str, *, vocab_size: int, eos_token_id: int, pad_token_id: int, hidden_size: int = 64,
@@ -146,6 +153,7 @@ def _tiny_text_fields(fields: dict, *, vocab_size: int, eos_token_id: int, pad_t
                       num_layers: int) -> dict:
     """A language model's stored fields with the sizes shrunk (see tiny_config_like)."""
     fields = dict(fields)
+    stored_layers = fields.get("num_hidden_layers")
     heads = fields.get("num_attention_heads") or 4
     grouped = (fields.get("num_key_value_heads") or heads) < heads
     fields.update(
@@ -158,8 +166,12 @@ def _tiny_text_fields(fields: dict, *, vocab_size: int, eos_token_id: int, pad_t
     for experts_key in ("num_local_experts", "num_experts"):  # mixture of experts: 4 experts, 2 per token
         if fields.get(experts_key):
             fields.update({experts_key: 4, "num_experts_per_tok": min(2, fields.get("num_experts_per_tok") or 2)})
-    if fields.get("moe_intermediate_size"):
-        fields["moe_intermediate_size"] = hidden_size * 2
+    for key in ("moe_intermediate_size", "intermediate_size_mlp"):  # experts' width; Llama 4's dense MLP layers
+        if fields.get(key):
+            fields[key] = hidden_size * 2
+    for key, value in list(fields.items()):  # per-layer lists (gpt-oss's layer_types): the first num_layers
+        if isinstance(value, list) and len(value) == stored_layers:
+            fields[key] = value[:num_layers]
     if fields.get("max_window_layers"):  # Qwen2: layers past this use the sliding window (when enabled)
         fields["max_window_layers"] = min(fields["max_window_layers"], num_layers)
     return fields
@@ -172,10 +184,14 @@ def _tiny_multimodal(fields: dict, *, vocab_size: int, **sizes):
     from transformers import AutoConfig
 
     # head_dim explicit even where the hub config leaves it to the class default (gemma-3-12b-it: 256)
-    text = _tiny_text_fields(dict(fields["text_config"], head_dim=None), vocab_size=vocab_size + 4, **sizes)
+    text = {key: value for key, value in fields["text_config"].items() if key not in _PROVENANCE_KEYS}
+    text = _tiny_text_fields(dict(text, head_dim=None), vocab_size=vocab_size + 4, **sizes)
     vision = {key: value for key, value in (fields.get("vision_config") or {}).items() if key not in _PROVENANCE_KEYS}
     vision.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
+    for key in ("projector_input_dim", "projector_output_dim", "vision_output_dim"):  # Llama 4's vision adapter
+        if key in vision:
+            vision[key] = 32
     fields = dict(fields, text_config=text, vision_config=vision, eos_token_id=sizes["eos_token_id"],
                   pad_token_id=sizes["pad_token_id"], mm_tokens_per_image=4)
     for offset, key in enumerate(("boi_token_index", "eoi_token_index", "image_token_index"), start=1):

@@ -44,8 +44,9 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     num_processes = num_processes or 1
 
     config = model.load_config(recipe)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its language model
     lines.append(f"  model: {recipe.model.name_or_path} ({getattr(config, 'model_type', '?')}, "
-                 f"{getattr(config, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
+                 f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
     if prequantized.check_local_checkpoint(recipe):
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
 
@@ -99,7 +100,7 @@ def _check_data(recipe, num_processes: int) -> str:
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         t = recipe.train
         count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
-        per_epoch = count(stats.train_sequences, micro_batch_size=t.micro_batch_size, world_size=num_processes,
+        per_epoch = count(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
                           grad_accum=t.grad_accum)
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "

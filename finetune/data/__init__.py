@@ -23,6 +23,7 @@ The stage is a package, one module per job, read in this order:
     build.py      every dataset: weights, the eval set (held out and/or eval files), packing; prepare()
     packing.py    packing (on lengths) and its attention check
     loader.py     collate, BatchStream (per-rank sampler with exact resume), eval_batches
+    prompts.py    GRPO's prompt rows (format: prompt): rendered, tokenized, the rows kept for the reward functions
     streaming.py  data.streaming: rows read, tokenized and packed on the fly, each rank's share, exact resume
 
 Everything callers use is importable from `finetune.data` itself.
@@ -58,6 +59,7 @@ from finetune.data.packing import (
     packing_problem,
     verify_packing,
 )
+from finetune.data.prompts import prompt_examples, prompt_ids, prompt_text
 from finetune.data.sources import check_local_files, load_rows, open_source
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths, set_reference_logps
 from finetune.data.streaming import (
@@ -123,6 +125,9 @@ __all__ = [
     "pack_lengths",
     "packing_problem",
     "prepare",
+    "prompt_examples",
+    "prompt_ids",
+    "prompt_text",
     "real_token_count",
     "render_segments",
     "sequence_lengths",

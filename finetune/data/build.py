@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from finetune.data.cache import dataset_store
-from finetune.data.examples import DataStats, Example, PreparedData
+from finetune.data.examples import DataStats, Example, PreparedData, weighted
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
+from finetune.data.prompts import prompt_examples
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
 from finetune.errors import DataError
 from finetune.recipe import Recipe
@@ -36,8 +37,12 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     """Every dataset tokenized (or mapped from the cache), the eval set split off, weights applied, train rows packed.
 
     Only indices and lengths are handled here: the examples stay in their memory-mapped stores (store.py) until a
-    batch is collated, so a rank's memory does not grow with the dataset's tokens.
+    batch is collated, so a rank's memory does not grow with the dataset's tokens. GRPO: its prompt rows (format:
+    prompt), read whole (data/prompts.py).
     """
+    if recipe.train.objective == "grpo":
+        train, evaluation, prompt_stats = prompt_examples(recipe, tokenizer)
+        return PreparedData(train, train, evaluation, prompt_stats)
     stats, stores, origin = DataStats(), [], []
     for index, spec in enumerate(recipe.data.datasets):
         store, counts = dataset_store(spec, recipe, tokenizer)
@@ -95,18 +100,8 @@ def _mix(train: list[int], origin: list[int], recipe: Recipe) -> list[int]:
         return train
     mixed = []
     for index, weight in enumerate(weights):
-        mixed += _weighted([e for e, o in zip(train, origin) if o == index], weight, recipe.train.seed + index)
+        mixed += weighted([e for e, o in zip(train, origin) if o == index], weight, recipe.train.seed + index)
     return mixed
-
-
-def _weighted(examples: list, weight: float, seed: int) -> list:
-    """Repeat (weight > 1) or subsample (weight < 1) a dataset's examples for mixing."""
-    if weight == 1.0:
-        return examples
-    whole, fraction = int(weight), weight - int(weight)
-    rng = random.Random(seed)
-    extra = rng.sample(examples, k=round(fraction * len(examples)))
-    return examples * whole + extra
 
 
 def data_line(stats: DataStats, recipe: Recipe) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,7 +15,10 @@ class Example:
 
     A preference pair is its chosen sequence with the rejected one attached (`rejected`); `reference_logps` holds the
     reference model's (chosen, rejected) log-probabilities when dpo.reference is precomputed. An unpaired preference
-    row (KTO) is one sequence whose `desirable` says whether its completion is desirable (its label).
+    row (KTO) is one sequence whose `desirable` says whether its completion is desirable (its label). A GRPO prompt
+    (format: prompt) is its prompt's ids, nothing trained, with `row`: the dataset row ({"prompt": text or messages,
+    the other columns}) its reward functions read, and `prompt_index`: its place in the prompt rows (the sampling
+    seed of its completions).
     """
 
     input_ids: list[int]
@@ -23,6 +27,8 @@ class Example:
     rejected: Example | None = None
     reference_logps: tuple[float, float] | None = None
     desirable: bool | None = None
+    row: dict | None = None
+    prompt_index: int | None = None
 
     @property
     def num_trained(self) -> int:
@@ -62,3 +68,13 @@ class PreparedData:
     eval: Sequence[Example]
     stats: DataStats
     eval_files: Sequence[Example] = field(default_factory=list)  # the examples of data.eval_datasets (first in `eval`)
+
+
+def weighted(examples: list, weight: float, seed: int) -> list:
+    """Repeat (weight > 1) or subsample (weight < 1) a dataset's examples for mixing."""
+    if weight == 1.0:
+        return examples
+    whole, fraction = int(weight), weight - int(weight)
+    rng = random.Random(seed)
+    extra = rng.sample(examples, k=round(fraction * len(examples)))
+    return examples * whole + extra

@@ -16,6 +16,7 @@ FORMAT_FIELDS = {
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # prompt optional: the implicit-prompt form has none
     "unpaired_preference": (("prompt", "completion", "label"), ()),  # TRL's KTO rows; label: desirable or not
+    "prompt": (("prompt",), ()),  # GRPO: prompts only; the other columns go to the reward functions
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"

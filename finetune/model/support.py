@@ -49,24 +49,115 @@ TRAINED = {
     "gpt_neox": "GPT-NeoX / Pythia",
     "falcon": "Falcon",
     "gpt_oss": "gpt-oss (MoE; attention eager, chosen by model.attn_implementation: auto)",
+    "phimoe": "Phi-3.5-MoE",
     "llama4_text": "Llama 4 (text: Scout, Maverick; MoE, experts stored transposed)",
 }
 # model_type -> the model keys it needs besides the library's defaults (the matrix trains it with them).
 MODEL_SETTINGS = {
     "gemma2": {"attn_implementation": "eager"},  # logit soft-capping: transformers refuses sdpa for it
 }
-# Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet (PEFT's loader leaves tensors
-# unplaced: dense or shared-expert MLPs beside the routed experts, granite's fused-input experts): the matrix expects
-# exactly this, so a fix shows up as a failing row to move out of here.
-ADAPTER_GAPS = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4_text", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next")
+# Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet: the matrix expects exactly
+# this, so a fix shows up as a failing row to move out of here. (None since the export writes PEFT's fused-expert
+# form where PEFT does not convert per-expert LoRA itself: finetune/outputs/export_fused.py.)
+ADAPTER_GAPS: tuple[str, ...] = ()
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
 # Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py).
 SHARDED = ("qwen3", "gemma3_text", "deepseek_v3")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
-REFUSED: dict[str, tuple[str, str]] = {}
-KNOWN_NAMES: dict[str, str] = {}
+_NO_CHECKPOINTING = (("no gradient checkpointing in transformers for it (the library's train.gradient_checkpointing: "
+                      "true); trains with train.gradient_checkpointing: false"), "has no gradient checkpointing")
+_MAMBA = (("Mamba layers: PEFT refuses LoRA on a Mamba mixer's out_proj, which all-linear targets; trains with "
+           "lora.target_modules listing the other projections"), "PEFT refuses LoRA on")
+_CONV1D = (("its attention and MLP layers are transformers' Conv1D, whose weights are stored (in, out), transposed to "
+            "nn.Linear's; finetune's 4-bit loader reads each weight as stored into a bitsandbytes Linear4bit of "
+            "shape (out, in) and does not transpose it as from_pretrained does; trains with quantization.method: "
+            "none (LoRA on Conv1D: PEFT sets fan_in_fan_out)"), "Conv1D")
+# model_type -> how its checkpoint stores tensors that transformers' conversion mapping (transformers/
+# conversion_mapping.py) splits, concatenates or transposes at load: finetune's loaders apply its renames only
+# (finetune/model/checkpoints/conversions.py), so the model's tensors are missing from the checkpoint with any
+# settings (tried: 4-bit and quantization.method: none). Checked against the installed transformers' mapping by
+# tests/model/test_arch_matrix.py.
+CHECKPOINT_LAYOUTS = {
+    "bailing_hybrid": "it stores each linear-attention layer's short convolution as three tensors (self_attn.q_conv1d, "
+                      "k_conv1d, v_conv1d), which transformers concatenates into self_attn.conv1d at load (its experts "
+                      "are missing from the checkpoint too under finetune's names)",
+    "ergo": "it stores the router (feed_forward.gate_kernel) and the shared expert (feed_forward.shared_up_proj, "
+            "shared_down_proj) as (in, out), which transformers transposes at load",
+    "hrm_text": "it fuses each layer's gate, q, k and v projections into one attn.gqkv_proj and the MLP's gate and up "
+                "into mlp.gate_up_proj, which transformers splits at load",
+    "kimi_linear": "it stores each linear-attention layer's short convolution as three tensors (self_attn.q_conv1d, "
+                   "k_conv1d, v_conv1d), which transformers concatenates into self_attn.conv1d at load",
+    "lara_mini": "it fuses the gated delta net's input projections into one linear_attn.in_proj (rows q|k|v|z|b|a), "
+                 "which transformers splits into in_proj_qkv, in_proj_z, in_proj_b and in_proj_a at load",
+    "olmo_hybrid": "it stores each linear-attention layer's short convolution as three tensors (linear_attn.q_conv1d, "
+                   "k_conv1d, v_conv1d), which transformers concatenates into linear_attn.conv1d at load",
+    "param2moe": "it fuses attention's q, k and v into one attention.query_key_value, which transformers splits at load",
+    "sarvam_moe": "it fuses attention's q, k and v into one attention.query_key_value, which transformers splits at "
+                  "load",
+}
+REFUSED: dict[str, tuple[str, str]] = {
+    "cpmant": _NO_CHECKPOINTING, "ctrl": _NO_CHECKPOINTING, "gpt_neox_japanese": _NO_CHECKPOINTING,
+    "jetmoe": _NO_CHECKPOINTING, "falcon_h1": _MAMBA, "falcon_mamba": _MAMBA,
+    "mamba": (("Mamba layers: its mixer multiplies dt_proj.weight itself (the packed bytes under 4 bits), and PEFT "
+               "refuses LoRA on out_proj, which all-linear targets; trains with quantization.method: none and "
+               "lora.target_modules listing the other projections"), "multiplies dt_proj.weight"),
+    "xlstm": (("its chunkwise mLSTM kernel multiplies fp32 states with bf16 inputs (model.dtype: bfloat16, what auto "
+               "picks on GPUs from Ampere on); trains with model.dtype: float32"), "fp32 states with bf16 inputs"),
+    "nemotron_h": (("finetune's loaders cannot read its experts (non-gated, 3-D in the model, per expert in the "
+                    "checkpoint) with any settings; PEFT also refuses LoRA on its Mamba mixers' out_proj"),
+                   "cannot read its experts"),
+    **{model_type: ((f"finetune's loaders cannot read its checkpoint (with any settings): {layout}; finetune's "
+                     "per-tensor loaders apply transformers' key renames only, not its splits, concatenations and "
+                     "transposes"), "cannot read its checkpoint") for model_type, layout in CHECKPOINT_LAYOUTS.items()},
+    "gpt2": _CONV1D, "gpt-sw3": _CONV1D,
+    "openai-gpt": ((f"{_CONV1D[0]}; and no gradient checkpointing in transformers for it (the library's "
+                    "train.gradient_checkpointing: true); trains with both fixes"), "Conv1D"),
+}
+KNOWN_NAMES: dict[str, str] = {
+    "cpmant": "CPM-Ant", "ctrl": "CTRL", "gpt_neox_japanese": "GPT-NeoX-Japanese", "jetmoe": "JetMoE",
+    "falcon_h1": "Falcon-H1 (Mamba hybrid)", "falcon_mamba": "Falcon Mamba", "mamba": "Mamba",
+    "nemotron_h": "Nemotron-H (Mamba hybrid, MoE)", "xlstm": "xLSTM",
+    "gpt2": "GPT-2", "gpt-sw3": "GPT-SW3", "openai-gpt": "OpenAI GPT (GPT-1)", "ergo": "Ergo (MoE)",
+    "hrm_text": "HRM-Text", "kimi_linear": "Kimi Linear (hybrid linear attention, MoE)",
+    "lara_mini": "Lara Mini (hybrid gated delta net)", "olmo_hybrid": "OLMo Hybrid (hybrid linear attention)",
+    "param2moe": "Param2-MoE", "sarvam_moe": "Sarvam-MoE", "bailing_hybrid": "Bailing hybrid (linear attention, MoE)",
+}
+# PEFT's own rule (peft/tuners/tuners_utils.py `_check_lora_target_modules_mamba`, checked against the installed PEFT
+# by tests/model/test_arch_matrix.py): LoRA on these module names of these model types raises inside get_peft_model.
+PEFT_MAMBA_MODEL_TYPES = ("falcon_h1", "falcon_mamba", "mamba", "mamba2", "nemotron_h")
+PEFT_MAMBA_MODULES = ("conv1d", "out_proj")
+# model_type -> why its layers break under 4 bits (they read a quantized Linear's weight themselves, or the loader
+# cannot fill them).
+_CONV1D_4BIT = ("its attention and MLP layers are transformers' Conv1D (GPT-2's layout), whose weights are stored "
+                "(in_features, out_features), transposed to nn.Linear's; under 4 bits each becomes a bitsandbytes "
+                "Linear4bit of shape (out, in), and finetune's per-tensor loader reads the weight as stored, without "
+                "the transpose transformers' from_pretrained makes. Fix: set quantization.method: none (the base in "
+                "model.dtype; LoRA on Conv1D works, PEFT sets fan_in_fan_out)")
+FOUR_BIT_GAPS = {
+    # GPT-SW3's config class is GPT2Config (config.model_type "gpt2"): the gpt2 row refuses it.
+    "gpt2": _CONV1D_4BIT, "openai-gpt": _CONV1D_4BIT,
+    "mamba": "MambaMixer multiplies dt_proj.weight itself, which under 4 bits is the packed NF4 bytes (a shape error "
+             "at the first step). Fix: set quantization.method: none",
+}
+# model_type -> why it breaks in bf16 (tried: trains in fp32 with the library's other settings).
+BF16_GAPS = {
+    "xlstm": "xLSTM's chunkwise mLSTM kernel (modeling_xlstm.mlstm_chunkwise_recurrent_fw_C) multiplies fp32 states "
+             "with bf16 inputs (a dtype error at the first step). Fix: set model.dtype: float32",
+}
+# model_type -> why finetune's per-tensor loaders cannot read it with any settings (tried: 4-bit and quantization
+# none, LoRA targets PEFT takes): refused before loading instead of the loader's "checkpoint does not match".
+UNREADABLE = {
+    "nemotron_h": "finetune's loaders cannot read its experts (NemotronHExperts: non-gated experts held as 3-D up_proj "
+                  "and down_proj, which finetune/model/experts/ does not split, stored per expert in the checkpoint). "
+                  "Fix: none in finetune yet; use a model `finetune models` lists as trained",
+    **{model_type: (f"finetune's loaders cannot read its checkpoint: {layout}, and finetune's per-tensor loaders "
+                    "apply transformers' key renames only (finetune/model/checkpoints/conversions.py), not its splits, "
+                    "concatenations and transposes, so the model's tensors are missing from the checkpoint with any "
+                    "settings. Fix: none in finetune yet; use a model `finetune models` lists as trained")
+       for model_type, layout in CHECKPOINT_LAYOUTS.items()},
+}
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -80,11 +171,27 @@ def causal_lm_class(config):
         return None
 
 
-def refusals(config, *, quantized: bool, attn_implementation: str) -> list[str]:
+def refusals(config, *, quantized: bool, attn_implementation: str, gradient_checkpointing: bool = False,
+             lora_targets: list[str] | str = "all-linear", dtype: str = "bfloat16") -> list[str]:
     """Every reason `config`'s architecture cannot train with these settings, each with its fix; [] when none is known
     (an untried architecture is not refused). From the config alone: nothing is read but config.json."""
     model_class = causal_lm_class(config)
-    reasons = []
+    reasons = [UNREADABLE[config.model_type]] if config.model_type in UNREADABLE else []
+    if quantized and config.model_type in FOUR_BIT_GAPS:
+        reasons.append(FOUR_BIT_GAPS[config.model_type])
+    if dtype == "bfloat16" and config.model_type in BF16_GAPS:
+        reasons.append(BF16_GAPS[config.model_type])
+    if gradient_checkpointing and model_class is not None and not model_class.supports_gradient_checkpointing:
+        reasons.append(f"{model_class.__name__} has no gradient checkpointing in transformers (train."
+                       "gradient_checkpointing: true would stop at the first step). Fix: set train.gradient_checkpointing: "
+                       "false (every layer's activations kept: `finetune plan` counts them)")
+    if config.model_type in PEFT_MAMBA_MODEL_TYPES:
+        targeted = ["out_proj"] if lora_targets == "all-linear" else [t for t in lora_targets if t in PEFT_MAMBA_MODULES]
+        if targeted:
+            reasons.append(f"PEFT refuses LoRA on {', '.join(targeted)} of a {config.model_type} model (its Mamba "
+                           "mixers' projections; lora.target_modules: all-linear includes out_proj). Fix: list "
+                           "lora.target_modules without out_proj and conv1d, e.g. [q_proj, k_proj, v_proj, o_proj, "
+                           "in_proj, gate_proj, up_proj, down_proj]")
     if attn_implementation == "sdpa" and model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
         reasons.append(f"transformers refuses sdpa attention for {model_class.__name__} (what its layers compute, "
                        "such as logit soft-capping or learned sinks, sdpa cannot). Fix: set model.attn_implementation: "
@@ -112,7 +219,10 @@ def _expert_refusals(config, model_class) -> list[str]:
     transformers_logging.set_verbosity_error()
     try:
         with torch.device("meta"):
-            skeleton = model_class._from_config(config)
+            # A multimodal config whose causal LM is its text model (Llama 4: Llama4Config -> Llama4ForCausalLM, as
+            # AutoModelForCausalLM builds it) gets the text config, as from_config gives it.
+            text = config if isinstance(config, model_class.config_class) else config.get_text_config()
+            skeleton = model_class._from_config(text)
     finally:
         transformers_logging.set_verbosity(verbosity)
     reasons: dict[str, str] = {}
@@ -145,7 +255,9 @@ def check_supported(config, recipe) -> None:
     """ModelLoadError (one paragraph: the model, every reason with its fix) for an architecture that cannot train
     with the recipe's settings: before any weight is read."""
     reasons = refusals(config, quantized=recipe.quantization.method != "none",
-                       attn_implementation=recipe.model.attn_implementation)
+                       attn_implementation=recipe.model.attn_implementation,
+                       gradient_checkpointing=recipe.train.gradient_checkpointing,
+                       lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
     if reasons:
         raise ModelLoadError(
             f"model.name_or_path `{recipe.model.name_or_path}` is a {config.model_type} model, which finetune cannot "

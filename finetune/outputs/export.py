@@ -270,7 +270,7 @@ def _checked_tensors(source: Source, config, base: str | None, tokenizer=None) -
         return tensors, (tensors, {}), check_adapter_fits(tensors, config, source, base), ""
     tensors = export_experts.in_model_names(tensors, config)
     fits = check_adapter_fits(tensors, config, source, base)
-    written, update = export_experts.for_runtimes(tensors, config)
+    written, update = export_experts.for_runtimes(tensors, config, source.adapter_config)
     return tensors, (written, update), fits, export_experts.note(source.adapter_config, update)
 
 
@@ -330,13 +330,16 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
     check_out_free(out)
     config = base_config(source, base)
     tokenizer = load_tokenizer_for(source, base)
-    _, (written, update), fits, note = _checked_tensors(source, config, base, tokenizer)
+    tensors, (written, update), fits, note = _checked_tensors(source, config, base, tokenizer)
     model = load_full_precision_base(source, base)
     ids = prompt_ids(tokenizer)
     base_logits = _logits(model, ids)
     with tempfile.TemporaryDirectory() as adapter_tmp, atomic_dir(out, replace=False) as tmp:
-        write_clean_adapter(Path(adapter_tmp), written, source, base, config_update=update)
-        peft_model = load_adapter(model, adapter_tmp)  # PeftModel.from_pretrained; MoE experts loaded per expert
+        # Merged as trained (MoE: per expert, finetune's loader); judged as written (MoE: possibly PEFT's fused form).
+        trained_form, written_form = Path(adapter_tmp) / "trained", Path(adapter_tmp) / "written"
+        write_clean_adapter(trained_form, tensors, source, base)
+        write_clean_adapter(written_form, written, source, base, config_update=update)
+        peft_model = load_adapter(model, trained_form)  # PeftModel.from_pretrained; MoE experts loaded per expert
         reference = _logits(peft_model, ids)
         merged = peft_model.merge_and_unload()
         in_memory = compare_logits("merged fp32 model vs base + adapter", _logits(merged, ids), reference)
@@ -352,7 +355,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         _require_close(saved, relative=1e-4)
         storage = compare_logits("bf16 storage vs base + adapter", reloaded, reference)
         effect = (reference - base_logits).abs().max().item()
-        runtimes = write_report(tmp, adapter_verdicts(Path(adapter_tmp), config, merged=True), merged=True)
+        runtimes = write_report(tmp, adapter_verdicts(written_form, config, merged=True), merged=True)
     return note + (
         f"verify: {fits}; prompt {VERIFY_PROMPT!r} ({ids.shape[1]} tokens): "
         f"{_describe(in_memory)}; {_describe(saved)}; {_describe(storage)} (rounding, reported only); the adapter "

@@ -4,10 +4,13 @@ runtimes read.
 Training splits transformers 5's fused experts into one Linear per expert projection (finetune/model/experts/), so the
 run's adapter holds one LoRA per expert projection under the model's names (`mlp.experts.3.w1`). At export:
   * the checks and the merge build the base as training built it (experts split), so every key matches one to one;
-  * the written adapter names its tensors as the base checkpoint names them (transformers' renames reversed, as its
-    `save_pretrained` writes the base: Mixtral's `block_sparse_moe.experts.3.w1`), which is what vLLM's and llama.cpp's
-    model definitions use; PEFT on transformers 5 fuses them into its own expert layout while loading, as it does for
-    any adapter trained on transformers 4;
+  * where PEFT converts per-expert LoRA onto transformers 5's fused experts itself (Mixtral, Qwen3-MoE, OLMoE:
+    its conversion table, and no shared or dense MLP whose names its config rewrite would move), the written adapter
+    names its per-expert tensors as the base checkpoint names them (transformers' renames reversed, as its
+    `save_pretrained` writes the base: Mixtral's `block_sparse_moe.experts.3.w1`), which is what vLLM's and
+    llama.cpp's model definitions use; elsewhere (gpt-oss, Llama 4, DeepSeek-V3, GLM-4.5, Qwen2-MoE, ...) it holds
+    the same LoRA, exactly, on the fused expert parameters (`target_parameters`, export_fused.py), which plain PEFT
+    loads as written;
   * its adapter_config.json says `lora_dropout: 0` when it carries expert LoRA: PEFT loads expert LoRA on transformers 5
     through `ParamWrapper`, which refuses any other dropout, and dropout does nothing at inference. The dropout the run
     trained with stays in the run's own adapter/ and recipe.yaml (and a run that starts from this adapter with
@@ -48,23 +51,39 @@ def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.
     return {names[key]: value for key, value in tensors.items()}
 
 
-def for_runtimes(tensors: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors under the checkpoint's names, adapter_config.json updates) for the written MoE adapter."""
+def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
+                 ) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the written MoE adapter's tensors, adapter_config.json updates): per-expert tensors under the checkpoint's
+    names where PEFT converts them onto transformers 5's fused experts itself, else PEFT's fused-expert form
+    (export_fused.py), which it loads as written."""
     from finetune.model.checkpoints.conversions import checkpoint_names
+    from finetune.outputs.export_fused import fused_adapter
 
+    on_experts = any(".experts." in key for key in tensors)
+    dropout = {"lora_dropout": 0.0} if on_experts else {}
+    fused = fused_adapter(tensors, split_meta_model(config), config, adapter_config) if on_experts else None
+    if fused is not None:
+        return fused[0], {**fused[1], **dropout}
     # LoRA only: a trained router (lora.train_router, PEFT's modules_to_save) stays under the model's name, which PEFT
     # maps onto its copy without converting it (vLLM and llama.cpp refuse modules_to_save whatever its name).
     names = checkpoint_names(split_meta_model(config), [key for key in tensors if ".lora_" in key])
     renamed = {names.get(key, key): value for key, value in tensors.items()}
     if len(renamed) != len(tensors):
         raise RuntimeError("two adapter tensors map onto one checkpoint name")
-    on_experts = any(".experts." in key for key in tensors)
-    return renamed, ({"lora_dropout": 0.0} if on_experts else {})
+    return renamed, dropout
 
 
 def note(source_config: dict, update: dict) -> str:
     """What the export changed in the adapter's config, and why (printed with the verify line)."""
-    if "lora_dropout" not in update or not source_config.get("lora_dropout"):
-        return ""
-    return (f"note: adapter_config.json says lora_dropout 0 (trained with {source_config['lora_dropout']}): PEFT loads "
-            "LoRA on transformers 5's fused experts only without dropout, and dropout does nothing at inference.\n")
+    lines = ""
+    if "lora_dropout" in update and source_config.get("lora_dropout"):
+        lines += (f"note: adapter_config.json says lora_dropout 0 (trained with {source_config['lora_dropout']}): PEFT "
+                  "loads LoRA on transformers 5's fused experts only without dropout, and dropout does nothing at "
+                  "inference.\n")
+    if update.get("target_parameters"):
+        lines += ("note: the experts' LoRA is written on transformers 5's fused expert parameters (target_parameters, "
+                  "each expert's own LoRA exactly; gate and up as one block-diagonal LoRA of their summed rank), the "
+                  "form plain PEFT loads for this model. PEFT warns on load that the rank_pattern/alpha_pattern keys "
+                  "match no module: its check looks at modules, not at parameters; the ranks are applied (the PEFT "
+                  "verdict below loaded every tensor at its shape).\n")
+    return lines

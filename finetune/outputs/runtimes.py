@@ -6,8 +6,8 @@ by loading the written adapter into a PeftModel built for the base (on the meta 
 
     status  valid       loads and computes what training computed
             needs       loads once the runtime is started with a flag (the flag is in the reason)
-            unverified  the runtime's source says it loads, but this form was not run by finetune (what to check is
-                        in the reason): LoRA on mixture-of-experts experts in vLLM and llama.cpp
+            unverified  not run by finetune (what to check is in the reason): LoRA on mixture-of-experts experts in
+                        vLLM and llama.cpp (per expert: their sources say they load it; fused: llama.cpp's may not)
             invalid     refused, or loaded with a wrong result
 """
 
@@ -184,6 +184,8 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
     reason = f"PEFT's loader took all {len(written)} tensors into a PeftModel of the base, each equal to the file"
     if expected is not written:
         reason += f" once PEFT fused the per-expert tensors for transformers 5's experts ({len(written)} -> {len(expected)})"
+    elif peft_config.target_parameters:
+        reason += " (LoRA on transformers 5's fused expert parameters: target_parameters)"
     return Verdict(name, "valid", [reason])
 
 
@@ -208,11 +210,15 @@ def _materialize_adapter(peft_model, written: dict) -> None:
             setattr(parent, leaf, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=False))
 
 
-def expert_lora_verdicts(vllm: Verdict, llama_cpp: Verdict, tensor_names: list[str]) -> None:
-    """LoRA on MoE experts (per-expert tensors, named as the base checkpoint names them; finetune/outputs/
-    export_experts.py): what vLLM's and llama.cpp's sources say, marked unverified, as neither was run here."""
-    experts = [m for m in lora_modules(tensor_names) if ".experts." in m]
+def expert_lora_verdicts(vllm: Verdict, llama_cpp: Verdict, tensor_names: list[str], *, fused: bool = False) -> None:
+    """LoRA on MoE experts: per-expert tensors named as the base checkpoint names them (finetune/outputs/
+    export_experts.py), marked unverified from what vLLM's and llama.cpp's sources say, as neither was run here; or
+    PEFT's LoRA on the fused expert parameters (`fused`: target_parameters, export_fused.py), which stock vLLM refuses."""
+    experts = [m for m in lora_modules(tensor_names) if ".experts." in f"{m}."]
     if not experts:
+        return
+    if fused:
+        _fused_expert_verdicts(vllm, llama_cpp, len(experts))
         return
     if vllm.status != "invalid":
         vllm.status = "unverified"
@@ -230,6 +236,23 @@ def expert_lora_verdicts(vllm: Verdict, llama_cpp: Verdict, tensor_names: list[s
             "base's GGUF and compare an answer with `finetune generate`")
 
 
+def _fused_expert_verdicts(vllm: Verdict, llama_cpp: Verdict, modules: int) -> None:
+    """The fused-expert form (what plain PEFT loads for this model): vLLM reads a `target_parameters` expert LoRA
+    with the wrong orientation and stops on a shape mismatch (vllm-project/vllm#52194, #52198: fixes proposed, not
+    in a release finetune knows of); llama.cpp's converter maps per-expert tensor names, which this file has none of."""
+    vllm.status = "invalid"
+    vllm.reasons.append(
+        f"LoRA on {modules} fused MoE expert parameters (PEFT's target_parameters form, the one plain PEFT loads for "
+        "this model): stock vLLM reads it transposed and stops on a shape mismatch (vllm-project/vllm#52198). Fix: "
+        "serve a merged model (finetune export --merge)")
+    if llama_cpp.status != "invalid":
+        llama_cpp.status = "unverified"
+        llama_cpp.reasons.append(
+            f"LoRA on {modules} fused MoE expert parameters (PEFT's target_parameters form): convert_lora_to_gguf.py "
+            "names tensors through the base model's converter, which has no name for `experts.lora_A`; not run by "
+            "finetune and expected to stop. Fix: convert a merged model (finetune export --merge)")
+
+
 def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict]:
     """Every runtime's verdict on the adapter in `folder` (for --merge: the adapter that was merged)."""
     from safetensors import safe_open
@@ -245,7 +268,7 @@ def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict
                                 ["reloaded with AutoModelForCausalLM and its logits compared with base + adapter"]))
     vllm, llama_cpp = vllm_verdict(config, names), llama_cpp_verdict(config, names, tied_embeddings=tied)
     if not merged:  # merged, the experts are plain weights again: no LoRA on them left for a runtime to apply
-        expert_lora_verdicts(vllm, llama_cpp, names)
+        expert_lora_verdicts(vllm, llama_cpp, names, fused=bool(config.get("target_parameters")))
     return [*verdicts, vllm, llama_cpp]
 
 

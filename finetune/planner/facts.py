@@ -36,6 +36,7 @@ class Tensor:
     trainable: bool
     unit: str  # FSDP unit: "layer{i}", "lora:{name}" or "root"
     quantized_numel: int = 0  # a 4-bit weight: its values before packing (what the checkpoint stores); else 0
+    whole_read_bytes: int = 0  # read whole by every rank in this stored form (an MXFP4 expert weight); 0: by values
 
     @property
     def numel(self) -> int:
@@ -80,6 +81,9 @@ class ModelFacts:
     # later start reads the 4-bit cache entry; the first start reads the base once to write it).
     stored_4bit: str = ""
     stored_quant_state_bytes: int = 0  # the quant states as a 4-bit checkpoint stores them (stored_quant_state_bytes)
+    # The checkpoint stores gpt-oss's experts in MXFP4 (config.json quantization_config.quant_method: mxfp4): read by
+    # finetune's tensor-by-tensor loader only, so no layer split (transformers' from_pretrained refuses it).
+    mxfp4: bool = False
 
     def total_bytes(self, *, trainable: bool | None = None) -> int:
         return sum(t.nbytes for t in self.tensors if trainable is None or t.trainable == trainable)
@@ -187,6 +191,7 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     lora_inputs: list[tuple[str, int]] = []
     # Exactly nn.Linear, as transformers' bnb quantizer converts: a subclass (Llama 4's router) stays in model.dtype.
     linear_weights = {id(m.weight): (n, m) for n, m in model.named_modules() if type(m) is nn.Linear}
+    mxfp4 = _mxfp4_expert_weights(model) if quantized and _stored_mxfp4(config) else set()
     unit_load: dict[str, int] = {}
     for pname, param in model.named_parameters():
         unit = _unit_of(pname, layers_path)
@@ -195,7 +200,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         is_output = owner is not None and owner[1] is output
         if owner is not None and quantized and not is_output:
             numel = param.numel()
-            tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit, numel))
+            tensors.append(Tensor(pname, (numel + 1) // (2 * storage_bytes), 1, storage_bytes, False, unit, numel,
+                                  whole_read_bytes=mxfp4_bytes(numel) if id(param) in mxfp4 else 0))
             qstate += quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
             stored_qstate += stored_quant_state_bytes(numel, double_quant=recipe.quantization.double_quant)
         else:
@@ -225,13 +231,24 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         experts=experts, experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
         stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
+        mxfp4=bool(mxfp4),
     )
-    if facts.stored_4bit == "cache":
-        facts.notes.append("model.quantized_cache: auto: the read figures are a later start's, from the 4-bit cache entry; "
-                           "the first start reads the whole base once to write the entry")
-    if not layers_path:
-        facts.notes.append("no decoder layer list found: FSDP units and layer split are approximate")
+    facts.notes += _notes(facts, layers_path)
     return facts
+
+
+def _notes(facts: ModelFacts, layers_path: str) -> list[str]:
+    notes = []
+    if facts.mxfp4 and not facts.stored_4bit:
+        notes.append("the experts are stored in MXFP4: read as stored (blocks + scales, 17/32 byte a value), one "
+                     "expert's slab at a time, whole on every rank; no layer split (it loads through transformers' "
+                     "from_pretrained, which cannot turn MXFP4 into NF4)")
+    if facts.stored_4bit == "cache":
+        notes.append("model.quantized_cache: auto: the read figures are a later start's, from the 4-bit cache entry; "
+                     "the first start reads the whole base once to write the entry")
+    if not layers_path:
+        notes.append("no decoder layer list found: FSDP units and layer split are approximate")
+    return notes
 
 
 def _text_shape(config) -> tuple[object, int, int]:
@@ -268,6 +285,27 @@ def _stored_4bit(config, recipe) -> str:
     if quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
         return "checkpoint"
     return "cache" if recipe.model.quantized_cache == "auto" else ""
+
+
+def _stored_mxfp4(config) -> bool:
+    """config.json says the checkpoint stores MXFP4 (`quantization_config.quant_method: mxfp4`, openai/gpt-oss-*)."""
+    quant = getattr(config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else quant if isinstance(quant, dict) else {}
+    return str(quant.get("quant_method", "")).lower() == "mxfp4"
+
+
+def _mxfp4_expert_weights(model) -> set[int]:
+    """ids of the expert weights an MXFP4 checkpoint stores as blocks + scales: gpt-oss's split experts."""
+    from finetune.model.experts import RoutedExperts
+
+    return {id(linear.weight) for module in model.modules()
+            if isinstance(module, RoutedExperts) and getattr(module, "family", "") == "gpt_oss"
+            for expert in module for linear in expert.children() if hasattr(linear, "weight")}
+
+
+def mxfp4_bytes(numel: int) -> int:
+    """Bytes of `numel` values in MXFP4: two e2m1 values a byte (`*_blocks`) and one e8m0 scale per 32 (`*_scales`)."""
+    return numel // 2 + -(-numel // 32)
 
 
 def _stored_dtype_bytes(config) -> int:

@@ -66,7 +66,8 @@ def choose(estimates: list[Estimate], hw: Hardware) -> Estimate:
 
 
 def largest_micro_batch(facts: ModelFacts, recipe, key: str, hw: Hardware, *, limit: int = 512, **kwargs) -> int:
-    """The largest micro-batch at data.max_length for which strategy `key` fits (0: not even 1)."""
+    """The largest micro-batch at data.max_length for which strategy `key` fits (0: not even 1); for GRPO a multiple
+    of grpo.num_generations (a prompt's group stays in one micro-batch)."""
     fits = lambda b: estimate(facts, recipe, key, hw, micro_batch=b, **kwargs).fits
     if not fits(1):
         return 0
@@ -77,7 +78,7 @@ def largest_micro_batch(facts: ModelFacts, recipe, key: str, hw: Hardware, *, li
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return low - low % recipe.grpo.num_generations if recipe.train.objective == "grpo" else low
 
 
 def decide(recipe, model_config, *, gpus_per_node: int, gpu_memory_bytes: int, nodes: int = 1,

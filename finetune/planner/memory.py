@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from finetune.planner.facts import GiB, ModelFacts, gib
-from finetune.planner.objectives import preference_note, swaps_reference
+from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, with_generation
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 
@@ -304,10 +304,39 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=shard_world,
                                 fsdp_version=facts.fsdp_version)
     trainable = 0 if offload else held["trainable_bytes"] // devices
-    step = _step_terms(facts, recipe, micro_batch=micro_batch or recipe.train.micro_batch_size,
+    micro_batch = micro_batch or recipe.train.micro_batch_size
+    step = _step_terms(facts, recipe, micro_batch=micro_batch,
                        checkpointing=checkpointing, lora_path=lora_path_for(recipe, key, fsdp_version=facts.fsdp_version),
                        gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, shard_world),
                        optimizer_temporary=trainable)
+    parts = _parts(facts, recipe, key, held=held, step=step, trainable=trainable, devices=devices, world=world)
+    moment = step["moment"]
+    if recipe.train.objective == "grpo":  # generating is a moment of its own (planner/objectives.py)
+        parts, moment = with_generation(facts, recipe, key, parts, rows=micro_batch, step_gradients=step["gradients"],
+                                        moment=moment)
+    dynamic = parts["activations"] + parts["logits_loss"] + parts["fsdp_unsharded"] + parts.get("kv_cache", 0)
+    parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
+    result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
+                      cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
+    sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
+    _loading(result, facts, recipe, key, hw, devices=devices, shard_world=shard_world, sharded=sharded,
+             counted=per_rank_full_load is not False)
+    result.peak_moment = moment
+    result.gradient_bytes = (trainable if key == "ddp" else 0) + (step["gradients"] if moment != "generation" else 0)
+    if recipe.train.objective == "grpo":
+        result.notes.append(grpo_note(facts, recipe, key, moment=moment))
+    if key == "hsdp":
+        result.notes.append(f"sharded over the {hw.gpus_per_node} GPUs of a node, replicated across {hw.nodes} nodes "
+                            "(parallel.hybrid_shard, or fsdp_sharding_strategy: HYBRID_SHARD): per-layer gathers stay "
+                            "within a node")
+    _verdict(result, recipe, hw, sharded=sharded)
+    return result
+
+
+def _parts(facts: ModelFacts, recipe, key: str, *, held: dict[str, int], step: dict, trainable: int, devices: int,
+           world: int) -> dict[str, int]:
+    """The parts of the step's peak (`estimate`), before the overhead."""
+    offload = key == "fsdp_offload"
     _, root_unit = _unit_sizes(facts)
     parts = {
         "base": 0 if offload else (held["frozen_bytes"] - root_unit) // devices + root_unit if key == "layer_split"
@@ -324,23 +353,9 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
         parts.update(zero_parts(facts, stage=int(key[-1]), world_size=world))
     if swaps_reference(recipe):  # the starting adapter's values kept, and the trained ones while they are swapped out
         parts["dpo_reference_copy"] = 2 * held["trainable_bytes"] // devices
-    if fsdp:
+    if key.startswith("fsdp") or key == "hsdp":
         parts["fsdp_unsharded"] = _gathered_bytes(facts, key)
-    dynamic = parts["activations"] + parts["logits_loss"] + parts["fsdp_unsharded"]
-    parts["overhead"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * dynamic)
-    result = Estimate(key, STRATEGIES[key], world if key != "layer_split" else devices, parts,
-                      cpu_bytes_per_node=_cpu_bytes_per_node(facts, key, hw, held))
-    sharded = fsdp and recipe.parallel.sharded_loading and not recipe.lora.dora and not per_rank_full_load
-    _loading(result, facts, recipe, key, hw, devices=devices, shard_world=shard_world, sharded=sharded,
-             counted=per_rank_full_load is not False)
-    result.peak_moment = step["moment"]
-    result.gradient_bytes = (trainable if key == "ddp" else 0) + step["gradients"]
-    if key == "hsdp":
-        result.notes.append(f"sharded over the {hw.gpus_per_node} GPUs of a node, replicated across {hw.nodes} nodes "
-                            "(parallel.hybrid_shard, or fsdp_sharding_strategy: HYBRID_SHARD): per-layer gathers stay "
-                            "within a node")
-    _verdict(result, recipe, hw, sharded=sharded)
-    return result
+    return parts
 
 
 def _loading(result: Estimate, facts: ModelFacts, recipe, key: str, hw: Hardware, *, devices: int, shard_world: int,
@@ -429,7 +444,7 @@ def estimates_for(facts: ModelFacts, recipe, hw: Hardware, **kwargs) -> list[Est
         keys += ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero3", "zero2"]
     if hw.nodes > 1 and hw.gpus_per_node > 1:
         keys.append("hsdp")  # listed beside FSDP over every GPU; chosen only when asked (parallel.hybrid_shard)
-    if hw.gpus_per_node > 1:
+    if hw.gpus_per_node > 1 and not facts.mxfp4:  # MXFP4 goes through finetune's loader only: no layer split
         keys.append("layer_split")
     return [estimate(facts, recipe, key, hw, **kwargs) for key in keys]
 

@@ -7,6 +7,8 @@ Which loader reads what (finetune/model/loading.py, finetune/model/shard_reads.p
   * a 4-bit checkpoint (model.name_or_path one, or the quantized cache's entry on every start after the first): packed
     bytes instead of values (a quarter of the bf16 bytes), FSDP2 ranks their chunk's, and every rank every stored
     quant state whole; the first start with the cache on reads the bf16 base once to write the entry.
+  * an MXFP4 checkpoint (gpt-oss as the hub ships it): the experts as stored, blocks + scales (17/32 byte a value),
+    every rank each expert's whole slab (it is dequantized whole); the other tensors as for a bf16 checkpoint.
   * everything else (FSDP1, DDP, DeepSpeed, single process, layer split): every rank reads the whole checkpoint. The
     ranks of a node share the page cache of the memory-mapped files, so the node reads it from storage once (when
     the page cache can hold it).
@@ -45,6 +47,9 @@ def rank_read_bytes(facts: ModelFacts, *, rank: int, world_size: int, own_shard:
     for tensor in facts.tensors:
         if tensor.trainable:
             continue  # LoRA starts from its seed (or model.adapter, not counted): not in the base checkpoint
+        if tensor.whole_read_bytes and not facts.stored_4bit:  # MXFP4 experts: one expert's slab, whole, any rank
+            total += tensor.whole_read_bytes
+            continue
         if tensor.quantized_numel and facts.stored_4bit:  # packed bytes: two 4-bit values per byte
             start, stop = (packed_value_range(tensor.quantized_numel, tensor.elem_bytes, rank, world_size, NF4_BLOCK)
                            if own_shard else (0, tensor.quantized_numel))

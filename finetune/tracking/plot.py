@@ -1,4 +1,5 @@
-"""Charts of runs from their metrics.jsonl: loss (train and eval) and learning rate against steps.
+"""Charts of runs from their metrics.jsonl: loss (train and eval), the GRPO reward when logged, and learning rate
+against steps.
 
     finetune plot runs/a                  -> runs/a/plot.png
     finetune plot runs/a runs/b --out x.png   (runs compared on one chart; default compare.png)
@@ -22,14 +23,14 @@ _said_missing = False  # the missing-matplotlib warning is said once per process
 
 
 def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Series of a run folder: train loss, eval loss and learning rate as (step, value) lists."""
+    """Series of a run folder: train loss, eval loss, learning rate and (GRPO) reward as (step, value) lists."""
     folder = Path(run_dir)
     path = folder / "metrics.jsonl"
     if not path.is_file():
         what = "does not exist" if not folder.exists() else "has no metrics.jsonl"
         raise FinetuneError(f"{folder}: {what}; `finetune plot` takes run folders (output.dir of a run), "
                             "which hold metrics.jsonl.")
-    series: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "learning_rate": []}
+    series: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "learning_rate": [], "reward": []}
     for record in read_records(path):  # old runs' `lr` read as learning_rate
         for key, points in series.items():
             value = record.get(key)
@@ -54,10 +55,17 @@ def _figure(**options):
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """One PNG: loss (train solid, eval dashed with markers) above, learning rate below, one colour per run."""
+    """One PNG: loss (train solid, eval dashed with markers) above, the GRPO reward (runs that log one) in the middle,
+    learning rate below, one colour per run."""
     runs = [(Path(d), read_run(d)) for d in run_dirs]  # every folder checked before drawing anything
-    figure = _figure(figsize=(9, 7))
-    loss_axes, lr_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.3])
+    rewarded = any(series["reward"] for _, series in runs)
+    figure = _figure(figsize=(9, 9 if rewarded else 7))
+    if rewarded:
+        loss_axes, reward_axes, lr_axes = figure.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1.3])
+        reward_axes.set_ylabel("reward (mean)")
+        reward_axes.grid(alpha=0.3)
+    else:
+        loss_axes, lr_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.3])
     for index, (folder, series) in enumerate(runs):
         color = f"C{index % 10}"
         name = folder.resolve().name
@@ -67,6 +75,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             loss_axes.plot(*zip(*series["eval_loss"]), color=color, linestyle="--", marker="o", label=f"{name} eval")
         if series["learning_rate"]:
             lr_axes.plot(*zip(*series["learning_rate"]), color=color, label=name)
+        if series["reward"]:
+            reward_axes.plot(*zip(*series["reward"]), color=color, linewidth=1.4, label=name)
     loss_axes.set_ylabel("loss (per trained token)")
     loss_axes.set_title("training runs" if len(runs) > 1 else runs[0][0].resolve().name)
     loss_axes.grid(alpha=0.3)

@@ -111,10 +111,11 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     """The run's length for this launch, before any weight loads: train.num_epochs becomes train.max_steps
     (Recipe.resolve_num_epochs; an epoch without a whole optimizer step is an error). Said once, by rank 0."""
     t = recipe.train
-    launch = (f"{train_rows} rows // (micro_batch_size {t.micro_batch_size} x {world_size} "
+    rows = objectives.rows_per_micro_batch(recipe)  # GRPO: prompts (micro_batch_size counts its completions)
+    launch = (f"{train_rows} rows // (micro_batch_size {rows} x {world_size} "
               f"process{'es' if world_size > 1 else ''} x grad_accum {t.grad_accum})")
     count = checked_steps_per_epoch if t.num_epochs is not None else steps_per_epoch  # num_epochs needs a whole step
-    per_epoch = count(train_rows, micro_batch_size=t.micro_batch_size, world_size=world_size, grad_accum=t.grad_accum)
+    per_epoch = count(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum)
     known = len(recipe.notes)
     told = recipe.resolve_num_epochs(per_epoch, launch=launch)
     if told is None:  # the recipe gave max_steps: the epochs it makes
@@ -151,7 +152,8 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 
 def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
-                     objective: objectives.Supervised | objectives.Preference | objectives.KTO | None = None) -> dict | None:
+                     objective: objectives.Supervised | objectives.Preference | objectives.KTO | objectives.GRPO | None = None
+                     ) -> dict | None:
     """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
         return None
@@ -185,11 +187,11 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = engine_optimizer(model) or build_optimizer(recipe, parameters)  # DeepSpeed: the AdamW it wraps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
-    stream = batch_stream(train_examples, micro_batch_size=t.micro_batch_size, rank=info.rank,
+    stream = batch_stream(train_examples, micro_batch_size=objectives.rows_per_micro_batch(recipe), rank=info.rank,
                           world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum,
                           kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None)
     result = TrainResult()
-    objective = objectives.for_recipe(model, recipe)  # DPO keeps the starting LoRA values before a resume loads others
+    objective = objectives.for_recipe(model, recipe, tokenizer)  # DPO: the starting LoRA values, before a resume
     first_step = 1
     if resume_from is not None:
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
@@ -218,7 +220,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 step_start = time.perf_counter()
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
                 with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
-                    micro_batches = [next(batches) for _ in range(t.grad_accum)]
+                    micro_batches = objectives.take_micro_batches(objective, batches, step, t.grad_accum)
                     local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                     *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.

@@ -100,12 +100,15 @@ def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softc
 
     `correct`: a list to append the chunk's count of argmax hits to (a device tensor: no host sync), read off the
     logits that exist here anyway; one argmax over the chunk, small beside the softmax and its gradient."""
-    logits = head_forward(hidden).float()
-    if softcap is not None:  # Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = _capped(head_forward(hidden).float(), softcap)
     if correct is not None:
         correct.append((logits.detach().argmax(dim=-1) == targets).sum())
     return F.cross_entropy(logits, targets, reduction=reduction)
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def trained_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +169,15 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             request = head.__dict__.get(_TARGETS)
             if request is None:
                 return original(hidden_states, *args, **kwargs)
-            positions, targets, softcap, per_token, correct = request
+            positions, targets, softcap, per_token, correct, temperature = request
+            head_forward = original
+            if temperature != 1.0:  # GRPO scores the tempered distribution it sampled from (as TRL): cap, then / T
+                head_forward = lambda h, cap=softcap: _capped(original(h).float(), cap) / temperature
+                softcap = None
             # Layer split: the head lives on the last GPU (a device-to-device copy, no sync).
             positions, targets = (t.to(hidden_states.device, non_blocking=True) for t in (positions, targets))
             trainable = any(p.requires_grad for p in head.parameters())
-            return head_loss(original, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
+            return head_loss(head_forward, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
                              chunk=chunk, per_token=per_token, correct=correct)
 
         head.forward = forward
@@ -222,12 +229,12 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
 
 def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict,
                           where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool,
-                          correct: list | None = None) -> torch.Tensor:
+                          correct: list | None = None, temperature: float = 1.0) -> torch.Tensor:
     """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
     patched forward returns."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct)
+    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct, temperature)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:
@@ -259,3 +266,21 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     logps = torch.zeros(labels.size(0), dtype=torch.float32, device=token.device).index_add(
         0, rows.to(token.device, non_blocking=True), -token)
     return logps, counts.to(token.device, non_blocking=True)
+
+
+def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
+                temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of every trained token of the batch (labels != -100), in row-major order, under the
+    logits divided by `temperature` (GRPO's completions, scored as they were sampled, as TRL does), with the graph for
+    backward; without full-vocabulary logits (the head computes them a chunk at a time, as `token_loss_sum`)."""
+    positions, wanted = trained_positions(batch["labels"])
+    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()
+              if k in ("input_ids", "attention_mask", "position_ids")}
+    positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
+    found = install(model)
+    if found is None:  # not a transformers causal LM: the plain way
+        logits = model(**inputs, use_cache=False).logits.float() / temperature
+        flat = logits.reshape(-1, logits.size(-1)).index_select(0, positions)
+        return -F.cross_entropy(flat, wanted, reduction="none")
+    return -_forward_with_targets(model, found, inputs, (positions, wanted), per_token=True,
+                                  temperature=temperature).reshape(-1)

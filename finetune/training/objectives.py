@@ -1,5 +1,5 @@
-"""What a step minimizes, side by side: next-token SFT, preference tuning (training/preference.py) and KTO
-(training/kto.py).
+"""What a step minimizes, side by side: next-token SFT, preference tuning (training/preference.py), KTO
+(training/kto.py) and GRPO (training/grpo.py, its completions sampled in training/grpo_rollouts.py).
 
 The loop asks an objective for three things: the counts its normalization needs (summed over ranks once per step;
 KTO's include its KL estimate, from no-grad forwards before the step's first backward),
@@ -10,14 +10,17 @@ is trained, and every strategy, checkpoint and tracker works for both.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from finetune import distributed
 from finetune.data import IGNORE_INDEX, Example, eval_batches, kl_sequence
 from finetune.recipe import Recipe
-from finetune.training import kto, preference
-from finetune.training.loss import token_loss_and_correct
+from finetune.training import grpo, kto, preference
+from finetune.training.grpo_rollouts import grpo_rollouts
+from finetune.training.loss import token_logps, token_loss_and_correct
 
 
 class Supervised:
@@ -173,13 +176,100 @@ class KTO:
                 **kto.metric_means(total[1:-3], rows, estimate, self.config, prefix="eval_")}
 
 
+class GRPO:
+    """GRPO: each step the policy samples grpo.num_generations completions per prompt (training/rollout.py), the
+    reward functions score them, and the step minimizes the clipped policy loss on their advantages
+    (training/grpo.py). Completions are reused for grpo.num_iterations steps."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
+        from finetune.recipe_grpo import import_reward_function
+
+        self.config, self.recipe, self.tokenizer = recipe.grpo, recipe, tokenizer
+        self.functions = [import_reward_function(name) for name in self.config.reward_functions]
+        self.reference = preference.Reference(model, recipe, compared=True) if self.config.beta else None
+        self.rollouts: list[grpo.Rollout] = []
+        self.prompt_batches: list[dict] = []
+        self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
+
+    def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, **where) -> None:
+        """Work before step 1 (none)."""
+
+    def take(self, batches, step: int, count: int) -> list[dict]:
+        """The step's prompt micro-batches: new ones at the start of a num_iterations cycle (or after a resume), the
+        cycle's own otherwise (the prompts are not consumed again)."""
+        self.step = step
+        mu = self.config.num_iterations
+        if self.generated_at is not None and step - self.generated_at < mu and (step - 1) % mu:
+            return self.prompt_batches
+        self.prompt_batches, self.generated_at = [next(batches) for _ in range(count)], None
+        return self.prompt_batches
+
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
+        """[completions, completion tokens] of this rank's step: the completions sampled and scored first, at the
+        start of a cycle."""
+        if self.generated_at is None:
+            self.rollouts = grpo_rollouts(model, micro_batches, self, device)
+            self.generated_at = self.step
+        self.position = 0
+        return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts)]
+
+    def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
+        rollout = self.rollouts[self.position]
+        self.position += 1
+        logps = grpo.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature),
+                           rollout.mask)
+        mask = rollout.mask.to(logps.device)
+        moved = lambda t: None if t is None else t.to(logps.device)
+        per_token, coef, kl = grpo.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
+                                                   rollout.advantages.to(logps.device, logps.dtype), self.config)
+        share = grpo.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1])
+        kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
+        sums = torch.stack([kl_sum, *grpo.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
+                                                    self.config)]).double()
+        return share * distributed.info().world_size, share.detach(), sums
+
+    def step_loss(self, summed: float, totals: list[float]) -> float:
+        return summed
+
+    def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        tokens = max(totals[1], 1)
+        out = dict(self.rollout_figures)
+        if sums is not None:
+            if self.config.beta:
+                out["kl"] = sums[0] / tokens
+            for name, value in zip(("low_mean", "high_mean", "region_mean"), sums[1:4]):
+                out[f"clip_ratio/{name}"] = value / tokens
+        # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
+        return {name: round(value, 6) for name, value in out.items() if math.isfinite(value)}
+
+    def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
+        """No held-out loss: each step's rewards are GRPO's measure."""
+        return None
+
+
 def uses_kl(recipe: Recipe) -> bool:
     """Whether the train batches need KTO's mismatched (KL) rows."""
     return recipe.train.objective == "kto" and kto.uses_kl(recipe.kto)
 
 
-OBJECTIVES = {"sft": lambda model, recipe: Supervised(), "dpo": Preference, "kto": KTO}
+OBJECTIVES = {"sft": lambda model, recipe: Supervised(), "dpo": Preference, "kto": KTO, "grpo": GRPO}
 
 
-def for_recipe(model: nn.Module, recipe: Recipe) -> Supervised | Preference | KTO:
+def for_recipe(model: nn.Module, recipe: Recipe, tokenizer=None) -> Supervised | Preference | KTO | GRPO:
+    if recipe.train.objective == "grpo":
+        return GRPO(model, recipe, tokenizer)  # it decodes its completions for the reward functions
     return OBJECTIVES[recipe.train.objective](model, recipe)
+
+
+def take_micro_batches(objective, batches, step: int, count: int) -> list[dict]:
+    """The step's micro-batches from the stream (GRPO reuses a cycle's prompts for grpo.num_iterations steps)."""
+    if isinstance(objective, GRPO):
+        return objective.take(batches, step, count)
+    return [next(batches) for _ in range(count)]
+
+
+def rows_per_micro_batch(recipe: Recipe) -> int:
+    """Data rows per rank per micro-batch: train.micro_batch_size, but prompts for GRPO (its micro_batch_size
+    counts completions, as TRL's per_device_train_batch_size)."""
+    return recipe.rows_per_micro_batch
+

@@ -81,8 +81,7 @@ def test_the_second_command_and_everything_after_it_run_clean(folder):
 
     first = finetune(folder, "train", "my.yaml")
 
-    recipe["train"].update({"max_steps": 16, "eval_every": 16, "save_every": 16})  # long enough that bf16 rounding
-    # of the merge exceeded the old 2% tolerance; evaluated and saved once, at the end
+    recipe["train"].update({"max_steps": 8, "eval_every": 8, "save_every": 8})  # evaluated and saved once, at the end
     (folder / "my.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     ddp = launch("ddp", folder / "my.yaml", "output.dir=run-ddp", cwd=folder, timeout=900)
     assert ddp.returncode == 0, (ddp.stdout + ddp.stderr)[-3000:]
@@ -97,5 +96,5 @@ def test_the_second_command_and_everything_after_it_run_clean(folder):
     finetune(folder, "export", "run-ddp", "adapter")
     merged = finetune(folder, "export", "run-ddp", "merged", "--merge")
     assert "saved model (reloaded) vs the merged model in bf16: max abs logit diff 0 " in merged, merged
-    answer = finetune(folder, "generate", "run-ddp", "--prompt", "What is 12 times 11?")
+    answer = finetune(folder, "generate", "run-ddp", "--prompt", "What is 12 times 11?", "--max-new-tokens", "16")
     assert "> What is 12 times 11?\n" in answer and "[finetune] generating with the" in answer

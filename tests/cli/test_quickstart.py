@@ -62,8 +62,8 @@ def test_generation_eval_on_a_tiny_model(tiny_llama):
 
 @pytest.mark.slow
 def test_tiny_quickstart_end_to_end(tmp_path):
-    out = tmp_path / "qs"
-    result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--tiny", "--out", str(out)], timeout=300)
+    out = tmp_path / "qs"  # output.dir= as an override is the same as --out (the report reads the run it wrote)
+    result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--tiny", f"output.dir={out}"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "before" in result.stdout and "-> after" in result.stdout, result.stdout[-2000:]
     assert (out / "adapter" / "adapter_model.safetensors").exists()
@@ -83,6 +83,28 @@ def test_tiny_dpo_quickstart_runs_sft_then_dpo_from_its_adapter(tmp_path):
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])  # [0] is the generation eval before
     assert first["loss"] == pytest.approx(0.693147, abs=1e-6)
     assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "sft" / "adapter").is_dir()
+
+
+@pytest.mark.slow
+def test_tiny_grpo_quickstart_runs_sft_then_grpo_from_its_adapter(tmp_path):
+    """The --grpo path end to end on the tiny random model (it learns nothing: the figures are SmolLM2's, docs): GRPO
+    starts from the SFT adapter, on prompts of dates that neither the SFT rows nor the held-out prompts hold."""
+    from finetune.cli.quickstart_grpo import _iso
+
+    out = tmp_path / "qs-grpo"
+    result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--grpo", "--tiny", "--out", str(out)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exact match on 16 held-out prompts: after SFT" in result.stdout and "-> after GRPO" in result.stdout
+    recipe = (out / "recipe.yaml").read_text()
+    assert "objective: grpo" in recipe and str(out / "sft" / "adapter") in recipe
+    rewards = [json.loads(line)["reward"] for line in (out / "metrics.jsonl").read_text().splitlines()
+               if '"reward"' in line]
+    assert len(rewards) == 2 and "reward (mean exact match of the sampled completions) per step: " in result.stdout
+    prompts = {_iso(json.loads(line)["prompt"][0]["content"])
+               for line in (out / "data" / "ledger_stamp_prompts.jsonl").read_text().splitlines()}
+    sft = {_iso(json.loads(line)["messages"][0]["content"])
+           for line in (out / "sft" / "data" / "ledger_stamp.jsonl").read_text().splitlines()}
+    assert len(prompts) == 32 and not prompts & sft
 
 
 def test_generation_evals_are_read_from_metrics(tmp_path):

@@ -14,7 +14,7 @@ from conftest import LIBRARY_LORA, REPO, addition_rows, recipe_dict, train_losse
 from safetensors.torch import load_file
 
 from finetune.cli.tiny_arch import text_causal_lm_types, tiny_config
-from finetune.model.support import ADAPTER_GAPS, REFUSED, SHARDED, TRAINED
+from finetune.model.support import ADAPTER_GAPS, BF16_GAPS, REFUSED, SHARDED, TRAINED
 
 
 def test_every_listed_architecture_is_a_text_causal_lm_of_this_transformers():
@@ -49,6 +49,8 @@ def test_refused_before_any_weight_loads(model_type, tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
     recipe = recipe_dict(model_dir, data, tmp_path / "run", lora=LIBRARY_LORA)
     del recipe["model"]["dtype"]  # the default, as a user's recipe
+    if model_type in BF16_GAPS:
+        recipe["model"]["dtype"] = "bfloat16"  # what auto picks on GPUs (on CPUs only where they compute bf16)
     code = main([str(write_recipe(tmp_path / "recipe.yaml", recipe))])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -74,6 +76,116 @@ def test_an_architecture_without_sdpa_is_refused_under_sdpa_only():
     (reason,) = refusals(config, quantized=True, attn_implementation="sdpa")
     assert "Gemma2ForCausalLM" in reason and "Fix: set model.attn_implementation: eager" in reason
     assert refusals(config, quantized=True, attn_implementation=MODEL_SETTINGS["gemma2"]["attn_implementation"]) == []
+
+
+def test_each_refusal_names_its_fix_and_the_fix_lifts_it():
+    """The refusals of issue 40's survey (every text causal LM of transformers 5.25 built tiny and trained through the
+    library's settings; these stopped with a traceback before): each goes away with the fix it names, which trains
+    (tried with `finetune train` on the tiny models: ctrl, jetmoe, cpmant, gpt_neox_japanese without checkpointing;
+    falcon_h1, falcon_mamba with LoRA off out_proj; mamba so and unquantized; xlstm in fp32). nemotron_h has
+    no fix yet."""
+    from finetune.model.support import refusals
+
+    def config(model_type):
+        return tiny_config(model_type, vocab_size=512, eos_token_id=2, pad_token_id=0)
+
+    library = {"quantized": True, "attn_implementation": "auto", "gradient_checkpointing": True}  # the defaults
+    others = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "x_proj", "dt_proj", "gate_proj", "up_proj", "down_proj"]
+    for model_type in ("ctrl", "jetmoe", "cpmant", "gpt_neox_japanese"):
+        (reason,) = refusals(config(model_type), **library)
+        assert "Fix: set train.gradient_checkpointing: false" in reason, reason
+        assert refusals(config(model_type), **dict(library, gradient_checkpointing=False)) == [], model_type
+    for model_type in ("falcon_h1", "falcon_mamba"):
+        (reason,) = refusals(config(model_type), **library)
+        assert "PEFT refuses LoRA on out_proj" in reason and "Fix: list lora.target_modules without out_proj" in reason
+        assert refusals(config(model_type), **library, lora_targets=["q_proj", "conv1d"]) != []  # PEFT's other one
+        assert refusals(config(model_type), **library, lora_targets=others) == [], model_type
+    four_bit, peft_rule = refusals(config("mamba"), **library)
+    assert "dt_proj.weight" in four_bit and "Fix: set quantization.method: none" in four_bit and "out_proj" in peft_rule
+    assert refusals(config("mamba"), **dict(library, quantized=False), lora_targets=others) == []
+    assert "Fix: set model.dtype: float32" in refusals(config("xlstm"), **library)[0]
+    assert refusals(config("xlstm"), **library, dtype="float32") == []
+    assert "Fix: none in finetune yet" in refusals(config("nemotron_h"), **dict(library, quantized=False),
+                                                  lora_targets=others)[0]
+
+
+def test_gpt2_style_conv1d_models_are_refused_under_4_bits_only():
+    """GPT-2, GPT-SW3 and OpenAI GPT (transformers' Conv1D, weights stored (in, out)): refused under 4 bits with the fix
+    quantization.method: none, which trains (tried with tests/arch_matrix.py's run, unquantized: the loss falls and the
+    adapter loads in plain PEFT); OpenAI GPT also needs train.gradient_checkpointing: false. And every text causal LM
+    whose modeling file builds a Conv1D is in the table (read from the installed transformers' sources)."""
+    import re
+    from pathlib import Path
+
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from finetune.model.support import FOUR_BIT_GAPS, refusals
+
+    library = {"quantized": True, "attn_implementation": "auto", "gradient_checkpointing": True}  # the defaults
+    for model_type in ("gpt2", "gpt-sw3", "openai-gpt"):
+        config = tiny_config(model_type, vocab_size=512, eos_token_id=2, pad_token_id=0)
+        reasons = refusals(config, **library)
+        conv1d = [reason for reason in reasons if "Conv1D" in reason]
+        assert len(conv1d) == 1 and "(in_features, out_features)" in conv1d[0], reasons
+        assert conv1d[0].endswith("Fix: set quantization.method: none (the base in model.dtype; LoRA on Conv1D works, "
+                                  "PEFT sets fan_in_fan_out)"), conv1d[0]
+        unquantized = dict(library, quantized=False, gradient_checkpointing=model_type != "openai-gpt")
+        assert refusals(config, **unquantized) == [], model_type
+    # The classes defined in a modeling file that builds Conv1D layers; a model type's causal LM class may live in
+    # another model's file (GPT-SW3 is GPT2LMHeadModel).
+    classes = set()
+    for source in (Path(transformers.__file__).parent / "models").glob("*/modeling_*.py"):
+        text = source.read_text()
+        if "= Conv1D(" in text:
+            classes |= set(re.findall(r"^class (\w+)\(", text, flags=re.MULTILINE))
+    # As config.model_type says it (GPT-SW3's config class is GPT2Config: "gpt2").
+    with_conv1d = {CONFIG_MAPPING[model_type].model_type for model_type in text_causal_lm_types()
+                   if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in classes}
+    assert with_conv1d == {model_type for model_type, why in FOUR_BIT_GAPS.items() if "Conv1D" in why}
+
+
+def test_checkpoint_layouts_are_transformers_own_conversions():
+    """The refused checkpoint layouts are what the installed transformers splits, concatenates or transposes at load
+    (a WeightConverter of its conversion mapping, reading the tensor the reason names), refused with any settings;
+    and no trained architecture has such a converter outside its experts (finetune/model/experts/ reads those)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    from finetune.model.support import CHECKPOINT_LAYOUTS, refusals
+
+    def converters(model_type):
+        return [item for item in get_checkpoint_conversion_mapping(model_type) or []
+                if isinstance(item, WeightConverter)]
+
+    for model_type, layout in CHECKPOINT_LAYOUTS.items():
+        sources = [pattern.replace("\\", "").removesuffix(".weight")
+                   for item in converters(model_type) for pattern in item.source_patterns]
+        assert any(source in layout for source in sources), (model_type, sources)
+        config = tiny_config(model_type, vocab_size=512, eos_token_id=2, pad_token_id=0)
+        (reason, *_) = refusals(config, quantized=False, attn_implementation="auto", lora_targets=["q_proj"])
+        assert "cannot read its checkpoint" in reason and "Fix: none in finetune yet" in reason, reason
+    for model_type in TRAINED:
+        outside = [item.target_patterns for item in converters(model_type)
+                   if not all("expert" in target for target in item.target_patterns)]
+        assert not outside, (model_type, outside)
+
+
+def test_the_mamba_rule_is_peft_s_own():
+    """finetune refuses before loading what PEFT refuses inside get_peft_model (a ValueError traceback mid-load):
+    the same model types and module names as the installed PEFT's check."""
+    import inspect
+    import re
+
+    from peft.tuners import tuners_utils
+
+    from finetune.model.support import PEFT_MAMBA_MODEL_TYPES, PEFT_MAMBA_MODULES
+
+    source = inspect.getsource(tuners_utils._check_lora_target_modules_mamba)
+    sets = {name: set(re.findall(r'"([\w-]+)"', body)) for name, body in re.findall(r"(\w+) = \{([^}]*)\}", source)}
+    assert sets["mamba_model_types"] == set(PEFT_MAMBA_MODEL_TYPES)
+    assert sets["incompatible_modules"] == set(PEFT_MAMBA_MODULES)
 
 
 def test_docs_and_the_cli_list_the_table(capsys):

@@ -187,3 +187,40 @@ def test_expert_layouts_it_cannot_split_are_refused_when_quantizing(moe_models):
     with pytest.raises(ModelLoadError, match=r"have biases; it is not gpt-oss's.*Fix: set quantization.method: none"):
         split_experts(model, dtype=torch.bfloat16, quantized=True)
     assert split_experts(model, dtype=torch.bfloat16, quantized=False) == 0
+
+
+def test_llama4_text_model_trains_from_its_multimodal_checkpoint(tmp_path):
+    """Llama 4 Scout's hub checkpoint is multimodal (Llama4ForConditionalGeneration: `language_model.model.*`, a
+    vision tower and projector beside it), and transformers' causal LM for its config is the text model
+    (Llama4ForCausalLM, base_model_prefix `language_model`). The per-tensor loader strips that prefix as
+    from_pretrained does (checkpoints/conversions.py) and never reads the vision tower: the same bytes as
+    from_pretrained + split, every expert 4-bit with a LoRA, and it trains. Before, the pre-flight check built the text
+    class from the multimodal config (AttributeError: no vocab_size) and the loader found no text weight."""
+    from safetensors import safe_open
+
+    from finetune.cli.tiny import build_tiny_model_like
+    from finetune.model import base, loading
+
+    model_dir = build_tiny_model_like("meta-llama/Llama-4-Scout-17B-16E-Instruct", tmp_path / "scout")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as stored:  # the hub's layout, as transformers saves it
+        keys = list(stored.keys())
+    assert any(k.startswith("vision_model.") for k in keys) and any(k.startswith("multi_modal_projector.") for k in keys)
+    assert all(k.startswith(("language_model.model.", "language_model.lm_head.", "vision_model.",
+                             "multi_modal_projector.")) for k in keys)
+    recipe, cpu = _recipe(model_dir), torch.device("cpu")
+    reference = base.build_model(recipe, device=cpu, gradient_checkpointing=False)  # from_pretrained, then split
+    loaded = loading.load_model(recipe, sharded=False, device=cpu, device_map=None, gradient_checkpointing=False)
+    model = loaded.model
+    assert loaded.builder is not None and type(model.get_base_model()).__name__ == "Llama4ForCausalLM"
+    assert not [name for name, _ in model.named_modules() if "vision" in name or "projector" in name]
+    expected, held = held_tensors(reference), held_tensors(model)
+    assert sorted(held) == sorted(expected) and len(held) > 50
+    assert [k for k in held if not torch.equal(held[k], expected[k])] == []
+    config = model.config
+    experts = [p for n, p in model.named_parameters() if ".experts." in n and ".lora_" not in n]
+    assert len(experts) == config.num_hidden_layers * config.num_local_experts * 3
+    assert all(type(p).__name__ == "Params4bit" for p in experts)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n)

@@ -375,3 +375,50 @@ def test_a_settings_mismatch_exits_2_and_leaves_output_dir_alone(checkpoints, tm
 
     assert main(["quantize", str(checkpoints["base"]), str(checkpoints["quantized"])]) == 2
     assert "already exists and is not replaced" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_moe_models_cache_holds_4bit_experts_and_trains_as_a_cold_load(family, tiny_mixtral, tiny_gpt_oss, tmp_path,
+                                                                         monkeypatch, capsys):
+    """Mixture of experts through the quantized cache (the writer `finetune quantize` uses): Mixtral's per-expert
+    tensors under the checkpoint's `block_sparse_moe.` names, gpt-oss's fused, transposed, interleaved experts with
+    biases. The entry holds every expert projection as 4-bit codes + quant state under the model's per-expert names
+    (before: the checkpoint's names, bf16, refused on reload), a cache hit loads bitwise what quantizing the bf16 base
+    at load gives, and two training steps from each give the same losses."""
+    from safetensors import safe_open
+
+    from finetune.model import loading
+    from finetune.model.quantization import cache as quantized_cache
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    base = {"mixtral": tiny_mixtral, "gpt_oss": tiny_gpt_oss}[family]
+    cold, cached = _recipe(base), _recipe(base, quantized_cache="auto")
+    lora = {"r": 2, "alpha": 4, "target_modules": "all-linear", "dropout": 0.0}
+    cold, cached = (r.model_copy(update={"lora": r.lora.model_copy(update=lora)}) for r in (cold, cached))
+    expected = _load(cold)
+    _load(cached)  # builds the entry
+    assert "quantizing" in capsys.readouterr().out
+    held = _load(cached)
+    assert "the 4-bit cache of" in capsys.readouterr().out
+    assert sorted(held) == sorted(expected) and [k for k in held if not torch.equal(held[k], expected[k])] == []
+    entry = quantized_cache.entry_folder(cached, base)
+    with safe_open(str(next(entry.glob("*.safetensors"))), "pt") as handle:
+        keys = set(handle.keys())
+    experts = [k for k in keys if ".experts.0." in k and k.endswith(".weight")]
+    assert experts and all(f"{k}.absmax" in keys for k in experts), sorted(keys)[:8]
+
+    def losses(recipe):
+        model = loading.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
+                                   gradient_checkpointing=False).model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        batch, out = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0)), []
+        for _ in range(2):
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    assert losses(cached) == losses(cold)

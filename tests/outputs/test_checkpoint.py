@@ -12,12 +12,11 @@ import json
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_PY, addition_rows, free_port, recipe_dict, train_losses, write_jsonl, write_recipe
+from conftest import CHECKPOINT_EVERY, CHECKPOINT_STEPS, CHECKPOINT_STRATEGIES, RUN_PY, checkpoint_command, train_losses
 from processes import finish, kill_plan, outline, start, wait_for_step, worker_pids
 
 from finetune import outputs
@@ -25,40 +24,20 @@ from finetune.outputs import step_folders
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS, SAVE_EVERY = 12, 3
+MAX_STEPS, SAVE_EVERY = CHECKPOINT_STEPS, CHECKPOINT_EVERY
 # DDP loses one worker (the launcher must end the job); the others are killed whole (launcher and workers), as a
 # preempted or crashed node. Test_faults.py kills one rank of FSDP2 under accelerate launch, test_deepspeed.py ZeRO-3's.
 ONE_RANK = {"ddp"}
 # Same global batch (4 rows) for one and two processes, so a resharded resume continues the same run.
-STRATEGIES = {
-    "single": (1, []),
-    "ddp": (2, ["parallel.strategy=ddp", "train.micro_batch_size=2"]),
-    "fsdp2": (2, ["parallel.strategy=fsdp", "parallel.fsdp_version=2", "train.micro_batch_size=2"]),
-    "fsdp1": (2, ["parallel.strategy=fsdp", "parallel.fsdp_version=1", "train.micro_batch_size=2"]),
-}
+STRATEGIES = CHECKPOINT_STRATEGIES
+command = checkpoint_command  # (recipe, out_dir, strategy, *overrides) -> the launch
 
 
 # ------------------------------------------------------------------------------------------------- launching
-def command(recipe: Path, out_dir: Path, strategy: str, *extra: str) -> list[str]:
-    nproc, overrides = STRATEGIES[strategy]
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    return [*launcher, str(RUN_PY), str(recipe), f"output.dir={out_dir}", *overrides, *extra]
-
-
-
-
-
-
 def run_to_end(args: list[str], log: Path) -> str:
     code, output = finish(start(args, log), log)
     assert code == 0, output[-3000:]
     return output
-
-
-
-
 
 
 def adapter(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -80,26 +59,22 @@ def assert_same_adapter(a: dict, b: dict, *, exact: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def base_recipe(tiny_llama, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    data = write_jsonl(root / "train.jsonl", addition_rows())
-    values = recipe_dict(tiny_llama, data, root / "unused", train={"max_steps": MAX_STEPS, "save_every": SAVE_EVERY,
-                                                                   "keep_last": 2, "log_every": 1})
-    return write_recipe(root / "recipe.yaml", values)
+def base_recipe(checkpoint_recipe) -> Path:
+    return checkpoint_recipe  # tests/conftest.py: the recipe of the shared checkpointed runs
 
 
 _RUNS: dict[str, dict[str, Path]] = {}
 
 
-def kill_and_resume(strategy: str, recipe: Path, root: Path) -> dict[str, Path]:
-    """Reference run; a run SIGKILLed at a random step (one worker, or launcher and workers); that run resumed.
+def kill_and_resume(strategy: str, recipe: Path, root: Path, reference) -> dict[str, Path]:
+    """Reference run (`reference`: the session's checkpointed_run, tests/conftest.py); a run SIGKILLed at a random step
+    (one worker, or launcher and workers); that run resumed.
 
     `killed` keeps a copy of the killed run's folder for the tests that resume it differently.
     """
     if strategy in _RUNS:
         return _RUNS[strategy]
-    ref, run, killed = root / f"{strategy}-ref", root / f"{strategy}-run", root / f"{strategy}-killed"
-    run_to_end(command(recipe, ref, strategy), root / f"{strategy}-ref.log")
+    ref, run, killed = reference(strategy), root / f"{strategy}-run", root / f"{strategy}-killed"
     step, rank, note = kill_plan(f"{strategy}-{'one-rank' if strategy in ONE_RANK else 'whole-job'}", SAVE_EVERY + 1,
                                  MAX_STEPS - 1, ranks=STRATEGIES[strategy][0])
     log = root / f"{strategy}-killed.log"
@@ -129,8 +104,8 @@ def runs_root(tmp_path_factory) -> Path:
 
 # ------------------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp2", "fsdp1"])
-def test_sigkill_then_resume_gives_the_same_adapter_bitwise(strategy, base_recipe, runs_root):
-    runs = kill_and_resume(strategy, base_recipe, runs_root)
+def test_sigkill_then_resume_gives_the_same_adapter_bitwise(strategy, base_recipe, runs_root, checkpointed_run):
+    runs = kill_and_resume(strategy, base_recipe, runs_root, checkpointed_run)
     resumed_step = int(runs["resume_log"].split("at step ")[1].split()[0])
     assert 0 < resumed_step <= runs["kill_step"] and resumed_step % SAVE_EVERY == 0, (runs["note"], runs["resume_log"][-2000:])
     assert_same_adapter(adapter(runs["ref"]), adapter(runs["resumed"]), exact=True)
@@ -142,8 +117,8 @@ def test_sigkill_then_resume_gives_the_same_adapter_bitwise(strategy, base_recip
     assert not (runs["resumed"] / outputs.LOCK_FILE).exists()
 
 
-def test_checkpoint_holds_only_trainable_state_and_every_rank_shard(base_recipe, runs_root):
-    runs = kill_and_resume("fsdp2", base_recipe, runs_root)
+def test_checkpoint_holds_only_trainable_state_and_every_rank_shard(base_recipe, runs_root, checkpointed_run):
+    runs = kill_and_resume("fsdp2", base_recipe, runs_root, checkpointed_run)
     _, newest = step_folders.list_checkpoints(runs["resumed"])[-1]
     manifest = json.loads((newest / step_folders.MANIFEST).read_text())
     assert {"trainable/__0_0.distcp", "trainable/__1_0.distcp", "rng/rank0.pt", "rng/rank1.pt",
@@ -158,10 +133,10 @@ def test_checkpoint_holds_only_trainable_state_and_every_rank_shard(base_recipe,
     assert any(key.endswith(".exp_avg_sq") for key in saved_keys)  # the optimizer's moments are there
 
 
-def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(base_recipe, runs_root, tmp_path):
+def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(base_recipe, runs_root, checkpointed_run, tmp_path):
     # The finished reference run, not the killed one: where the kill lands (a random step) decides whether the killed
     # run has two checkpoints yet; under load a kill at step 4-6 leaves only step 3's (seen on a busy machine).
-    runs = kill_and_resume("single", base_recipe, runs_root)
+    runs = kill_and_resume("single", base_recipe, runs_root, checkpointed_run)
     run = tmp_path / "run"
     shutil.copytree(runs["ref"], run)
     shutil.rmtree(run / "adapter")  # the resume must write it again
@@ -181,11 +156,11 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(base_re
     assert not half_written.exists()  # a later timeline than the resumed one is removed at the next save
 
 
-def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_root, tmp_path):
+def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_root, checkpointed_run, tmp_path):
     """An FSDP2 checkpoint of 2 processes continued by 1 process ends near the uninterrupted 1-process run (and nearer
     still to the 2-process one, whose first steps it shares)."""
-    single = kill_and_resume("single", base_recipe, runs_root)
-    sharded = kill_and_resume("fsdp2", base_recipe, runs_root)
+    single = kill_and_resume("single", base_recipe, runs_root, checkpointed_run)
+    sharded = kill_and_resume("fsdp2", base_recipe, runs_root, checkpointed_run)
     run = tmp_path / "run"
     shutil.copytree(sharded["killed"], run)
     output = run_to_end(command(base_recipe, run, "single", "train.resume=auto"), tmp_path / "resume.log")
@@ -196,7 +171,7 @@ def test_resume_with_another_world_size_reshards_and_says_so(base_recipe, runs_r
 
 
 
-def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_recipe, runs_root, tmp_path):
+def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_recipe, runs_root, checkpointed_run, tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "term.log"
     process = start(command(base_recipe, run, "fsdp1", "train.save_every=0"), log)
@@ -215,7 +190,7 @@ def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_r
     output = run_to_end(command(base_recipe, run, "fsdp1", "train.resume=auto", "train.save_every=0"),
                         tmp_path / "resume.log")
     assert f"resumed from {path} at step {step}" in output
-    assert_same_adapter(adapter(kill_and_resume("fsdp1", base_recipe, runs_root)["ref"]), adapter(run), exact=True)
+    assert_same_adapter(adapter(kill_and_resume("fsdp1", base_recipe, runs_root, checkpointed_run)["ref"]), adapter(run), exact=True)
 
 
 def test_nan_loss_stops_with_a_message_and_writes_no_nan(base_recipe, tmp_path):

@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    REPO,
-    RUN_PY,
     addition_rows,
-    free_port,
     read_metrics,
     recipe_dict,
     run_cmd,
@@ -241,29 +238,24 @@ def test_generate_from_a_step(stepped_run, capsys):
 
 
 # -------------------------------------------------------------------------------------- sharded checkpoints
-STRATEGIES = {
-    "fsdp2": ["parallel.strategy=fsdp", "parallel.fsdp_version=2"],
-    "fsdp1": ["parallel.strategy=fsdp", "parallel.fsdp_version=1"],
-    "ddp": ["parallel.strategy=ddp"],
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_export_step_of_a_two_process_run(strategy, tiny_llama, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "ddp"])
+def test_export_step_of_a_two_process_run(strategy, checkpointed_run, tmp_path):
     """Every rank wrote its shard (FSDP) or the same whole tensors (DDP): the export reads them whole in one process,
-    equal to the adapter training gathered at the last step and to torch's converter at an earlier one."""
-    data = write_jsonl(tmp_path / "data.jsonl", addition_rows())
-    train = {"max_steps": 4, "save_every": 2, "keep_last": 2, "micro_batch_size": 2}
-    recipe = write_recipe(tmp_path / "recipe.yaml", recipe_dict(tiny_llama, data, tmp_path / "run", train=train))
-    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                      str(RUN_PY), str(recipe), *STRATEGIES[strategy]], cwd=REPO, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    equal to the adapter training gathered at the last step and to torch's converter at an earlier one. The runs are
+    the session's checkpointed runs (tests/conftest.py: 12 steps, saved every 3, the last 2 kept), also the references
+    of tests/outputs/test_checkpoint.py; exported from a copy."""
+    import shutil
+
+    from conftest import CHECKPOINT_STEPS
+
     run = tmp_path / "run"
-    first, _ = (path for _, path in step_folders.list_checkpoints(run))  # steps 2 and 4
+    shutil.copytree(checkpointed_run(strategy), run)
+    (first_step, first), (last_step, _) = step_folders.list_checkpoints(run)  # steps 9 and 12
+    assert last_step == CHECKPOINT_STEPS > first_step
     if strategy.startswith("fsdp"):
         assert len(list((first / "trainable").glob("*.distcp"))) == 2  # one shard file per rank
-    assert main(["export", str(run), str(tmp_path / "last"), "--step", "4"]) == 0
+    assert main(["export", str(run), str(tmp_path / "last"), "--step", str(CHECKPOINT_STEPS)]) == 0
     assert_equal_tensors(exported(tmp_path / "last"), exported(run / "adapter"))
     assert main(["export", str(first), str(tmp_path / "first")]) == 0
     assert_equal_tensors(exported(tmp_path / "first"), torch_converted(first, tmp_path))

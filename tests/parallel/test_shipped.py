@@ -131,6 +131,8 @@ def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
             wrong = str(a + b + rng.randint(1, 9))
             row = {column(side): [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
                    for side, reply in (("chosen", answer), ("rejected", wrong))}
+        elif spec.format == "prompt":  # GSM8K's shape: the question, and a worked answer ending `#### N`
+            row = {column("prompt"): question, "answer": f"{a} + {b} = {answer}\n#### {answer}"}
         else:
             row = {column("text"): f"{question} {answer}"}
         rows.append(row)
@@ -176,7 +178,8 @@ TRAINED_RECIPES = [path for path, trained in TRAINED_FOR.items() if path == trai
 def test_library_recipe_trains_two_steps(path: Path, tmp_path):
     """The recipe's own settings (LoRA, lengths, batch, accumulation, schedule, precision, checkpointing, attention,
     eval) under the accelerate config it names; a tiny model of its architecture and a local file of its format. A
-    recipe whose run would be another's to the byte (TRAINED_FOR) is trained once."""
+    recipe whose run would be another's to the byte (TRAINED_FOR) is trained once. GRPO recipes sample completions of
+    8 tokens (grpo.max_completion_length=8: a tiny random model rarely ends one, and every token is a decoding step)."""
     _train_two_steps(path, tmp_path, named_config(path))
 
 
@@ -199,6 +202,8 @@ def _train_two_steps(path: Path, tmp_path: Path, config: str) -> None:
         overrides.append("model.gguf_file=null")
     if recipe.model.tokenizer:
         overrides.append(f"model.tokenizer={model_dir}")
+    if recipe.train.objective == "grpo":  # the recipe's G, batch and accumulation; 8 sampled tokens, not hundreds
+        overrides.append("grpo.max_completion_length=8")
     for index, spec in enumerate(recipe.data.datasets):
         data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec))
         overrides.append(f"data.datasets.{index}.path={data_file}")

@@ -51,17 +51,23 @@ def _recipe(name: str = "x", **sections):
     # checkpoint, SigLIP vision tower included); Llama 3.3 70B is Llama 3.1 70B's architecture.
     ("Qwen/Qwen3-8B", 8.19), ("Qwen/Qwen3-32B", 32.8), ("google/gemma-3-12b-it", 12.2), ("google/gemma-3-27b-it", 27.4),
     ("meta-llama/Llama-3.3-70B-Instruct", 70.554),
+    # OpenAI's gpt-oss model card (total parameters): 20.91B and 116.83B. Llama 4 Scout's model card: 109B total (the
+    # multimodal checkpoint, counted whole; its text model, which finetune trains, is 107.77B of it).
+    ("openai/gpt-oss-20b", 20.91), ("openai/gpt-oss-120b", 116.83), ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 109),
 ])
 def test_stored_architectures_have_the_published_parameter_counts(name, billions):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = stored_config(name)
+    # A multimodal checkpoint whole (Gemma 3's causal LM class is the multimodal one; Llama 4's is its text model).
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=2e-3)
+        model = auto.from_config(config)
+    rel = 5e-3 if isinstance(billions, int) else 2e-3  # "109B": published to the billion (+-0.5B)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=rel)
     assert stored_config_dict(name)["model_type"] == config.model_type
-    assert len(stored_names()) == 19 and stored_config("nobody/unknown-model") is None
+    assert len(stored_names()) == 22 and stored_config("nobody/unknown-model") is None
 
 
 # ------------------------------------------------------------------------------------------- published figures
@@ -355,3 +361,42 @@ def test_llama4_experts_count_4bit_and_its_router_stays_bf16_without_lora(name, 
     assert [t.nbytes for t in routers] == [experts * 5120 * 2] * moe_layers  # bf16, no LoRA tensors
     multimodal = facts_from_config(Llama4Config(text_config=text), recipe)
     assert multimodal.total_bytes(trainable=False) == facts.total_bytes(trainable=False)
+
+
+def test_gpt_oss_mxfp4_checkpoint_reads_its_stored_bytes_and_is_never_layer_split():
+    """gpt-oss-20b's layers as the hub ships them (openai/gpt-oss-20b config.json: hidden 2880, intermediate 2880, 32
+    experts, top-4, 64 heads / 8 KV of 64, vocab 201088, untied; quantization_config.quant_method mxfp4, as
+    tests/model/test_experts_gpt_oss.py's fixture writes it), 2 of its 24 layers (building all costs 6 s; the reads
+    scale by layer). Its experts are read as stored: MXFP4 blocks + scales,
+    17/32 byte a value, each expert's slab whole on every rank (it is dequantized whole), not the bf16 values the same
+    config without MXFP4 has; and no layer split is offered (it would load through from_pretrained, which refuses
+    MXFP4 under bitsandbytes), though a bf16 checkpoint of it gets one. The loader's own count on a tiny MXFP4
+    checkpoint: tests/model/test_experts_gpt_oss.py."""
+    from transformers import GptOssConfig
+
+    from finetune.planner.fit import decide
+    from finetune.planner.memory import estimates_for
+
+    sizes = {"hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 2, "num_local_experts": 32,
+             "num_experts_per_tok": 4, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+             "vocab_size": 201088, "tie_word_embeddings": False}
+    mxfp4 = GptOssConfig(**sizes, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    recipe = _recipe("openai/gpt-oss-20b", lora={"dropout": 0.05})
+    stored, bf16 = facts_from_config(mxfp4, recipe), facts_from_config(GptOssConfig(**sizes), recipe)
+    expert_values = 2 * 32 * 3 * 2880 * 2880
+    experts = [t for t in stored.tensors if t.whole_read_bytes]
+    assert len(experts) == 2 * 32 * 3 and all(".experts." in t.name for t in experts)
+    assert sum(t.whole_read_bytes for t in experts) == expert_values * 17 // 32
+    assert stored.mxfp4 and not bf16.mxfp4 and not any(t.whole_read_bytes for t in bf16.tensors)
+
+    two = Hardware(2, 80 * GB)
+    other = estimate(bf16, recipe, "ddp", two).reads.rank_bytes - expert_values * 2  # all but the experts, bf16
+    assert estimate(stored, recipe, "ddp", two).reads.rank_bytes == other + expert_values * 17 // 32
+    fsdp = estimate(stored, recipe, "fsdp", two).reads
+    assert fsdp.own_shard and fsdp.rank_bytes > expert_values * 17 // 32  # every rank reads every expert's slab
+    assert "layer_split" not in {e.strategy for e in estimates_for(stored, recipe, Hardware(2, 24 * GiB))}
+    assert "layer_split" in {e.strategy for e in estimates_for(bf16, recipe, Hardware(2, 24 * GiB))}
+    nothing_fits = decide(recipe, mxfp4, gpus_per_node=2, gpu_memory_bytes=1 * GiB)  # the closest: never layer split
+    assert not nothing_fits.fits and nothing_fits.strategy != "layer_split"
+    assert any("MXFP4" in note for note in stored.notes)

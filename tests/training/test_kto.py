@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 from conftest import accelerate_launch, read_metrics, recipe_dict, train_losses, write_jsonl, write_recipe
-from test_preference import _train, sft_adapter  # noqa: F401  (the SFT adapter fixture of the SFT -> DPO pipeline)
+from test_preference import _train
 
 from finetune import data, model
 from finetune.data import IGNORE_INDEX, BatchStream, Example, kl_sequence
@@ -291,15 +291,24 @@ def test_step_one_is_half_the_mean_weight_and_it_learns(tiny_llama, unpaired_fil
 # The shipped configs (bf16 as shipped) from an SFT adapter: the reference pass (rows and KL rows) swaps the starting
 # LoRA values into DDP replicas, FSDP2 DTensor shards, FSDP1 flat parameters and ZeRO-3 partitions, then back. The KL
 # estimate is the step's, all-reduced with the counts: the curve is the single process's within bf16's tolerance.
-SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero3")
-# Measured (6 steps, 2 CPU processes): DDP, FSDP2, FSDP1 within 9.1e-4 of one process, ZeRO-3 within 8.2e-4; the
+# Every file in accelerate_configs/: deepspeed_zero2 swaps whole parameters (the DDP branch) inside the DeepSpeed
+# engine; multi_node is fsdp2 launched as 2 machines of 1 process (tests/shipped.py).
+SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero2", "deepspeed_zero3", "multi_node")
+# Measured (6 steps, 2 CPU processes): DDP, FSDP2, FSDP1 within 9.1e-4 of one process on an Intel Xeon, and with
+# ZeRO-2 and multi_node within 1.7e-3 on an AMD EPYC (the same curve to the bit), ZeRO-3 within 8.2e-4; the
 # logged kl (0.53 and 0.39 at steps 4 and 5, 0 elsewhere: clamped) within 2.5e-3 and 5.3e-3 (ZeRO-3).
-BF16_TOLERANCE = 3e-3  # as test_preference.py
-ZERO3_TOLERANCE = 6e-3  # PEFT's bf16 LoRA forward under ZeRO-3 (test_preference.py)
+BF16_TOLERANCE = 3e-3  # every config, ZeRO-3 included (it was 6e-3 while DeepSpeed kept the LoRA gathered: fixed)
 
+
+
+def test_every_accelerate_config_is_trained_with_kto():
+    """The KTO shipped-config test launches every file in accelerate_configs/ (a new file must be added there)."""
+    from shipped import CONFIG_DIR
+
+    assert set(SHIPPED) == {path.stem for path in CONFIG_DIR.glob("*.yaml")}
 
 @pytest.mark.slow
-def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, sft_adapter, tmp_path):  # noqa: F811
+def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny_llama, sft_adapter, tmp_path):
     from conftest import LIBRARY_LORA
     from shipped import ACCELERATE_CONFIG_RUNS, recipe_dtype
 
@@ -317,9 +326,11 @@ def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny
         curves[config] = train_losses(tmp_path / config)
         kls[config] = [m["kl"] for m in read_metrics(tmp_path / config) if "kl" in m]
     reference = curves.pop("single_gpu")
+    print("largest loss and kl gap to one process:", {config: (max(abs(a - b) for a, b in zip(losses, reference)),
+                                                       max(abs(a - b) for a, b in zip(kls[config], kls["single_gpu"])))
+                                                      for config, losses in curves.items()})
     assert reference[0] == pytest.approx(0.5, abs=1e-6) and max(abs(loss - 0.5) for loss in reference) > 5 * BF16_TOLERANCE
     assert max(kls["single_gpu"]) > 0.01  # the KL term is live in these steps
     for config, losses in curves.items():
-        tolerance = ZERO3_TOLERANCE if "deepspeed" in config else BF16_TOLERANCE
-        assert losses == pytest.approx(reference, abs=tolerance), (config, losses, reference)
-        assert kls[config] == pytest.approx(kls["single_gpu"], abs=10 * tolerance), (config, kls)
+        assert losses == pytest.approx(reference, abs=BF16_TOLERANCE), (config, losses, reference)
+        assert kls[config] == pytest.approx(kls["single_gpu"], abs=10 * BF16_TOLERANCE), (config, kls)

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,10 +260,9 @@ def _train(recipe_path, *overrides, nproc: int = 1):
     return result
 
 
-@pytest.fixture(scope="module")
-def sft_adapter(tiny_llama, tmp_path_factory):
-    """An SFT run's adapter on the same prompts (the SFT -> DPO pipeline's first half)."""
-    root = tmp_path_factory.mktemp("sft")
+def train_sft_adapter(tiny_llama: Path, root: Path) -> Path:
+    """An SFT run's adapter on the same prompts (the SFT -> DPO pipeline's first half): the session fixture
+    `sft_adapter` (tests/conftest.py) trains it once for this file and test_kto.py."""
     rows = [{"instruction": r["prompt"], "output": r["chosen"]} for r in pair_rows()]
     recipe = write_recipe(root / "sft.yaml", recipe_dict(tiny_llama, write_jsonl(root / "sft.jsonl", rows), root / "run",
                                                           train={"max_steps": 4}))

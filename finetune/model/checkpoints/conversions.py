@@ -22,9 +22,15 @@ def convert_index(index: CheckpointIndex, model: nn.Module) -> int:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     renamings = [t for t in get_model_conversion_mapping(base) if isinstance(t, WeightRenaming)]
+    # A causal LM loaded from its multimodal checkpoint (Llama 4 Scout / Maverick: Llama4ForCausalLM, whose
+    # base_model_prefix is `language_model`, from `language_model.model.*` next to a vision tower): as
+    # from_pretrained does, the prefix the model itself does not have is stripped; the vision tower's tensors match
+    # nothing in the model and are never read.
+    prefix = f"{base.base_model_prefix}." if base.base_model_prefix and not hasattr(base, base.base_model_prefix) else None
     added = 0
     for stored in list(index.shapes):
-        renamed, _ = rename_source_key(stored, renamings, [])
+        source = stored.removeprefix(prefix) if prefix else stored
+        renamed, _ = rename_source_key(source, renamings, [])
         if renamed != stored and renamed not in index.shapes:
             index.add_view(renamed, (stored, None, 0, 1), index.shapes[stored])
             added += 1

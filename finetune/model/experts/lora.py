@@ -156,9 +156,11 @@ def check_expert_targets(model: nn.Module, config) -> None:
     trained on the fused experts (PEFT's `target_parameters`, ParamWrapper: no dropout, bf16 experts)."""
     if getattr(config, "target_parameters", None):
         raise ModelLoadError(
-            f"model.adapter: it puts LoRA on transformers 5's fused expert tensors (target_parameters "
-            f"{sorted(config.target_parameters)}), which finetune keeps as one 4-bit Linear per expert. Fix: train a new "
-            f"adapter with finetune (target_modules all-linear puts LoRA on every expert's {_expert_leaf_names(model)}).")
+            f"model.adapter: it puts LoRA on transformers 5's fused expert tensors (target_parameters, e.g. "
+            f"{min(config.target_parameters)}), which finetune keeps as one 4-bit Linear per expert. Fix: start "
+            "from the run's own adapter/ folder (per expert) where `finetune export` wrote this one for plain PEFT; "
+            "else train a new adapter with finetune (target_modules all-linear puts LoRA on every expert's "
+            f"{_expert_leaf_names(model)}).")
     targets = config.target_modules
     if targets is None or isinstance(targets, str):
         return  # all-linear (or a regex) matches Linears only: the experts' projections, never the router

@@ -3,7 +3,10 @@ write, and what transformers' `from_pretrained` (or finetune's loader) reads bac
 
 The layout is transformers' own (`save_pretrained` of a bitsandbytes-quantized model): config.json with
 `quantization_config`, sharded safetensors `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`,
-every quantized weight as its packed codes plus the quant-state tensors that `Linear4bit._save_to_state_dict` writes.
+every quantized weight as its packed codes plus the quant-state tensors that `Linear4bit._save_to_state_dict` writes,
+under the model's tensor names (transformers' renames applied). A mixture-of-experts model's experts are written one
+4-bit weight per expert projection, as finetune splits them (finetune/model/experts/): finetune's loader reads such a
+folder, transformers' `from_pretrained` does not (it keeps experts fused, and bitsandbytes quantizes no 3-D tensor).
 Each weight is quantized exactly as loading the bf16 base does (`Params4bit(value in model.dtype, **skeleton's
 settings).to(device)`), so the bytes written are the bytes a run would otherwise compute at every start.
 
@@ -22,23 +25,42 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.files import INDEX_FILE, TensorReader, checkpoint_index
+from finetune.model.checkpoints.files import INDEX_FILE, CheckpointIndex, TensorReader, checkpoint_index
 from finetune.model.quantization.prequantized import stored_quantization
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 DEFAULT_SHARD_BYTES = 2 * 2**30
 
 
-def quantized_names(config, bnb_config, dtype: torch.dtype) -> dict[str, dict]:
-    """Checkpoint name -> the skeleton's Params4bit settings, for every weight transformers' quantizer converts."""
+def _settings(model) -> dict[str, dict]:
+    return {name: {k: v for k, v in param.__dict__.items() if k != "module"}
+            for name, param in model.named_parameters() if type(param).__name__ == "Params4bit"}
+
+
+def model_tensors(base: Path, config, bnb_config, dtype: torch.dtype) -> tuple[CheckpointIndex, list[str], dict]:
+    """(the base's index, read as the loader reads it, the model tensor names to write in file order, the Params4bit
+    settings by name). Names are the model's, after transformers' renames and with mixture-of-experts experts split
+    one Linear per expert projection (finetune/model/experts/): Mixtral's `block_sparse_moe.experts.3.w1` is written
+    as `mlp.experts.3.w1`, each expert of a fused 3-D tensor (Qwen3-MoE saved fused, gpt-oss, Llama 4) as its own
+    4-bit weight. The checkpoint's own names would leave every expert in bf16, or fused where bitsandbytes cannot go,
+    in a folder whose config.json says 4-bit."""
+    from finetune.model.checkpoints.conversions import convert_index
+    from finetune.model.experts.split import fused_expert_views
     from finetune.model.skeleton import meta_base_model
 
-    model = meta_base_model(config, dtype=dtype, bnb_config=bnb_config)
-    settings = {}
-    for name, param in model.named_parameters():
-        if type(param).__name__ == "Params4bit":
-            settings[name] = {k: v for k, v in param.__dict__.items() if k != "module"}
-    return settings
+    skeleton = meta_base_model(config, dtype=dtype, bnb_config=bnb_config)
+    index = checkpoint_index(base)
+    convert_index(index, skeleton)  # transformers' key renames, as the loader applies them
+    fused_expert_views(index, skeleton)  # per-expert views of experts stored fused
+    names, missing = [], []
+    for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]:
+        if tensor.is_meta:
+            (names if name in index.shapes else missing).append(name)
+    if missing:
+        raise ModelLoadError(f"{base}: the checkpoint has no tensor for {len(missing)} weight(s) of its config.json "
+                             f"(e.g. {missing[0]}). Fix: use the config.json that came with these weights.")
+    names.sort(key=lambda n: (str(index.files[n]), n))  # file by file: the reads stay sequential on disk
+    return index, names, _settings(skeleton)
 
 
 def _quantized_tensors(name: str, value: torch.Tensor, settings: dict, *, dtype: torch.dtype,
@@ -67,8 +89,7 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
     if stored_quantization(base) is not None:
         raise ModelLoadError(f"{base}: already a 4-bit checkpoint (quantization_config in config.json); it is used as "
                              "it is. Fix: point at the bf16 base to quantize it.")
-    index = checkpoint_index(base)
-    settings = quantized_names(AutoConfig.from_pretrained(base), bnb_config, dtype)
+    index, names, settings = model_tensors(base, AutoConfig.from_pretrained(base), bnb_config, dtype)
     reader = TensorReader(index)
     weight_map, shard, shard_bytes, total, files = {}, {}, 0, 0, []
     with atomic_dir(out, replace=replace) as tmp:
@@ -81,8 +102,7 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
                 files.append((name, list(shard)))
                 shard, shard_bytes = {}, 0
 
-        # File by file, in each file's order: the reads stay sequential on disk.
-        for name in sorted(index.shapes, key=lambda n: (str(index.files[n]), n)):
+        for name in names:
             value = reader.get(name)
             if name in settings:
                 tensors = _quantized_tensors(name, value, settings[name], dtype=dtype, device=device)

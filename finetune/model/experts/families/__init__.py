@@ -6,7 +6,8 @@ when this family takes a fused experts module, else why not), `names(model, name
 names, hidden, inter, dtype=)` (one expert's module), `ROUTED` (the `RoutedExperts` class, called as transformers calls
 the fused module), `copy_in(split, module)` (the fused weights into the per-expert Linears), `fused_tensors(split)` (the
 reverse, for export: the fused module's parameters by name) and `fused_config(module)` (what rebuilds the fused module),
-`TRANSPOSED` (the stored fused tensors are (in, out): the loader reads an expert's part as columns, transposed);
+`TRANSPOSED` (the stored fused tensors are (in, out): the loader reads an expert's part as columns, transposed),
+`STORED_IN_OUT` (the fused parameters are experts x in x out: how an exported fused-expert LoRA is oriented);
 optionally `expert_views(index, name, split)` (how the checkpoint's tensors are read per expert, where they are no row
 blocks of a stored 3-D tensor; gpt_oss.py). A new family is one new module and one line below.
 """

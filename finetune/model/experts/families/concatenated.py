@@ -15,6 +15,7 @@ from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 MODELS = "Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-style"
 ROUTED = RoutedExperts  # called as transformers' experts: (states, top-k index, top-k weights)
 TRANSPOSED = False  # the stored fused tensors are (out, in), as nn.Linear: an expert's part is a block of rows
+STORED_IN_OUT = False  # the fused parameters are experts x out x in (what an exported fused-expert LoRA follows)
 # Where the checkpoint has no per-expert converter (it ships the fused tensors), the per-expert names transformers 4 used.
 DEFAULT_NAMES = (("gate_proj", "up_proj"), ("down_proj",))
 

@@ -22,6 +22,7 @@ MODELS = "gpt-oss-20b, gpt-oss-120b"
 NAMES = ExpertNames(("gate_proj", "up_proj"), ("down_proj",))
 ROUTED = RoutedExperts  # called as transformers' experts: (states, top-k index, top-k weights)
 TRANSPOSED = False  # read through `expert_views`, not as blocks of the stored tensors
+STORED_IN_OUT = True  # the fused parameters are experts x in x out
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of two e2m1 values each
 
 
@@ -119,16 +120,47 @@ def expert_views(index: CheckpointIndex, name: str, split: RoutedExperts) -> int
             continue
         bias = f"{stored}_bias"
         for expert in range(experts):
+            # gate and up: one read of the expert's slab (and bias row) for both parts, not one per part
+            slab, bias_row = _SharedSlab(len(parts), _columns), _SharedSlab(len(parts), _entries)
             for part, part_name in enumerate(parts):
-                key, at = f"{name}.{expert}.{part_name}", (expert, part, len(parts))
-                shape = (out_parts // len(parts), width)
+                key, shape = f"{name}.{expert}.{part_name}", (out_parts // len(parts), width)
                 if f"{key}.weight" not in index.shapes:
-                    index.add_view(f"{key}.weight", DerivedView(sources, weight(sources, *at)), shape)
+                    index.add_view(f"{key}.weight", DerivedView(sources, slab.part(weight(sources, expert), part)), shape)
                     added += 1
                 if f"{key}.bias" not in index.shapes and bias in index.shapes:
-                    index.add_view(f"{key}.bias", DerivedView((bias,), _bias(bias, *at)), shape[:1])
+                    index.add_view(f"{key}.bias", DerivedView((bias,), bias_row.part(_bias(bias, expert), part)),
+                                   shape[:1])
                     added += 1
     return added
+
+
+class _SharedSlab:
+    """One expert's slab of a fused tensor (in x out, dequantized; or its bias row), read once for all its parts: gate
+    and up are interleaved columns of the same stored rows (and MXFP4 blocks), so a read per part would read it twice.
+    Held from the first part's read until every part has taken its share (`pick`); a part read again reads it again."""
+
+    def __init__(self, parts: int, pick):
+        self.parts, self.pick, self.value, self.pending = parts, pick, None, set()
+
+    def part(self, read_slab, part: int):
+        def read(get):
+            if self.value is None or part not in self.pending:
+                self.value, self.pending = read_slab(get), set(range(self.parts))
+            self.pending.discard(part)
+            value = self.value
+            if not self.pending:
+                self.value = None
+            return self.pick(value, part, self.parts)
+        return read
+
+
+def _columns(slab: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """Part `part` of an in x out slab whose parts are interleaved columns, as an (out, in) weight."""
+    return slab[:, part::parts].t().contiguous()
+
+
+def _entries(row: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    return row[part::parts].contiguous()
 
 
 def refuse_mxfp4_in_from_pretrained(config, name: str) -> None:
@@ -147,25 +179,24 @@ def refuse_mxfp4_in_from_pretrained(config, name: str) -> None:
             "without lora.dora (the tensor-by-tensor loader reads this checkpoint).")
 
 
-def _unpacked_weight(sources, expert, part, parts):
-    def read(get):  # expert x in x out: this expert's slab, every parts-th column, as out x in
-        return get(sources[0], (expert,))[:, part::parts].t().contiguous()
+def _unpacked_weight(sources, expert):
+    def read(get):  # expert x in x out: this expert's slab
+        return get(sources[0], (expert,))
     return read
 
 
-def _mxfp4_weight(sources, expert, part, parts):
+def _mxfp4_weight(sources, expert):
     def read(get):  # this expert's blocks and scales (out x ...), dequantized as transformers dequantizes them
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
         blocks, scales = get(sources[0], (slice(expert, expert + 1),)), get(sources[1], (slice(expert, expert + 1),))
-        weight = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)[0]  # in x out
-        return weight[:, part::parts].t().contiguous()
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)[0]  # in x out
     return read
 
 
-def _bias(stored, expert, part, parts):
+def _bias(stored, expert):
     def read(get):
-        return get(stored, (expert,))[part::parts].contiguous()
+        return get(stored, (expert,))
     return read
 
 

@@ -59,6 +59,7 @@ def routed_rows(per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 ROUTED = Llama4RoutedExperts
 # The loader reads an expert's part of a stored fused tensor as a column block of its slice, transposed (files.py).
 TRANSPOSED = True
+STORED_IN_OUT = True  # the fused parameters are experts x in x out
 
 
 def why_not(module: nn.Module) -> str | None:

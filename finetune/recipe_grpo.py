@@ -1,0 +1,133 @@
+"""The recipe's `grpo:` section (train.objective: grpo): TRL's GRPOConfig names and defaults, and the checks of a
+GRPO recipe that span sections (called from recipe_checks.check_objective).
+
+A leaf beside recipe.py, which imports it: the section, then `check_grpo(recipe)`, which raises ValueError with the
+keys and the fix (the schema turns it into one paragraph naming the file).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GRPOSection(_Section):
+    """GRPO (train.objective: grpo). Names and defaults as TRL's GRPOConfig; the reference of the KL term is
+    dpo.reference's adapter_off (the model with the trained adapter switched off)."""
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (G); train.micro_batch_size must "
+                                 "be a multiple of it (a prompt's group stays in one micro-batch).")
+    max_completion_length: int = Field(512, gt=0, description="Longest completion, in tokens; the prompt budget is "
+                                       "data.max_length - max_completion_length.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probability "
+                         "reaches top_p (1: all tokens).")
+    num_iterations: int = Field(1, gt=0, description="mu: optimizer steps taken on each batch of completions (the "
+                                "policy ratio is then against the log-probs at generation).")
+    epsilon: float = Field(0.2, gt=0, description="Lower clipping bound of the policy ratio: 1 - epsilon.")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound: 1 + epsilon_high (DAPO: 0.28). "
+                                       "Default: epsilon.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (the adapter off); 0 (TRL's default): "
+                        "no reference forward.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="How per-token losses become the loss. grpo: mean per completion, then over completions. "
+        "dr_grpo: sum over tokens / (completions x max_completion_length). dapo (TRL's default): sum / the step's "
+        "completion tokens.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the reward std of the group (group), of the step's batch (batch), "
+        "or not (none; Dr. GRPO).")
+    mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length (no EOS) "
+                                             "get no loss (DAPO).")
+    reward_functions: list[str] = Field(
+        default_factory=list, description="Reward functions, each `module:function` with TRL's signature "
+        "f(prompts, completions, **columns) -> list[float | None]; built-ins in finetune.rewards (exact_match, "
+        "contains_answer, final_number (GSM8K), regex_match, length_penalty).")
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: 1 each.")
+    generation_gather: Literal["once", "per_forward"] = Field(
+        "once", description="How FSDP2 and ZeRO-3 make the sharded policy whole to generate (not a TRL name; TRL's "
+        "ds3_gather_for_generation is ZeRO-3's; other strategies ignore it). once: every unit gathered once per "
+        "generate call, the whole model on each GPU for the call (fastest); per_forward: each unit gathered at every "
+        "decoding forward, as in training (for a model whose whole 4-bit weights do not fit one GPU, e.g. 70B on "
+        "2 x 24 GB; `finetune plan` counts either). FSDP1 always gathers per forward.")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _bool_scale(cls, value: Any) -> Any:  # TRL accepts True (group) and False (none)
+        return {True: "group", False: "none"}[value] if isinstance(value, bool) else value
+
+    @property
+    def upper_epsilon(self) -> float:
+        return self.epsilon_high if self.epsilon_high is not None else self.epsilon
+
+    def weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_functions)
+
+
+
+def import_reward_function(name: str):
+    """The callable named `module:function` (a dotted attribute path after the colon is allowed); ValueError with
+    the fix when it cannot be found."""
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"`{name}` is not `module:function`. Fix: name the module and the function, e.g. "
+                         "`finetune.rewards:exact_match` or `my_rewards:format_reward` (a my_rewards.py on PYTHONPATH "
+                         "or beside where you run).")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+    except Exception as exc:  # noqa: BLE001  (an ImportError, or anything the user's module raises on import)
+        raise ValueError(f"`{name}` cannot be imported ({type(exc).__name__}: {exc}). Fix: check the spelling, and "
+                         f"that {module_name.replace('.', '/')}.py is on PYTHONPATH (or in the folder you run from) "
+                         "and imports without error.") from None
+    if not callable(found):
+        raise ValueError(  # noqa: TRY004  (collected with the other recipe problems, as ValueError)f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "
+                         "f(prompts, completions, **columns) -> list[float | None].")
+    return found
+
+
+def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
+    """What train.objective: grpo needs of the other sections, every problem named at once."""
+    g, t, data = recipe.grpo, recipe.train, recipe.data
+    problems = []
+    if not g.reward_functions:
+        problems.append("grpo.reward_functions: empty, so no completion can be scored. Fix: name at least one, e.g. "
+                        "[finetune.rewards:exact_match] (scores against the rows' `answer` column).")
+    for index, name in enumerate(g.reward_functions):
+        try:
+            import_reward_function(name)
+        except ValueError as exc:
+            problems.append(f"grpo.reward_functions[{index}]: {exc}")
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_functions):
+        problems.append(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_functions)} reward "
+                        "functions. Fix: give one weight per function, in the same order, or remove reward_weights "
+                        "(1 each).")
+    if t.micro_batch_size % g.num_generations:
+        problems.append(f"train.micro_batch_size ({t.micro_batch_size}) is not a multiple of grpo.num_generations "
+                        f"({g.num_generations}): it counts completions (as TRL's per_device_train_batch_size), and each "
+                        "prompt's group of completions stays in one micro-batch. Fix: set train.micro_batch_size to "
+                        f"{g.num_generations} x the prompts per micro-batch (e.g. {g.num_generations}).")
+    if g.max_completion_length >= data.max_length:
+        problems.append(f"grpo.max_completion_length ({g.max_completion_length}) leaves no prompt budget within "
+                        f"data.max_length ({data.max_length}): a prompt may take data.max_length - "
+                        "max_completion_length tokens. Fix: raise data.max_length or lower max_completion_length.")
+    if g.num_iterations > 1 and t.save_every % g.num_iterations:
+        problems.append(f"train.save_every ({t.save_every}) is not a multiple of grpo.num_iterations "
+                        f"({g.num_iterations}): a checkpoint inside a cycle cannot resume exactly (the completions "
+                        "reused by the cycle are not saved). Fix: a multiple of num_iterations.")
+    for reason, fix in ((data.packing, "data.packing: prompts are not packed. Fix: remove data.packing."),
+                        (data.streaming, "data.streaming: GRPO reads its prompts whole. Fix: data.streaming: false."),
+                        (recipe.eval.generation_rows, ("eval.generation_rows: prompt rows have no reference answer "
+                         "to score; the rewards are GRPO's measure. Fix: remove eval.generation_rows.")),
+                        (recipe.dpo.reference != "adapter_off", ("dpo.reference: the KL reference of GRPO is the model "
+                         "with the adapter off (the completions are new each step). Fix: remove dpo.reference."))):
+        if reason:
+            problems.append(fix)
+    if problems:
+        raise ValueError("train.objective grpo: " + " ".join(problems))

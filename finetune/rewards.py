@@ -1,0 +1,84 @@
+"""Built-in reward functions for GRPO (grpo.reward_functions: [finetune.rewards:NAME]), with TRL's signature:
+f(prompts, completions, **columns) -> list[float | None], one value per completion.
+
+`completions` are texts, or for chat prompts one-message lists [{"role": "assistant", "content": text}] (as TRL passes
+them); `columns` are the prompt rows' other columns, one value per completion. None means "not scored" (TRL: the
+weighted sum skips it, as nansum). Verifiable rewards only: no model is loaded here.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def completion_text(completion) -> str:
+    """A completion's text, whether given as text or as TRL's message list."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content", "")) for message in completion)
+
+
+def _normalize(text) -> str:
+    return " ".join(str(text).strip().split())
+
+
+def exact_match(prompts, completions, answer=None, **columns) -> list[float | None]:
+    """1.0 when the completion equals the row's `answer` column (whitespace-normalized), else 0.0; None for a row
+    with no answer."""
+    if answer is None:
+        raise ValueError("finetune.rewards:exact_match compares with the rows' `answer` column, and the prompt rows "
+                         "have none. Fix: add an `answer` column to the data.")
+    return [None if target is None else float(_normalize(completion_text(c)) == _normalize(target))
+            for c, target in zip(completions, answer)]
+
+
+def contains_answer(prompts, completions, answer=None, **columns) -> list[float | None]:
+    """1.0 when the row's `answer` appears in the completion, else 0.0."""
+    if answer is None:
+        raise ValueError("finetune.rewards:contains_answer needs the rows' `answer` column. Fix: add one to the data.")
+    return [None if target is None else float(_normalize(target) in _normalize(completion_text(c)))
+            for c, target in zip(completions, answer)]
+
+
+def regex_match(prompts, completions, pattern=None, **columns) -> list[float]:
+    """1.0 when the whole completion matches the row's `pattern` column (a regular expression; e.g. a format such as
+    `<think>.*</think>\\s*<answer>.*</answer>`), else 0.0."""
+    if pattern is None:
+        raise ValueError("finetune.rewards:regex_match reads the rows' `pattern` column (a regular expression), and "
+                         "the rows have none. Fix: add it, or write your own reward with the pattern inside.")
+    return [float(re.fullmatch(p, completion_text(c).strip(), flags=re.DOTALL) is not None)
+            for c, p in zip(completions, pattern)]
+
+
+def length_penalty(prompts, completions, **columns) -> list[float]:
+    """Minus the completion's length in characters / 1000: prefers short answers when weighted in beside another
+    reward (e.g. reward_weights: [1.0, 0.1])."""
+    return [-len(completion_text(c)) / 1000 for c in completions]
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _final_number(text: str) -> str | None:
+    """The number a text ends on: after GSM8K's `####` marker when there is one, else the last number in it; commas
+    and a zero fraction dropped (`1,000.0` -> `1000`)."""
+    text = text.rsplit("####", 1)[-1] if "####" in text else text
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    number = found[-1].replace(",", "")
+    return number.split(".")[0] if re.fullmatch(r"-?\d+\.0+", number) else number
+
+
+def final_number(prompts, completions, answer=None, **columns) -> list[float | None]:
+    """1.0 when the completion's final number (after `####` if it writes one, else its last number) equals the final
+    number of the row's `answer` column, else 0.0: GSM8K (openai/gsm8k), whose `answer` is a worked solution ending
+    `#### 72`. None for a row whose answer has no number."""
+    if answer is None:
+        raise ValueError("finetune.rewards:final_number compares with the rows' `answer` column, and the prompt rows "
+                         "have none. Fix: add an `answer` column to the data.")
+    scores: list[float | None] = []
+    for completion, target in zip(completions, answer):
+        expected = None if target is None else _final_number(str(target))
+        scores.append(None if expected is None else float(_final_number(completion_text(completion)) == expected))
+    return scores

@@ -1,0 +1,180 @@
+"""GRPO's pieces: reward functions, group advantages, the clipped policy loss and its aggregations, one rollout.
+
+Formulas, names and defaults as TRL's GRPOTrainer (1.16), so a GRPOConfig reads the same here:
+  * rewards: each function's values (None -> NaN), weighted and summed with nansum; a completion every function
+    left unscored has no reward and advantage 0;
+  * advantages: reward - its group's mean (the G completions of one prompt), divided by (std + 1e-4) of the group
+    (scale_rewards group), of the step's whole batch (batch), or not (none); std unbiased, NaN-aware;
+  * per token: coef = exp(logp - logp_old), loss = -min(coef A, clamp(coef, 1 - epsilon, 1 + epsilon_high) A),
+    plus beta (exp(ref - logp) - (ref - logp) - 1) with a reference; logp_old is the detached logp unless
+    num_iterations > 1 (then the log-probs at generation);
+  * aggregation: grpo: mean per completion, mean over completions; dr_grpo: sum / (completions x
+    max_completion_length); dapo: sum / completion tokens.
+Over a whole step (every rank and micro-batch), the counts are the global ones: a micro-batch's share is its sum over
+the step's completions or tokens, so 1 process x batch 16 and 2 x 8 give the same gradient. test_grpo_oracle.py runs
+TRL's own _compute_loss on the same per-token log-probs as the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from finetune.data import IGNORE_INDEX
+from finetune.errors import RewardError
+from finetune.recipe import GRPOSection
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+def reward_name(function) -> str:
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def rewards_per_function(functions: list, prompts: list, completions: list, columns: dict[str, list],
+                         prompt_indices: list[int], **extra) -> torch.Tensor:
+    """(completions, functions) float64 rewards, NaN where a function returned None. A function that raises, or
+    returns the wrong count or a non-number, is a RewardError naming it, the prompt's row and what went wrong."""
+    table = torch.full((len(completions), len(functions)), math.nan, dtype=torch.float64)
+    for column, function in enumerate(functions):
+        name = reward_name(function)
+        try:
+            values = list(function(prompts=prompts, completions=completions, **columns, **extra))
+        except Exception as exc:  # noqa: BLE001  (user code: any exception is named, with its row)
+            where = _failing_row(function, prompts, completions, columns, extra, prompt_indices)
+            raise RewardError(
+                f"grpo.reward_functions: `{name}` raised {type(exc).__name__}: {exc} (on prompt row {where} of the "
+                "data, counted from 0 over data.datasets). The run stopped before this step's update; its last "
+                "checkpoint is intact. Fix the function (it receives prompts, completions and every other column of "
+                "the rows as keyword lists), then continue with train.resume=auto.") from None
+        if len(values) != len(completions):
+            raise RewardError(f"grpo.reward_functions: `{name}` returned {len(values)} values for {len(completions)} "
+                              "completions. Fix: return one float (or None) per completion, in order.")
+        for row, value in enumerate(values):
+            if value is not None and not isinstance(value, (int, float)):
+                raise RewardError(f"grpo.reward_functions: `{name}` returned {value!r} for the completion of prompt "
+                                  f"row {prompt_indices[row]}. Fix: return floats (or None: not scored).")
+            table[row, column] = math.nan if value is None else float(value)
+    return table
+
+
+def _failing_row(function, prompts, completions, columns, extra, prompt_indices) -> int | str:
+    """The first prompt row on which the function raises alone (the batch call raised; which row did it?)."""
+    for row in range(len(completions)):
+        one = {key: values[row:row + 1] for key, values in {**columns, **extra}.items()}
+        try:
+            function(prompts=prompts[row:row + 1], completions=completions[row:row + 1], **one)
+        except Exception:  # noqa: BLE001
+            return prompt_indices[row]
+    return f"unknown (it raised only on the whole batch of rows {sorted(set(prompt_indices))})"
+
+
+def weighted_rewards(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """nansum of the weighted rewards per completion; NaN where every function left it unscored (as TRL)."""
+    rewards = (table * torch.tensor(weights, dtype=table.dtype)).nansum(dim=1)
+    return rewards.masked_fill(torch.isnan(table).all(dim=1), math.nan)
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased standard deviation over the non-NaN values (TRL's nanstd)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=dim is not None)
+    count = (~torch.isnan(values)).sum(dim=dim) if dim is not None else (~torch.isnan(values)).sum()
+    variance = torch.nanmean((values - mean) ** 2, dim=dim) * count / (count - 1)
+    return variance.sqrt()
+
+
+def advantages(rewards: torch.Tensor, generations: int, scale: str,
+               batch_std: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage per completion, whether its group's std is zero) from the weighted rewards of whole groups
+    (consecutive runs of `generations`). `batch_std`: the std over the step's whole batch (scale batch)."""
+    grouped = rewards.view(-1, generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(generations)
+    group_std = nanstd(grouped, dim=1).repeat_interleave(generations)
+    std = torch.full_like(rewards, batch_std) if scale == "batch" else group_std
+    result = rewards - mean
+    if scale != "none":
+        result = result / (std + 1e-4)
+    return torch.nan_to_num(result, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+# ------------------------------------------------------------------------------------------------------- loss
+def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                    advantages: torch.Tensor, config: GRPOSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-token loss, policy ratio coef, per-token KL or None), each (completions, tokens)."""
+    old = logps.detach() if old_logps is None else old_logps
+    coef = torch.exp(logps - old)
+    clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
+    advantage = advantages.unsqueeze(1)
+    loss = -torch.min(coef * advantage, clipped * advantage)
+    kl = None
+    if config.beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        loss = loss + config.beta * kl
+    return loss, coef, kl
+
+
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSection, *, completions: float,
+              tokens: float) -> torch.Tensor:
+    """This micro-batch's share of the step loss, given the step's completions and completion tokens (all ranks)."""
+    masked = per_token_loss * mask
+    if config.loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(completions, 1)
+    if config.loss_type == "dr_grpo":
+        return masked.sum() / (max(completions, 1) * config.max_completion_length)
+    return masked.sum() / max(tokens, 1)
+
+
+def clip_sums(coef: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: GRPOSection) -> list[torch.Tensor]:
+    """Token counts of TRL's clip_ratio/low_mean, high_mean, region_mean (divided by the tokens afterwards)."""
+    advantage = advantages.unsqueeze(1)
+    low = (coef < 1 - config.epsilon) & (advantage < 0)
+    high = (coef > 1 + config.upper_epsilon) & (advantage > 0)
+    return [(low * mask).sum(), (high * mask).sum(), ((low | high) * mask).sum()]
+
+
+# ---------------------------------------------------------------------------------------------------- rollout
+@dataclass
+class Rollout:
+    """One micro-batch's completions, ready for the loss: model inputs of prompt + completion, the completion tokens'
+    mask (and labels), each completion's advantage, and the log-probs kept from generation when needed."""
+
+    batch: dict[str, torch.Tensor]  # input_ids, attention_mask, position_ids, labels (completion tokens only)
+    mask: torch.Tensor  # (completions, width) 1 on the completion tokens the loss counts
+    rewards: torch.Tensor  # (completions, functions), NaN: not scored
+    truncated: torch.Tensor  # (completions,) no EOS within max_completion_length
+    lengths: torch.Tensor  # (completions,) completion tokens
+    advantages: torch.Tensor | None = None
+    zero_std: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+def sequences(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
+              mask_truncated: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(model inputs with completion labels, completion mask, truncated) of prompt rows (left-padded) followed by
+    their completions (right-padded)."""
+    left = max(len(p) for p in prompts)
+    right = max(1, max(len(c) for c in completions))
+    rows = len(prompts)
+    ids = torch.full((rows, left + right), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, left + right), dtype=torch.long)
+    labels = torch.full((rows, left + right), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((rows, right), dtype=torch.float32)
+    truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completions])
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids[row, left - len(prompt):left] = torch.tensor(prompt, dtype=torch.long)
+        ids[row, left:left + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention[row, left - len(prompt):left + len(completion)] = 1
+        if not (mask_truncated and truncated[row]):
+            labels[row, left:left + len(completion)] = ids[row, left:left + len(completion)]
+            mask[row, :len(completion)] = 1.0
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": positions, "labels": labels}, mask, truncated
+
+
+def dense(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values given in row-major order of the mask's ones -> (rows, width), zeros elsewhere."""
+    rows, columns = mask.nonzero(as_tuple=True)
+    out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    return out.index_put((rows.to(values.device), columns.to(values.device)), values)

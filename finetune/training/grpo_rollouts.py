@@ -1,0 +1,142 @@
+"""One GRPO generation batch: the step's prompts -> G sampled completions each -> rewards -> advantages (and the
+log-probs kept from generation when the loss needs them), with TRL's metrics of the batch.
+
+Every rank samples its own prompts' completions (training/rollout.py) and scores them with the reward functions in
+its own process; a prompt's group stays in one micro-batch, so its advantages need no gather. What spans ranks is
+summed once (distributed.all_reduce_sum): the batch's reward std (scale_rewards batch) and the logged figures. A
+reward function that fails on one rank stops every rank after the same step (none updates), naming the function.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+from torch import nn
+
+from finetune import distributed
+from finetune.errors import RewardError
+from finetune.parallel import unwrap
+from finetune.training import grpo
+from finetune.training.loss import token_logps
+from finetune.training.rollout import generate_completions, sampling_seed
+
+
+def generation_gather(configured: str = "once") -> str:
+    """How FSDP2 gathers for generation: `once` per generate call (default), or `per_forward` (FSDP2's own hooks at
+    every decoding step): the recipe's grpo.generation_gather, unless FINETUNE_GENERATION_GATHER is set (the switch
+    that measures one against the other, docs/grpo.md). Other strategies ignore it."""
+    gather = os.environ.get("FINETUNE_GENERATION_GATHER", configured)
+    if gather not in ("once", "per_forward"):
+        raise ValueError(f"FINETUNE_GENERATION_GATHER={gather!r}: must be `once` or `per_forward`")
+    return gather
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's (a chat model's
+    end-of-turn token)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
+    ids |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(ids)
+
+
+def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device: torch.device) -> list[grpo.Rollout]:
+    """The step's rollouts, one per prompt micro-batch (`objective`: the GRPO objective: its recipe, tokenizer,
+    reward functions and reference); sets `objective.rollout_figures`."""
+    config = objective.config
+    started = time.perf_counter()
+    rollouts, failure = [], None
+    for batch in micro_batches:
+        rollout, problem = sample_and_score(model, batch, objective, device)
+        rollouts.append(rollout)
+        failure = failure or problem
+    if distributed.any_rank(failure is not None):  # every rank stops after the same step
+        raise failure or RewardError("grpo.reward_functions: a reward function failed on another rank (its message "
+                                     "is in that rank's output); the run stopped before this step's update.")
+    seconds = time.perf_counter() - started
+    weights = config.weights()
+    weighted = [grpo.weighted_rewards(r.rewards, weights) for r in rollouts]
+    figures = _figures(rollouts, weighted, objective)
+    batch_std = figures["reward_std"] if config.scale_rewards == "batch" else None
+    for rollout, rewards in zip(rollouts, weighted):
+        rollout.advantages, rollout.zero_std = grpo.advantages(rewards, config.num_generations, config.scale_rewards,
+                                                               batch_std)
+    zero = distributed.all_reduce_sum([sum(float(r.zero_std.sum()) for r in rollouts),
+                                       sum(r.zero_std.numel() for r in rollouts)])
+    figures["frac_reward_zero_std"] = zero[0] / max(zero[1], 1)
+    with torch.no_grad():
+        for rollout in rollouts:
+            if config.num_iterations > 1:  # the ratio's denominator: the policy that sampled them
+                rollout.old_logps = grpo.dense(token_logps(model, rollout.batch, device, temperature=config.temperature),
+                                               rollout.mask)
+            if objective.reference is not None:
+                with objective.reference.active(model):
+                    rollout.ref_logps = grpo.dense(
+                        token_logps(model, rollout.batch, device, temperature=config.temperature), rollout.mask)
+    figures["generation_s"] = seconds
+    objective.rollout_figures = figures
+    return rollouts
+
+
+def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.device) -> tuple[grpo.Rollout, RewardError | None]:
+    """G completions of every prompt of a micro-batch, and their rewards (or the reward error, raised by the caller
+    once every rank knows)."""
+    config, tokenizer, recipe = objective.config, objective.tokenizer, objective.recipe
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    prompts = [ids[:n] for ids, n in zip(batch["input_ids"].tolist(), lengths)]
+    indices = batch["prompt_index"].tolist()
+    g = config.num_generations
+    expanded = [p for p in prompts for _ in range(g)]
+    seeds = [sampling_seed(recipe.train.seed, objective.step, index, j) for index in indices for j in range(g)]
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    completions = generate_completions(model, expanded, seeds, max_new_tokens=config.max_completion_length,
+                                       temperature=config.temperature, top_p=config.top_p, eos_ids=eos, pad_id=pad,
+                                       device=device, gather=generation_gather(config.generation_gather))
+    inputs, mask, truncated = grpo.sequences(expanded, completions, pad_id=pad, eos_ids=eos,
+                                             mask_truncated=config.mask_truncated_completions)
+    rows = [row for row in batch["rows"] for _ in range(g)]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for t, r in zip(texts, rows)]
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
+    try:
+        table = grpo.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
+                                          [i for i in indices for _ in range(g)], completion_ids=completions)
+    except RewardError as exc:
+        problem = exc
+    rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated,
+                           lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64))
+    return rollout, problem
+
+
+def _figures(rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], objective) -> dict:
+    """TRL's generation-batch metrics over every rank: reward, reward_std, rewards/<function>/mean and /std,
+    completions/mean_length, completions/clipped_ratio, completions/mean_terminated_length."""
+    def moments(values: torch.Tensor) -> list[float]:
+        kept = values[~torch.isnan(values)]
+        return [float(kept.sum()), float((kept**2).sum()), float(kept.numel())]
+
+    rewards = torch.cat(weighted)
+    table = torch.cat([r.rewards for r in rollouts])
+    lengths, truncated = torch.cat([r.lengths for r in rollouts]), torch.cat([r.truncated for r in rollouts])
+    local = [*moments(rewards)]
+    for column in range(table.size(1)):
+        local += moments(table[:, column])
+    local += [float(lengths.sum()), float(lengths.numel()), float(truncated.sum()), float(lengths[~truncated].sum())]
+    total = distributed.all_reduce_sum(local)
+    figures = {}
+    names = [grpo.reward_name(f) for f in objective.functions]
+    for name, (s, sq, n) in zip(["reward", *names], [total[i:i + 3] for i in range(0, 3 * (len(names) + 1), 3)]):
+        mean = s / n if n else math.nan
+        std = math.sqrt(max(sq - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
+        keys = ("reward", "reward_std") if name == "reward" else (f"rewards/{name}/mean", f"rewards/{name}/std")
+        figures.update(dict(zip(keys, (mean, std))))
+    length_sum, count, clipped, terminated_sum = total[-4:]
+    figures["completions/mean_length"] = length_sum / max(count, 1)
+    figures["completions/clipped_ratio"] = clipped / max(count, 1)
+    figures["completions/mean_terminated_length"] = terminated_sum / max(count - clipped, 1)
+    return figures

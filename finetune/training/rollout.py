@@ -1,0 +1,100 @@
+"""GRPO's completions, sampled by the policy itself: G per prompt, batched, with a KV cache, under every strategy.
+
+`generate_completions(model, prompts, seeds, ...)` is the whole job ("G completions for a batch of prompts with the
+policy"), reusable outside the loop (a planner, a quickstart). Sampling as transformers' generate with
+do_sample=True: logits / temperature, then nucleus (top_p) filtering, then one draw per row. Each row draws from its
+own torch.Generator seeded by `sampling_seed(seed, step, prompt_index, generation)`, one number per decoding step
+whether the row is done or not: a completion depends only on its prompt, the step and the weights, never on which
+rank or micro-batch holds it or on the batch's other rows. So the same prompts get the same completions at any world
+size (up to float noise of different batch shapes), and a resumed run samples what the uninterrupted one sampled:
+the sampling RNG state is a function of the checkpoint's step, nothing to save beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from finetune import distributed
+from finetune.parallel import decoding_model
+
+_MIX = (1_000_003, 1_000_033, 10_007)
+
+
+def sampling_seed(seed: int, step: int, prompt_index: int, generation: int) -> int:
+    """The seed of one completion: (train.seed, the step that generates it, the prompt's row, its number in the group)."""
+    value = seed
+    for part, factor in zip((step, prompt_index, generation), _MIX):
+        value = (value * factor + part) % (2**63 - 1)
+    return value
+
+
+def sample_tokens(logits: torch.Tensor, generators: list[torch.Generator], *, temperature: float,
+                  top_p: float) -> torch.Tensor:
+    """One token per row from (rows, vocab) logits: temperature, nucleus filtering (the smallest set of the most
+    probable tokens whose mass reaches top_p; the most probable always kept), then an inverse-CDF draw from each
+    row's generator."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        before = ordered.cumsum(dim=-1) - ordered  # mass of the more probable tokens
+        ordered = ordered.masked_fill(before >= top_p, 0.0)
+    cdf = ordered.cumsum(dim=-1)
+    draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
+    picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp(max=cdf.size(-1) - 1)
+    return order.gather(-1, picked).squeeze(-1)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def generate_completions(model: nn.Module, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
+                         temperature: float, top_p: float, eos_ids: list[int], pad_id: int, device: torch.device,
+                         gather: str = "once") -> list[list[int]]:
+    """The completion of every prompt row (each row its own seed; repeat a prompt G times for its group): token ids
+    up to and including the first EOS, or max_new_tokens of them. Every rank calls this together under FSDP and
+    ZeRO-3 (each forward is a collective); `gather`: how FSDP2 gathers (parallel.decoding_model).
+
+    The model is in eval mode for the call (no dropout) and restored after."""
+    was_training = model.training
+    model.eval()
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    ids, mask = _left_padded(prompts, pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(eos_ids, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    tokens, cache, current = [], None, ids
+    try:
+        with decoding_model(model, gather=gather) as (root, sharded):
+            for _ in range(max_new_tokens):
+                # transformers 5.25 names the KV cache `cache` (past_key_values: deprecated, removed in 5.40)
+                out = root(input_ids=current, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                           logits_to_keep=1)
+                cache = out.cache
+                token = sample_tokens(out.logits[:, -1].float(), generators, temperature=temperature, top_p=top_p)
+                token = torch.where(done, torch.full_like(token, pad_id), token)
+                tokens.append(token)
+                done = done | torch.isin(token, eos)
+                running = not bool(done.all())
+                if not (distributed.any_rank(running) if sharded else running):  # every rank stops at the same step
+                    break
+                current, positions = token[:, None], positions[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    finally:
+        model.train(was_training)
+    if not tokens:
+        return [[] for _ in prompts]
+    table = torch.stack(tokens, dim=1).tolist()
+    completions = []
+    for row in table:
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        completions.append(row[:end])
+    return completions

@@ -1,0 +1,76 @@
+"""`finetune export` of a mixture-of-experts adapter loads in plain PEFT (`PeftModel.from_pretrained` on the stock
+transformers 5 base, unquantized) and computes what finetune's per-expert LoRA computes: per-expert tensors where PEFT
+converts them itself (Mixtral), else PEFT's LoRA on the fused expert parameters (finetune/outputs/export_fused.py),
+for every expert layout family (concatenated, Llama 4's transposed, gpt-oss's interleaved and biased) and for models
+with shared experts and dense MLP layers beside the routed ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+def _per_expert_adapter(model_dir, out, *, use_rslora: bool):
+    """finetune's per-expert LoRA on the tiny model (fp32, experts split as training splits them), every B random so
+    that every expert's LoRA counts, saved as the library saves a run's adapter; returns the model."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from finetune import outputs, parallel
+    from finetune.model.experts import get_peft_model, split_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    split_experts(model, dtype=torch.float32, quantized=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.05, use_rslora=use_rslora,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # B small and random: each expert's delta a few percent of its weight
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    key_map = outputs.adapter_key_map(peft_model)
+    outputs.save_adapter(peft_model.peft_config["default"], key_map,
+                         parallel.trainable_state_dict(peft_model, key_map), out)
+    return peft_model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "form", "use_rslora"), [
+    ("gpt_oss", "fused", False),  # interleaved gate/up, stored (in, out), is_transposed; a square down_proj
+    ("llama4_text", "fused", True),  # stored (in, out) without is_transposed: PEFT reads it (out, in); rsLoRA
+    ("qwen2_moe", "fused", False),  # a shared expert whose gate_proj PEFT's rewrite would move onto the experts
+    ("granitemoe", "fused", False),  # no per-expert tensors in its checkpoints: nothing for PEFT to convert
+    ("mixtral", "per-expert", False),  # PEFT converts it itself: the per-expert form vLLM reads stays
+])
+def test_exported_moe_adapter_loads_in_plain_peft_and_computes_the_trained_model(model_type, form, use_rslora,
+                                                                                 tiny_arch, tmp_path, capsys):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from finetune.cli import main
+
+    model_dir = tiny_arch(model_type)
+    ours = _per_expert_adapter(model_dir, tmp_path / "adapter", use_rslora=use_rslora)
+    assert main(["export", str(tmp_path / "adapter"), str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    exported = tmp_path / "exported"
+    config = json.loads((exported / "adapter_config.json").read_text())
+    with safe_open(str(exported / "adapter_model.safetensors"), "pt") as handle:
+        per_expert = [key for key in handle.keys() if ".experts.0." in key]  # noqa: SIM118 (not a dict)
+    assert bool(config.get("target_parameters")) == (form == "fused") and bool(per_expert) == (form == "per-expert")
+    verdicts = {item["runtime"].split(" ")[0]: item for item in json.loads((exported / "runtimes.json").read_text())}
+    assert verdicts["PEFT"]["status"] == "valid", verdicts["PEFT"]
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 2]])
+    with torch.no_grad():
+        reference = ours(input_ids=ids).logits
+        stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base = stock(input_ids=ids).logits
+        plain = PeftModel.from_pretrained(stock, str(exported)).eval()
+        got = plain(input_ids=ids).logits
+    assert (reference - base).abs().max() > 1e-2, "the adapter must change the model"
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-6, (got - reference).abs().max()

@@ -1,0 +1,436 @@
+"""GRPO (train.objective: grpo): the recipe and its errors, prompt data, reward functions, sampling, and real runs.
+
+* Recipe: TRL's GRPOConfig names and defaults; every mistake of a GRPO recipe named at once, with the fix.
+* Data: text and chat prompts (the chat template's generation prompt added), the other columns kept for the reward
+  functions; no prompt column, and a prompt over the budget, each one paragraph naming the row and the fix.
+* Rewards: TRL's signature and nansum; a raising function named with the prompt's row and the exception.
+* Sampling: near-zero temperature is greedy decoding (the KV cache and left padding against transformers' generate);
+  a completion depends only on its seed (prompt row, step, number in the group), never on the batch's other rows;
+  nucleus filtering draws only from the nucleus.
+The loss itself is checked against TRL's in test_grpo_oracle.py; the runs (slow) are at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import RUN_PY, free_port, read_metrics, recipe_dict, write_jsonl, write_recipe
+
+from finetune import data, model
+from finetune.data import IGNORE_INDEX
+from finetune.errors import DataError, RecipeError, RewardError
+from finetune.recipe import GRPOSection, validate_recipe
+from finetune.training import grpo, rollout
+
+CPU = torch.device("cpu")
+REWARD = "finetune.rewards:exact_match"
+
+
+def sums(n: int = 24, seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)}
+            for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n))]
+
+
+def grpo_recipe(model_dir, data_file, out_dir, grpo_keys: dict | None = None, **sections) -> dict:
+    values = recipe_dict(model_dir, data_file, out_dir, **sections)
+    values["data"]["datasets"][0]["format"] = "prompt"
+    values["train"].setdefault("objective", "grpo")
+    values["train"]["objective"] = "grpo"
+    values["train"].setdefault("micro_batch_size", 4)
+    values["grpo"] = {"num_generations": 4, "max_completion_length": 8, "reward_functions": [REWARD],
+                      **(grpo_keys or {})}
+    return values
+
+
+def _refused(values) -> str:
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe(values)
+    return str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------------------- recipe
+def test_defaults_are_trls_grpo_config():
+    from trl import GRPOConfig
+
+    ours, fields = GRPOSection(), GRPOConfig.__dataclass_fields__  # the declared defaults (no TrainingArguments checks)
+    for name in ("num_generations", "max_completion_length", "temperature", "top_p", "num_iterations", "epsilon",
+                 "epsilon_high", "beta", "loss_type", "scale_rewards", "mask_truncated_completions", "reward_weights"):
+        assert getattr(ours, name) == fields[name].default, name
+    assert ours.upper_epsilon == ours.epsilon  # TRL's __post_init__: epsilon_high None -> epsilon
+
+
+def test_every_grpo_mistake_is_named_at_once_with_its_fix(tmp_path):
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out",
+                         {"num_generations": 3, "max_completion_length": 200, "reward_weights": [1.0, 2.0],
+                          "reward_functions": [REWARD, "no_such_module:f", "finetune.rewards"]})
+    message = _refused(values)
+    for part in ("grpo.reward_functions[1]: `no_such_module:f` cannot be imported (ModuleNotFoundError",
+                 "grpo.reward_functions[2]: `finetune.rewards` is not `module:function`",
+                 "grpo.reward_weights: 2 weights for 3 reward functions",
+                 "train.micro_batch_size (4) is not a multiple of grpo.num_generations (3)",
+                 "grpo.max_completion_length (200) leaves no prompt budget within data.max_length (128)"):
+        assert part in message, message
+    assert "\n" not in message.split("problem in the recipe:")[1].strip()  # one paragraph
+
+
+def test_grpo_keys_and_data_go_with_the_objective(tmp_path):
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out")
+    values["data"]["datasets"][0]["format"] = "alpaca"
+    assert "has format `alpaca`, but train.objective is grpo" in _refused(values)
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out")
+    values["train"]["objective"] = "sft"
+    assert "has format `prompt` (prompt data), but train.objective is sft" in _refused(values)
+    values = recipe_dict(tmp_path, tmp_path / "a.jsonl", tmp_path / "out", grpo={"beta": 0.1})
+    assert "grpo.beta: set, but train.objective is sft" in _refused(values)
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", {"num_iterations": 2},
+                         train={"save_every": 3})
+    assert "train.save_every (3) is not a multiple of grpo.num_iterations (2)" in _refused(values)
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", {"scale_rewards": False})
+    assert validate_recipe(values).grpo.scale_rewards == "none"  # TRL's bool form
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+def _prompts(tiny_llama, rows, tmp_path, **keys):
+    values = grpo_recipe(tiny_llama, write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "out", keys.pop("grpo", {}))
+    values["data"].update(keys)
+    recipe = validate_recipe(values)
+    tokenizer = model.load_tokenizer(recipe)
+    return data.prompt_examples(recipe, tokenizer), tokenizer
+
+
+def test_text_and_chat_prompts_keep_their_columns_for_the_rewards(tiny_llama, tmp_path):
+    chat = [{"role": "user", "content": "What is 1 plus 1?"}]
+    rows = [{"prompt": "What is 2 plus 3?", "answer": "5"}, {"prompt": chat, "answer": "2", "level": 1}]
+    (train, evaluation, stats), tokenizer = _prompts(tiny_llama, rows, tmp_path)
+    assert evaluation == [] and stats.train_examples == 2
+    assert tokenizer.decode(train[0].input_ids) == "What is 2 plus 3?"
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(train[1].input_ids) == rendered and rendered.rstrip().endswith("assistant")
+    assert all(label == IGNORE_INDEX for e in train for label in e.labels)
+    assert [e.row for e in train] == [rows[0], rows[1]] and [e.prompt_index for e in train] == [0, 1]
+    batch = data.collate(list(train), pad_id=0)
+    assert batch["rows"] == rows and batch["prompt_index"].tolist() == [0, 1]
+
+
+def test_no_prompt_column_and_an_overlong_prompt_are_one_paragraph_each(tiny_llama, tmp_path):
+    with pytest.raises(DataError, match=r"the rows have no `prompt` column \(columns: question, answer\).*Fix: give "
+                       r"each row a `prompt`.*columns: \{prompt: NAME\}"):
+        _prompts(tiny_llama, [{"question": "Hi", "answer": "1"}], tmp_path)
+    rows = [{"prompt": "short", "answer": "1"}, {"prompt": "long " * 60, "answer": "2"}]
+    with pytest.raises(DataError, match=r"row 2: the prompt is \d+ tokens, over the prompt budget of 120 \(data.max_length "
+                       r"128 - grpo.max_completion_length 8\)\. Fix: .*data.overlong: drop"):
+        _prompts(tiny_llama, rows, tmp_path)
+    (train, _, stats), _ = _prompts(tiny_llama, rows, tmp_path, overlong="drop")
+    assert len(train) == 1 and stats.dropped == 1 and "row 2" in stats.dropped_rows[0]
+
+
+# --------------------------------------------------------------------------------------------------------- rewards
+def test_builtin_rewards_and_the_weighted_nansum():
+    from finetune import rewards
+
+    chat = [[{"role": "assistant", "content": " 5 "}], [{"role": "assistant", "content": "6"}]]
+    assert rewards.exact_match(["q", "q"], chat, answer=["5", "5"]) == [1.0, 0.0]
+    assert rewards.exact_match(["q"], ["5"], answer=[None]) == [None]
+    assert rewards.regex_match(["q"] * 2, ["<a>1</a>", "1"], pattern=[r"<a>\d+</a>"] * 2) == [1.0, 0.0]
+    assert rewards.length_penalty(["q"], ["abcd"]) == [-0.004]
+    with pytest.raises(ValueError, match="`answer` column"):
+        rewards.exact_match(["q"], ["5"])
+    table = grpo.rewards_per_function([rewards.exact_match, lambda prompts, completions, **kw: [0.5, 0.25, None]],
+                                      ["q"] * 3, ["5", "7", "8"], {"answer": ["5", None, None]}, [3, 3, 3])
+    assert table[0].tolist() == [1.0, 0.5] and torch.isnan(table[1, 0]) and table[1, 1] == 0.25
+    weighted = grpo.weighted_rewards(table, [2.0, 1.0])  # None skipped (nansum); none scored at all: NaN
+    assert weighted[:2].tolist() == [2.5, 0.25] and torch.isnan(weighted[2])
+
+
+def test_a_raising_reward_names_itself_the_prompt_row_and_the_exception():
+    def strict(prompts, completions, answer, **columns):
+        return [float(int(c) == int(a)) for c, a in zip(completions, answer)]
+
+    with pytest.raises(RewardError) as caught:
+        grpo.rewards_per_function([strict], ["q"] * 4, ["5", "5", "x", "1"], {"answer": ["5"] * 4}, [7, 7, 8, 8])
+    message = str(caught.value)
+    assert "`strict` raised ValueError: invalid literal for int() with base 10: 'x' (on prompt row 8 of the data" in message
+    assert "last checkpoint is intact" in message and "train.resume=auto" in message and "\n" not in message
+    with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
+        grpo.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, [0, 0])
+
+
+# -------------------------------------------------------------------------------------------------------- sampling
+def test_sampling_draws_only_from_the_nucleus_at_the_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+    drawn = rollout.sample_tokens(logits, generators, temperature=1.0, top_p=0.7)
+    counts = torch.bincount(drawn, minlength=4) / 4000
+    assert counts[2:].sum() == 0 and counts[0] == pytest.approx(0.625, abs=0.03)  # 0.5 / 0.8 of the nucleus
+    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+    hot = torch.bincount(rollout.sample_tokens(logits, generators, temperature=2.0, top_p=1.0), minlength=4) / 4000
+    flat = torch.softmax(logits[0] / 2.0, dim=-1)
+    assert hot.tolist() == pytest.approx(flat.tolist(), abs=0.03)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama):
+    recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused"))
+    loaded = model.load_model(recipe, sharded=False, device=CPU, device_map=None, gradient_checkpointing=False)
+    return loaded.model, model.load_tokenizer(recipe)
+
+
+@pytest.mark.slow  # ~5 s: two tiny-model generations
+def test_near_zero_temperature_is_transformers_greedy_generate(policy):
+    """KV cache, left padding and positions against transformers' own generate (greedy) on prompts of 3 lengths."""
+    peft_model, tokenizer = policy
+    prompts = [tokenizer(text)["input_ids"] for text in ("Hi", "What is 2 plus 3?", "Name a colour please")]
+    ours = rollout.generate_completions(peft_model, prompts, [0, 1, 2], max_new_tokens=6, temperature=1e-6, top_p=1.0,
+                                        eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, device=CPU)
+    for prompt, completion in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        expected = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                       do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                       eos_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+        cut = next((i + 1 for i, t in enumerate(expected) if t == tokenizer.eos_token_id), len(expected))
+        assert completion == expected[:cut]
+
+
+@pytest.mark.slow
+def test_a_completion_depends_on_its_seed_not_on_the_other_rows(policy):
+    """The shared sampling that makes runs comparable across world sizes: a row sampled with its batch, alone, or
+    beside other rows gives the same tokens; another seed gives others."""
+    peft_model, tokenizer = policy
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 plus 3?", "Hi", "What is 9 plus 9?")]
+    seeds = [rollout.sampling_seed(42, 1, index, 0) for index in range(3)]
+    sample = lambda rows, row_seeds: rollout.generate_completions(
+        peft_model, rows, row_seeds, max_new_tokens=8, temperature=1.0, top_p=0.95,
+        eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, device=CPU)
+    together = sample(prompts, seeds)
+    assert sample(prompts[2:], seeds[2:]) == together[2:] and sample(prompts[:1], seeds[:1]) == together[:1]
+    assert sample(prompts[:1], [rollout.sampling_seed(42, 2, 0, 0)]) != together[:1]
+    assert len({rollout.sampling_seed(42, s, i, j) for s in range(3) for i in range(5) for j in range(8)}) == 120
+
+
+@pytest.mark.slow  # ~5 s: a rollout and two forwards of the tiny model
+def test_one_step_raises_the_log_probs_of_the_completions_with_an_advantage(tiny_llama, policy):
+    """The whole chain on the real model: the rollout's completion log-probs are the plain full-vocabulary
+    log-softmax at those tokens (the chunked head, the labels and the left padding line up), and one small SGD step on
+    the GRPO loss raises sum(advantage x completion log-prob): the policy moves toward the completions that scored
+    above their group."""
+    from finetune.training import objectives
+    from finetune.training.loss import token_logps
+
+    peft_model, tokenizer = policy
+    recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused",
+                                         {"reward_functions": ["finetune.rewards:length_penalty"]},
+                                         train={"micro_batch_size": 8}))
+    prompts = [data.Example(ids, [IGNORE_INDEX] * len(ids), row={"prompt": text}, prompt_index=i)
+               for i, text in enumerate(["What is 2 plus 3?", "Hi"])
+               for ids in [tokenizer(text)["input_ids"]]]
+    objective = objectives.GRPO(peft_model, recipe, tokenizer)
+    objective.step = 1
+    (batch,) = objective.take(iter([data.collate(prompts, pad_id=tokenizer.pad_token_id)]), 1, 1)
+    totals = objective.counts(peft_model, [batch], CPU)
+    (roll,) = objective.rollouts
+    assert roll.mask.shape[0] == 8 and objective.rollout_figures["reward_std"] > 0
+
+    def score() -> torch.Tensor:
+        with torch.no_grad():
+            inputs = {k: roll.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            logits = peft_model(**inputs, use_cache=False).logits[:, :-1].float()
+            plain = torch.log_softmax(logits, -1).gather(-1, roll.batch["input_ids"][:, 1:, None]).squeeze(-1)
+            plain = plain[:, -roll.mask.size(1):] * roll.mask
+            chunked = grpo.dense(token_logps(peft_model, roll.batch, CPU), roll.mask)
+        torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+        return (roll.advantages[:, None].float() * plain).sum()
+
+    before = score()
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trained]  # the module's policy fixture is shared: put its weights back
+    peft_model.train()
+    to_backward, _, _ = objective.loss(peft_model, batch, totals, CPU)
+    to_backward.backward()
+    with torch.no_grad():
+        for param in trained:
+            param -= 0.05 * param.grad
+            param.grad = None
+    after = score()
+    with torch.no_grad():
+        for param, value in zip(trained, saved):
+            param.copy_(value)
+    assert after > before + 1e-3
+
+
+def test_sequences_mask_the_completion_tokens_and_cut_completions():
+    inputs, mask, truncated = grpo.sequences([[5, 6], [7]], [[1, 2, 9], [3, 4]], pad_id=0, eos_ids=[9],
+                                             mask_truncated=True)
+    assert inputs["input_ids"].tolist() == [[5, 6, 1, 2, 9], [0, 7, 3, 4, 0]]
+    assert inputs["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
+    assert inputs["position_ids"][1].tolist()[1:4] == [0, 1, 2]
+    assert truncated.tolist() == [False, True] and mask.tolist() == [[1, 1, 1], [0, 0, 0]]  # the cut one: no loss
+    assert inputs["labels"].tolist() == [[-100, -100, 1, 2, 9], [-100] * 5]
+
+
+# ------------------------------------------------------------------------------------------------------------ runs
+REWARDS_MODULE = textwrap.dedent('''
+    import os
+
+    CALLS = [0]
+
+
+    def digits(prompts, completions, **columns):
+        """The share of digit characters: a reward a tiny random model can learn in a few steps."""
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+    def flaky(prompts, completions, **columns):
+        """Raises from its call number FAIL_AT on (a run's step, one micro-batch per step)."""
+        CALLS[0] += 1
+        if CALLS[0] >= int(os.environ.get("FAIL_AT", "1000000")):
+            raise ZeroDivisionError("division by zero")
+        return [0.0] * len(completions)
+    ''')
+
+
+@pytest.fixture
+def rewards_dir(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARDS_MODULE)
+    return tmp_path
+
+
+def _run(recipe, *overrides, rewards_dir, env: dict | None = None, nproc: int = 1, log=None):
+    from conftest import child_env
+    from processes import start
+
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    environment = child_env(PYTHONPATH=os.pathsep.join([str(rewards_dir), os.environ.get("PYTHONPATH", "")]),
+                            **(env or {}))
+    log = log or rewards_dir / "run.log"
+    return start([*launcher, str(RUN_PY), str(recipe), *overrides], log, env=environment), log
+
+
+def _untimed(folder) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in ("tokens_per_s", "elapsed_s", "generation_s")}
+            for m in read_metrics(folder)]
+
+
+@pytest.mark.slow
+def test_a_failing_reward_stops_the_run_with_its_last_checkpoint_intact(tiny_llama, rewards_dir):
+    """Step 3's reward call raises: one paragraph naming the function, the prompt row and the exception, exit 2, no
+    update and no checkpoint of step 3; checkpoints 1 and 2 stay, and the run resumes from step 2 to its end."""
+    from processes import finish
+
+    prompts = write_jsonl(rewards_dir / "prompts.jsonl", sums())
+    values = grpo_recipe(tiny_llama, prompts, rewards_dir / "run", {"reward_functions": ["my_rewards:flaky"]},
+                         train={"max_steps": 3, "save_every": 1})
+    recipe = write_recipe(rewards_dir / "grpo.yaml", values)
+    code, output = finish(*_run(recipe, rewards_dir=rewards_dir, env={"FAIL_AT": "3"}))
+    assert code == 2, output[-3000:]
+    assert "`flaky` raised ZeroDivisionError: division by zero (on prompt row " in output, output[-3000:]
+    assert "Traceback" not in output
+    steps = sorted(p.name for p in (rewards_dir / "run" / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000001", "step-00000002"]
+    assert [m["step"] for m in read_metrics(rewards_dir / "run") if "loss" in m] == [1, 2]
+    code, output = finish(*_run(recipe, "train.resume=auto", rewards_dir=rewards_dir, log=rewards_dir / "resumed.log"))
+    assert code == 0 and "resumed from" in output and "step-00000002" in output, output[-3000:]
+    assert (rewards_dir / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step(tiny_llama, rewards_dir):
+    """kill -9 inside a num_iterations cycle, resume from the checkpoint at the cycle's start: the same completions
+    (the sampling seeds are functions of the step), rewards, KL, losses and adapter, bitwise, as the uninterrupted run.
+    beta > 0: the reference forward (adapter off) is in the resumed steps too."""
+    from processes import finish, wait_for_step
+    from safetensors.torch import load_file
+
+    prompts = write_jsonl(rewards_dir / "prompts.jsonl", sums())
+    values = grpo_recipe(tiny_llama, prompts, rewards_dir / "unused",
+                         {"reward_functions": ["my_rewards:digits"], "num_iterations": 2, "beta": 0.1,
+                          "temperature": 0.9, "top_p": 0.95},
+                         train={"max_steps": 6, "save_every": 2, "learning_rate": 3e-2})
+    recipe = write_recipe(rewards_dir / "grpo.yaml", values)
+    reference = rewards_dir / "reference"
+    code, output = finish(*_run(recipe, f"output.dir={reference}", rewards_dir=rewards_dir))
+    assert code == 0, output[-3000:]
+    run = rewards_dir / "killed"
+    process, log = _run(recipe, f"output.dir={run}", rewards_dir=rewards_dir, log=rewards_dir / "killed.log")
+    wait_for_step(process, run, 3, log)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not (run / "adapter").exists()
+    code, output = finish(*_run(recipe, f"output.dir={run}", "train.resume=auto", rewards_dir=rewards_dir,
+                                log=rewards_dir / "resumed.log"))
+    assert code == 0 and "resumed from" in output, output[-3000:]
+    assert _untimed(run) == _untimed(reference)  # rewards, lengths, kl, clip ratios, losses, grad norms
+    assert max(m.get("kl", 0) for m in read_metrics(reference)) > 0
+    expected, resumed = (load_file(str(folder / "adapter" / "adapter_model.safetensors")) for folder in (reference, run))
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+# The shipped configs, as shipped (bf16): every strategy samples with the policy it trains (DDP, ZeRO-2: the inner
+# model; FSDP2, ZeRO-3: gathered once per generate call; FSDP1: gathered by its own hooks at every decoding step). Comparable because the sampling is shared: a completion's seed is (train.seed, step,
+# prompt row, number in its group), so step 1, whose weights are the same everywhere, samples the same completions on
+# 1 process x 2 prompts as on 2 x 1: same rewards and lengths, bitwise, and the same gradient within bf16. After step 1
+# the bf16 weights differ in their last bits between strategies, which flips an occasional sampled token, so later
+# steps are compared for their health (finite, the KL term live), not their values.
+# Every file in accelerate_configs/: deepspeed_zero2 generates with its whole (unpartitioned) parameters, as DDP;
+# multi_node is fsdp2 launched as 2 machines of 1 process (tests/shipped.py).
+SHIPPED = ("single_gpu", "ddp", "fsdp2", "fsdp1", "deepspeed_zero2", "deepspeed_zero3", "multi_node")
+# Measured (3 steps, 2 CPU processes): step-1 grad norm 0.457772 single, 0.457701 DDP/FSDP2/FSDP1, 0.457812 ZeRO-3.
+GRAD_NORM_TOLERANCE = 1e-3
+
+
+
+def test_every_accelerate_config_is_trained_with_grpo():
+    """The GRPO shipped-config test launches every file in accelerate_configs/ (a new file must be added there)."""
+    from shipped import CONFIG_DIR
+
+    assert set(SHIPPED) == {path.stem for path in CONFIG_DIR.glob("*.yaml")}
+
+@pytest.mark.slow
+def test_every_shipped_config_trains_grpo_on_the_same_completions(tiny_llama, tmp_path, monkeypatch):
+    from conftest import accelerate_launch
+    from shipped import ACCELERATE_CONFIG_RUNS, recipe_dtype
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", sums())
+    # FSDP2 and ZeRO-3 sample with the model gathered once per generate call (the default); ZeRO-3 also per_forward
+    # (DeepSpeed's own hooks at every decoding step). FSDP2's per_forward (its own hooks, as in training) is trained
+    # by the llama-3.1-70b-2x24gb-grpo recipe's two-step run in tests/parallel/test_shipped.py.
+    runs = [(config, config, "once") for config in SHIPPED]
+    runs.append(("deepspeed_zero3-per_forward", "deepspeed_zero3", "per_forward"))
+    logged, seconds = {}, {}
+    for name, config, gather in runs:
+        processes = ACCELERATE_CONFIG_RUNS[f"{config}.yaml"].processes
+        values = grpo_recipe(tiny_llama, prompts, tmp_path / name,
+                             {"max_completion_length": 6, "beta": 0.1,
+                              "reward_functions": ["finetune.rewards:length_penalty"]},
+                             model={"dtype": recipe_dtype(f"{config}.yaml")},
+                             train={"max_steps": 3, "micro_batch_size": 8 // processes, "learning_rate": 2e-2})
+        monkeypatch.setenv("FINETUNE_GENERATION_GATHER", gather)
+        result = accelerate_launch(config, write_recipe(tmp_path / f"{name}.yaml", values))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        logged[name] = [m for m in read_metrics(tmp_path / name) if "loss" in m]
+        seconds[name] = [m["generation_s"] for m in logged[name]]
+    print("seconds per generate call:", seconds)
+    first = logged["single_gpu"][0]
+    for name, steps in logged.items():
+        assert len(steps) == 3 and all(math.isfinite(m["loss"]) and m["kl"] > 0 for m in steps[1:]), (name, steps)
+        for key in ("reward", "reward_std", "rewards/length_penalty/mean", "completions/mean_length"):
+            assert steps[0][key] == first[key], (name, key)  # the same completions
+        assert steps[0]["grad_norm"] == pytest.approx(first["grad_norm"], abs=GRAD_NORM_TOLERANCE), name
+
+
+def test_the_plot_reads_the_reward_of_a_grpo_run(tmp_path):
+    from finetune.tracking.plot import read_run
+
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 0.0, "learning_rate": 1e-3, "reward": 0.25},
+                                             {"step": 2, "loss": 0.01, "learning_rate": 1e-3, "reward": 0.5}])
+    assert read_run(tmp_path)["reward"] == [(1, 0.25), (2, 0.5)]

@@ -1,0 +1,132 @@
+"""GRPO's loss against TRL's own code (GRPOTrainer._compute_loss of TRL 1.16), as test_kto_oracle.py does for KTO.
+
+TRL's trainer is made without its __init__ (`object.__new__` plus the attributes `_compute_loss` reads, set as
+GRPOTrainer.__init__ sets them from GRPOConfig) and fed per-token log-probs this test controls: its
+`_get_per_token_logps_and_entropies` returns them (the policy's, a leaf for the gradient), with the advantages, the
+old log-probs (num_iterations > 1) and the reference's (beta > 0) as `_generate_and_score_completions` hands them on.
+One process, no accumulation: TRL's normalizers are then the micro-batch's completions and tokens, which ours take
+from the step's counts (`totals`).
+
+Ours runs its training path on the same numbers: `GRPO.loss` (token_logps patched to return the policy's log-probs of
+the completion tokens) -> `metrics`. Compared in fp64: the loss, its gradient with respect to every per-token log-prob,
+and TRL's kl / clip_ratio metrics.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from finetune.recipe import GRPOSection
+from finetune.training import grpo, objectives
+
+CPU = torch.device("cpu")
+ROWS, WIDTH = 6, 9
+ACCELERATOR = SimpleNamespace(device=CPU, num_processes=1, gather=lambda t: t, gather_for_metrics=lambda t: t,
+                              reduce=lambda t, reduction: t)  # one process
+
+
+def scene(seed: int = 3, drift: float = 0.0):
+    """Per-token log-probs of ROWS completions of different lengths (one cut at WIDTH), the old policy's (`drift` per
+    token away, so ratios leave the clip range), the reference's, and advantages of both signs."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 9, 5, 1, 7, 4])
+    mask = (torch.arange(WIDTH) < lengths[:, None]).double()
+    draw = lambda: -torch.rand(ROWS, WIDTH, generator=generator, dtype=torch.float64) * 3
+    policy = draw().requires_grad_()
+    old = policy.detach() + drift * torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
+    reference = policy.detach() + 0.3 * torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(ROWS, generator=generator, dtype=torch.float64)
+    return policy, old, reference, advantages, mask
+
+
+def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch):
+    """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step."""
+    monkeypatch.setattr(objectives, "token_logps", lambda model, batch, device, temperature: policy[mask.bool()])
+    recipe = SimpleNamespace(grpo=config, train=SimpleNamespace(objective="grpo"))
+    objective = object.__new__(objectives.GRPO)
+    vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0)
+    objective.rollouts = [grpo.Rollout(batch={}, mask=mask, rewards=torch.zeros(ROWS, 1), truncated=torch.zeros(ROWS),
+                                       lengths=mask.sum(-1), advantages=advantages,
+                                       old_logps=old * mask if config.num_iterations > 1 else None,
+                                       ref_logps=reference * mask if config.beta else None)]
+    totals = [float(ROWS), float(mask.sum())]
+    to_backward, _, sums = objective.loss(None, {}, totals, CPU)
+    return to_backward, objective.metrics(sums.tolist(), totals)
+
+
+def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask):
+    """GRPOTrainer._compute_loss as it ships; its attributes as GRPOTrainer.__init__ sets them from GRPOConfig."""
+    trainer = object.__new__(GRPOTrainer)
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1)
+    vars(trainer).update(
+        model=SimpleNamespace(training=True), accelerator=ACCELERATOR, args=args, beta=config.beta,
+        loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.upper_epsilon,
+        max_completion_length=config.max_completion_length, importance_sampling_level="token",
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
+        vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda model, input_ids, attention_mask, logits_to_keep, **kw: (
+            policy, torch.zeros_like(policy.detach()), None))
+    inputs = {"prompt_ids": torch.zeros(ROWS, 2, dtype=torch.long), "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(ROWS, WIDTH, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages, "num_items_in_batch": mask.sum()}
+    if config.num_iterations > 1:
+        inputs["old_per_token_logps"] = old
+    if config.beta:
+        inputs["ref_per_token_logps"] = reference
+    loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
+CASES = {  # every aggregation; the KL term; clipping both ways (old log-probs from num_iterations > 1)
+    "dapo-default": ({}, 0.0),
+    "grpo-kl-clipped": ({"loss_type": "grpo", "beta": 0.04, "num_iterations": 2}, 0.3),
+    "dr_grpo-asymmetric-clip": ({"loss_type": "dr_grpo", "num_iterations": 3, "epsilon_high": 0.28,
+                                 "max_completion_length": 16}, 0.3),
+    "dapo-kl-clipped": ({"beta": 0.1, "num_iterations": 2, "epsilon": 0.1}, 0.2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grpo_loss_equals_trl(case, monkeypatch):
+    keys, drift = CASES[case]
+    config = GRPOSection(**keys)
+    values = scene(drift=drift)
+    expected, trl_metrics = trl_grpo(config, *values)
+    (expected_grad,) = torch.autograd.grad(expected, values[0])
+    loss, metrics = ours(config, *values, monkeypatch)
+    (grad,) = torch.autograd.grad(loss, values[0])
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    mask = values[-1].bool()
+    assert float(grad[mask].abs().sum()) > 0 and bool((grad[~mask] == 0).all())
+    for name, value in metrics.items():
+        assert value == pytest.approx(trl_metrics[name], abs=1e-6), name  # ours are logged rounded to 6 decimals
+    assert ("kl" in metrics) == bool(config.beta)
+    if drift:  # the scene really clips, on both sides
+        assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0
+
+
+def test_advantages_as_trl_computes_them():
+    """Group mean and unbiased std, NaN-aware, per group of G (TRL's sum_then_normalize); an unscorable completion
+    (every function None) gets advantage 0 and is left out of its group's statistics; batch scaling uses the batch's
+    std. Expected values written out per group, independently of grpo.advantages."""
+    nan = float("nan")
+    table = torch.tensor([[1.0, nan], [0.0, 0.5], [1.0, 1.0], [nan, nan],  # group 1 (one unscorable)
+                          [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)  # group 2: all equal
+    rewards = grpo.weighted_rewards(table, [1.0, 2.0])
+    assert rewards[:3].tolist() == [1.0, 1.0, 3.0] and torch.isnan(rewards[3])
+    mean, std = 5 / 3, (((1 - 5 / 3) ** 2 * 2 + (3 - 5 / 3) ** 2) / 2) ** 0.5
+    result, zero_std = grpo.advantages(rewards, 4, "group")
+    expected = [(1 - mean) / (std + 1e-4), (1 - mean) / (std + 1e-4), (3 - mean) / (std + 1e-4), 0.0, 0, 0, 0, 0]
+    assert result.tolist() == pytest.approx(expected, rel=1e-12)
+    assert zero_std.tolist() == [False] * 4 + [True] * 4
+    unscaled, _ = grpo.advantages(rewards, 4, "none")
+    assert unscaled.tolist() == pytest.approx([1 - mean, 1 - mean, 3 - mean, 0, 0, 0, 0, 0], rel=1e-12)
+    batch, _ = grpo.advantages(rewards, 4, "batch", batch_std=2.0)
+    assert batch[2].item() == pytest.approx((3 - mean) / 2.0001, rel=1e-12)
