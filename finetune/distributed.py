@@ -364,9 +364,37 @@ def checks_every_rank_makes() -> Iterator[None]:
     rank 0, the one that prints the whole paragraph, was killed before it got there (CI: "(rank 1) the parallel setup
     cannot work:" and nothing more). Released when the checks pass; when one fails, after main() has printed it."""
     took = hold_stop_signals()
-    yield
+    try:
+        yield
+    except FinetuneError as exc:
+        exc.alike_on_every_rank = True  # main(): a rank other than 0 waits for rank 0's paragraph before it exits
+        raise
     if took:
         release_stop_signals()
+
+
+_PRINTED_KEY = "finetune/rank0-printed"
+
+
+def rank0_printed() -> None:
+    """Rank 0 has written its error paragraph: a peer waiting in `wait_for_rank0_paragraph` may exit now."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.distributed_c10d._get_default_store().set(_PRINTED_KEY, "1")
+    except Exception:  # noqa: BLE001 - the store may be gone with the peers; nothing waits then
+        pass
+
+
+def wait_for_rank0_paragraph(timeout_s: float = 20.0) -> None:
+    """A rank other than 0 that failed a check every rank makes stays until rank 0 says it has printed the whole
+    paragraph (or `timeout_s`): the launcher SIGTERMs every survivor once one rank exits, and rank 0 may still be on
+    its way to the same check outside the held signals (CI: the 4-bit cache's lock; only "(rank 1) the checkpoint
+    in ..." came out)."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.distributed_c10d._get_default_store().wait([_PRINTED_KEY], timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - timed out, or rank 0 (hosting the store) is gone: either way, exit
+        pass
 
 
 def release_stop_signals() -> None:

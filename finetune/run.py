@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         text = str(exc) if whole else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
         kind = "error: " if getattr(exc, "is_error", True) else ""  # Preempted (exit 128 + signal) is no error
         print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
+        if rank == 0:
+            distributed.rank0_printed()
+        elif getattr(exc, "alike_on_every_rank", False):
+            distributed.wait_for_rank0_paragraph()
         return getattr(exc, "exit_code", EXIT_USER_ERROR)
     except OSError as exc:  # a full disk outside the checkpoint and adapter writes (metrics.jsonl, plot.png)
         from finetune.files import no_room
