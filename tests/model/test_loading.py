@@ -12,6 +12,7 @@ and quantizes only its chunk (finetune/model/shard_reads.py), and what it holds 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -341,7 +342,25 @@ def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_
 
 
 @pytest.mark.slow
-def test_bad_checkpoint_under_fsdp_exits_2_and_leaves_output_dir_alone(tiny_llama, tmp_path):
+def test_bad_checkpoint_under_fsdp_exits_2_and_leaves_output_dir_alone(tiny_llama, tmp_path, monkeypatch):
+    """Every rank finds the missing tensor; rank 1 gets there first here (rank 0 is held 4 s on its way, by a
+    sitecustomize that the launched processes import): the launcher SIGTERMs rank 0 as soon as rank 1 exits, so rank 1
+    must wait for rank 0's whole paragraph. CI once printed only "(rank 1) the checkpoint in ..." (rank 0 was still in
+    the 4-bit cache's lock)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    import time\n"
+        "    from finetune.model.quantization import cache\n"
+        "    _cached = cache.cached_checkpoint\n"
+        "    def cached_checkpoint(*args, **kwargs):\n"
+        "        time.sleep(4)\n"
+        "        return _cached(*args, **kwargs)\n"
+        "    cache.cached_checkpoint = cached_checkpoint\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     model_dir = _copy_model(tiny_llama, tmp_path / "m")
     state = load_file(str(model_dir / "model.safetensors"))
     state.pop("model.norm.weight")
