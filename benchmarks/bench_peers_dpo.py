@@ -2,7 +2,7 @@
 
     python benchmarks/bench_peers.py --dpo [--steps 8] [--repeats 3] [--tiny]     (or run this file directly)
 
-Work: QLoRA DPO (NF4 base, bf16, LoRA r16 / alpha 32 on all linear layers, dropout off as both tools do for DPO,
+Work: QLoRA DPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear layers, dropout off as both tools do for DPO,
 sigmoid loss, beta 0.1) of SmolLM2-135M-Instruct (the quickstart's model) on pairs of realistic length built from the
 ledger_report task (finetune/cli/tasks.py): the prompt is a statement of 2-7 payments (~150 tokens), `chosen` its
 ledger lines and total (~150 tokens), `rejected` the same lines with day and month swapped in every stamp and the
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
+from bench_peers import BF16, SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
 
 RUNNERS = ("ours", "ours-precomputed", "trl")
 PAIRS = 200
@@ -159,7 +159,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         output_dir=str(out / "trl"), beta=recipe.dpo.beta, loss_type=["sigmoid"], max_length=recipe.data.max_length,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=1, max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True, gradient_checkpointing=False,
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", use_cpu=device().type == "cpu",
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, disable_dropout=True,
     )

@@ -9,7 +9,7 @@ never saw) with its reward, finetune.rewards:exact_match against the row's `answ
 (the stamp is 9), lr 3e-4: the SFT model half-solves these prompts (the GRPO quickstart measures 69% greedy), so the
 rewards vary within a group and both curves can move. --task sum: the untuned model on arithmetic (below).
 
---task sum: QLoRA GRPO (NF4 base, bf16, LoRA r16 / alpha 32 on all linear layers, dropout off) of SmolLM2-135M-Instruct
+--task sum: QLoRA GRPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear layers, dropout off) of SmolLM2-135M-Instruct
 (the quickstart's model; --tiny: a tiny random Llama) on arithmetic prompts given as chat messages with the quickstart's
 system prompt (`What is 23 plus 45? Answer with the number only.`), rewarded by finetune.rewards:contains_answer
 against the row's `answer` (1 when the sum appears in the completion; the same function for both: it takes TRL's
@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_peers import (
+    BF16,
+    DTYPE,
     QUICKSTART_MODEL,
     SYSTEM_PROMPT,
     device,
@@ -104,7 +106,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "stamp") -> Path:
         tiny_dir = root / "sft" / "tiny-model" if task == "stamp" else build_tiny_model(root / "tiny", hidden_size=128,
                                                                                         num_layers=4)
         model = {**{k: v for k, v in model.items() if k != "gguf_file"}, "name_or_path": str(tiny_dir),
-                 "dtype": "bfloat16"}
+                 "dtype": DTYPE}
     recipe = {
         "model": model,
         "quantization": {"method": "nf4", "double_quant": True},
@@ -182,7 +184,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         top_p=g.top_p, beta=g.beta, loss_type=g.loss_type, epsilon=g.epsilon, num_iterations=g.num_iterations,
         scale_rewards=g.scale_rewards, max_steps=t.max_steps, learning_rate=t.learning_rate,
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=True, gradient_checkpointing=False,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=device().type == "cpu",
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, disable_dropout=True, use_vllm=False,
     )

@@ -381,7 +381,7 @@ def rank0_printed() -> None:
     try:
         if dist.is_available() and dist.is_initialized():
             dist.distributed_c10d._get_default_store().set(_PRINTED_KEY, "1")
-    except Exception:  # noqa: BLE001 - the store may be gone with the peers; nothing waits then
+    except Exception:  # noqa: BLE001, S110 - the store may be gone with the peers; nothing waits then
         pass
 
 
@@ -393,7 +393,7 @@ def wait_for_rank0_paragraph(timeout_s: float = 20.0) -> None:
     try:
         if dist.is_available() and dist.is_initialized():
             dist.distributed_c10d._get_default_store().wait([_PRINTED_KEY], timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - timed out, or rank 0 (hosting the store) is gone: either way, exit
+    except Exception:  # noqa: BLE001, S110 - timed out, or rank 0 (hosting the store) is gone: either way, exit
         pass
 
 
