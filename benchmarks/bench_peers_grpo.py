@@ -132,11 +132,13 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     from finetune.training import grpo_rollouts
 
     per_call: list[int] = []
+    prompts: list[list[str]] = []  # each generation batch's answers: which prompts it drew (compared with TRL's)
     original = grpo_rollouts.sample_and_score
 
     def counting(model, batch, objective, dev):
         rollout, problem = original(model, batch, objective, dev)
         per_call.append(int(rollout.batch["attention_mask"].sum()))
+        prompts.append([str(row.get("answer")) for row in batch["rows"]])
         return rollout, problem
 
     grpo_rollouts.sample_and_score = counting
@@ -147,7 +149,7 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward" in m]
     write_report(out, step_tokens=per_call, step_end=[m["elapsed_s"] for m in steps], train_peak_rss_mb=peak,
-                 rewards=[m["reward"] for m in steps])
+                 rewards=[m["reward"] for m in steps], prompts=prompts)
 
 
 def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
@@ -156,6 +158,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from finetune import model
+    from finetune.data.loader import epoch_permutation
     from finetune.recipe import load_recipe
     from finetune.recipe_grpo import import_reward_function
 
@@ -164,13 +167,19 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     tokenizer = model.load_tokenizer(recipe)
     system = {"role": "system", "content": recipe.data.system_prompt}
     rows = [json.loads(line) for line in Path(recipe.data.datasets[0].path).read_text().splitlines()]
-    train_rows = [{"prompt": [system, *r["prompt"]], "answer": r["answer"]} for r in rows]
-    tokens, step_end = [], []
+    # The prompts in the order finetune draws them (its seeded permutation of the rows), TRL's shuffle off: both
+    # runners train on the same prompt at every step, so the reward curves compare step by step (the report says
+    # whether they did).
+    order = [i for epoch in range(-(-recipe.train.max_steps // len(rows)))
+             for i in epoch_permutation(len(rows), recipe.train.seed, epoch)]
+    train_rows = [{"prompt": [system, *rows[i]["prompt"]], "answer": rows[i]["answer"]} for i in order]
+    tokens, step_end, prompts = [], [], []
 
     class Counting(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
             tokens.append(int(output["prompt_mask"].sum() + output["completion_mask"].sum()))
+            prompts.append([str(row["answer"]) for row in inputs[::self.num_generations]])
             return output
 
     class Clock(TrainerCallback):
@@ -187,6 +196,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=device().type == "cpu",
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, disable_dropout=True, use_vllm=False,
+        shuffle_dataset=False,
     )
     base = model.load_base_model(recipe, device=device())
     peft_config = model.lora_config(recipe)
@@ -200,7 +210,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     peak = peak_rss_mb()
     trainer.model.save_pretrained(str(out / "adapter"))  # scored on the held-out prompts as ours is (worker_score)
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    write_report(out, step_tokens=tokens, step_end=step_end, train_peak_rss_mb=peak, rewards=rewards)
+    write_report(out, step_tokens=tokens, step_end=step_end, train_peak_rss_mb=peak, rewards=rewards, prompts=prompts)
 
 
 def worker_score(recipe_path: Path, out: Path, overrides: list[str]) -> None:
@@ -243,7 +253,7 @@ def launch(runner: str, recipe: Path, out: Path, steps: int) -> dict:
     _, other = run_measured(command, env, runner)
     report = json.loads((out / "bench_rank0.json").read_text())
     return {"runner": runner, **throughput([report], steps), "peak_rss_mb": report["train_peak_rss_mb"],
-            "rewards": report["rewards"], "other_cpu": other}
+            "rewards": report["rewards"], "prompts": report.get("prompts"), "other_cpu": other}
 
 
 def table(results: list[dict]) -> str:
@@ -299,6 +309,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{STAMP_COMPLETION if args.task == 'stamp' else COMPLETION} tokens), {task}, "
           f"{'tiny random model' if args.tiny else 'SmolLM2-135M-Instruct'}, QLoRA r16, CPU x {os.cpu_count()}\n"
           + table(results))
+    drawn = {r["runner"]: r.get("prompts") for r in results}
+    if drawn.get("ours") and drawn.get("trl"):
+        same = sum(a == b for a, b in zip(drawn["ours"], drawn["trl"]))
+        print(f"the same prompts at {same} of {min(len(drawn['ours']), len(drawn['trl']))} steps (TRL given finetune's "
+              "order, its shuffle off): the reward curves compare step by step")
     if scores:
         print("greedy exact match on the held-out prompts: " + "; ".join(
             f"{name} {score['score']:.0%} ({score['correct']}/{score['total']})" for name, score in scores.items()))
