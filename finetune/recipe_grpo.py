@@ -55,6 +55,12 @@ class GRPOSection(_Section):
         "generate call, the whole model on each GPU for the call (fastest); per_forward: each unit gathered at every "
         "decoding forward, as in training (for a model whose whole 4-bit weights do not fit one GPU, e.g. 70B on "
         "2 x 24 GB; `finetune plan` counts either). FSDP1 always gathers per forward.")
+    train_chunk_size: int | None = Field(
+        None, gt=0, description="Completions per forward and backward when the step trains on a micro-batch's "
+        "completions (default: all of them at once). Lower it to cap the activations of the training forward, which "
+        "grow with the completions trained together: a micro-batch's completions are still sampled together and its "
+        "groups' advantages computed whole, and the loss and gradient are the same sums (TRL's counterpart: a "
+        "per_device_train_batch_size below generation_batch_size). `finetune plan` counts it.")
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

@@ -149,6 +149,24 @@ class Rollout:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
 
+    def chunks(self, size: int | None) -> list[Rollout]:
+        """The rollout as consecutive runs of `size` completions (grpo.train_chunk_size; None: itself whole), each
+        trained by its own forward and backward. Every per-completion field is sliced alike; the loss of each is its
+        share of the step's sums, so the chunks' losses add up to the whole rollout's."""
+        rows = self.mask.size(0)
+        if size is None or size >= rows:
+            return [self]
+
+        def part(value, start):
+            if value is None:
+                return None
+            if isinstance(value, dict):
+                return {key: tensor[start:start + size] for key, tensor in value.items()}
+            return value[start:start + size]
+
+        return [Rollout(**{name: part(getattr(self, name), start) for name in self.__dataclass_fields__})
+                for start in range(0, rows, size)]
+
 
 def sequences(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
               mask_truncated: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

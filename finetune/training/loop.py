@@ -225,8 +225,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
-                    for index, batch in enumerate(micro_batches):
-                        with gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                    trained = objectives.train_batches(objective, micro_batches)  # GRPO: its rollouts' chunks
+                    for index, batch in enumerate(trained):
+                        with gradient_sync(model, enabled=index == len(trained) - 1):
                             to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
                             backward(model, to_backward)  # SFT: token-loss sum x world size / global trained tokens
                         step_loss += batch_loss.to(step_loss.device, torch.float64)

@@ -188,6 +188,7 @@ class GRPO:
         self.functions = [import_reward_function(name) for name in self.config.reward_functions]
         self.reference = preference.Reference(model, recipe, compared=True) if self.config.beta else None
         self.rollouts: list[grpo.Rollout] = []
+        self.trained: list[grpo.Rollout] = []  # the rollouts as trained: in chunks of grpo.train_chunk_size
         self.prompt_batches: list[dict] = []
         self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
 
@@ -209,12 +210,17 @@ class GRPO:
         start of a cycle."""
         if self.generated_at is None:
             self.rollouts = grpo_rollouts(model, micro_batches, self, device)
+            self.trained = [chunk for rollout in self.rollouts for chunk in rollout.chunks(self.config.train_chunk_size)]
             self.generated_at = self.step
         self.position = 0
         return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts)]
 
-    def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
-        rollout = self.rollouts[self.position]
+    def train_batches(self, micro_batches: list[dict]) -> list[grpo.Rollout]:
+        """What the step runs a forward and backward on: the rollouts' chunks (after `counts`)."""
+        return self.trained
+
+    def loss(self, model: nn.Module, batch, totals: list[float], device: torch.device):
+        rollout = self.trained[self.position]
         self.position += 1
         logps = grpo.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature),
                            rollout.mask)
@@ -266,6 +272,11 @@ def take_micro_batches(objective, batches, step: int, count: int) -> list[dict]:
     if isinstance(objective, GRPO):
         return objective.take(batches, step, count)
     return [next(batches) for _ in range(count)]
+
+
+def train_batches(objective, micro_batches: list[dict]) -> list:
+    """What the step's forwards and backwards run on, one each: the micro-batches, or GRPO's rollout chunks."""
+    return objective.train_batches(micro_batches) if isinstance(objective, GRPO) else micro_batches
 
 
 def rows_per_micro_batch(recipe: Recipe) -> int:

@@ -75,6 +75,23 @@ def test_training_on_the_completions_is_sft_at_the_same_rows_and_length():
     assert grpo_plan.peak_bytes - sft_plan.peak_bytes == grpo_plan.parts["grpo_logps"] == 0  # mu 1, beta 0: none kept
 
 
+def test_a_training_chunk_counts_the_activations_of_its_rows_only():
+    """grpo.train_chunk_size 8 of a 16-completion micro-batch: the training moment's activations are those of an
+    8-completion micro-batch (the rows trained together), while generating still holds the KV cache of all 16; the
+    note says it."""
+    short = lambda recipe, **train: recipe.model_copy(update={
+        "data": recipe.data.model_copy(update={"max_length": 1024}), "train": recipe.train.model_copy(update=train)})
+    facts = facts_from_config(_config(LLAMA31_8B), _sft())
+    plan = lambda recipe: estimate(facts, recipe, "single", Hardware(1, 80 * GiB))
+    whole = plan(short(_recipe(max_completion_length=64)))
+    chunked = plan(short(_recipe(max_completion_length=64, train_chunk_size=8)))
+    eight = plan(short(_recipe(max_completion_length=64), micro_batch_size=8))
+    assert chunked.parts["activations"] == eight.parts["activations"] < whole.parts["activations"]
+    assert chunked.peak_bytes < whole.peak_bytes
+    assert chunked.parts["grpo_logps"] == whole.parts["grpo_logps"]  # kept for all 16
+    assert any("(8 at a time: grpo.train_chunk_size)" in note for note in chunked.notes)
+
+
 def test_extra_forwards_keep_their_log_probs_and_the_reference_copy():
     """num_iterations 2 keeps the old policy's log-probs, beta > 0 the reference's: (completions x
     max_completion_length) fp32 per micro-batch of the step each; from a starting adapter the reference swaps it in

@@ -266,6 +266,59 @@ def test_one_step_raises_the_log_probs_of_the_completions_with_an_advantage(tiny
     assert after > before + 1e-3
 
 
+@pytest.mark.slow  # ~5 s: a rollout and eight forwards and backwards of the tiny model
+def test_a_rollout_trained_in_chunks_gives_the_whole_rollouts_loss_and_gradient(tiny_llama, policy):
+    """grpo.train_chunk_size: the 8 completions trained 3 + 3 + 2 at a time (three forwards and backwards) against all
+    8 in one, for every loss_type: the same loss, gradient and clip/KL sums (each chunk's share is its part of the
+    step's sums; a chunk normalized by its own completions or tokens would fail here, by a factor of the chunks)."""
+    from finetune.training import objectives
+
+    peft_model, tokenizer = policy
+    prompts = [data.Example(ids, [IGNORE_INDEX] * len(ids), row={"prompt": text}, prompt_index=i)
+               for i, text in enumerate(["What is 2 plus 3?", "Hi"])
+               for ids in [tokenizer(text)["input_ids"]]]
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    was_training = peft_model.training
+    peft_model.eval()  # no dropout: the whole and the chunked forwards see the same network
+    try:
+        for loss_type in ("grpo", "dr_grpo", "dapo"):
+            recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused",
+                                                 {"reward_functions": ["finetune.rewards:length_penalty"],
+                                                  "loss_type": loss_type, "train_chunk_size": 3, "beta": 0.1},
+                                                 train={"micro_batch_size": 8}))
+            objective = objectives.GRPO(peft_model, recipe, tokenizer)
+            objective.step = 1
+            (batch,) = objective.take(iter([data.collate(prompts, pad_id=tokenizer.pad_token_id)]), 1, 1)
+            totals = objective.counts(peft_model, [batch], CPU)
+            (whole,) = objective.rollouts
+            chunks = objectives.train_batches(objective, [batch])
+            assert [c.mask.size(0) for c in chunks] == [3, 3, 2]
+            assert torch.equal(torch.cat([c.advantages for c in chunks]), whole.advantages)
+            assert torch.equal(torch.cat([c.ref_logps for c in chunks]), whole.ref_logps)
+
+            def train_on(parts, objective=objective, batch=batch, totals=totals):
+                objective.trained, objective.position = parts, 0
+                loss, sums = 0.0, 0.0
+                for part in parts:
+                    to_backward, share, part_sums = objective.loss(peft_model, batch, totals, CPU)
+                    to_backward.backward()
+                    loss, sums = loss + share, sums + part_sums
+                grads = [p.grad.clone() for p in trained]
+                for p in trained:
+                    p.grad = None
+                return loss, sums, grads
+
+            whole_loss, whole_sums, whole_grads = train_on([whole])
+            chunk_loss, chunk_sums, chunk_grads = train_on(chunks)
+            torch.testing.assert_close(chunk_loss, whole_loss, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(chunk_sums, whole_sums, rtol=1e-5, atol=1e-7)
+            for chunked, expected in zip(chunk_grads, whole_grads):
+                torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-7)
+            assert any(g.abs().sum() > 0 for g in whole_grads), loss_type
+    finally:
+        peft_model.train(was_training)
+
+
 def test_sequences_mask_the_completion_tokens_and_cut_completions():
     inputs, mask, truncated = grpo.sequences([[5, 6], [7]], [[1, 2, 9], [3, 4]], pad_id=0, eos_ids=[9],
                                              mask_truncated=True)
@@ -347,14 +400,15 @@ def test_a_failing_reward_stops_the_run_with_its_last_checkpoint_intact(tiny_lla
 def test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step(tiny_llama, rewards_dir):
     """kill -9 inside a num_iterations cycle, resume from the checkpoint at the cycle's start: the same completions
     (the sampling seeds are functions of the step), rewards, KL, losses and adapter, bitwise, as the uninterrupted run.
-    beta > 0: the reference forward (adapter off) is in the resumed steps too."""
+    beta > 0: the reference forward (adapter off) is in the resumed steps too; the completions are trained in chunks
+    (grpo.train_chunk_size 3 of 4)."""
     from processes import finish, wait_for_step
     from safetensors.torch import load_file
 
     prompts = write_jsonl(rewards_dir / "prompts.jsonl", sums())
     values = grpo_recipe(tiny_llama, prompts, rewards_dir / "unused",
                          {"reward_functions": ["my_rewards:digits"], "num_iterations": 2, "beta": 0.1,
-                          "temperature": 0.9, "top_p": 0.95},
+                          "temperature": 0.9, "top_p": 0.95, "train_chunk_size": 3},  # 4 completions: 3 + 1
                          train={"max_steps": 6, "save_every": 2, "learning_rate": 3e-2})
     recipe = write_recipe(rewards_dir / "grpo.yaml", values)
     reference = rewards_dir / "reference"
