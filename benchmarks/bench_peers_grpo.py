@@ -89,7 +89,7 @@ def sft_adapter(root: Path, *, tiny: bool) -> tuple[Path, Path]:
     return sft / "adapter", prompts
 
 
-def write_inputs(root: Path, *, tiny: bool, task: str = "stamp") -> Path:
+def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: int | None = None) -> Path:
     """The prompts and the recipe both runners read (TRL's settings are taken from it)."""
     model = dict(QUICKSTART_MODEL)
     if task == "stamp":
@@ -118,7 +118,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "stamp") -> Path:
                   "save_every": 0, "seed": 42},
         "parallel": {"strategy": "single"},
         "grpo": {"num_generations": G, "max_completion_length": completion, "temperature": 1.0, "beta": 0.0,
-                 "loss_type": "dapo", "reward_functions": [reward]},
+                 "loss_type": "dapo", "reward_functions": [reward], "train_chunk_size": train_chunk},
     }
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -187,8 +187,13 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
             step_end.append(time.perf_counter())
 
     t, g = recipe.train, recipe.grpo
+    # --train-chunk N: TRL's counterpart of grpo.train_chunk_size, slices of N completions of one generation batch of
+    # micro_batch_size (per_device_train_batch_size N, accumulated micro_batch_size / N times: steps_per_generation
+    # follows gradient_accumulation_steps, so one generation per optimizer step, as ours).
+    chunk = g.train_chunk_size or t.micro_batch_size
     config = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=1,
+        output_dir=str(out / "trl"), per_device_train_batch_size=chunk,
+        gradient_accumulation_steps=t.micro_batch_size // chunk,
         num_generations=g.num_generations, max_completion_length=g.max_completion_length, temperature=g.temperature,
         top_p=g.top_p, beta=g.beta, loss_type=g.loss_type, epsilon=g.epsilon, num_iterations=g.num_iterations,
         scale_rewards=g.scale_rewards, max_steps=t.max_steps, learning_rate=t.learning_rate,
@@ -280,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="stamp: from the quickstart's SFT adapter on ledger stamps (exact match); sum: the "
                              "untuned model on arithmetic (contains the answer)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--train-chunk", type=int, choices=(1, 2, 4), default=None,
+                        help="train each step's 8 completions N at a time, both runners (ours: grpo.train_chunk_size; "
+                             "TRL: per_device_train_batch_size N accumulated 8/N times); default: all 8 at once")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", default=",".join(RUNNERS))
     parser.add_argument("--json", help="write every run's figures here as JSON")
@@ -288,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        recipe = write_inputs(root, tiny=args.tiny, task=args.task)
+        recipe = write_inputs(root, tiny=args.tiny, task=args.task, train_chunk=args.train_chunk)
         scores = {}
         if args.task == "stamp":
             scores["SFT adapter (the start)"] = held_out_score(recipe, root / "sft")
@@ -306,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     task = ("ledger stamps from the quickstart's SFT adapter, exact match" if args.task == "stamp"
             else "arithmetic from the base model, contains the answer")
     print(f"\nGRPO, {args.steps} steps x 1 prompt x G {G} (completions <= "
-          f"{STAMP_COMPLETION if args.task == 'stamp' else COMPLETION} tokens), {task}, "
+          f"{STAMP_COMPLETION if args.task == 'stamp' else COMPLETION} tokens, trained "
+          f"{f'{args.train_chunk} at a time' if args.train_chunk else 'all at once'}), {task}, "
           f"{'tiny random model' if args.tiny else 'SmolLM2-135M-Instruct'}, QLoRA r16, CPU x {os.cpu_count()}\n"
           + table(results))
     drawn = {r["runner"]: r.get("prompts") for r in results}
