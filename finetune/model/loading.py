@@ -177,9 +177,11 @@ def _per_tensor_folder(recipe: Recipe, device_map: dict | None) -> Path | None:
     """The checkpoint folder when a whole-model load can read it tensor by tensor, else None. transformers' `from_pretrained` holds a copy of the
     whole model in model.dtype in RAM while it quantizes (measured: 4.3 GiB on a DDP rank of a 1.4B model whose 4-bit
     base is 654 MiB); the per-tensor reader holds the 4-bit model and one tensor in model.dtype."""
-    if device_map is not None or recipe.model.gguf_file or recipe.lora.dora:
+    if device_map is not None or recipe.lora.dora:
         return None  # layer split places layers on several devices; DoRA's magnitudes come from the full weights
-    folder = checkpoint_folder(recipe)  # a hub model: its config and safetensors files are fetched here
+    # a hub model: its config and safetensors files are fetched here; a GGUF file: the transformers folder it was
+    # converted into once (bf16 safetensors; the same bytes as from_pretrained's, tests/cli/test_quickstart.py)
+    folder = checkpoint_folder(recipe)
     return folder if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file() else None
 
 
