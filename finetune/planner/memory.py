@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from finetune.planner.facts import GiB, ModelFacts, gib
-from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, with_generation
+from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, trained_together, with_generation
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 
@@ -305,10 +305,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
                                 fsdp_version=facts.fsdp_version)
     trainable = 0 if offload else held["trainable_bytes"] // devices
     micro_batch = micro_batch or recipe.train.micro_batch_size
-    trained_together = micro_batch  # GRPO: grpo.train_chunk_size of a micro-batch's completions per backward
-    if recipe.train.objective == "grpo" and recipe.grpo.train_chunk_size:
-        trained_together = min(micro_batch, recipe.grpo.train_chunk_size)
-    step = _step_terms(facts, recipe, micro_batch=trained_together,
+    step = _step_terms(facts, recipe, micro_batch=trained_together(recipe, micro_batch),
                        checkpointing=checkpointing, lora_path=lora_path_for(recipe, key, fsdp_version=facts.fsdp_version),
                        gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, shard_world),
                        optimizer_temporary=trainable)

@@ -89,6 +89,14 @@ def with_generation(facts: ModelFacts, recipe, key: str, training: dict[str, int
     return (generating, "generation") if sum(generating.values()) > sum(training.values()) else (training, moment)
 
 
+def trained_together(recipe, micro_batch: int) -> int:
+    """Rows in one forward and backward of the step: the micro-batch, or GRPO's grpo.train_chunk_size of its
+    completions."""
+    if recipe.train.objective == "grpo" and recipe.grpo.train_chunk_size:
+        return min(micro_batch, recipe.grpo.train_chunk_size)
+    return micro_batch
+
+
 def gathers_whole_model(facts: ModelFacts, recipe, key: str) -> bool:
     """FSDP2 or ZeRO-3 with grpo.generation_gather once: every unit (every parameter) whole for the whole generate
     call (parallel/generation.py). Shard-grad-op holds the whole model anyway; FSDP1 gathers per forward."""

@@ -54,6 +54,7 @@ def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypa
                                        lengths=mask.sum(-1), advantages=advantages,
                                        old_logps=old * mask if config.num_iterations > 1 else None,
                                        ref_logps=reference * mask if config.beta else None)]
+    objective.trained = objective.rollouts  # trained whole (grpo.train_chunk_size unset)
     totals = [float(ROWS), float(mask.sum())]
     to_backward, _, sums = objective.loss(None, {}, totals, CPU)
     return to_backward, objective.metrics(sums.tolist(), totals)
