@@ -45,7 +45,8 @@ quickstart-figures: $(STAMP)
 # Two pytest workers (pytest-xdist), a test file to each at a time (--dist loadfile: a file's module fixtures are
 # built once): many slow tests keep one core busy (a one-process run, the pytest process itself), so two of them at
 # once fill the second core. Measured on 2 idle AVX512 cores (2026-12-05): 1,865 s in one process, 1,501 s with two
-# workers (the same tests plus 5 more runs). TEST_WORKERS=0 runs in one process.
+# workers. tests/workers.py keeps the files that share session runs on one worker (each run made once) and hands out
+# the longest files first (by tests/durations.txt). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) --durations=25

@@ -52,6 +52,10 @@ def pytest_configure(config):
     import tiers  # the fast tier's launch guard and the durations record (tests/tiers.py)
 
     config.pluginmanager.register(tiers.Tiers(config), "finetune-tiers")
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        import workers  # which files share a worker, longest first (tests/workers.py)
+
+        config.pluginmanager.register(workers.Plugin(), "finetune-workers")
 
 
 def pytest_sessionfinish(session, exitstatus):
