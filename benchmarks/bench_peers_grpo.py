@@ -17,7 +17,11 @@ signature and its message-list completions; exact_match scored 0 on every comple
 neither curve could move).
 G = 8 completions of up to 32 tokens per prompt, temperature 1, one prompt per step (8 completions: TRL's
 per_device_train_batch_size 8, ours train.micro_batch_size 8), loss dapo, beta 0, num_iterations 1, epsilon 0.2,
-rewards scaled by the group std, lr 1e-4 (cosine), no gradient checkpointing. Each run is a fresh process.
+rewards scaled by the group std, lr 1e-4 (cosine). Each run is a fresh process.
+Gradient checkpointing: on for both, each tool's default (finetune's train.gradient_checkpointing, TRL's
+GRPOConfig.gradient_checkpointing); --no-checkpointing turns it off for both. --seeds N runs each runner N times
+with train.seed 42, 43, ... (--first-seed moves the start): the sampling seeds and the prompt order, TRL's seed the
+same. The reward is then compared as the mean over the seeds with its spread, not as one curve of 8 draws a step.
 Figures, the same way for both: tokens/s = prompt + completion tokens of every sampled sequence of steps 2..N
 (what goes through the policy: sampled, then trained on) over their wall time; peak RSS of the process at the end of
 training; the reward (mean over the step's completions) of every step: the curve.
@@ -89,7 +93,8 @@ def sft_adapter(root: Path, *, tiny: bool) -> tuple[Path, Path]:
     return sft / "adapter", prompts
 
 
-def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: int | None = None) -> Path:
+def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: int | None = None,
+                 checkpointing: bool = True) -> Path:
     """The prompts and the recipe both runners read (TRL's settings are taken from it)."""
     model = dict(QUICKSTART_MODEL)
     if task == "stamp":
@@ -114,7 +119,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: in
         "data": {"datasets": [{"path": str(data), "format": "prompt"}], "system_prompt": SYSTEM_PROMPT,
                  "max_length": 128, "cache": False},
         "train": {"objective": "grpo", "micro_batch_size": G, "learning_rate": lr, "warmup_steps": 0,
-                  "lr_schedule": "cosine", "gradient_checkpointing": False, "log_every": 1, "eval_every": 0,
+                  "lr_schedule": "cosine", "gradient_checkpointing": checkpointing, "log_every": 1, "eval_every": 0,
                   "save_every": 0, "seed": 42},
         "parallel": {"strategy": "single"},
         "grpo": {"num_generations": G, "max_completion_length": completion, "temperature": 1.0, "beta": 0.0,
@@ -198,7 +203,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         top_p=g.top_p, beta=g.beta, loss_type=g.loss_type, epsilon=g.epsilon, num_iterations=g.num_iterations,
         scale_rewards=g.scale_rewards, max_steps=t.max_steps, learning_rate=t.learning_rate,
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16, gradient_checkpointing=False,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", bf16=BF16, gradient_checkpointing=t.gradient_checkpointing,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=device().type == "cpu",
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, disable_dropout=True, use_vllm=False,
         shuffle_dataset=False,
@@ -251,14 +256,14 @@ def held_out_score(recipe: Path, out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
-def launch(runner: str, recipe: Path, out: Path, steps: int) -> dict:
+def launch(runner: str, recipe: Path, out: Path, steps: int, seed: int) -> dict:
     env = worker_env()
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", runner, "--recipe", str(recipe), "--out",
-               str(out), f"train.max_steps={steps}"]
+               str(out), f"train.max_steps={steps}", f"train.seed={seed}"]
     _, other = run_measured(command, env, runner)
     report = json.loads((out / "bench_rank0.json").read_text())
     return {"runner": runner, **throughput([report], steps), "peak_rss_mb": report["train_peak_rss_mb"],
-            "rewards": report["rewards"], "prompts": report.get("prompts"), "other_cpu": other}
+            "rewards": report["rewards"], "prompts": report.get("prompts"), "other_cpu": other, "seed": seed}
 
 
 def table(results: list[dict]) -> str:
@@ -267,14 +272,26 @@ def table(results: list[dict]) -> str:
         rows.setdefault(item["runner"], []).append(item)
     trl = statistics.median(r["tokens_per_s"] for r in rows["trl"]) if "trl" in rows else None
     trl_rss = statistics.median(r["peak_rss_mb"] for r in rows["trl"]) if "trl" in rows else None
-    lines = ["runner  tokens/s (median)  vs TRL  peak RSS MiB  vs TRL  mean reward  other CPU  reward per step", "-" * 110]
+    lines = ["runner  seed  tokens/s  vs TRL  peak RSS MiB  vs TRL  mean reward  other CPU  reward per step", "-" * 110]
     for runner, items in rows.items():
+        for r in items:
+            curve = r["rewards"]
+            lines.append(f"{runner:<7} {r['seed']:>4}  {r['tokens_per_s']:>8.1f}  {r['tokens_per_s'] / trl if trl else 0:>6.2f}  "
+                         f"{r['peak_rss_mb']:>12.0f}  {r['peak_rss_mb'] / trl_rss if trl_rss else 0:>6.2f}  "
+                         f"{statistics.mean(curve) if curve else 0:>11.3f}  {r['other_cpu']:>9.0%}  "
+                         f"{' '.join(f'{x:.2f}' for x in curve)}")
+    lines.append("")
+    for runner, items in rows.items():  # medians over the runs; the reward as the mean over runs, with their spread
         speed = statistics.median(r["tokens_per_s"] for r in items)
         rss = statistics.median(r["peak_rss_mb"] for r in items)
-        curve = items[0]["rewards"]
-        lines.append(f"{runner:<7} {speed:>17.1f}  {speed / trl if trl else 0:>6.2f}  {rss:>12.0f}  "
-                     f"{rss / trl_rss if trl_rss else 0:>6.2f}  {statistics.mean(curve) if curve else 0:>11.3f}  "
-                     f"{max(r['other_cpu'] for r in items):>9.0%}  {' '.join(f'{x:.2f}' for x in curve)}")
+        means = [statistics.mean(r["rewards"]) for r in items if r["rewards"]]
+        spread = f" (runs {min(means):.3f}..{max(means):.3f})" if len(means) > 1 else ""
+        held = [r["held_out"]["score"] for r in items if r.get("held_out")]
+        if held:
+            spread += f", greedy exact match on the held-out prompts after training {statistics.mean(held):.1%}"
+        lines.append(f"{runner:<7} median of {len(items)} run(s): {speed:.1f} tokens/s ({speed / trl if trl else 0:.2f}x "
+                     f"TRL), peak RSS {rss:.0f} MiB ({rss / trl_rss if trl_rss else 0:.2f}x TRL), mean reward "
+                     f"{statistics.mean(means) if means else 0:.3f}{spread}")
     return "\n".join(lines)
 
 
@@ -289,6 +306,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="train each step's 8 completions N at a time, both runners (ours: grpo.train_chunk_size; "
                              "TRL: per_device_train_batch_size N accumulated 8/N times); default: all 8 at once")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per runner with train.seed 42, 43, ...: the reward curve's spread over sampling seeds")
+    parser.add_argument("--first-seed", type=int, default=42, help="the first of the --seeds (default 42)")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                        help="gradient checkpointing off for both (default: on, each tool's default)")
     parser.add_argument("--only", default=",".join(RUNNERS))
     parser.add_argument("--json", help="write every run's figures here as JSON")
     args = parser.parse_args(argv)
@@ -296,18 +318,21 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        recipe = write_inputs(root, tiny=args.tiny, task=args.task, train_chunk=args.train_chunk)
+        recipe = write_inputs(root, tiny=args.tiny, task=args.task, train_chunk=args.train_chunk,
+                              checkpointing=args.checkpointing)
         scores = {}
         if args.task == "stamp":
             scores["SFT adapter (the start)"] = held_out_score(recipe, root / "sft")
-        for repeat in range(args.repeats):
+        runs = [(repeat, args.first_seed + k) for repeat in range(args.repeats) for k in range(args.seeds)]
+        for number, (repeat, seed) in enumerate(runs):
             for runner in only:
-                item = launch(runner, recipe, root / f"{runner}-{repeat}", args.steps)
+                name = f"{runner}-{number}"
+                item = launch(runner, recipe, root / name, args.steps, seed)
                 if args.task == "stamp":
-                    folder = root / f"{runner}-{repeat}" / ("run" if runner == "ours" else "")
-                    item["held_out"] = scores[f"{runner} #{repeat + 1}"] = held_out_score(recipe, folder)
+                    folder = root / name / ("run" if runner == "ours" else "")
+                    item["held_out"] = scores[f"{runner} #{number + 1} (seed {seed})"] = held_out_score(recipe, folder)
                 results.append(item)
-                print(f"[bench grpo] {runner} #{repeat + 1}: {item['tokens_per_s']:.1f} tokens/s, "
+                print(f"[bench grpo] {runner} #{number + 1} (seed {seed}): {item['tokens_per_s']:.1f} tokens/s, "
                       f"{item['peak_rss_mb']:.0f} MiB, rewards {item['rewards']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -315,14 +340,17 @@ def main(argv: list[str] | None = None) -> None:
             else "arithmetic from the base model, contains the answer")
     print(f"\nGRPO, {args.steps} steps x 1 prompt x G {G} (completions <= "
           f"{STAMP_COMPLETION if args.task == 'stamp' else COMPLETION} tokens, trained "
-          f"{f'{args.train_chunk} at a time' if args.train_chunk else 'all at once'}), {task}, "
+          f"{f'{args.train_chunk} at a time' if args.train_chunk else 'all at once'}, gradient checkpointing "
+          f"{'on' if args.checkpointing else 'off'}), {task}, "
           f"{'tiny random model' if args.tiny else 'SmolLM2-135M-Instruct'}, QLoRA r16, CPU x {os.cpu_count()}\n"
           + table(results))
-    drawn = {r["runner"]: r.get("prompts") for r in results}
-    if drawn.get("ours") and drawn.get("trl"):
-        same = sum(a == b for a, b in zip(drawn["ours"], drawn["trl"]))
-        print(f"the same prompts at {same} of {min(len(drawn['ours']), len(drawn['trl']))} steps (TRL given finetune's "
-              "order, its shuffle off): the reward curves compare step by step")
+    drawn = {(r["runner"], r["seed"]): r.get("prompts") for r in results}  # the last repeat of each seed
+    for seed in sorted({r["seed"] for r in results}):
+        ours, trl = drawn.get(("ours", seed)), drawn.get(("trl", seed))
+        if ours and trl:
+            same = sum(a == b for a, b in zip(ours, trl))
+            print(f"seed {seed}: the same prompts at {same} of {min(len(ours), len(trl))} steps (TRL given finetune's "
+                  "order, its shuffle off): the reward curves compare step by step")
     if scores:
         print("greedy exact match on the held-out prompts: " + "; ".join(
             f"{name} {score['score']:.0%} ({score['correct']}/{score['total']})" for name, score in scores.items()))

@@ -42,6 +42,22 @@ def _hermetic_cache() -> Path:
 TEST_CACHE = _hermetic_cache()
 
 
+def _compile_package_once() -> None:
+    """With PYTHONDONTWRITEBYTECODE set (as on the development machines) no process writes finetune's bytecode, so
+    every process the suite launches compiles the package's modules from source again: 0.5-0.6 s of CPU per rank
+    (measured on a 2-core Zen 1: the run's imports 9.3 s -> 8.7 s). Compiled here once, beside the sources
+    (finetune/**/__pycache__, ignored by git: what Python writes itself when the variable is unset), and checked
+    against each source's mtime on import as always, so an edited module is never run stale."""
+    if not sys.dont_write_bytecode:
+        return
+    import compileall
+
+    compileall.compile_dir(REPO / "finetune", quiet=2)
+
+
+_compile_package_once()
+
+
 def pytest_addoption(parser):
     import tiers
 
