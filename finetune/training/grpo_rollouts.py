@@ -54,7 +54,7 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
         rollouts.append(rollout)
         failure = failure or problem
     # Decoding frees many small KV-cache and logits tensors that glibc keeps in the heap; handed back to the OS before
-    # the training forward, they do not add to the step's host peak (CPU runs: -64 MiB of 1,146 on the GRPO bench's
+    # the training forward, they do not add to the step's host peak (CPU runs: -57 MiB of 1,146 on the GRPO bench's
     # SmolLM2, docs/benchmarks.md). Host memory only: CUDA's cache is left alone (emptying it would cost speed).
     host_memory.release_freed_memory()
     if distributed.any_rank(failure is not None):  # every rank stops after the same step
