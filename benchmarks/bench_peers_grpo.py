@@ -323,8 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         scores = {}
         if args.task == "stamp":
             scores["SFT adapter (the start)"] = held_out_score(recipe, root / "sft")
-        runs = [(repeat, args.first_seed + k) for repeat in range(args.repeats) for k in range(args.seeds)]
-        for number, (repeat, seed) in enumerate(runs):
+        seeds = [args.first_seed + k for _ in range(args.repeats) for k in range(args.seeds)]
+        for number, seed in enumerate(seeds):
             for runner in only:
                 name = f"{runner}-{number}"
                 item = launch(runner, recipe, root / name, args.steps, seed)
