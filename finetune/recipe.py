@@ -57,7 +57,24 @@ class ModelSection(_Section):
         "config is read; gpt-oss has no sdpa). flash_attention_2 needs the flash-attn package and a CUDA device.")
     adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+    chat_template: str | None = Field(
+        None, description="The chat template to render chat rows with, instead of the tokenizer's (a base model has "
+        "none): a named one (chatml, llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, deepseek-r1, glm-4.5; `finetune data "
+        "--templates`), a .jinja file, or the template text itself. Saved with the adapter's tokenizer.")
     quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:  # a name, a file or template text, checked at load
+        if value is not None:
+            from finetune.errors import RecipeError
+            from finetune.model.chat_template import resolve_chat_template
+
+            try:
+                resolve_chat_template(value)
+            except RecipeError as exc:
+                raise ValueError(str(exc).removeprefix("model.chat_template: ")) from None
+        return value
 
     @field_validator("quantized_cache", mode="before")
     @classmethod
@@ -96,9 +113,12 @@ class DatasetSpec(_Section):
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="Map of our field name -> column in the data (instruction, input, output, system, prompt, completion, "
-        "text, messages; for chat turns also role and content).",
+        "text, messages, tools; for chat turns also role, content and reasoning).",
     )
     system_prompt: str | None = Field(None, description="System prompt for this dataset; default data.system_prompt.")
+    tools: list[dict] | str | None = Field(
+        None, description="Chat rows: the tools (JSON function schemas) offered in every row without a `tools` column "
+        "of its own, as a list or the path of a JSON file; rendered by the chat template's `tools` argument.")
     max_rows: int | None = Field(None, gt=0, description="Read only the first N rows (previews, quick runs).")
 
 
@@ -119,6 +139,10 @@ class DataSection(_Section):
         "a count naming the first rows) a row whose answer lies wholly past them. drop: drop every such row. error: "
         "truncate, and stop on a row left with nothing to learn.")
     bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
+    reasoning: Literal["train", "context", "drop"] = Field(
+        "train", description="Assistant reasoning in chat rows (reasoning_content, thinking, or a leading <think> "
+        "block). train: rendered as the chat template renders it, and trained; context: rendered, not trained (the "
+        "answer after it is); drop: left out of the rows.")
     num_proc: int | None = Field(
         None, gt=0, description="Processes tokenizing a dataset that is not cached yet (once per machine); default: the CPU cores.")
     cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")

@@ -33,7 +33,7 @@ from finetune.errors import DataError
 from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
-_RENDERING_CODE = ("templates.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
+_RENDERING_CODE = ("templates.py", "conversations.py", "chat.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
 
 
 def _rendering_code_version() -> str:
@@ -87,7 +87,7 @@ def cache_key(spec: DatasetSpec, source: Source, recipe: Recipe, tokenizer) -> s
         return None
     data = recipe.data
     settings = {"spec": spec.model_dump(exclude={"weight"}), "system_prompt": data.system_prompt,
-                "max_length": data.max_length, "overlong": data.overlong, "bad_rows": data.bad_rows}
+                "max_length": data.max_length, "overlong": data.overlong, "bad_rows": data.bad_rows, "reasoning": data.reasoning}
     if spec.format == "preference":
         settings["max_prompt_length"] = prompt_limit(recipe)
     text = json.dumps([CACHE_VERSION, tokenizer_fingerprint(tokenizer), rows, settings], sort_keys=True)

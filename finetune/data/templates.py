@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import numpy as np
 
+from finetune.data.chat import chat_examples
+from finetune.data.conversations import ROLE_ALIASES, check_order, convert_turns, normalize_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
+
+__all__ = ["ROLE_ALIASES"]  # re-exported: the speaker names live with the conversations (data/conversations.py)
 
 # Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names).
 FORMAT_FIELDS = {
@@ -20,11 +28,6 @@ FORMAT_FIELDS = {
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-# ShareGPT-style `conversations` use from/value and these speaker names; everything maps to system/user/assistant.
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "model": "assistant", "bot": "assistant"}
-
-
 # --------------------------------------------------------------------------------------------------- rendering
 def _column(spec: DatasetSpec, name: str, row: dict | None = None) -> str:
     """The data column holding field `name` (chat data may use ShareGPT's `conversations` unmapped)."""
@@ -52,81 +55,60 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
         )
     if spec.format == "chat":
         normalize_messages(_field(row, spec, "messages"), spec, where)
+        row_tools(row, spec, where)
 
 
 def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
-    """role/content or from/value turns -> [{role, content}] with system/user/assistant roles that alternate."""
+    """Any accepted turn shape -> the normal form (data/conversations.py), in an order a conversation can have."""
     messages = convert_turns(turns, spec, where)
-    _check_alternation(messages, where)
+    check_order(messages, where)
     return messages
 
 
-def convert_turns(turns, spec: DatasetSpec, where: str) -> list[dict]:
-    """role/content or from/value turns -> [{role, content}] with system/user/assistant roles (order not checked)."""
-    if not isinstance(turns, list):
-        raise DataError(f"{where}: chat messages must be a list of turns, got {type(turns).__name__}.")
-    role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
-    messages = []
-    for number, turn in enumerate(turns, start=1):
-        if isinstance(turn, dict) and role_key not in turn and "from" in turn and "value" in turn:
-            role, content = turn["from"], turn["value"]
-        elif isinstance(turn, dict) and role_key in turn and content_key in turn:
-            role, content = turn[role_key], turn[content_key]
-        elif isinstance(turn, dict) and "role" in turn and "content" in turn:  # already converted
-            role, content = turn["role"], turn["content"]
-        else:
-            raise DataError(f"{where}: message {number} needs `{role_key}` and `{content_key}` (or `from` and `value`), "
-                            f"got {turn!r}. Fix the row or map the keys with data.datasets[].columns (role, content).")
-        if ROLE_ALIASES.get(str(role).lower()) is None:
-            raise DataError(f"{where}: message {number} has role `{role}`; known roles are {', '.join(ROLE_ALIASES)}.")
-        messages.append({"role": ROLE_ALIASES[str(role).lower()], "content": "" if content is None else str(content)})
-    return messages
+def row_tools(row: dict, spec: DatasetSpec, where: str) -> list[dict] | None:
+    """The tools a row offers: its `tools` column (data.datasets[].columns maps it), else the dataset's `tools`."""
+    value = row.get(_column(spec, "tools")) if isinstance(row, dict) else None
+    if value in (None, "", []):
+        value = dataset_tools(spec)
+    return normalize_tools(value, where)
 
 
-def _check_alternation(messages: list[dict], where: str) -> None:
-    """System turns only first; then user, assistant, user, ...; at least one assistant turn to train on."""
-    expected = "user"
-    for number, message in enumerate(messages, start=1):
-        role = message["role"]
-        if role == "system" and all(m["role"] == "system" for m in messages[:number]):
-            continue
-        if role != expected:
-            raise DataError(
-                f"{where}: message {number} has role `{role}` where `{expected}` was expected: after an optional system "
-                "message, roles must alternate user, assistant, user, ... Fix the row (merge consecutive turns of one "
-                "speaker) or set data.bad_rows: skip."
-            )
-        expected = "assistant" if role == "user" else "user"
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}: conversation has no assistant turn, so nothing would be trained. Add the answer or "
-                        "set data.bad_rows: skip.")
+def dataset_tools(spec: DatasetSpec):
+    """data.datasets[].tools: a list of function schemas, or the path of a JSON file holding one."""
+    if not isinstance(spec.tools, str):
+        return spec.tools
+    return _tools_file(spec.tools)
 
 
-def _chat_segments(messages: list[dict], tokenizer, where: str, *, trained_from: int = 0) -> list[tuple[str, bool]]:
-    """Segments of a rendered conversation: each assistant turn (content + end-of-turn) from message `trained_from`
-    on trained, the rest not (a preference pair scores its responses, not the assistant turns of its prompt)."""
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    full = render(messages, False)
-    segments, cursor = [], 0
-    for index, turn in enumerate(messages):
-        if turn["role"] != "assistant" or index < trained_from:
-            continue
-        start = len(render(messages[:index], True))
-        upto = render(messages[: index + 1], False)
-        if not full.startswith(upto) or not cursor <= start <= len(upto):
-            raise DataError(
-                f"{where}: the tokenizer's chat template does not render conversation prefixes as prefixes of the whole, so "
-                "assistant turns cannot be located exactly. Use a template without history rewriting."
-            )
-        end = len(upto.rstrip())  # the end-of-turn token is trained (the model must learn to stop), the newline not
-        segments += [(full[cursor:start], False), (full[start:end], True)]
-        cursor = end
-    segments.append((full[cursor:], False))
-    return [(text, trained) for text, trained in segments if text]
+@functools.lru_cache(maxsize=16)
+def _tools_file(path: str):
+    try:
+        return json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"data.datasets[].tools: {path} is not a readable JSON file of function schemas ({exc}). Fix "
+                        "the path, or give the schemas inline as a list.") from None
 
 
-def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str) -> list[tuple[str, bool]]:
-    """Row -> [(text, trained)] for the dataset's format."""
+def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
+                    reasoning: str = "train") -> list[list[tuple[str, bool]]]:
+    """Row -> its examples as [(text, trained)] segments: one, except a conversation whose chat template rewrites
+    history, which gives one per inference context (data/chat.py)."""
+    if spec.format != "chat":
+        return [render_segments(row, spec, tokenizer, system_prompt, where)]
+    check_row(row, spec, where)
+    system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
+    messages = normalize_messages(_field(row, spec, "messages"), spec, where)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return chat_examples(messages, tokenizer, where, tools=row_tools(row, spec, where), reasoning=reasoning)
+
+
+def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
+                    reasoning: str = "train") -> list[tuple[str, bool]]:
+    """Row -> [(text, trained)] for the dataset's format (a conversation: its last example, the one holding its last
+    assistant turn; render_examples gives all)."""
+    if spec.format == "chat":
+        return render_examples(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)[-1]
     check_row(row, spec, where)
     eos = tokenizer.eos_token or ""
     system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
@@ -135,14 +117,9 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     if spec.format == "completion":
         return [(str(_field(row, spec, "prompt")), False), (str(_field(row, spec, "completion")) + eos, True)]
     if spec.format == "preference":
-        return render_pair(row, spec, tokenizer, system_prompt, where)
+        return render_pair(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     if spec.format == "unpaired_preference":
-        return render_unpaired(row, spec, tokenizer, system_prompt, where)
-    if spec.format == "chat":
-        messages = normalize_messages(_field(row, spec, "messages"), spec, where)
-        if system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}] + messages
-        return _chat_segments(messages, tokenizer, where)
+        return render_unpaired(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     instruction, extra = str(_field(row, spec, "instruction")), _field(row, spec, "input")
     template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
     prompt = template.format(instruction=instruction, input=extra)
@@ -167,7 +144,7 @@ def _pair_parts(row: dict, spec: DatasetSpec, where: str) -> tuple[list[dict] | 
 
 
 def render_pair(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None,
-                where: str) -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]]:
+                where: str, *, reasoning: str = "train") -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]]:
     """A preference row -> (chosen segments, rejected segments), the same prompt untrained in both, the responses trained.
 
     Text prompts go through the tokenizer's chat template as a user turn when it has one, else stay raw text (a
@@ -178,12 +155,12 @@ def render_pair(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | No
         raise DataError(f"{where}: `chosen` and `rejected` are identical, so the pair says nothing. Fix the row or set "
                         "data.bad_rows: skip to skip such pairs with a count.")
     chosen_segments, rejected_segments = _answered(prompt, (("chosen", chosen), ("rejected", rejected)), spec,
-                                                   tokenizer, system_prompt, where)
+                                                   tokenizer, system_prompt, where, row=row, reasoning=reasoning)
     return chosen_segments, rejected_segments
 
 
 def render_unpaired(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None,
-                    where: str) -> tuple[list[tuple[str, bool]], bool]:
+                    where: str, *, reasoning: str = "train") -> tuple[list[tuple[str, bool]], bool]:
     """An unpaired preference row (TRL's KTO format: prompt, completion, label) -> (segments, desirable): the prompt
     untrained, the completion trained, rendered as a pair's response is (render_pair)."""
     label = _field(row, spec, "label")
@@ -192,16 +169,18 @@ def render_unpaired(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
                         f"undesirable one), got {label!r}. Fix the row (JSON true/false, not a number or a string) or "
                         "set data.bad_rows: skip.")
     prompt, completion = _field(row, spec, "prompt"), _field(row, spec, "completion")
-    (segments,) = _answered(prompt, (("completion", completion),), spec, tokenizer, system_prompt, where)
+    (segments,) = _answered(prompt, (("completion", completion),), spec, tokenizer, system_prompt, where, row=row,
+                            reasoning=reasoning)
     return segments, bool(label)
 
 
 def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec, tokenizer, system_prompt: str | None,
-              where: str) -> list[list[tuple[str, bool]]]:
+              where: str, *, row: dict, reasoning: str) -> list[list[tuple[str, bool]]]:
     """Segments of each (name, answer) to the same prompt, the answers trained.
 
     Text prompts go through the tokenizer's chat template as a user turn when it has one, else stay raw text (a
-    base model); message-list prompts must end with a user turn, and the answers are assistant turn(s).
+    base model); message-list prompts (with history, tool calls and results, and the row's tools) must end with a
+    user or tool turn, and the answers are assistant turn(s) scored in one sequence each.
     """
     chat = isinstance(prompt, list) or any(isinstance(a, list) for _, a in answers) or \
         bool(getattr(tokenizer, "chat_template", None))
@@ -213,20 +192,27 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
         return [[(str(prompt), False), (str(answer) + eos, True)] for _, answer in answers]
     turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) and prompt else \
         convert_turns(prompt or [], spec, where)
-    if not turns or turns[-1]["role"] != "user":
-        raise DataError(f"{where}: the prompt of a conversational row must end with a user turn (it ends with "
+    if not turns or turns[-1]["role"] not in ("user", "tool"):
+        raise DataError(f"{where}: the prompt of a conversational row must end with a user (or tool) turn (it ends with "
                         f"{turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "
                         "row or set data.bad_rows: skip.")
     system = system_prompt if system_prompt and turns[0]["role"] != "system" else None
     turns = ([{"role": "system", "content": system}] if system else []) + turns
-    sequences = []
+    sequences, tools = [], row_tools(row, spec, where)
     for name, answer in answers:
         reply = [{"role": "assistant", "content": str(answer)}] if not isinstance(answer, list) else \
             convert_turns(answer, spec, where)
         messages = normalize_messages(turns + reply, spec, f"{where} ({name})")
-        if messages[len(turns)]["role"] != "assistant" or not any(m["content"].strip() for m in messages[len(turns):]):
+        if messages[len(turns)]["role"] != "assistant" or not any(
+                m["content"].strip() or m.get("tool_calls") for m in messages[len(turns):]):
             raise DataError(f"{where}: `{name}` must be a non-empty assistant answer. Fix the row or set data.bad_rows: skip.")
-        sequences.append(_chat_segments(messages, tokenizer, where, trained_from=len(turns)))
+        examples = chat_examples(messages, tokenizer, f"{where} ({name})", tools=tools, trained_from=len(turns),
+                                 reasoning=reasoning)
+        if len(examples) > 1:
+            raise DataError(f"{where}: `{name}` has several assistant turns that the chat template renders in different "
+                            "contexts, so they cannot be scored as one sequence. Give one assistant answer per "
+                            "response (its history in the prompt).")
+        sequences.append(examples[0])
     return sequences
 
 
@@ -295,31 +281,13 @@ def _labels_from_encoding(encoding, segments: list[tuple[str, bool]]) -> list[in
     return labels
 
 
-def _render_rows(rows: list, places: list[str], spec: DatasetSpec, tokenizer, system_prompt: str | None,
-                 workers: int) -> list:
-    """Render every row to segments, or to the DataError message that rejects it (in worker processes if asked)."""
-    source = spec.path
-    jobs = [(row, f"{source} {place}") for row, place in zip(rows, places)]
-    if workers > 1 and len(jobs) >= 2000:
-        import multiprocessing
-
-        global _WORKER_CONTEXT
-        _WORKER_CONTEXT = (spec, tokenizer, system_prompt)  # inherited by the forked workers, not pickled per row
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return pool.map(_render_in_worker, jobs, chunksize=256)
-    return [_render_or_reason(row, spec, tokenizer, system_prompt, where) for row, where in jobs]
-
-
-_WORKER_CONTEXT: tuple | None = None
-
-
-def _render_in_worker(job: tuple) -> list | str:
-    spec, tokenizer, system_prompt = _WORKER_CONTEXT
-    return _render_or_reason(job[0], spec, tokenizer, system_prompt, job[1])
-
-
-def _render_or_reason(row, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str) -> list | str:
+def _render_or_reason(row, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
+                      reasoning: str = "train") -> list | tuple | str:
+    """A row's rendering (render_examples' list for SFT formats, render_pair's or render_unpaired's tuple), or the
+    DataError message that rejects it."""
     try:
-        return render_segments(row, spec, tokenizer, system_prompt, where)
+        if spec.format in ("preference", "unpaired_preference"):
+            return render_segments(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
+        return render_examples(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     except DataError as exc:
         return str(exc)

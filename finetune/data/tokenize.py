@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 
 from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.chat import chat_template_text
+from finetune.data.conversations import renders_tools
 from finetune.data.pairs import pair_examples
 from finetune.data.templates import FORMAT_FIELDS, _column, _render_or_reason, tokenize_many
 from finetune.errors import DataError
@@ -72,9 +74,26 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
     if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
-            f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has none. Use a chat/instruct model's "
-            "tokenizer (model.tokenizer), or the alpaca/completion formats."
+            f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has none (a base model's). Fix: set "
+            "model.chat_template (e.g. chatml, or the instruct model's family: qwen3, llama-3.1, ...), use a chat "
+            "model's tokenizer (model.tokenizer), or the alpaca/completion formats."
         )
+    if spec.format in ("chat", "preference", "unpaired_preference", "prompt"):
+        _check_tools(dict_rows, spec, tokenizer, source)
+
+
+def _check_tools(rows: list[dict], spec: DatasetSpec, tokenizer, source: str) -> None:
+    """Tools offered to a template that never renders them: refused before tokenizing (the rows would train a model
+    that never saw its tools)."""
+    template = chat_template_text(tokenizer)
+    column = _column(spec, "tools")
+    offered = spec.tools is not None or any(row.get(column) not in (None, "", []) for row in rows)
+    if template and offered and not renders_tools(template):
+        raise DataError(
+            f"{source}: the rows offer tools (`{column}`{' and data.datasets[].tools' if spec.tools else ''}), but the "
+            "chat template does not render `tools` (DeepSeek-R1 distills' does not), so the model would never see "
+            "them. Fix: set model.chat_template to one that does (qwen2.5, qwen3, qwen3.5, llama-3.1, gpt-oss, "
+            "glm-4.5, or a .jinja file), or leave the tools out.")
 
 
 def _other_preference_kind(spec: DatasetSpec, columns: list[str], source: str) -> None:
@@ -98,8 +117,8 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     data, result = recipe.data, ChunkResult()
     result.counts["rows"] = len(rows) + len(broken)
     result.reasons += broken
-    rendered = [_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}")
-                for row, place in zip(rows, places)]
+    rendered = [_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
+                                  reasoning=data.reasoning) for row, place in zip(rows, places)]
     result.reasons += [item for item in rendered if isinstance(item, str)]
     kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
     if spec.format == "preference":
@@ -109,8 +128,9 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
         for example, ((_, desirable), place) in zip(tokenized, kept):
             example.desirable = desirable
             _length_policy(example, f"{spec.path} {place}", data, result)
-    else:
-        for example, place in zip(tokenize_many([item for item, _ in kept], tokenizer), (p for _, p in kept)):
+    else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
+        flat = [(segments, place) for examples, place in kept for segments in examples]
+        for example, place in zip(tokenize_many([item for item, _ in flat], tokenizer), (p for _, p in flat)):
             _length_policy(example, f"{spec.path} {place}", data, result)
     result.counts["skipped"] += len(result.reasons)
     if result.reasons and data.bad_rows == "error" and result.fatal is None:

@@ -85,6 +85,10 @@ def load_tokenizer(recipe: Recipe):
         tokenizer = AutoTokenizer.from_pretrained(name, **hub_kwargs(recipe))
     except (OSError, ValueError) as exc:
         raise load_error("tokenizer", name, exc) from None
+    if recipe.model.chat_template:  # a base model's missing template, or another than the tokenizer's
+        from finetune.model.chat_template import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(recipe.model.chat_template)
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,186 @@
+"""A conversation -> trained segments: every assistant turn trained in the context its chat template gives it at
+inference, and proven to be that turn's own text.
+
+How a turn is found. For assistant turn i the template renders three texts: the history `N` (messages before i),
+the context `C` (the history with the generation prompt, what the model is given at inference) and `W` (the history
+and turn i, the turn last). The turn's trained span is W after C, through the turn's end-of-turn token. When the
+generation prompt prefills text the rendered turn lacks (DeepSeek-R1 distills' `<think>\n`), the span starts where
+W and C part, which must lie inside the generation prompt, never in the history.
+
+Why one example per context. Templates of reasoning and agent models render a turn differently once later turns
+follow it (Qwen3 and GLM drop earlier reasoning, gpt-oss ends earlier turns with <|end|> instead of <|return|> and
+drops their analysis, DeepSeek-R1 strips earlier <think> blocks). At inference the model writes each turn as the
+last one. So the turns whose rendering (with everything before them) is a prefix of a later turn's W share that
+example; the others get examples of their own, later turns first-come: a ChatML or Llama 3.1 conversation is one
+example, a three-turn Qwen3 conversation with reasoning is three. docs/data.md has the token cost.
+
+A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>, <|return|>, <|call|>), trained: the model must
+learn to stop. A template that writes none (GLM's) ends the turn where the next message's special token opens
+(<|user|>, or <|observation|> after tool calls): that token is added after the turn and trained, as TRL's GLM
+training template does, since it is where the model stops at inference.
+
+The proof, on every row: the span starts after the history (so no earlier message is trained), ends with W (so
+no later one is), and holds the turn's answer, each of its tool calls' names and, unless data.reasoning: drop, its
+reasoning. A template that drops any of those (DeepSeek-R1's drops the reasoning of the turn it ends with) is a
+DataError naming the row and the fix, never a silently wrong mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.data.conversations import renders_tools, template_messages
+from finetune.errors import DataError
+
+_PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
+NAMED_FIX = ("set model.chat_template to a template that renders it (a .jinja file, an inline template, or one of "
+             "finetune's named templates: `finetune data --templates` lists them)")
+
+
+@dataclass
+class _Turn:
+    index: int  # the message's index in the conversation
+    whole: str  # W: the conversation through this turn, the turn last
+    start: int  # the trained span [start, end) in `whole`
+    end: int
+
+
+class _Renderer:
+    """apply_chat_template on the normal form, with the row's tools; template errors become the row's DataError."""
+
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None, reasoning: str, where: str):
+        self.tokenizer, self.tools, self.reasoning, self.where = tokenizer, tools, reasoning, where
+        self.template = chat_template_text(tokenizer)
+        self.string_arguments = False
+        if tools and not renders_tools(self.template):
+            raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render "
+                            f"`tools` (DeepSeek-R1 distills' does not), so the model would never see them. Fix: "
+                            f"{NAMED_FIX}, or leave the tools out of the rows.")
+        if any("tool_calls" in m for m in messages) and "tool_calls" not in self.template:
+            raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
+                            f"render `tool_calls`. Fix: {NAMED_FIX}.")
+        self.messages = messages
+        try:
+            self.render(len(messages), False)
+        except DataError:
+            if not any("tool_calls" in m for m in messages):
+                raise
+            self.string_arguments = True  # DeepSeek's templates concatenate the arguments as text
+            self.render(len(messages), False)
+
+    def render(self, count: int, generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        messages = template_messages(self.messages[:count], self.template, reasoning=self.reasoning,
+                                     string_arguments=self.string_arguments)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise DataError(f"{self.where}: the chat template cannot render this conversation: {exc}. Fix the row "
+                            "(the template's own words above), or set data.bad_rows: skip.") from None
+
+
+def chat_template_text(tokenizer) -> str:
+    """The tokenizer's chat template as text (a dict of named templates: its `default`)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template.get("default", "") if isinstance(template, dict) else template
+
+
+def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[dict] | None = None,
+                  trained_from: int = 0, reasoning: str = "train") -> list[list[tuple[str, bool]]]:
+    """The examples of a conversation as (text, trained) segments: the assistant turns from message `trained_from`
+    on trained, each in its inference context (module docstring); earlier turns are context."""
+    renderer = _Renderer(tokenizer, messages, tools, reasoning, where)
+    turns = [_locate(renderer, messages, index) for index, message in enumerate(messages)
+             if message["role"] == "assistant" and index >= trained_from]
+    examples, remaining = [], list(turns)
+    while remaining:  # the latest turn's W, with every earlier turn it renders exactly as that turn's own W does
+        text, members, cursor = remaining[-1].whole, [], len(remaining[-1].whole)
+        for turn in reversed(remaining):
+            if turn.end <= cursor and text.startswith(turn.whole[: turn.end]):
+                members.insert(0, turn)
+                cursor = turn.start
+        remaining = [turn for turn in remaining if turn not in members]
+        examples.insert(0, _segments(text, members, messages, renderer))
+    return examples
+
+
+def _locate(renderer: _Renderer, messages: list[dict], index: int) -> _Turn:
+    """Turn `index`'s W and its trained span, checked (module docstring)."""
+    context, whole = renderer.render(index, True), renderer.render(index + 1, False)
+    if whole.startswith(context):
+        start = len(context)
+    else:  # the generation prompt prefills text this turn's rendering lacks: the span starts where they part
+        start = next((k for k, (a, b) in enumerate(zip(context, whole)) if a != b), min(len(context), len(whole)))
+        history = renderer.render(index, False)
+        if not whole.startswith(history) or start < len(history):
+            raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
+                            f"differently once that assistant turn follows it, so the turn's context cannot be found. "
+                            f"Fix: {NAMED_FIX}.")
+    end = len(whole.rstrip())  # the end-of-turn token is trained (the model must learn to stop); a newline after it not
+    _prove(whole[start:end], messages[index], index, renderer)
+    stop = _stop_token(renderer, messages, index, whole[:end])
+    return _Turn(index, whole[:end] + stop + whole[end:] if stop else whole, start, end + len(stop))
+
+
+def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: str) -> str:
+    """The token that ends turn `index` when its template writes no end-of-turn token (GLM's): the special token
+    opening the message that follows (<|user|>, or <|observation|> after tool calls), which is where the model stops
+    at inference. "" when the turn ends with a special token already, or nothing special follows."""
+    specials = sorted(set(renderer.tokenizer.all_special_tokens) | {token.content for token in getattr(
+        renderer.tokenizer, "added_tokens_decoder", {}).values() if token.special}, key=len, reverse=True)
+    if not specials or any(through.endswith(token) for token in specials):
+        return ""
+    follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}
+    saved = renderer.messages
+    renderer.messages = messages[: index + 1] + [follower]
+    try:
+        after = renderer.render(index + 2, False)
+    finally:
+        renderer.messages = saved
+    # The follower may make the template rewrite the turn (GLM drops its reasoning once a user turn follows), so
+    # the token is read off just before the follower's content, where the turn's own ending must stand before it.
+    head, tail = after[: after.rfind(_PROBE)], through.rstrip()[-4:]
+    at = head.rfind(tail)
+    rest = head[at + len(tail):].lstrip() if at >= 0 else ""
+    return next((token for token in specials if rest.startswith(token)), "")
+
+
+def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
+    """The span holds the turn's own text: its answer, its tool calls' names, its reasoning (unless dropped)."""
+    where, number = renderer.where, index + 1
+    answer = message["content"].strip()
+    if answer and answer not in span:
+        raise DataError(f"{where}: message {number}'s answer is not whole in the span the chat template gives that "
+                        f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. Fix: {NAMED_FIX}.")
+    for call in message.get("tool_calls", []):
+        if call["function"]["name"] not in span:
+            raise DataError(f"{where}: the chat template drops message {number}'s tool call "
+                            f"`{call['function']['name']}` (DeepSeek-R1 distills' template renders no tool call "
+                            f"beside text). Fix: {NAMED_FIX}.")
+    reasoning = message.get("reasoning", "").strip()
+    if reasoning and renderer.reasoning != "drop" and reasoning not in span:
+        raise DataError(f"{where}: the chat template drops the reasoning of message {number}, the turn being trained "
+                        "(DeepSeek-R1 distills' template strips every <think> block, the last turn's too), so the "
+                        "model would learn to answer without it. Fix: set model.chat_template: deepseek-r1 (finetune's "
+                        "copy that keeps the trained turn's reasoning) or another template that renders it, or "
+                        "data.reasoning: drop to train the answers alone.")
+
+
+def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _Renderer) -> list[tuple[str, bool]]:
+    """(text, trained) segments of one example: its member turns' spans trained (data.reasoning: context leaves
+    the reasoning inside a span untrained), the rest context."""
+    segments, cursor = [], 0
+    for turn in members:
+        segments.append((text[cursor : turn.start], False))
+        span = text[turn.start : turn.end]
+        reasoning = messages[turn.index].get("reasoning", "").strip()
+        at = span.find(reasoning) if reasoning and renderer.reasoning == "context" else -1
+        if at >= 0:
+            segments += [(span[:at], True), (reasoning, False), (span[at + len(reasoning):], True)]
+        else:
+            segments.append((span, True))
+        cursor = turn.end
+    segments.append((text[cursor:], False))
+    return [(piece, trained) for piece, trained in segments if piece]

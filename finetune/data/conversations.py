@@ -1,0 +1,202 @@
+"""Conversation rows as chat templates read them: roles, tool calls, tool results, reasoning and the tools offered.
+
+Rows come in the shapes people bring: transformers' and TRL's (`role`/`content`, assistant `tool_calls`,
+`{"role": "tool"}` results, a `tools` column of JSON schemas, `reasoning_content` or `thinking`), ShareGPT's
+(`from`/`value` with human/gpt/observation/function_call speakers), and reasoning written inline as a leading
+`<think>...</think>` block. Every shape becomes one normal form, checked once:
+
+    {"role": system|user|assistant|tool, "content": str, "tool_calls": [...]?, "reasoning": str?, "name"?, "tool_call_id"?}
+
+`reasoning` is finetune's own key: `template_messages` hands it to the template in the field that template reads
+(`reasoning_content`: Qwen3, GLM; `thinking`: gpt-oss) or inline as a `<think>` block where it reads neither.
+Tool-call arguments are objects (the form transformers documents); `template_messages` gives them as JSON text to a
+template that concatenates them as strings (DeepSeek's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from finetune.errors import DataError
+from finetune.recipe import DatasetSpec
+
+# Speaker names -> the four roles. ShareGPT's `function_call` is an assistant turn whose value is the call (below).
+ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+                "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "ipython": "tool",
+                "observation": "tool", "function_call": "assistant"}
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' templates' names, then others'
+_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+# ------------------------------------------------------------------------------------------------ normal form
+def convert_turns(turns, spec: DatasetSpec, where: str) -> list[dict]:
+    """Any accepted turn shape -> the normal form (module docstring); order not checked."""
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: chat messages must be a list of turns, got {type(turns).__name__}.")
+    role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
+    return [_message(turn, number, role_key, content_key, spec, where) for number, turn in enumerate(turns, start=1)]
+
+
+def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSpec, where: str) -> dict:
+    if isinstance(turn, dict) and role_key not in turn and "from" in turn and "value" in turn:
+        role, content = turn["from"], turn["value"]
+    elif isinstance(turn, dict) and (role_key in turn or "role" in turn):  # "role": the normal form already
+        role = turn[role_key] if role_key in turn else turn["role"]
+        content = turn[content_key] if content_key in turn else turn.get("content")
+    else:
+        raise DataError(f"{where}: message {number} needs `{role_key}` and `{content_key}` (or `from` and `value`), "
+                        f"got {turn!r}. Fix the row or map the keys with data.datasets[].columns (role, content).")
+    speaker = str(role).lower()
+    if speaker not in ROLE_ALIASES:
+        raise DataError(f"{where}: message {number} has role `{role}`; known roles are {', '.join(ROLE_ALIASES)}. Fix "
+                        "the row or set data.bad_rows: skip.")
+    message = {"role": ROLE_ALIASES[speaker], "content": _text(content)}
+    calls = turn.get("tool_calls") if speaker != "function_call" else content
+    if calls not in (None, "", []):
+        if message["role"] != "assistant":
+            raise DataError(f"{where}: message {number} (role `{role}`) has `tool_calls`; only assistant turns call tools.")
+        message["tool_calls"] = _tool_calls(calls, f"{where}: message {number}")
+        if speaker == "function_call":
+            message["content"] = ""
+    if message["role"] == "assistant":
+        _split_reasoning(message, turn, spec, f"{where}: message {number}")
+    for key in ("name", "tool_call_id"):
+        if message["role"] == "tool" and isinstance(turn.get(key), str):
+            message[key] = turn[key]
+    return message
+
+
+def _text(content) -> str:
+    """A message's content as text: structured tool results (objects, lists) as JSON, None as empty."""
+    if content is None:
+        return ""
+    if isinstance(content, (dict, list)):
+        return json.dumps(content, ensure_ascii=False)
+    return str(content)
+
+
+def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -> None:
+    """The turn's reasoning from its field (reasoning_content / thinking / reasoning, or data.columns.reasoning) or a
+    leading inline <think> block, kept apart from the answer."""
+    fields = (spec.columns["reasoning"],) if "reasoning" in spec.columns else REASONING_FIELDS
+    reasoning = next((turn[name] for name in fields if isinstance(turn.get(name), str) and turn[name].strip()), None)
+    inline = _INLINE_THINK.match(message["content"])
+    if inline:
+        if reasoning is not None:
+            raise DataError(f"{where} has reasoning twice: in a field and as an inline <think> block. Keep one.")
+        reasoning, message["content"] = inline.group(1), message["content"][inline.end():]
+    elif "</think>" in message["content"] or message["content"].lstrip().startswith("<think>"):
+        raise DataError(f"{where}: its content has an unbalanced <think> block (a reasoning block opens the answer as "
+                        "<think>...</think>). Fix the row, put the reasoning in `reasoning_content`, or set "
+                        "data.bad_rows: skip.")
+    if reasoning is not None and reasoning.strip():
+        message["reasoning"] = reasoning.strip("\n")
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """Tool calls as [{type: function, function: {name, arguments: object}}]: from that form, from bare
+    {name, arguments} objects, or from JSON text of either; arguments given as JSON text are parsed."""
+    calls = _json(calls, f"{where} `tool_calls`")
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list):
+        raise DataError(f"{where}: `tool_calls` must be a list of calls, got {type(calls).__name__}.")
+    normal = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise DataError(f"{where}: a tool call needs a function `name`, got {call!r}. The form is "
+                            '{"type": "function", "function": {"name": ..., "arguments": {...}}}.')
+        arguments = _json(function.get("arguments", function.get("parameters", {})), f"{where} tool call arguments")
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where}: the arguments of tool call `{function['name']}` must be an object (or JSON text "
+                            f"of one), got {arguments!r}.")
+        normal.append({"type": "function", "function": {"name": function["name"], "arguments": arguments},
+                       **({"id": call["id"]} if isinstance(call.get("id"), str) else {})})
+    return normal
+
+
+def _json(value, what: str):
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{what} is text that is not valid JSON ({exc.msg} at column {exc.colno}). Fix the row, or "
+                        "set data.bad_rows: skip.") from None
+
+
+def normalize_tools(tools, where: str) -> list[dict] | None:
+    """A row's or dataset's tools (JSON schemas, or JSON text of them) as [{type: function, function: schema}]."""
+    tools = _json(tools, f"{where}: `tools`")
+    if tools in (None, []):
+        return None
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: `tools` must be a list of function schemas, got {type(tools).__name__}.")
+    normal = []
+    for tool in tools:
+        schema = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            raise DataError(f"{where}: each tool is a function schema with a `name` ({{\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}), got {tool!r}.")
+        normal.append({"type": "function", "function": schema})
+    return normal
+
+
+# ------------------------------------------------------------------------------------------------ turn order
+def check_order(messages: list[dict], where: str) -> None:
+    """System turns first; then a user turn; a user is answered by the assistant; an assistant that calls tools is
+    followed by their results (tool turns), which the assistant answers; at least one assistant turn."""
+    allowed = {"user": ("assistant",), "tool": ("tool", "assistant")}
+    expected: tuple[str, ...] = ("user",)
+    for number, message in enumerate(messages, start=1):
+        role = message["role"]
+        if role == "system" and all(m["role"] == "system" for m in messages[:number]):
+            continue
+        if role not in expected:
+            raise DataError(
+                f"{where}: message {number} has role `{role}` where {' or '.join(f'`{e}`' for e in expected)} was "
+                "expected: after optional system messages, a user turn; the assistant answers each user turn; an "
+                "assistant turn with tool_calls is followed by the tool results (role tool), then the assistant again. "
+                "Fix the row (merge consecutive turns of one speaker) or set data.bad_rows: skip.")
+        expected = ("tool",) if role == "assistant" and message.get("tool_calls") else \
+            ("user",) if role == "assistant" else allowed[role]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: conversation has no assistant turn, so nothing would be trained. Add the answer or "
+                        "set data.bad_rows: skip.")
+
+
+# ------------------------------------------------------------------------------------------ for the template
+def reasoning_field(template: str) -> str | None:
+    """The message field a chat template reads reasoning from, or None (then it is written inline as <think>)."""
+    if "reasoning_content" in template:
+        return "reasoning_content"
+    if re.search(r"message\.thinking|message\[['\"]thinking['\"]\]", template):
+        return "thinking"
+    return None
+
+
+def renders_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` it is given (DeepSeek-R1 distills' does not)."""
+    return re.search(r"\btools\b", template) is not None
+
+
+def template_messages(messages: list[dict], template: str, *, reasoning: str = "train",
+                      string_arguments: bool = False) -> list[dict]:
+    """The normal form as `apply_chat_template` takes it: reasoning in the template's field (or inline), or left out
+    under data.reasoning: drop; tool-call arguments as JSON text where the template needs text."""
+    field = reasoning_field(template)
+    converted = []
+    for message in messages:
+        message = dict(message)
+        thought = message.pop("reasoning", None)
+        if thought and reasoning != "drop":
+            if field is None:
+                message["content"] = f"<think>\n{thought}\n</think>\n\n{message['content']}"
+            else:
+                message[field] = thought
+        if string_arguments and "tool_calls" in message:
+            message["tool_calls"] = [{**call, "function": {**call["function"], "arguments": json.dumps(
+                call["function"]["arguments"], ensure_ascii=False)}} for call in message["tool_calls"]]
+        converted.append(message)
+    return converted
