@@ -59,8 +59,9 @@ class ModelSection(_Section):
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
     chat_template: str | None = Field(
         None, description="The chat template to render chat rows with, instead of the tokenizer's (a base model has "
-        "none): a named one (chatml, llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, deepseek-r1, glm-4.5; `finetune data "
-        "--templates`), a .jinja file, or the template text itself. Saved with the adapter's tokenizer.")
+        "none): a named one (chatml, llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, deepseek-r1, glm-4.5; "
+        "finetune/model/templates/SOURCES.md), a .jinja file, or the template text itself. Saved with the adapter's "
+        "tokenizer.")
     quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
 
     @field_validator("chat_template")

@@ -33,8 +33,8 @@ from finetune.data.conversations import renders_tools, template_messages
 from finetune.errors import DataError
 
 _PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
-NAMED_FIX = ("set model.chat_template to a template that renders it (a .jinja file, an inline template, or one of "
-             "finetune's named templates: `finetune data --templates` lists them)")
+NAMED_FIX = ("set model.chat_template to a template that renders it: one of finetune's named templates (chatml, "
+             "llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, glm-4.5, deepseek-r1), a .jinja file, or the template text")
 
 
 @dataclass

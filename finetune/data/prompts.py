@@ -14,19 +14,20 @@ import numpy as np
 
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted
 from finetune.data.sources import load_rows
+from finetune.data.templates import row_tools
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
 
-def prompt_text(prompt, tokenizer, system_prompt: str | None) -> str:
-    """The text the policy continues: chat messages through the chat template (generation prompt added), a string
-    as it is."""
+def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None) -> str:
+    """The text the policy continues: chat messages through the chat template (generation prompt added, the row's
+    tools rendered as the template renders them), a string as it is."""
     if isinstance(prompt, str):
         return prompt
     messages = list(prompt)
     if system_prompt and messages and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
@@ -65,7 +66,8 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                 raise DataError(f"{key} ({spec.path}) row {line}: `prompt` is {prompt!r}; a prompt is text or a list of "
                                 "chat messages. Fix the row, or set data.bad_rows: skip.")
             system = spec.system_prompt if spec.system_prompt is not None else recipe.data.system_prompt
-            ids = prompt_ids(prompt_text(prompt, tokenizer, system), tokenizer, chat=isinstance(prompt, list))
+            tools = row_tools(row, spec, f"{key} ({spec.path}) row {line}") if isinstance(prompt, list) else None
+            ids = prompt_ids(prompt_text(prompt, tokenizer, system, tools=tools), tokenizer, chat=isinstance(prompt, list))
             if len(ids) > budget:
                 if recipe.data.overlong == "drop":
                     stats.dropped += 1

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.chat import chat_template_text
 from finetune.data.conversations import renders_tools
+from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.pairs import pair_examples
 from finetune.data.templates import FORMAT_FIELDS, _column, _render_or_reason, tokenize_many
 from finetune.errors import DataError

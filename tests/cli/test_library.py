@@ -50,20 +50,22 @@ def test_recipe_model_architecture_is_stored(path: Path):
 
 # The chat templates of the library's models as they ship on the hub, from TRL's stored copies ("original templates",
 # trl/chat_templates; trl is a dev dependency). Models without a copy there are not checked here.
-SHIPPED_TEMPLATES = {"meta-llama/Llama-3.1-": "llama3_1.jinja", "Qwen/Qwen2.5-": "qwen2_5.jinja",
-                     "Qwen/Qwen3-": "qwen3.jinja", "google/gemma-3-": "gemma3.jinja"}
+SHIPPED_TEMPLATES = {"meta-llama/Llama-3.1-": "llama3_1.jinja", "meta-llama/Llama-3.3-": "llama3_1.jinja",
+                     "Qwen/Qwen2.5-": "qwen2_5.jinja", "Qwen/Qwen3-": "qwen3.jinja", "google/gemma-3-": "gemma3.jinja",
+                     "openai/gpt-oss-": "gptoss.jinja"}
 CHAT_RECIPES = [p for p in RECIPES if p.stem != "quickstart"
                 and any(spec.format == "chat" for spec in load_recipe(p).data.datasets)]
 
 
 @pytest.mark.parametrize("path", CHAT_RECIPES, ids=lambda p: p.stem)
 def test_chat_recipe_renders_multi_turn_rows_with_its_model_template(path: Path):
-    """The suite trains recipes with a tiny ChatML tokenizer, so a model template that rewrites earlier turns (Qwen3's
-    drops their <think> blocks) passes there while finetune refuses every multi-turn row of the real run: render a
-    two-turn row of the recipe's dataset with the template the recipe's model ships."""
+    """The suite's tiny tokenizer is ChatML, so a model template that rewrites earlier turns (Qwen3's drops their
+    <think> blocks, gpt-oss ends them otherwise) could pass there and break the real run: render a two-turn row of the
+    recipe's dataset with the template the recipe's model ships; both answers are trained, whole, once each.
+    (Llama 3.3 ships Llama 3.1's template.)"""
     trl = pytest.importorskip("trl")
     from finetune.cli.tiny import build_tokenizer
-    from finetune.data.templates import render_segments
+    from finetune.data.templates import render_examples
 
     recipe = load_recipe(path)
     name = next((file for prefix, file in SHIPPED_TEMPLATES.items() if recipe.model.name_or_path.startswith(prefix)), None)
@@ -75,9 +77,9 @@ def test_chat_recipe_renders_multi_turn_rows_with_its_model_template(path: Path)
         role, content = spec.columns.get("role", "role"), spec.columns.get("content", "content")
         turns = [("user", "What is 2 plus 3?"), ("assistant", "5"), ("user", "And 4 plus 4?"), ("assistant", "8")]
         row = {spec.columns.get("messages", "messages"): [{role: r, content: text} for r, text in turns]}
-        trained = [text for text, is_trained in render_segments(row, spec, tokenizer, recipe.data.system_prompt, "row 1")
-                   if is_trained]
-        assert [text[:1] for text in trained] == ["5", "8"], trained
+        trained = [text for example in render_examples(row, spec, tokenizer, recipe.data.system_prompt, "row 1")
+                   for text, is_trained in example if is_trained]
+        assert len(trained) == 2 and "5" in trained[0] and "8" in trained[1], trained
 
 
 def test_list_shows_every_recipe_with_its_purpose(capsys):

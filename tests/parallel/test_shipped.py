@@ -112,8 +112,20 @@ def test_shipped_accelerate_config_trains(case, shipped_run):
 
 
 # ------------------------------------------------------------------------------------------- library recipes
-def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
-    """Rows in the dataset's format, under the column names its recipe maps (e.g. Dolly's context/response)."""
+# Chat recipes whose rows are of another kind than one plain turn: the shape their dataset has on the hub.
+ROW_KINDS = {"qwen3-8b-tools": "tool_call", "qwen3-8b-reasoning": "reasoning"}
+# The chat template a library model ships, by name (finetune/model/templates): the tiny run renders its rows with it,
+# not with the tiny tokenizer's ChatML, so a template that cannot take the recipe's rows fails here.
+NAMED_TEMPLATE_FOR = {"Qwen/Qwen3-": "qwen3", "Qwen/Qwen2.5-": "qwen2.5", "meta-llama/Llama-3.1-": "llama-3.1",
+                      "meta-llama/Llama-3.3-": "llama-3.1", "openai/gpt-oss-": "gpt-oss"}
+ADD_TOOL = {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+
+
+def rows_for(spec: DatasetSpec, count: int = 40, kind: str = "plain") -> list[dict]:
+    """Rows in the dataset's format, under the column names its recipe maps (e.g. Dolly's context/response); chat rows
+    of `kind` tool_call (LLaMA-Factory's Glaive shape: function_call and observation turns, `tools` as JSON text) or
+    reasoning (OpenR1's: the assistant turn opens with a <think> block)."""
     column = lambda name: spec.columns.get(name, name)
     rng = random.Random(0)
     rows = []
@@ -122,8 +134,14 @@ def rows_for(spec: DatasetSpec, count: int = 40) -> list[dict]:
         question, answer = f"What is {a} plus {b}?", str(a + b)
         if spec.format == "alpaca":
             row = {column("instruction"): "Add the two numbers.", column("input"): f"{a} and {b}", column("output"): answer}
+        elif spec.format == "chat" and kind == "tool_call":
+            turns = [("human", question), ("function_call", json.dumps({"name": "add", "arguments": {"a": a, "b": b}})),
+                     ("observation", json.dumps({"sum": a + b})), ("gpt", f"The sum is {answer}.")]
+            row = {column("messages"): [{"from": role, "value": text} for role, text in turns],
+                   "tools": json.dumps([ADD_TOOL])}
         elif spec.format == "chat":
-            turns = [("user", question), ("assistant", answer)]
+            reply = f"<think>\n{a} plus {b} is {answer}.\n</think>\n\n{answer}" if kind == "reasoning" else answer
+            turns = [("user", question), ("assistant", reply)]
             row = {column("messages"): [{column("role"): role, column("content"): text} for role, text in turns]}
         elif spec.format == "completion":
             row = {column("prompt"): question, column("completion"): answer}
@@ -204,8 +222,13 @@ def _train_two_steps(path: Path, tmp_path: Path, config: str) -> None:
         overrides.append(f"model.tokenizer={model_dir}")
     if recipe.train.objective == "grpo":  # the recipe's G, batch and accumulation; 8 sampled tokens, not hundreds
         overrides.append("grpo.max_completion_length=8")
+    template = next((name for prefix, name in NAMED_TEMPLATE_FOR.items()
+                     if recipe.model.name_or_path.startswith(prefix)), None)
+    if template and any(spec.format == "chat" for spec in recipe.data.datasets) and not recipe.model.chat_template:
+        overrides.append(f"model.chat_template={template}")
+    kind = ROW_KINDS.get(path.stem, "plain")
     for index, spec in enumerate(recipe.data.datasets):
-        data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec))
+        data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec, kind=kind))
         overrides.append(f"data.datasets.{index}.path={data_file}")
     for index, spec in enumerate(recipe.data.eval_datasets):
         eval_file = write_jsonl(tmp_path / f"eval{index}.jsonl", rows_for(spec, count=8))
