@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "data"))
 
-WORDS = ("the model reads each turn and writes an answer that follows from the question and from what came "
+WORDS = ("the model reads each turn and writes an answer that follows from the question and from what came "  # noqa: SIM905
          "before it in the conversation so the context matters").split()
 
 

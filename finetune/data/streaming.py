@@ -14,7 +14,8 @@ depends on the world size. The cost is that each rank reads and tokenizes all ro
 work of reading only a share, which would need per-rank packing and so a world-size-dependent order); tokenizing a
 row is a small fraction of its forward and backward, and every rank builds only its own share into tensors.
 
-Position: (epoch, dataset, row), the first row not yet consumed into a yielded sequence. After a whole global
+Position: (epoch, dataset, row, part), the first row not yet consumed into a yielded sequence, and how many of its
+examples were (a conversation whose chat template rewrites history gives several: data/chat.py). After a whole global
 micro-batch every rank holds the same position, and greedy packing keeps no state across an emitted row, so a resume
 skips that many rows without tokenizing them and continues at exactly the next example, with any world size or
 micro-batch size.
@@ -48,6 +49,7 @@ class Position:
     epoch: int
     dataset: int
     row: int
+    part: int = 0  # examples of `row` already consumed (a conversation can give several)
 
 
 # --------------------------------------------------------------------------------------------------- rows
@@ -132,6 +134,9 @@ def _tokenized(chunk: list[tuple[int, object, str]], spec: DatasetSpec, recipe: 
     result = _tokenize_items([item for _, item, _ in chunk], [place for _, _, place in chunk], spec, recipe, tokenizer)
     if counts is not None:
         merge_counts(counts, result)
+    if len(result.origins) == len(result.examples):  # each example's row is known (SFT and KTO rows)
+        row_at = {place: row for row, _, place in chunk}
+        return [(row_at[origin], example) for origin, example in zip(result.origins, result.examples)]
     if len(result.examples) == len(chunk):
         return list(zip(rows, result.examples))
     found = []
@@ -171,20 +176,27 @@ class StreamedRows:
         for chunk in _chunks(dataset_rows(spec, row), STREAM_CHUNK_ROWS):
             yield from _tokenized(chunk, spec, self.recipe, self.tokenizer, self.counts)
 
-    def pass_examples(self, epoch: int, dataset: int, row: int) -> Iterator[tuple[Example, Position]]:
-        """Examples of one pass from (dataset, row), each with the position that follows it."""
+    def pass_examples(self, epoch: int, dataset: int, row: int, part: int = 0) -> Iterator[tuple[Example, Position]]:
+        """Examples of one pass from (dataset, row), past the row's first `part` examples, each with the position
+        that follows it (the same row's next example while the row has more)."""
         for index in range(dataset, len(self.specs)):
-            for found, example in self.examples(index, row if index == dataset else 0):
-                yield example, Position(epoch, index, found + 1)
+            first = row if index == dataset else 0
+            for found, group in itertools.groupby(self.examples(index, first), key=lambda entry: entry[0]):
+                examples = [example for _, example in group]
+                for number, example in enumerate(examples):
+                    if index == dataset and found == first and number < part:
+                        continue
+                    last = number == len(examples) - 1
+                    yield example, Position(epoch, index, found + 1) if last else Position(epoch, index, found, number + 1)
 
     def sequences(self, position: Position) -> Iterator[tuple[Example, Position]]:
         """Training sequences from `position` on, endlessly (pass after pass), each with the position after it:
         examples, or with data.packing rows packed greedily (a pass's last row is emitted at its end)."""
-        epoch, dataset, row = position.epoch, position.dataset, position.row
+        epoch, dataset, row, part = position.epoch, position.dataset, position.row, position.part
         packing, limit = self.recipe.data.packing, self.recipe.data.max_length
         while True:
             yielded, members, size, after = False, [], 0, None
-            for example, following in self.pass_examples(epoch, dataset, row):
+            for example, following in self.pass_examples(epoch, dataset, row, part):
                 if not packing:
                     yielded = True
                     yield example, following
@@ -200,7 +212,7 @@ class StreamedRows:
                 yield concat_examples(members), Position(epoch + 1, *self.start)
             if not yielded and (dataset, row) == self.start:  # a whole pass (not the end of one a resume began in)
                 raise DataError(self.empty_pass())
-            epoch, (dataset, row) = epoch + 1, self.start
+            epoch, (dataset, row), part = epoch + 1, self.start, 0
 
     def empty_pass(self) -> str:
         held = " after the held-out eval rows (data.eval_max_rows)" if self.start != (0, 0) else ""
@@ -241,7 +253,7 @@ class StreamingBatches:
     def state_dict(self) -> dict:
         position = self.position
         return {"streaming": True, "epoch": position.epoch, "dataset": position.dataset, "row": position.row,
-                "world_size": self.world, "micro_batch_size": self.batch, **self.rows.fingerprint()}
+                "part": position.part, "world_size": self.world, "micro_batch_size": self.batch, **self.rows.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved position, whatever world size or micro-batch size saved it."""
@@ -253,7 +265,7 @@ class StreamingBatches:
                 raise DataError(f"resume: the checkpoint's data stream had {key}={state.get(key)}, this run has {mine}: "
                                 "the data or data settings changed since the checkpoint, so the position in the stream "
                                 "cannot be restored. Resume with the same data and recipe, or start a new run.")
-        self.position = Position(state["epoch"], state["dataset"], state["row"])
+        self.position = Position(state["epoch"], state["dataset"], state["row"], state.get("part", 0))
 
 
 def batch_stream(train, **options) -> BatchStream | StreamingBatches:

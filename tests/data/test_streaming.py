@@ -395,3 +395,30 @@ def test_the_killed_run_resumed_by_one_process_continues_the_same_stream(stream_
         torch.testing.assert_close(adapter(run)[key], value, rtol=1e-3, atol=5e-4)
     mine, theirs = saved_position(run, STEPS), saved_position(ref, STEPS)
     assert (mine["epoch"], mine["dataset"], mine["row"]) == (theirs["epoch"], theirs["dataset"], theirs["row"])
+
+
+def test_conversations_of_several_examples_stream_and_resume_inside_a_row(tmp_path):
+    """Under Qwen3's template a three-turn row gives three examples (each turn in its inference context): the stream
+    yields the cached path's examples in order, and a checkpoint taken between two examples of one row resumes at
+    the next of them (the position's `part`), neither repeating nor skipping one."""
+    from chat_families import ROWS, family_tokenizer
+
+    tokenizer = family_tokenizer("qwen3")
+    single = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+    rows = [ROWS["multi_turn"], single, ROWS["reasoning"], single, ROWS["multi_turn"]]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    recipe = make_recipe([{"path": str(path), "format": "chat"}], streaming=True, packing=False, max_length=512)
+    expected = reference_sequences(recipe, tokenizer, passes=2)
+    per_pass = len(expected) // 2
+    assert per_pass == 3 + 1 + 2 + 1 + 3
+    pad, parts = tokenizer.pad_token_id, []
+    for consumed in range(1, per_pass + 2):
+        stream = streams(recipe, tokenizer, world_size=1, micro_batch_size=1)[0]
+        take(stream, consumed)
+        state = json.loads(json.dumps(stream.state_dict()))
+        parts.append(state["part"])
+        resumed = streams(recipe, tokenizer, world_size=1, micro_batch_size=1)[0]
+        resumed.load_state_dict(state)
+        for offset, batch in enumerate(take(resumed, 2)):
+            assert_same_batch(batch, collate([expected[consumed + offset]], pad))
+    assert parts[:4] == [1, 2, 0, 0]  # inside the first row twice, then at the start of the next rows
