@@ -27,6 +27,7 @@ DataError naming the row and the fix, never a silently wrong mask.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from finetune.data.conversations import renders_tools, template_messages
@@ -60,13 +61,12 @@ class _Renderer:
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
                             f"render `tool_calls`. Fix: {NAMED_FIX}.")
         self.messages = messages
-        try:
-            self.render(len(messages), False)
-        except DataError:
-            if not any("tool_calls" in m for m in messages):
-                raise
-            self.string_arguments = True  # DeepSeek's templates concatenate the arguments as text
-            self.render(len(messages), False)
+        if any("tool_calls" in m for m in messages):
+            try:
+                self.render(len(messages), False)
+            except DataError:
+                self.string_arguments = True  # DeepSeek's templates concatenate the arguments as text
+                self.render(len(messages), False)
 
     def render(self, count: int, generation_prompt: bool) -> str:
         from jinja2 import TemplateError
@@ -124,12 +124,22 @@ def _locate(renderer: _Renderer, messages: list[dict], index: int) -> _Turn:
     return _Turn(index, whole[:end] + stop + whole[end:] if stop else whole, start, end + len(stop))
 
 
+_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens, longest first (kept per tokenizer: every turn of every row asks)."""
+    if tokenizer not in _SPECIALS:
+        _SPECIALS[tokenizer] = sorted(set(tokenizer.all_special_tokens) | {token.content for token in getattr(
+            tokenizer, "added_tokens_decoder", {}).values() if token.special}, key=len, reverse=True)
+    return _SPECIALS[tokenizer]
+
+
 def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: str) -> str:
     """The token that ends turn `index` when its template writes no end-of-turn token (GLM's): the special token
     opening the message that follows (<|user|>, or <|observation|> after tool calls), which is where the model stops
     at inference. "" when the turn ends with a special token already, or nothing special follows."""
-    specials = sorted(set(renderer.tokenizer.all_special_tokens) | {token.content for token in getattr(
-        renderer.tokenizer, "added_tokens_decoder", {}).values() if token.special}, key=len, reverse=True)
+    specials = _special_tokens(renderer.tokenizer)
     if not specials or any(through.endswith(token) for token in specials):
         return ""
     follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}

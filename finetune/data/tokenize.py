@@ -166,8 +166,9 @@ def _length_policy(example: Example, where: str, data, result: ChunkResult, orig
 
 
 def _dropped(result: ChunkResult, where: str) -> None:
+    """Count a dropped example; name its row once (a conversation can give several examples: data/chat.py)."""
     result.counts["dropped"] += 1
-    if len(result.dropped_rows) < NAMED_DROPS:
+    if len(result.dropped_rows) < NAMED_DROPS and where not in result.dropped_rows:
         result.dropped_rows.append(where)
 
 
