@@ -47,9 +47,9 @@ def main() -> None:
     args = parser.parse_args()
     from chat_families import FAMILIES, family_tokenizer, trl_template
 
+    from finetune.chat_templates import named_templates
     from finetune.data.conversations import convert_turns, template_messages
     from finetune.data.templates import render_examples, tokenize_many
-    from finetune.model.chat_template import named_templates
     from finetune.recipe import DatasetSpec
 
     rng = random.Random(0)

@@ -11,7 +11,6 @@ Stable contract (outside scripts rely on these keys): `model.name_or_path`, `out
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -30,9 +29,17 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.chat_templates import checked_chat_template
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
-from finetune.recipe_checks import check_dtypes, check_keep_best, check_objective, check_streaming
+from finetune.recipe_checks import (
+    check_dtypes,
+    check_keep_best,
+    check_objective,
+    check_streaming,
+    clamped_warmup,
+    steps_for_epochs,
+)
 from finetune.recipe_grpo import GRPOSection
 from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
@@ -57,25 +64,14 @@ class ModelSection(_Section):
         "config is read; gpt-oss has no sdpa). flash_attention_2 needs the flash-attn package and a CUDA device.")
     adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
-    chat_template: str | None = Field(
-        None, description="The chat template to render chat rows with, instead of the tokenizer's (a base model has "
-        "none): a named one (chatml, llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, deepseek-r1, glm-4.5; "
-        "finetune/model/templates/SOURCES.md), a .jinja file, or the template text itself. Saved with the adapter's "
-        "tokenizer.")
+    chat_template: str | None = Field(None, description="Chat rows' template instead of the tokenizer's (a base model "
+                                      "has none): a name (finetune/templates/SOURCES.md), a .jinja file, or its text.")
     quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
 
     @field_validator("chat_template")
     @classmethod
-    def _known_template(cls, value: str | None) -> str | None:  # a name, a file or template text, checked at load
-        if value is not None:
-            from finetune.errors import RecipeError
-            from finetune.model.chat_template import resolve_chat_template
-
-            try:
-                resolve_chat_template(value)
-            except RecipeError as exc:
-                raise ValueError(str(exc).removeprefix("model.chat_template: ")) from None
-        return value
+    def _known_template(cls, value: str | None) -> str | None:
+        return checked_chat_template(value)
 
     @field_validator("quantized_cache", mode="before")
     @classmethod
@@ -117,9 +113,8 @@ class DatasetSpec(_Section):
         "text, messages, tools; for chat turns also role, content and reasoning).",
     )
     system_prompt: str | None = Field(None, description="System prompt for this dataset; default data.system_prompt.")
-    tools: list[dict] | str | None = Field(
-        None, description="Chat rows: the tools (JSON function schemas) offered in every row without a `tools` column "
-        "of its own, as a list or the path of a JSON file; rendered by the chat template's `tools` argument.")
+    tools: list[dict] | str | None = Field(None, description="Chat rows: the tools (function schemas) of rows without "
+                                           "a `tools` column: a list or a JSON file.")
     max_rows: int | None = Field(None, gt=0, description="Read only the first N rows (previews, quick runs).")
 
 
@@ -140,10 +135,8 @@ class DataSection(_Section):
         "a count naming the first rows) a row whose answer lies wholly past them. drop: drop every such row. error: "
         "truncate, and stop on a row left with nothing to learn.")
     bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
-    reasoning: Literal["train", "context", "drop"] = Field(
-        "train", description="Assistant reasoning in chat rows (reasoning_content, thinking, or a leading <think> "
-        "block). train: rendered as the chat template renders it, and trained; context: rendered, not trained (the "
-        "answer after it is); drop: left out of the rows.")
+    reasoning: Literal["train", "context", "drop"] = Field("train", description="Chat rows' reasoning: trained as the "
+                                                           "template renders it, context (not trained), or drop.")
     num_proc: int | None = Field(
         None, gt=0, description="Processes tokenizing a dataset that is not cached yet (once per machine); default: the CPU cores.")
     cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
@@ -357,26 +350,14 @@ class Recipe(_Section):
         return self
 
     def _fit_warmup(self) -> None:
-        if self.train.warmup_steps >= self.train.max_steps and self.train.warmup_steps > 0:
-            # A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a
-            # normal request: warm up over the run instead of refusing it, and say so.
-            asked, clamped = self.train.warmup_steps, self.train.max_steps - 1
-            self.train.warmup_steps = clamped
-            self._notes.append(
-                f"train.warmup_steps ({asked}) is not below train.max_steps ({self.train.max_steps}): warming up over "
-                f"{clamped} step{'s' if clamped != 1 else ''} instead."
-            )
+        if note := clamped_warmup(self.train):
+            self._notes.append(note)
 
     def resolve_num_epochs(self, steps_per_epoch: int, *, launch: str) -> str | None:
-        """train.num_epochs -> train.max_steps = ceil(num_epochs x steps_per_epoch), for the launch described by
-        `launch`; then the warmup check, which needs the run's length (its note joins `notes`). Returns how max_steps
-        was resolved (None: the recipe gave max_steps).
-
-        Done once, before the scheduler, the progress bar, the checkpoint cadence and recipe.yaml read max_steps; a
-        resume resolves the same steps from the same rows and global batch. num_epochs is set to null in its place:
-        the resolved recipe, written to the run folder and reloaded by export, sets one of the two like any recipe
-        (a comment on top of it keeps where max_steps came from).
-        """
+        """train.num_epochs -> train.max_steps = ceil(num_epochs x steps_per_epoch) for the launch `launch`, then the
+        warmup check; returns how max_steps was resolved (None: the recipe gave it). Done once, before anything reads
+        max_steps (a resume resolves the same). num_epochs becomes null: the resolved recipe (the run folder's, which
+        export reloads) sets one of the two like any recipe, a comment on top saying where max_steps came from."""
         t = self.train
         if t.num_epochs is None:
             return None
@@ -417,12 +398,6 @@ class Recipe(_Section):
 
 
 _SCHEMA_ROOT = Recipe
-
-
-def steps_for_epochs(num_epochs: float, steps_per_epoch: int) -> int:
-    """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step."""
-    # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4.
-    return math.ceil(round(num_epochs * steps_per_epoch, 6))
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,

@@ -7,6 +7,8 @@ with the keys and the fix, which the schema turns into one paragraph naming the 
 
 from __future__ import annotations
 
+import math
+
 # The data format each objective trains on, and what to say when the other kind of preference data is given.
 OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",), "grpo": ("prompt",)}
 FORMAT_HINTS = {
@@ -159,3 +161,20 @@ def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
                         "have no eval loss. Fix: set train.eval_every to train.save_every or a divisor of it.")
     if problems:
         raise ValueError("train.keep_best: " + " ".join(problems))
+
+
+def clamped_warmup(train) -> str | None:  # a finetune.recipe.TrainSection
+    """A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a normal
+    request: warm up over the run instead of refusing it, and say so (the note returned)."""
+    if train.warmup_steps >= train.max_steps and train.warmup_steps > 0:
+        asked, clamped = train.warmup_steps, train.max_steps - 1
+        train.warmup_steps = clamped
+        return (f"train.warmup_steps ({asked}) is not below train.max_steps ({train.max_steps}): warming up over "
+                f"{clamped} step{'s' if clamped != 1 else ''} instead.")
+    return None
+
+
+def steps_for_epochs(num_epochs: float, steps_per_epoch: int) -> int:
+    """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step."""
+    # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4.
+    return math.ceil(round(num_epochs * steps_per_epoch, 6))

@@ -193,8 +193,8 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
     turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) and prompt else \
         convert_turns(prompt or [], spec, where)
     if not turns or turns[-1]["role"] not in ("user", "tool"):
-        raise DataError(f"{where}: the prompt of a conversational row must end with a user (or tool) turn (it ends with "
-                        f"{turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "
+        raise DataError(f"{where}: the prompt of a conversational row must end with a user turn (or a tool result; it "
+                        f"ends with {turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "
                         "row or set data.bad_rows: skip.")
     system = system_prompt if system_prompt and turns[0]["role"] != "system" else None
     turns = ([{"role": "system", "content": system}] if system else []) + turns

@@ -86,7 +86,7 @@ def load_tokenizer(recipe: Recipe):
     except (OSError, ValueError) as exc:
         raise load_error("tokenizer", name, exc) from None
     if recipe.model.chat_template:  # a base model's missing template, or another than the tokenizer's
-        from finetune.model.chat_template import resolve_chat_template
+        from finetune.chat_templates import resolve_chat_template
 
         tokenizer.chat_template = resolve_chat_template(recipe.model.chat_template)
     if tokenizer.pad_token_id is None:

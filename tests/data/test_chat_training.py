@@ -5,12 +5,13 @@ carries the template it was trained with."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
-from conftest import recipe_dict, write_jsonl, write_recipe
+from conftest import read_metrics, recipe_dict, write_jsonl, write_recipe
 
 from finetune import cli
-from finetune.model.chat_template import named_templates
+from finetune.chat_templates import named_templates
 
 ROWS = [{"messages": [
     {"role": "user", "content": f"Pick colour number {i}."},
@@ -86,3 +87,42 @@ def test_the_template_and_the_reasoning_setting_are_part_of_the_cache_key(tmp_pa
     assert key("chatml") == key("chatml")
     assert len({key("chatml"), key("qwen3"), key("chatml", reasoning="drop"), key("chatml", reasoning="context")}) == 4
     assert {"chat.py", "conversations.py"} <= set(cache._RENDERING_CODE)
+
+
+def family_model(folder, family: str):
+    """A tiny Qwen2 with the family's tokenizer (its special tokens and shipped template), embeddings sized to it."""
+    from chat_families import family_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from finetune.cli.tiny import build_tiny_model
+
+    build_tiny_model(folder, family="qwen2")
+    tokenizer = family_tokenizer(family)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama-3.1", "qwen2.5", "qwen3", "qwen3.5", "gpt-oss", "deepseek-r1", "glm-4.5"])
+def test_each_familys_template_trains_tool_reasoning_and_multi_turn_rows(family, tmp_path, no_launcher):
+    """Two steps on the three row kinds under the template the family's models ship, in one process: DeepSeek-R1
+    with its shipped template on plain turns and finetune's named copy on reasoning rows (its shipped one drops the
+    trained turn's reasoning, and renders no tools: those rows are refused, tests/data/test_conversations.py)."""
+    from chat_families import ROWS
+
+    model = family_model(tmp_path / "model", family)
+    kinds = ["multi_turn", "reasoning"] if family == "deepseek-r1" else list(ROWS)
+    rows = write_jsonl(tmp_path / "rows.jsonl", [ROWS[kind] for kind in kinds] * 8)
+    values = recipe_dict(model, rows, tmp_path / "run", train={"max_steps": 2, "micro_batch_size": 2},
+                         data={"datasets": [{"path": str(rows), "format": "chat"}], "max_length": 1024,
+                               "eval_fraction": 0.0})
+    overrides = ["model.chat_template=deepseek-r1"] if family == "deepseek-r1" else []
+    assert cli.main(["train", str(write_recipe(tmp_path / "r.yaml", values)), *overrides]) == 0
+    logged = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert logged[-1]["step"] == 2 and all(math.isfinite(m["loss"]) for m in logged)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()

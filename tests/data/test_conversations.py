@@ -17,10 +17,10 @@ import pytest
 from chat_families import FAMILIES, ROWS, WEATHER_TOOL, family_tokenizer, trl_template
 
 from finetune import data
+from finetune.chat_templates import named_templates
 from finetune.data import IGNORE_INDEX
 from finetune.data.conversations import convert_turns, template_messages
 from finetune.errors import DataError
-from finetune.model.chat_template import named_templates
 from finetune.recipe import DatasetSpec, validate_recipe
 
 pytest.importorskip("trl")  # the oracle's templates (trl is a dev dependency)
@@ -248,17 +248,30 @@ def test_preference_and_kto_prompts_with_history_and_tools():
     assert desirable and [text for text, trained in segments if trained] == ["<think>\n\n</think>\n\nIt is 21 C.<|im_end|>"]
 
 
-def test_grpo_prompts_render_their_tools_and_keep_them_for_rewards():
+def test_grpo_prompts_render_their_tools_and_keep_them_for_rewards(tmp_path):
+    """A prompt row's `tools` column is rendered into the prompt the policy continues (the template's own tools
+    block) and reaches the reward functions with the row, like every other column."""
+    from conftest import write_jsonl
+
     tokenizer = family_tokenizer("qwen3")
     prompt = [{"role": "user", "content": "What is the weather in Paris?"}]
     text = data.prompt_text(prompt, tokenizer, None, tools=[WEATHER_TOOL])
     assert "get_weather" in text and text.endswith("<|im_start|>assistant\n")
     assert "get_weather" not in data.prompt_text(prompt, tokenizer, None)
+    rows = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": prompt, "tools": [WEATHER_TOOL], "city": "Paris"},
+                                                    {"prompt": prompt, "city": "Lyon"}])
+    recipe = validate_recipe({"model": {"name_or_path": "x"}, "train": {"objective": "grpo", "micro_batch_size": 4},
+                              "data": {"datasets": [{"path": str(rows), "format": "prompt"}], "max_length": 1024},
+                              "grpo": {"num_generations": 4, "reward_functions": ["finetune.rewards:final_number"]}})
+    examples, _, _ = data.prompt_examples(recipe, tokenizer)
+    with_tools, without = (tokenizer.decode(example.input_ids) for example in examples)
+    assert "get_weather" in with_tools and "get_weather" not in without
+    assert examples[0].row["tools"] == [WEATHER_TOOL] and examples[0].row["city"] == "Paris"
 
 
 # --------------------------------------------------------------------------------------------- the recipe's keys
 def test_model_chat_template_by_name_file_or_text(tmp_path):
-    from finetune.model.chat_template import resolve_chat_template
+    from finetune.chat_templates import resolve_chat_template
 
     assert resolve_chat_template("qwen3") == trl_template("qwen3.jinja")  # the template Qwen3 ships
     (tmp_path / "mine.jinja").write_text("{{ messages[0].content }}")
@@ -271,7 +284,7 @@ def test_model_chat_template_by_name_file_or_text(tmp_path):
 
 def test_shipped_named_templates_are_the_models_own():
     """Every named template is the one its models ship (TRL's identity-compared copy), but deepseek-r1, which differs
-    from DeepSeek's in one place: the `</think>` split spares the last turn (finetune/model/templates/SOURCES.md)."""
+    from DeepSeek's in one place: the `</think>` split spares the last turn (finetune/templates/SOURCES.md)."""
     copies = {"llama-3.1": "llama3_1.jinja", "qwen2.5": "qwen2_5.jinja", "qwen3": "qwen3.jinja",
               "qwen3.5": "qwen3_5_think.jinja", "gpt-oss": "gptoss.jinja", "glm-4.5": "glm4moe.jinja"}
     named = named_templates()

@@ -114,7 +114,7 @@ def test_shipped_accelerate_config_trains(case, shipped_run):
 # ------------------------------------------------------------------------------------------- library recipes
 # Chat recipes whose rows are of another kind than one plain turn: the shape their dataset has on the hub.
 ROW_KINDS = {"qwen3-8b-tools": "tool_call", "qwen3-8b-reasoning": "reasoning"}
-# The chat template a library model ships, by name (finetune/model/templates): the tiny run renders its rows with it,
+# The chat template a library model ships, by name (finetune/templates): the tiny run renders its rows with it,
 # not with the tiny tokenizer's ChatML, so a template that cannot take the recipe's rows fails here.
 NAMED_TEMPLATE_FOR = {"Qwen/Qwen3-": "qwen3", "Qwen/Qwen2.5-": "qwen2.5", "meta-llama/Llama-3.1-": "llama-3.1",
                       "meta-llama/Llama-3.3-": "llama-3.1", "openai/gpt-oss-": "gpt-oss"}

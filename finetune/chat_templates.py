@@ -1,4 +1,5 @@
-"""model.chat_template: the template chat rows are rendered with, by name (finetune/model/templates), file or text."""
+"""model.chat_template: the template chat rows are rendered with, by name (finetune/templates), file or text (a leaf:
+the recipe checks the value at load, the tokenizer loader applies it)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from finetune.errors import RecipeError
 
 
 def named_templates() -> dict[str, str]:
-    """name -> template text of the templates finetune ships (finetune/model/templates/SOURCES.md says whose)."""
-    folder = resources.files("finetune.model") / "templates"
+    """name -> template text of the templates finetune ships (finetune/templates/SOURCES.md says whose)."""
+    folder = resources.files("finetune") / "templates"
     return {entry.name.removesuffix(".jinja"): entry.read_text() for entry in folder.iterdir()
             if entry.name.endswith(".jinja")}
 
@@ -28,3 +29,13 @@ def resolve_chat_template(value: str, *, key: str = "model.chat_template") -> st
         return path.read_text()
     raise RecipeError(f"{key}: `{value}` is not a named template, a file, or template text. Named templates: "
                       f"{', '.join(sorted(named))}; or give the path of a .jinja file, or the Jinja text itself.")
+
+
+def checked_chat_template(value: str | None) -> str | None:
+    """The recipe's value, kept as written, once it names a template (pydantic's error for one that does not)."""
+    if value is not None:
+        try:
+            resolve_chat_template(value)
+        except RecipeError as exc:
+            raise ValueError(str(exc).removeprefix("model.chat_template: ")) from None
+    return value
