@@ -36,6 +36,7 @@ from finetune.recipe_checks import (
     check_dtypes,
     check_keep_best,
     check_objective,
+    check_one_of_each,
     check_streaming,
     clamped_warmup,
     steps_for_epochs,
@@ -172,6 +173,8 @@ class TrainSection(_Section):
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="HF's: warmup over this share of max_steps "
+                                       "(rounded up), instead of warmup_steps; the resolved recipe says the steps.")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
@@ -216,11 +219,7 @@ class TrainSection(_Section):
 
     @model_validator(mode="after")
     def _one_run_length(self) -> TrainSection:
-        if self.num_epochs is not None and "max_steps" in self.model_fields_set:
-            raise ValueError(
-                f"max_steps ({self.max_steps}) and num_epochs ({self.num_epochs:g}) are both set; a run's length is "
-                "given by one of them. Fix: remove train.max_steps or train.num_epochs from the recipe; on the command "
-                "line `train.max_steps=null` (or `train.num_epochs=null`) unsets the recipe's.")
+        check_one_of_each(self)  # max_steps or num_epochs, warmup_steps or warmup_ratio
         return self
 
     @field_validator("resume")

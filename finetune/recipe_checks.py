@@ -163,9 +163,27 @@ def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
         raise ValueError("train.keep_best: " + " ".join(problems))
 
 
+def check_one_of_each(train) -> None:  # a finetune.recipe.TrainSection
+    """A run's length is max_steps or num_epochs, its warmup warmup_steps or warmup_ratio: never both of a pair."""
+    if train.num_epochs is not None and "max_steps" in train.model_fields_set:
+        raise ValueError(
+            f"max_steps ({train.max_steps}) and num_epochs ({train.num_epochs:g}) are both set; a run's length is "
+            "given by one of them. Fix: remove train.max_steps or train.num_epochs from the recipe; on the command "
+            "line `train.max_steps=null` (or `train.num_epochs=null`) unsets the recipe's.")
+    if train.warmup_ratio is not None and train.warmup_steps > 0:
+        raise ValueError(
+            f"warmup_steps ({train.warmup_steps}) and warmup_ratio ({train.warmup_ratio:g}) are both set; the warmup "
+            "is given by one of them. Fix: remove one (on the command line `train.warmup_ratio=null`).")
+
+
 def clamped_warmup(train) -> str | None:  # a finetune.recipe.TrainSection
-    """A short run of a long recipe (`train.max_steps=3` on a recipe with 30 warmup steps, a smoke run) is a normal
-    request: warm up over the run instead of refusing it, and say so (the note returned)."""
+    """train.warmup_ratio becomes warmup_steps once max_steps is known (HF's rounding up; the ratio is set to null, so
+    the resolved recipe says the steps). Then a short run of a long recipe (`train.max_steps=3` on a recipe with 30
+    warmup steps, a smoke run) is a normal request: warm up over the run instead of refusing it, and say so (the
+    note returned)."""
+    if train.warmup_ratio is not None:
+        steps, train.warmup_ratio = math.ceil(round(train.warmup_ratio * train.max_steps, 6)), None
+        train.warmup_steps = steps  # after the ratio is unset: each assignment is validated (one of the two)
     if train.warmup_steps >= train.max_steps and train.warmup_steps > 0:
         asked, clamped = train.warmup_steps, train.max_steps - 1
         train.warmup_steps = clamped

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
+from finetune.recipe_names import foreign_name
 
 
 def field_names(model: type[BaseModel]) -> list[str]:
@@ -38,8 +39,28 @@ def schema_at(root: type[BaseModel], path: tuple[str | int, ...]) -> type[BaseMo
     return current
 
 
-def suggest(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+def section_keys(root: type[BaseModel]) -> dict[str, list[str]]:
+    """Every section of the schema -> its keys (data.datasets' keys under `data.datasets[]`)."""
+    sections = {}
+    for name in root.model_fields:
+        schema = schema_at(root, (name,))
+        if schema is not None:
+            sections[name] = field_names(schema)
+            for inner in schema.model_fields:
+                nested = schema_at(root, (name, inner))
+                if nested is not None:
+                    sections[f"{name}.{inner}[]"] = field_names(nested)
+    return sections
+
+
+def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None) -> str:
+    """What to say of an unknown key: the key it means where it is another tool's name or belongs in another section
+    (finetune/recipe_names.py), else a near spelling of a key here (close enough to be a typo, never a key of
+    another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`), else the keys here."""
+    known = foreign_name(key, section_keys(root)) if root is not None else None
+    if known:
+        return f" {known}"
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
     if close:
         return f" Did you mean `{close[0]}`?"
     return f" Valid keys here: {', '.join(candidates)}."
@@ -56,7 +77,7 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
             lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
         elif item["type"] == "extra_forbidden":
             parent = schema_at(root, loc[:-1])
-            hint = suggest(str(loc[-1]), field_names(parent)) if parent else ""
+            hint = suggest(str(loc[-1]), field_names(parent), root=root) if parent else ""
             lines.append(f"  {dotted}: unknown key.{hint}")
         elif item["type"] == "missing":
             lines.append(f"  {dotted}: required key is missing.")
@@ -92,7 +113,7 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
         if schema is not None and part not in schema.model_fields and not isinstance(node, list):
             where = ".".join(parts[:depth]) or "the top level"
             raise RecipeError(
-                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{suggest(part, field_names(schema))}"
+                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{suggest(part, field_names(schema), root=root)}"
                 f" (keys under {where})"
             )
         last = depth == len(parts) - 1

@@ -124,16 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)
-        # A lost peer is named in full by every rank that saw it: rank 0 may be the one that died.
-        whole = rank == 0 or isinstance(exc, distributed.PeerLost)
-        text = str(exc) if whole else f"(rank {rank}) {str(exc).splitlines()[0][:160]}"
+        code = getattr(exc, "exit_code", EXIT_USER_ERROR)
+        # A mistake every rank finds alike (the recipe, its files, the plan) is printed once, whole, by rank 0; the
+        # others stay silent until it has (or print it whole themselves if it never does). A lost peer is named by
+        # every rank that saw it (rank 0 may be the one that died); another rank's own problem by that rank, whole.
+        alike = getattr(exc, "alike_on_every_rank", False) and not isinstance(exc, distributed.PeerLost)
+        if rank != 0 and alike and distributed.wait_for_rank0_paragraph():
+            return code
+        text = str(exc) if rank == 0 or isinstance(exc, distributed.PeerLost) else f"(rank {rank}) {exc}"
         kind = "error: " if getattr(exc, "is_error", True) else ""  # Preempted (exit 128 + signal) is no error
         print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
         if rank == 0:
             distributed.rank0_printed()
-        elif getattr(exc, "alike_on_every_rank", False):
-            distributed.wait_for_rank0_paragraph()
-        return getattr(exc, "exit_code", EXIT_USER_ERROR)
+        return code
     except OSError as exc:  # a full disk outside the checkpoint and adapter writes (metrics.jsonl, plot.png)
         from finetune.files import no_room
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -29,9 +30,20 @@ class Source:
     rows: list | None = None  # a JSON array file's rows
 
     def fingerprint(self) -> str | None:
-        """What identifies the rows for the cache: None for local files (their bytes are hashed instead); the
-        `datasets` fingerprint of a hub dataset (it changes with the revision and the files read)."""
-        return getattr(self.table, "_fingerprint", None) if self.table is not None else None
+        """What identifies a hub dataset's rows for the cache (local files have their bytes hashed instead), from
+        `datasets`' public API: the Arrow files behind the table (their names carry the builder's hash of the config,
+        revision and data files; their sizes and modification times, a rebuild), its length and features. None for a
+        table with no files behind it (in memory): not cached. `Dataset._fingerprint` is private, and a rename
+        would have turned caching off without a word."""
+        files = getattr(self.table, "cache_files", None) if self.table is not None else None
+        if not files:
+            return None
+        digest = hashlib.blake2b(f"{len(self.table)}|{self.table.features}".encode(), digest_size=16)
+        for entry in files:
+            path = Path(entry["filename"])
+            stat = path.stat()
+            digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
 
     def byte_size(self) -> int | None:
         return self.jsonl.stat().st_size if self.jsonl is not None else None

@@ -509,3 +509,25 @@ def test_a_row_truncated_away_is_dropped_and_named_and_overlong_error_refuses_it
 
     fresh, cached = data_line("data.cache=false"), data_line()
     assert fresh == cached and f"0 skipped, 0 truncated, 1 dropped (past max_length: {path} line 31)" in cached, cached
+
+
+def test_a_hub_tables_cache_identity_uses_datasets_public_api_only(tmp_path):
+    """A `datasets` table (a hub dataset's kind) is identified by the Arrow files behind it, read through the public
+    `cache_files`: with `Dataset._fingerprint` gone (a private name a release may rename), caching stays on, and
+    other rows are another key."""
+    import datasets
+
+    from finetune.data.sources import Source
+
+    def identity(rows: list[dict]) -> str | None:
+        folder = tmp_path / f"saved{len(list(tmp_path.iterdir()))}"
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+        table = datasets.load_from_disk(str(folder))
+        del table._fingerprint  # as if a release renamed it
+        return Source(DatasetSpec(path="org/name", format="alpaca"), table=table).fingerprint()
+
+    first = identity(addition_rows(8))
+    assert first is not None
+    assert identity(addition_rows(9)) != first
+    in_memory = Source(DatasetSpec(path="org/name"), table=datasets.Dataset.from_list(addition_rows(4)))
+    assert in_memory.fingerprint() is None  # no files behind it: not cached (never a stale hit)

@@ -248,3 +248,56 @@ def test_training_run_preempted_then_resumed_is_one_mlflow_run(tiny_llama, alpac
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"adapter", "recipe.yaml", "plot.png"} <= artifacts
     assert "adapter/adapter_model.safetensors" in {a.path for a in client.list_artifacts(run_id, "adapter")}
+
+
+def wandb_history(out) -> tuple[object, list[dict]]:
+    """The run record and the history rows of an offline W&B run, read from its .wandb file (W&B's record log: a
+    7-byte header, then 32 KiB blocks of records, each a CRC, a length, a type (full, first, middle, last) and a
+    protobuf `Record`); wandb 0.31 has no Python reader of its own (its core is in Go)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    raw, position, records, pending = path.read_bytes(), 7, [], b""
+    while position + 7 <= len(raw):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a record header is padding
+            position += 32768 - position % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[position : position + 7])
+        data, position = raw[position + 7 : position + 7 + length], position + 7 + length
+        if kind == 0:
+            break
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):
+            records.append(pending)
+    run, history = None, []
+    for data in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+        elif kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    return run, history
+
+
+def test_wandb_offline_run_holds_the_metrics_and_the_name(tmp_path, capsys, monkeypatch):
+    """Without an API key the W&B tracker runs offline (synced later with `wandb sync`): the run's record log in the
+    run folder holds the recipe's project and run name and every logged metric at its step."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    out.mkdir()
+    recipe = make_recipe(tmp_path, trackers=["wandb"], run_name="wb-1", wandb_project="finetune-test")
+    write_all(Trackers(recipe, out, is_main=True))
+    assert warnings_of(capsys) == []
+    run, history = wandb_history(out)
+    assert (run.display_name, run.project) == ("wb-1", "finetune-test")
+    assert json.loads((out / "trackers.json").read_text())["wandb"] == run.run_id
+    assert [(row["_step"], row["loss"]) for row in history] == [(1, 2.5), (2, 2.0)]
+    assert history[1]["eval_loss"] == 2.2 and history[0]["learning_rate"] == 1e-4

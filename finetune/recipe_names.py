@@ -1,0 +1,175 @@
+"""The names users bring from HF's TrainingArguments, TRL's configs, PEFT's LoraConfig and axolotl: the recipe key each
+one means, or why finetune has none. The recipe's unknown-key error reads it ("`gradient_accumulation_steps` is
+`train.grad_accum` here"), ahead of any spelling guess, so a guess never points to a key of another meaning.
+
+They are not accepted as aliases: a recipe is a closed schema with one name per setting, so two recipes that say the
+same thing read the same, and a name whose meaning differs here (HF's `warmup_steps` takes a ratio below 1, ours an
+integer; TRL's `max_length` is per sequence of a pair, ours per row) is never silently taken for ours. The error names
+the key and the unit. tests/test_recipe_names.py checks the table against the installed TrainingArguments, TRL configs
+and LoraConfig, so a field they add, or a recipe key that moves, shows up there.
+"""
+
+from __future__ import annotations
+
+# name -> the recipe key it means (with what differs, after a semicolon).
+MEANS: dict[str, str] = {
+    # HF TrainingArguments
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "num_train_epochs": "train.num_epochs",
+    "warmup_ratio": "train.warmup_ratio",
+    "lr_scheduler_type": "train.lr_schedule; cosine, linear or constant",
+    "optim": "train.optimizer; adamw or adamw_8bit",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "save_steps": "train.save_every",
+    "save_total_limit": "train.keep_last",
+    "load_best_model_at_end": "train.keep_best; it keeps the best checkpoint, `finetune export --step` exports it",
+    "resume_from_checkpoint": "train.resume; `auto` or a checkpoint folder",
+    "output_dir": "output.dir",
+    "overwrite_output_dir": "output.overwrite",
+    "report_to": "train.trackers; tensorboard, mlflow, wandb",
+    "project": "train.wandb_project or train.mlflow_experiment",
+    "bf16": "model.dtype: bfloat16; `auto` picks it where the device computes it",
+    "fp16": "model.dtype: float16",
+    "tf32": "model.dtype; TF32 matmuls follow torch's own setting on the GPU",
+    "deepspeed": "parallel.strategy: deepspeed with parallel.zero_stage or parallel.deepspeed_config",
+    "fsdp": "parallel.strategy: fsdp (parallel.fsdp_version, reshard_after_forward, cpu_offload)",
+    "fsdp_config": "the parallel section (and the accelerate config's fsdp_* keys)",
+    "ddp_timeout": "parallel.collective_timeout_s",
+    "label_smoothing_factor": "dpo.label_smoothing; an SFT loss has none",
+    "activation_checkpointing": "train.gradient_checkpointing (parallel.activation_checkpointing under FSDP)",
+    # TRL
+    "max_seq_length": "data.max_length",
+    "max_prompt_length": "dpo.max_prompt_length",
+    "dataset_text_field": "data.datasets[].columns; `{text: YOUR_FIELD}`, with format: text",
+    "dataset_num_proc": "data.num_proc",
+    "chat_template_path": "model.chat_template; a file, a named template or the text",
+    "precompute_ref_log_probs": "dpo.reference: precomputed",
+    "reward_funcs": "grpo.reward_functions; `module:function`, TRL's signature",
+    # PEFT LoraConfig
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "use_rslora": "lora.rslora",
+    "use_dora": "lora.dora",
+    "lora_bias": "lora.bias",
+    # axolotl
+    "base_model": "model.name_or_path",
+    "base_model_config": "model.name_or_path",
+    "tokenizer_config": "model.tokenizer",
+    "tokenizer_type": "model.tokenizer; AutoTokenizer picks the class",
+    "lora_r": "lora.r",
+    "lora_target_modules": "lora.target_modules",
+    "lora_target_linear": "lora.target_modules: all-linear",
+    "load_in_4bit": "quantization.method: nf4 (the default)",
+    "load_in_8bit": "quantization.method; nf4 or fp4 (4-bit), or none",
+    "bnb_4bit_quant_type": "quantization.method",
+    "bnb_4bit_use_double_quant": "quantization.double_quant",
+    "bnb_4bit_compute_dtype": "quantization.compute_dtype",
+    "bnb_4bit_quant_storage": "quantization.quant_storage",
+    "sequence_len": "data.max_length",
+    "sample_packing": "data.packing",
+    "val_set_size": "data.eval_fraction",
+    "num_epochs": "train.num_epochs",
+    "micro_batch_size": "train.micro_batch_size",
+    "lr_scheduler": "train.lr_schedule",
+    "cosine_min_lr_ratio": "train.min_lr_ratio",
+    "optimizer": "train.optimizer",
+    "evals_per_epoch": "train.eval_every; in steps",
+    "saves_per_epoch": "train.save_every; in steps",
+    "flash_attention": "model.attn_implementation: flash_attention_2",
+    "sdp_attention": "model.attn_implementation: sdpa",
+    "chat_template": "model.chat_template",
+    "default_system_message": "data.system_prompt",
+    "datasets": "data.datasets",
+    "test_datasets": "data.eval_datasets",
+    "rl": "train.objective; sft, dpo, kto or grpo",
+    "wandb_project": "train.wandb_project",
+    "wandb_name": "train.run_name",
+    "mlflow_experiment_name": "train.mlflow_experiment",
+    "mlflow_tracking_uri": "train.mlflow_tracking_uri",
+    "dataset_prepared_path": "data.cache; tokenized data is kept in $FINETUNE_CACHE",
+    "trust_remote_code": "model.trust_remote_code",
+    "weight_decay_rate": "train.weight_decay",
+}
+
+# name -> why there is no counterpart (what finetune does instead).
+NO_COUNTERPART: dict[str, str] = {
+    "use_cpu": "a machine without a GPU runs on the CPU by itself (accelerate: ACCELERATE_USE_CPU=true)",
+    "hub_model_id": "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it",
+    "assistant_only_loss": "chat rows always train the assistant turns only, each in its inference context",
+    "completion_only_loss": "completion rows always train the completion only",
+    "train_on_inputs": "prompts are never trained; format: text trains everything",
+    "neftune_noise_alpha": "NEFTune embedding noise is not built",
+    "per_device_eval_batch_size": "evaluation uses train.micro_batch_size",
+    "eval_strategy": "evaluations run every train.eval_every steps (0: at the end)",
+    "evaluation_strategy": "evaluations run every train.eval_every steps (0: at the end)",
+    "save_strategy": "checkpoints are written every train.save_every steps, at the end and on SIGTERM",
+    "logging_strategy": "metrics are logged every train.log_every steps",
+    "push_to_hub": "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it",
+    "torch_compile": "not built: compiled graphs and FSDP's per-layer wraps of 4-bit layers are not tested together",
+    "use_liger_kernel": "Liger kernels are not built in",
+    "auto_find_batch_size": "`finetune plan` computes the largest micro-batch that fits before the run",
+    "packing_strategy": "packing is greedy in order, with position ids restarting per example",
+    "padding_free": "packed rows are already padding-free (position ids restart per example)",
+    "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, chosen per strategy",
+    "adapter": "every run trains a LoRA adapter on a 4-bit base (QLoRA); quantization.method: none for plain LoRA",
+    "special_tokens": "the tokenizer's own special tokens are used; new ones would need trained embeddings",
+    "lr_scheduler_kwargs": "train.lr_schedule and train.min_lr_ratio are the schedule's settings",
+    "adam_beta1": "AdamW's betas are torch's defaults (0.9, 0.999)",
+    "adam_beta2": "AdamW's betas are torch's defaults (0.9, 0.999)",
+    "adam_epsilon": "AdamW's epsilon is torch's default (1e-8)",
+    "use_vllm": "GRPO samples its completions with the policy itself (a KV cache under every strategy)",
+    "use_weighting": "not built (WPO weighting)",
+    "sync_ref_model": "the reference is the adapter switched off, or precomputed (dpo.reference)",
+    "steps_per_generation": "each optimizer step samples its own completions (grpo.num_iterations reuses them)",
+}
+
+# Fields that finetune sets by itself (devices, processes, loaders, logging, the hub) or that belong to features it
+# does not have; one reason for all. A prefix covers a family of fields (vLLM's, the hub's, DDP's ...).
+MANAGED_REASON = ("a setting of HF's Trainer or TRL's trainers that finetune makes itself (the launch, devices, "
+                  "loaders, logging) or that has no use here")
+MANAGED_PREFIXES = ("vllm_", "hub_", "trackio_", "ddp_", "dataloader_", "torch_compile_", "log_", "logging_",
+                    "eval_", "save_", "entropy_", "vespo_", "sapo_", "fsdp_", "mlflow_", "wandb_", "liger_",
+                    "include_", "model_init_", "ds3_", "use_transformers_", "transformers_", "use_bias_", "lora_ga",
+                    "alora_", "megatron_", "qalora_", "use_qalora", "use_adaptive", "off_policy_", "f_alpha_", "f_diver")
+MANAGED: frozenset[str] = frozenset({
+    # TrainingArguments
+    "accelerator_config", "activation_checkpointing_kwargs", "average_tokens_across_devices", "batch_eval_metrics",
+    "bf16_full_eval", "data_seed", "debug", "disable_tqdm", "do_eval", "do_predict", "do_train", "enable_jit_checkpoint",
+    "fp16_full_eval", "full_determinism", "greater_is_better", "ignore_data_skip", "label_names", "length_column_name",
+    "local_rank", "metric_for_best_model", "optim_args", "optim_target_modules", "parallelism_config",
+    "prediction_loss_only", "remove_unused_columns", "restore_callback_states_from_checkpoint", "skip_memory_metrics",
+    "torch_empty_cache_steps", "train_sampling_strategy", "use_cache",
+    # TRL
+    "activation_offloading", "dataset_kwargs", "eos_token", "pad_token", "pad_to_multiple_of", "router_aux_loss_coef",
+    "shuffle_dataset", "truncation_mode", "disable_dropout", "discopop_tau", "ld_alpha", "loss_weights",
+    "precompute_ref_batch_size", "ref_model_mixup_alpha", "ref_model_sync_steps", "cache_implementation",
+    "cast_lm_head_to_fp32", "chat_template_kwargs", "delta", "generation_batch_size", "generation_kwargs",
+    "importance_sampling_level", "max_tool_calling_iterations", "min_p", "multi_objective_aggregation",
+    "num_completions_to_print", "num_generations_eval", "repetition_penalty", "top_entropy_quantile", "top_k",
+    "use_transformers_paged",
+    # PEFT LoraConfig (set by finetune from the lora section, or not used with QLoRA)
+    "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
+    "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode", "init_lora_weights", "kasa_config",
+    "layer_replication", "layers_pattern", "layers_to_transform", "loftq_config", "modules_to_save",
+    "monteclora_config", "peft_type", "peft_version", "rank_pattern", "runtime_config", "target_parameters",
+    "task_type", "trainable_token_indices", "use_bdlora", "velora_config",
+})
+
+
+def foreign_name(name: str, schema_keys: dict[str, list[str]]) -> str | None:
+    """What to tell a user who wrote `name` where the recipe has no such key: the key it means, where it belongs (a
+    key of another section), or why there is none. None: not a name the table knows (the caller may guess)."""
+    sections = [section for section, keys in schema_keys.items() if name in keys]
+    if sections:
+        where = " or ".join(f"`{section}.{name}`" for section in sections)
+        return f"`{name}` is {where} here: move it to that section."
+    if name in MEANS:
+        key, _, note = MEANS[name].partition("; ")
+        return f"`{name}` is `{key}` here{f' ({note})' if note else ''}."
+    if name in NO_COUNTERPART:
+        return f"`{name}` has no counterpart here: {NO_COUNTERPART[name]}."
+    if name in MANAGED or name.startswith(MANAGED_PREFIXES):
+        return f"`{name}` is {MANAGED_REASON}; leave it out."
+    return None
