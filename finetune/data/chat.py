@@ -51,7 +51,7 @@ class _Renderer:
 
     def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None, reasoning: str, where: str):
         self.tokenizer, self.tools, self.reasoning, self.where = tokenizer, tools, reasoning, where
-        self.template = chat_template_text(tokenizer)
+        self.template = chat_template_text(tokenizer, tools=bool(tools))
         self.string_arguments = False
         if tools and not renders_tools(self.template):
             raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render "
@@ -81,10 +81,13 @@ class _Renderer:
                             "(the template's own words above), or set data.bad_rows: skip.") from None
 
 
-def chat_template_text(tokenizer) -> str:
-    """The tokenizer's chat template as text (a dict of named templates: its `default`)."""
+def chat_template_text(tokenizer, *, tools: bool = False) -> str:
+    """The tokenizer's chat template as text. A dict of named templates (Hermes 2 Pro's, Command R's): `tool_use`
+    when tools are given and it has one, else `default`, as transformers picks."""
     template = getattr(tokenizer, "chat_template", None) or ""
-    return template.get("default", "") if isinstance(template, dict) else template
+    if isinstance(template, dict):
+        return template.get("tool_use", "") if tools and "tool_use" in template else template.get("default", "")
+    return template
 
 
 def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[dict] | None = None,
@@ -107,21 +110,49 @@ def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[di
 
 
 def _locate(renderer: _Renderer, messages: list[dict], index: int) -> _Turn:
-    """Turn `index`'s W and its trained span, checked (module docstring)."""
+    """Turn `index`'s example text and its trained span, checked (module docstring)."""
     context, whole = renderer.render(index, True), renderer.render(index + 1, False)
     if whole.startswith(context):
-        start = len(context)
-    else:  # the generation prompt prefills text this turn's rendering lacks: the span starts where they part
-        start = next((k for k, (a, b) in enumerate(zip(context, whole)) if a != b), min(len(context), len(whole)))
-        history = renderer.render(index, False)
-        if not whole.startswith(history) or start < len(history):
-            raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
-                            f"differently once that assistant turn follows it, so the turn's context cannot be found. "
-                            f"Fix: {NAMED_FIX}.")
-    end = len(whole.rstrip())  # the end-of-turn token is trained (the model must learn to stop); a newline after it not
-    _prove(whole[start:end], messages[index], index, renderer)
-    stop = _stop_token(renderer, messages, index, whole[:end])
-    return _Turn(index, whole[:end] + stop + whole[end:] if stop else whole, start, end + len(stop))
+        text, start = whole, len(context)
+    else:
+        text, start = _unprefixed(renderer, messages, index, context, whole)
+    end = len(text.rstrip())  # the end-of-turn token is trained (the model must learn to stop); a newline after it not
+    _prove(text[start:end], messages[index], index, renderer)
+    stop = _stop_token(renderer, messages, index, text[:end])
+    return _Turn(index, text[:end] + stop + text[end:] if stop else text, start, end + len(stop))
+
+
+def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: str, whole: str) -> tuple[str, int]:
+    """(example text, span start) of a turn whose rendering W does not continue its context C. Where the turn's own
+    text opens in W is found by rendering the turn with a probe for its content (the two part right there).
+    - The generation prompt prefills text the turn lacks (DeepSeek-R1's `<think>\n` before an answer without
+      reasoning): the history is W's own, and the span starts where C and W part, or where the turn's text opens
+      if that is sooner (an answer starting with `<` shares a character with `<think>`).
+    - The turn makes the template rewrite the history (gpt-oss drops a tool call's analysis once a final answer
+      follows): the model is given C at inference and writes the turn, so the example is C followed by the turn as
+      W renders it, from the end of the generation prompt on."""
+    history = renderer.render(index, False)
+    prompt = context[len(history):] if context.startswith(history) else ""
+    saved = renderer.messages
+    renderer.messages = messages[:index] + [{"role": "assistant", "content": _PROBE}]
+    try:
+        probed = renderer.render(index + 1, False)
+    finally:
+        renderer.messages = saved
+    opening = _common_prefix(whole, probed)
+    if prompt and whole.startswith(history):
+        start = min(_common_prefix(context, whole), opening)
+        if start >= len(history):
+            return whole, start
+    elif prompt and (at := whole.rfind(prompt, 0, opening + 1)) >= 0:
+        return context + whole[at + len(prompt):], len(context)
+    raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
+                    "differently once that assistant turn follows it, and the turn cannot be found after the "
+                    f"generation prompt. Fix: {NAMED_FIX}.")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 _SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -153,8 +184,13 @@ def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: 
     # the token is read off just before the follower's content, where the turn's own ending must stand before it.
     head, tail = after[: after.rfind(_PROBE)], through.rstrip()[-4:]
     at = head.rfind(tail)
-    rest = head[at + len(tail):].lstrip() if at >= 0 else ""
-    return next((token for token in specials if rest.startswith(token)), "")
+    while at >= 0:  # the last place the turn's ending stands right before a special token (not inside one: "user")
+        rest = head[at + len(tail):].lstrip()
+        token = next((token for token in specials if rest.startswith(token)), "")
+        if token:
+            return token
+        at = head.rfind(tail, 0, at + len(tail) - 1)
+    return ""
 
 
 def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:

@@ -26,7 +26,9 @@ ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant"
                 "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "ipython": "tool",
                 "observation": "tool", "function_call": "assistant"}
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' templates' names, then others'
-_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.DOTALL)
+# A leading reasoning block: `<think>...</think>`, or reasoning closed by `</think>` alone (DeepSeek-R1's outputs: its
+# template prefills the opening tag), as Qwen3's and GLM's templates split it.
+_INLINE_THINK = re.compile(r"\A\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)
 
 
 # ------------------------------------------------------------------------------------------------ normal form
@@ -86,7 +88,7 @@ def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -
         if reasoning is not None:
             raise DataError(f"{where} has reasoning twice: in a field and as an inline <think> block. Keep one.")
         reasoning, message["content"] = inline.group(1), message["content"][inline.end():]
-    elif "</think>" in message["content"] or message["content"].lstrip().startswith("<think>"):
+    elif message["content"].lstrip().startswith("<think>"):
         raise DataError(f"{where}: its content has an unbalanced <think> block (a reasoning block opens the answer as "
                         "<think>...</think>). Fix the row, put the reasoning in `reasoning_content`, or set "
                         "data.bad_rows: skip.")

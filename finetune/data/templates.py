@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -94,9 +95,11 @@ def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     """Row -> its examples as [(text, trained)] segments: one, except a conversation whose chat template rewrites
     history, which gives one per inference context (data/chat.py)."""
     if spec.format != "chat":
-        return [render_segments(row, spec, tokenizer, system_prompt, where)]
+        return [render_segments(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)]
     check_row(row, spec, where)
     system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
+    own = _field(row, spec, "system")  # a row's `system` column (LLaMA-Factory's ShareGPT exports) comes first
+    system_prompt = own if isinstance(own, str) and own.strip() else system_prompt
     messages = normalize_messages(_field(row, spec, "messages"), spec, where)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
@@ -213,6 +216,11 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                             "contexts, so they cannot be scored as one sequence. Give one assistant answer per "
                             "response (its history in the prompt).")
         sequences.append(examples[0])
+    prompts = {"".join(text for text, _ in itertools.takewhile(lambda s: not s[1], segments)) for segments in sequences}
+    if len(prompts) > 1:
+        raise DataError(f"{where}: the answers are rendered after different prompts (the chat template prefills "
+                        "`<think>` before an answer with reasoning, not before one without), so they would not answer "
+                        "the same prompt. Give every answer reasoning, or none (data.reasoning: drop).")
     return sequences
 
 

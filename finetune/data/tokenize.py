@@ -86,9 +86,9 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
 def _check_tools(rows: list[dict], spec: DatasetSpec, tokenizer, source: str) -> None:
     """Tools offered to a template that never renders them: refused before tokenizing (the rows would train a model
     that never saw its tools)."""
-    template = chat_template_text(tokenizer)
     column = _column(spec, "tools")
     offered = spec.tools is not None or any(row.get(column) not in (None, "", []) for row in rows)
+    template = chat_template_text(tokenizer, tools=offered)
     if template and offered and not renders_tools(template):
         raise DataError(
             f"{source}: the rows offer tools (`{column}`{' and data.datasets[].tools' if spec.tools else ''}), but the "

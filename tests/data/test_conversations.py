@@ -213,21 +213,27 @@ def test_malformed_conversations_name_the_message_and_the_fix(messages, match):
 
 def test_no_template_can_make_a_span_silently_wrong():
     """Templates built to break each step of the proof are refused naming the row, never trained wrong: one whose
-    generation prompt eats into the answer, one that drops the answer, one that rewrites history when a turn follows."""
+    generation prompt eats into the answer, one that drops the answer, one whose generation prompt never appears once
+    the turn is rendered and that rewrites the history then. A template that only rewrites the history when a turn
+    follows is trained the way the model meets it: the context it is given, then the turn."""
     base = family_tokenizer("qwen2.5")
     row = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Teal."}]}
     eats = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\nTe{% endif %}")
     drops = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.role != 'assistant' else 'ok' }}"
              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    rewrites = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if not (m.role == 'user' and "
-                "messages[-1].role == 'assistant') else 'X' }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    lost = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if not (m.role == 'user' and "
+            "messages[-1].role == 'assistant') else 'X' }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>bot\n{% endif %}")
     for template, match in ((eats, "answer is not whole"), (drops, "answer is not whole"),
-                            (rewrites, "renders the conversation before message 2 differently")):
+                            (lost, "renders the conversation before message 2 differently")):
         base.chat_template = template
         with pytest.raises(DataError, match=rf"line 3: .*{match}"):
             data.render_examples(row, SPEC, base, None, "rows.jsonl line 3")
+    base.chat_template = lost.replace("bot", "assistant")
+    (example,) = data.render_examples(row, SPEC, base, None, "rows.jsonl line 3")
+    assert example == [("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n", False),
+                       ("Teal.<|im_end|>", True), ("\n", False)]
 
 
 def test_preference_and_kto_prompts_with_history_and_tools():
@@ -293,3 +299,67 @@ def test_shipped_named_templates_are_the_models_own():
         assert named[name] == trl_template(file), name
     shipped = trl_template("deepseek_r1_distill.jinja")
     assert named["deepseek-r1"] == shipped.replace("'</think>' in content %}", "'</think>' in content and not loop.last %}")
+
+
+# ----------------------------------------------------------------------------- rows a review found breaking it
+def test_gpt_oss_agent_row_trains_the_answer_after_the_analysis_it_was_given():
+    """gpt-oss drops a tool call's analysis from the history once a final answer follows, but at inference the answer
+    is written right after it: the answer's example is its context C followed by the answer (TRL's mask, per turn)."""
+    tokenizer = family_tokenizer("gpt-oss")
+    call = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    row = {"tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "thinking": "I need the weather tool.", "tool_calls": call},
+        {"role": "tool", "content": "{\"temp_c\": 21}"}, {"role": "assistant", "content": "It is 21 C."}]}
+    (example,) = data.render_examples(row, SPEC, tokenizer, None, "row 1")  # the call and the answer: one context
+    assert "I need the weather tool." in "".join(text for text, _ in example)  # the answer is written after it
+    turns = finetune_turns(row, tokenizer)
+    assert [text for _, text in turns] == [
+        ('<|channel|>analysis<|message|>I need the weather tool.<|end|><|start|>assistant to=functions.get_weather'
+        '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'),
+        "<|channel|>final<|message|>It is 21 C.<|return|>"]
+    for (context, trained), index in zip(turns, (1, 3)):
+        assert trl_last_turn(row, index, tokenizer, "gptoss_training.jinja") == "<|start|>assistant" + trained
+
+
+def test_an_answer_ending_like_the_next_header_keeps_its_stop_token():
+    tokenizer = family_tokenizer("glm-4.5")
+    row = {"messages": [{"role": "user", "content": "Who decides?"}, {"role": "assistant", "content": "Ask the user"}]}
+    assert [text for _, text in finetune_turns(row, tokenizer)] == ["\n<think></think>\nAsk the user<|user|>"]
+
+
+@pytest.mark.parametrize("answer", ["<b>Hi</b>", "<think-tank>", ""])
+def test_a_prefilled_think_never_eats_the_answer(answer):
+    """DeepSeek-R1 prefills `<think>\\n`; an answer starting with `<` shares a character with it, and an empty one
+    used to start the span inside the end-of-sentence token."""
+    tokenizer = family_tokenizer("deepseek-r1")
+    row = {"messages": [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": answer}]}
+    assert [text for _, text in finetune_turns(row, tokenizer)] == [answer + "<｜end▁of▁sentence｜>"]
+
+
+def test_a_template_dict_renders_tool_rows_with_its_tool_use_template():
+    tokenizer = family_tokenizer("qwen2.5")
+    tokenizer.chat_template = {"default": named_templates()["chatml"], "tool_use": named_templates()["qwen2.5"]}
+    trained = [text for _, text in finetune_turns(ROWS["tool_call"], tokenizer)]
+    assert trained[0].startswith("<tool_call>") and "get_weather" in trained[0]
+
+
+def test_pair_answers_rendered_after_different_prompts_are_refused():
+    tokenizer = family_tokenizer("deepseek-r1", template=named_templates()["deepseek-r1"])
+    pair = {"prompt": [{"role": "user", "content": "Colour?"}], "rejected": "Red.",
+            "chosen": [{"role": "assistant", "reasoning_content": "Calm.", "content": "Teal."}]}
+    with pytest.raises(DataError, match="rendered after different prompts"):
+        data.render_segments(pair, DatasetSpec(path="p.jsonl", format="preference"), tokenizer, None, "row 1")
+
+
+def test_sharegpt_system_column_and_r1_style_reasoning_without_its_opening_tag():
+    """LLaMA-Factory's ShareGPT exports keep the system prompt in a `system` column; DeepSeek-R1's outputs close their
+    reasoning with `</think>` alone (the template prefilled `<think>`)."""
+    tokenizer = family_tokenizer("qwen3")
+    row = {"system": "You are a pirate.", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Thinking about pirates.\n</think>\n\nAhoy."}]}
+    (example,) = data.render_examples(row, SPEC, tokenizer, None, "row 1")
+    text = "".join(piece for piece, _ in example)
+    assert text.startswith("<|im_start|>system\nYou are a pirate.<|im_end|>")
+    assert [piece for piece, trained in example if trained] == [
+        "<think>\nThinking about pirates.\n</think>\n\nAhoy.<|im_end|>"]

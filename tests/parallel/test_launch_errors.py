@@ -1,0 +1,69 @@
+"""A mistake every rank finds reaches the terminal once, whole, whichever rank gets there first, under each real
+launcher (accelerate launch with the shipped ddp.yaml, torchrun, the DeepSpeed launcher), before the process group
+exists (the recipe) and after (the parallel plan).
+
+The race is made to go each way every time, not left to luck: a sitecustomize that the launched processes import
+holds one rank for 3 s before it starts. Before the fix, rank 1 winning printed "(rank 1) r.yaml: 1 problem in the
+recipe:" with nothing under it and exited, and the launcher SIGTERMed rank 0 before it printed the paragraph.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from conftest import RUN_PY, addition_rows, child_env, free_port, recipe_dict, run_cmd, write_jsonl, write_recipe
+from shipped import launch
+
+MISTAKES = {  # the recipe's train keys -> the lines the paragraph must hold
+    "recipe": ({"learning_rat": 0.001, "gradient_accumulation_steps": 4},
+               ["2 problems in the recipe:", "  train.learning_rat: unknown key. Did you mean `learning_rate`?",
+                ("  train.gradient_accumulation_steps: unknown key. `gradient_accumulation_steps` is `train.grad_accum` "
+                 "here.")]),
+    "plan": ({}, ["the parallel setup cannot work:", ("  - parallel.strategy is `layer_split` but 2 processes were "
+                  "started")]),
+}
+PARALLEL = {"recipe": {}, "plan": {"strategy": "layer_split"}}
+
+
+def _launched(launcher: str, recipe, overrides: list[str]):
+    if launcher == "accelerate":
+        return launch("ddp.yaml", recipe, *overrides, timeout=240)
+    if launcher == "torchrun":
+        args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(RUN_PY), str(recipe), *overrides]
+    else:
+        args = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                str(free_port()), str(RUN_PY), str(recipe), *overrides]
+    return run_cmd(args, env=child_env(ACCELERATE_USE_CPU="true"), timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun", "deepspeed"])
+def test_the_paragraph_reaches_the_terminal_once_whole_whichever_rank_is_first(launcher, mistake, tiny_qwen2,
+                                                                                 tmp_path, monkeypatch):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('RANK') == os.environ.get('SLOW_RANK'):\n"
+        "    time.sleep(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    train_keys, lines = MISTAKES[mistake]
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_qwen2, data, tmp_path / "out", train=train_keys,
+                                                           parallel=PARALLEL[mistake]))
+    overrides: list[str] = []
+    for slow in ("0", "1"):  # rank 1 first (the case that lost the paragraph), then rank 0 first
+        monkeypatch.setenv("SLOW_RANK", slow)
+        result = _launched(launcher, recipe, overrides)
+        err = result.stderr
+        assert result.returncode != 0
+        assert err.count(lines[0]) == 1, f"slow rank {slow}:\n{err[-3000:]}"  # once
+        start = err.index(lines[0])
+        assert all(line in err[start:] for line in lines[1:]), f"slow rank {slow}:\n{err[-3000:]}"  # whole
+        assert "(rank 1)" not in err  # no header of another rank, with or without its problems
+        assert f'File "{RUN_PY.parent}' not in err  # no traceback of ours (the launcher's own may follow)
+        assert not (tmp_path / "out").exists()
