@@ -35,7 +35,7 @@ MEANS: dict[str, str] = {
     "tf32": "model.dtype; TF32 matmuls follow torch's own setting on the GPU",
     "deepspeed": "parallel.strategy: deepspeed with parallel.zero_stage or parallel.deepspeed_config",
     "fsdp": "parallel.strategy: fsdp (parallel.fsdp_version, reshard_after_forward, cpu_offload)",
-    "fsdp_config": "the parallel section (and the accelerate config's fsdp_* keys)",
+    "fsdp_config": "parallel.strategy; fsdp, with the parallel section's keys and the accelerate config's fsdp_* keys",
     "ddp_timeout": "parallel.collective_timeout_s",
     "label_smoothing_factor": "dpo.label_smoothing; an SFT loss has none",
     "activation_checkpointing": "train.gradient_checkpointing (parallel.activation_checkpointing under FSDP)",

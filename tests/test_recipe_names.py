@@ -1,0 +1,114 @@
+"""The names users bring from HF's TrainingArguments, TRL's configs, PEFT's LoraConfig and axolotl map to the recipe
+key they mean (finetune/recipe_names.py), checked against the installed libraries: a field they add, or a recipe key
+that moves, fails here. A spelling guess only for a typo: it never points to a key of another meaning."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.recipe import Recipe, load_recipe, recipe_to_yaml, validate_recipe
+from finetune.recipe_names import MANAGED, MANAGED_PREFIXES, MEANS, NO_COUNTERPART
+from finetune.recipe_text import schema_at, section_keys
+
+BASE = {"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]}}
+
+
+def installed_fields() -> dict[str, set[str]]:
+    from peft import LoraConfig
+    from transformers import TrainingArguments
+
+    fields = {"TrainingArguments": {f.name for f in dataclasses.fields(TrainingArguments)},
+              "LoraConfig": {f.name for f in dataclasses.fields(LoraConfig)}}
+    trl = pytest.importorskip("trl")
+    for name in ("SFTConfig", "DPOConfig", "KTOConfig", "GRPOConfig"):
+        fields[name] = {f.name for f in dataclasses.fields(getattr(trl, name))}
+    return fields
+
+
+def test_every_installed_field_is_known():
+    """Each field is a recipe key of some section, a name mapped to one, one with a reason for having none, or a
+    setting finetune makes itself: a new field of a new release fails here until it is placed."""
+    ours = {key for keys in section_keys(Recipe).values() for key in keys}
+    unplaced = {cls: sorted(name for name in names if name not in ours and name not in MEANS and name not in
+                            NO_COUNTERPART and name not in MANAGED and not name.startswith(MANAGED_PREFIXES))
+                for cls, names in installed_fields().items()}
+    assert not any(unplaced.values()), unplaced
+
+
+def test_every_mapped_key_is_a_recipe_key():
+    for name, target in MEANS.items():
+        key = re.split(r"[;: ]", target, maxsplit=1)[0].replace("[]", "")
+        path = tuple(key.split("."))
+        parent = schema_at(Recipe, path[:-1])
+        assert parent is not None and path[-1] in parent.model_fields, f"{name} -> {target}: no key `{key}`"
+        assert name not in NO_COUNTERPART and name not in MANAGED, name
+
+
+HF_RECIPE = {"per_device_train_batch_size": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum",
+             "num_train_epochs": "train.num_epochs", "lr_scheduler_type": "train.lr_schedule",
+             "logging_steps": "train.log_every", "save_steps": "train.save_every", "eval_steps": "train.eval_every",
+             "save_total_limit": "train.keep_last", "resume_from_checkpoint": "train.resume",
+             "optim": "train.optimizer", "lora_r": "lora.r", "lora_alpha": "lora.alpha", "bf16": "model.dtype",
+             "max_seq_length": "data.max_length", "output_dir": "output.dir"}
+
+
+def test_a_recipe_written_with_hf_names_gets_the_key_each_one_means():
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "train": {name: 1 for name in HF_RECIPE}})
+    lines = str(caught.value).splitlines()
+    assert lines[0].endswith(f"{len(HF_RECIPE)} problems in the recipe:")
+    for name, key in HF_RECIPE.items():
+        (line,) = [line for line in lines if line.startswith(f"  train.{name}:")]
+        assert f"`{name}` is `{key}" in line, line
+
+
+@pytest.mark.parametrize("name,wrong", [("gradient_accumulation_steps", "gradient_checkpointing"),
+                                        ("resume_from_checkpoint", "gradient_checkpointing"),
+                                        ("save_steps", "max_steps"), ("logging_steps", "max_steps"),
+                                        ("lora_r", "log_every"), ("warmup_ratio", "warmup_steps")])
+def test_the_suggestion_never_points_to_a_key_of_another_meaning(name, wrong):
+    """The five that pointed the wrong way (issue 52), and warmup_ratio, which is built now."""
+    try:
+        validate_recipe({**BASE, "train": {name: 0.1}})
+        assert name == "warmup_ratio"
+    except RecipeError as exc:
+        assert f"`{wrong}`" not in str(exc), str(exc)
+
+
+def test_typos_still_get_the_nearest_key_and_misplaced_keys_their_section():
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "train": {"learning_rat": 1e-4, "max_length": 512}, "lora": {"learning_rate": 1e-4}})
+    text = str(caught.value)
+    assert "train.learning_rat: unknown key. Did you mean `learning_rate`?" in text
+    assert "train.max_length: unknown key. `max_length` is `data.max_length` here: move it to that section." in text
+    assert "lora.learning_rate: unknown key. `learning_rate` is `train.learning_rate` here" in text
+
+
+def test_names_without_a_counterpart_say_why():
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "train": {"neftune_noise_alpha": 5, "assistant_only_loss": True,
+                                           "dataloader_num_workers": 4}})
+    text = str(caught.value)
+    assert "`neftune_noise_alpha` has no counterpart here: NEFTune embedding noise is not built." in text
+    assert "`assistant_only_loss` has no counterpart here: chat rows always train the assistant turns only" in text
+    assert "`dataloader_num_workers` is a setting of HF's Trainer" in text
+
+
+# ------------------------------------------------------------------------------------------------- warmup_ratio
+def test_warmup_ratio_is_hfs_share_of_the_run_rounded_up(tmp_path):
+    recipe = validate_recipe({**BASE, "train": {"max_steps": 95, "warmup_ratio": 0.1}})
+    assert (recipe.train.warmup_steps, recipe.train.warmup_ratio) == (10, None)  # ceil(9.5), as HF rounds
+    (tmp_path / "resolved.yaml").write_text(recipe_to_yaml(recipe))
+    assert load_recipe(tmp_path / "resolved.yaml").train.warmup_steps == 10  # the resolved recipe reloads alike
+    epochs = validate_recipe({**BASE, "train": {"num_epochs": 2, "warmup_ratio": 0.05}})
+    assert epochs.train.warmup_ratio == 0.05  # the run's length is not known yet
+    epochs.resolve_num_epochs(50, launch="1 process")
+    assert (epochs.train.max_steps, epochs.train.warmup_steps, epochs.train.warmup_ratio) == (100, 5, None)
+    with pytest.raises(RecipeError, match="warmup_steps .3. and warmup_ratio .0.1. are both set"):
+        validate_recipe({**BASE, "train": {"warmup_steps": 3, "warmup_ratio": 0.1}})
+    with pytest.raises(RecipeError, match="train.warmup_ratio"):
+        validate_recipe({**BASE, "train": {"warmup_ratio": 1.5}})
