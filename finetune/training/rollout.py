@@ -18,6 +18,19 @@ from torch import nn
 from finetune import distributed
 from finetune.parallel import decoding_model
 
+
+def _kv_cache_name() -> str:
+    """The name of the KV cache in a forward's arguments and outputs: `cache` from transformers 5.25 (where
+    `past_key_values` is deprecated, to be removed in 5.40), `past_key_values` before (the declared floor is 5.17:
+    there `cache=` was swallowed and the output had no `cache`)."""
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    return "cache" if (major, minor) >= (5, 25) else "past_key_values"
+
+
+KV_CACHE = _kv_cache_name()
+
 _MIX = (1_000_003, 1_000_033, 10_007)
 
 
@@ -75,10 +88,9 @@ def generate_completions(model: nn.Module, prompts: list[list[int]], seeds: list
     try:
         with decoding_model(model, gather=gather) as (root, sharded):
             for _ in range(max_new_tokens):
-                # transformers 5.25 names the KV cache `cache` (past_key_values: deprecated, removed in 5.40)
-                out = root(input_ids=current, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                           logits_to_keep=1)
-                cache = out.cache
+                out = root(input_ids=current, attention_mask=mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1, **{KV_CACHE: cache})
+                cache = getattr(out, KV_CACHE)
                 token = sample_tokens(out.logits[:, -1].float(), generators, temperature=temperature, top_p=top_p)
                 token = torch.where(done, torch.full_like(token, pad_id), token)
                 tokens.append(token)
