@@ -31,6 +31,10 @@ subset=(
   "tests/outputs/test_export.py::test_merged_model_matches_base_plus_adapter"
   "tests/test_precision.py"
   "tests/test_library_apis.py"
+  # GRPO's decoding with a KV cache: transformers renamed the cache's argument and output in 5.25 (a raw
+  # AttributeError on the floor until training/rollout.py named it by version)
+  "tests/training/test_grpo.py::test_near_zero_temperature_is_transformers_greedy_generate"
+  "tests/training/test_grpo.py::test_a_completion_depends_on_its_seed_not_on_the_other_rows"
 )
 
 # The project's runtime, dev and deepspeed requirements, read from pyproject.toml (the checkout itself is not installed).
