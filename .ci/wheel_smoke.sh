@@ -35,8 +35,12 @@ bin=$work/venv/bin
 mkdir -p "$work/empty" && cd "$work/empty"
 unset PYTHONPATH
 export OMP_NUM_THREADS=1
+export FINETUNE_CACHE="$work/cache"  # the runs below tokenize and convert into the check's own cache, not the user's
 installed=$("$bin/python" -c "import finetune; print(finetune.__file__)")
 case $installed in "$work"/venv/*) ;; *) echo "finetune imported from $installed, not the wheel" >&2; exit 1 ;; esac
+
+step "the named chat templates travel in the wheel (model.chat_template: qwen3, ...)"
+"$bin/python" -c "from finetune.chat_templates import named_templates as n; t = n(); assert len(t) == 8 and 'qwen3' in t, sorted(t)"
 
 step "finetune recipes"
 "$bin/finetune" recipes | tee recipes.txt
