@@ -87,6 +87,7 @@ class Tiers:
         self.seconds: dict[str, float] = {}  # wall
         self.cpu_seconds: dict[str, float] = {}  # this process's CPU time plus its finished children's
         self.slow: dict[str, bool] = {}
+        self.launches: dict[str, int] = {}  # process launches each test started (its floor: ~21 CPU-s per 2-rank launch)
         self.failed: set[str] = set()
         self.started = time.time()
         self.children_at_start = 0.0
@@ -105,10 +106,11 @@ class Tiers:
 
     def check(self, args) -> None:
         item = self.item
-        if item is None or item.get_closest_marker("slow") is not None:
-            return
-        line = launch_in(args)
+        line = launch_in(args) if item is not None else None
         if line is None:
+            return
+        self.launches[item.nodeid] = self.launches.get(item.nodeid, 0) + 1
+        if item.get_closest_marker("slow") is not None:
             return
         raise LaunchInFastTier(
             f"{item.nodeid} is in the fast tier (no `slow` mark) but starts a process launch: {line}\n"
@@ -139,8 +141,18 @@ class Tiers:
                 f"of CPU (the limit: {CHILD_CPU_LIMIT} s). The fast tier (`make test-fast`, pytest -m 'not slow') is "
                 "in-process: mark this test @pytest.mark.slow (tests/tiers.py).")
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield  # the launches go with the report, so that xdist's controller (which writes the record) has them
+        if call.when == "teardown":
+            report.user_properties.append(("launches", self.launches.get(item.nodeid, 0)))
+        return report
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        for name, value in report.user_properties:
+            if name == "launches":
+                self.launches[report.nodeid] = value
         self.slow[report.nodeid] = "slow" in report.keywords  # also under xdist, where the items run elsewhere
         if report.failed:
             self.failed.add(report.nodeid)
@@ -167,15 +179,17 @@ class Tiers:
         for name, ids in tiers.items():
             if ids:
                 lines.append(f"# {name} tier: {len(ids)} tests, {sum(self.seconds[n] for n in ids):.0f} s wall, "
-                         f"{sum(self.cpu_seconds.get(n, 0.0) for n in ids):.0f} s CPU")
+                             f"{sum(self.cpu_seconds.get(n, 0.0) for n in ids):.0f} s CPU, "
+                             f"{sum(self.launches.get(n, 0) for n in ids)} launches")
         if self.failed:
             lines.append(f"# failed in this run: {len(self.failed)} (their seconds are up to the failure)")
-        lines.append("# tier     wall      cpu  test")
+        lines.append("# launches: the process launches the test started (launchers, pip, `python -m finetune`, scripts)")
+        lines.append("# tier     wall      cpu  launches  test")
         for nodeid in sorted(self.seconds):
             tier = "slow" if self.slow.get(nodeid) else "fast"
             mark = "  FAILED" if nodeid in self.failed else ""
             cpu = f"{self.cpu_seconds[nodeid]:7.1f}" if nodeid in self.cpu_seconds else "      -"  # xdist: not measured
-            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {cpu}  {nodeid}{mark}")
+            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {cpu}  {self.launches.get(nodeid, 0):8d}  {nodeid}{mark}")
         return "\n".join(lines) + "\n"
 
 

@@ -32,13 +32,15 @@ UNIT_OF_FILE = {path: unit for unit, paths in SHARED_RUNS.items() for path in pa
 
 
 def recorded_seconds(path: Path = DURATIONS) -> dict[str, float]:
-    """Each test's wall seconds in the durations record (tests/tiers.py writes it: `tier wall cpu nodeid`)."""
+    """Each test's wall seconds in the durations record (tests/tiers.py writes it: `tier wall cpu launches nodeid`;
+    records before the launch count: `tier wall cpu nodeid`)."""
     seconds = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            fields = line.split(maxsplit=3)
-            if len(fields) == 4 and fields[0] in ("fast", "slow"):
-                seconds[fields[3]] = float(fields[1])
+            fields = line.split(maxsplit=4)
+            if len(fields) >= 4 and fields[0] in ("fast", "slow"):
+                launches = len(fields) == 5 and fields[3].isdigit()
+                seconds[(fields[4] if launches else " ".join(fields[3:])).split("  FAILED")[0]] = float(fields[1])
     return seconds
 
 
