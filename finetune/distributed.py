@@ -373,41 +373,6 @@ def checks_every_rank_makes() -> Iterator[None]:
         release_stop_signals()
 
 
-_PRINTED_KEY = "finetune/rank0-printed"
-
-
-def rank0_printed() -> None:
-    """Rank 0 has written its error paragraph: a peer waiting in `wait_for_rank0_paragraph` may exit now."""
-    try:
-        if dist.is_available() and dist.is_initialized():
-            dist.distributed_c10d._get_default_store().set(_PRINTED_KEY, "1")
-    except Exception:  # noqa: BLE001, S110 - the store may be gone with the peers; nothing waits then
-        pass
-
-
-def wait_for_rank0_paragraph(timeout_s: float = 30.0) -> bool:
-    """A rank other than 0 that failed a check every rank makes says nothing and stays until rank 0 has printed the
-    whole paragraph: True once rank 0 says so (the process group's store), False when `timeout_s` passed first or
-    there is no group yet (a recipe mistake is found before the group exists). The launcher SIGTERMs every survivor
-    once one rank exits, and rank 0 may still be on its way to the same check (importing, or in the 4-bit cache's
-    lock; CI printed only "(rank 1) the checkpoint in ..."), so this rank must not exit first. Signals are released
-    first: the launcher's SIGTERM, sent once rank 0 has printed and exited, ends this rank silently."""
-    release_stop_signals()
-    deadline = time.monotonic() + timeout_s
-    try:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.distributed_c10d._get_default_store().wait([_PRINTED_KEY], timedelta(seconds=timeout_s))
-                return True
-            except Exception:  # noqa: BLE001 - timed out, or rank 0 (hosting the store) is gone
-                return False
-        while time.monotonic() < deadline:  # no group: rank 0 prints and exits, and the launcher stops this wait
-            time.sleep(0.1)
-        return False
-    except KeyboardInterrupt:  # Ctrl-C while waiting: rank 0 got it too and says what it has to say
-        return True
-
-
 def release_stop_signals() -> None:
     """Put the handlers back once the paragraph is printed; a signal that came meanwhile is acted on now (the
     launcher's SIGTERM ends the process, as it would have)."""

@@ -18,7 +18,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune import distributed, host_memory, quiet
+from finetune import distributed, host_memory, quiet, rank_errors
 from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
@@ -129,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         # others stay silent until it has (or print it whole themselves if it never does). A lost peer is named by
         # every rank that saw it (rank 0 may be the one that died); another rank's own problem by that rank, whole.
         alike = getattr(exc, "alike_on_every_rank", False) and not isinstance(exc, distributed.PeerLost)
-        if rank != 0 and alike and distributed.wait_for_rank0_paragraph():
+        if rank != 0 and alike and rank_errors.wait_for_rank0_paragraph():
             return code
         text = str(exc) if rank == 0 or isinstance(exc, distributed.PeerLost) else f"(rank {rank}) {exc}"
         kind = "error: " if getattr(exc, "is_error", True) else ""  # Preempted (exit 128 + signal) is no error
         print(f"finetune: {kind}{text}", file=sys.stderr, flush=True)
         if rank == 0:
-            distributed.rank0_printed()
+            rank_errors.rank0_printed(peers_waiting=alike)
         return code
     except OSError as exc:  # a full disk outside the checkpoint and adapter writes (metrics.jsonl, plot.png)
         from finetune.files import no_room
