@@ -39,15 +39,17 @@ def rank0_printed(*, peers_waiting: bool = False, linger_s: float = 3.0) -> None
         pass
 
 
-def wait_for_rank0_paragraph(timeout_s: float = 30.0) -> bool:
+def wait_for_rank0_paragraph(timeout_s: float = 30.0, *, before_group_s: float = 120.0) -> bool:
     """A rank other than 0 that failed a check every rank makes says nothing and stays until rank 0 has printed the
     whole paragraph: True once rank 0 says so (the process group's store), False when `timeout_s` passed first or
-    there is no group yet (a recipe mistake is found before the group exists). The launcher SIGTERMs every survivor
+    there is no group yet (a recipe mistake is found before the group exists: then up to `before_group_s`, as rank 0
+    may still be importing torch on a loaded machine, far behind; the ranks after the group are in step). The
+    launcher SIGTERMs every survivor
     once one rank exits, and rank 0 may still be on its way to the same check (importing, or in the 4-bit cache's
     lock; CI printed only "(rank 1) the checkpoint in ..."), so this rank must not exit first. Signals are released
     first: the launcher's SIGTERM, sent once rank 0 has printed and exited, ends this rank silently."""
     release_stop_signals()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + before_group_s
     try:
         if dist.is_available() and dist.is_initialized():
             try:
