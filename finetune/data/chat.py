@@ -57,11 +57,12 @@ class _Renderer:
             raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render "
                             f"`tools` (DeepSeek-R1 distills' does not), so the model would never see them. Fix: "
                             f"{NAMED_FIX}, or leave the tools out of the rows.")
-        if any("tool_calls" in m for m in messages) and "tool_calls" not in self.template:
+        calls = any("tool_calls" in m for m in messages)
+        if calls and "tool_calls" not in self.template:
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
                             f"render `tool_calls`. Fix: {NAMED_FIX}.")
         self.messages = messages
-        if any("tool_calls" in m for m in messages):
+        if calls:
             try:
                 self.render(len(messages), False)
             except DataError:
@@ -69,9 +70,14 @@ class _Renderer:
                 self.render(len(messages), False)
 
     def render(self, count: int, generation_prompt: bool) -> str:
+        """The row's first `count` messages rendered."""
+        return self.render_messages(self.messages[:count], generation_prompt)
+
+    def render_messages(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        """Any messages in the normal form rendered with the row's template, tools and settings (probes too)."""
         from jinja2 import TemplateError
 
-        messages = template_messages(self.messages[:count], self.template, reasoning=self.reasoning,
+        messages = template_messages(messages, self.template, reasoning=self.reasoning,
                                      string_arguments=self.string_arguments)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -133,12 +139,7 @@ def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: 
       W renders it, from the end of the generation prompt on."""
     history = renderer.render(index, False)
     prompt = context[len(history):] if context.startswith(history) else ""
-    saved = renderer.messages
-    renderer.messages = messages[:index] + [{"role": "assistant", "content": _PROBE}]
-    try:
-        probed = renderer.render(index + 1, False)
-    finally:
-        renderer.messages = saved
+    probed = renderer.render_messages(messages[:index] + [{"role": "assistant", "content": _PROBE}])
     opening = _common_prefix(whole, probed)
     if prompt and whole.startswith(history):
         start = min(_common_prefix(context, whole), opening)
@@ -174,12 +175,7 @@ def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: 
     if not specials or any(through.endswith(token) for token in specials):
         return ""
     follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}
-    saved = renderer.messages
-    renderer.messages = messages[: index + 1] + [follower]
-    try:
-        after = renderer.render(index + 2, False)
-    finally:
-        renderer.messages = saved
+    after = renderer.render_messages(messages[: index + 1] + [follower])
     # The follower may make the template rewrite the turn (GLM drops its reasoning once a user turn follows), so
     # the token is read off just before the follower's content, where the turn's own ending must stand before it.
     head, tail = after[: after.rfind(_PROBE)], through.rstrip()[-4:]

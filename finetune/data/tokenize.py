@@ -121,18 +121,18 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     rendered = [_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
                                   reasoning=data.reasoning) for row, place in zip(rows, places)]
     result.reasons += [item for item in rendered if isinstance(item, str)]
-    kept = [(item, place, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
+    kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
     if spec.format == "preference":
-        _pairs([(item, place) for item, place, _ in kept], spec, recipe, tokenizer, result)
+        _pairs(kept, spec, recipe, tokenizer, result)
     elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
-        tokenized = tokenize_many([segments for (segments, _), _, _ in kept], tokenizer)
-        for example, ((_, desirable), place, origin) in zip(tokenized, kept):
+        tokenized = tokenize_many([segments for (segments, _), _ in kept], tokenizer)
+        for example, ((_, desirable), place) in zip(tokenized, kept):
             example.desirable = desirable
-            _length_policy(example, f"{spec.path} {place}", data, result, origin)
+            _length_policy(example, spec, place, data, result)
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
-        flat = [(segments, place, origin) for examples, place, origin in kept for segments in examples]
-        for example, (_, place, origin) in zip(tokenize_many([item for item, _, _ in flat], tokenizer), flat):
-            _length_policy(example, f"{spec.path} {place}", data, result, origin)
+        flat = [(segments, place) for examples, place in kept for segments in examples]
+        for example, (_, place) in zip(tokenize_many([item for item, _ in flat], tokenizer), flat):
+            _length_policy(example, spec, place, data, result)
     result.counts["skipped"] += len(result.reasons)
     if result.reasons and data.bad_rows == "error" and result.fatal is None:
         result.fatal = result.reasons[0]
@@ -140,8 +140,9 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     return result
 
 
-def _length_policy(example: Example, where: str, data, result: ChunkResult, origin: str) -> None:
-    """Keep, truncate or drop one tokenized row by data.overlong (module docstring); a kept one's row is `origin`."""
+def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result: ChunkResult) -> None:
+    """Keep, truncate or drop one tokenized example of the row at `place` by data.overlong (module docstring)."""
+    where = f"{spec.path} {place}"
     overlong = len(example.input_ids) > data.max_length
     if overlong and data.overlong == "drop":
         _dropped(result, where)
@@ -151,7 +152,7 @@ def _length_policy(example: Example, where: str, data, result: ChunkResult, orig
     if any(label != IGNORE_INDEX for label in kept.labels):
         result.counts["truncated"] += int(overlong)
         result.examples.append(kept)
-        result.origins.append(origin)
+        result.origins.append(place)
         return
     first = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
     if first is None:  # nothing trained even before truncation: a malformed row (empty answer)
