@@ -77,6 +77,13 @@ def pytest_configure(config):
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
+    import warm
+
+    cold = warm.stop()
+    if cold:
+        reasons = sorted({entry["why"] for entry in cold})
+        print(f"\n{len(cold)} launches ran cold instead of warm: " + "; ".join(reasons))
+
     (TEST_CACHE / "gguf").unlink(missing_ok=True)  # the link only: the machine's conversions stay
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
@@ -225,18 +232,25 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cmd(args: list[str], *, cwd: Path | None = None, timeout: int = 300, env: dict | None = None,
+            warm: bool = True) -> subprocess.CompletedProcess:
+    """`args` run to the end. `warm`: its ranks forked from the suite's warm servers (tests/warm.py) where it is a
+    command they reproduce; False where the test's subject is the launcher itself or what a user's terminal shows."""
+    import warm as warm_launches
+
+    args = warm_launches.command(args) if warm else args
     return subprocess.run(args, cwd=cwd or REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout,
                           check=False)
 
 
 def accelerate_launch(config: str, recipe: Path, *overrides: str, timeout: int = 300,
-                      flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+                      flags: tuple[str, ...] = (), warm: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py RECIPE ...` as a user runs it:
-    the shipped file unchanged, plus only what this CPU machine needs (tests/shipped.py has the row per file)."""
+    the shipped file unchanged, plus only what this CPU machine needs (tests/shipped.py has the row per file).
+    `warm`: the ranks from the suite's warm servers, with the environment accelerate's own code gives them."""
     from shipped import launch
 
-    return launch(config, recipe, *overrides, timeout=timeout, flags=flags)
+    return launch(config, recipe, *overrides, timeout=timeout, flags=flags, warm=warm)
 
 
 SHIPPED_STEPS = 3
@@ -251,8 +265,9 @@ def shipped_run(request, tmp_path_factory):
     """`run(config, family, checkpointing, dropout=None, train_router=False) -> (run folder, CompletedProcess)`: a tiny
     model trained for SHIPPED_STEPS steps under a shipped accelerate config, at the same global batch for every config,
     with the library's LoRA settings (`dropout` overrides only the dropout; `train_router`: lora.train_router on a MoE
-    model); each run once per session."""
-    from shipped import ACCELERATE_CONFIG_RUNS, config_file, recipe_dtype
+    model); each run once per session. One run per config (shipped.launcher_family, checkpointing on, the library's
+    settings) goes through `accelerate launch` itself: the launcher's test; the others are warm (tests/warm.py)."""
+    from shipped import ACCELERATE_CONFIG_RUNS, config_file, launcher_family, recipe_dtype
 
     root = tmp_path_factory.mktemp("shipped")
     data = write_jsonl(root / "train.jsonl", addition_rows(48))
@@ -274,7 +289,8 @@ def shipped_run(request, tmp_path_factory):
                                  train={"max_steps": SHIPPED_STEPS, "micro_batch_size": micro_batch,
                                         "gradient_checkpointing": checkpointing, "eval_every": SHIPPED_STEPS},
                                  eval={"generation_rows": 2, "max_new_tokens": 2})
-            done[key] = (root / name, accelerate_launch(config, write_recipe(root / f"{name}.yaml", recipe)))
+            real = family == launcher_family(config) and checkpointing and dropout is None and not train_router
+            done[key] = (root / name, accelerate_launch(config, write_recipe(root / f"{name}.yaml", recipe), warm=not real))
         return done[key]
 
     return run

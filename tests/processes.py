@@ -25,8 +25,13 @@ def kill_plan(trial: str, first: int, last: int, ranks: int = 1) -> tuple[int, i
     return step, rank, note
 
 
-def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A run in its own session (a timed-out one is killed with its process group)."""
+def start(args: list[str], log: Path, env: dict[str, str] | None = None, warm: bool = True) -> subprocess.Popen:
+    """A run in its own session (a timed-out one is killed with its process group). `warm`: its ranks forked from the
+    suite's warm servers (tests/warm.py), which stand in the command's place: kill it, signal it, read its ranks
+    (worker_pids) as the command's own process."""
+    import warm as warm_launches
+
+    args = warm_launches.command(args) if warm else args
     with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or child_env(),
                                 start_new_session=True)
@@ -59,7 +64,12 @@ def wait_for_step(process: subprocess.Popen, out_dir: Path, step: int, log: Path
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the torchrun workers started by `launcher_pid`."""
+    """rank -> pid of the workers started by `launcher_pid` (torchrun's children, or a warm launch's ranks)."""
+    import warm
+
+    ranks = warm.rank_pids(launcher_pid)
+    if ranks is not None:
+        return ranks
     workers = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -50,6 +50,12 @@ ACCELERATE_CONFIG_RUNS: dict[str, CpuLaunch] = {
 }
 
 
+def launcher_family(name: str) -> str:
+    """The family whose run (checkpointing on, the library's LoRA) goes through `accelerate launch` itself for this config:
+    the launcher's own test; the config's other runs are warm (tests/warm.py). A multi-machine template trains Gemma."""
+    return "gemma" if settings(name).get("num_machines", 1) > 1 else "llama"
+
+
 def config_file(name: str) -> str:
     """`fsdp2` or `fsdp2.yaml` -> `fsdp2.yaml` (a key of ACCELERATE_CONFIG_RUNS)."""
     return name if name.endswith(".yaml") else f"{name}.yaml"
@@ -85,24 +91,30 @@ def expected_strategy(name: str) -> str:
 
 
 def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300, cwd: Path = REPO,
-           flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           flags: tuple[str, ...] = (), warm: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/NAME finetune/run.py RECIPE ...` with only the row's CPU needs.
 
     A multi-machine row starts one launcher per machine and waits for all; the result joins their outputs and has the
     first non-zero exit code. `flags`: accelerate launch options that override the file's keys, as a user's would.
+    `warm`: the ranks forked from the suite's warm servers with the environment accelerate's own code gives them
+    (tests/warm.py; a DeepSpeed config runs cold: accelerate hands it to DeepSpeed's launcher); False: `accelerate
+    launch` itself, for the tests of the launcher.
     """
+    import warm as warm_launches
+
+    command = warm_launches.command if warm else list
     row = ACCELERATE_CONFIG_RUNS[config_file(name)]
     env = child_env(**CPU_SWITCH, **row.env)
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG_DIR / config_file(name)),
             "--num_processes", str(row.processes), *row.flags, *flags]
     script = [str(RUN_PY), str(recipe), *overrides]
     if row.machines == 1:
-        args = [*base, "--main_process_port", str(free_port()), *script]
+        args = command([*base, "--main_process_port", str(free_port()), *script])
         return subprocess.run(args, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     port = free_port()
     machines = [
-        subprocess.Popen([*base, "--num_machines", str(row.machines), "--machine_rank", str(rank), "--main_process_ip",
-                          "127.0.0.1", "--main_process_port", str(port), *script],
+        subprocess.Popen(command([*base, "--num_machines", str(row.machines), "--machine_rank", str(rank),
+                                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *script]),
                          cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(row.machines)
     ]

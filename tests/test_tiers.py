@@ -67,27 +67,29 @@ def test_the_record_lists_each_test_with_its_tier_and_seconds(pytestconfig):
     finished = tiers.Tiers.__new__(tiers.Tiers)  # a finished run's figures, without patching subprocess a second time
     finished.__dict__.update(config=plugin.config, started=plugin.started, failed={"t.py::b"},
                              seconds={"t.py::a": 1.34, "t.py::b": 30.0}, cpu_seconds={"t.py::a": 1.0, "t.py::b": 4.0},
-                             slow={"t.py::a": False, "t.py::b": True}, launches={"t.py::b": 3})
+                             slow={"t.py::a": False, "t.py::b": True}, launches={"t.py::b": 3}, warm={"t.py::b": 5})
     lines = finished.record(None).splitlines()
-    assert "fast      1.3      1.0         0  t.py::a" in lines
-    assert "slow     30.0      4.0         3  t.py::b  FAILED" in lines
-    assert "# fast tier: 1 tests, 1 s wall, 1 s CPU, 0 launches" in lines
-    assert "# slow tier: 1 tests, 30 s wall, 4 s CPU, 3 launches" in lines
+    assert "fast      1.3      1.0     0     0  t.py::a" in lines
+    assert "slow     30.0      4.0     3     5  t.py::b  FAILED" in lines
+    assert "# fast tier: 1 tests, 1 s wall, 1 s CPU, 0 cold launches, 0 warm" in lines
+    assert "# slow tier: 1 tests, 30 s wall, 4 s CPU, 3 cold launches, 5 warm" in lines
 
 
-def test_the_record_reads_back_with_and_without_the_launch_column(tmp_path):
-    """workers.py reads the record tiers.py writes, and the records written before the launch column."""
+def test_the_record_reads_back_with_and_without_the_launch_columns(tmp_path):
+    """workers.py reads the record tiers.py writes, and the records written before the launch columns."""
     import workers
 
-    (tmp_path / "new.txt").write_text("# tier     wall      cpu  launches  test\n"
-                                      "slow     30.0      4.0         3  t.py::b[a b]  FAILED\nfast  1.3  1.0  0  t.py::a\n")
+    (tmp_path / "new.txt").write_text("# tier     wall      cpu  cold  warm  test\n"
+                                      "slow     30.0      4.0     3     5  t.py::b[a b]  FAILED\nfast  1.3  1.0  0  0  t.py::a\n")
+    (tmp_path / "launches.txt").write_text("# tier     wall      cpu  launches  test\n"
+                                           "slow     30.0      4.0         3  t.py::b[a b]  FAILED\nfast  1.3  1.0  0  t.py::a\n")
     (tmp_path / "old.txt").write_text("slow     30.0      4.0  t.py::b[a b]\nfast  1.3  1.0  t.py::a\n")
-    for name in ("new.txt", "old.txt"):
+    for name in ("new.txt", "launches.txt", "old.txt"):
         assert workers.recorded_seconds(tmp_path / name) == {"t.py::b[a b]": 30.0, "t.py::a": 1.3}
 
 
 def test_a_tests_launches_are_counted(request, tmp_path):
-    """The launch guard counts every launch a test starts (the record's `launches` column); this fast one is refused
+    """The launch guard counts every launch a test starts (the record's `cold` column); this fast one is refused
     after the count."""
     plugin = request.config.pluginmanager.get_plugin("finetune-tiers")
     before = plugin.launches.get(request.node.nodeid, 0)
@@ -96,3 +98,8 @@ def test_a_tests_launches_are_counted(request, tmp_path):
         plugin.check([sys.executable, str(tmp_path / "script.py")])
     assert plugin.launches[request.node.nodeid] == before + 1
     plugin.launches[request.node.nodeid] = before  # the record keeps this test's real count
+    import warm
+
+    with pytest.raises(tiers.LaunchInFastTier):  # a warm launch is a launch too, counted in its own column
+        plugin.check([sys.executable, str(warm.WARM_LAUNCH), sys.executable, str(tmp_path / "script.py")])
+    assert plugin.launches[request.node.nodeid] == before and plugin.warm.pop(request.node.nodeid) == 1

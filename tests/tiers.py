@@ -87,7 +87,8 @@ class Tiers:
         self.seconds: dict[str, float] = {}  # wall
         self.cpu_seconds: dict[str, float] = {}  # this process's CPU time plus its finished children's
         self.slow: dict[str, bool] = {}
-        self.launches: dict[str, int] = {}  # process launches each test started (its floor: ~21 CPU-s per 2-rank launch)
+        self.launches: dict[str, int] = {}  # cold process launches each test started (its floor: ~21 CPU-s per 2-rank launch)
+        self.warm: dict[str, int] = {}  # warm launches (tests/warm.py: ranks forked from servers that imported already)
         self.failed: set[str] = set()
         self.started = time.time()
         self.children_at_start = 0.0
@@ -109,7 +110,10 @@ class Tiers:
         line = launch_in(args) if item is not None else None
         if line is None:
             return
-        self.launches[item.nodeid] = self.launches.get(item.nodeid, 0) + 1
+        import warm
+
+        counts = self.warm if warm.is_warm(args) else self.launches
+        counts[item.nodeid] = counts.get(item.nodeid, 0) + 1
         if item.get_closest_marker("slow") is not None:
             return
         raise LaunchInFastTier(
@@ -146,13 +150,14 @@ class Tiers:
         report = yield  # the launches go with the report, so that xdist's controller (which writes the record) has them
         if call.when == "teardown":
             report.user_properties.append(("launches", self.launches.get(item.nodeid, 0)))
+            report.user_properties.append(("warm", self.warm.get(item.nodeid, 0)))
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
         for name, value in report.user_properties:
-            if name == "launches":
-                self.launches[report.nodeid] = value
+            if name in ("launches", "warm"):
+                getattr(self, name)[report.nodeid] = value
         self.slow[report.nodeid] = "slow" in report.keywords  # also under xdist, where the items run elsewhere
         if report.failed:
             self.failed.add(report.nodeid)
@@ -180,16 +185,19 @@ class Tiers:
             if ids:
                 lines.append(f"# {name} tier: {len(ids)} tests, {sum(self.seconds[n] for n in ids):.0f} s wall, "
                              f"{sum(self.cpu_seconds.get(n, 0.0) for n in ids):.0f} s CPU, "
-                             f"{sum(self.launches.get(n, 0) for n in ids)} launches")
+                             f"{sum(self.launches.get(n, 0) for n in ids)} cold launches, "
+                             f"{sum(self.warm.get(n, 0) for n in ids)} warm")
         if self.failed:
             lines.append(f"# failed in this run: {len(self.failed)} (their seconds are up to the failure)")
-        lines.append("# launches: the process launches the test started (launchers, pip, `python -m finetune`, scripts)")
-        lines.append("# tier     wall      cpu  launches  test")
+        lines.append("# cold: the process launches the test started (launchers, pip, `python -m finetune`, scripts), each paying")
+        lines.append("# its imports; warm: launches whose ranks were forked from the suite's warm servers (tests/warm.py)")
+        lines.append("# tier     wall      cpu  cold  warm  test")
         for nodeid in sorted(self.seconds):
             tier = "slow" if self.slow.get(nodeid) else "fast"
             mark = "  FAILED" if nodeid in self.failed else ""
             cpu = f"{self.cpu_seconds[nodeid]:7.1f}" if nodeid in self.cpu_seconds else "      -"  # xdist: not measured
-            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {cpu}  {self.launches.get(nodeid, 0):8d}  {nodeid}{mark}")
+            lines.append(f"{tier}  {self.seconds[nodeid]:7.1f}  {cpu}  {self.launches.get(nodeid, 0):4d}  "
+                         f"{self.warm.get(nodeid, 0):4d}  {nodeid}{mark}")
         return "\n".join(lines) + "\n"
 
 

@@ -68,11 +68,22 @@ def preload() -> None:
 
 
 def cold_reason(env: dict[str, str]) -> str | None:
-    """Why `env` cannot run in a rank forked from here (a variable read at import differs), or None."""
+    """Why `env` cannot run in a rank forked from here (a variable read at import differs), or None. PYTHONPATH may
+    differ where its folders hold no module this server has imported (a test's reward functions): the rank puts
+    them on its path, where Python would."""
     differing = sorted(key for key in set(env) | set(STARTED_WITH) if env.get(key) != STARTED_WITH.get(key))
     read_at_import = [key for key in differing if not (key.startswith(RUN_TIME_PREFIXES)
                                                        or key.startswith(RUN_TIME_FINETUNE) or key in RUN_TIME_NAMES)]
+    if read_at_import == ["PYTHONPATH"]:
+        loaded = {name.partition(".")[0] for name in sys.modules}
+        shadowing = sorted(name for folder in python_path(env) if os.path.isdir(folder)
+                           for name in (entry.removesuffix(".py") for entry in os.listdir(folder)) if name in loaded)
+        read_at_import = [f"PYTHONPATH (its folders hold {', '.join(shadowing)}, imported here)"] if shadowing else []
     return f"the environment differs in {', '.join(read_at_import)}" if read_at_import else None
+
+
+def python_path(env: dict[str, str]) -> list[str]:
+    return [os.path.abspath(folder) for folder in env.get("PYTHONPATH", "").split(os.pathsep) if folder]
 
 
 # --- plans: what the launcher's own code would start -------------------------------------------------------------------
@@ -245,6 +256,8 @@ def become_rank(request: dict, fds: list[int], closing: list) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        started = python_path(STARTED_WITH)
+        sys.path[1:] = python_path(request["env"]) + [folder for folder in sys.path[1:] if folder not in started]
         code = run_target(request["target"])
     except BaseException:  # noqa: BLE001
         traceback.print_exc()

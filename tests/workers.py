@@ -12,6 +12,8 @@ Two things `--dist loadfile` alone gets wrong on a 2-core machine:
 
 from __future__ import annotations
 
+import re
+
 from collections import OrderedDict
 from pathlib import Path
 
@@ -31,16 +33,19 @@ SHARED_RUNS = {
 UNIT_OF_FILE = {path: unit for unit, paths in SHARED_RUNS.items() for path in paths}
 
 
+# tests/tiers.py writes `tier wall cpu cold warm nodeid`; older records: `tier wall cpu launches nodeid`, `tier wall cpu
+# nodeid`.
+RECORD_LINE = re.compile(r"^(fast|slow)\s+([\d.]+)\s+\S+\s+(?:\d+\s+){0,2}(\S.*?)(?:  FAILED)?$")
+
+
 def recorded_seconds(path: Path = DURATIONS) -> dict[str, float]:
-    """Each test's wall seconds in the durations record (tests/tiers.py writes it: `tier wall cpu launches nodeid`;
-    records before the launch count: `tier wall cpu nodeid`)."""
+    """Each test's wall seconds in the durations record."""
     seconds = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            fields = line.split(maxsplit=4)
-            if len(fields) >= 4 and fields[0] in ("fast", "slow"):
-                launches = len(fields) == 5 and fields[3].isdigit()
-                seconds[(fields[4] if launches else " ".join(fields[3:])).split("  FAILED")[0]] = float(fields[1])
+            match = RECORD_LINE.match(line)
+            if match:
+                seconds[match.group(3)] = float(match.group(2))
     return seconds
 
 

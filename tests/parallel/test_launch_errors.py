@@ -36,7 +36,7 @@ def _launched(launcher: str, recipe, overrides: list[str]):
     else:
         args = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                 str(free_port()), str(RUN_PY), str(recipe), *overrides]
-    return run_cmd(args, env=child_env(ACCELERATE_USE_CPU="true"), timeout=240)
+    return run_cmd(args, env=child_env(ACCELERATE_USE_CPU="true"), timeout=240, warm=False)
 
 
 @pytest.mark.slow
