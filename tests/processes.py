@@ -32,9 +32,10 @@ def start(args: list[str], log: Path, env: dict[str, str] | None = None, warm: b
     import warm as warm_launches
 
     args = warm_launches.command(args) if warm else args
+    popen = warm_launches.Popen if warm_launches.is_warm(args) else subprocess.Popen
     with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or child_env(),
-                                start_new_session=True)
+        return popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or child_env(),
+                     start_new_session=True)
 
 
 def finish(process: subprocess.Popen, log: Path, timeout: float = 240) -> tuple[int, str]:

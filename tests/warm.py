@@ -94,6 +94,32 @@ def rank_pids(launcher_pid: int) -> dict[int, int] | None:
     return {int(rank): pid for rank, pid in json.loads(path.read_text()).items()}
 
 
+class Popen(subprocess.Popen):
+    """A warm launch's process: `wait()` returns once its ranks are gone too. Killed (SIGKILL), the launcher cannot pass
+    the signal on; its server kills the ranks as soon as it sees the launcher's connection close, a moment later. A
+    test that kills a run and starts the next one on its folder waits for that moment, as it would for a cold run's
+    own process."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        deadline = time.monotonic() + (30 if timeout is None else timeout)
+        for pid in (rank_pids(self.pid) or {}).values():
+            while _alive(pid):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 30)
+                time.sleep(0.01)
+        return code
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is still a process that is not a zombie (its server reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def stop() -> list[dict]:
     """Stop the servers; the launches that ran cold instead, with why."""
     global _servers

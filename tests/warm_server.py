@@ -57,8 +57,8 @@ def preload() -> None:
 
     model.import_backends()
     import accelerate.commands.launch  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
     import torch.distributed.run  # noqa: F401
     import transformers
 
@@ -165,8 +165,8 @@ def torchrun_plan_from(args, extra_env: dict[str, str] | None = None) -> dict:
 
 def accelerate_plan(args: list[str]) -> dict:
     """`accelerate launch ARGS`: accelerate's own choice of launcher and the environment it gives the workers."""
-    import accelerate.commands.launch as launch
     import torch.distributed.run as distrib_run
+    from accelerate.commands import launch
     from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     chosen: dict = {}
@@ -221,7 +221,7 @@ def run_target(target: dict) -> int:
             sys.path[0] = ""
             main = type(sys)("__main__")
             sys.modules["__main__"] = main
-            exec(compile(target["code"], "<string>", "exec"), main.__dict__)
+            exec(compile(target["code"], "<string>", "exec"), main.__dict__)  # noqa: S102  (python -c CODE)
     except SystemExit as stop:
         code = stop.code
         if code is None:

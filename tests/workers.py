@@ -13,7 +13,6 @@ Two things `--dist loadfile` alone gets wrong on a 2-core machine:
 from __future__ import annotations
 
 import re
-
 from collections import OrderedDict
 from pathlib import Path
 
