@@ -22,7 +22,6 @@ from pathlib import Path
 from finetune.errors import ModelLoadError
 from finetune.files import exclusive_lock
 
-CONVERTER_VERSION = 1  # bump when the folder layout or tokenizer construction changes (invalidates the cache)
 PACKAGE_PREFIX = "pkg:"
 DONE_MARKER = "finetune_gguf.json"
 GGUF_CONTROL_TOKEN = 3  # gguf TokenType.CONTROL: special tokens such as <|im_start|>
@@ -79,20 +78,26 @@ def resolve_gguf_path(name_or_path: str, gguf_file: str) -> Path:
     return path
 
 
-def cache_key(gguf_path: Path) -> str:
-    """Hash of what determines the converted folder: the file (path, size, mtime), the converter and transformers."""
-    import transformers
+def converter_fingerprint() -> str:
+    """What the conversion's result depends on besides the file: this module's code (the converter: its folder layout,
+    tokenizer construction, config cleaning), and the versions of transformers (its GGUF reader dequantizes and maps
+    the weights), `gguf` and tokenizers. A change to any of them is a new cache entry, with no number to remember to bump."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return f"{code}/" + "/".join(installed(name) for name in ("transformers", "gguf", "tokenizers"))
+
+
+def cache_key(gguf_path: Path) -> str:
+    """Hash of what determines the converted folder: the file (path, size, mtime) and the converter's fingerprint."""
     stat = gguf_path.stat()
-    text = json.dumps(
-        [
-            str(gguf_path.resolve()),
-            stat.st_size,
-            stat.st_mtime_ns,
-            CONVERTER_VERSION,
-            transformers.__version__.split(".")[0],
-        ]
-    )
+    text = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, converter_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -186,7 +191,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
         GenerationConfig(
             bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=config.pad_token_id
         ).save_pretrained(tmp)
-        (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter_version": CONVERTER_VERSION}))
+        (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter": converter_fingerprint()}))
 
 
 def build_tokenizer(reader):

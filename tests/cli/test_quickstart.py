@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import pathlib
 import sys
 
 import pytest
@@ -181,3 +183,29 @@ def test_the_gguf_model_loads_tensor_by_tensor_with_from_pretrained_s_bytes():
     differ = [k for k in expected if expected[k].dtype != loaded[k].dtype or expected[k].shape != loaded[k].shape
               or not torch.equal(raw(expected[k]), raw(loaded[k]))]
     assert not differ, differ[:5]
+
+
+def test_the_gguf_cache_key_follows_the_converters_code_and_versions(tmp_path, monkeypatch):
+    """A converted folder is reused only by the converter that wrote it: a change to finetune/model/gguf.py's code (a
+    copy with one line of _convert changed, loaded as a module) or to the transformers version is a new key. The key
+    was a hand-bumped CONVERTER_VERSION, and the suite shares these folders through the machine's cache."""
+    from finetune.model import gguf
+
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF" + bytes(60))
+    source = pathlib.Path(gguf.__file__).read_text()
+    changed = source.replace("plain.load_state_dict(loaded.state_dict())",
+                             "plain.load_state_dict(loaded.state_dict(), strict=False)")
+    assert changed != source
+    (tmp_path / "gguf_changed.py").write_text(changed)
+    spec = importlib.util.spec_from_file_location("gguf_changed", tmp_path / "gguf_changed.py")
+    other = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gguf_changed", other)
+    spec.loader.exec_module(other)
+    key = gguf.cache_key(weights)
+    assert gguf.cache_key(weights) == key  # the same converter, the same file: the same folder
+    assert other.cache_key(weights) != key
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "99.0.0" if name == "transformers" else real(name))
+    assert gguf.cache_key(weights) != key
