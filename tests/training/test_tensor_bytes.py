@@ -9,6 +9,8 @@ dropout 0.05 on all linear layers, checkpointing on): deterministic figures wher
   * the planner's per-rank training figure (its GPU figure without the CUDA context and fragmentation) bounds the
     measured one, at most 15% above, for every strategy on two model shapes (many small layers; few wide ones), and
     what a rank holds (base shard, LoRA, AdamW) is the planner's to the byte.
+How the meter splits bytes into categories is checked on a program of known sizes (tests/training/test_meter.py): the
+sum of its step parts equals its step peak by construction, so no check of a real run can rest on it.
 The RSS side (glibc's heap, which is where an FSDP rank's training memory went on CPU) is tests/test_host_memory.py.
 """
 
@@ -108,8 +110,6 @@ def test_the_planner_training_figure_bounds_the_measured_one_within_15_percent(m
         assert 1.0 <= total / record["peak_bytes"] <= 1.15, (config, rank, total / 2**20, record, planned)
         for part in ("base", "lora", "adamw"):  # a rank's shard of each (FSDP2 chunks every tensor, FSDP1 pads)
             assert record["held_parts"][part] == planned[part], (config, rank, part, record["held_parts"], planned)
-        # The meter's step parts add up to its step peak (each byte counted once, in one category).
-        assert sum(record["step_parts"].values()) == record["step_peak_bytes"], record
 
 
 def test_no_measurement_without_the_variable(measured):
