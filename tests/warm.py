@@ -52,10 +52,13 @@ class _Servers:
                 time.sleep(0.05)
 
     def stop(self) -> None:
+        import shutil
+
         for process in self.processes:
             process.kill()
             process.wait()
         os.environ.pop("FINETUNE_WARM_SOCKETS", None)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def cold_launches(self) -> list[dict]:
         path = self.folder / "cold.log"

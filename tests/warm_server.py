@@ -71,7 +71,10 @@ def cold_reason(env: dict[str, str]) -> str | None:
     """Why `env` cannot run in a rank forked from here (a variable read at import differs), or None. PYTHONPATH may
     differ where its folders hold no module this server has imported (a test's reward functions): the rank puts
     them on its path, where Python would."""
-    differing = sorted(key for key in set(env) | set(STARTED_WITH) if env.get(key) != STARTED_WITH.get(key))
+    # A variable the imports here set themselves (quiet.install's HF_HUB_DISABLE_PROGRESS_BARS, as in every rank) may
+    # be either way: the libraries read it after it was set.
+    differing = sorted(key for key in set(env) | set(STARTED_WITH)
+                       if env.get(key) not in (STARTED_WITH.get(key), os.environ.get(key)))
     read_at_import = [key for key in differing if not (key.startswith(RUN_TIME_PREFIXES)
                                                        or key.startswith(RUN_TIME_FINETUNE) or key in RUN_TIME_NAMES)]
     if read_at_import == ["PYTHONPATH"]:
