@@ -33,15 +33,14 @@ import socket
 import sys
 import traceback
 
-# Variables read when a rank runs, not when the libraries are imported: a request may differ from the server in them.
-# Anything else that differs (HF_*, PYTHONPATH, OMP_NUM_THREADS, FINETUNE_VERBOSE: import-time noise filters) makes the
-# launch cold.
-RUN_TIME_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_",
-                     "TORCH_NCCL_", "NCCL_", "ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "DS_", "MLFLOW_", "WANDB_",
-                     "PYTEST_", "FINETUNE_WARM")
-RUN_TIME_FINETUNE = ("FINETUNE_KILL", "FINETUNE_FAULT", "FINETUNE_TENSOR_BYTES", "FINETUNE_GENERATION_GATHER",
-                     "FINETUNE_NATIVE_BF16", "FINETUNE_CPU_ALLOCATOR", "FINETUNE_CACHE")
-RUN_TIME_NAMES = {"PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES", "TMPDIR"}
+# Variables the preloaded libraries (or Python itself) read when they are imported: a request that differs from the
+# server in one of them runs cold. Anything else (a test's own variables, the launchers', accelerate's, finetune's) is
+# read when the rank runs, after the fork. FINETUNE_VERBOSE: quiet's filters decide which import-time warnings show.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "NCCL_", "OMP_", "MKL_",
+                  "KMP_", "GOMP_", "OPENBLAS_", "LD_", "PYTHON", "BNB_", "BITSANDBYTES_", "DATASETS_", "TOKENIZERS_",
+                  "XDG_", "SAFETENSORS_", "PEFT_", "TRITON_", "NUMBA_", "ACCELERATE_DISABLE_RICH", "FINETUNE_VERBOSE")
+READ_AT_IMPORT_NAMES = {"HOME", "PATH", "LANG", "LANGUAGE", "TZ", "USER"}
+READ_WHEN_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")  # set by the launchers, read by the ranks
 STARTED_WITH = dict(os.environ)  # before the imports (quiet.install sets variables, as it does in every rank)
 
 
@@ -75,8 +74,8 @@ def cold_reason(env: dict[str, str]) -> str | None:
     # be either way: the libraries read it after it was set.
     differing = sorted(key for key in set(env) | set(STARTED_WITH)
                        if env.get(key) not in (STARTED_WITH.get(key), os.environ.get(key)))
-    read_at_import = [key for key in differing if not (key.startswith(RUN_TIME_PREFIXES)
-                                                       or key.startswith(RUN_TIME_FINETUNE) or key in RUN_TIME_NAMES)]
+    read_at_import = [key for key in differing if (key.startswith(READ_AT_IMPORT) or key in READ_AT_IMPORT_NAMES
+                                                   or key.startswith("LC_")) and not key.startswith(READ_WHEN_RUN)]
     if read_at_import == ["PYTHONPATH"]:
         loaded = {name.partition(".")[0] for name in sys.modules}
         shadowing = sorted(name for folder in python_path(env) if os.path.isdir(folder)
