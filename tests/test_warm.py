@@ -91,7 +91,7 @@ def test_torchruns_workers_get_torchruns_environment(tmp_path):
         assert {k: v for k, v in cold[name].items() if k != "env"} == {k: v for k, v in warm_[name].items() if k != "env"}
 
 
-@pytest.mark.parametrize("config", ["fsdp2", "fsdp1", "ddp"])
+@pytest.mark.parametrize("config", ["fsdp2", "fsdp1", "ddp", "deepspeed_zero3"])
 def test_accelerate_launchs_workers_get_accelerates_environment(config, tmp_path):
     def accelerate(script):
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG_DIR / f"{config}.yaml"),
@@ -101,7 +101,8 @@ def test_accelerate_launchs_workers_get_accelerates_environment(config, tmp_path
     assert cold.keys() == {"rank0.json", "rank1.json"}
     for name in cold:
         assert cold[name]["env"]["ACCELERATE_USE_CPU"] == "true" and any(k.startswith("FSDP_") for k in cold[name]["env"]) \
-            is (config != "ddp")
+            is config.startswith("fsdp")
+        assert ("ACCELERATE_DEEPSPEED_ZERO_STAGE" in cold[name]["env"]) is config.startswith("deepspeed")
         assert {k: v for k, v in cold[name]["env"].items() if k not in VARYING} == warm_[name]["env"]
 
 

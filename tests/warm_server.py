@@ -11,7 +11,7 @@ it for a rank), from tests/warm_launch.py, the launcher:
   * {"op": "plan", "argv", "env", "cwd"}: the ranks `argv` would start, computed by the launcher's own code in a
     forked child (torchrun's argument parser and `config_from_args`, the environment its agent gives each worker;
     accelerate's parser, `_validate_launch_command`, `launch_command`'s choice of launcher and its
-    `prepare_multi_gpu_env` / `prepare_simple_launcher_cmd_env`), or {"cold": reason} where it is a launch this
+    `prepare_multi_gpu_env` / `prepare_deepspeed_cmd_env` / `prepare_simple_launcher_cmd_env`), or {"cold": reason} where it is a launch this
     server does not reproduce (the launcher then runs `argv` itself).
   * {"op": "store", "host", "port"}: a process holding torchrun's agent store (a TCPStore server) until the
     connection closes, as torchrun's agent does for its workers (TORCHELASTIC_USE_AGENT_STORE=True).
@@ -190,12 +190,26 @@ def accelerate_plan(args: list[str]) -> dict:
         chosen.update({"launcher": "accelerate-simple", "store": None,
                        "ranks": [{"env": _changed(env), "target": target}]})
 
+    def deepspeed_launcher(parsed):  # one machine: accelerate runs torchrun with DeepSpeed's environment
+        from accelerate.utils.constants import DEEPSPEED_MULTINODE_LAUNCHERS
+        from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+        if parsed.num_machines > 1 and parsed.deepspeed_multinode_launcher != DEEPSPEED_MULTINODE_LAUNCHERS[1]:
+            chosen["cold"] = f"accelerate's DeepSpeed launcher over machines ({parsed.deepspeed_multinode_launcher})"
+            return
+        _, env = prepare_deepspeed_cmd_env(parsed)
+        torchrun_args = _filter_args(parsed, distrib_run.get_args_parser(), [
+            "--training_script", parsed.training_script, "--training_script_args", parsed.training_script_args])
+        chosen.update(torchrun_plan_from(torchrun_args, extra_env=_changed(env)))
+        if "ranks" in chosen:
+            chosen["launcher"] = "accelerate"
+
     def cold(kind):
         return lambda *_: chosen.setdefault("cold", f"accelerate's {kind} launcher")
 
     launch.multi_gpu_launcher, launch.simple_launcher = multi_gpu_launcher, simple_launcher
-    launch.deepspeed_launcher, launch.tpu_launcher, launch.tpu_pod_launcher = (cold("DeepSpeed"), cold("TPU"),
-                                                                              cold("TPU pod"))
+    launch.deepspeed_launcher = deepspeed_launcher
+    launch.tpu_launcher, launch.tpu_pod_launcher = cold("TPU"), cold("TPU pod")
     launch.sagemaker_launcher = cold("SageMaker")
     launch.launch_command(launch.launch_command_parser().parse_args(args))
     return chosen
