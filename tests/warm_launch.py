@@ -59,6 +59,7 @@ class Launch:
         self.launcher = plan["launcher"]
         self.ranks: dict[int, int] = {}  # rank -> pid
         self.status: dict[int, int] = {}  # rank -> returncode, once ended
+        self.failures: list[int] = []  # ranks that ended non-zero, in the order seen
         self.readers: dict[int, object] = {}
         self.selector = selectors.DefaultSelector()
         self.held = []  # the store's connection: closing it ends the store
@@ -114,6 +115,8 @@ class Launch:
                 message = answer(self.readers[rank])
                 self.selector.unregister(key.fileobj)
                 self.status[rank] = message["status"] if message else -signal.SIGKILL  # the server died
+                if self.status[rank] != 0:
+                    self.failures.append(rank)
                 if self.status[rank] != 0 and self.launcher and self.stopping_since is None:
                     self.stopping_since = time.monotonic()
                     self.signal_ranks(signal.SIGTERM)
@@ -125,13 +128,15 @@ class Launch:
         failed = {rank: code for rank, code in self.status.items() if code != 0}
         if not failed and not self.signalled:
             return 0
-        first = min(failed, default=None)
-        lines = [f"{self.launcher} (warm, tests/warm_launch.py): "
-                 + (f"received signal {signal.Signals(self.signalled).name}; " if self.signalled else "")
-                 + ", ".join(f"rank {rank} (pid {self.ranks[rank]}) exitcode {code}" for rank, code in
-                             sorted(self.status.items()))]
+        first = self.failures[0] if self.failures else None  # torchrun's root cause: the first observed
+        name = f"{self.launcher} (warm, tests/warm_launch.py)"
+        lines = [f"{name}: received signal {signal.Signals(self.signalled).name}"] if self.signalled else []
+        # the line torchrun's agent logs for the first failed worker, in its words
         if first is not None:
-            lines.append(f"  root cause: rank {first} exitcode {failed[first]}")
+            lines.append(f"{name}: failed (exitcode: {failed[first]}) local_rank: {first} (pid: {self.ranks[first]}) "
+                         f"of binary: {sys.executable}")
+        lines.append(f"{name}: " + ", ".join(f"rank {rank} (pid {self.ranks[rank]}) exitcode {code}"
+                                              for rank, code in sorted(self.status.items())))
         print("\n".join(lines), file=sys.stderr, flush=True)
         return 1
 
