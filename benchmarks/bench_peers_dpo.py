@@ -80,7 +80,7 @@ def held_out_reward_accuracy(peft_model, recipe, examples, pad_id: int) -> float
     import torch
 
     from finetune.data import eval_batches
-    from finetune.training import preference
+    from finetune.training.objectives import preference
 
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"adapter": None}),
                                        "dpo": recipe.dpo.model_copy(update={"reference": "adapter_off"})})

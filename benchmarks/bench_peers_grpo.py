@@ -134,7 +134,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: in
 def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     """finetune/run.py's main() in this process, counting the prompt + completion tokens of every sampled sequence."""
     from finetune import run
-    from finetune.training import grpo_rollouts
+    from finetune.training.objectives.grpo import rollouts as grpo_rollouts
 
     per_call: list[int] = []
     prompts: list[list[str]] = []  # each generation batch's answers: which prompts it drew (compared with TRL's)

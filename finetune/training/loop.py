@@ -152,7 +152,7 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 
 def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
-                     objective: objectives.Supervised | objectives.Preference | objectives.KTO | objectives.GRPO | None = None
+                     objective: objectives.Objective | None = None
                      ) -> dict | None:
     """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
@@ -220,12 +220,12 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 step_start = time.perf_counter()
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
                 with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
-                    micro_batches = objectives.take_micro_batches(objective, batches, step, t.grad_accum)
+                    micro_batches = objective.take(batches, step, t.grad_accum)
                     local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                     *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
-                    trained = objectives.train_batches(objective, micro_batches)  # GRPO: its rollouts' chunks
+                    trained = objective.train_batches(micro_batches)  # GRPO: its rollouts' chunks
                     for index, batch in enumerate(trained):
                         with gradient_sync(model, enabled=index == len(trained) - 1):
                             to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
