@@ -8,11 +8,13 @@ gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padd
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -27,8 +29,20 @@ from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
-from finetune.training import objectives, tensor_bytes
+from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
+
+# Context managers entered around each training step, `hook(step, out_dir, rank)`: what diagnostics attach (the
+# tensor-bytes meter, training/tensor_bytes.py, when FINETUNE_MEASURE_STEP asks for it: run.py), never the loop itself.
+STEP_HOOKS: list[Callable[[int, Path, int], contextlib.AbstractContextManager]] = []
+
+
+@contextlib.contextmanager
+def around_step(step: int, out_dir: Path, rank: int):
+    with contextlib.ExitStack() as stack:
+        for hook in STEP_HOOKS:
+            stack.enter_context(hook(step, out_dir, rank))
+        yield
 
 
 class NumericalFault(FinetuneError):
@@ -219,7 +233,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
             for step in range(first_step, t.max_steps + 1):
                 step_start = time.perf_counter()
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
-                with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
+                with around_step(step, out_dir, info.rank):  # STEP_HOOKS: none unless a diagnostic is asked for
                     micro_batches = objective.take(batches, step, t.grad_accum)
                     local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                     *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
