@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import (
+from peers_common import (
     BF16,
     DTYPE,
     QUICKSTART_MODEL,
