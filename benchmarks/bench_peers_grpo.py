@@ -165,7 +165,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     from finetune import model
     from finetune.data.loader import epoch_permutation
     from finetune.recipe import load_recipe
-    from finetune.recipe_grpo import import_reward_function
+    from finetune.recipe.grpo import import_reward_function
 
     recipe = load_recipe(recipe_path, overrides)
     reward = import_reward_function(recipe.grpo.reward_functions[0])  # the same function object as ours

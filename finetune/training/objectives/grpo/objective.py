@@ -23,7 +23,7 @@ class GRPO(Objective):
     (training/grpo.py). Completions are reused for grpo.num_iterations steps."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
-        from finetune.recipe_grpo import import_reward_function
+        from finetune.recipe.grpo import import_reward_function
 
         super().__init__(model, recipe)
         self.config, self.tokenizer = recipe.grpo, tokenizer
