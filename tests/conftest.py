@@ -28,7 +28,7 @@ def _hermetic_cache() -> Path:
     conversions stay shared (a link to the machine's folder): keyed by the file's hash, they cost ~25 s to redo."""
     import tempfile
 
-    from finetune.model.gguf import cache_root
+    from finetune.model.sources.gguf import cache_root
 
     shared_gguf = cache_root()  # the machine's, before FINETUNE_CACHE is moved
     root = Path(tempfile.mkdtemp(prefix="finetune-tests-cache-"))
