@@ -10,7 +10,7 @@ model as `finetune/run.py` does under FSDP2 (host_memory's allocator setting, lo
 
   v1      transformers' from_pretrained on every rank, then FSDP shards (parallel.sharded_loading: false)
   today   sharded loading as before issue 24 (and still FSDP1's): every rank reads and quantizes each whole unit
-  range   FSDP2 sharded loading now: each rank reads and quantizes only its chunk (finetune/model/shard_reads.py)
+  range   FSDP2 sharded loading now: each rank reads and quantizes only its chunk (finetune/model/sources/shard_reads.py)
   cache   (c) `model.quantized_cache: auto`, the entry built once before the timed rows (a 4-bit checkpoint as
           `finetune quantize` writes it): FSDP2 ranks read their chunk of the packed bytes, quantize nothing
 

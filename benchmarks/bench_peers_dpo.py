@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import BF16, SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
+from peers_common import BF16, SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
 
 RUNNERS = ("ours", "ours-precomputed", "trl")
 PAIRS = 200
@@ -62,7 +62,7 @@ def pair_rows(n: int, seed: int = 0) -> list[dict]:
 
 def write_inputs(root: Path, *, tiny: bool) -> Path:
     """bench_peers' recipe (model, QLoRA, batch, schedule, no checkpointing) turned into DPO on the pairs."""
-    from bench_peers import write_inputs as sft_inputs
+    from peers_common import write_inputs as sft_inputs
 
     path = sft_inputs(root, tiny=tiny, task="ledger_stamp")  # the model (tiny: built here) and the SFT recipe
     recipe = yaml.safe_load(path.read_text())
@@ -80,7 +80,7 @@ def held_out_reward_accuracy(peft_model, recipe, examples, pad_id: int) -> float
     import torch
 
     from finetune.data import eval_batches
-    from finetune.training import preference
+    from finetune.training.objectives import preference
 
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"adapter": None}),
                                        "dpo": recipe.dpo.model_copy(update={"reference": "adapter_off"})})

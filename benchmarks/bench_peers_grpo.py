@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peers import (
+from peers_common import (
     BF16,
     DTYPE,
     QUICKSTART_MODEL,
@@ -134,7 +134,7 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "stamp", train_chunk: in
 def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     """finetune/run.py's main() in this process, counting the prompt + completion tokens of every sampled sequence."""
     from finetune import run
-    from finetune.training import grpo_rollouts
+    from finetune.training.objectives.grpo import rollouts as grpo_rollouts
 
     per_call: list[int] = []
     prompts: list[list[str]] = []  # each generation batch's answers: which prompts it drew (compared with TRL's)
@@ -165,7 +165,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str]) -> None:
     from finetune import model
     from finetune.data.loader import epoch_permutation
     from finetune.recipe import load_recipe
-    from finetune.recipe_grpo import import_reward_function
+    from finetune.recipe.grpo import import_reward_function
 
     recipe = load_recipe(recipe_path, overrides)
     reward = import_reward_function(recipe.grpo.reward_functions[0])  # the same function object as ours

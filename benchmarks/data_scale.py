@@ -144,7 +144,7 @@ def tokenizer_folder(choice: str | None, scratch: Path) -> tuple[str, str]:
     if choice:
         return choice, f"{choice} (its own chat template)"
     from finetune.errors import ModelLoadError
-    from finetune.model.gguf import converted_folder
+    from finetune.model.sources.gguf import converted_folder
 
     try:
         folder = converted_folder(*SMOLLM2)  # converted once into ~/.cache/finetune/gguf, then read from there

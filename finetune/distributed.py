@@ -207,7 +207,7 @@ def world_size() -> int:
 
 def all_gather_padded(tensor: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """Every rank's 1-D `tensor` (rank r's has lengths[r] elements, known on every rank), in rank order: one
-    all-gather of pieces padded to the longest (sharded loading's absmax, finetune/model/shard_reads.py)."""
+    all-gather of pieces padded to the longest (sharded loading's absmax, finetune/model/sources/shard_reads.py)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [tensor]
     longest = max(lengths)

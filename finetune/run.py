@@ -109,6 +109,15 @@ def _lost_peers_named(out_dir: Path) -> Iterator[None]:
         raise distributed.peer_failure(exc, checkpoints=outputs.newest_kept(out_dir)) from None
 
 
+def _attach_diagnostics() -> None:
+    """The tensor-bytes meter around the steps FINETUNE_MEASURE_STEP names (training/tensor_bytes.py): a diagnostic
+    the loop does not import; attached to its step hooks only when asked for."""
+    if os.environ.get("FINETUNE_MEASURE_STEP"):
+        from finetune.training import tensor_bytes
+
+        tensor_bytes.attach()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The `deepspeed` launcher passes --local_rank=N to its workers; the rank comes from the environment (LOCAL_RANK).
@@ -119,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     clean = False
     quiet.install()
     quiet.defer_bitsandbytes_compiles()
+    _attach_diagnostics()
     try:
         run(argv[0], argv[1:])
         clean = True

@@ -28,7 +28,7 @@ def _hermetic_cache() -> Path:
     conversions stay shared (a link to the machine's folder): keyed by the file's hash, they cost ~25 s to redo."""
     import tempfile
 
-    from finetune.model.gguf import cache_root
+    from finetune.model.sources.gguf import cache_root
 
     shared_gguf = cache_root()  # the machine's, before FINETUNE_CACHE is moved
     root = Path(tempfile.mkdtemp(prefix="finetune-tests-cache-"))
@@ -113,46 +113,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), family="qwen2")
+# The tiny models of finetune/cli/tiny.py the suite trains, one session fixture each (`tiny_<family>`), built on first
+# use: tiny_llama, tiny_qwen2, tiny_gemma, tiny_mixtral, tiny_qwen3_moe, tiny_gpt_oss, and tiny_llama4 (Llama 4 in
+# Scout's layout: every layer MoE, the fused experts stored (in, out) as the hub files store them).
+TINY_FAMILIES = ("llama", "qwen2", "gemma", "mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
 
 
-@pytest.fixture(scope="session")
-def tiny_gemma(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
+def _tiny_fixture(family: str):
+    @pytest.fixture(scope="session", name=f"tiny_{family.removesuffix('_text')}")
+    def tiny(tmp_path_factory) -> Path:
+        """A tiny model folder of the family in the fixture's name (finetune/cli/tiny.py), built once per session."""
+        from finetune.cli.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma"), family="gemma")
+        return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family.replace('_', '-')}"), family=family)
 
-
-@pytest.fixture(scope="session")
-def tiny_mixtral(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), family="mixtral")
+    return tiny
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt_oss(tmp_path_factory) -> Path:
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss"), family="gpt_oss")
+for _family in TINY_FAMILIES:
+    globals()[f"tiny_{_family.removesuffix('_text')}"] = _tiny_fixture(_family)
 
 
 @pytest.fixture(scope="session")
@@ -169,14 +148,6 @@ def tiny_arch():
         return built[model_type]
 
     return build
-
-
-@pytest.fixture(scope="session")
-def tiny_llama4(tmp_path_factory) -> Path:
-    """Llama 4 in Scout's layout: every layer MoE, the fused experts stored (in, out) as the hub files store them."""
-    from finetune.cli.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama4"), family="llama4_text")
 
 
 def addition_rows(n: int = 64, seed: int = 0) -> list[dict]:

@@ -12,8 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "finetune"
 # Leaves: anything may import them; they import only each other.
-LEAVES = ("recipe", "errors", "distributed", "files", "hub", "quiet", "host_memory", "precision", "recipe_text",
-          "recipe_checks", "recipe_grpo", "rewards", "chat_templates", "recipe_names", "rank_errors")
+LEAVES = ("recipe", "errors", "distributed", "files", "hub", "quiet", "host_memory", "precision", "rewards", "chat_templates",
+          "rank_errors")
 # The stages in import order: a stage imports leaves and the stages before it, never one after it.
 # run.py (the spine) wires the stages; the CLI sits on top of everything.
 ORDER = ("model", "planner", "parallel", "data", "tracking", "outputs", "training", "run", "cli")
@@ -119,3 +119,27 @@ def test_rooms_are_small_enough_to_read(path):
             if size > MAX_FUNCTION_LINES and WHOLE not in (ast.get_docstring(node) or ""):
                 long.append(f"{node.name} ({size} lines, line {node.lineno})")
     assert long == [], f"{path.relative_to(REPO)}: functions over {MAX_FUNCTION_LINES} lines without `{WHOLE}`: {long}"
+
+
+OBJECTIVE_CLASSES = {"Objective", "Supervised", "Preference", "KTO", "GRPO"}
+
+
+def test_no_code_outside_an_objective_asks_which_objective_it_has():
+    """The loop and its helpers use the Objective contract (training/objectives/base.py): no `isinstance` of an objective
+    class outside training/objectives/, and no branch on train.objective's value in the loop (docs/architecture.md:
+    how to add an objective)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "objectives" in path.relative_to(PACKAGE).parts[:2]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {getattr(kind, "attr", getattr(kind, "id", None)) for kind in kinds}
+                if names & OBJECTIVE_CLASSES:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: isinstance(..., {sorted(names)})")
+    loop = PACKAGE / "training" / "loop.py"
+    for node in ast.walk(ast.parse(loop.read_text())):
+        if isinstance(node, ast.Compare) and "objective" in ast.unparse(node.left):
+            found.append(f"{loop.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "\n".join(found)

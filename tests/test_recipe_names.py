@@ -1,5 +1,5 @@
 """The names users bring from HF's TrainingArguments, TRL's configs, PEFT's LoraConfig and axolotl map to the recipe
-key they mean (finetune/recipe_names.py), checked against the installed libraries: a field they add, or a recipe key
+key they mean (finetune/recipe/names.py), checked against the installed libraries: a field they add, or a recipe key
 that moves, fails here. A spelling guess only for a typo: it never points to a key of another meaning."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from finetune.errors import RecipeError
 from finetune.recipe import Recipe, load_recipe, recipe_to_yaml, validate_recipe
-from finetune.recipe_names import MANAGED, MANAGED_PREFIXES, MEANS, NO_COUNTERPART
-from finetune.recipe_text import schema_at, section_keys
+from finetune.recipe.names import MANAGED, MANAGED_PREFIXES, MEANS, NO_COUNTERPART
+from finetune.recipe.text import schema_at, section_keys
 
 BASE = {"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]}}
 

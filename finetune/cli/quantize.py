@@ -16,10 +16,10 @@ from finetune.errors import FinetuneError
 
 def cli_quantize(args: argparse.Namespace) -> int:
     """Every problem of the command line is refused before a byte of the base is read."""
-    from finetune.model.checkpoints.files import checkpoint_folder
     from finetune.model.quantization import cache as quantized_cache
     from finetune.model.quantization.writer import write_quantized
     from finetune.model.settings import quantization_config, torch_dtype
+    from finetune.model.sources.files import checkpoint_folder
 
     recipe = _recipe(args)
     out = Path(args.out).expanduser() if args.out else None

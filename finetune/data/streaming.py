@@ -273,7 +273,7 @@ def batch_stream(train, **options) -> BatchStream | StreamingBatches:
     micro_batch_size, rank, world_size, seed (the shuffle; a stream keeps the data's order), pad_id."""
     if isinstance(train, StreamedRows):
         options.pop("seed", None)
-        options.pop("kl_max_length", None)  # KTO does not stream (recipe_checks.check_streaming)
+        options.pop("kl_max_length", None)  # KTO does not stream (recipe/checks.py: check_streaming)
         return StreamingBatches(train, **options)
     return BatchStream(train, **options)
 

@@ -28,7 +28,7 @@ from finetune.model.base import (
     lora_config,
 )
 from finetune.model.loading import LoadedModel, load_model
-from finetune.model.lora_init import lora_checksum
+from finetune.model.lora.init import lora_checksum
 from finetune.model.settings import is_local, torch_dtype
 
 __all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",

@@ -17,7 +17,7 @@ from torch import nn
 
 from finetune.errors import ModelLoadError
 from finetune.model.attention import resolve_attention
-from finetune.model.lora_init import init_lora_weights
+from finetune.model.lora.init import init_lora_weights
 from finetune.model.settings import (
     hub_kwargs,
     is_local,
@@ -54,7 +54,7 @@ def _config(recipe: Recipe):
 
     check_adapter(recipe)
     if recipe.model.gguf_file:
-        from finetune.model.gguf import cached_config
+        from finetune.model.sources.gguf import cached_config
 
         return cached_config(recipe.model.name_or_path, recipe.model.gguf_file)
     if not is_local(recipe.model.name_or_path) and not recipe.model.revision:
@@ -77,7 +77,7 @@ def load_tokenizer(recipe: Recipe):
 
     name = recipe.model.tokenizer or recipe.model.name_or_path
     if recipe.model.gguf_file and not recipe.model.tokenizer:
-        from finetune.model.gguf import converted_folder  # the tokenizer rebuilt from the GGUF vocabulary
+        from finetune.model.sources.gguf import converted_folder  # the tokenizer rebuilt from the GGUF vocabulary
 
         name = str(converted_folder(recipe.model.name_or_path, recipe.model.gguf_file))
     offline_guard(name)
@@ -111,7 +111,7 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
     )
     name = recipe.model.name_or_path
     if recipe.model.gguf_file:
-        from finetune.model.gguf import converted_folder  # dequantized once into a cached transformers folder
+        from finetune.model.sources.gguf import converted_folder  # dequantized once into a cached transformers folder
 
         name = str(converted_folder(recipe.model.name_or_path, recipe.model.gguf_file))
     if device_map is not None:
@@ -213,8 +213,8 @@ def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, t
         return None
     from safetensors.torch import load_file
 
-    from finetune.model.checkpoints.conversions import model_names
     from finetune.model.experts.routed import has_routed_experts
+    from finetune.model.sources.conversions import model_names
 
     tensors = {key.removeprefix("base_model.model."): value
                for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
@@ -232,7 +232,7 @@ def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
     if recipe.lora.fused:
-        from finetune.model.lora_fused import use_fused_lora
+        from finetune.model.lora.fused import use_fused_lora
 
         use_fused_lora(peft_model)  # falls back to PEFT's forward per call where it does not apply (lora_fused.py)
     return peft_model

@@ -30,18 +30,8 @@ from torch import nn
 
 from finetune import distributed
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.conversions import convert_index
-from finetune.model.checkpoints.files import (  # noqa: F401
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointIndex,
-    TensorReader,
-    checkpoint_folder,
-    checkpoint_index,
-    convert_to_safetensors,
-)
 from finetune.model.experts.split import fused_expert_views
-from finetune.model.lora_init import lora_checksum
+from finetune.model.lora.init import lora_checksum
 from finetune.model.materialize import (  # noqa: F401
     Materializer,
     alive_tensor_bytes,
@@ -54,8 +44,18 @@ from finetune.model.materialize import (  # noqa: F401
 from finetune.model.quantization import cache as quantized_cache
 from finetune.model.quantization import prequantized
 from finetune.model.quantization.prequantized import PackedLayout
-from finetune.model.shard_reads import RankShard
 from finetune.model.skeleton import meta_base_model
+from finetune.model.sources.conversions import convert_index
+from finetune.model.sources.files import (  # noqa: F401
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointIndex,
+    TensorReader,
+    checkpoint_folder,
+    checkpoint_index,
+    convert_to_safetensors,
+)
+from finetune.model.sources.shard_reads import RankShard
 from finetune.recipe import Recipe
 
 
@@ -74,7 +74,7 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
     peft_model = get_peft_model(base, model_stage.lora_config(recipe), train_router=recipe.lora.train_router,
                                 low_cpu_mem_usage=True)
     if recipe.lora.fused:
-        from finetune.model.lora_fused import use_fused_lora
+        from finetune.model.lora.fused import use_fused_lora
 
         use_fused_lora(peft_model)
     return peft_model

@@ -10,9 +10,9 @@ from torch import nn
 
 from finetune.errors import ModelLoadError
 from finetune.host_memory import release_freed_memory
-from finetune.model.checkpoints.files import CheckpointIndex, TensorReader
 from finetune.model.quantization.prequantized import PackedLayout, packed_parameter
-from finetune.model.shard_reads import PendingQuantState, RankShard, finish_quant_states, own_parameter
+from finetune.model.sources.files import CheckpointIndex, TensorReader
+from finetune.model.sources.shard_reads import PendingQuantState, RankShard, finish_quant_states, own_parameter
 
 
 def checkpoint_name(model_name: str) -> str:
@@ -21,7 +21,7 @@ def checkpoint_name(model_name: str) -> str:
     `mlp.gate.modules_to_save.default.weight`: lora.train_router) both start from the checkpoint's `mlp.gate.weight`."""
     import re
 
-    from finetune.model.lora_init import lora_tensor_name
+    from finetune.model.lora.init import lora_tensor_name
 
     return re.sub(r"\.(original_module|modules_to_save\.[^.]+)\.", ".", lora_tensor_name(model_name))
 
@@ -121,7 +121,7 @@ class Materializer:
         return nn.Parameter(value.to(device=self.device, dtype=param.dtype), requires_grad=param.requires_grad)
 
     def _lora(self, name: str, param: nn.Parameter) -> nn.Parameter:
-        from finetune.model.lora_init import init_lora_tensor, lora_fingerprint
+        from finetune.model.lora.init import init_lora_tensor, lora_fingerprint
 
         value = torch.empty(param.shape, dtype=param.dtype, device="cpu")
         if not init_lora_tensor(value, name, self.lora_seed, self.lora_start):

@@ -76,7 +76,7 @@ _CONV1D = (("its attention and MLP layers are transformers' Conv1D, whose weight
             "none (LoRA on Conv1D: PEFT sets fan_in_fan_out)"), "Conv1D")
 # model_type -> how its checkpoint stores tensors that transformers' conversion mapping (transformers/
 # conversion_mapping.py) splits, concatenates or transposes at load: finetune's loaders apply its renames only
-# (finetune/model/checkpoints/conversions.py), so the model's tensors are missing from the checkpoint with any
+# (finetune/model/sources/conversions.py), so the model's tensors are missing from the checkpoint with any
 # settings (tried: 4-bit and quantization.method: none). Checked against the installed transformers' mapping by
 # tests/model/test_arch_matrix.py.
 CHECKPOINT_LAYOUTS = {
@@ -153,7 +153,7 @@ UNREADABLE = {
                   "and down_proj, which finetune/model/experts/ does not split, stored per expert in the checkpoint). "
                   "Fix: none in finetune yet; use a model `finetune models` lists as trained",
     **{model_type: (f"finetune's loaders cannot read its checkpoint: {layout}, and finetune's per-tensor loaders "
-                    "apply transformers' key renames only (finetune/model/checkpoints/conversions.py), not its splits, "
+                    "apply transformers' key renames only (finetune/model/sources/conversions.py), not its splits, "
                     "concatenations and transposes, so the model's tensors are missing from the checkpoint with any "
                     "settings. Fix: none in finetune yet; use a model `finetune models` lists as trained")
        for model_type, layout in CHECKPOINT_LAYOUTS.items()},

@@ -45,7 +45,7 @@ def is_moe(config) -> bool:
 
 def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Adapter tensors under the model's names (an adapter exported by finetune names them as the checkpoint does)."""
-    from finetune.model.checkpoints.conversions import model_names
+    from finetune.model.sources.conversions import model_names
 
     names = model_names(split_meta_model(config), list(tensors))
     return {names[key]: value for key, value in tensors.items()}
@@ -56,7 +56,7 @@ def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
     """(the written MoE adapter's tensors, adapter_config.json updates): per-expert tensors under the checkpoint's
     names where PEFT converts them onto transformers 5's fused experts itself, else PEFT's fused-expert form
     (export_fused.py), which it loads as written."""
-    from finetune.model.checkpoints.conversions import checkpoint_names
+    from finetune.model.sources.conversions import checkpoint_names
     from finetune.outputs.export_fused import fused_adapter
 
     on_experts = any(".experts." in key for key in tensors)

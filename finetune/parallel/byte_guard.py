@@ -105,9 +105,9 @@ def unit_checksums(module: nn.Module, *, rank: int = 0, world_size: int = 1, gro
 
     Each rank sums the bytes of the chunk FSDP2 will keep on it (dim 0, torch.chunk pieces) and the sums are added
     over the ranks: the whole tensor's checksum, which `verify_unit` compares after an unshard. Under FSDP2 sharded
-    loading a rank reads only its own chunk (finetune/model/shard_reads.py), so only that part of its tensor is data.
+    loading a rank reads only its own chunk (finetune/model/sources/shard_reads.py), so only that part of its tensor is data.
     """
-    from finetune.model.shard_reads import dim0_chunk
+    from finetune.model.sources.shard_reads import dim0_chunk
 
     names, sums = [], []
     for name, param in packed_parameters(module):

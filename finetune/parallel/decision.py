@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from finetune.model.shard_reads import RankShard
+from finetune.model.sources.shard_reads import RankShard
 from finetune.parallel import zero
 
 Strategy = Literal["single", "ddp", "fsdp", "deepspeed", "layer_split"]
@@ -40,7 +40,7 @@ class ParallelPlan:
         return self.world_size // max(1, self.replicas)
 
     def own_shard(self, rank: int) -> RankShard | None:
-        """FSDP2 sharded loading: `rank` reads and quantizes only its chunk of each tensor (finetune/model/shard_reads.py).
+        """FSDP2 sharded loading: `rank` reads and quantizes only its chunk of each tensor (finetune/model/sources/shard_reads.py).
         FSDP1 reads whole units: its flat parameters cut a unit's concatenation, not each tensor.
 
         Under hybrid shard the chunk is the one of the rank's place in its shard group (the mesh's "shard" dimension,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from finetune.distributed import DistInfo, any_rank, doing, print0
-from finetune.model.shard_reads import RankShard
+from finetune.model.sources.shard_reads import RankShard
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
 

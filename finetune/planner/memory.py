@@ -87,7 +87,7 @@ def activation_parts_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
     With a mask (padded micro-batches, packed rows; not flash-attention, which takes sequence lengths), transformers'
     sdpa path repeats k/v to every query head (no GQA kernel with a mask) and SDPA keeps its own copy of the
     (batch, 1, seq, seq) mask in each layer. SDPA's output is what o_proj reads: saved once, under attention.
-    With the fused LoRA path (lora.fused, finetune/model/lora_fused.py) a target keeps the layer input in model.dtype,
+    With the fused LoRA path (lora.fused, finetune/model/lora/fused.py) a target keeps the layer input in model.dtype,
     shared by the targets that read the same tensor (q/k/v, gate/up), and its rank-r projection; no fp32 copy, no
     dropout mask. FSDP1 falls back to PEFT's forward at run time (its LoRA leaves gather in their own forward), in
     model.dtype (lora_path "peft_compute"); ZeRO-3 falls back too, and is still counted with the fused path.
@@ -144,7 +144,7 @@ def activation_bytes_per_token_layer(facts: ModelFacts, recipe, *, seq_len: int,
 
 def lora_path_for(recipe, key: str, *, fsdp_version: int = 2) -> str:
     """How the LoRA layers run under strategy `key` (see activation_parts_per_token_layer): FSDP1 always through PEFT's
-    forward (finetune/model/lora_fused.py falls back there), in the compute dtype (finetune/parallel/wrapping.py keeps
+    forward (finetune/model/lora/fused.py falls back there), in the compute dtype (finetune/parallel/wrapping.py keeps
     the inputs uncast); FSDP2 fused or PEFT's forward, in the compute dtype (the gathered LoRA weights are in
     param_dtype); every other strategy fused or PEFT's forward with its fp32 copies."""
     fsdp = key.startswith("fsdp") or key == "hsdp"

@@ -1,6 +1,6 @@
 """Checkpoint reads at load: the bytes each rank and each node reads, and the time that takes at a stated bandwidth.
 
-Which loader reads what (finetune/model/loading.py, finetune/model/shard_reads.py):
+Which loader reads what (finetune/model/loading.py, finetune/model/sources/shard_reads.py):
   * FSDP2 with sharded loading: a rank reads its dim-0 chunk of every tensor; of a 4-bit weight, the values packed
     into its chunk widened to whole quantization blocks. A node's ranks read disjoint ranges (but for the blocks at
     chunk edges), so the node reads about its share of the checkpoint.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.model.shard_reads import dim0_chunk, packed_read_bytes, packed_value_range
+from finetune.model.sources.shard_reads import dim0_chunk, packed_read_bytes, packed_value_range
 from finetune.planner.facts import GB, NF4_BLOCK, ModelFacts
 
 # A node's read bandwidth when none is stated: a local NVMe disk reads 2-7 GB/s, a shared network file system gives

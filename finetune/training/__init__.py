@@ -4,10 +4,8 @@
                length (train.num_epochs resolved to steps for the launch)
     loss.py    token_loss_sum: the loss of trained positions only, a chunk of logits at a time, inside the forward
     evals.py   generation evals: greedy answers to held-out prompts, scored
-    objectives.py  what a step minimizes, side by side: SFT, preference (preference.py), KTO (kto.py), GRPO
-    grpo.py    GRPO's rewards, advantages, clipped loss and its aggregations (TRL's formulas)
-    grpo_rollouts.py  one GRPO generation batch: sample, score, advantages, TRL's metrics
-    rollout.py generate_completions: G completions per prompt by the policy, KV cache, per-completion seeds
+    objectives/  what a step minimizes: the contract (base.py) and one module per objective: sft, preference (DPO
+               family), kto, grpo/ (objective, loss, rewards, rollouts, sampling)
 """
 
 from finetune.training.loop import TrainResult, evaluate, resolve_max_steps, train

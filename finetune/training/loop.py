@@ -8,11 +8,13 @@ gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padd
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -27,8 +29,20 @@ from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
-from finetune.training import objectives, tensor_bytes
+from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
+
+# Context managers entered around each training step, `hook(step, out_dir, rank)`: what diagnostics attach (the
+# tensor-bytes meter, training/tensor_bytes.py, when FINETUNE_MEASURE_STEP asks for it: run.py), never the loop itself.
+STEP_HOOKS: list[Callable[[int, Path, int], contextlib.AbstractContextManager]] = []
+
+
+@contextlib.contextmanager
+def around_step(step: int, out_dir: Path, rank: int):
+    with contextlib.ExitStack() as stack:
+        for hook in STEP_HOOKS:
+            stack.enter_context(hook(step, out_dir, rank))
+        yield
 
 
 class NumericalFault(FinetuneError):
@@ -152,7 +166,7 @@ def evaluate(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_i
 
 
 def evaluate_figures(model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int,
-                     objective: objectives.Supervised | objectives.Preference | objectives.KTO | objectives.GRPO | None = None
+                     objective: objectives.Objective | None = None
                      ) -> dict | None:
     """The objective's held-out figures ({"eval_loss": ..., DPO: "eval_rewards/..."}), identical for any world size."""
     if not examples:
@@ -219,13 +233,13 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
             for step in range(first_step, t.max_steps + 1):
                 step_start = time.perf_counter()
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
-                with tensor_bytes.measured_step(step, out_dir, info.rank):  # FINETUNE_MEASURE_STEP (off by default)
-                    micro_batches = objectives.take_micro_batches(objective, batches, step, t.grad_accum)
+                with around_step(step, out_dir, info.rank):  # STEP_HOOKS: none unless a diagnostic is asked for
+                    micro_batches = objective.take(batches, step, t.grad_accum)
                     local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
                     *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
-                    trained = objectives.train_batches(objective, micro_batches)  # GRPO: its rollouts' chunks
+                    trained = objective.train_batches(micro_batches)  # GRPO: its rollouts' chunks
                     for index, batch in enumerate(trained):
                         with gradient_sync(model, enabled=index == len(trained) - 1):
                             to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)

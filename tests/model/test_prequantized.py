@@ -91,9 +91,9 @@ def test_an_fsdp2_rank_reads_only_its_chunk_of_a_4bit_checkpoint(checkpoints, wo
     it reads only that chunk, widened to whole blocks."""
     import bitsandbytes as bnb
 
-    from finetune.model.checkpoints import files as checkpoint_files
     from finetune.model.quantization import prequantized
-    from finetune.model.shard_reads import RankShard, dim0_chunk
+    from finetune.model.sources import files as checkpoint_files
+    from finetune.model.sources.shard_reads import RankShard, dim0_chunk
 
     folder = checkpoints["transformers"]
     index = checkpoint_files.checkpoint_index(folder)
@@ -143,9 +143,9 @@ def test_an_fsdp2_rank_copies_only_its_chunk_of_a_4bit_checkpoint_to_its_gpu(che
     from simulated_gpu import CUDA, SimulatedGpu
 
     from finetune.model import loading
-    from finetune.model.checkpoints import files as checkpoint_files
     from finetune.model.quantization import prequantized
-    from finetune.model.shard_reads import RankShard
+    from finetune.model.sources import files as checkpoint_files
+    from finetune.model.sources.shard_reads import RankShard
 
     folder = checkpoints["transformers"]
     index = checkpoint_files.checkpoint_index(folder)
@@ -264,8 +264,8 @@ def test_two_ranks_build_the_cache_once_and_train_from_it_to_the_same_losses(run
 def test_the_cache_is_built_once_then_its_4bit_bytes_are_read(checkpoints, tmp_path, monkeypatch, capsys):
     """First load: quantize into the cache, then read it. Second: only the cache's files are read (a quarter of the
     base's bytes, nothing quantized). A base changed since: rebuilt with a note, and the new weights are loaded."""
-    from finetune.model.checkpoints import files as checkpoint_files
     from finetune.model.quantization import cache as quantized_cache
+    from finetune.model.sources import files as checkpoint_files
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     base = shutil.copytree(checkpoints["base"], tmp_path / "base")

@@ -1,4 +1,4 @@
-"""Each rank reads and quantizes only its FSDP2 chunk (finetune/model/shard_reads.py): the ranges, and the bytes.
+"""Each rank reads and quantizes only its FSDP2 chunk (finetune/model/sources/shard_reads.py): the ranges, and the bytes.
 
 In one process, for each rank of a simulated world: the rank's packed chunk and its absmax blocks are bitwise what
 quantizing the whole tensor gives, and the quant state built from the assembled absmax is bitwise the whole tensor's
@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.model.shard_reads import PendingQuantState, _quant_state, dim0_chunk, own_parameter, packed_value_range
+from finetune.model.sources.shard_reads import (
+    PendingQuantState,
+    _quant_state,
+    dim0_chunk,
+    own_parameter,
+    packed_value_range,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 64, 1001])
@@ -52,7 +58,7 @@ def test_each_ranks_chunk_and_the_quant_state_are_the_whole_tensors(tmp_path, sh
     import bitsandbytes as bnb
     from safetensors.torch import save_file
 
-    from finetune.model.checkpoints.files import TensorReader, checkpoint_index
+    from finetune.model.sources.files import TensorReader, checkpoint_index
 
     torch.manual_seed(0)
     weight = torch.randn(shape) * 0.02
@@ -86,7 +92,7 @@ def test_each_ranks_chunk_and_the_quant_state_are_the_whole_tensors(tmp_path, sh
 
 
 def _shard(rank: int, world: int):
-    from finetune.model.shard_reads import RankShard
+    from finetune.model.sources.shard_reads import RankShard
 
     return RankShard(rank, world)
 
@@ -95,7 +101,7 @@ def test_a_flat_range_reads_exactly_its_bytes(tmp_path):
     """Every [start, stop) of a matrix: the values of the flattened tensor, and the reader counts exactly their bytes."""
     from safetensors.torch import save_file
 
-    from finetune.model.checkpoints.files import TensorReader, checkpoint_index
+    from finetune.model.sources.files import TensorReader, checkpoint_index
 
     matrix = torch.arange(70.0).reshape(7, 10)
     save_file({"w": matrix, "n": torch.arange(5.0)}, str(tmp_path / "model.safetensors"))

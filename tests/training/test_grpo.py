@@ -26,7 +26,9 @@ from finetune import data, model
 from finetune.data import IGNORE_INDEX
 from finetune.errors import DataError, RecipeError, RewardError
 from finetune.recipe import GRPOSection, validate_recipe
-from finetune.training import grpo, rollout
+from finetune.training.objectives.grpo import loss as grpo
+from finetune.training.objectives.grpo import rewards as grpo_rewards
+from finetune.training.objectives.grpo import sampling as rollout
 
 CPU = torch.device("cpu")
 REWARD = "finetune.rewards:exact_match"
@@ -144,10 +146,10 @@ def test_builtin_rewards_and_the_weighted_nansum():
     assert rewards.length_penalty(["q"], ["abcd"]) == [-0.004]
     with pytest.raises(ValueError, match="`answer` column"):
         rewards.exact_match(["q"], ["5"])
-    table = grpo.rewards_per_function([rewards.exact_match, lambda prompts, completions, **kw: [0.5, 0.25, None]],
+    table = grpo_rewards.rewards_per_function([rewards.exact_match, lambda prompts, completions, **kw: [0.5, 0.25, None]],
                                       ["q"] * 3, ["5", "7", "8"], {"answer": ["5", None, None]}, [3, 3, 3])
     assert table[0].tolist() == [1.0, 0.5] and torch.isnan(table[1, 0]) and table[1, 1] == 0.25
-    weighted = grpo.weighted_rewards(table, [2.0, 1.0])  # None skipped (nansum); none scored at all: NaN
+    weighted = grpo_rewards.weighted_rewards(table, [2.0, 1.0])  # None skipped (nansum); none scored at all: NaN
     assert weighted[:2].tolist() == [2.5, 0.25] and torch.isnan(weighted[2])
 
 
@@ -156,12 +158,12 @@ def test_a_raising_reward_names_itself_the_prompt_row_and_the_exception():
         return [float(int(c) == int(a)) for c, a in zip(completions, answer)]
 
     with pytest.raises(RewardError) as caught:
-        grpo.rewards_per_function([strict], ["q"] * 4, ["5", "5", "x", "1"], {"answer": ["5"] * 4}, [7, 7, 8, 8])
+        grpo_rewards.rewards_per_function([strict], ["q"] * 4, ["5", "5", "x", "1"], {"answer": ["5"] * 4}, [7, 7, 8, 8])
     message = str(caught.value)
     assert "`strict` raised ValueError: invalid literal for int() with base 10: 'x' (on prompt row 8 of the data" in message
     assert "last checkpoint is intact" in message and "train.resume=auto" in message and "\n" not in message
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
-        grpo.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, [0, 0])
+        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, [0, 0])
 
 
 # -------------------------------------------------------------------------------------------------------- sampling
@@ -291,7 +293,7 @@ def test_a_rollout_trained_in_chunks_gives_the_whole_rollouts_loss_and_gradient(
             (batch,) = objective.take(iter([data.collate(prompts, pad_id=tokenizer.pad_token_id)]), 1, 1)
             totals = objective.counts(peft_model, [batch], CPU)
             (whole,) = objective.rollouts
-            chunks = objectives.train_batches(objective, [batch])
+            chunks = objective.train_batches([batch])
             assert [c.mask.size(0) for c in chunks] == [3, 3, 2]
             assert torch.equal(torch.cat([c.advantages for c in chunks]), whole.advantages)
             assert torch.equal(torch.cat([c.ref_logps for c in chunks]), whole.ref_logps)

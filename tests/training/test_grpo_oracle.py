@@ -22,7 +22,10 @@ import torch
 from trl import GRPOTrainer
 
 from finetune.recipe import GRPOSection
-from finetune.training import grpo, objectives
+from finetune.training import objectives
+from finetune.training.objectives.grpo import loss as grpo
+from finetune.training.objectives.grpo import objective as grpo_objective
+from finetune.training.objectives.grpo import rewards as grpo_rewards
 
 CPU = torch.device("cpu")
 ROWS, WIDTH = 6, 9
@@ -46,7 +49,7 @@ def scene(seed: int = 3, drift: float = 0.0):
 
 def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch):
     """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step."""
-    monkeypatch.setattr(objectives, "token_logps", lambda model, batch, device, temperature: policy[mask.bool()])
+    monkeypatch.setattr(grpo_objective, "token_logps", lambda model, batch, device, temperature: policy[mask.bool()])
     recipe = SimpleNamespace(grpo=config, train=SimpleNamespace(objective="grpo"))
     objective = object.__new__(objectives.GRPO)
     vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0)
@@ -120,7 +123,7 @@ def test_advantages_as_trl_computes_them():
     nan = float("nan")
     table = torch.tensor([[1.0, nan], [0.0, 0.5], [1.0, 1.0], [nan, nan],  # group 1 (one unscorable)
                           [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)  # group 2: all equal
-    rewards = grpo.weighted_rewards(table, [1.0, 2.0])
+    rewards = grpo_rewards.weighted_rewards(table, [1.0, 2.0])
     assert rewards[:3].tolist() == [1.0, 1.0, 3.0] and torch.isnan(rewards[3])
     mean, std = 5 / 3, (((1 - 5 / 3) ** 2 * 2 + (3 - 5 / 3) ** 2) / 2) ** 0.5
     result, zero_std = grpo.advantages(rewards, 4, "group")

@@ -24,7 +24,8 @@ from finetune import data, model
 from finetune.data import IGNORE_INDEX, BatchStream, Example, kl_sequence
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import validate_recipe
-from finetune.training import kto, objectives
+from finetune.training import objectives
+from finetune.training.objectives import kto
 
 CPU = torch.device("cpu")
 

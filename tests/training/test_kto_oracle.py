@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from trl import KTOTrainer
 
 from finetune.recipe import KTOSection, PreferenceSection
-from finetune.training import kto, objectives
+from finetune.training import objectives
+from finetune.training.objectives import kto
 
 CPU = torch.device("cpu")
 ROWS = 6

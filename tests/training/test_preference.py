@@ -38,7 +38,7 @@ from processes import finish, start, wait_for_step, worker_pids
 from finetune import data, model
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import validate_recipe
-from finetune.training import preference
+from finetune.training.objectives import preference
 
 CPU = torch.device("cpu")
 LN2 = math.log(2)

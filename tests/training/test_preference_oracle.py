@@ -30,7 +30,7 @@ from trl.experimental.cpo import CPOTrainer
 from trl.experimental.orpo import ORPOTrainer
 
 from finetune.recipe import PreferenceSection
-from finetune.training import preference
+from finetune.training.objectives import preference
 
 CPU = torch.device("cpu")
 PAIRS = 4

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.conversions import model_names
 from finetune.model.experts.routed import RoutedExperts, has_routed_experts
+from finetune.model.sources.conversions import model_names
 
 
 @contextmanager

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.files import CheckpointIndex
 from finetune.model.experts.families import FAMILIES, covered_models, family_for
 from finetune.model.experts.routed import RoutedExperts
+from finetune.model.sources.files import CheckpointIndex
 
 
 def fused_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -25,8 +25,8 @@ import torch
 
 from finetune import distributed
 from finetune.files import exclusive_lock
-from finetune.model.checkpoints.files import checkpoint_index
 from finetune.model.quantization.prequantized import is_prequantized
+from finetune.model.sources.files import checkpoint_index
 from finetune.recipe import Recipe
 
 CACHE_VERSION = 1  # bump when the written layout or the quantization path changes: old entries are then not read
@@ -35,7 +35,7 @@ MANIFEST = "finetune_quantized.json"
 
 def cache_root() -> Path:
     """$FINETUNE_CACHE/quantized, else ~/.cache/finetune/quantized (beside the GGUF conversions; XDG_CACHE_HOME honoured)."""
-    from finetune.model.gguf import cache_root as gguf_cache_root
+    from finetune.model.sources.gguf import cache_root as gguf_cache_root
 
     return gguf_cache_root().parent / "quantized"
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.files import CheckpointIndex, TensorReader
-from finetune.model.shard_reads import RankShard, packed_value_range
+from finetune.model.sources.files import CheckpointIndex, TensorReader
+from finetune.model.sources.shard_reads import RankShard, packed_value_range
 from finetune.recipe import Recipe
 
 PACKED_STATE = "quant_state.bitsandbytes__"  # + nf4 / fp4: the non-tensor part of a quant state, as JSON bytes
@@ -107,8 +107,8 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
 def check_local_checkpoint(recipe: Recipe) -> bool:
     """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
     only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
-    from finetune.model.checkpoints.files import checkpoint_index
     from finetune.model.settings import is_local
+    from finetune.model.sources.files import checkpoint_index
 
     folder = Path(recipe.model.name_or_path).expanduser()
     if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.files import INDEX_FILE, CheckpointIndex, TensorReader, checkpoint_index
 from finetune.model.quantization.prequantized import stored_quantization
+from finetune.model.sources.files import INDEX_FILE, CheckpointIndex, TensorReader, checkpoint_index
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -44,9 +44,9 @@ def model_tensors(base: Path, config, bnb_config, dtype: torch.dtype) -> tuple[C
     as `mlp.experts.3.w1`, each expert of a fused 3-D tensor (Qwen3-MoE saved fused, gpt-oss, Llama 4) as its own
     4-bit weight. The checkpoint's own names would leave every expert in bf16, or fused where bitsandbytes cannot go,
     in a folder whose config.json says 4-bit."""
-    from finetune.model.checkpoints.conversions import convert_index
     from finetune.model.experts.split import fused_expert_views
     from finetune.model.skeleton import meta_base_model
+    from finetune.model.sources.conversions import convert_index
 
     skeleton = meta_base_model(config, dtype=dtype, bnb_config=bnb_config)
     index = checkpoint_index(base)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError
-from finetune.model.checkpoints.files import CheckpointIndex, DerivedView
 from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
+from finetune.model.sources.files import CheckpointIndex, DerivedView
 
 MODELS = "gpt-oss-20b, gpt-oss-120b"
 NAMES = ExpertNames(("gate_proj", "up_proj"), ("down_proj",))

@@ -1,6 +1,6 @@
 """Reading recipe text: the YAML file, `key.path=value` overrides, and pydantic's errors as one paragraph.
 
-The schema itself (finetune/recipe.py) passes its root model in, so this leaf knows nothing of the sections: a key is
+The schema itself (finetune/recipe/schema.py) passes its root model in, so this leaf knows nothing of the sections: a key is
 checked against whatever schema the caller validates with, and an unknown one gets the nearest valid key suggested.
 """
 
@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
-from finetune.recipe_names import foreign_name
+from finetune.recipe.names import foreign_name
 
 
 def field_names(model: type[BaseModel]) -> list[str]:
@@ -55,7 +55,7 @@ def section_keys(root: type[BaseModel]) -> dict[str, list[str]]:
 
 def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None) -> str:
     """What to say of an unknown key: the key it means where it is another tool's name or belongs in another section
-    (finetune/recipe_names.py), else a near spelling of a key here (close enough to be a typo, never a key of
+    (finetune/recipe/names.py), else a near spelling of a key here (close enough to be a typo, never a key of
     another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`), else the keys here."""
     known = foreign_name(key, section_keys(root)) if root is not None else None
     if known:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from finetune.model.checkpoints.files import TensorReader
+from finetune.model.sources.files import TensorReader
 
 
 @dataclass(frozen=True)

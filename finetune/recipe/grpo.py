@@ -1,5 +1,5 @@
 """The recipe's `grpo:` section (train.objective: grpo): TRL's GRPOConfig names and defaults, and the checks of a
-GRPO recipe that span sections (called from recipe_checks.check_objective).
+GRPO recipe that span sections (called from recipe/checks.py: check_objective).
 
 A leaf beside recipe.py, which imports it: the section, then `check_grpo(recipe)`, which raises ValueError with the
 keys and the fix (the schema turns it into one paragraph naming the file).

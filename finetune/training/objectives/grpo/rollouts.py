@@ -19,9 +19,10 @@ from torch import nn
 from finetune import distributed, host_memory
 from finetune.errors import RewardError
 from finetune.parallel import unwrap
-from finetune.training import grpo
 from finetune.training.loss import token_logps
-from finetune.training.rollout import generate_completions, sampling_seed
+from finetune.training.objectives.grpo import loss as grpo
+from finetune.training.objectives.grpo import rewards as reward_table
+from finetune.training.objectives.grpo.sampling import generate_completions, sampling_seed
 
 
 def generation_gather(configured: str = "once") -> str:
@@ -62,7 +63,7 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
                                      "is in that rank's output); the run stopped before this step's update.")
     seconds = time.perf_counter() - started
     weights = config.weights()
-    weighted = [grpo.weighted_rewards(r.rewards, weights) for r in rollouts]
+    weighted = [reward_table.weighted_rewards(r.rewards, weights) for r in rollouts]
     figures = _figures(rollouts, weighted, objective)
     batch_std = figures["reward_std"] if config.scale_rewards == "batch" else None
     for rollout, rewards in zip(rollouts, weighted):
@@ -108,7 +109,7 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
     try:
-        table = grpo.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
+        table = reward_table.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
                                           [i for i in indices for _ in range(g)], completion_ids=completions)
     except RewardError as exc:
         problem = exc
@@ -133,7 +134,7 @@ def _figures(rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], objecti
     local += [float(lengths.sum()), float(lengths.numel()), float(truncated.sum()), float(lengths[~truncated].sum())]
     total = distributed.all_reduce_sum(local)
     figures = {}
-    names = [grpo.reward_name(f) for f in objective.functions]
+    names = [reward_table.reward_name(f) for f in objective.functions]
     for name, (s, sq, n) in zip(["reward", *names], [total[i:i + 3] for i in range(0, 3 * (len(names) + 1), 3)]):
         mean = s / n if n else math.nan
         std = math.sqrt(max(sq - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan

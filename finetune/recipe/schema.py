@@ -32,7 +32,7 @@ from pydantic import (
 from finetune.chat_templates import checked_chat_template
 from finetune.errors import RecipeError
 from finetune.precision import DtypeChoice, choose_dtype
-from finetune.recipe_checks import (
+from finetune.recipe.checks import (
     check_dtypes,
     check_keep_best,
     check_objective,
@@ -41,8 +41,8 @@ from finetune.recipe_checks import (
     clamped_warmup,
     steps_for_epochs,
 )
-from finetune.recipe_grpo import GRPOSection
-from finetune.recipe_text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
+from finetune.recipe.grpo import GRPOSection
+from finetune.recipe.text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
 

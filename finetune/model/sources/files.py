@@ -38,7 +38,7 @@ class CheckpointIndex:
     files: dict[str, Path] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # A model tensor stored under another name, or as part of a stored tensor (transformers' key renames and expert
-    # fusion, finetune/model/checkpoints/conversions.py): model name -> (name in the file, expert index or None, part,
+    # fusion, finetune/model/sources/conversions.py): model name -> (name in the file, expert index or None, part,
     # parts), or a `DerivedView` for a layout that is no row block of one stored tensor.
     views: dict[str, tuple[str, int | None, int, int] | DerivedView] = field(default_factory=dict)
     # Views of an expert stored (in, out) (Llama 4's fused experts): the part is a block of columns, read transposed.
@@ -109,7 +109,7 @@ def checkpoint_folder(recipe: Recipe) -> Path:
 
     name = recipe.model.name_or_path
     if recipe.model.gguf_file:
-        from finetune.model.gguf import converted_folder
+        from finetune.model.sources.gguf import converted_folder
 
         return converted_folder(name, recipe.model.gguf_file)
     if is_local(name):

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune import distributed, parallel
-from finetune.data import Example, eval_batches, set_reference_logps
+from finetune.data import IGNORE_INDEX, Example, eval_batches, set_reference_logps
 from finetune.errors import CheckpointError
 from finetune.recipe import PreferenceSection, Recipe
 from finetune.training.loss import sequence_logps
+from finetune.training.objectives.base import Objective
 
 WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
 # TRL's names (DPOTrainer; ORPOTrainer adds nll_loss, log_odds_ratio, log_odds_chosen). Means over the pairs, but
@@ -298,3 +299,53 @@ def _read_stored(resume_from: Path, fingerprint: dict) -> dict:
         f"resume from {resume_from}: dpo.reference is precomputed, but no {REFERENCE_FILE} for these pairs is in its run "
         "folder (the data changed, or the run was started with adapter_off). The reference cannot be recomputed from "
         "trained weights. Fix: resume with the data and dpo settings of the saving run, or start a new run.")
+
+
+# ------------------------------------------------------------------------------------------- the objective
+class Preference(Objective):
+    """Mean over the pairs of the global batch of the dpo.loss (ORPO: plus the chosen responses' token-mean NLL)."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
+        super().__init__(model, recipe)
+        self.config = recipe.dpo
+        if recipe.dpo.disable_dropout:
+            disable_dropout(model)
+        self.reference = Reference(model, recipe)  # before a resume loads newer LoRA values
+
+    def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, *, pad_id: int,
+                out_dir, resume_from) -> None:
+        """dpo.reference precomputed: every pair's reference log-probs, computed now or read back on resume."""
+        attach_reference(model, self.reference, {"train": train, "eval": evaluation}, recipe, pad_id=pad_id,
+                         out_dir=out_dir, resume_from=resume_from)
+
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
+        pairs, tokens = 0, 0
+        for batch in micro_batches:
+            trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+            half = trained.size(0) // 2
+            valid = (trained[:half] > 0) & (trained[half:] > 0)
+            pairs, tokens = pairs + int(valid.sum()), tokens + int((trained[:half] * valid).sum())
+        return [pairs, tokens]
+
+    def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
+        loss_sum, nll_sum, metric_sums, _ = micro_batch_terms(model, batch, self.config, self.reference, device)
+        share = combine(loss_sum, nll_sum, totals, self.config)
+        return share * distributed.info().world_size, share.detach(), metric_sums
+
+    def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        return metric_means(sums, totals, self.config) if sums is not None else {}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
+        """eval_loss (mean over the held-out pairs) and eval_rewards/... , identical for any world size."""
+        info = distributed.info()
+        sums = torch.zeros(len(metric_names(self.config)) + 4, dtype=torch.float64)
+        for batch in eval_batches(examples, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank,
+                                  world_size=info.world_size, pad_id=pad_id):
+            loss_sum, nll_sum, metric_sums, counts = micro_batch_terms(model, batch, self.config,
+                                                                       self.reference, info.device)
+            sums += torch.cat([torch.stack([loss_sum.double(), nll_sum.double()]), metric_sums, counts]).cpu()
+        total = distributed.all_reduce_sum(sums.tolist())
+        loss_sum, nll_sum, metric_sums, (pairs, tokens) = total[0], total[1], total[2:-2], total[-2:]
+        loss = loss_sum / max(pairs, 1) + (nll_sum / max(tokens, 1) if self.config.loss == "orpo" else 0.0)
+        return {"eval_loss": loss, **metric_means(metric_sums, [pairs, tokens], self.config, prefix="eval_")}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from finetune.model.checkpoints.files import CheckpointIndex
+from finetune.model.sources.files import CheckpointIndex
 
 
 def convert_index(index: CheckpointIndex, model: nn.Module) -> int:

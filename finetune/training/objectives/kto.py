@@ -25,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.recipe import KTOSection
+from finetune import distributed
+from finetune.data import IGNORE_INDEX, Example, eval_batches, kl_sequence
+from finetune.recipe import KTOSection, Recipe
 from finetune.training.loss import sequence_logps
-from finetune.training.preference import Reference
+from finetune.training.objectives.base import Objective
+from finetune.training.objectives.preference import Reference, disable_dropout
 
 # Summed per micro-batch, in this order; the logged metrics (`metric_means`) are TRL's KTOTrainer's names.
 SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
@@ -96,3 +99,69 @@ def metric_means(sums: list[float], rows: list[float], kl: float, config: KTOSec
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     out["kl"] = kl
     return {f"{prefix}{name}": round(value, 6) for name, value in out.items()}
+
+
+# ------------------------------------------------------------------------------------------- the objective
+class KTO(Objective):
+    """Mean over the rows of the global batch of the weighted KTO loss, with one KL estimate per step (training/py)."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
+        super().__init__(model, recipe)
+        self.config = recipe.kto
+        if recipe.dpo.disable_dropout:
+            disable_dropout(model)
+        self.reference = Reference(model, recipe, compared=True)  # before a resume loads newer LoRA values
+
+    @classmethod
+    def uses_kl_rows(cls, recipe: Recipe) -> bool:
+        return uses_kl(recipe.kto)
+
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
+        """[rows, desirable, undesirable, KL log-ratio sum, KL rows]: the KL part from this rank's mismatched rows."""
+        rows = [0, 0, 0]
+        for batch in micro_batches:
+            trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1) > 0
+            desirable = batch["desirable"]
+            rows = [rows[0] + int(trained.sum()), rows[1] + int((trained & desirable).sum()),
+                    rows[2] + int((trained & ~desirable).sum())]
+        kl = torch.zeros(2, dtype=torch.float64, device=device)
+        if uses_kl(self.config):
+            for batch in micro_batches:
+                kl = kl + kl_terms(model, batch, self.reference, device).to(device)
+        return [*rows, kl[0], kl[1]]
+
+    def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
+        loss_sum, metric_sums, _ = micro_batch_terms(model, batch, self.config, self.reference,
+                                                     kl_estimate(totals[3], totals[4]), device)
+        share = loss_sum / max(totals[0], 1)
+        return share * distributed.info().world_size, share.detach(), metric_sums
+
+    def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        if sums is None:
+            return {}
+        return metric_means(sums, totals[:3], kl_estimate(totals[3], totals[4]), self.config)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:
+        """eval_loss (mean over the held-out rows, the KL estimate over the whole eval set) and eval_rewards/...,
+        identical for any world size."""
+        info = distributed.info()
+        batches = lambda rows: eval_batches(rows, micro_batch_size=recipe.train.micro_batch_size, rank=info.rank,
+                                            world_size=info.world_size, pad_id=pad_id)
+        estimate = 0.0
+        if uses_kl(self.config):  # each held-out prompt with the previous row's completion
+            mismatched = [kl_sequence(examples[i], examples[i - 1], max_length=recipe.data.max_length)
+                          for i in range(len(examples))]
+            kl = torch.zeros(2, dtype=torch.float64)
+            for batch in batches(mismatched):
+                kl += kl_terms(model, {f"kl_{k}": v for k, v in batch.items()}, self.reference, info.device).cpu()
+            estimate = kl_estimate(*distributed.all_reduce_sum(kl.tolist()))
+        sums = torch.zeros(1 + len(SUMS) + 3, dtype=torch.float64)
+        for batch in batches(examples):
+            loss_sum, metric_sums, rows = micro_batch_terms(model, batch, self.config, self.reference, estimate,
+                                                            info.device)
+            sums += torch.cat([loss_sum.double().reshape(1), metric_sums, rows]).cpu()
+        total = distributed.all_reduce_sum(sums.tolist())
+        rows = total[-3:]
+        return {"eval_loss": total[0] / max(rows[0], 1),
+                **metric_means(total[1:-3], rows, estimate, self.config, prefix="eval_")}

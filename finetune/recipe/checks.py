@@ -62,7 +62,7 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
                     f"set train.objective: {_objective_of(spec.format)} (and its section) to learn from it, or give "
                     "SFT data in another format.")
     if objective == "grpo":
-        from finetune.recipe_grpo import check_grpo  # a leaf module beside this one
+        from finetune.recipe.grpo import check_grpo  # a leaf module beside this one
 
         check_grpo(recipe)
         _check_sections(recipe)

@@ -1,0 +1,85 @@
+"""GRPO as an objective of the loop: sample and score at the start of a num_iterations cycle (rollouts.py), train on
+the rollouts' chunks, no held-out loss (each step's rewards are its measure)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from finetune import distributed
+from finetune.recipe import Recipe
+from finetune.training.loss import token_logps
+from finetune.training.objectives.base import Objective
+from finetune.training.objectives.grpo import loss
+from finetune.training.objectives.grpo.rollouts import grpo_rollouts
+from finetune.training.objectives.preference import Reference
+
+
+class GRPO(Objective):
+    """GRPO: each step the policy samples grpo.num_generations completions per prompt (training/rollout.py), the
+    reward functions score them, and the step minimizes the clipped policy loss on their advantages
+    (training/grpo.py). Completions are reused for grpo.num_iterations steps."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
+        from finetune.recipe.grpo import import_reward_function
+
+        super().__init__(model, recipe)
+        self.config, self.tokenizer = recipe.grpo, tokenizer
+        self.functions = [import_reward_function(name) for name in self.config.reward_functions]
+        self.reference = Reference(model, recipe, compared=True) if self.config.beta else None
+        self.rollouts: list[loss.Rollout] = []
+        self.trained: list[loss.Rollout] = []  # the rollouts as trained: in chunks of grpo.train_chunk_size
+        self.prompt_batches: list[dict] = []
+        self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
+
+    def take(self, batches, step: int, count: int) -> list[dict]:
+        """The step's prompt micro-batches: new ones at the start of a num_iterations cycle (or after a resume), the
+        cycle's own otherwise (the prompts are not consumed again)."""
+        self.step = step
+        mu = self.config.num_iterations
+        if self.generated_at is not None and step - self.generated_at < mu and (step - 1) % mu:
+            return self.prompt_batches
+        self.prompt_batches, self.generated_at = [next(batches) for _ in range(count)], None
+        return self.prompt_batches
+
+    def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
+        """[completions, completion tokens] of this rank's step: the completions sampled and scored first, at the
+        start of a cycle."""
+        if self.generated_at is None:
+            self.rollouts = grpo_rollouts(model, micro_batches, self, device)
+            self.trained = [chunk for rollout in self.rollouts for chunk in rollout.chunks(self.config.train_chunk_size)]
+            self.generated_at = self.step
+        self.position = 0
+        return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts)]
+
+    def train_batches(self, micro_batches: list[dict]) -> list[loss.Rollout]:
+        """What the step runs a forward and backward on: the rollouts' chunks (after `counts`)."""
+        return self.trained
+
+    def loss(self, model: nn.Module, batch, totals: list[float], device: torch.device):
+        rollout = self.trained[self.position]
+        self.position += 1
+        logps = loss.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature),
+                           rollout.mask)
+        mask = rollout.mask.to(logps.device)
+        moved = lambda t: None if t is None else t.to(logps.device)
+        per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
+                                                   rollout.advantages.to(logps.device, logps.dtype), self.config)
+        share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1])
+        kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
+        sums = torch.stack([kl_sum, *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
+                                                    self.config)]).double()
+        return share * distributed.info().world_size, share.detach(), sums
+
+    def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        tokens = max(totals[1], 1)
+        out = dict(self.rollout_figures)
+        if sums is not None:
+            if self.config.beta:
+                out["kl"] = sums[0] / tokens
+            for name, value in zip(("low_mean", "high_mean", "region_mean"), sums[1:4]):
+                out[f"clip_ratio/{name}"] = value / tokens
+        # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
+        return {name: round(value, 6) for name, value in out.items() if math.isfinite(value)}

@@ -1,0 +1,58 @@
+"""GRPO's reward functions called on a batch of completions: a table of each function's values (None -> NaN, as TRL),
+their weighted nansum, and a failing function named with the prompt row it fails on."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from finetune.errors import RewardError
+
+
+def reward_name(function) -> str:
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def rewards_per_function(functions: list, prompts: list, completions: list, columns: dict[str, list],
+                         prompt_indices: list[int], **extra) -> torch.Tensor:
+    """(completions, functions) float64 rewards, NaN where a function returned None. A function that raises, or
+    returns the wrong count or a non-number, is a RewardError naming it, the prompt's row and what went wrong."""
+    table = torch.full((len(completions), len(functions)), math.nan, dtype=torch.float64)
+    for column, function in enumerate(functions):
+        name = reward_name(function)
+        try:
+            values = list(function(prompts=prompts, completions=completions, **columns, **extra))
+        except Exception as exc:  # noqa: BLE001  (user code: any exception is named, with its row)
+            where = _failing_row(function, prompts, completions, columns, extra, prompt_indices)
+            raise RewardError(
+                f"grpo.reward_functions: `{name}` raised {type(exc).__name__}: {exc} (on prompt row {where} of the "
+                "data, counted from 0 over data.datasets). The run stopped before this step's update; its last "
+                "checkpoint is intact. Fix the function (it receives prompts, completions and every other column of "
+                "the rows as keyword lists), then continue with train.resume=auto.") from None
+        if len(values) != len(completions):
+            raise RewardError(f"grpo.reward_functions: `{name}` returned {len(values)} values for {len(completions)} "
+                              "completions. Fix: return one float (or None) per completion, in order.")
+        for row, value in enumerate(values):
+            if value is not None and not isinstance(value, (int, float)):
+                raise RewardError(f"grpo.reward_functions: `{name}` returned {value!r} for the completion of prompt "
+                                  f"row {prompt_indices[row]}. Fix: return floats (or None: not scored).")
+            table[row, column] = math.nan if value is None else float(value)
+    return table
+
+
+def _failing_row(function, prompts, completions, columns, extra, prompt_indices) -> int | str:
+    """The first prompt row on which the function raises alone (the batch call raised; which row did it?)."""
+    for row in range(len(completions)):
+        one = {key: values[row:row + 1] for key, values in {**columns, **extra}.items()}
+        try:
+            function(prompts=prompts[row:row + 1], completions=completions[row:row + 1], **one)
+        except Exception:  # noqa: BLE001
+            return prompt_indices[row]
+    return f"unknown (it raised only on the whole batch of rows {sorted(set(prompt_indices))})"
+
+
+def weighted_rewards(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """nansum of the weighted rewards per completion; NaN where every function left it unscored (as TRL)."""
+    rewards = (table * torch.tensor(weights, dtype=table.dtype)).nansum(dim=1)
+    return rewards.masked_fill(torch.isnan(table).all(dim=1), math.nan)
