@@ -102,7 +102,7 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft
   [ "$where" = "$repo/finetune" ] || { echo "[test-compat] $set: finetune imports from $where, not $repo" >&2; exit 2; }
   set +e
   # (the dtype line of a launched run is the day-to-day suite's: its launch is left out here)
-  (cd "$repo" && PYTHONPATH="$repo" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" \
+  (cd "$repo" && PYTHONPATH="$repo" "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "${tests[@]}" \
     --deselect tests/test_precision.py::test_a_launched_run_says_the_dtype_once)
   code=$?
   set -e

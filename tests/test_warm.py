@@ -49,6 +49,20 @@ if mode in ("fail", "wait"):
 VARYING = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+def _cold_launches() -> list[dict]:
+    """The launches this pytest process asked to be warm that ran cold, with why (tests/warm_launch.py logs them)."""
+    warm.command(["true"])  # the servers (and their folder) exist from here on
+    log = Path(os.environ["FINETUNE_WARM_DIR"]) / "cold.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cold_before() -> int:
+    """How many launches of this process had run cold before this module's first test (a file runs whole in one
+    process, under xdist's --dist loadfile too)."""
+    return len(_cold_launches())
+
+
 def _records(folder: Path) -> dict[str, dict]:
     return {path.name: json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))}
 
@@ -162,13 +176,13 @@ def test_an_environment_the_imports_read_runs_cold_and_says_why(tmp_path):
     assert any("HF_HOME" in entry["why"] and entry["argv"][-1] == code for entry in cold), cold
 
 
-def test_the_launches_of_this_module_were_warm(tmp_path):
+def test_the_launches_of_this_module_were_warm(cold_before, tmp_path):
     """The cases above compare the two paths; this one checks the warm path is taken at all (not silently cold): the
-    launches above ran warm, and a warm `python -c` finds torch imported."""
-    cold_log = Path(os.environ["FINETUNE_WARM_DIR"]) / "cold.log"
-    cold = [json.loads(line) for line in cold_log.read_text().splitlines()] if cold_log.exists() else []
-    assert all("HF_HOME" in entry["why"] for entry in cold), cold  # only the case that asks for it
+    launches of this module ran warm but the one that asks for cold, and a warm `python -c` finds torch imported.
+    (Its fixture is the module's, autouse: it counts before the module's first test.)"""
     probe = "import sys; print('torch' in sys.modules)"
-    result = subprocess.run(warm.command([sys.executable, "-c", probe]), check=False, capture_output=True, text=True, timeout=60,
-                            env=child_env(), cwd=REPO)
+    result = subprocess.run(warm.command([sys.executable, "-c", probe]), check=False, capture_output=True, text=True,
+                            timeout=60, env=child_env(), cwd=REPO)
     assert result.stdout.strip() == "True", result.stderr  # a cold `python -c` has not imported torch
+    cold = _cold_launches()[cold_before:]
+    assert all("HF_HOME" in entry["why"] for entry in cold), cold  # only the case that asks for it
