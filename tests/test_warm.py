@@ -20,7 +20,7 @@ import warm
 from conftest import REPO, child_env, free_port
 from shipped import CONFIG_DIR, CPU_SWITCH
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not warm.enabled(), reason="FINETUNE_WARM=0: every launch is cold")]
 
 WORKER = r"""
 import json, os, sys, time
