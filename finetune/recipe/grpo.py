@@ -93,7 +93,8 @@ def import_reward_function(name: str):
                          f"that {module_name.replace('.', '/')}.py is on PYTHONPATH (or in the folder you run from) "
                          "and imports without error.") from None
     if not callable(found):
-        raise ValueError(  # noqa: TRY004  (collected with the other recipe problems, as ValueError)f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "
+        # a ValueError (not TypeError): collected with the other recipe problems
+        raise ValueError(f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "  # noqa: TRY004
                          "f(prompts, completions, **columns) -> list[float | None].")
     return found
 

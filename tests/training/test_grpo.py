@@ -73,11 +73,13 @@ def test_defaults_are_trls_grpo_config():
 def test_every_grpo_mistake_is_named_at_once_with_its_fix(tmp_path):
     values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out",
                          {"num_generations": 3, "max_completion_length": 200, "reward_weights": [1.0, 2.0],
-                          "reward_functions": [REWARD, "no_such_module:f", "finetune.rewards"]})
+                          "reward_functions": [REWARD, "no_such_module:f", "finetune.rewards", "finetune.rewards:re"]})
     message = _refused(values)
     for part in ("grpo.reward_functions[1]: `no_such_module:f` cannot be imported (ModuleNotFoundError",
                  "grpo.reward_functions[2]: `finetune.rewards` is not `module:function`",
-                 "grpo.reward_weights: 2 weights for 3 reward functions",
+                 # named with its fix (the message was an f-string inside a comment: a bare ValueError)
+                 "grpo.reward_functions[3]: `finetune.rewards:re` is a module, not a function. Fix: name a function",
+                 "grpo.reward_weights: 2 weights for 4 reward functions",
                  "train.micro_batch_size (4) is not a multiple of grpo.num_generations (3)",
                  "grpo.max_completion_length (200) leaves no prompt budget within data.max_length (128)"):
         assert part in message, message
@@ -164,6 +166,21 @@ def test_a_raising_reward_names_itself_the_prompt_row_and_the_exception():
     assert "last checkpoint is intact" in message and "train.resume=auto" in message and "\n" not in message
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
         grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, [0, 0])
+    with pytest.raises(RewardError, match=r"returned '1.0' for the completion of prompt row 0\. Fix: return floats"):
+        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: ["1.0"]], ["q"], ["a"], {}, [0])
+
+
+def test_rewards_as_numpy_scalars_and_one_element_tensors_are_numbers_as_in_trl():
+    """TRL makes a float tensor of what a reward function returns: numpy scalars, 0-d and one-element tensors and
+    arrays, bools are numbers there; they were refused here."""
+    import numpy as np
+
+    values = [np.float32(0.5), np.float64(0.25), torch.tensor(2.0), torch.tensor([3.0]), np.array(4.0), True, None]
+    table = grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: values], ["q"] * 7, list("abcdefg"),
+                                              {}, [0] * 7)
+    assert table[:6, 0].tolist() == [0.5, 0.25, 2.0, 3.0, 4.0, 1.0] and torch.isnan(table[6, 0])
+    with pytest.raises(RewardError, match="returned tensor"):  # more than one value for one completion
+        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: [torch.ones(2)]], ["q"], ["a"], {}, [0])
 
 
 # -------------------------------------------------------------------------------------------------------- sampling

@@ -4,6 +4,7 @@ their weighted nansum, and a failing function named with the prompt row it fails
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -34,11 +35,23 @@ def rewards_per_function(functions: list, prompts: list, completions: list, colu
             raise RewardError(f"grpo.reward_functions: `{name}` returned {len(values)} values for {len(completions)} "
                               "completions. Fix: return one float (or None) per completion, in order.")
         for row, value in enumerate(values):
-            if value is not None and not isinstance(value, (int, float)):
+            number = _number(value)
+            if value is not None and number is None:
                 raise RewardError(f"grpo.reward_functions: `{name}` returned {value!r} for the completion of prompt "
                                   f"row {prompt_indices[row]}. Fix: return floats (or None: not scored).")
-            table[row, column] = math.nan if value is None else float(value)
+            table[row, column] = math.nan if value is None else number
     return table
+
+
+def _number(value) -> float | None:
+    """A reward as a float: any real number (Python's, numpy's scalars) or a one-element tensor or array, as TRL takes
+    them (it makes a float tensor of the list); None for anything else (a string, a list)."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item") and tuple(getattr(value, "shape", (0,))) in ((), (1,)):
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
 
 
 def _failing_row(function, prompts, completions, columns, extra, prompt_indices) -> int | str:
