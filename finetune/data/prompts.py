@@ -18,6 +18,8 @@ from finetune.data.templates import row_tools
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
+REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids"}  # what a reward function is called with, by name
+
 
 def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None) -> str:
     """The text the policy continues: chat messages through the chat template (generation prompt added, the row's
@@ -43,7 +45,14 @@ def _rows_of(spec: DatasetSpec, key: str) -> list[dict]:
             f"{key} ({spec.path}): the rows have no `{column}` column (columns: {', '.join(map(str, rows[0]))}), and "
             "format: prompt samples completions for each row's prompt. Fix: give each row a `prompt` (text, or chat "
             f"messages [{{\"role\": \"user\", \"content\": ...}}]), or map yours with {key}.columns: {{prompt: NAME}}.")
-    # The reward functions see the prompt as `prompt` and every other column under its own name.
+    # The reward functions see the prompt as `prompt` and every other column under its own name, beside the arguments
+    # of the call itself (TRL's signature), which a column cannot take.
+    taken = sorted({key for row in rows for key in row} & REWARD_ARGUMENTS)
+    if taken:
+        raise DataError(
+            f"{key} ({spec.path}): the rows have a column named `{taken[0]}`, which the reward functions receive as "
+            f"their own argument (they are called f(prompts=..., completions=..., completion_ids=..., **columns)), so "
+            "the column could not reach them. Fix: rename the column in the data.")
     return [{"prompt": row.get(column), **{k: v for k, v in row.items() if k != column}} for row in rows]
 
 

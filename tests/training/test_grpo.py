@@ -125,6 +125,20 @@ def test_text_and_chat_prompts_keep_their_columns_for_the_rewards(tiny_llama, tm
     assert batch["rows"] == rows and batch["prompt_index"].tolist() == [0, 1]
 
 
+def test_every_rows_columns_reach_the_rewards_and_a_column_named_as_an_argument_is_refused(tiny_llama, tmp_path):
+    """A column only later rows have reaches the reward functions (None where a row lacks it: the first row's keys
+    were all that was passed); a column named `completions` (or `prompts`, `completion_ids`) would collide with the
+    call's own argument, and is refused when the data is read, naming it."""
+    from finetune.training.objectives.grpo.rollouts import reward_columns
+
+    rows = [{"prompt": "a", "answer": "5"}, {"prompt": "b", "answer": "2", "level": 1}]
+    assert reward_columns(rows) == {"answer": ["5", "2"], "level": [None, 1]}
+    for name in ("completions", "prompts", "completion_ids"):
+        with pytest.raises(DataError, match=f"a column named `{name}`, which the reward functions receive as their own "
+                                            "argument.*Fix: rename the column"):
+            _prompts(tiny_llama, [{"prompt": "a", "answer": "5"}, {"prompt": "b", name: "x"}], tmp_path)
+
+
 def test_no_prompt_column_and_an_overlong_prompt_are_one_paragraph_each(tiny_llama, tmp_path):
     with pytest.raises(DataError, match=r"the rows have no `prompt` column \(columns: question, answer\).*Fix: give "
                        r"each row a `prompt`.*columns: \{prompt: NAME\}"):

@@ -106,7 +106,7 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     rows = [row for row in batch["rows"] for _ in range(g)]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for t, r in zip(texts, rows)]
-    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    columns = reward_columns(rows)
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
     try:
         table = reward_table.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
@@ -116,6 +116,13 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated,
                            lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64))
     return rollout, problem
+
+
+def reward_columns(rows: list[dict]) -> dict[str, list]:
+    """The rows' columns as the reward functions' keyword lists: every column any row has (in order of first
+    appearance), one value per row, None where a row lacks it (TRL takes the first row's columns only)."""
+    names = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    return {key: [row.get(key) for row in rows] for key in names}
 
 
 def _figures(rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], objective) -> dict:
