@@ -155,6 +155,35 @@ def test_token_accuracy_is_the_full_logits_argmax_count(tiny_llama, monkeypatch,
         assert int(chunked.token_loss_and_correct(model, batch, CPU)[2]) == want
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_token_logps_at_a_temperature_are_a_plain_log_softmax_of_the_scaled_logits(tiny_llama, monkeypatch, temperature):
+    """GRPO scores its completions at the sampling temperature: the chunked head's log-probs (several chunks) and
+    their gradient equal log_softmax(full logits / T) at the trained positions, gathered at the next tokens."""
+    model = lora_model(tiny_llama)
+    monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # 16 tokens a chunk
+    batch = batches(model.config.vocab_size)["padded"]
+
+    def plain(model, batch, device):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logps = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        labels = batch["labels"][:, 1:]
+        trained = labels != -100
+        return logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)[trained]
+
+    values = {}
+    for name, function in (("plain", plain), ("ours", lambda m, b, d: chunked.token_logps(m, b, d, temperature=temperature))):
+        model.zero_grad(set_to_none=True)
+        logps = function(model, batch, CPU)
+        (logps * torch.linspace(-1, 1, logps.numel())).sum().backward()  # a weighted sum: every position's gradient
+        grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        values[name] = (logps.detach(), grads)
+    (want, want_grads), (got, got_grads) = values["plain"], values["ours"]
+    assert got.shape == want.shape and want.numel() == int((batch["labels"][:, 1:] != -100).sum())
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert len(got_grads) == len(want_grads) > 0
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(got_grads, want_grads))
+
+
 def test_head_unchanged_outside_the_loss(tiny_llama):
     model = lora_model(tiny_llama)
     ids = batches(model.config.vocab_size)["padded"]["input_ids"]
