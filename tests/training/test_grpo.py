@@ -210,6 +210,21 @@ def test_sampling_draws_only_from_the_nucleus_at_the_temperature():
     assert hot.tolist() == pytest.approx(flat.tolist(), abs=0.03)
 
 
+def test_sampling_at_top_p_1_sorts_nothing(monkeypatch):
+    """No nucleus, no sort of the vocabulary (it ran at every decoding step, in float64: a cost at 150k tokens on a
+    GPU); the draws still follow the probabilities."""
+    logits = torch.log(torch.tensor([[0.05, 0.15, 0.3, 0.5]] * 4000))
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted at top_p 1")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    monkeypatch.setattr(torch, "sort", no_sort)
+    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+    counts = torch.bincount(rollout.sample_tokens(logits, generators, temperature=1.0, top_p=1.0), minlength=4) / 4000
+    assert counts.tolist() == pytest.approx([0.05, 0.15, 0.3, 0.5], abs=0.03)
+
+
 @pytest.fixture(scope="module")
 def policy(tiny_llama):
     recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused"))

@@ -46,16 +46,18 @@ def sample_tokens(logits: torch.Tensor, generators: list[torch.Generator], *, te
                   top_p: float) -> torch.Tensor:
     """One token per row from (rows, vocab) logits: temperature, nucleus filtering (the smallest set of the most
     probable tokens whose mass reaches top_p; the most probable always kept), then an inverse-CDF draw from each
-    row's generator."""
+    row's generator. At top_p 1 nothing is sorted (a sort of the whole vocabulary at every decoding step is a cost at
+    150k tokens)."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    if top_p < 1.0:
-        before = ordered.cumsum(dim=-1) - ordered  # mass of the more probable tokens
-        ordered = ordered.masked_fill(before >= top_p, 0.0)
-    cdf = ordered.cumsum(dim=-1)
+    order = None
+    if top_p < 1.0:  # the nucleus needs the tokens by probability; without it the vocabulary's order will do
+        probs, order = probs.sort(dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more probable tokens
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    cdf = probs.cumsum(dim=-1)
     draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
     picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp(max=cdf.size(-1) - 1)
-    return order.gather(-1, picked).squeeze(-1)
+    return (picked if order is None else order.gather(-1, picked)).squeeze(-1)
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
