@@ -42,6 +42,12 @@ class GRPOSection(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantages divided by the reward std of the group (group), of the step's batch (batch), "
         "or not (none; Dr. GRPO).")
+    disable_dropout: bool = Field(False, description="Dropout off in the policy (TRL's name and default): the training "
+                                  "forward then scores the completions exactly as they were sampled, so at "
+                                  "num_iterations > 1 the ratio is 1 at the first iteration. Sampling and the old and "
+                                  "reference log-probs are dropout-free either way (each completion's sampling is "
+                                  "seeded: the same at any world size); with this false, LoRA dropout acts in the "
+                                  "training forward only.")
     mask_truncated_completions: bool = Field(False, description="Completions cut at max_completion_length (no EOS) "
                                              "get no loss (DAPO).")
     reward_functions: list[str] = Field(

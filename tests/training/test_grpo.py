@@ -314,6 +314,49 @@ def test_one_step_raises_the_log_probs_of_the_completions_with_an_advantage(tiny
     assert after > before + 1e-3
 
 
+@pytest.mark.slow  # ~10 s: two tiny models, a rollout each
+def test_the_ratios_denominator_is_the_sampling_policy_and_disable_dropout_makes_the_first_ratio_one(tiny_llama):
+    """Completions are sampled without dropout (seeded per completion); their old log-probs (num_iterations > 1) are
+    that policy's, not a train-mode forward with LoRA dropout drawn afresh (TRL samples and scores one policy). With
+    grpo.disable_dropout (TRL's name), the training forward scores them exactly as sampled: the first iteration's
+    ratio is 1, bitwise."""
+    from finetune.training import objectives
+    from finetune.training.loss import token_logps
+
+    def rollout_of(disable: bool):
+        recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused",
+                                             {"reward_functions": ["finetune.rewards:length_penalty"], "num_iterations": 2,
+                                              "disable_dropout": disable},
+                                             train={"micro_batch_size": 8, "save_every": 2}, lora={"dropout": 0.5}))
+        loaded = model.load_model(recipe, sharded=False, device=CPU, device_map=None, gradient_checkpointing=False)
+        torch.manual_seed(0)
+        with torch.no_grad():  # a trained adapter: LoRA B away from its zero start, so its dropout shows
+            for name, param in loaded.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.5)
+        tokenizer = model.load_tokenizer(recipe)
+        prompts = [data.Example(ids, [IGNORE_INDEX] * len(ids), row={"prompt": text}, prompt_index=i)
+                   for i, text in enumerate(["What is 2 plus 3?", "Hi"]) for ids in [tokenizer(text)["input_ids"]]]
+        objective = objectives.GRPO(loaded.model, recipe, tokenizer)
+        objective.step = 1
+        loaded.model.train()
+        (batch,) = objective.take(iter([data.collate(prompts, pad_id=tokenizer.pad_token_id)]), 1, 1)
+        objective.counts(loaded.model, [batch], CPU)
+        return loaded.model, objective.rollouts[0]
+
+    peft_model, roll = rollout_of(disable=False)
+    with torch.no_grad():
+        peft_model.eval()
+        as_sampled = grpo.dense(token_logps(peft_model, roll.batch, CPU), roll.mask)
+        peft_model.train()
+        with_dropout = grpo.dense(token_logps(peft_model, roll.batch, CPU), roll.mask)
+    assert torch.equal(roll.old_logps, as_sampled) and not torch.equal(with_dropout, as_sampled)
+    peft_model, roll = rollout_of(disable=True)
+    with torch.no_grad():
+        trained = grpo.dense(token_logps(peft_model, roll.batch, CPU), roll.mask)  # train mode, as the step's forward
+    assert peft_model.training and torch.equal(trained, roll.old_logps)
+
+
 @pytest.mark.slow  # ~5 s: a rollout and eight forwards and backwards of the tiny model
 def test_a_rollout_trained_in_chunks_gives_the_whole_rollouts_loss_and_gradient(tiny_llama, policy):
     """grpo.train_chunk_size: the 8 completions trained 3 + 3 + 2 at a time (three forwards and backwards) against all

@@ -14,7 +14,7 @@ from finetune.training.loss import token_logps
 from finetune.training.objectives.base import Objective
 from finetune.training.objectives.grpo import loss
 from finetune.training.objectives.grpo.rollouts import grpo_rollouts
-from finetune.training.objectives.preference import Reference
+from finetune.training.objectives.preference import Reference, disable_dropout
 
 
 class GRPO(Objective):
@@ -28,6 +28,8 @@ class GRPO(Objective):
         super().__init__(model, recipe)
         self.config, self.tokenizer = recipe.grpo, tokenizer
         self.functions = [import_reward_function(name) for name in self.config.reward_functions]
+        if self.config.disable_dropout:
+            disable_dropout(model)
         self.reference = Reference(model, recipe, compared=True) if self.config.beta else None
         self.rollouts: list[loss.Rollout] = []
         self.trained: list[loss.Rollout] = []  # the rollouts as trained: in chunks of grpo.train_chunk_size

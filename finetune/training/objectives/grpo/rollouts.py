@@ -9,6 +9,7 @@ reward function that fails on one rank stops every rank after the same step (non
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -72,7 +73,7 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     zero = distributed.all_reduce_sum([sum(float(r.zero_std.sum()) for r in rollouts),
                                        sum(r.zero_std.numel() for r in rollouts)])
     figures["frac_reward_zero_std"] = zero[0] / max(zero[1], 1)
-    with torch.no_grad():
+    with torch.no_grad(), _as_sampled(model):  # the policy that sampled them: no dropout (sampling.py)
         for rollout in rollouts:
             if config.num_iterations > 1:  # the ratio's denominator: the policy that sampled them
                 rollout.old_logps = grpo.dense(token_logps(model, rollout.batch, device, temperature=config.temperature),
@@ -84,6 +85,17 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     figures["generation_s"] = seconds
     objective.rollout_figures = figures
     return rollouts
+
+
+@contextlib.contextmanager
+def _as_sampled(model: nn.Module):
+    """The model in eval mode, as generate_completions samples with it (no dropout), restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.device) -> tuple[grpo.Rollout, RewardError | None]:
