@@ -42,6 +42,10 @@ class GRPOSection(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantages divided by the reward std of the group (group), of the step's batch (batch), "
         "or not (none; Dr. GRPO).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="The policy ratio per token (GRPO), or one per completion: the exponential of the mean "
+        "token log-ratio over the completion (GSPO; TRL's name and default; the GSPO paper pairs it with loss_type "
+        "grpo).")
     disable_dropout: bool = Field(False, description="Dropout off in the policy (TRL's name and default): the training "
                                   "forward then scores the completions exactly as they were sampled, so at "
                                   "num_iterations > 1 the ratio is 1 at the first iteration. Sampling and the old and "

@@ -146,7 +146,7 @@ MANAGED: frozenset[str] = frozenset({
     "shuffle_dataset", "truncation_mode", "disable_dropout", "discopop_tau", "ld_alpha", "loss_weights",
     "precompute_ref_batch_size", "ref_model_mixup_alpha", "ref_model_sync_steps", "cache_implementation",
     "cast_lm_head_to_fp32", "chat_template_kwargs", "delta", "generation_batch_size", "generation_kwargs",
-    "importance_sampling_level", "max_tool_calling_iterations", "min_p", "multi_objective_aggregation",
+    "max_tool_calling_iterations", "min_p", "multi_objective_aggregation",
     "num_completions_to_print", "num_generations_eval", "repetition_penalty", "top_entropy_quantile", "top_k",
     "use_transformers_paged",
     # PEFT LoraConfig (set by finetune from the lora section, or not used with QLoRA)

@@ -70,7 +70,8 @@ def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask):
     vars(trainer).update(
         model=SimpleNamespace(training=True), accelerator=ACCELERATOR, args=args, beta=config.beta,
         loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.upper_epsilon,
-        max_completion_length=config.max_completion_length, importance_sampling_level="token",
+        max_completion_length=config.max_completion_length,
+        importance_sampling_level=config.importance_sampling_level,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
         vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
@@ -93,6 +94,11 @@ CASES = {  # every aggregation; the KL term; clipping both ways (old log-probs f
     "dr_grpo-asymmetric-clip": ({"loss_type": "dr_grpo", "num_iterations": 3, "epsilon_high": 0.28,
                                  "max_completion_length": 16}, 0.3),
     "dapo-kl-clipped": ({"beta": 0.1, "num_iterations": 2, "epsilon": 0.1}, 0.2),
+    # GSPO: one ratio per completion (the mean token log-ratio); the paper's loss_type grpo, and dapo beside it
+    "gspo-grpo-kl-clipped": ({"importance_sampling_level": "sequence", "loss_type": "grpo", "beta": 0.04,
+                              "num_iterations": 2, "epsilon": 0.05}, 0.3),
+    "gspo-dapo-clipped": ({"importance_sampling_level": "sequence", "num_iterations": 2, "epsilon": 0.02,
+                           "epsilon_high": 0.03}, 0.3),
 }
 
 
@@ -112,8 +118,10 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
     for name, value in metrics.items():
         assert value == pytest.approx(trl_metrics[name], abs=1e-6), name  # ours are logged rounded to 6 decimals
     assert ("kl" in metrics) == bool(config.beta)
-    if drift:  # the scene really clips, on both sides
+    if drift and config.importance_sampling_level == "token":  # the scene really clips, on both sides
         assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0
+    elif drift:  # one ratio per completion: some completions are clipped
+        assert trl_metrics["clip_ratio/region_mean"] > 0
 
 
 def test_advantages_as_trl_computes_them():

@@ -49,10 +49,15 @@ def advantages(rewards: torch.Tensor, generations: int, scale: str,
 
 # ------------------------------------------------------------------------------------------------------- loss
 def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                    advantages: torch.Tensor, config: GRPOSection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(per-token loss, policy ratio coef, per-token KL or None), each (completions, tokens)."""
+                    advantages: torch.Tensor, config: GRPOSection,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-token loss, policy ratio coef, per-token KL or None), each (completions, tokens); the coef is (completions,
+    1) at importance_sampling_level sequence (GSPO: exp of the mean log-ratio over the completion's `mask`)."""
     old = logps.detach() if old_logps is None else old_logps
-    coef = torch.exp(logps - old)
+    log_ratio = logps - old
+    if config.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef = torch.exp(log_ratio)
     clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
     advantage = advantages.unsqueeze(1)
     loss = -torch.min(coef * advantage, clipped * advantage)
@@ -75,10 +80,13 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSect
 
 
 def clip_sums(coef: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: GRPOSection) -> list[torch.Tensor]:
-    """Token counts of TRL's clip_ratio/low_mean, high_mean, region_mean (divided by the tokens afterwards)."""
+    """Counts of TRL's clip_ratio/low_mean, high_mean, region_mean: tokens, or completions at the sequence level
+    (divided by the step's tokens or completions afterwards, as TRL's masked means)."""
     advantage = advantages.unsqueeze(1)
     low = (coef < 1 - config.epsilon) & (advantage < 0)
     high = (coef > 1 + config.upper_epsilon) & (advantage > 0)
+    if config.importance_sampling_level == "sequence":
+        return [low.sum(), high.sum(), (low | high).sum()]
     return [(low * mask).sum(), (high * mask).sum(), ((low | high) * mask).sum()]
 
 

@@ -68,7 +68,8 @@ class GRPO(Objective):
         mask = rollout.mask.to(logps.device)
         moved = lambda t: None if t is None else t.to(logps.device)
         per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
-                                                   rollout.advantages.to(logps.device, logps.dtype), self.config)
+                                                   rollout.advantages.to(logps.device, logps.dtype), self.config,
+                                                   mask=mask)
         share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1])
         kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
         sums = torch.stack([kl_sum, *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
@@ -81,7 +82,8 @@ class GRPO(Objective):
         if sums is not None:
             if self.config.beta:
                 out["kl"] = sums[0] / tokens
+            clipped_per = max(totals[0], 1) if self.config.importance_sampling_level == "sequence" else tokens
             for name, value in zip(("low_mean", "high_mean", "region_mean"), sums[1:4]):
-                out[f"clip_ratio/{name}"] = value / tokens
+                out[f"clip_ratio/{name}"] = value / clipped_per
         # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
         return {name: round(value, 6) for name, value in out.items() if math.isfinite(value)}
