@@ -12,6 +12,7 @@ The loss itself is checked against TRL's in test_grpo_oracle.py; the runs (slow)
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -312,6 +313,42 @@ def test_one_step_raises_the_log_probs_of_the_completions_with_an_advantage(tiny
         for param, value in zip(trained, saved):
             param.copy_(value)
     assert after > before + 1e-3
+
+
+@pytest.mark.slow  # ~5 s: a rollout of the tiny model
+def test_every_sampled_completion_is_logged_with_its_rewards_and_advantage(tiny_llama, policy, tmp_path):
+    """completions/rank0.jsonl: one line per completion, as TRL logs them (prompt, completion, each function's reward,
+    the weighted reward, the advantage), equal to what the step trains on."""
+    from finetune.training import objectives
+
+    peft_model, tokenizer = policy
+    recipe = validate_recipe(grpo_recipe(tiny_llama, "unused.jsonl", "unused",
+                                         {"reward_functions": ["finetune.rewards:length_penalty",
+                                                               "finetune.rewards:exact_match"],
+                                          "reward_weights": [1.0, 0.5]}, train={"micro_batch_size": 8}))
+    rows = [{"prompt": "What is 2 plus 3?", "answer": "5"}, {"prompt": "Hi", "answer": None}]
+    prompts = [data.Example(ids, [IGNORE_INDEX] * len(ids), row=row, prompt_index=i)
+               for i, row in enumerate(rows) for ids in [tokenizer(row["prompt"])["input_ids"]]]
+    objective = objectives.GRPO(peft_model, recipe, tokenizer)
+    objective.prepare(peft_model, [], [], recipe, pad_id=tokenizer.pad_token_id, out_dir=tmp_path, resume_from=None)
+    objective.step = 3
+    (batch,) = objective.take(iter([data.collate(prompts, pad_id=tokenizer.pad_token_id)]), 3, 1)
+    objective.counts(peft_model, [batch], CPU)
+    (roll,) = objective.rollouts
+    lines = [json.loads(line) for line in (tmp_path / "completions" / "rank0.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and {line["step"] for line in lines} == {3}
+    assert [line["prompt"] for line in lines] == [rows[0]["prompt"]] * 4 + [rows[1]["prompt"]] * 4
+    assert [line["prompt_index"] for line in lines] == [0] * 4 + [1] * 4
+    completions = tokenizer.batch_decode([ids[roll.mask[i].bool()] for i, ids in
+                                          enumerate(roll.batch["input_ids"][:, -roll.mask.size(1):])],
+                                         skip_special_tokens=True)
+    assert [line["completion"] for line in lines] == completions
+    assert [line["advantage"] for line in lines] == pytest.approx(roll.advantages.tolist(), abs=1e-6)
+    for line, values in zip(lines, roll.rewards.tolist()):
+        assert line["rewards"]["length_penalty"] == pytest.approx(values[0], abs=1e-6)
+        assert (line["rewards"]["exact_match"] is None) == (line["prompt_index"] == 1)  # no answer: not scored
+        scored = [w * v for w, v in zip((1.0, 0.5), values) if not math.isnan(v)]
+        assert line["reward"] == pytest.approx(sum(scored), abs=1e-6)
 
 
 @pytest.mark.slow  # ~10 s: two tiny models, a rollout each

@@ -105,6 +105,7 @@ class Rollout:
     zero_std: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    shown: list[dict] | None = None  # per completion: its prompt row's index, prompt and completion text (the log)
 
     def chunks(self, size: int | None) -> list[Rollout]:
         """The rollout as consecutive runs of `size` completions (grpo.train_chunk_size; None: itself whole), each

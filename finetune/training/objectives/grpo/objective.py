@@ -4,6 +4,7 @@ the rollouts' chunks, no held-out loss (each step's rewards are its measure)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,6 +36,15 @@ class GRPO(Objective):
         self.trained: list[loss.Rollout] = []  # the rollouts as trained: in chunks of grpo.train_chunk_size
         self.prompt_batches: list[dict] = []
         self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
+        self.completions_log = None  # completions/rank<r>.jsonl in the run folder, once prepared
+
+    def prepare(self, model: nn.Module, train, evaluation, recipe: Recipe, *, out_dir=None, **where) -> None:
+        """The completions log: every sampled completion with its rewards and advantage, one file per rank
+        (completions/rank<r>.jsonl in the run folder, appended: a resumed run adds the steps it samples again)."""
+        if out_dir is not None:
+            folder = Path(out_dir) / "completions"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.completions_log = folder / f"rank{distributed.info().rank}.jsonl"
 
     def take(self, batches, step: int, count: int) -> list[dict]:
         """The step's prompt micro-batches: new ones at the start of a num_iterations cycle (or after a resume), the

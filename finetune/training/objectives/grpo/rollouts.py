@@ -84,7 +84,24 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
                         token_logps(model, rollout.batch, device, temperature=config.temperature), rollout.mask)
     figures["generation_s"] = seconds
     objective.rollout_figures = figures
+    if objective.completions_log is not None:
+        log_completions(objective.completions_log, objective.step, rollouts, weighted, objective.functions)
     return rollouts
+
+
+def log_completions(path, step: int, rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], functions) -> None:
+    """One JSON line per completion sampled at `step` (this rank's), as TRL logs them: the prompt, the completion,
+    each reward function's value (null: not scored), the weighted reward and the advantage."""
+    import json
+
+    names = [reward_table.reward_name(f) for f in functions]
+    number = lambda value: None if math.isnan(value) else round(value, 6)
+    with open(path, "a") as out:
+        for rollout, rewards in zip(rollouts, weighted):
+            for row, shown in enumerate(rollout.shown):
+                scores = {name: number(float(v)) for name, v in zip(names, rollout.rewards[row].tolist())}
+                out.write(json.dumps({"step": step, **shown, "rewards": scores, "reward": number(float(rewards[row])),
+                                      "advantage": round(float(rollout.advantages[row]), 6)}) + "\n")
 
 
 @contextlib.contextmanager
@@ -126,7 +143,9 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     except RewardError as exc:
         problem = exc
     rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated,
-                           lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64))
+                           lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64),
+                           shown=[{"prompt_index": index, "prompt": row["prompt"], "completion": text}
+                                  for index, row, text in zip([i for i in indices for _ in range(g)], rows, texts)])
     return rollout, problem
 
 
