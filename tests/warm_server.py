@@ -173,13 +173,15 @@ def accelerate_plan(args: list[str]) -> dict:
 
     chosen: dict = {}
 
-    def multi_gpu_launcher(parsed):
-        env = prepare_multi_gpu_env(parsed)
+    def through_torchrun(parsed, env: dict[str, str]) -> None:  # what accelerate hands to torch.distributed.run
         torchrun_args = _filter_args(parsed, distrib_run.get_args_parser(), [
             "--training_script", parsed.training_script, "--training_script_args", parsed.training_script_args])
         chosen.update(torchrun_plan_from(torchrun_args, extra_env=_changed(env)))
         if "ranks" in chosen:
             chosen["launcher"] = "accelerate"
+
+    def multi_gpu_launcher(parsed):
+        through_torchrun(parsed, prepare_multi_gpu_env(parsed))
 
     def simple_launcher(parsed):
         command, env = prepare_simple_launcher_cmd_env(parsed)
@@ -197,12 +199,7 @@ def accelerate_plan(args: list[str]) -> dict:
         if parsed.num_machines > 1 and parsed.deepspeed_multinode_launcher != DEEPSPEED_MULTINODE_LAUNCHERS[1]:
             chosen["cold"] = f"accelerate's DeepSpeed launcher over machines ({parsed.deepspeed_multinode_launcher})"
             return
-        _, env = prepare_deepspeed_cmd_env(parsed)
-        torchrun_args = _filter_args(parsed, distrib_run.get_args_parser(), [
-            "--training_script", parsed.training_script, "--training_script_args", parsed.training_script_args])
-        chosen.update(torchrun_plan_from(torchrun_args, extra_env=_changed(env)))
-        if "ranks" in chosen:
-            chosen["launcher"] = "accelerate"
+        through_torchrun(parsed, prepare_deepspeed_cmd_env(parsed)[1])
 
     def cold(kind):
         return lambda *_: chosen.setdefault("cold", f"accelerate's {kind} launcher")
