@@ -20,16 +20,20 @@ def per_expert_layout():
     (`w1`/`gate_proj`... -> `target_parameters=gate_up_proj`, ParamWrapper, no dropout; `all-linear` -> the router's
     `gate.weight` too), and fuses a loaded adapter's per-expert tensors the same way. Split into `RoutedExperts`, the
     model has transformers 4's per-expert Linears again, so both rewrites would target parameters that no longer
-    exist: PEFT is told, inside this block only, that it is not on transformers 5."""
+    exist: PEFT is told, inside this block only, that it is not on transformers 5. PEFT before that rewrite (the
+    declared floor, 0.18) has no such flag: nothing to tell it."""
     from peft.tuners import tuners_utils
     from peft.utils import save_and_load
 
-    previous = tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5
-    tuners_utils.is_transformers_ge_v5 = save_and_load.is_transformers_ge_v5 = False
+    flagged = [module for module in (tuners_utils, save_and_load) if hasattr(module, "is_transformers_ge_v5")]
+    previous = [module.is_transformers_ge_v5 for module in flagged]
+    for module in flagged:
+        module.is_transformers_ge_v5 = False
     try:
         yield
     finally:
-        tuners_utils.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5 = previous
+        for module, value in zip(flagged, previous):
+            module.is_transformers_ge_v5 = value
 
 
 def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kwargs):
