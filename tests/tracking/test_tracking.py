@@ -258,7 +258,10 @@ def wandb_history(out) -> tuple[object, list[dict]]:
 
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    paths = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    if not paths:  # not written yet
+        return None, []
+    (path,) = paths
     raw, position, records, pending = path.read_bytes(), 7, [], b""
     while position + 7 <= len(raw):
         if 32768 - position % 32768 < 7:  # a block's tail too short for a record header is padding
@@ -296,7 +299,12 @@ def test_wandb_offline_run_holds_the_metrics_and_the_name(tmp_path, capsys, monk
     recipe = make_recipe(tmp_path, trackers=["wandb"], run_name="wb-1", wandb_project="finetune-test")
     write_all(Trackers(recipe, out, is_main=True))
     assert warnings_of(capsys) == []
+    deadline = time.monotonic() + 60  # W&B's core writes the record log in its own process: wait for the records
     run, history = wandb_history(out)
+    while (run is None or len(history) < 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        run, history = wandb_history(out)
+    assert run is not None, "no run record in the .wandb file after 60 s"
     assert (run.display_name, run.project) == ("wb-1", "finetune-test")
     assert json.loads((out / "trackers.json").read_text())["wandb"] == run.run_id
     assert [(row["_step"], row["loss"]) for row in history] == [(1, 2.5), (2, 2.0)]
