@@ -54,8 +54,7 @@ def run_cold(argv: list[str], reason: str) -> None:
 
 
 class Launch:
-    def __init__(self, argv: list[str], sockets: list[str], plan: dict) -> None:
-        self.argv, self.plan = argv, plan
+    def __init__(self, sockets: list[str], plan: dict) -> None:
         self.launcher = plan["launcher"]
         self.ranks: dict[int, int] = {}  # rank -> pid
         self.status: dict[int, int] = {}  # rank -> returncode, once ended
@@ -154,7 +153,7 @@ def main(argv: list[str]) -> None:
         plan = {"cold": f"the warm server is not there ({exc})"}
     if "cold" in plan:
         run_cold(argv, plan["cold"])
-    code = Launch(argv, sockets, plan).wait()
+    code = Launch(sockets, plan).wait()
     sys.stdout.flush()
     sys.stderr.flush()
     if code < 0:  # a plain `python` command ended by a signal: end by the same one

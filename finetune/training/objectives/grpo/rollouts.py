@@ -10,6 +10,7 @@ reward function that fails on one rank stops every rank after the same step (non
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -92,8 +93,6 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
 def log_completions(path, step: int, rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], functions) -> None:
     """One JSON line per completion sampled at `step` (this rank's), as TRL logs them: the prompt, the completion,
     each reward function's value (null: not scored), the weighted reward and the advantage."""
-    import json
-
     names = [reward_table.reward_name(f) for f in functions]
     number = lambda value: None if math.isnan(value) else round(value, 6)
     with open(path, "a") as out:
