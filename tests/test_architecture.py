@@ -143,3 +143,28 @@ def test_no_code_outside_an_objective_asks_which_objective_it_has():
         if isinstance(node, ast.Compare) and "objective" in ast.unparse(node.left):
             found.append(f"{loop.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "\n".join(found)
+
+
+WRAPPER_CLASSES = {"FSDP", "FSDPModule", "FullyShardedDataParallel", "DistributedDataParallel", "DeepSpeedEngine"}
+
+
+def test_no_code_outside_the_engines_asks_which_wrapper_a_model_has():
+    """What differs per strategy at run time lives in finetune/parallel/engines/ (`engine_of(model)`): no `isinstance`
+    of a wrapper class and no `zero.is_engine` call anywhere else in finetune/ (docs/architecture.md: how to add an
+    engine)."""
+    engines = PACKAGE / "parallel" / "engines"
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(engines):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            if getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {getattr(kind, "attr", getattr(kind, "id", None)) for kind in kinds}
+                if names & WRAPPER_CLASSES:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: isinstance(..., {sorted(names)})")
+            if getattr(node.func, "attr", getattr(node.func, "id", None)) == "is_engine":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "\n".join(found)

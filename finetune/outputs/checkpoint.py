@@ -54,8 +54,8 @@ from finetune.outputs.step_folders import (
     list_checkpoints,
     newest_kept,
 )
-from finetune.parallel import state_dict as parallel_state
-from finetune.parallel import zero, zero_checkpoint
+from finetune.parallel import zero_checkpoint
+from finetune.parallel.engines import engine_of
 
 
 # ------------------------------------------------------------------------------------ training state
@@ -67,15 +67,11 @@ def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, na
     buffers and bitsandbytes quantization state that are not parameters. FSDP1's own state dict would copy the whole
     base shard first, so its LoRA units are asked alone (parallel/state_dict.py).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     options = StateDictOptions(ignore_frozen_params=True)
     with _quiet_torch_distributed():
-        if parallel_state.is_fsdp1(model):
-            model_state = parallel_state.fsdp1_sharded_trainable(model)
-            optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-        else:
-            model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        model_state, optim_state = engine_of(model).checkpoint_state(model, optimizer, options)
     model_state = {key: value for key, value in model_state.items() if key in names}
     missing = sorted(set(names) - set(model_state))
     if missing:
@@ -185,9 +181,10 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
         (tmp / "rng").mkdir(parents=True)
 
     on_main(_as_checkpoint_error(make_tmp, f"cannot create {tmp}"))
-    deepspeed = zero.is_engine(model)
+    engine = engine_of(model)
+    deepspeed = engine.own_checkpoint_format
     state = trainable_state(model, optimizer, names) if not deepspeed else None
-    tensors = state["model"] if state else zero.trainable_state_dict(model, names)
+    tensors = state["model"] if state else engine.trainable_state_dict(model, names)
     if distributed.any_rank(not all(torch.isfinite(_local(v)).all() for v in tensors.values())):
         raise CheckpointError(f"step {step}: the adapter has NaN/inf values; checkpoint not written (older ones kept).")
     failure = _write_parts(model, state, tmp, deepspeed=deepspeed)
@@ -346,7 +343,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint.api import CheckpointException
 
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
-    if zero.is_engine(model):
+    if engine_of(model).own_checkpoint_format:
         zero_checkpoint.load_state(model, path / zero_checkpoint.CHECKPOINT_FOLDER,
                                     saved_world_size=trainer_state["world_size"], saved_strategy=trainer_state["strategy"])
         _load_rng(path)
@@ -406,16 +403,11 @@ def _strategy_of(path: Path) -> str | None:
 
 def _set_trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Put what DCP read into the model and the optimizer; FSDP1's LoRA units alone (as in `trainable_state`)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     options = StateDictOptions(strict=False, ignore_frozen_params=True)
     with _quiet_torch_distributed():
-        if parallel_state.is_fsdp1(model):
-            parallel_state.fsdp1_load_trainable(model, state["model"])
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"], options=options)
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=options)
+        engine_of(model).load_checkpoint_state(model, optimizer, state, options)
 
 
 def _load_rng(path: Path) -> None:

@@ -6,7 +6,8 @@ Strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap po
     decision.py    ParallelPlan: what was decided                          byte_guard.py  4-bit bytes under FSDP2
     checks.py      the recipe / accelerate config / FSDP + 4-bit rules     layers.py    decoder layer class, layer split
     wrapping.py    wrap (FSDP2, FSDP1, DDP, ZeRO), unwrap                  zero.py      the DeepSpeed ZeRO-2/3 engine
-    steps.py       gradient_sync, backward, optimizer_step, generation_model
+    engines/       what each strategy's wrapper does at run time (engine_of(model): the one place that asks)
+    steps.py       gradient_sync, backward, optimizer_step, generation_model (through the model's engine)
     generation.py  decoding_model: GRPO's sampling model per strategy (FSDP2 unsharded once per generate call)
     state_dict.py  trainable_state_dict, normalize_key, local_parameter_bytes
 """

@@ -17,6 +17,7 @@ from finetune.distributed import DistInfo, any_rank, doing, print0
 from finetune.model.sources.shard_reads import RankShard
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
+from finetune.parallel.engines import engine_of
 
 
 # ------------------------------------------------------------------------------------------------ wrapping
@@ -198,10 +199,4 @@ def fsdp1_mixed_precision(plan: ParallelPlan):
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The PeftModel inside DDP / FSDP1 / DeepSpeed wrappers (FSDP2 wraps in place)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if zero.is_engine(model):
-        return model.module
-    while isinstance(model, (nn.parallel.DistributedDataParallel, FSDP)):
-        model = model.module
-    return model
+    return engine_of(model).unwrap(model)
