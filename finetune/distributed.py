@@ -220,6 +220,23 @@ def all_gather_padded(tensor: torch.Tensor, lengths: list[int]) -> list[torch.Te
     return [out[rank * longest : rank * longest + length] for rank, length in enumerate(lengths)]
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """The largest of each number over all ranks (the smallest: negate in and out)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=info().device if dist.is_initialized() else "cpu")
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (one item when there is no process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_available() and dist.is_initialized()):
         return obj

@@ -34,6 +34,10 @@ class ModelLoadError(FinetuneError):
     """The model or tokenizer cannot be found or loaded (offline hub, missing folder...)."""
 
 
+class GenerationError(FinetuneError):
+    """The generation server (grpo.generation: vllm) cannot be started, died, stalled or refused a request."""
+
+
 class RewardError(FinetuneError):
     """A GRPO reward function raised or returned something unusable; the run stops before the step's update."""
 

@@ -88,18 +88,21 @@ def reward_curve(run_dir: Path) -> list[float]:
 def run_grpo_quickstart(out: Path, *, recipe: Path, sft_overrides: list[str], sft_rows: int, sft_steps: int,
                         tiny: bool, extra: list[str]) -> int:
     """SFT (recipe + sft_overrides, writing out/sft, its data the first `sft_rows` ledger-stamp rows of seed 0), then
-    GRPO from its adapter; print exact match after each and the reward per step."""
+    GRPO from its adapter; print exact match after each and the reward per step. `extra`: the user's overrides, for
+    both runs, but `grpo.*` ones for the GRPO run alone."""
     from finetune.run import run
 
     start = time.perf_counter()
     sft_out = out / "sft"
+    grpo_only = [o for o in extra if o.startswith("grpo.")]  # e.g. grpo.generation=vllm: the GRPO run's alone
+    extra = [o for o in extra if not o.startswith("grpo.")]
     run(str(recipe), sft_overrides + extra)
     prompts, held_out = write_prompt_sets(out / "data", sft_rows=sft_rows, tiny=tiny)
     overrides = [f"output.dir={out}", f"data.datasets.0.path={prompts}", f"model.adapter={sft_out / 'adapter'}",
                  *GRPO_OVERRIDES]
     if tiny:
         overrides += [f"model.name_or_path={sft_out / 'tiny-model'}", *TINY_GRPO]
-    run(str(recipe), overrides + extra)
+    run(str(recipe), overrides + extra + grpo_only)
     before, after = exact_match(sft_out, held_out), exact_match(out, held_out)
     print(report(out, before, after, reward_curve(out), time.perf_counter() - start, sft_steps=sft_steps), flush=True)
     return 0

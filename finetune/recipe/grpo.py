@@ -72,6 +72,35 @@ class GRPOSection(_Section):
         "groups' advantages computed whole, and the loss and gradient are the same sums (TRL's counterpart: a "
         "per_device_train_batch_size below generation_batch_size). `finetune plan` counts it.")
 
+    generation: Literal["builtin", "vllm"] = Field(
+        "builtin", description="Who samples the completions. builtin: the policy itself, in the training processes "
+        "(a KV cache, seeded per completion; the same at any world size). vllm: a vLLM server of the base model "
+        "(bf16, not 4-bit) with the trained adapter hot-loaded before each generation (TRL's use_vllm, server mode); "
+        "rank 0 talks to it. Install it with `make vllm` (docs/grpo.md: which to choose).")
+    vllm_server_base_url: str | None = Field(
+        None, description="A running vLLM OpenAI-compatible server (`vllm serve <base> --enable-lora` with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); it must read the run folder (the adapter is loaded by path). Unset: "
+        "finetune starts one for the run and stops it at the end (log: <run>/vllm/server.log).")
+    vllm_python: str | None = Field(
+        None, description="The Python of the venv that holds vllm, for the server finetune starts. Unset: "
+        "$FINETUNE_VLLM_PYTHON, else .venv-vllm/bin/python in the folder you run from (`make vllm`), else the "
+        "`vllm` command on PATH.")
+    vllm_server_timeout: float = Field(
+        600.0, gt=0, description="Seconds to wait for the server to answer /health (TRL's name; a CPU loads "
+        "SmolLM2 in ~40 s), and for any one generation request: past it the run stops with the server's log.")
+    vllm_gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="The share of the device's memory the server reserves (TRL's name). On a CPU "
+        "it is the share of host RAM. Unset: 0.3 on a GPU (the trainer shares it), 0.1 on a CPU.")
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="Correct for the sampler not being the trained policy (vLLM's bf16 base against the "
+        "trainer's 4-bit one): the loss is weighted by the ratio of the trainer's to the sampler's probabilities "
+        "(TRL's name and default).")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "sequence_mask", description="TRL's modes: the ratio per token or per completion (sum of the log-ratios); "
+        "truncate clips it to [clip_min, clip_max], mask sets ratios outside to 0 (TRL's default: sequence_mask).")
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0, description="Upper bound of the ratio.")
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0, description="Lower bound of the ratio.")
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _bool_scale(cls, value: Any) -> Any:  # TRL accepts True (group) and False (none)
@@ -138,6 +167,12 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
         problems.append(f"train.save_every ({t.save_every}) is not a multiple of grpo.num_iterations "
                         f"({g.num_iterations}): a checkpoint inside a cycle cannot resume exactly (the completions "
                         "reused by the cycle are not saved). Fix: a multiple of num_iterations.")
+    if g.generation == "builtin":
+        vllm_keys = [key for key in ("vllm_server_base_url", "vllm_python", "vllm_gpu_memory_utilization")
+                     if getattr(g, key) is not None]
+        if vllm_keys:
+            problems.append(f"grpo.{vllm_keys[0]} is set but grpo.generation is builtin, so no vLLM server is used. "
+                            "Fix: set grpo.generation: vllm, or remove the vllm_ keys.")
     for reason, fix in ((data.packing, "data.packing: prompts are not packed. Fix: remove data.packing."),
                         (data.streaming, "data.streaming: GRPO reads its prompts whole. Fix: data.streaming: false."),
                         (recipe.eval.generation_rows, ("eval.generation_rows: prompt rows have no reference answer "

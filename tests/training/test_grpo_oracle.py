@@ -47,24 +47,27 @@ def scene(seed: int = 3, drift: float = 0.0):
     return policy, old, reference, advantages, mask
 
 
-def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch):
-    """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step."""
+def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch, is_ratio=None):
+    """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step.
+    `is_ratio`: the vLLM sampler correction (then the old log-probs are kept, as TRL keeps them with vLLM)."""
     monkeypatch.setattr(grpo_objective, "token_logps", lambda model, batch, device, temperature: policy[mask.bool()])
     recipe = SimpleNamespace(grpo=config, train=SimpleNamespace(objective="grpo"))
     objective = object.__new__(objectives.GRPO)
     vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0)
     objective.rollouts = [grpo.Rollout(batch={}, mask=mask, rewards=torch.zeros(ROWS, 1), truncated=torch.zeros(ROWS),
                                        lengths=mask.sum(-1), advantages=advantages,
-                                       old_logps=old * mask if config.num_iterations > 1 else None,
-                                       ref_logps=reference * mask if config.beta else None)]
+                                       old_logps=old * mask if config.num_iterations > 1 or is_ratio is not None
+                                       else None, ref_logps=reference * mask if config.beta else None,
+                                       is_ratio=is_ratio)]
     objective.trained = objective.rollouts  # trained whole (grpo.train_chunk_size unset)
     totals = [float(ROWS), float(mask.sum())]
     to_backward, _, sums = objective.loss(None, {}, totals, CPU)
     return to_backward, objective.metrics(sums.tolist(), totals)
 
 
-def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask):
-    """GRPOTrainer._compute_loss as it ships; its attributes as GRPOTrainer.__init__ sets them from GRPOConfig."""
+def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask, is_ratio=None):
+    """GRPOTrainer._compute_loss as it ships; its attributes as GRPOTrainer.__init__ sets them from GRPOConfig.
+    `is_ratio`: use_vllm with vllm_importance_sampling_correction, the ratio handed on as TRL's generation does."""
     trainer = object.__new__(GRPOTrainer)
     args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1)
     vars(trainer).update(
@@ -72,16 +75,18 @@ def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask):
         loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.upper_epsilon,
         max_completion_length=config.max_completion_length,
         importance_sampling_level=config.importance_sampling_level,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda model, input_ids, attention_mask, logits_to_keep, **kw: (
             policy, torch.zeros_like(policy.detach()), None))
     inputs = {"prompt_ids": torch.zeros(ROWS, 2, dtype=torch.long), "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long),
               "completion_ids": torch.zeros(ROWS, WIDTH, dtype=torch.long), "completion_mask": mask,
               "advantages": advantages, "num_items_in_batch": mask.sum()}
-    if config.num_iterations > 1:
+    if config.num_iterations > 1 or is_ratio is not None:
         inputs["old_per_token_logps"] = old
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     if config.beta:
         inputs["ref_per_token_logps"] = reference
     loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
@@ -122,6 +127,26 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
         assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0
     elif drift:  # one ratio per completion: some completions are clipped
         assert trl_metrics["clip_ratio/region_mean"] > 0
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_the_vllm_sampler_correction_weights_the_loss_as_trls(mode, monkeypatch):
+    """grpo.generation vllm: the correction's ratio (trainer over sampler, finetune's sampler_correction) applied by
+    our loss as TRL's _compute_loss applies it (before the KL term), with clipping of the policy ratio too."""
+    config = GRPOSection(loss_type="grpo", beta=0.04, num_iterations=2, vllm_importance_sampling_mode=mode,
+                         vllm_importance_sampling_clip_max=1.3, vllm_importance_sampling_clip_min=0.8)
+    policy, old, reference, advantages, mask = scene(drift=0.3)
+    sampler = old + 0.1 * torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    ratio = grpo.sampler_correction(old * mask, sampler * mask, mask, config)
+    assert ratio.shape == ((ROWS, 1) if mode.startswith("sequence") else (ROWS, WIDTH))
+    expected, _ = trl_grpo(config, policy, old, reference, advantages, mask, is_ratio=ratio)
+    (expected_grad,) = torch.autograd.grad(expected, policy)
+    loss, _ = ours(config, policy, old, reference, advantages, mask, monkeypatch, is_ratio=ratio)
+    (grad,) = torch.autograd.grad(loss, policy)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    plain, _ = ours(config, policy, old, reference, advantages, mask, monkeypatch)
+    assert float((plain - loss).abs()) > 1e-6  # the correction changed the loss
 
 
 def test_advantages_as_trl_computes_them():

@@ -17,6 +17,7 @@ TRL's own _compute_loss on the same per-token log-probs as the oracle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,11 @@ def advantages(rewards: torch.Tensor, generations: int, scale: str,
 
 # ------------------------------------------------------------------------------------------------------- loss
 def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                    advantages: torch.Tensor, config: GRPOSection,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    advantages: torch.Tensor, config: GRPOSection, mask: torch.Tensor | None = None,
+                    is_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-token loss, policy ratio coef, per-token KL or None), each (completions, tokens); the coef is (completions,
-    1) at importance_sampling_level sequence (GSPO: exp of the mean log-ratio over the completion's `mask`)."""
+    1) at importance_sampling_level sequence (GSPO: exp of the mean log-ratio over the completion's `mask`).
+    `is_ratio`: the sampler correction (`sampler_correction`), weighting the policy term before the KL (TRL)."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
     if config.importance_sampling_level == "sequence":
@@ -61,11 +63,31 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_log
     clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
     advantage = advantages.unsqueeze(1)
     loss = -torch.min(coef * advantage, clipped * advantage)
+    if is_ratio is not None:
+        loss = loss * is_ratio
     kl = None
     if config.beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         loss = loss + config.beta * kl
     return loss, coef, kl
+
+
+def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                       config: GRPOSection) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction: the ratio of the trained policy's probability (at generation) to the
+    sampler's, per token (rows, tokens) or per completion (rows, 1, the sum of the token log-ratios), then clipped to
+    [clip_min, clip_max] (`*_truncate`) or set to 0 outside it (`*_mask`). A token the sampler gave no log-prob (NaN)
+    counts as ratio 1."""
+    mode = config.vllm_importance_sampling_mode
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    outside = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+    return ratio.masked_fill(outside, 0.0)
 
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSection, *, completions: float,
@@ -105,6 +127,8 @@ class Rollout:
     zero_std: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None  # (completions, width): the sampler's log-probs (grpo.generation vllm)
+    is_ratio: torch.Tensor | None = None  # the sampler correction (sampler_correction), when applied
     shown: list[dict] | None = None  # per completion: its prompt row's index, prompt and completion text (the log)
 
     def chunks(self, size: int | None) -> list[Rollout]:

@@ -37,6 +37,7 @@ class GRPO(Objective):
         self.prompt_batches: list[dict] = []
         self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
         self.completions_log = None  # completions/rank<r>.jsonl in the run folder, once prepared
+        self.vllm = None  # grpo.generation vllm: the server that samples (vllm_server.py), once prepared
 
     def prepare(self, model: nn.Module, train, evaluation, recipe: Recipe, *, out_dir=None, **where) -> None:
         """The completions log: every sampled completion with its rewards and advantage, one file per rank
@@ -45,6 +46,10 @@ class GRPO(Objective):
             folder = Path(out_dir) / "completions"
             folder.mkdir(parents=True, exist_ok=True)
             self.completions_log = folder / f"rank{distributed.info().rank}.jsonl"
+        if self.config.generation == "vllm":
+            from finetune.training.objectives.grpo.vllm_server import VLLMGeneration
+
+            self.vllm = VLLMGeneration(recipe, Path(out_dir or "."), distributed.info().device.type)
 
     def take(self, batches, step: int, count: int) -> list[dict]:
         """The step's prompt micro-batches: new ones at the start of a num_iterations cycle (or after a resume), the
@@ -60,6 +65,8 @@ class GRPO(Objective):
         """[completions, completion tokens] of this rank's step: the completions sampled and scored first, at the
         start of a cycle."""
         if self.generated_at is None:
+            if self.vllm is not None:
+                self.vllm.sync(model, self.step)  # the adapter as trained so far, hot-loaded into the server
             self.rollouts = grpo_rollouts(model, micro_batches, self, device)
             self.trained = [chunk for rollout in self.rollouts for chunk in rollout.chunks(self.config.train_chunk_size)]
             self.generated_at = self.step
@@ -79,7 +86,7 @@ class GRPO(Objective):
         moved = lambda t: None if t is None else t.to(logps.device)
         per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
                                                    rollout.advantages.to(logps.device, logps.dtype), self.config,
-                                                   mask=mask)
+                                                   mask=mask, is_ratio=moved(rollout.is_ratio))
         share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1])
         kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
         sums = torch.stack([kl_sum, *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,

@@ -74,15 +74,20 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     zero = distributed.all_reduce_sum([sum(float(r.zero_std.sum()) for r in rollouts),
                                        sum(r.zero_std.numel() for r in rollouts)])
     figures["frac_reward_zero_std"] = zero[0] / max(zero[1], 1)
+    correct = objective.vllm is not None and config.vllm_importance_sampling_correction
     with torch.no_grad(), _as_sampled(model):  # the policy that sampled them: no dropout (sampling.py)
         for rollout in rollouts:
-            if config.num_iterations > 1:  # the ratio's denominator: the policy that sampled them
+            if config.num_iterations > 1 or correct:  # the ratio's denominator: the policy at generation
                 rollout.old_logps = grpo.dense(token_logps(model, rollout.batch, device, temperature=config.temperature),
                                                rollout.mask)
             if objective.reference is not None:
                 with objective.reference.active(model):
                     rollout.ref_logps = grpo.dense(
                         token_logps(model, rollout.batch, device, temperature=config.temperature), rollout.mask)
+    if correct:
+        for rollout in rollouts:
+            rollout.is_ratio = grpo.sampler_correction(rollout.old_logps, rollout.sampling_logps, rollout.mask, config)
+        figures.update(sampler_figures(rollouts, config))
     figures["generation_s"] = seconds
     objective.rollout_figures = figures
     if objective.completions_log is not None:
@@ -126,9 +131,14 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     seeds = [sampling_seed(recipe.train.seed, objective.step, index, j) for index in indices for j in range(g)]
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    completions = generate_completions(model, expanded, seeds, max_new_tokens=config.max_completion_length,
-                                       temperature=config.temperature, top_p=config.top_p, eos_ids=eos, pad_id=pad,
-                                       device=device, gather=generation_gather(config.generation_gather))
+    sampler_logps = None
+    if objective.vllm is not None:  # one seed per prompt: its group is the server's n samples of one request
+        completions, sampler_logps = objective.vllm.sample(prompts, [seeds[k * g] for k in range(len(prompts))],
+                                                           eos_ids=eos)
+    else:
+        completions = generate_completions(model, expanded, seeds, max_new_tokens=config.max_completion_length,
+                                           temperature=config.temperature, top_p=config.top_p, eos_ids=eos,
+                                           pad_id=pad, device=device, gather=generation_gather(config.generation_gather))
     inputs, mask, truncated = grpo.sequences(expanded, completions, pad_id=pad, eos_ids=eos,
                                              mask_truncated=config.mask_truncated_completions)
     rows = [row for row in batch["rows"] for _ in range(g)]
@@ -141,11 +151,40 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
                                           [i for i in indices for _ in range(g)], completion_ids=completions)
     except RewardError as exc:
         problem = exc
-    rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated,
+    if sampler_logps is not None:
+        dense = torch.zeros(mask.shape, dtype=torch.float32)
+        for row, values in enumerate(sampler_logps):
+            dense[row, :len(values)] = torch.tensor(values[:mask.size(1)], dtype=torch.float32)
+        sampler_logps = dense
+    rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated, sampling_logps=sampler_logps,
                            lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64),
                            shown=[{"prompt_index": index, "prompt": row["prompt"], "completion": text}
                                   for index, row, text in zip([i for i in indices for _ in range(g)], rows, texts)])
     return rollout, problem
+
+
+def sampler_figures(rollouts: list[grpo.Rollout], config) -> dict:
+    """TRL's sampling/ metrics over every rank: |trainer - sampler| log-prob per completion token (mean, max) and the
+    correction's ratio (min, mean, max; per completion in the sequence modes, per token otherwise)."""
+    diff_sum = diff_count = ratio_sum = ratio_count = 0.0
+    diff_max, ratio_min, ratio_max = 0.0, math.inf, -math.inf
+    for r in rollouts:
+        kept = r.mask.bool()
+        delta = (r.old_logps - r.sampling_logps).abs()[kept]
+        delta = delta[~torch.isnan(delta)]
+        ratios = r.is_ratio.flatten() if r.is_ratio.size(1) == 1 else r.is_ratio[kept]
+        diff_sum, diff_count = diff_sum + float(delta.sum()), diff_count + delta.numel()
+        ratio_sum, ratio_count = ratio_sum + float(ratios.sum()), ratio_count + ratios.numel()
+        if delta.numel():
+            diff_max = max(diff_max, float(delta.max()))
+        if ratios.numel():
+            ratio_min, ratio_max = min(ratio_min, float(ratios.min())), max(ratio_max, float(ratios.max()))
+    sums = distributed.all_reduce_sum([diff_sum, diff_count, ratio_sum, ratio_count])
+    high = distributed.all_reduce_max([diff_max, ratio_max, -ratio_min])
+    return {"sampling/sampling_logp_difference/mean": sums[0] / max(sums[1], 1),
+            "sampling/sampling_logp_difference/max": high[0],
+            "sampling/importance_sampling_ratio/min": -high[2], "sampling/importance_sampling_ratio/mean":
+            sums[2] / max(sums[3], 1), "sampling/importance_sampling_ratio/max": high[1]}
 
 
 def reward_columns(rows: list[dict]) -> dict[str, list]:
