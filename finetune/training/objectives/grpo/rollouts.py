@@ -52,8 +52,9 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     config = objective.config
     started = time.perf_counter()
     rollouts, failure = [], None
-    for batch in micro_batches:
-        rollout, problem = sample_and_score(model, batch, objective, device)
+    served = _served(model, micro_batches, objective) if objective.vllm is not None else [None] * len(micro_batches)
+    for batch, sampled in zip(micro_batches, served):
+        rollout, problem = sample_and_score(model, batch, objective, device, sampled)
         rollouts.append(rollout)
         failure = failure or problem
     # Decoding frees many small KV-cache and logits tensors that glibc keeps in the heap; handed back to the OS before
@@ -119,12 +120,34 @@ def _as_sampled(model: nn.Module):
         model.train(was_training)
 
 
-def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.device) -> tuple[grpo.Rollout, RewardError | None]:
-    """G completions of every prompt of a micro-batch, and their rewards (or the reward error, raised by the caller
-    once every rank knows)."""
-    config, tokenizer, recipe = objective.config, objective.tokenizer, objective.recipe
+def _prompts(batch: dict) -> list[list[int]]:
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    prompts = [ids[:n] for ids, n in zip(batch["input_ids"].tolist(), lengths)]
+    return [ids[:n] for ids, n in zip(batch["input_ids"].tolist(), lengths)]
+
+
+def _served(model: nn.Module, micro_batches: list[dict], objective) -> list[tuple[list, list]]:
+    """grpo.generation vllm: the step's completions and their sampler log-probs for every micro-batch, asked of the
+    server in one round (it batches them all), each prompt's group drawn with the prompt's seed."""
+    prompts = [_prompts(batch) for batch in micro_batches]
+    seeds = [[sampling_seed(objective.recipe.train.seed, objective.step, index, 0) for index in batch["prompt_index"].tolist()]
+             for batch in micro_batches]
+    completions, logps = objective.vllm.sample([p for group in prompts for p in group],
+                                               [s for group in seeds for s in group],
+                                               eos_ids=eos_token_ids(model, objective.tokenizer))
+    served, start, g = [], 0, objective.config.num_generations
+    for group in prompts:
+        end = start + len(group) * g
+        served.append((completions[start:end], logps[start:end]))
+        start = end
+    return served
+
+
+def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.device,
+                     served: tuple[list, list] | None = None) -> tuple[grpo.Rollout, RewardError | None]:
+    """G completions of every prompt of a micro-batch (sampled here, or `served`: (completions, sampler log-probs)
+    from the vLLM server), and their rewards (or the reward error, raised by the caller once every rank knows)."""
+    config, tokenizer, recipe = objective.config, objective.tokenizer, objective.recipe
+    prompts = _prompts(batch)
     indices = batch["prompt_index"].tolist()
     g = config.num_generations
     expanded = [p for p in prompts for _ in range(g)]
@@ -132,9 +155,8 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampler_logps = None
-    if objective.vllm is not None:  # one seed per prompt: its group is the server's n samples of one request
-        completions, sampler_logps = objective.vllm.sample(prompts, [seeds[k * g] for k in range(len(prompts))],
-                                                           eos_ids=eos)
+    if served is not None:
+        completions, sampler_logps = served
     else:
         completions = generate_completions(model, expanded, seeds, max_new_tokens=config.max_completion_length,
                                            temperature=config.temperature, top_p=config.top_p, eos_ids=eos,
