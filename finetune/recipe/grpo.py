@@ -85,6 +85,12 @@ class GRPOSection(_Section):
         None, description="The Python of the venv that holds vllm, for the server finetune starts. Unset: "
         "$FINETUNE_VLLM_PYTHON, else .venv-vllm/bin/python in the folder you run from (`make vllm`), else the "
         "`vllm` command on PATH.")
+    vllm_base: Literal["as_trained", "original"] = Field(
+        "as_trained", description="The base the server finetune starts samples with. as_trained: the 4-bit base as "
+        "the trainer computes with it (each weight quantized, then dequantized into <run>/vllm/base/, once), so the "
+        "server's log-probs are the trainer's and the importance ratio stays near 1; original: the checkpoint as it "
+        "is (TRL's way: the correction then absorbs the 4-bit error). Mixture-of-experts models and 4-bit "
+        "checkpoints are served as they are.")
     vllm_server_timeout: float = Field(
         600.0, gt=0, description="Seconds to wait for the server to answer /health (TRL's name; a CPU loads "
         "SmolLM2 in ~40 s), and for any one generation request: past it the run stops with the server's log.")

@@ -123,12 +123,14 @@ def vllm_model(tmp_path_factory):
 
 
 @needs_vllm
-@pytest.mark.slow  # ~60 s: a vLLM server started, two adapters hot-loaded and sampled
-def test_the_adapter_hot_loaded_into_the_server_is_the_one_trained(vllm_model, tmp_path, monkeypatch):
+@pytest.mark.slow  # ~60 s each: a vLLM server started, two adapters hot-loaded and sampled
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_the_adapter_hot_loaded_into_the_server_is_the_one_trained(quantization, vllm_model, tmp_path, monkeypatch):
     """The whole hot-load path as the run takes it (the server started by finetune, the adapter gathered, written and
     loaded by VLLMGeneration.sync): the log-probs vLLM reports for its completions are the trainer's own for the same
-    tokens (fp32 base on both sides, no 4 bits: exact up to float noise), before and after the LoRA weights change;
-    and after the change the served completions change."""
+    tokens (fp32 on both sides: exact up to float noise), before and after the LoRA weights change; and after the
+    change the served completions change. nf4: the server samples with the 4-bit base as trained (grpo.vllm_base
+    as_trained: each weight quantized and dequantized once), so its log-probs are the 4-bit trainer's too."""
     from test_grpo import grpo_recipe
 
     from finetune import model
@@ -138,7 +140,7 @@ def test_the_adapter_hot_loaded_into_the_server_is_the_one_trained(vllm_model, t
 
     monkeypatch.setenv("FINETUNE_VLLM_PYTHON", str(VLLM_PYTHON))
     recipe = validate_recipe(grpo_recipe(vllm_model, "unused.jsonl", tmp_path, {"generation": "vllm"},
-                                         quantization={"method": "none"}))
+                                         quantization={"method": quantization}))
     policy = model.load_model(recipe, sharded=False, device=torch.device("cpu"), device_map=None,
                               gradient_checkpointing=False).model
     tokenizer = model.load_tokenizer(recipe)
@@ -147,6 +149,16 @@ def test_the_adapter_hot_loaded_into_the_server_is_the_one_trained(vllm_model, t
         for param in lora_b:  # an adapter that changes the model (PEFT starts B at zero)
             param.copy_(torch.randn_like(param, generator=torch.Generator().manual_seed(1)) * 0.5)
     generation = VLLMGeneration(recipe, tmp_path, "cpu")
+    served_base = tmp_path / "vllm" / "base"
+    assert served_base.is_dir() == (quantization == "nf4")
+    if quantization == "nf4":  # the served weights are the 4-bit ones, not the checkpoint's
+        from safetensors.torch import load_file
+
+        name = "model.layers.0.self_attn.q_proj.weight"
+        original = load_file(str(vllm_model / "model.safetensors"))[name]
+        served = {k: v for f in served_base.glob("*.safetensors") for k, v in load_file(str(f)).items()}[name]
+        assert served.shape == original.shape and not torch.equal(served, original)
+        assert float((served - original).abs().max()) < 0.2 * float(original.abs().max())
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 plus 3?", "Hi")]
     eos = [tokenizer.eos_token_id]
 

@@ -76,10 +76,25 @@ def _quantized_tensors(name: str, value: torch.Tensor, settings: dict, *, dtype:
     return tensors
 
 
+def _dequantized_tensors(name: str, value: torch.Tensor, settings: dict, *, dtype: torch.dtype,
+                         device: torch.device) -> dict[str, torch.Tensor]:
+    """The weight as a 4-bit run computes with it: quantized as the loader quantizes it, then dequantized (what
+    bitsandbytes' 4-bit matmul multiplies by), in `dtype`."""
+    import bitsandbytes as bnb
+
+    param = bnb.nn.Params4bit(value.to(device=device, dtype=dtype), requires_grad=False, **settings).to(device)
+    return {name: bnb.functional.dequantize_4bit(param.data, param.quant_state).to(dtype).detach().cpu()}
+
+
 def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, device: torch.device,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, replace: bool = False,
-                    finish: Callable[[Path], None] | None = None, progress: Callable[[str], None] | None = None) -> Path:
-    """Quantize the safetensors base in `base` into `out` (atomic); `finish(folder)` runs last, before the rename."""
+                    finish: Callable[[Path], None] | None = None, progress: Callable[[str], None] | None = None,
+                    dequantize: bool = False) -> Path:
+    """Quantize the safetensors base in `base` into `out` (atomic); `finish(folder)` runs last, before the rename.
+
+    `dequantize`: write each 4-bit weight back in `dtype` as the run sees it (quantized, then dequantized), a plain
+    checkpoint with no quantization_config: the base a vLLM server samples with (grpo.generation vllm), so that its
+    log-probs are the 4-bit trainer's, not the original base's."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -105,7 +120,8 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
         for name in names:
             value = reader.get(name)
             if name in settings:
-                tensors = _quantized_tensors(name, value, settings[name], dtype=dtype, device=device)
+                write = _dequantized_tensors if dequantize else _quantized_tensors
+                tensors = write(name, value, settings[name], dtype=dtype, device=device)
             else:  # norms, embeddings, LM head: in model.dtype, as the loader holds them
                 tensors = {name: value.to(dtype) if value.is_floating_point() else value}
             size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -124,19 +140,20 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
             weight_map.update(dict.fromkeys(names, final))
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2, sort_keys=True))
-        _copy_side_files(base, tmp, bnb_config, dtype)
+        _copy_side_files(base, tmp, None if dequantize else bnb_config, dtype)
         if finish is not None:
             finish(tmp)
     return out
 
 
 def _copy_side_files(base: Path, target: Path, bnb_config, dtype: torch.dtype) -> None:
-    """config.json with the quantization_config added; tokenizer, generation config and the rest copied as they are."""
+    """config.json with the quantization_config added (None: none); tokenizer, generation config and the rest copied as they are."""
     for path in base.iterdir():
         if path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES) \
                 and "index.json" not in path.name and path.name != "config.json":
             shutil.copy2(path, target / path.name)
     config = json.loads((base / "config.json").read_text())
-    config["quantization_config"] = bnb_config.to_dict()
+    if bnb_config is not None:
+        config["quantization_config"] = bnb_config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

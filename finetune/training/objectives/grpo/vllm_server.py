@@ -211,6 +211,19 @@ def sample_on_rank0(server: Server | None, requests: list[tuple[list[int], int]]
 
 
 
+def _weight_names(folder: Path) -> list[str]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            names += list(handle.keys())
+    return names
+
+
 class VLLMGeneration:
     """The run's vLLM sampler: the server (rank 0), and the adapter it serves, written and hot-loaded by `sync`."""
 
@@ -251,7 +264,10 @@ class VLLMGeneration:
             log = self.folder / "server.log"
             print(f"[finetune] starting a vLLM server for generation ({' '.join(command[:1])}; log: {log})",
                   flush=True)
-            server = Server.start(command, checkpoint_folder(recipe), log=log, timeout=g.vllm_server_timeout,
+            base = checkpoint_folder(recipe)
+            if g.vllm_base == "as_trained" and recipe.quantization.method != "none":
+                base = self._as_trained(recipe, base)
+            server = Server.start(command, base, log=log, timeout=g.vllm_server_timeout,
                                   max_model_len=recipe.data.max_length, lora_rank=recipe.lora.r, dtype=dtype,
                                   memory_share=share)
         started = time.perf_counter()
@@ -259,6 +275,30 @@ class VLLMGeneration:
         self.base = server.base_model()
         print(f"[finetune] vLLM server ready at {server.url} ({time.perf_counter() - started:.0f} s)", flush=True)
         return server
+
+    def _as_trained(self, recipe, base: Path) -> Path:
+        """<run>/vllm/base: every 4-bit weight of `base` as the trainer computes with it (quantized, dequantized), in
+        the trainer's dtype, written once per run folder; `base` itself where that cannot be served."""
+        from finetune.model.quantization.prequantized import stored_quantization
+        from finetune.model.quantization.writer import write_quantized
+        from finetune.model.settings import quantization_config, torch_dtype
+
+        target = self.folder / "base"
+        if (target / "config.json").exists():
+            return target
+        reason = "it is stored in 4 bits already" if stored_quantization(base) is not None else None
+        if reason is None and any(".experts." in line for line in _weight_names(base)):
+            reason = "its experts are split per expert by finetune, a layout vLLM does not read"
+        if reason is not None:
+            print(f"[finetune] note: the vLLM server samples with {base} as it is ({reason}); the importance "
+                  "sampling correction absorbs the 4-bit difference", flush=True)
+            return base
+        started = time.perf_counter()
+        write_quantized(base, target, bnb_config=quantization_config(recipe), dtype=torch_dtype(recipe.model.dtype),
+                        device=distributed.info().device, replace=True, dequantize=True)
+        print(f"[finetune] the 4-bit base as trained, dequantized for the vLLM server: {target} "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        return target
 
     def sync(self, model, step: int) -> None:
         """The adapter as trained so far, written by rank 0 under <run>/vllm/ and loaded into the server under a new
