@@ -35,10 +35,17 @@ class GRPOSection(_Section):
                                        "Default: epsilon.")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (the adapter off); 0 (TRL's default): "
                         "no reference forward.")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="How per-token losses become the loss. grpo: mean per completion, then over completions. "
-        "dr_grpo: sum over tokens / (completions x max_completion_length). dapo (TRL's default): sum / the step's "
-        "completion tokens.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"] = Field(
+        "dapo", description="The per-token loss and how it becomes the loss, as TRL's. grpo: mean per completion, then "
+        "over completions. dr_grpo: sum over tokens / (completions x max_completion_length). dapo (TRL's default): "
+        "sum / the step's completion tokens. bnpo: each micro-batch's token mean, averaged over the step's "
+        "micro-batches. cispo: the ratio clipped at epsilon_high (an absolute bound) and detached, times the "
+        "advantage and the log-prob (MiniMax-M1), normalized as dapo. sapo: a soft gate sigmoid(t (ratio - 1)) 4 / t "
+        "instead of the clip (t: sapo_temperature_pos / _neg), normalized as grpo. luspo: the clipped loss summed "
+        "per completion, averaged over completions (meant for importance_sampling_level: sequence).")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo's gate temperature where the advantage is "
+                                        "positive (TRL's name and default).")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo's gate temperature elsewhere (TRL's default).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantages divided by the reward std of the group (group), of the step's batch (batch), "
         "or not (none; Dr. GRPO).")

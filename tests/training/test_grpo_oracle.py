@@ -69,7 +69,9 @@ def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask, is_r
     """GRPOTrainer._compute_loss as it ships; its attributes as GRPOTrainer.__init__ sets them from GRPOConfig.
     `is_ratio`: use_vllm with vllm_importance_sampling_correction, the ratio handed on as TRL's generation does."""
     trainer = object.__new__(GRPOTrainer)
-    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1)
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                           sapo_temperature_pos=config.sapo_temperature_pos,
+                           sapo_temperature_neg=config.sapo_temperature_neg)
     vars(trainer).update(
         model=SimpleNamespace(training=True), accelerator=ACCELERATOR, args=args, beta=config.beta,
         loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.upper_epsilon,
@@ -104,6 +106,18 @@ CASES = {  # every aggregation; the KL term; clipping both ways (old log-probs f
                               "num_iterations": 2, "epsilon": 0.05}, 0.3),
     "gspo-dapo-clipped": ({"importance_sampling_level": "sequence", "num_iterations": 2, "epsilon": 0.02,
                            "epsilon_high": 0.03}, 0.3),
+    # TRL's other loss types: bnpo (the micro-batch's token mean), cispo (the ratio clipped at an absolute epsilon_high
+    # and detached), sapo (a soft gate, two temperatures), luspo (summed per completion; the sequence level it is
+    # meant for, and the token level TRL allows with a warning)
+    "bnpo-kl-clipped": ({"loss_type": "bnpo", "beta": 0.04, "num_iterations": 2}, 0.3),
+    "cispo-clipped": ({"loss_type": "cispo", "num_iterations": 2, "epsilon_high": 1.1}, 0.3),
+    "cispo-sequence-kl": ({"loss_type": "cispo", "importance_sampling_level": "sequence", "beta": 0.1,
+                           "num_iterations": 2, "epsilon_high": 0.5}, 0.3),
+    "sapo-kl": ({"loss_type": "sapo", "beta": 0.04, "num_iterations": 2, "sapo_temperature_pos": 0.8,
+                 "sapo_temperature_neg": 1.3}, 0.3),
+    "luspo-sequence-clipped": ({"loss_type": "luspo", "importance_sampling_level": "sequence", "num_iterations": 2,
+                                "epsilon": 0.05}, 0.3),
+    "luspo-token-kl": ({"loss_type": "luspo", "beta": 0.1, "num_iterations": 2}, 0.3),
 }
 
 
@@ -123,7 +137,11 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
     for name, value in metrics.items():
         assert value == pytest.approx(trl_metrics[name], abs=1e-6), name  # ours are logged rounded to 6 decimals
     assert ("kl" in metrics) == bool(config.beta)
-    if drift and config.importance_sampling_level == "token":  # the scene really clips, on both sides
+    if config.loss_type == "cispo":  # the scene really clips
+        assert trl_metrics["cispo_clip_ratio"] > 0 and "cispo_clip_ratio" in metrics
+    elif config.loss_type == "sapo":  # no clip: no clip metric, in TRL as here
+        assert not any("clip" in name for name in [*metrics, *trl_metrics])
+    elif drift and config.importance_sampling_level == "token":  # the scene really clips, on both sides
         assert trl_metrics["clip_ratio/low_mean"] > 0 and trl_metrics["clip_ratio/high_mean"] > 0
     elif drift:  # one ratio per completion: some completions are clipped
         assert trl_metrics["clip_ratio/region_mean"] > 0

@@ -8,8 +8,10 @@ Formulas, names and defaults as TRL's GRPOTrainer (1.16), so a GRPOConfig reads 
   * per token: coef = exp(logp - logp_old), loss = -min(coef A, clamp(coef, 1 - epsilon, 1 + epsilon_high) A),
     plus beta (exp(ref - logp) - (ref - logp) - 1) with a reference; logp_old is the detached logp unless
     num_iterations > 1 (then the log-probs at generation);
-  * aggregation: grpo: mean per completion, mean over completions; dr_grpo: sum / (completions x
-    max_completion_length); dapo: sum / completion tokens.
+  * aggregation: grpo, sapo: mean per completion, mean over completions; dr_grpo: sum / (completions x
+    max_completion_length); dapo, cispo: sum / completion tokens; bnpo: each micro-batch's token mean, averaged over
+    the micro-batches; luspo: sum / completions;
+  * per token, cispo: -min(coef, epsilon_high).detach() A logp; sapo: -sigmoid(t (coef - 1)) 4 / t A, t by A's sign.
 Over a whole step (every rank and micro-batch), the counts are the global ones: a micro-batch's share is its sum over
 the step's completions or tokens, so 1 process x batch 16 and 2 x 8 give the same gradient. test_grpo_oracle.py runs
 TRL's own _compute_loss on the same per-token log-probs as the oracle.
@@ -60,9 +62,15 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_log
     if config.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef = torch.exp(log_ratio)
-    clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
     advantage = advantages.unsqueeze(1)
-    loss = -torch.min(coef * advantage, clipped * advantage)
+    if config.loss_type == "cispo":  # the ratio clipped from above and detached: a weight on the log-prob's gradient
+        loss = -torch.clamp(coef, max=config.upper_epsilon).detach() * advantage * logps
+    elif config.loss_type == "sapo":  # a soft, temperature-controlled gate instead of the hard clip
+        t = torch.where(advantage > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+        loss = -torch.sigmoid(t * (coef - 1)) * 4 / t * advantage
+    else:
+        clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
+        loss = -torch.min(coef * advantage, clipped * advantage)
     if is_ratio is not None:
         loss = loss * is_ratio
     kl = None
@@ -91,20 +99,39 @@ def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ma
 
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSection, *, completions: float,
-              tokens: float) -> torch.Tensor:
-    """This micro-batch's share of the step loss, given the step's completions and completion tokens (all ranks)."""
+              tokens: float, batches: float = 1.0) -> torch.Tensor:
+    """This micro-batch's share of the step loss, given the step's completions, completion tokens and trained
+    micro-batches (chunks), over all ranks."""
     masked = per_token_loss * mask
-    if config.loss_type == "grpo":
+    if config.loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(completions, 1)
     if config.loss_type == "dr_grpo":
         return masked.sum() / (max(completions, 1) * config.max_completion_length)
-    return masked.sum() / max(tokens, 1)
+    if config.loss_type == "bnpo":  # TRL: the local batch's token mean, averaged over the accumulated batches
+        return masked.sum() / mask.sum().clamp(min=1.0) / max(batches, 1)
+    if config.loss_type == "luspo":
+        return masked.sum() / max(completions, 1)
+    return masked.sum() / max(tokens, 1)  # dapo, cispo
+
+
+def clip_names(config: GRPOSection) -> tuple[str, ...]:
+    """TRL's clipping metrics of the loss type (clip_sums counts them, in this order)."""
+    if config.loss_type == "cispo":
+        return ("cispo_clip_ratio",)
+    if config.loss_type == "sapo":
+        return ()
+    return ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 def clip_sums(coef: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: GRPOSection) -> list[torch.Tensor]:
-    """Counts of TRL's clip_ratio/low_mean, high_mean, region_mean: tokens, or completions at the sequence level
-    (divided by the step's tokens or completions afterwards, as TRL's masked means)."""
+    """Counts of TRL's clipping metrics (clip_names): tokens, or completions at the sequence level (divided by the
+    step's tokens or completions afterwards, as TRL's masked means)."""
     advantage = advantages.unsqueeze(1)
+    if config.loss_type in ("cispo", "sapo"):
+        if config.loss_type == "sapo":
+            return []
+        clipped = (coef > config.upper_epsilon) & (advantage > 0)
+        return [clipped.sum()] if config.importance_sampling_level == "sequence" else [(clipped * mask).sum()]
     low = (coef < 1 - config.epsilon) & (advantage < 0)
     high = (coef > 1 + config.upper_epsilon) & (advantage > 0)
     if config.importance_sampling_level == "sequence":

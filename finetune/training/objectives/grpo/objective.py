@@ -71,7 +71,8 @@ class GRPO(Objective):
             self.trained = [chunk for rollout in self.rollouts for chunk in rollout.chunks(self.config.train_chunk_size)]
             self.generated_at = self.step
         self.position = 0
-        return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts)]
+        return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts),
+                len(self.trained)]
 
     def train_batches(self, micro_batches: list[dict]) -> list[loss.Rollout]:
         """What the step runs a forward and backward on: the rollouts' chunks (after `counts`)."""
@@ -87,7 +88,8 @@ class GRPO(Objective):
         per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
                                                    rollout.advantages.to(logps.device, logps.dtype), self.config,
                                                    mask=mask, is_ratio=moved(rollout.is_ratio))
-        share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1])
+        share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1],
+                               batches=totals[2] if len(totals) > 2 else 1.0)
         kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
         sums = torch.stack([kl_sum, *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
                                                     self.config)]).double()
@@ -100,7 +102,7 @@ class GRPO(Objective):
             if self.config.beta:
                 out["kl"] = sums[0] / tokens
             clipped_per = max(totals[0], 1) if self.config.importance_sampling_level == "sequence" else tokens
-            for name, value in zip(("low_mean", "high_mean", "region_mean"), sums[1:4]):
-                out[f"clip_ratio/{name}"] = value / clipped_per
+            for name, value in zip(loss.clip_names(self.config), sums[1:]):
+                out[name] = value / clipped_per
         # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
         return {name: round(value, 6) for name, value in out.items() if math.isfinite(value)}
