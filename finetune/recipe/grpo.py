@@ -180,6 +180,14 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
         problems.append(f"train.save_every ({t.save_every}) is not a multiple of grpo.num_iterations "
                         f"({g.num_iterations}): a checkpoint inside a cycle cannot resume exactly (the completions "
                         "reused by the cycle are not saved). Fix: a multiple of num_iterations.")
+    lora = recipe.lora
+    unserved = [(lora.dora, "lora.dora: vLLM serves no DoRA adapter. Fix: lora.dora: false"),
+                (lora.bias != "none", "lora.bias: vLLM loads no LoRA bias. Fix: lora.bias: none"),
+                (lora.train_router, ("lora.train_router: vLLM loads no fully trained modules beside the LoRA "
+                                     "(modules_to_save). Fix: lora.train_router: false"))]
+    for reason, fix in unserved if g.generation == "vllm" else []:
+        if reason:
+            problems.append(f"{fix}, or grpo.generation: builtin (which samples with the adapter as trained).")
     if g.generation == "builtin":
         vllm_keys = [key for key in ("vllm_server_base_url", "vllm_python", "vllm_gpu_memory_utilization")
                      if getattr(g, key) is not None]

@@ -63,6 +63,20 @@ def test_vllm_keys_without_vllm_generation_are_refused(tmp_path):
         validate_recipe(values)
 
 
+def test_an_adapter_vllm_cannot_serve_is_refused_before_loading(tmp_path):
+    from test_grpo import grpo_recipe
+
+    from finetune.errors import RecipeError
+
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", {"generation": "vllm"},
+                         lora={"dora": True, "bias": "lora_only"})
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe(values)
+    message = str(caught.value)
+    assert "lora.dora: vLLM serves no DoRA adapter. Fix: lora.dora: false, or grpo.generation: builtin" in message
+    assert "lora.bias: vLLM loads no LoRA bias. Fix: lora.bias: none" in message
+
+
 def test_no_vllm_anywhere_is_one_paragraph_with_the_install_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FINETUNE_VLLM_PYTHON", raising=False)
