@@ -76,12 +76,14 @@ class _ChunkedHeadTokenLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None):
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head_forward, chunk: int, softcap: float | None,
+                entropy: list | None):
         values, grads = [], []
         for start in range(0, hidden.size(0), chunk):
             piece = hidden[start : start + chunk].detach().requires_grad_(True)
             with torch.enable_grad():
-                losses = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap, reduction="none")
+                losses = _chunk_loss(head_forward, piece, targets[start : start + chunk], softcap, reduction="none",
+                                     entropy=entropy)
                 (grad,) = torch.autograd.grad(losses.sum(), piece)
             grads.append(grad)
             values.append(losses.detach())
@@ -91,18 +93,23 @@ class _ChunkedHeadTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_output[:, None]).to(grad_hidden.dtype), None, None, None, None
+        return (grad_hidden * grad_output[:, None]).to(grad_hidden.dtype), None, None, None, None, None
 
 
 def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None, *,
-                reduction: str = "sum", correct: list | None = None) -> torch.Tensor:
+                reduction: str = "sum", correct: list | None = None, entropy: list | None = None) -> torch.Tensor:
     """Cross-entropy of one chunk (summed, or per token), logits upcast to fp32 exactly as train.loss_sum does.
 
     `correct`: a list to append the chunk's count of argmax hits to (a device tensor: no host sync), read off the
-    logits that exist here anyway; one argmax over the chunk, small beside the softmax and its gradient."""
+    logits that exist here anyway; one argmax over the chunk, small beside the softmax and its gradient.
+    `entropy`: a list to append the sum of the chunk's per-token entropies of the predicted distribution to (GRPO's
+    `entropy` metric, TRL's; detached)."""
     logits = _capped(head_forward(hidden).float(), softcap)
     if correct is not None:
         correct.append((logits.detach().argmax(dim=-1) == targets).sum())
+    if entropy is not None:
+        logp = torch.log_softmax(logits.detach(), dim=-1)
+        entropy.append(-(logp.exp() * logp).sum())
     return F.cross_entropy(logits, targets, reduction=reduction)
 
 
@@ -123,7 +130,7 @@ def trained_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, *,
               trainable_head: bool, softcap: float | None, chunk: int, per_token: bool = False,
-              correct: list | None = None) -> torch.Tensor:
+              correct: list | None = None, entropy: list | None = None) -> torch.Tensor:
     """Loss sum of next-token prediction from final hidden states (B, T, H) at `positions` (flat rows, from
     `trained_positions`) against their `targets`; with `per_token`, the loss of every position instead, in order.
     With `correct` (SFT sums only), each chunk's count of argmax hits is appended to that list.
@@ -137,12 +144,13 @@ def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targe
     reduction = "none" if per_token else "sum"
     if not torch.is_grad_enabled():
         pieces = [_chunk_loss(head_forward, selected[s : s + chunk], targets[s : s + chunk], softcap, reduction=reduction,
-                              correct=correct) for s in range(0, selected.size(0), chunk)]
+                              correct=correct, entropy=entropy) for s in range(0, selected.size(0), chunk)]
         return torch.cat(pieces) if per_token else sum(pieces)
     if trainable_head or not selected.requires_grad:  # ordinary autograd: head parameters get grads
-        return _chunk_loss(head_forward, selected, targets, softcap, reduction=reduction, correct=correct)
+        return _chunk_loss(head_forward, selected, targets, softcap, reduction=reduction, correct=correct,
+                           entropy=entropy)
     if per_token:
-        return _ChunkedHeadTokenLoss.apply(selected, targets, head_forward, chunk, softcap)
+        return _ChunkedHeadTokenLoss.apply(selected, targets, head_forward, chunk, softcap, entropy)
     return _ChunkedHeadLoss.apply(selected, targets, head_forward, chunk, softcap, correct)
 
 
@@ -169,7 +177,7 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             request = head.__dict__.get(_TARGETS)
             if request is None:
                 return original(hidden_states, *args, **kwargs)
-            positions, targets, softcap, per_token, correct, temperature = request
+            positions, targets, softcap, per_token, correct, temperature, entropy = request
             head_forward = original
             if temperature != 1.0:  # GRPO scores the tempered distribution it sampled from (as TRL): cap, then / T
                 head_forward = lambda h, cap=softcap: _capped(original(h).float(), cap) / temperature
@@ -178,7 +186,7 @@ def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
             positions, targets = (t.to(hidden_states.device, non_blocking=True) for t in (positions, targets))
             trainable = any(p.requires_grad for p in head.parameters())
             return head_loss(head_forward, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
-                             chunk=chunk, per_token=per_token, correct=correct)
+                             chunk=chunk, per_token=per_token, correct=correct, entropy=entropy)
 
         head.forward = forward
         setattr(head, _PATCHED, True)
@@ -229,12 +237,13 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
 
 def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict,
                           where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool,
-                          correct: list | None = None, temperature: float = 1.0) -> torch.Tensor:
+                          correct: list | None = None, temperature: float = 1.0,
+                          entropy: list | None = None) -> torch.Tensor:
     """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
     patched forward returns."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct, temperature)
+    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct, temperature, entropy)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:
@@ -269,10 +278,11 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
 
 
 def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, entropy: list | None = None) -> torch.Tensor:
     """The log-probability of every trained token of the batch (labels != -100), in row-major order, under the
     logits divided by `temperature` (GRPO's completions, scored as they were sampled, as TRL does), with the graph for
-    backward; without full-vocabulary logits (the head computes them a chunk at a time, as `token_loss_sum`)."""
+    backward; without full-vocabulary logits (the head computes them a chunk at a time, as `token_loss_sum`).
+    `entropy`: a list the summed entropy of those positions' distributions is appended to (in pieces; detached)."""
     positions, wanted = trained_positions(batch["labels"])
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()
               if k in ("input_ids", "attention_mask", "position_ids")}
@@ -281,6 +291,9 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
     if found is None:  # not a transformers causal LM: the plain way
         logits = model(**inputs, use_cache=False).logits.float() / temperature
         flat = logits.reshape(-1, logits.size(-1)).index_select(0, positions)
+        if entropy is not None:
+            logp = torch.log_softmax(flat.detach(), dim=-1)
+            entropy.append(-(logp.exp() * logp).sum())
         return -F.cross_entropy(flat, wanted, reduction="none")
     return -_forward_with_targets(model, found, inputs, (positions, wanted), per_token=True,
-                                  temperature=temperature).reshape(-1)
+                                  temperature=temperature, entropy=entropy).reshape(-1)

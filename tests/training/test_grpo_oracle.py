@@ -29,6 +29,7 @@ from finetune.training.objectives.grpo import rewards as grpo_rewards
 
 CPU = torch.device("cpu")
 ROWS, WIDTH = 6, 9
+ENTROPIES = torch.rand(ROWS, WIDTH, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 4
 ACCELERATOR = SimpleNamespace(device=CPU, num_processes=1, gather=lambda t: t, gather_for_metrics=lambda t: t,
                               reduce=lambda t, reduction: t)  # one process
 
@@ -50,7 +51,11 @@ def scene(seed: int = 3, drift: float = 0.0):
 def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch, is_ratio=None):
     """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step.
     `is_ratio`: the vLLM sampler correction (then the old log-probs are kept, as TRL keeps them with vLLM)."""
-    monkeypatch.setattr(grpo_objective, "token_logps", lambda model, batch, device, temperature: policy[mask.bool()])
+    def token_logps(model, batch, device, temperature, entropy):
+        entropy.append((ENTROPIES * mask).sum())  # the policy's per-token entropies, as TRL is handed them
+        return policy[mask.bool()]
+
+    monkeypatch.setattr(grpo_objective, "token_logps", token_logps)
     recipe = SimpleNamespace(grpo=config, train=SimpleNamespace(objective="grpo"))
     objective = object.__new__(objectives.GRPO)
     vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0)
@@ -81,7 +86,7 @@ def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask, is_r
         vllm_importance_sampling_correction=is_ratio is not None, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda model, input_ids, attention_mask, logits_to_keep, **kw: (
-            policy, torch.zeros_like(policy.detach()), None))
+            policy, ENTROPIES, None))
     inputs = {"prompt_ids": torch.zeros(ROWS, 2, dtype=torch.long), "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long),
               "completion_ids": torch.zeros(ROWS, WIDTH, dtype=torch.long), "completion_mask": mask,
               "advantages": advantages, "num_items_in_batch": mask.sum()}
@@ -136,7 +141,7 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
     assert float(grad[mask].abs().sum()) > 0 and bool((grad[~mask] == 0).all())
     for name, value in metrics.items():
         assert value == pytest.approx(trl_metrics[name], abs=1e-6), name  # ours are logged rounded to 6 decimals
-    assert ("kl" in metrics) == bool(config.beta)
+    assert ("kl" in metrics) == bool(config.beta) and metrics["entropy"] > 0
     if config.loss_type == "cispo":  # the scene really clips
         assert trl_metrics["cispo_clip_ratio"] > 0 and "cispo_clip_ratio" in metrics
     elif config.loss_type == "sapo":  # no clip: no clip metric, in TRL as here

@@ -184,6 +184,24 @@ def test_token_logps_at_a_temperature_are_a_plain_log_softmax_of_the_scaled_logi
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(got_grads, want_grads))
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_entropy_beside_the_log_probs_is_that_of_the_full_tempered_distribution(tiny_llama, monkeypatch, grad):
+    """GRPO's `entropy` metric (TRL's): the chunked head (several chunks; with the graph, and without as in a no-grad
+    forward) adds up the entropy of softmax(full logits / T) over the trained positions."""
+    model = lora_model(tiny_llama)
+    monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # 16 tokens a chunk
+    batch = batches(model.config.vocab_size)["padded"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logp = F.log_softmax(logits[:, :-1].float() / 0.7, dim=-1)
+    trained = batch["labels"][:, 1:] != -100
+    want = float(-(logp.exp() * logp).sum(-1)[trained].sum())
+    pieces: list[torch.Tensor] = []
+    with torch.set_grad_enabled(grad):
+        chunked.token_logps(model, batch, CPU, temperature=0.7, entropy=pieces)
+    assert len(pieces) > 1 and float(sum(pieces)) == pytest.approx(want, rel=1e-5)
+
+
 def test_head_unchanged_outside_the_loss(tiny_llama):
     model = lora_model(tiny_llama)
     ids = batches(model.config.vocab_size)["padded"]["input_ids"]

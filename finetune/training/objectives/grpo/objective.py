@@ -81,8 +81,9 @@ class GRPO(Objective):
     def loss(self, model: nn.Module, batch, totals: list[float], device: torch.device):
         rollout = self.trained[self.position]
         self.position += 1
-        logps = loss.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature),
-                           rollout.mask)
+        entropy: list[torch.Tensor] = []
+        logps = loss.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature,
+                                       entropy=entropy), rollout.mask)
         mask = rollout.mask.to(logps.device)
         moved = lambda t: None if t is None else t.to(logps.device)
         per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
@@ -91,8 +92,10 @@ class GRPO(Objective):
         share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1],
                                batches=totals[2] if len(totals) > 2 else 1.0)
         kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
-        sums = torch.stack([kl_sum, *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
-                                                    self.config)]).double()
+        entropy_sum = sum(entropy, torch.zeros((), device=logps.device))
+        sums = torch.stack([kl_sum, entropy_sum.to(logps.device, kl_sum.dtype),
+                            *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
+                                            self.config)]).double()
         return share * distributed.info().world_size, share.detach(), sums
 
     def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
@@ -101,8 +104,9 @@ class GRPO(Objective):
         if sums is not None:
             if self.config.beta:
                 out["kl"] = sums[0] / tokens
+            out["entropy"] = sums[1] / tokens  # TRL's: the mean entropy of the policy over the completion tokens
             clipped_per = max(totals[0], 1) if self.config.importance_sampling_level == "sequence" else tokens
-            for name, value in zip(loss.clip_names(self.config), sums[1:]):
+            for name, value in zip(loss.clip_names(self.config), sums[2:]):
                 out[name] = value / clipped_per
         # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
         return {name: round(value, 6) for name, value in out.items() if math.isfinite(value)}
