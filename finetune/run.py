@@ -48,7 +48,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
         loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
                                   gradient_checkpointing=plan.activation_checkpointing, shard=plan.own_shard(info.rank))
-        peft_model = loaded.model
+        peft_model = model.with_score_head(loaded.model, recipe, info.device)  # train.objective reward: its head
         trainable, total = model.count_parameters(peft_model)
         distributed.print0(f"[finetune] model: {total:,} stored parameters, {trainable:,} trainable (LoRA)")
         key_map = outputs.adapter_key_map(peft_model)  # before wrapping (FSDP1 changes module names)
@@ -70,7 +70,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
         outputs.write_rank_stats(out_dir, rank_stats, state)
         if info.is_main:
-            outputs.save_adapter(peft_model.peft_config["default"], key_map, state, out_dir / "adapter")
+            outputs.save_adapter(model.adapter_config(peft_model, recipe), key_map, state, out_dir / "adapter")
             tokenizer.save_pretrained(out_dir / "adapter")
             tracking.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
             tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one

@@ -13,6 +13,7 @@
     experts/         mixture-of-experts layers split into one Linear per expert projection, one module per layout family
     gguf.py          models shipped as GGUF files, converted once into an ordinary transformers folder
     lora_fused.py    the fused LoRA forward (dropout, A and B in one autograd function)
+    reward_head.py   a reward model's scalar head (`score`, trained in full), saved as PEFT's SEQ_CLS adapter
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)
 """
 
@@ -29,7 +30,26 @@ from finetune.model.base import (
 )
 from finetune.model.loading import LoadedModel, load_model
 from finetune.model.lora.init import lora_checksum
+from finetune.model.reward_head import attach_score_head
+
+
+def with_score_head(peft_model, recipe, device):
+    """`peft_model`, with a reward model's scalar head attached when train.objective is reward (reward_head.py)."""
+    if recipe.train.objective == "reward":
+        attach_score_head(peft_model, seed=recipe.train.seed, device=device)
+    return peft_model
+
 from finetune.model.settings import is_local, torch_dtype
 
-__all__ = ["LoadedModel", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
-           "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype"]
+
+def adapter_config(peft_model, recipe):
+    """The PEFT config the run's adapter is saved with: a reward model's as SEQ_CLS with its score head."""
+    from finetune.model.reward_head import sequence_classification_config
+
+    config = peft_model.peft_config["default"]
+    return sequence_classification_config(config) if recipe.train.objective == "reward" else config
+
+
+__all__ = ["LoadedModel", "adapter_config", "attach_score_head", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
+           "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype",
+           "with_score_head"]

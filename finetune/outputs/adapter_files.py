@@ -28,7 +28,12 @@ def adapter_key_map(peft_model) -> dict[str, str]:
     tagged = {name: torch.tensor([index]) for index, name in enumerate(trainable)}
     on_disk = get_peft_model_state_dict(peft_model, state_dict=tagged)
     names = list(trainable)
-    return {names[int(value.item())]: key for key, value in on_disk.items()}
+    keys = {names[int(value.item())]: key for key, value in on_disk.items()}
+    from finetune.model.reward_head import SCORE_KEY
+
+    if SCORE_KEY in trainable:  # a reward model's head: saved under PEFT's key of a modules_to_save head
+        keys[SCORE_KEY] = SCORE_KEY
+    return keys
 
 
 def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path) -> dict:

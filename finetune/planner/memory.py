@@ -196,7 +196,7 @@ def _step_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: b
     one layer's activations at a time, which is below the backward's recomputation and adds nothing to the peak.
     """
     seq = recipe.data.max_length
-    tokens = micro_batch * seq * (2 if recipe.train.objective == "dpo" else 1)
+    tokens = micro_batch * seq * (2 if recipe.train.objective in ("dpo", "reward") else 1)  # pairs: two sequences
     per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq, lora_path=lora_path)
     if checkpointing:
         saved, top = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes, int(1.5 * per_layer)

@@ -3,23 +3,26 @@
     schema.py  the closed, typed schema (pydantic): the sections, load_recipe / validate_recipe, recipe_to_yaml
     text.py    reading recipe text: the YAML file, key.path=value overrides, errors as one paragraph, "did you mean"
     checks.py  checks spanning sections: what an objective needs of the data, what streaming cannot do, warmup
-    grpo.py    the grpo: section (TRL's GRPOConfig names) and what a GRPO recipe needs of the other sections
+    one module per objective's section, beside its checks: preference.py (dpo:, TRL's DPOConfig names), kto.py
+               (kto:), grpo.py (grpo:, TRL's GRPOConfig names, and what a GRPO recipe needs of the other sections),
+               reward.py (reward:, TRL's RewardConfig names)
     names.py   the names of HF's, TRL's, PEFT's and axolotl's settings -> the recipe key each means, or why none
 """
 
 from finetune.recipe.checks import steps_for_epochs
 from finetune.recipe.grpo import GRPOSection
+from finetune.recipe.kto import KTOSection
+from finetune.recipe.preference import PreferenceSection
+from finetune.recipe.reward import RewardSection
 from finetune.recipe.schema import (
     DataSection,
     DatasetSpec,
     DType,
     EvalSection,
-    KTOSection,
     LoraSection,
     ModelSection,
     OutputSection,
     ParallelSection,
-    PreferenceSection,
     QuantizationSection,
     Recipe,
     TrainSection,
@@ -31,6 +34,6 @@ from finetune.recipe.schema import (
 from finetune.recipe.text import parse_override, read_yaml
 
 __all__ = ["DType", "DataSection", "DatasetSpec", "EvalSection", "GRPOSection", "KTOSection", "LoraSection", "ModelSection",
-           "OutputSection", "ParallelSection", "PreferenceSection", "QuantizationSection", "Recipe", "TrainSection",
+           "OutputSection", "ParallelSection", "PreferenceSection", "QuantizationSection", "Recipe", "RewardSection", "TrainSection",
            "announcements_muted", "load_recipe", "parse_override", "read_yaml", "recipe_to_yaml", "steps_for_epochs",
            "validate_recipe"]

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 
 # The data format each objective trains on, and what to say when the other kind of preference data is given.
-OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",), "grpo": ("prompt",)}
+OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",), "grpo": ("prompt",),
+                     "reward": ("preference",)}
 FORMAT_HINTS = {
     "dpo": "give rows with prompt/chosen/rejected and set its format: preference",
     "kto": "give rows with prompt/completion/label (label true: desirable, false: undesirable) and set its format: "
            "unpaired_preference (a pair file unpairs into one desirable and one undesirable row per pair)",
     "grpo": "give rows with a `prompt` (text or chat messages) and the columns your reward functions read, and set its "
             "format: prompt",
+    "reward": "give rows with prompt/chosen/rejected and set its format: preference",
 }
 # dpo: keys that also configure train.objective: kto (the reference and dropout are shared).
 SHARED_DPO_KEYS = ("reference", "disable_dropout")
@@ -67,6 +69,10 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
         check_grpo(recipe)
         _check_sections(recipe)
         return
+    if objective == "reward":
+        from finetune.recipe.reward import check_reward  # a leaf module beside this one
+
+        check_reward(recipe)
     if objective in OBJECTIVE_FORMATS and data.packing:
         raise ValueError(f"data.packing: preference rows are not packed (responses are scored as whole sequences). "
                          f"Fix: remove data.packing for train.objective: {objective}.")
@@ -77,6 +83,7 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
 
 
 def _objective_of(data_format: str) -> str:
+    """The objective that trains on `data_format` (pairs: dpo, also reward's)."""
     return next((name for name, formats in OBJECTIVE_FORMATS.items() if data_format in formats), "sft")
 
 
@@ -90,6 +97,17 @@ def _changed(section) -> list[str]:
 def _check_sections(recipe) -> None:
     """A dpo: key that KTO does not read, or a kto: section without train.objective: kto, is a mistake to name."""
     objective = recipe.train.objective
+    if objective != "reward" and _changed(recipe.reward):
+        raise ValueError(f"reward.{', reward.'.join(_changed(recipe.reward))}: set, but train.objective is {objective}, "
+                         "which does not read the reward: section. Fix: set train.objective: reward, or remove it.")
+    if objective == "reward":
+        unread = _changed(recipe.dpo) + [f"kto.{k}" for k in _changed(recipe.kto)] + \
+            [f"grpo.{k}" for k in _changed(recipe.grpo)]
+        if unread:
+            raise ValueError(f"{', '.join(k if '.' in k else f'dpo.{k}' for k in unread)}: train.objective reward reads "
+                             "none of the dpo:, kto: or grpo: sections (its loss is TRL's RewardTrainer's, with no "
+                             "reference). Fix: remove these keys.")
+        return
     if objective != "grpo" and _changed(recipe.grpo):
         raise ValueError(f"grpo.{', grpo.'.join(_changed(recipe.grpo))}: set, but train.objective is {objective}, which "
                          "does not read the grpo: section. Fix: set train.objective: grpo, or remove the grpo: section.")

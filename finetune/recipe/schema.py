@@ -42,6 +42,9 @@ from finetune.recipe.checks import (
     steps_for_epochs,
 )
 from finetune.recipe.grpo import GRPOSection
+from finetune.recipe.kto import KTOSection
+from finetune.recipe.preference import PreferenceSection
+from finetune.recipe.reward import RewardSection
 from finetune.recipe.text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -157,11 +160,13 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo", "kto", "grpo"] = Field(
+    objective: Literal["sft", "dpo", "kto", "grpo", "reward"] = Field(
         "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
         "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO). kto: KTO on single completions labelled "
         "desirable or not (format: unpaired_preference; the `kto:` section). grpo: online RL, completions sampled by "
-        "the policy and scored by reward functions (format: prompt; the `grpo:` section; docs/grpo.md).")
+        "the policy and scored by reward functions (format: prompt; the `grpo:` section; docs/grpo.md). reward: a "
+        "reward model (a scalar head + LoRA) on chosen/rejected pairs, TRL's RewardTrainer loss (format: "
+        "preference; the `reward:` section; docs/reward.md).")
     max_steps: int = Field(100, gt=0, description="Optimizer steps of the run; or set num_epochs instead (not both).")
     num_epochs: float | None = Field(
         None, gt=0, description="Passes over the training rows instead of max_steps (not both; 1.5: one pass and half "
@@ -230,46 +235,6 @@ class TrainSection(_Section):
         return value.strip() if value is not None else None
 
 
-class PreferenceSection(_Section):
-    """Preference tuning (train.objective: dpo). Names and defaults as TRL's DPOConfig / ORPOConfig / CPOConfig."""
-
-    loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = Field(
-        "sigmoid", description="sigmoid: DPO. ipo, hinge: against the reference. orpo, simpo: reference-free.")
-    beta: float = Field(0.1, gt=0, description="DPO's beta (the strength of the pull to the reference); ORPO's lambda "
-                        "(weight of the odds-ratio term, as TRL's ORPOConfig.beta); SimPO's reward scale.")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO / robust SimPO: assumed share of "
-                                   "flipped preference labels (sigmoid and simpo).")
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin.")
-    length_normalize: bool | None = Field(
-        None, description="Score a response by its mean token log-probability instead of the sum. Default: on for "
-        "ipo, orpo and simpo (as TRL), off for sigmoid and hinge.")
-    reference: Literal["adapter_off", "precomputed"] = Field(
-        "adapter_off", description="adapter_off: the reference is the model with the trained adapter's changes off "
-        "(the base, or base + model.adapter): one no-grad forward per step, no extra memory. precomputed: the reference "
-        "log-probs of every pair computed once before step 1 and kept in the run folder; each step runs the policy only.")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="Prompt tokens kept (its end) before the responses are cut to data.max_length. "
-        "Default: half of data.max_length.")
-    disable_dropout: bool = Field(True, description="Dropout off during preference tuning (as TRL): the policy's "
-                                  "log-probs are then those the reference sees at step 1.")
-
-    def normalized(self) -> bool:
-        return self.length_normalize if self.length_normalize is not None else self.loss in ("ipo", "orpo", "simpo")
-
-
-class KTOSection(_Section):
-    """KTO (train.objective: kto). Names and defaults as TRL's KTOConfig; the reference is dpo.reference's, dropout
-    follows dpo.disable_dropout."""
-
-    loss: Literal["kto", "apo_zero_unpaired"] = Field(
-        "kto", description="kto: KTO's loss, with the batch's KL estimate from mismatched prompt/completion pairs. "
-        "apo_zero_unpaired: APO-zero's unpaired variant (no KL term).")
-    beta: float = Field(0.1, gt=0, description="KTO's beta: the strength of the pull to the reference.")
-    desirable_weight: float = Field(1.0, gt=0, description="Weight of the desirable (label: true) completions' losses.")
-    undesirable_weight: float = Field(1.0, gt=0, description="Weight of the undesirable (label: false) completions' "
-                                      "losses (unequal counts: docs/preference.md, KTO).")
-
-
 class ParallelSection(_Section):
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed", "layer_split"] = "auto"
     fsdp_version: Literal[1, 2] | None = Field(None, description="Default: the accelerate config's, else 2.")
@@ -317,6 +282,7 @@ class Recipe(_Section):
     dpo: PreferenceSection = Field(default_factory=PreferenceSection)
     kto: KTOSection = Field(default_factory=KTOSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     output: OutputSection = Field(default_factory=OutputSection)
     eval: EvalSection = Field(default_factory=EvalSection)

@@ -4,6 +4,7 @@
     sft.py         Supervised: next-token cross-entropy on the trained tokens
     preference.py  DPO, IPO, hinge, ORPO, SimPO: pair losses, the reference (adapter off, or precomputed), metrics
     kto.py         KTO on unpaired feedback: the weighted loss, its KL estimate from mismatched rows
+    reward.py      a reward model: TRL's RewardTrainer loss on pairs, the score head in the LM head's place
     grpo/          GRPO: objective.py (the cycle), loss.py (advantages, clipped loss), rewards.py (reward functions),
                    rollouts.py (one generation batch scored), sampling.py (G completions per prompt, KV cache, seeds)
 
@@ -20,9 +21,11 @@ from finetune.training.objectives.base import Objective
 from finetune.training.objectives.grpo import GRPO
 from finetune.training.objectives.kto import KTO
 from finetune.training.objectives.preference import Preference
+from finetune.training.objectives.reward import Reward
 from finetune.training.objectives.sft import Supervised
 
-OBJECTIVES: dict[str, type[Objective]] = {"sft": Supervised, "dpo": Preference, "kto": KTO, "grpo": GRPO}
+OBJECTIVES: dict[str, type[Objective]] = {"sft": Supervised, "dpo": Preference, "kto": KTO, "grpo": GRPO,
+                                          "reward": Reward}
 
 
 def objective_class(recipe: Recipe) -> type[Objective]:
@@ -45,5 +48,5 @@ def rows_per_micro_batch(recipe: Recipe) -> int:
     return recipe.rows_per_micro_batch
 
 
-__all__ = ["GRPO", "KTO", "OBJECTIVES", "Objective", "Preference", "Supervised", "for_recipe", "objective_class",
+__all__ = ["GRPO", "KTO", "OBJECTIVES", "Objective", "Preference", "Reward", "Supervised", "for_recipe", "objective_class",
            "rows_per_micro_batch", "uses_kl"]

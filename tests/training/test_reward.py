@@ -1,0 +1,158 @@
+"""Reward models (train.objective: reward): the recipe, the head, the loss against TRL's RewardTrainer, the adapter
+as plain PEFT loads it, and real runs (one process; 2 FSDP2 ranks through the shipped config).
+
+The oracle is the exported adapter itself: transformers' AutoModelForSequenceClassification(num_labels=1) with
+PeftModel.from_pretrained scores the same right-padded rows, and TRL's RewardTrainer.compute_loss (as it ships) runs on
+that model; finetune's in-training rewards and loss must equal both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import read_metrics, recipe_dict, write_jsonl, write_recipe
+
+from finetune.errors import RecipeError
+from finetune.recipe import validate_recipe
+
+CPU = torch.device("cpu")
+
+
+def pairs(n: int = 48, seed: int = 0) -> list[dict]:
+    """Sums answered right (chosen) or wrong and wordy (rejected): a preference a tiny model learns in a few steps."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"What is {a} plus {b}?", "chosen": f"{a + b}.",
+                     "rejected": f"{a + b + rng.randint(1, 9)} apples, I think."})
+    return rows
+
+
+def reward_recipe(model_dir, data_file, out_dir, **sections) -> dict:
+    values = recipe_dict(model_dir, data_file, out_dir, **sections)
+    values["data"]["datasets"][0]["format"] = "preference"
+    values["train"]["objective"] = "reward"
+    return values
+
+
+def _refused(values) -> str:
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe(values)
+    return str(caught.value)
+
+
+def test_the_reward_section_goes_with_its_objective_and_preference_rows(tmp_path):
+    values = reward_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", reward={"center_rewards_coefficient": 0.01})
+    assert validate_recipe(values).reward.center_rewards_coefficient == 0.01
+    values["data"]["datasets"][0]["format"] = "alpaca"
+    assert "has format `alpaca`, but train.objective is reward, which trains on preference rows" in _refused(values)
+    values = recipe_dict(tmp_path, tmp_path / "a.jsonl", tmp_path / "out", reward={"center_rewards_coefficient": 0.01})
+    assert "reward.center_rewards_coefficient: set, but train.objective is sft" in _refused(values)
+    values = reward_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", dpo={"beta": 0.3})
+    assert "dpo.beta: train.objective reward reads none of the dpo:, kto: or grpo: sections" in _refused(values)
+
+
+@pytest.mark.slow  # ~10 s: a tiny model, an adapter written and loaded by transformers + PEFT, TRL's loss
+def test_rewards_and_loss_equal_the_exported_adapter_under_transformers_and_trls_reward_trainer(tiny_llama, tmp_path):
+    """Our model (LoRA + the score head, random so both matter) scores a real preference batch; the adapter written as
+    the run writes it loads with plain PEFT onto AutoModelForSequenceClassification, which scores the same rows (the
+    right-padded batch as a user has it) alike; TRL's RewardTrainer.compute_loss on that model, with centering, gives
+    our loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardTrainer
+
+    from finetune import data, model, outputs, parallel
+    from finetune.data import eval_batches
+    from finetune.training.objectives.reward import pair_terms, rewards
+
+    recipe = validate_recipe(reward_recipe(tiny_llama, write_jsonl(tmp_path / "p.jsonl", pairs(8)), tmp_path / "out",
+                                           quantization={"method": "none"}, reward={"center_rewards_coefficient": 0.01},
+                                           data={"eval_fraction": 0.0}))
+    tokenizer = model.load_tokenizer(recipe)
+    peft_model = model.load_model(recipe, sharded=False, device=CPU, device_map=None,
+                                  gradient_checkpointing=False).model
+    model.with_score_head(peft_model, recipe, CPU)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or name.endswith("score.weight"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    key_map = outputs.adapter_key_map(peft_model)
+    assert key_map["base_model.model.score.weight"] == "base_model.model.score.weight"
+    outputs.save_adapter(model.adapter_config(peft_model, recipe), key_map,
+                         parallel.trainable_state_dict(peft_model, key_map), tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["task_type"] == "SEQ_CLS" and written["modules_to_save"] == ["score"]
+
+    train, _, _ = data.build_examples(recipe, tokenizer)
+    batch = next(iter(eval_batches(list(train), micro_batch_size=4, rank=0, world_size=1,
+                                   pad_id=tokenizer.pad_token_id)))
+    peft_model.eval()
+    with torch.no_grad():
+        ours = rewards(peft_model, batch, CPU, tokenizer.pad_token_id)
+        loss_sum, _, _, valid = pair_terms(peft_model, batch, recipe.reward, CPU, tokenizer.pad_token_id)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        theirs = loaded(**inputs).logits[:, 0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert float(ours.std()) > 0  # the rows' rewards differ: the head and the LoRA act
+
+    trainer = object.__new__(RewardTrainer)  # compute_loss as it ships, on the attributes it reads
+    vars(trainer).update(model=loaded, args=SimpleNamespace(center_rewards_coefficient=0.01), _tp_size=1,
+                         _total_train_tokens=0, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+                         accelerator=SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t))
+    with torch.no_grad():
+        expected = RewardTrainer.compute_loss(trainer, loaded, dict(inputs))
+    assert int(valid) == batch["input_ids"].size(0) // 2
+    assert float(loss_sum / valid) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
+    assert trainer._metrics["eval"]["accuracy"]  # TRL logged its metrics from the same rewards
+
+
+@pytest.mark.slow  # ~30 s: a reward model trained in one process and under four shipped multi-process configs
+def test_a_reward_model_trains_under_every_engine_and_exports_with_its_head(tiny_llama, tmp_path):
+    """The run as users launch it (finetune/run.py; accelerate_configs/ddp.yaml, fsdp2.yaml, fsdp1.yaml and
+    deepspeed_zero3.yaml with 2 ranks: the head trained in full beside the LoRA under each engine), the library's LoRA
+    settings: the loss falls and the held-out accuracy rises to 1 on pairs it learns, TRL's metrics are logged, and each
+    run's adapter loads with plain PEFT as a sequence classifier that ranks a held-out chosen answer above its
+    rejected one."""
+    from conftest import LIBRARY_LORA, accelerate_launch, run_cmd
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune.run import __file__ as run_py
+
+    rows = write_jsonl(tmp_path / "pairs.jsonl", pairs(64))
+    runs = {}
+    for name in ("single", "ddp", "fsdp2", "fsdp1", "deepspeed_zero3"):
+        values = reward_recipe(tiny_llama, rows, tmp_path / name, lora=LIBRARY_LORA,
+                               train={"max_steps": 12, "learning_rate": 1e-2, "micro_batch_size": 4 if name == "single"
+                                      else 2, "log_every": 1, "eval_every": 12},
+                               data={"eval_fraction": 0.125})
+        recipe = write_recipe(tmp_path / f"{name}.yaml", values)
+        result = (run_cmd(["python", run_py, str(recipe)]) if name == "single"
+                  else accelerate_launch("fsdp2", recipe))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = [m for m in read_metrics(tmp_path / name)]
+    for name, metrics in runs.items():
+        steps = [m for m in metrics if "loss" in m]
+        assert len(steps) == 12 and {"accuracy", "margin", "mean_reward", "min_reward", "max_reward"} <= set(steps[0])
+        assert sum(m["loss"] for m in steps[-3:]) < sum(m["loss"] for m in steps[:3]), (name, steps)
+        final = [m for m in metrics if "eval_loss" in m][-1]
+        assert final["eval_accuracy"] >= 0.75, (name, final)
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / name / "adapter")
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1, dtype=torch.float32)
+        scorer = PeftModel.from_pretrained(base, tmp_path / name / "adapter").eval()
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": "What is 4 plus 3?"},
+                                                {"role": "assistant", "content": answer}], tokenize=False)
+                 for answer in ("7.", "12 apples, I think.")]
+        with torch.no_grad():
+            scores = scorer(**tokenizer(texts, return_tensors="pt", padding=True)).logits[:, 0]
+        assert float(scores[0]) > float(scores[1]), (name, scores)
