@@ -35,14 +35,15 @@ def checkpoint_recipe(checkpoint: Path) -> Recipe:
 
 def meta_peft_model(recipe: Recipe):
     """The PeftModel of the recipe on the meta device (no weights): the parameter names and the PEFT config training had."""
-    from finetune.model import load_config
+    from finetune.model import load_config, with_score_head
     from finetune.model.base import lora_config
     from finetune.model.experts import get_peft_model
     from finetune.outputs.export_experts import split_meta_model
 
     model = split_meta_model(load_config(recipe))  # MoE experts split as training split them
     with torch.device("meta"):
-        return get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
+        peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
+    return with_score_head(peft_model, recipe, torch.device("meta"))  # a reward model's head
 
 
 def write_checkpoint_adapter(checkpoint: Path, folder: Path) -> Recipe:
@@ -57,7 +58,9 @@ def write_checkpoint_adapter(checkpoint: Path, folder: Path) -> Recipe:
             f"checkpoint {checkpoint}: its LoRA tensors do not match the layout of its recipe.yaml "
             f"({len(missing)} missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]}). "
             "The checkpoint or its recipe.yaml was changed; export another kept step.")
-    save_adapter(peft_model.peft_config["default"], key_map, tensors, folder)
+    from finetune.model import adapter_config
+
+    save_adapter(adapter_config(peft_model, recipe), key_map, tensors, folder)
     _copy_tokenizer(checkpoint, recipe, folder)
     return recipe
 

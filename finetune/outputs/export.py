@@ -16,6 +16,7 @@ RUNTIMES.md into the export folder.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -195,6 +196,16 @@ def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, .
 
     peft_config = PeftConfig.from_pretrained(str(adapter_dir))
     peft_config.inference_mode = False
+    if peft_config.task_type == "SEQ_CLS":  # a reward model (train.objective reward): the base with its score head
+        from peft import get_peft_model as plain_get_peft_model
+        from transformers import AutoModelForSequenceClassification
+
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        with torch.device("meta"):
+            classifier = AutoModelForSequenceClassification.from_config(config)
+            peft_model = plain_get_peft_model(classifier, peft_config)
+        return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(peft_model).items()}
     model = split_meta_model(config)
     with torch.device("meta"):
         peft_model = get_peft_model(model, peft_config)
@@ -328,6 +339,12 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
     from finetune.model.experts import fuse_experts, load_adapter
 
     check_out_free(out)
+    if json.loads((source.adapter_dir / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS":
+        raise ExportError(f"{source.adapter_dir}: a reward model's adapter (train.objective reward: LoRA plus its score "
+                          "head) is not merged here: the merged model would be a sequence classifier, which finetune "
+                          "does not verify. Nothing was written. Fix: export without --merge and load it with "
+                          "AutoModelForSequenceClassification.from_pretrained(base, num_labels=1) + "
+                          "PeftModel.from_pretrained (or merge_and_unload() there).")
     config = base_config(source, base)
     tokenizer = load_tokenizer_for(source, base)
     tensors, (written, update), fits, note = _checked_tensors(source, config, base, tokenizer)

@@ -13,6 +13,7 @@ by loading the written adapter into a PeftModel built for the base (on the meta 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,6 +166,11 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
     name = "PEFT (PeftModel.from_pretrained)"
     written = load_peft_weights(str(folder), device="cpu")
     peft_config = PeftConfig.from_pretrained(str(folder))
+    if peft_config.task_type == "SEQ_CLS":  # a reward model: the base as a sequence classifier with one label
+        from transformers import AutoModelForSequenceClassification as AutoModelForCausalLM
+
+        base_config = copy.deepcopy(base_config)
+        base_config.num_labels = 1
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(base_config)
     peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)

@@ -156,3 +156,14 @@ def test_a_reward_model_trains_under_every_engine_and_exports_with_its_head(tiny
         with torch.no_grad():
             scores = scorer(**tokenizer(texts, return_tensors="pt", padding=True)).logits[:, 0]
         assert float(scores[0]) > float(scores[1]), (name, scores)
+    # `finetune export --step` of a reward run: its checkpoint's adapter, with the head, as the final one
+    result = run_cmd(["python", "-m", "finetune", "export", str(tmp_path / "single"), str(tmp_path / "step12"),
+                      "--step", "12"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    exported, final = (load_file(str(tmp_path / folder / "adapter_model.safetensors"))
+                       for folder in ("step12", "single/adapter"))
+    assert exported.keys() == final.keys() and "base_model.model.score.weight" in exported
+    assert all(torch.equal(exported[key], final[key]) for key in final)
+    assert json.loads((tmp_path / "step12" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
