@@ -8,6 +8,7 @@ keys and the fix (the schema turns it into one paragraph naming the file).
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -65,7 +66,13 @@ class GRPOSection(_Section):
         default_factory=list, description="Reward functions, each `module:function` with TRL's signature "
         "f(prompts, completions, **columns) -> list[float | None]; built-ins in finetune.rewards (exact_match, "
         "contains_answer, final_number (GSM8K), regex_match, length_penalty).")
-    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: 1 each.")
+    reward_models: list[str] = Field(
+        default_factory=list, description="Reward models scoring the completions beside the reward functions (as TRL "
+        "takes a model in reward_funcs): a finetune reward run's folder (train.objective: reward) or its adapter/, a "
+        "PEFT adapter of a sequence classifier, or a sequence-classification model folder; the prompt and completion "
+        "scored as one text (chat: through the chat template), the one logit the reward.")
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function, then one per reward "
+                                               "model; default: 1 each.")
     generation_gather: Literal["once", "per_forward"] = Field(
         "once", description="How FSDP2 and ZeRO-3 make the sharded policy whole to generate (not a TRL name; TRL's "
         "ds3_gather_for_generation is ZeRO-3's; other strategies ignore it). once: every unit gathered once per "
@@ -124,7 +131,8 @@ class GRPOSection(_Section):
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
 
     def weights(self) -> list[float]:
-        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_functions)
+        scorers = len(self.reward_functions) + len(self.reward_models)
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * scorers
 
 
 
@@ -151,22 +159,46 @@ def import_reward_function(name: str):
     return found
 
 
+def reward_model_folder(path: str) -> Path:
+    """The folder a grpo.reward_models entry loads: a run folder's adapter/, else the path."""
+    folder = Path(path).expanduser()
+    return folder / "adapter" if (folder / "adapter" / "adapter_config.json").is_file() else folder
+
+
+def reward_model_problem(path: str) -> str | None:
+    """Why `path` is not a reward model finetune can load (checked with the recipe, before any weight loads)."""
+    folder = reward_model_folder(path)
+    if not folder.is_dir():
+        return (f"{path} is not a folder. Fix: the folder of a finetune reward run (train.objective: reward), its "
+                "adapter/, a PEFT adapter of a sequence classifier, or a sequence-classification model folder.")
+    if not ((folder / "adapter_config.json").is_file() or (folder / "config.json").is_file()):
+        return (f"{folder} holds neither adapter_config.json nor config.json. Fix: point at a reward run's folder or "
+                "adapter/, or at a sequence-classification model folder.")
+    return None
+
+
 def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
     """What train.objective: grpo needs of the other sections, every problem named at once."""
     g, t, data = recipe.grpo, recipe.train, recipe.data
     problems = []
-    if not g.reward_functions:
-        problems.append("grpo.reward_functions: empty, so no completion can be scored. Fix: name at least one, e.g. "
-                        "[finetune.rewards:exact_match] (scores against the rows' `answer` column).")
+    if not g.reward_functions and not g.reward_models:
+        problems.append("grpo.reward_functions: empty (and no grpo.reward_models), so no completion can be scored. "
+                        "Fix: name at least one, e.g. [finetune.rewards:exact_match] (scores against the rows' `answer` "
+                        "column), or a reward model in grpo.reward_models.")
+    for index, path in enumerate(g.reward_models):
+        why = reward_model_problem(path)
+        if why:
+            problems.append(f"grpo.reward_models[{index}]: {why}")
     for index, name in enumerate(g.reward_functions):
         try:
             import_reward_function(name)
         except ValueError as exc:
             problems.append(f"grpo.reward_functions[{index}]: {exc}")
-    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_functions):
+    scorers = len(g.reward_functions) + len(g.reward_models)
+    if g.reward_weights is not None and len(g.reward_weights) != scorers:
         problems.append(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_functions)} reward "
-                        "functions. Fix: give one weight per function, in the same order, or remove reward_weights "
-                        "(1 each).")
+                        f"functions and {len(g.reward_models)} reward models. Fix: give one weight per function, then "
+                        "one per model, in the same order, or remove reward_weights (1 each).")
     if t.micro_batch_size % g.num_generations:
         problems.append(f"train.micro_batch_size ({t.micro_batch_size}) is not a multiple of grpo.num_generations "
                         f"({g.num_generations}): it counts completions (as TRL's per_device_train_batch_size), and each "

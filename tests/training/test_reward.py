@@ -167,3 +167,62 @@ def test_a_reward_model_trains_under_every_engine_and_exports_with_its_head(tiny
     assert exported.keys() == final.keys() and "base_model.model.score.weight" in exported
     assert all(torch.equal(exported[key], final[key]) for key in final)
     assert json.loads((tmp_path / "step12" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+
+
+@pytest.fixture(scope="module")
+def reward_run(tiny_llama, tmp_path_factory):
+    """A reward model trained on the sums' pairs (one process, 12 steps): the run folder."""
+    from conftest import run_cmd
+
+    from finetune.run import __file__ as run_py
+
+    folder = tmp_path_factory.mktemp("reward-run")
+    values = reward_recipe(tiny_llama, write_jsonl(folder / "pairs.jsonl", pairs(64)), folder / "run",
+                           train={"max_steps": 12, "learning_rate": 1e-2})
+    result = run_cmd(["python", run_py, str(write_recipe(folder / "reward.yaml", values))])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return folder / "run"
+
+
+def test_reward_models_are_checked_with_the_recipe(tmp_path):
+    from test_grpo import grpo_recipe
+
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out",
+                         {"reward_functions": [], "reward_models": [str(tmp_path / "nowhere")], "reward_weights": [1, 2]})
+    message = _refused(values)
+    assert f"grpo.reward_models[0]: {tmp_path / 'nowhere'} is not a folder. Fix: the folder of a finetune reward run" in message
+    assert "grpo.reward_weights: 2 weights for 0 reward functions and 1 reward models" in message
+
+
+@pytest.mark.slow  # ~20 s: a reward run, then 2 GRPO steps scored by it
+def test_grpo_scores_completions_with_a_trained_reward_model(tiny_llama, reward_run, tmp_path):
+    """grpo.reward_models: [the reward run] beside a reward function, weighted: each logged completion's reward from
+    the model is what transformers + PEFT's sequence classifier gives the chat-rendered prompt and completion, and the
+    weighted sum is the logged reward."""
+    from conftest import run_cmd
+    from peft import PeftModel
+    from test_grpo import grpo_recipe
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune.run import __file__ as run_py
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                                        "answer": r["chosen"]} for r in pairs(16)])
+    values = grpo_recipe(tiny_llama, prompts, tmp_path / "grpo",
+                         {"reward_functions": ["finetune.rewards:length_penalty"], "reward_models": [str(reward_run)],
+                          "reward_weights": [0.5, 2.0]}, train={"max_steps": 2})
+    result = run_cmd(["python", run_py, str(write_recipe(tmp_path / "grpo.yaml", values))])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(tmp_path / "grpo") if "loss" in m]
+    assert len(steps) == 2 and "rewards/run/mean" in steps[0] and "rewards/length_penalty/mean" in steps[0]
+    logged = [json.loads(line) for line in (tmp_path / "grpo" / "completions" / "rank0.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(reward_run / "adapter")
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1, dtype=torch.float32)
+    scorer = PeftModel.from_pretrained(base, reward_run / "adapter").eval()
+    for row in logged[:8]:
+        text = tokenizer.apply_chat_template(row["prompt"] + [{"role": "assistant", "content": row["completion"]}],
+                                             tokenize=False)
+        with torch.no_grad():
+            score = float(scorer(**tokenizer([text], return_tensors="pt", add_special_tokens=False)).logits[0, 0])
+        assert row["rewards"]["run"] == pytest.approx(score, abs=1e-4)
+        assert row["reward"] == pytest.approx(0.5 * row["rewards"]["length_penalty"] + 2.0 * score, abs=1e-4)

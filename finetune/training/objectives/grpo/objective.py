@@ -29,6 +29,12 @@ class GRPO(Objective):
         super().__init__(model, recipe)
         self.config, self.tokenizer = recipe.grpo, tokenizer
         self.functions = [import_reward_function(name) for name in self.config.reward_functions]
+        if self.config.reward_models:  # scored beside the functions, weighted after them (reward_models.py)
+            from finetune.model import torch_dtype
+            from finetune.training.objectives.grpo.reward_models import RewardModel
+
+            self.functions += [RewardModel(path, dtype=torch_dtype(recipe.model.dtype),
+                                           device=distributed.info().device) for path in self.config.reward_models]
         if self.config.disable_dropout:
             disable_dropout(model)
         self.reference = Reference(model, recipe, compared=True) if self.config.beta else None
