@@ -40,6 +40,8 @@ subset=(
   "tests/training/test_grpo.py::test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step"
   "tests/training/test_grpo.py::test_near_zero_temperature_is_transformers_greedy_generate"
   "tests/training/test_grpo.py::test_a_completion_depends_on_its_seed_not_on_the_other_rows"
+  "tests/training/test_reward.py::test_a_reward_model_trains_under_every_engine_and_exports_with_its_head"
+  "tests/training/test_reward.py::test_grpo_scores_completions_with_a_trained_reward_model"
   "tests/data/test_store.py::test_a_ddp_launch_tokenizes_in_worker_processes_forked_after_the_process_group"
   "tests/data/test_store.py::test_two_processes_started_together_tokenize_once_and_map_the_same_rows"
   "tests/data/test_streaming.py::test_streaming_packed_run_trains_on_the_streams_tokens"
