@@ -67,6 +67,13 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A markdown table in the TEXT tab (TensorBoard has no table type)."""
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self.writer.add_text(name, "\n".join(lines), step)
+
     def close(self, status: str = "FINISHED") -> None:
         self.writer.flush()
         self.writer.close()
@@ -170,6 +177,11 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
 
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """An MLflow table artifact per step (`<name>/step-<N>.json`), shown in the run's artifacts and evaluation."""
+        data = {column: [row[i] for row in rows] for i, column in enumerate(columns)}
+        self.client.log_table(self.run_id, data=data, artifact_file=f"{name}/step-{step:08d}.json")
+
     def close(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
@@ -219,6 +231,11 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, status: str = "FINISHED") -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
@@ -303,6 +320,18 @@ class Trackers:
             return
         for backend in list(self.backends):
             self._guard(backend.name, "log", lambda backend=backend: backend.log(metrics, step))
+
+    def table(self, name: str, records: list[dict], step: int) -> None:
+        """Rows (dicts; nested dicts flattened as `key.inner`, lists as JSON text) to every tracker's table at
+        `step` (rank 0 only). TRL logs GRPO's completions this way."""
+        if self.path is None or not records:
+            return
+        flat = [flatten(record) for record in records]
+        columns = list(dict.fromkeys(key for record in flat for key in record))
+        plain = lambda value: value if isinstance(value, (int, float, str)) or value is None else json.dumps(value)
+        rows = [[plain(record.get(column)) for column in columns] for record in flat]
+        for backend in list(self.backends):
+            self._guard(backend.name, "log a table", lambda backend=backend: backend.table(name, columns, rows, step))
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush and end every tracker run (idempotent). `status`: FINISHED, KILLED (preempted) or FAILED.

@@ -269,6 +269,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                                   grad_norm=round(grad_norm, 6), num_tokens=result.tokens,
                                   tokens_per_s=round(global_seen / elapsed, 1), elapsed_s=round(time.perf_counter() - started, 3),
                                   **extra)
+                    for name, rows in objective.tables().items():  # GRPO: the step's completions, to the trackers
+                        metrics.table(name, rows, step)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{global_seen / elapsed:.0f}")
                 progress.update(1)
                 if not interactive and (step % print_every == 0 or step == first_step):

@@ -309,3 +309,41 @@ def test_wandb_offline_run_holds_the_metrics_and_the_name(tmp_path, capsys, monk
     assert json.loads((out / "trackers.json").read_text())["wandb"] == run.run_id
     assert [(row["_step"], row["loss"]) for row in history] == [(1, 2.5), (2, 2.0)]
     assert history[1]["eval_loss"] == 2.2 and history[0]["learning_rate"] == 1e-4
+
+
+COMPLETIONS = [  # GRPO's completion records as the objective hands them (rollouts.completion_rows)
+    {"step": 3, "prompt_index": 7, "prompt": [{"role": "user", "content": "2 | 3?"}], "completion": "5",
+     "rewards": {"exact_match": 1.0, "length_penalty": None}, "reward": 1.0, "advantage": 0.7071},
+    {"step": 3, "prompt_index": 7, "prompt": [{"role": "user", "content": "2 | 3?"}], "completion": "six\nor so",
+     "rewards": {"exact_match": 0.0, "length_penalty": -0.009}, "reward": -0.009, "advantage": -0.7071},
+]
+
+
+def test_completions_go_to_tensorboard_and_mlflow_as_tables(tmp_path, capsys, monkeypatch):
+    """TRL logs GRPO's completions as a table: here a markdown table in TensorBoard's text tab and an MLflow table
+    artifact per step, one row per completion, the rewards flattened into columns, chat prompts as JSON text."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    trackers = Trackers(make_recipe(tmp_path, trackers=["tensorboard", "mlflow"]), out, is_main=True)
+    trackers.table("completions", COMPLETIONS, step=3)
+    trackers.close()
+    assert warnings_of(capsys) == []
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = [e for e in events.Tensors("completions/text_summary")]
+    markdown = text.tensor_proto.string_val[0].decode()
+    assert text.step == 3 and "| step | prompt_index | prompt | completion | rewards.exact_match |" in markdown
+    assert "| six or so |" in markdown and "2 \\| 3?" in markdown and markdown.count("\n") == 3
+    client = MlflowClient(tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}")
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    with open(client.download_artifacts(run_id, "completions/step-00000003.json")) as artifact:
+        table = json.load(artifact)
+    assert table["columns"][:4] == ["step", "prompt_index", "prompt", "completion"]
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [r["rewards.length_penalty"] for r in rows] == [None, -0.009] and rows[1]["advantage"] == -0.7071
+    assert json.loads(rows[0]["prompt"]) == COMPLETIONS[0]["prompt"]

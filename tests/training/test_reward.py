@@ -210,12 +210,20 @@ def test_grpo_scores_completions_with_a_trained_reward_model(tiny_llama, reward_
                                                         "answer": r["chosen"]} for r in pairs(16)])
     values = grpo_recipe(tiny_llama, prompts, tmp_path / "grpo",
                          {"reward_functions": ["finetune.rewards:length_penalty"], "reward_models": [str(reward_run)],
-                          "reward_weights": [0.5, 2.0]}, train={"max_steps": 2})
+                          "reward_weights": [0.5, 2.0]}, train={"max_steps": 2, "trackers": ["tensorboard"]})
     result = run_cmd(["python", run_py, str(write_recipe(tmp_path / "grpo.yaml", values))])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [m for m in read_metrics(tmp_path / "grpo") if "loss" in m]
     assert len(steps) == 2 and "rewards/run/mean" in steps[0] and "rewards/length_penalty/mean" in steps[0]
     logged = [json.loads(line) for line in (tmp_path / "grpo" / "completions" / "rank0.jsonl").read_text().splitlines()]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "grpo" / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()  # each step's completions, as a table in the trackers (TRL's completions table)
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("completions/text_summary")}
+    assert sorted(tables) == [1, 2]
+    assert all(table.count("\n") == 1 + sum(r["step"] == step for r in logged) for step, table in tables.items())
+    assert "| rewards.run |" in tables[1] and logged[0]["completion"].replace("\n", " ") in tables[1]
     tokenizer = AutoTokenizer.from_pretrained(reward_run / "adapter")
     base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1, dtype=torch.float32)
     scorer = PeftModel.from_pretrained(base, reward_run / "adapter").eval()

@@ -8,7 +8,8 @@ The loop (training/loop.py) is one loop whatever is trained. Per step it asks th
   4. `loss(model, batch, totals, device)` for each: (tensor to backpropagate, its contribution to the logged loss,
      metric sums or None); the tensor is the batch's share of the step loss times the world size, because DDP, FSDP
      and DeepSpeed average gradients over ranks;
-  5. `step_loss(summed, totals)` and `metrics(sums, totals)`: the logged figures, identical on every rank.
+  5. `step_loss(summed, totals)` and `metrics(sums, totals)`: the logged figures, identical on every rank; `tables()`:
+     rows for the trackers' tables (GRPO: the step's completions).
 Before step 1 `prepare(...)` (preference: the precomputed reference log-probs); at eval `evaluate(...)`. Before the
 objective exists, the data stream asks its class `uses_kl_rows(recipe)` (KTO's mismatched rows).
 
@@ -58,6 +59,10 @@ class Objective:
         return summed
 
     def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
+        return {}
+
+    def tables(self) -> dict[str, list[dict]]:
+        """Rows for the trackers' tables at a logged step ({name: rows}); rank 0's are sent. Default: none."""
         return {}
 
     def evaluate(self, model: nn.Module, examples: list[Example], recipe: Recipe, *, pad_id: int) -> dict | None:

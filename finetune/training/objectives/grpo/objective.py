@@ -44,6 +44,7 @@ class GRPO(Objective):
         self.position, self.step, self.generated_at, self.rollout_figures = 0, 0, None, {}
         self.completions_log = None  # completions/rank<r>.jsonl in the run folder, once prepared
         self.vllm = None  # grpo.generation vllm: the server that samples (vllm_server.py), once prepared
+        self.completion_rows: list[dict] = []  # the last generation's completions (rollouts.completion_rows)
 
     def prepare(self, model: nn.Module, train, evaluation, recipe: Recipe, *, out_dir=None, **where) -> None:
         """The completions log: every sampled completion with its rewards and advantage, one file per rank
@@ -103,6 +104,10 @@ class GRPO(Objective):
                             *loss.clip_sums(coef.detach(), rollout.advantages.to(logps.device), mask,
                                             self.config)]).double()
         return share * distributed.info().world_size, share.detach(), sums
+
+    def tables(self) -> dict[str, list[dict]]:
+        """The completions sampled for this step (at the start of a num_iterations cycle), for the trackers."""
+        return {"completions": self.completion_rows} if self.generated_at == self.step else {}
 
     def metrics(self, sums: list[float] | None, totals: list[float]) -> dict:
         tokens = max(totals[1], 1)

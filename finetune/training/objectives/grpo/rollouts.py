@@ -91,22 +91,26 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
         figures.update(sampler_figures(rollouts, config))
     figures["generation_s"] = seconds
     objective.rollout_figures = figures
+    objective.completion_rows = completion_rows(objective.step, rollouts, weighted, objective.functions)
     if objective.completions_log is not None:
-        log_completions(objective.completions_log, objective.step, rollouts, weighted, objective.functions)
+        with open(objective.completions_log, "a") as out:
+            out.writelines(json.dumps(record) + "\n" for record in objective.completion_rows)
     return rollouts
 
 
-def log_completions(path, step: int, rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], functions) -> None:
-    """One JSON line per completion sampled at `step` (this rank's), as TRL logs them: the prompt, the completion,
-    each reward function's value (null: not scored), the weighted reward and the advantage."""
+def completion_rows(step: int, rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], functions) -> list[dict]:
+    """One record per completion sampled at `step` (this rank's), as TRL logs them: the prompt, the completion, each
+    reward function's value (None: not scored), the weighted reward and the advantage: the completions log's lines
+    and the trackers' table."""
     names = [reward_table.reward_name(f) for f in functions]
     number = lambda value: None if math.isnan(value) else round(value, 6)
-    with open(path, "a") as out:
-        for rollout, rewards in zip(rollouts, weighted):
-            for row, shown in enumerate(rollout.shown):
-                scores = {name: number(float(v)) for name, v in zip(names, rollout.rewards[row].tolist())}
-                out.write(json.dumps({"step": step, **shown, "rewards": scores, "reward": number(float(rewards[row])),
-                                      "advantage": round(float(rollout.advantages[row]), 6)}) + "\n")
+    records = []
+    for rollout, rewards in zip(rollouts, weighted):
+        for row, shown in enumerate(rollout.shown):
+            scores = {name: number(float(v)) for name, v in zip(names, rollout.rewards[row].tolist())}
+            records.append({"step": step, **shown, "rewards": scores, "reward": number(float(rewards[row])),
+                            "advantage": round(float(rollout.advantages[row]), 6)})
+    return records
 
 
 @contextlib.contextmanager
