@@ -224,7 +224,8 @@ def main() -> None:
                 rows[(mode, world)] = ranks = run(model_dir, mode, world, Path(tmp))
                 print(f"{mode:6s} x{world}: " + " | ".join(
                     f"rank {r['rank']}: read {_gib(r['bytes_read'])} GiB (planner {_gib(r['planner_bytes_read'])}), "
-                    f"quantize {r['quantize_s']:.1f} s (CPU {r['quantize_cpu_s']:.1f} s), load {r['load_s']:.1f} s, peak {_gib(r['peak_over_baseline'])} GiB"
+                    f"quantize {r['quantize_s']:.1f} s (CPU {r['quantize_cpu_s']:.1f} s), load {r['load_s']:.1f} s, "
+                    f"peak {_gib(r['peak_over_baseline'])} GiB"
                     for r in ranks), flush=True)
     print(f"\n4-bit base (planner): {_gib(rows[(modes[0], 1)][0]['full_4bit_base'])} GiB")
     print(table(rows, modes))
@@ -241,7 +242,8 @@ def main() -> None:
               f"{_worst(new, 'bytes_read') / _worst(today, 'bytes_read'):.2f}x, quantize s "
               f"{_worst(new, 'quantize_s') / _worst(today, 'quantize_s'):.2f}x (CPU s "
               f"{_worst(new, 'quantize_cpu_s') / _worst(today, 'quantize_cpu_s'):.2f}x; goal <= 0.55x), load s "
-              f"{_worst(new, 'load_s') / _worst(today, 'load_s'):.2f}x, peak {_worst(new, 'peak_over_baseline') / _worst(today, 'peak_over_baseline'):.2f}x")
+              f"{_worst(new, 'load_s') / _worst(today, 'load_s'):.2f}x, "
+              f"peak {_worst(new, 'peak_over_baseline') / _worst(today, 'peak_over_baseline'):.2f}x")
     counted = [(r["planner_bytes_read"], r["bytes_read"]) for ranks in rows.values() for r in ranks if r["bytes_read"]]
     print("planner read/rank over counted bytes: " + ", ".join(f"{p / c:.4f}" for p, c in counted))
 

@@ -7,7 +7,8 @@
     python benchmarks/bench_peers.py --dpo                # DPO against TRL's DPOTrainer (benchmarks/bench_peers_dpo.py)
     python benchmarks/bench_peers.py --grpo               # GRPO against TRL's GRPOTrainer (benchmarks/bench_peers_grpo.py)
 
-Work: QLoRA (NF4 base, bf16 where native else fp32 (DTYPE below), LoRA r16 / alpha 32 / dropout 0.05 on all linear layers) of SmolLM2-135M-Instruct (the
+Work: QLoRA (NF4 base, bf16 where native else fp32 (DTYPE below), LoRA r16 / alpha 32 / dropout 0.05 on all linear
+layers) of SmolLM2-135M-Instruct (the
 quickstart's model) on the ledger_report task (finetune/cli/tasks.py: 200 chats of 156-439 tokens, median 315, 45% of
 them trained; 180 train / 20 held out), batch 4, max length 512, lr 1e-3 (5 warmup steps, cosine to 10%), no
 gradient checkpointing, the same number of steps for every runner. Each run is a fresh process:

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_peers.py --dpo [--steps 8] [--repeats 3] [--tiny]     (or run this file directly)
 
-Work: QLoRA DPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear layers, dropout off as both tools do for DPO,
+Work: QLoRA DPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear
+layers, dropout off as both tools do for DPO,
 sigmoid loss, beta 0.1) of SmolLM2-135M-Instruct (the quickstart's model) on pairs of realistic length built from the
 ledger_report task (finetune/cli/tasks.py): the prompt is a statement of 2-7 payments (~150 tokens), `chosen` its
 ledger lines and total (~150 tokens), `rejected` the same lines with day and month swapped in every stamp and the

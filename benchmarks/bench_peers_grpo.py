@@ -9,7 +9,8 @@ never saw) with its reward, finetune.rewards:exact_match against the row's `answ
 (the stamp is 9), lr 3e-4: the SFT model half-solves these prompts (the GRPO quickstart measures 69% greedy), so the
 rewards vary within a group and both curves can move. --task sum: the untuned model on arithmetic (below).
 
---task sum: QLoRA GRPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear layers, dropout off) of SmolLM2-135M-Instruct
+--task sum: QLoRA GRPO (NF4 base, bf16 where native else fp32 as bench_peers.DTYPE, LoRA r16 / alpha 32 on all linear
+layers, dropout off) of SmolLM2-135M-Instruct
 (the quickstart's model; --tiny: a tiny random Llama) on arithmetic prompts given as chat messages with the quickstart's
 system prompt (`What is 23 plus 45? Answer with the number only.`), rewarded by finetune.rewards:contains_answer
 against the row's `answer` (1 when the sum appears in the completion; the same function for both: it takes TRL's

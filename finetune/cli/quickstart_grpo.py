@@ -2,7 +2,8 @@
 match on held-out prompts after SFT and after GRPO.
 
 The SFT run is the `--dpo` quickstart's (quickstart.SFT_STEPS steps of recipes/quickstart.yaml, given by
-quickstart.py, which calls this: SmolLM2-135M half-knows the ledger stamp). GRPO then samples G completions per prompt with the policy itself and trains on their group advantages
+quickstart.py, which calls this: SmolLM2-135M half-knows the ledger stamp). GRPO then samples G completions per
+prompt with the policy itself and trains on their group advantages
 (train.objective: grpo, docs/grpo.md), on ledger-stamp prompts whose dates are in neither the SFT rows nor the
 held-out set; the reward is finetune.rewards:exact_match against the row's `answer` (the stamp). Before and after are
 measured here, greedily, on HELD_OUT prompts of dates no run trained on, with the SFT adapter and with the GRPO one.

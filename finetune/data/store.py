@@ -5,7 +5,8 @@ token ids, every example back to back), `trained.bin` (one byte per token: is it
 example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version); unpaired preference rows
 (KTO) add `desirable.npy` (each row's label). Every
 rank maps the same files, so the pages are shared through the page cache: a rank's own memory holds only per-example
-arrays (offsets, lengths), never Python lists of every token. An `Example` (lists of ints) is built only for the rows of the micro-batch being collated.
+arrays (offsets, lengths), never Python lists of every token. An `Example` (lists of ints) is built only for the rows
+of the micro-batch being collated.
 
 Views select and combine examples without copying them: `ExampleView` (a list of examples by index, over the datasets
 of a run, with the reference log-probs of preference pairs when they are precomputed) and `PackedView` (several

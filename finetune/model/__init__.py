@@ -50,6 +50,7 @@ def adapter_config(peft_model, recipe):
     return sequence_classification_config(config) if recipe.train.objective == "reward" else config
 
 
-__all__ = ["LoadedModel", "adapter_config", "attach_score_head", "build_model", "count_parameters", "import_backends", "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
+__all__ = ["LoadedModel", "adapter_config", "attach_score_head", "build_model", "count_parameters", "import_backends",
+           "is_local", "keep_4bit_weights_trainable_on_cpu", "load_base_model", "load_config", "load_model",
            "load_tokenizer", "lora_checksum", "lora_config", "release_freed_memory", "torch_dtype",
            "with_score_head"]

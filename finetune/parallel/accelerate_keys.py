@@ -7,7 +7,8 @@ equal to that default says nothing about the file, so only other values are judg
 checked in checks.py; the table of every key is in docs/distributed.md ("Every accelerate key").
 
 Honoured here: fsdp_backward_prefetch and fsdp_forward_prefetch (FSDP1 takes them as arguments; FSDP2 has
-BACKWARD_PRE only and forward prefetch by an explicit list of the next layer, finetune/parallel/wrapping.py), fsdp_state_dict_type (the sharded kind is what checkpoints are; the
+BACKWARD_PRE only and forward prefetch by an explicit list of the next layer, finetune/parallel/wrapping.py),
+fsdp_state_dict_type (the sharded kind is what checkpoints are; the
 full kind is what the adapter is). Without effect, by construction (said in the docs, not on every run):
 fsdp_sync_module_states (every rank loads the same bytes itself, the loader invariant), fsdp_use_orig_params (FSDP1
 flat parameters never mix a frozen and a trained tensor: each LoRA leaf is a unit of its own), fsdp_min_num_params

@@ -8,7 +8,8 @@ rewritten one decodes as different 4-bit values: a wrong base model, no error (b
 
 What this module does, per rank, at wrap time:
   * `probe_copy`: before the first unit is sharded, copy a fixed tensor of every bit pattern of the storage dtype
-    with the op FSDP2 uses, on the device training uses, and compare the bytes. When the copy rewrites them, every unit's packed weights are re-viewed as
+    with the op FSDP2 uses, on the device training uses, and compare the bytes. When the copy rewrites them, every
+    unit's packed weights are re-viewed as
     uint8 before sharding (the same bytes, no copy): FSDP2 leaves non-floating parameters out of mixed precision and
     all-gathers a unit of mixed dtypes as uint8, so nothing reinterprets them (bitsandbytes reads the bytes either way).
   * `unit_checksums` before `fully_shard`, `verify_unit` after: one unshard of the unit through the path training

@@ -114,8 +114,10 @@ def grpo_note(facts: ModelFacts, recipe, key: str, *, moment: str) -> str:
     reuse = f"; the completions reused for {g.num_iterations} steps" if g.num_iterations > 1 else ""
     cache = kv_cache_bytes(facts, rows=t.micro_batch_size, tokens=recipe.data.max_length)
     gather = " with the whole model gathered once per call" if gathers_whole_model(facts, recipe, key) else ""
+    chunks = g.train_chunk_size and g.train_chunk_size < t.micro_batch_size
+    chunked = f" ({g.train_chunk_size} at a time: grpo.train_chunk_size)" if chunks else ""
     return (f"grpo: per micro-batch, {prompts} prompt(s) x G {g.num_generations} = {t.micro_batch_size} completions of "
             f"up to {g.max_completion_length} tokens sampled with a KV cache of {gib(cache)}"
             f"{gather}, rewards scored, {forwards}the policy's forward and backward on the completions"
-            f"{f' ({g.train_chunk_size} at a time: grpo.train_chunk_size)' if g.train_chunk_size and g.train_chunk_size < t.micro_batch_size else ''} "
+            f"{chunked} "
             f"({t.grad_accum} micro-batch(es) a step){reuse}; the peak: {moment}")

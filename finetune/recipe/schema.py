@@ -70,7 +70,9 @@ class ModelSection(_Section):
                                 "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
     chat_template: str | None = Field(None, description="Chat rows' template instead of the tokenizer's (a base model "
                                       "has none): a name (finetune/templates/SOURCES.md), a .jinja file, or its text.")
-    quantized_cache: Literal["auto", "off"] = Field("off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load those 4-bit bytes (docs/distributed.md).")
+    quantized_cache: Literal["auto", "off"] = Field(
+        "off", description="auto: a bf16 base is quantized once into $FINETUNE_CACHE/quantized; later starts load "
+        "those 4-bit bytes (docs/distributed.md).")
 
     @field_validator("chat_template")
     @classmethod
@@ -265,7 +267,8 @@ class OutputSection(_Section):
 
 class EvalSection(_Section):
     generation_rows: int = Field(0, ge=0, description="Held-out examples answered greedily before and after training and scored (0: off).")
-    metric: Literal["exact_match", "contains", "prefix_match"] = Field("exact_match", description="How a generated answer is compared with the held-out reference answer.")
+    metric: Literal["exact_match", "contains", "prefix_match"] = Field(
+        "exact_match", description="How a generated answer is compared with the held-out reference answer.")
     max_new_tokens: int = Field(32, gt=0, description="Longest generated answer, in tokens.")
 
 

@@ -326,7 +326,8 @@ def test_pickle_checkpoint_gets_the_conversion_command_which_works(tiny_llama, t
 def test_the_launchers_sigterm_does_not_cut_the_checkpoint_paragraph_short(tiny_llama, tmp_path):
     """The checkpoint's header check is made alike by every rank; the first to fail exits and the launcher SIGTERMs
     the rest, so rank 0 (the one printing the whole paragraph, and removing the run folder it created) could die
-    first (a CI rehearsal on 2026-12-04: the FSDP test below failed once with only torchrun's report in stderr, this race's symptom; it passes alone). SIGTERM is held over the check and acted on once
+    first (a CI rehearsal on 2026-12-04: the FSDP test below failed once with only torchrun's report in stderr, this
+    race's symptom; it passes alone). SIGTERM is held over the check and acted on once
     the paragraph is out. One process: the SIGTERM sent where a slower rank 0 would receive it."""
     model_dir = _copy_model(tiny_llama, tmp_path / "m")
     state = load_file(str(model_dir / "model.safetensors"))

@@ -176,7 +176,8 @@ def test_every_accelerate_config_loads_and_agrees_with_a_matching_recipe(path, t
 
 
 def test_normalize_key_strips_every_wrapper():
-    key = "_fsdp_wrapped_module.base_model.model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.lora_A._fsdp_wrapped_module.default.weight"
+    key = ("_fsdp_wrapped_module.base_model.model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module."
+           "self_attn.q_proj.lora_A._fsdp_wrapped_module.default.weight")
     assert parallel.normalize_key(key) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     assert parallel.normalize_key("module.base_model.x") == "base_model.x"
 

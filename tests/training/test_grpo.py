@@ -558,7 +558,8 @@ def test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step(tiny_llama
 
 
 # The shipped configs, as shipped (bf16): every strategy samples with the policy it trains (DDP, ZeRO-2: the inner
-# model; FSDP2, ZeRO-3: gathered once per generate call; FSDP1: gathered by its own hooks at every decoding step). Comparable because the sampling is shared: a completion's seed is (train.seed, step,
+# model; FSDP2, ZeRO-3: gathered once per generate call; FSDP1: gathered by its own hooks at every decoding step).
+# Comparable because the sampling is shared: a completion's seed is (train.seed, step,
 # prompt row, number in its group), so step 1, whose weights are the same everywhere, samples the same completions on
 # 1 process x 2 prompts as on 2 x 1: same rewards and lengths, bitwise, and the same gradient within bf16. After step 1
 # the bf16 weights differ in their last bits between strategies, which flips an occasional sampled token, so later

@@ -174,7 +174,8 @@ def refuse_mxfp4_in_from_pretrained(config, name: str) -> None:
             f"model.name_or_path `{name}`: its experts are stored in MXFP4 (config.json "
             "quantization_config.quant_method: mxfp4). finetune dequantizes them to bf16 and stores NF4 in its "
             "tensor-by-tensor loader, which this run does not use (a layer split over several devices, lora.dora, or "
-            "a checkpoint without safetensors goes through transformers' from_pretrained, which cannot combine MXFP4 with bitsandbytes). Fix: use a bf16 "
+            "a checkpoint without safetensors goes through transformers' from_pretrained, which cannot combine MXFP4 "
+            "with bitsandbytes). Fix: use a bf16 "
             "checkpoint of the model (e.g. unsloth/gpt-oss-20b-BF16), or train with FSDP, DDP or on one device "
             "without lora.dora (the tensor-by-tensor loader reads this checkpoint).")
 
