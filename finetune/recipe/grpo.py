@@ -243,6 +243,22 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
         problems.append(f"train.save_every ({t.save_every}) is not a multiple of grpo.num_iterations "
                         f"({g.num_iterations}): a checkpoint inside a cycle cannot resume exactly (the completions "
                         "reused by the cycle are not saved). Fix: a multiple of num_iterations.")
+    _check_vllm(recipe, problems)
+    for reason, fix in ((data.packing, "data.packing: prompts are not packed. Fix: remove data.packing."),
+                        (data.streaming, "data.streaming: GRPO reads its prompts whole. Fix: data.streaming: false."),
+                        (recipe.eval.generation_rows, ("eval.generation_rows: prompt rows have no reference answer "
+                         "to score; the rewards are GRPO's measure. Fix: remove eval.generation_rows.")),
+                        (recipe.dpo.reference != "adapter_off", ("dpo.reference: the KL reference of GRPO is the model "
+                         "with the adapter off (the completions are new each step). Fix: remove dpo.reference."))):
+        if reason:
+            problems.append(fix)
+    if problems:
+        raise ValueError("train.objective grpo: " + " ".join(problems))
+
+def _check_vllm(recipe, problems: list[str]) -> None:
+    """grpo.generation vllm: an adapter vLLM can serve, and a vLLM to start (unless a server is given by URL); the
+    vllm_ keys without it."""
+    g = recipe.grpo
     lora = recipe.lora
     unserved = [(lora.dora, "lora.dora: vLLM serves no DoRA adapter. Fix: lora.dora: false"),
                 (lora.bias != "none", "lora.bias: vLLM loads no LoRA bias. Fix: lora.bias: none"),
@@ -262,13 +278,3 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
         if vllm_keys:
             problems.append(f"grpo.{vllm_keys[0]} is set but grpo.generation is builtin, so no vLLM server is used. "
                             "Fix: set grpo.generation: vllm, or remove the vllm_ keys.")
-    for reason, fix in ((data.packing, "data.packing: prompts are not packed. Fix: remove data.packing."),
-                        (data.streaming, "data.streaming: GRPO reads its prompts whole. Fix: data.streaming: false."),
-                        (recipe.eval.generation_rows, ("eval.generation_rows: prompt rows have no reference answer "
-                         "to score; the rewards are GRPO's measure. Fix: remove eval.generation_rows.")),
-                        (recipe.dpo.reference != "adapter_off", ("dpo.reference: the KL reference of GRPO is the model "
-                         "with the adapter off (the completions are new each step). Fix: remove dpo.reference."))):
-        if reason:
-            problems.append(fix)
-    if problems:
-        raise ValueError("train.objective grpo: " + " ".join(problems))
