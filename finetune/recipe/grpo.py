@@ -38,17 +38,23 @@ class GRPOSection(_Section):
                                        "Default: epsilon.")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference (the adapter off); 0 (TRL's default): "
                         "no reference forward.")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "dapo", description="The per-token loss and how it becomes the loss, as TRL's. grpo: mean per completion, then "
         "over completions. dr_grpo: sum over tokens / (completions x max_completion_length). dapo (TRL's default): "
         "sum / the step's completion tokens. bnpo: each micro-batch's token mean, averaged over the step's "
         "micro-batches. cispo: the ratio clipped at epsilon_high (an absolute bound) and detached, times the "
         "advantage and the log-prob (MiniMax-M1), normalized as dapo. sapo: a soft gate sigmoid(t (ratio - 1)) 4 / t "
         "instead of the clip (t: sapo_temperature_pos / _neg), normalized as grpo. luspo: the clipped loss summed "
-        "per completion, averaged over completions (meant for importance_sampling_level: sequence).")
+        "per completion, averaged over completions (meant for importance_sampling_level: sequence). vespo: the "
+        "log-prob weighted by a detached gamma function of the completion's importance ratio, -phi(w) A logp "
+        "(vespo_k_pos/_neg, vespo_lambda_pos/_neg), normalized as dapo.")
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo's gate temperature where the advantage is "
                                         "positive (TRL's name and default).")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo's gate temperature elsewhere (TRL's default).")
+    vespo_k_pos: float = Field(2.0, description="vespo: the gamma weight's shape k where the advantage is >= 0 (TRL's).")
+    vespo_lambda_pos: float = Field(3.0, description="vespo: the gamma weight's rate lambda where the advantage is >= 0.")
+    vespo_k_neg: float = Field(3.0, description="vespo: k where the advantage is negative (TRL's default).")
+    vespo_lambda_neg: float = Field(2.0, description="vespo: lambda where the advantage is negative (TRL's default).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantages divided by the reward std of the group (group), of the step's batch (batch), "
         "or not (none; Dr. GRPO).")
@@ -264,6 +270,11 @@ def _check_vllm(recipe, problems: list[str]) -> None:
                 (lora.bias != "none", "lora.bias: vLLM loads no LoRA bias. Fix: lora.bias: none"),
                 (lora.train_router, ("lora.train_router: vLLM loads no fully trained modules beside the LoRA "
                                      "(modules_to_save). Fix: lora.train_router: false"))]
+    if g.generation == "vllm" and g.loss_type == "vespo" and g.vllm_importance_sampling_correction \
+            and not g.vllm_importance_sampling_mode.startswith("token"):
+        problems.append(f"grpo.loss_type vespo takes the sampler correction per token (into its sequence weight, as "
+                        f"TRL), not {g.vllm_importance_sampling_mode}. Fix: grpo.vllm_importance_sampling_mode: "
+                        "token_truncate (or token_mask).")
     for reason, fix in unserved if g.generation == "vllm" else []:
         if reason:
             problems.append(f"{fix}, or grpo.generation: builtin (which samples with the adapter as trained).")

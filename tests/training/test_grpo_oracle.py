@@ -76,7 +76,9 @@ def trl_grpo(config: GRPOSection, policy, old, reference, advantages, mask, is_r
     trainer = object.__new__(GRPOTrainer)
     args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
                            sapo_temperature_pos=config.sapo_temperature_pos,
-                           sapo_temperature_neg=config.sapo_temperature_neg)
+                           sapo_temperature_neg=config.sapo_temperature_neg, vespo_k_pos=config.vespo_k_pos,
+                           vespo_lambda_pos=config.vespo_lambda_pos, vespo_k_neg=config.vespo_k_neg,
+                           vespo_lambda_neg=config.vespo_lambda_neg)
     vars(trainer).update(
         model=SimpleNamespace(training=True), accelerator=ACCELERATOR, args=args, beta=config.beta,
         loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.upper_epsilon,
@@ -123,6 +125,10 @@ CASES = {  # every aggregation; the KL term; clipping both ways (old log-probs f
     "luspo-sequence-clipped": ({"loss_type": "luspo", "importance_sampling_level": "sequence", "num_iterations": 2,
                                 "epsilon": 0.05}, 0.3),
     "luspo-token-kl": ({"loss_type": "luspo", "beta": 0.1, "num_iterations": 2}, 0.3),
+    # vespo: the gamma weight of each completion's ratio (TRL's defaults, then other shapes), with the KL term
+    "vespo": ({"loss_type": "vespo", "num_iterations": 2}, 0.05),
+    "vespo-shapes-kl": ({"loss_type": "vespo", "num_iterations": 2, "beta": 0.04, "vespo_k_pos": 1.5,
+                         "vespo_lambda_pos": 2.0, "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.0}, 0.05),
 }
 
 
@@ -144,6 +150,8 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
     assert ("kl" in metrics) == bool(config.beta) and metrics["entropy"] > 0
     if config.loss_type == "cispo":  # the scene really clips
         assert trl_metrics["cispo_clip_ratio"] > 0 and "cispo_clip_ratio" in metrics
+    elif config.loss_type == "vespo":  # the weights are not all 0 or 1: the gamma function acts
+        assert 0 < trl_metrics["vespo/phi_seq_mean"] and "vespo/phi_seq_mean" in metrics
     elif config.loss_type == "sapo":  # no clip: no clip metric, in TRL as here
         assert not any("clip" in name for name in [*metrics, *trl_metrics])
     elif drift and config.importance_sampling_level == "token":  # the scene really clips, on both sides
@@ -152,11 +160,14 @@ def test_grpo_loss_equals_trl(case, monkeypatch):
         assert trl_metrics["clip_ratio/region_mean"] > 0
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                                  "vespo-token_truncate"])
 def test_the_vllm_sampler_correction_weights_the_loss_as_trls(mode, monkeypatch):
     """grpo.generation vllm: the correction's ratio (trainer over sampler, finetune's sampler_correction) applied by
-    our loss as TRL's _compute_loss applies it (before the KL term), with clipping of the policy ratio too."""
-    config = GRPOSection(loss_type="grpo", beta=0.04, num_iterations=2, vllm_importance_sampling_mode=mode,
+    our loss as TRL's _compute_loss applies it (before the KL term), with clipping of the policy ratio too; vespo
+    takes it into its sequence weight instead (TRL's get_gamma_weights)."""
+    loss_type, _, mode = mode.rpartition("-")
+    config = GRPOSection(loss_type=loss_type or "grpo", beta=0.04, num_iterations=2, vllm_importance_sampling_mode=mode,
                          vllm_importance_sampling_clip_max=1.3, vllm_importance_sampling_clip_min=0.8)
     policy, old, reference, advantages, mask = scene(drift=0.3)
     sampler = old + 0.1 * torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(7), dtype=torch.float64)

@@ -55,7 +55,8 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_log
                     advantages: torch.Tensor, config: GRPOSection, mask: torch.Tensor | None = None,
                     is_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-token loss, policy ratio coef, per-token KL or None), each (completions, tokens); the coef is (completions,
-    1) at importance_sampling_level sequence (GSPO: exp of the mean log-ratio over the completion's `mask`).
+    1) at importance_sampling_level sequence (GSPO: exp of the mean log-ratio over the completion's `mask`), and for
+    vespo the gamma weight phi(w) per completion.
     `is_ratio`: the sampler correction (`sampler_correction`), weighting the policy term before the KL (TRL)."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
@@ -63,7 +64,10 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_log
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef = torch.exp(log_ratio)
     advantage = advantages.unsqueeze(1)
-    if config.loss_type == "cispo":  # the ratio clipped from above and detached: a weight on the log-prob's gradient
+    if config.loss_type == "vespo":  # a detached gamma weight of the completion's ratio, the correction inside it
+        coef = vespo_weights(logps - old, advantage, mask, is_ratio, config)  # (rows, 1): its metric's values
+        loss = -coef * advantage * logps
+    elif config.loss_type == "cispo":  # the ratio clipped from above and detached: a weight on the log-prob's gradient
         loss = -torch.clamp(coef, max=config.upper_epsilon).detach() * advantage * logps
     elif config.loss_type == "sapo":  # a soft, temperature-controlled gate instead of the hard clip
         t = torch.where(advantage > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
@@ -71,13 +75,29 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_log
     else:
         clipped = torch.clamp(coef, 1 - config.epsilon, 1 + config.upper_epsilon)
         loss = -torch.min(coef * advantage, clipped * advantage)
-    if is_ratio is not None:
+    if is_ratio is not None and config.loss_type != "vespo":
         loss = loss * is_ratio
     kl = None
     if config.beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         loss = loss + config.beta * kl
     return loss, coef, kl
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor | None,
+                  config: GRPOSection) -> torch.Tensor:
+    """VESPO's phi(w) = exp(lambda + k log w - lambda w) per completion (rows, 1), w its sequence ratio (the summed
+    token log-ratios, plus the sampler correction's), k and lambda by the advantage's sign: TRL's get_gamma_weights."""
+    floor = math.log(1e-8)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    positive = advantage >= 0
+    k = torch.where(positive, config.vespo_k_pos, config.vespo_k_neg)
+    rate = torch.where(positive, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(rate + k * log_w - rate * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
@@ -111,7 +131,7 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSect
         return masked.sum() / mask.sum().clamp(min=1.0) / max(batches, 1)
     if config.loss_type == "luspo":
         return masked.sum() / max(completions, 1)
-    return masked.sum() / max(tokens, 1)  # dapo, cispo
+    return masked.sum() / max(tokens, 1)  # dapo, cispo, vespo
 
 
 def clip_names(config: GRPOSection) -> tuple[str, ...]:
@@ -120,6 +140,8 @@ def clip_names(config: GRPOSection) -> tuple[str, ...]:
         return ("cispo_clip_ratio",)
     if config.loss_type == "sapo":
         return ()
+    if config.loss_type == "vespo":
+        return ("vespo/phi_seq_mean",)
     return ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -127,6 +149,8 @@ def clip_sums(coef: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
     """Counts of TRL's clipping metrics (clip_names): tokens, or completions at the sequence level (divided by the
     step's tokens or completions afterwards, as TRL's masked means)."""
     advantage = advantages.unsqueeze(1)
+    if config.loss_type == "vespo":  # coef is phi(w), one per completion: TRL's vespo/phi_seq_mean
+        return [coef.sum()]
     if config.loss_type in ("cispo", "sapo"):
         if config.loss_type == "sapo":
             return []

@@ -116,7 +116,8 @@ class GRPO(Objective):
             if self.config.beta:
                 out["kl"] = sums[0] / tokens
             out["entropy"] = sums[1] / tokens  # TRL's: the mean entropy of the policy over the completion tokens
-            clipped_per = max(totals[0], 1) if self.config.importance_sampling_level == "sequence" else tokens
+            per_completion = self.config.importance_sampling_level == "sequence" or self.config.loss_type == "vespo"
+            clipped_per = max(totals[0], 1) if per_completion else tokens
             for name, value in zip(loss.clip_names(self.config), sums[2:]):
                 out[name] = value / clipped_per
         # NaN (a std of one value, a function that scored nothing) is left out, as trackers refuse it
