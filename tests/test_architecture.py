@@ -168,3 +168,13 @@ def test_no_code_outside_the_engines_asks_which_wrapper_a_model_has():
             if getattr(node.func, "attr", getattr(node.func, "id", None)) == "is_engine":
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "\n".join(found)
+
+
+def test_every_package_is_in_the_wheel():
+    """Every folder of finetune/ with an __init__.py is listed in pyproject.toml's packages (the wheel check, which
+    builds and installs the wheel, found parallel/engines missing only after the whole suite had run)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set(), f"add {sorted(found - listed)} to pyproject.toml's [tool.setuptools] packages"
