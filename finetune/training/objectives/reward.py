@@ -70,14 +70,20 @@ def rewards(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.devi
     return out.logits[:, -1, 0].float()
 
 
+def scored_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per pair of the micro-batch (chosen rows first, rejected after): whether both sides have a scored token (eval
+    batches are topped up with filler pairs that have none)."""
+    trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+    chosen, rejected = trained.chunk(2)
+    return (chosen > 0) & (rejected > 0)
+
+
 def pair_terms(model: nn.Module, batch: dict[str, torch.Tensor], config, device: torch.device, pad_id: int | None):
     """(sum of pair losses, [accuracy, margin, mean reward] sums, the rewards (detached), valid pairs) of a micro-batch
     (chosen rows first, rejected after; filler pairs without a scored token count for nothing)."""
     values = rewards(model, batch, device, pad_id)
-    half = values.size(0) // 2
-    trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1).to(values.device)
-    valid = ((trained[:half] > 0) & (trained[half:] > 0)).to(values.dtype)
-    chosen, rejected = values[:half], values[half:]
+    valid = scored_pairs(batch).to(values.device, values.dtype)
+    chosen, rejected = values.chunk(2)
     losses = -F.logsigmoid(chosen - rejected)
     if config.center_rewards_coefficient is not None:
         losses = losses + config.center_rewards_coefficient * (chosen + rejected) ** 2
@@ -98,13 +104,8 @@ class Reward(Objective):
         self.extremes: list[float] = [float("inf"), float("-inf")]
 
     def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
-        pairs = 0
-        for batch in micro_batches:
-            trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
-            half = trained.size(0) // 2
-            pairs += int(((trained[:half] > 0) & (trained[half:] > 0)).sum())
         self.extremes = [float("inf"), float("-inf")]
-        return [pairs]
+        return [sum(int(scored_pairs(batch).sum()) for batch in micro_batches)]
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
         loss_sum, sums, kept, _ = pair_terms(model, batch, self.config, device, self.pad_id)
