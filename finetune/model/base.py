@@ -1,4 +1,4 @@
-"""Tokenizer, 4-bit base model (bitsandbytes NF4), k-bit preparation and LoRA (PEFT).
+"""Tokenizer, 4-bit base model (bitsandbytes NF4), k-bit preparation, and the model built with LoRA (lora/attach.py).
 
 Dtype rule (what makes FSDP sharding of a 4-bit model possible): every non-trainable tensor of the base, the
 packed 4-bit weights included (`bnb_4bit_quant_storage`), is stored in `model.dtype`. FSDP then sees one dtype
@@ -10,22 +10,14 @@ parameter; FSDP computes with them in model.dtype, see finetune/parallel/checks.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from finetune.errors import ModelLoadError
 from finetune.model.attention import resolve_attention
-from finetune.model.lora.init import init_lora_weights
-from finetune.model.settings import (
-    hub_kwargs,
-    is_local,
-    load_error,
-    offline_guard,
-    quantization_config,
-    torch_dtype,
-)
+from finetune.model.lora.attach import attach_lora, check_adapter
+from finetune.model.settings import quantization_config, torch_dtype
+from finetune.model.sources.hub import hub_kwargs, is_local, load_error, offline_guard
 from finetune.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -168,74 +160,6 @@ def prepare_for_kbit_training(model: nn.Module, *, gradient_checkpointing: bool)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-
-
-def lora_config(recipe: Recipe):
-    """The LoRA layout: the recipe's lora section, or model.adapter's own (r, alpha, targets) with the recipe's dropout."""
-    from peft import LoraConfig
-
-    lora = recipe.lora
-    if recipe.model.adapter:
-        config = LoraConfig.from_pretrained(str(check_adapter(recipe)))
-        config.lora_dropout, config.inference_mode = lora.dropout, False
-        return config
-    return LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        use_rslora=lora.rslora,
-        use_dora=lora.dora,
-        bias=lora.bias,
-        task_type="CAUSAL_LM",
-    )
-
-
-def check_adapter(recipe: Recipe) -> Path | None:
-    """model.adapter's folder, checked before any weight loads (a PEFT adapter: config + safetensors)."""
-    if not recipe.model.adapter:
-        return None
-    folder = Path(recipe.model.adapter).expanduser()
-    missing = [name for name in ("adapter_config.json", "adapter_model.safetensors") if not (folder / name).is_file()]
-    if missing:
-        raise ModelLoadError(
-            f"model.adapter ({folder}): {', '.join(missing)} not found, so it is not a PEFT adapter folder. Fix: point it "
-            "at the adapter/ folder of a finished run (e.g. runs/sft/adapter), or at an adapter exported by PEFT.")
-    return folder
-
-
-def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-    """model.adapter's tensors, keyed as `lora_tensor_name` keys a model's LoRA parameters without the adapter name.
-    On a mixture-of-experts `model`, keys named as the checkpoint names them (an adapter from `finetune export`) are
-    renamed to the model's names (transformers' renames, finetune/model/conversions.py)."""
-    folder = check_adapter(recipe)
-    if folder is None:
-        return None
-    from safetensors.torch import load_file
-
-    from finetune.model.experts.routed import has_routed_experts
-    from finetune.model.sources.conversions import model_names
-
-    tensors = {key.removeprefix("base_model.model."): value
-               for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
-    if model is None or not has_routed_experts(model):
-        return tensors
-    names = model_names(model, list(tensors))
-    return {names[key]: value for key, value in tensors.items()}
-
-
-def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
-    (or from model.adapter's values)."""
-    from finetune.model.experts.lora import get_peft_model
-
-    peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
-    init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
-    if recipe.lora.fused:
-        from finetune.model.lora.fused import use_fused_lora
-
-        use_fused_lora(peft_model)  # falls back to PEFT's forward per call where it does not apply (lora_fused.py)
-    return peft_model
 
 
 def build_model(recipe: Recipe, *, device: torch.device, device_map: dict | None = None, gradient_checkpointing: bool):

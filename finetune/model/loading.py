@@ -31,6 +31,7 @@ from torch import nn
 from finetune import distributed
 from finetune.errors import ModelLoadError
 from finetune.model.experts.split import fused_expert_views
+from finetune.model.lora.attach import adapter_start, lora_config
 from finetune.model.lora.init import lora_checksum
 from finetune.model.materialize import (  # noqa: F401
     Materializer,
@@ -71,7 +72,7 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
                            trust_remote_code=recipe.model.trust_remote_code)
     model_stage.keep_4bit_weights_trainable_on_cpu(base)
     model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
-    peft_model = get_peft_model(base, model_stage.lora_config(recipe), train_router=recipe.lora.train_router,
+    peft_model = get_peft_model(base, lora_config(recipe), train_router=recipe.lora.train_router,
                                 low_cpu_mem_usage=True)
     if recipe.lora.fused:
         from finetune.model.lora.fused import use_fused_lora
@@ -165,7 +166,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     # Range reads (FSDP2): of a bf16 weight a chunk is read and quantized; of a 4-bit checkpoint's weight the chunk's
     # packed bytes are read (its quant state whole).
     builder = materializer(skeleton, index, device=device, load_dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           lora_seed=recipe.train.seed, trace=trace, lora_start=model_stage.adapter_start(recipe, skeleton),
+                           lora_seed=recipe.train.seed, trace=trace, lora_start=adapter_start(recipe, skeleton),
                            shard=shard if sharded else None, packed=packed)
     if not sharded:
         _whole_model(skeleton, builder)

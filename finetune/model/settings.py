@@ -1,16 +1,13 @@
-"""The recipe's model settings as transformers takes them (dtypes, the BitsAndBytesConfig, hub arguments), and where
-the base comes from: a local folder or a hub id, the offline guard, and the one-paragraph error when it cannot load.
+"""The recipe's model settings as transformers takes them: the dtypes and the BitsAndBytesConfig (where the base comes
+from, a folder or a hub id, is sources/hub.py).
 
-A leaf of model/: every loader (base.py, loading.py, the checkpoint files, the quantized cache) reads these.
+A leaf of model/: every loader (base.py, loading.py, the quantized cache, `finetune quantize`) reads these.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from finetune.errors import ModelLoadError
 from finetune.recipe import Recipe
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -18,41 +15,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
-
-
-def is_local(name_or_path: str) -> bool:
-    return Path(name_or_path).expanduser().exists()
-
-
-def hub_kwargs(recipe: Recipe) -> dict:
-    kwargs = {"trust_remote_code": recipe.model.trust_remote_code}
-    if recipe.model.revision:
-        kwargs["revision"] = recipe.model.revision
-    return kwargs
-
-
-def load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
-    local = is_local(name)
-    if local:
-        fix = f"check that {name} is a saved transformers folder (config.json, weights, tokenizer files)."
-    else:
-        fix = (
-            "this looks like a hub id and it is neither in the local cache nor fetchable now (offline, gated or "
-            "misspelled). Download it where the hub "
-            f"is reachable (`hf download {name} --local-dir DIR`) and set model.name_or_path to DIR, or set "
-            "HF_HUB_OFFLINE=1 to use only the local cache."
-        )
-    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    return ModelLoadError(f"model.name_or_path `{name}`: cannot load the {what} ({reason}). Fix: {fix}")
-
-
-def offline_guard(name_or_path: str) -> None:
-    """Fail fast (not hang) when a hub id is needed and the hub cannot be reached: use the local cache only."""
-    if is_local(name_or_path):
-        return
-    from finetune.hub import use_cache_only_if_unreachable
-
-    use_cache_only_if_unreachable()
 
 
 def quantization_config(recipe: Recipe):

@@ -36,8 +36,8 @@ def checkpoint_recipe(checkpoint: Path) -> Recipe:
 def meta_peft_model(recipe: Recipe):
     """The PeftModel of the recipe on the meta device (no weights): the parameter names and the PEFT config training had."""
     from finetune.model import load_config, with_score_head
-    from finetune.model.base import lora_config
     from finetune.model.experts import get_peft_model
+    from finetune.model.lora.attach import lora_config
     from finetune.outputs.export_experts import split_meta_model
 
     model = split_meta_model(load_config(recipe))  # MoE experts split as training split them

@@ -36,6 +36,7 @@ from finetune.planner.facts import GiB, ModelFacts, gib
 from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, trained_together, with_generation
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
+from finetune.recipe.objectives import spec_of
 
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
@@ -196,7 +197,7 @@ def _step_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: b
     one layer's activations at a time, which is below the backward's recomputation and adds nothing to the peak.
     """
     seq = recipe.data.max_length
-    tokens = micro_batch * seq * (2 if recipe.train.objective in ("dpo", "reward") else 1)  # pairs: two sequences
+    tokens = micro_batch * seq * (2 if spec_of(recipe.train.objective).pairs else 1)  # pairs: two sequences
     per_layer = tokens * activation_bytes_per_token_layer(facts, recipe, seq_len=seq, lora_path=lora_path)
     if checkpointing:
         saved, top = facts.num_layers * tokens * facts.hidden * facts.dtype_bytes, int(1.5 * per_layer)
@@ -299,8 +300,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
     fsdp = key.startswith("fsdp") or key == "hsdp"
     shard_world = hw.gpus_per_node if key == "hsdp" else world
     offload = key == "fsdp_offload"
-    checkpointing = recipe.parallel.activation_checkpointing
-    checkpointing = recipe.train.gradient_checkpointing if checkpointing is None else checkpointing
+    checkpointing = next(c for c in (recipe.parallel.activation_checkpointing, recipe.train.gradient_checkpointing) if c is not None)
     held = held_parameter_bytes(facts, strategy="fsdp" if fsdp else key, world_size=shard_world,
                                 fsdp_version=facts.fsdp_version)
     trainable = 0 if offload else held["trainable_bytes"] // devices
@@ -372,8 +372,8 @@ def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
     usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
     result.margin_bytes = usable - max(result.peak_bytes, result.load_peak_bytes)
     result.fits = result.margin_bytes >= 0
-    if recipe.train.objective in ("dpo", "kto"):
-        result.notes.append(preference_note(recipe))
+    if note := preference_note(recipe):
+        result.notes.append(note)
     if result.load_peak_bytes > result.peak_bytes:
         how = ("its shard + one layer being quantized + the quant state" if sharded
                else "each rank quantizes a full copy of the base on its GPU")

@@ -21,9 +21,11 @@ def swaps_reference(recipe) -> bool:
             and recipe.dpo.loss in ("sigmoid", "ipo", "hinge"))
 
 
-def preference_note(recipe) -> str:
-    """What a preference objective runs per micro-batch, as a line of the plan."""
+def preference_note(recipe) -> str | None:
+    """What a preference objective runs per micro-batch, as a line of the plan (None: not dpo or kto)."""
     dpo = recipe.dpo
+    if recipe.train.objective not in ("dpo", "kto"):
+        return None
     if recipe.train.objective == "kto":
         start = " (base + model.adapter: its values swapped in)" if recipe.model.adapter else ""
         return (f"kto: 1 sequence per row; no-grad forwards of the mismatched (KL) rows and the reference per "

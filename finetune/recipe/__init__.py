@@ -3,6 +3,7 @@
     schema.py  the closed, typed schema (pydantic): the sections, load_recipe / validate_recipe, recipe_to_yaml
     text.py    reading recipe text: the YAML file, key.path=value overrides, errors as one paragraph, "did you mean"
     checks.py  checks spanning sections: what an objective needs of the data, what streaming cannot do, warmup
+    objectives.py  the registry of train.objective: each objective's training class, section, data formats
     one module per objective's section, beside its checks: preference.py (dpo:, TRL's DPOConfig names), kto.py
                (kto:), grpo.py (grpo:, TRL's GRPOConfig names, and what a GRPO recipe needs of the other sections),
                reward.py (reward:, TRL's RewardConfig names)

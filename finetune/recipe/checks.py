@@ -9,19 +9,7 @@ from __future__ import annotations
 
 import math
 
-# The data format each objective trains on, and what to say when the other kind of preference data is given.
-OBJECTIVE_FORMATS = {"dpo": ("preference",), "kto": ("unpaired_preference",), "grpo": ("prompt",),
-                     "reward": ("preference",)}
-FORMAT_HINTS = {
-    "dpo": "give rows with prompt/chosen/rejected and set its format: preference",
-    "kto": "give rows with prompt/completion/label (label true: desirable, false: undesirable) and set its format: "
-           "unpaired_preference (a pair file unpairs into one desirable and one undesirable row per pair)",
-    "grpo": "give rows with a `prompt` (text or chat messages) and the columns your reward functions read, and set its "
-            "format: prompt",
-    "reward": "give rows with prompt/chosen/rejected and set its format: preference",
-}
-# dpo: keys that also configure train.objective: kto (the reference and dropout are shared).
-SHARED_DPO_KEYS = ("reference", "disable_dropout")
+from finetune.recipe.objectives import OBJECTIVES, claimed_formats, objective_of, spec_of
 
 
 def check_dtypes(recipe) -> None:
@@ -46,45 +34,32 @@ def check_dtypes(recipe) -> None:
 
 
 def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
-    """Preference data goes with its objective and only with it (pairs: dpo, unpaired: kto); preference rows are not
-    packed; the prompt leaves room; the sections set are the objective's."""
-    data, dpo, objective = recipe.data, recipe.dpo, recipe.train.objective
-    preference_formats = {f for formats in OBJECTIVE_FORMATS.values() for f in formats}
+    """The data goes with its objective (recipe/objectives.py: the formats each trains on; the others are SFT's); the
+    objective's section checks what it needs of the others; preference rows are not packed; the sections set are the
+    objective's."""
+    data, objective = recipe.data, recipe.train.objective
+    spec = spec_of(objective)
+    claimed = claimed_formats()
     for key, specs in (("data.datasets", data.datasets), ("data.eval_datasets", data.eval_datasets)):
-        for index, spec in enumerate(specs):
-            if objective in OBJECTIVE_FORMATS and spec.format not in OBJECTIVE_FORMATS[objective]:
+        for index, dataset in enumerate(specs):
+            if spec.formats and dataset.format not in spec.formats:
                 raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `{spec.format}`, but train.objective is {objective}, which "
-                    f"trains on {OBJECTIVE_FORMATS[objective][0]} rows. Fix: {FORMAT_HINTS[objective]}, or set "
-                    f"train.objective: {_objective_of(spec.format)} to train on this data.")
-            if objective == "sft" and spec.format in preference_formats:
+                    f"{key}[{index}] ({dataset.path}) has format `{dataset.format}`, but train.objective is {objective}, "
+                    f"which trains on {spec.formats[0]} rows. Fix: {spec.format_hint}, or set "
+                    f"train.objective: {objective_of(dataset.format)} to train on this data.")
+            if not spec.formats and dataset.format in claimed:
                 raise ValueError(
-                    f"{key}[{index}] ({spec.path}) has format `{spec.format}` "
-                    f"({'prompt' if spec.format == 'prompt' else 'preference'} data), but train.objective is sft. Fix: "
-                    f"set train.objective: {_objective_of(spec.format)} (and its section) to learn from it, or give "
-                    "SFT data in another format.")
-    if objective == "grpo":
-        from finetune.recipe.grpo import check_grpo  # a leaf module beside this one
-
-        check_grpo(recipe)
-        _check_sections(recipe)
-        return
-    if objective == "reward":
-        from finetune.recipe.reward import check_reward  # a leaf module beside this one
-
-        check_reward(recipe)
-    if objective in OBJECTIVE_FORMATS and data.packing:
+                    f"{key}[{index}] ({dataset.path}) has format `{dataset.format}` "
+                    f"({'prompt' if dataset.format == 'prompt' else 'preference'} data), but train.objective is "
+                    f"{objective}. Fix: set train.objective: {objective_of(dataset.format)} (and its section) to learn "
+                    "from it, or give SFT data in another format.")
+    section = getattr(recipe, objective) if spec.section else None
+    if hasattr(section, "check_recipe"):
+        section.check_recipe(recipe)
+    if spec.formats and data.packing:
         raise ValueError(f"data.packing: preference rows are not packed (responses are scored as whole sequences). "
                          f"Fix: remove data.packing for train.objective: {objective}.")
-    if dpo.max_prompt_length is not None and dpo.max_prompt_length >= data.max_length:
-        raise ValueError(f"dpo.max_prompt_length ({dpo.max_prompt_length}) leaves no room for a response within "
-                         f"data.max_length ({data.max_length}). Fix: lower it, or raise data.max_length.")
     _check_sections(recipe)
-
-
-def _objective_of(data_format: str) -> str:
-    """The objective that trains on `data_format` (pairs: dpo, also reward's)."""
-    return next((name for name, formats in OBJECTIVE_FORMATS.items() if data_format in formats), "sft")
 
 
 def _changed(section) -> list[str]:
@@ -95,44 +70,24 @@ def _changed(section) -> list[str]:
 
 
 def _check_sections(recipe) -> None:
-    """A dpo: key that KTO does not read, or a kto: section without train.objective: kto, is a mistake to name."""
+    """Every key set in another objective's section is one the objective reads (KTO: dpo.reference and
+    dpo.disable_dropout; GRPO: dpo.reference), or a mistake to name."""
     objective = recipe.train.objective
-    if objective != "reward" and _changed(recipe.reward):
-        raise ValueError(f"reward.{', reward.'.join(_changed(recipe.reward))}: set, but train.objective is {objective}, "
-                         "which does not read the reward: section. Fix: set train.objective: reward, or remove it.")
-    if objective == "reward":
-        unread = _changed(recipe.dpo) + [f"kto.{k}" for k in _changed(recipe.kto)] + \
-            [f"grpo.{k}" for k in _changed(recipe.grpo)]
+    spec = spec_of(objective)
+    reads = dict(spec.reads)
+    for other in OBJECTIVES.values():
+        if not other.section or other.name == objective:
+            continue
+        changed = _changed(getattr(recipe, other.name))
+        if other.name not in reads and changed:
+            raise ValueError(f"{other.name}.{f', {other.name}.'.join(changed)}: set, but train.objective is {objective}, "
+                             f"which does not read the {other.name}: section. Fix: set train.objective: {other.name}, or "
+                             f"remove the {other.name}: section.")
+        unread = [name for name in changed if name not in reads.get(other.name, ())]
         if unread:
-            raise ValueError(f"{', '.join(k if '.' in k else f'dpo.{k}' for k in unread)}: train.objective reward reads "
-                             "none of the dpo:, kto: or grpo: sections (its loss is TRL's RewardTrainer's, with no "
-                             "reference). Fix: remove these keys.")
-        return
-    if objective != "grpo" and _changed(recipe.grpo):
-        raise ValueError(f"grpo.{', grpo.'.join(_changed(recipe.grpo))}: set, but train.objective is {objective}, which "
-                         "does not read the grpo: section. Fix: set train.objective: grpo, or remove the grpo: section.")
-    if objective == "grpo" and _changed(recipe.kto):
-        raise ValueError(f"kto.{', kto.'.join(_changed(recipe.kto))}: set, but train.objective is grpo, which does not "
-                         "read the kto: section. Fix: remove the kto: section.")
-    if objective == "grpo":
-        unread = [name for name in _changed(recipe.dpo) if name != "reference"]
-        if unread:
-            raise ValueError(f"dpo.{', dpo.'.join(unread)}: train.objective grpo does not read the dpo: section (its "
-                             "loss is set in grpo:). Fix: remove these keys.")
-        return
-    if objective != "kto" and _changed(recipe.kto):
-        raise ValueError(f"kto.{', kto.'.join(_changed(recipe.kto))}: set, but train.objective is {objective}, which does "
-                         "not read the kto: section. Fix: set train.objective: kto, or remove the kto: section.")
-    if objective == "kto":
-        unread = [name for name in _changed(recipe.dpo) if name not in SHARED_DPO_KEYS]
-        if unread:
-            raise ValueError(f"dpo.{', dpo.'.join(unread)}: train.objective kto reads only dpo.reference and "
-                             "dpo.disable_dropout from the dpo: section. Fix: set KTO's loss and beta in the kto: section "
-                             "(kto.loss, kto.beta, kto.desirable_weight, kto.undesirable_weight), and remove the rest.")
-        if recipe.dpo.reference == "precomputed":
-            raise ValueError("dpo.reference: precomputed is not supported with train.objective: kto: KTO's KL term "
-                             "scores each prompt with another row's completion, which changes with the shuffle. Fix: "
-                             "dpo.reference: adapter_off (the default).")
+            read = " and ".join(f"{other.name}.{name}" for name in reads[other.name])
+            raise ValueError(f"{other.name}.{f', {other.name}.'.join(unread)}: train.objective {objective} reads only "
+                             f"{read} from the {other.name}: section. Fix: {spec.reads_hint}")
 
 
 def check_streaming(recipe) -> None:  # a finetune.recipe.Recipe

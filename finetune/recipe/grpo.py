@@ -1,7 +1,7 @@
 """The recipe's `grpo:` section (train.objective: grpo): TRL's GRPOConfig names and defaults, and the checks of a
-GRPO recipe that span sections (called from recipe/checks.py: check_objective).
+GRPO recipe that span sections (`check_recipe`, called from recipe/checks.py: check_objective).
 
-A leaf beside recipe.py, which imports it: the section, then `check_grpo(recipe)`, which raises ValueError with the
+A leaf beside schema.py, which imports it (through recipe/objectives.py): the section, then `check_grpo(recipe)`, which raises ValueError with the
 keys and the fix (the schema turns it into one paragraph naming the file).
 """
 
@@ -133,6 +133,9 @@ class GRPOSection(_Section):
     @classmethod
     def _bool_scale(cls, value: Any) -> Any:  # TRL accepts True (group) and False (none)
         return {True: "group", False: "none"}[value] if isinstance(value, bool) else value
+
+    def check_recipe(self, recipe) -> None:
+        check_grpo(recipe)
 
     @property
     def upper_epsilon(self) -> float:

@@ -22,3 +22,9 @@ class KTOSection(_Section):
     desirable_weight: float = Field(1.0, gt=0, description="Weight of the desirable (label: true) completions' losses.")
     undesirable_weight: float = Field(1.0, gt=0, description="Weight of the undesirable (label: false) completions' "
                                       "losses (unequal counts: docs/preference.md, KTO).")
+
+    def check_recipe(self, recipe) -> None:  # a finetune.recipe.Recipe with train.objective: kto
+        if recipe.dpo.reference == "precomputed":
+            raise ValueError("dpo.reference: precomputed is not supported with train.objective: kto: KTO's KL term "
+                             "scores each prompt with another row's completion, which changes with the shuffle. Fix: "
+                             "dpo.reference: adapter_off (the default).")

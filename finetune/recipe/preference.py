@@ -1,5 +1,5 @@
 """The recipe's `dpo:` section (train.objective: dpo; KTO reads its reference and dropout): TRL's DPOConfig,
-ORPOConfig and CPOConfig names and defaults. Its checks spanning sections are in recipe/checks.py."""
+ORPOConfig and CPOConfig names and defaults, and what a DPO recipe needs of the other sections (`check_recipe`)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ class PreferenceSection(_Section):
         "Default: half of data.max_length.")
     disable_dropout: bool = Field(True, description="Dropout off during preference tuning (as TRL): the policy's "
                                   "log-probs are then those the reference sees at step 1.")
+
+    def check_recipe(self, recipe) -> None:  # a finetune.recipe.Recipe with train.objective: dpo
+        if self.max_prompt_length is not None and self.max_prompt_length >= recipe.data.max_length:
+            raise ValueError(f"dpo.max_prompt_length ({self.max_prompt_length}) leaves no room for a response within "
+                             f"data.max_length ({recipe.data.max_length}). Fix: lower it, or raise data.max_length.")
 
     def normalized(self) -> bool:
         return self.length_normalize if self.length_normalize is not None else self.loss in ("ipo", "orpo", "simpo")

@@ -1,5 +1,5 @@
 """The recipe's `reward:` section (train.objective: reward): TRL's RewardConfig names and defaults, and the checks of a
-reward-model recipe (called from recipe/checks.py: check_objective)."""
+reward-model recipe (`check_recipe`, called from recipe/checks.py: check_objective)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ class RewardSection(BaseModel):
     center_rewards_coefficient: float | None = Field(
         None, ge=0, description="TRL's name: adds coefficient x mean((r_chosen + r_rejected)^2) to the loss, which "
         "keeps the rewards centered on 0 (0.01 is the paper's); unset: no term.")
+
+    def check_recipe(self, recipe) -> None:
+        check_reward(recipe)
 
 
 def check_reward(recipe) -> None:  # a finetune.recipe.Recipe (not imported: schema.py imports this)

@@ -25,6 +25,7 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -41,10 +42,7 @@ from finetune.recipe.checks import (
     clamped_warmup,
     steps_for_epochs,
 )
-from finetune.recipe.grpo import GRPOSection
-from finetune.recipe.kto import KTOSection
-from finetune.recipe.preference import PreferenceSection
-from finetune.recipe.reward import RewardSection
+from finetune.recipe.objectives import OBJECTIVES, sections
 from finetune.recipe.text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
@@ -162,7 +160,7 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo", "kto", "grpo", "reward"] = Field(
+    objective: Literal[tuple(OBJECTIVES)] = Field(  # the registry's names (recipe/objectives.py)
         "sft", description="sft: next-token loss on the answers. dpo: preference tuning on chosen/rejected pairs "
         "(the `dpo:` section picks the loss: DPO, IPO, hinge, ORPO, SimPO). kto: KTO on single completions labelled "
         "desirable or not (format: unpaired_preference; the `kto:` section). grpo: online RL, completions sampled by "
@@ -272,7 +270,9 @@ class EvalSection(_Section):
     max_new_tokens: int = Field(32, gt=0, description="Longest generated answer, in tokens.")
 
 
-class Recipe(_Section):
+class _RecipeCore(_Section):
+    """The sections every recipe has; Recipe (below) adds each objective's section from the registry, then the rest."""
+
     _notes: list[str] = PrivateAttr(default_factory=list)
     _dtype_choice: DtypeChoice | None = PrivateAttr(None)
     _length_origin: str | None = PrivateAttr(None)  # how train.num_epochs became max_steps, once resolved
@@ -282,13 +282,6 @@ class Recipe(_Section):
     lora: LoraSection = Field(default_factory=LoraSection)
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
-    dpo: PreferenceSection = Field(default_factory=PreferenceSection)
-    kto: KTOSection = Field(default_factory=KTOSection)
-    grpo: GRPOSection = Field(default_factory=GRPOSection)
-    reward: RewardSection = Field(default_factory=RewardSection)
-    parallel: ParallelSection = Field(default_factory=ParallelSection)
-    output: OutputSection = Field(default_factory=OutputSection)
-    eval: EvalSection = Field(default_factory=EvalSection)
 
     @field_validator("quantization", mode="before")
     @classmethod
@@ -365,6 +358,14 @@ class Recipe(_Section):
         return self.quantization.compute_dtype or self.model.dtype
 
 
+def _default(section: type[BaseModel]):
+    return (section, Field(default_factory=section))
+
+
+# The objectives' sections (dpo:, kto:, grpo:, reward:, ...: recipe/objectives.py) after train:, then the others.
+Recipe = create_model("Recipe", __base__=_RecipeCore, __module__=__name__,
+                      **{key: _default(section) for key, section in sections().items()},
+                      parallel=_default(ParallelSection), output=_default(OutputSection), eval=_default(EvalSection))
 _SCHEMA_ROOT = Recipe
 
 

@@ -55,7 +55,7 @@ def test_the_reward_section_goes_with_its_objective_and_preference_rows(tmp_path
     values = recipe_dict(tmp_path, tmp_path / "a.jsonl", tmp_path / "out", reward={"center_rewards_coefficient": 0.01})
     assert "reward.center_rewards_coefficient: set, but train.objective is sft" in _refused(values)
     values = reward_recipe(tmp_path, tmp_path / "p.jsonl", tmp_path / "out", dpo={"beta": 0.3})
-    assert "dpo.beta: train.objective reward reads none of the dpo:, kto: or grpo: sections" in _refused(values)
+    assert "dpo.beta: set, but train.objective is reward, which does not read the dpo: section" in _refused(values)
 
 
 @pytest.mark.slow  # ~10 s: a tiny model, an adapter written and loaded by transformers + PEFT, TRL's loss

@@ -107,8 +107,8 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
 def check_local_checkpoint(recipe: Recipe) -> bool:
     """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
     only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
-    from finetune.model.settings import is_local
     from finetune.model.sources.files import checkpoint_index
+    from finetune.model.sources.hub import is_local
 
     folder = Path(recipe.model.name_or_path).expanduser()
     if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):

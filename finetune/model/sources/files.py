@@ -105,7 +105,7 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
 
 def checkpoint_folder(recipe: Recipe) -> Path:
     """The local folder holding the base's weights: the recipe's path, the converted GGUF folder, or the hub cache."""
-    from finetune.model.settings import is_local, load_error, offline_guard
+    from finetune.model.sources.hub import is_local, load_error, offline_guard
 
     name = recipe.model.name_or_path
     if recipe.model.gguf_file:

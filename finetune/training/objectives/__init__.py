@@ -8,8 +8,9 @@
     grpo/          GRPO: objective.py (the cycle), loss.py (advantages, clipped loss), rewards.py (reward functions),
                    rollouts.py (one generation batch scored), sampling.py (G completions per prompt, KV cache, seeds)
 
-Adding an objective: a module here with its Objective subclass, its recipe section, and one line in OBJECTIVES
-(docs/architecture.md). The loop never asks which objective it runs.
+Adding an objective: a module here with its Objective subclass, its recipe section, and one entry in the registry,
+finetune/recipe/objectives.py, which names the class as "module:Class" (docs/architecture.md). The loop never asks
+which objective it runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from torch import nn
 
 from finetune.recipe import Recipe
+from finetune.recipe.objectives import OBJECTIVES as REGISTRY
+from finetune.recipe.objectives import load
 from finetune.training.objectives.base import Objective
 from finetune.training.objectives.grpo import GRPO
 from finetune.training.objectives.kto import KTO
@@ -24,12 +27,10 @@ from finetune.training.objectives.preference import Preference
 from finetune.training.objectives.reward import Reward
 from finetune.training.objectives.sft import Supervised
 
-OBJECTIVES: dict[str, type[Objective]] = {"sft": Supervised, "dpo": Preference, "kto": KTO, "grpo": GRPO,
-                                          "reward": Reward}
-
 
 def objective_class(recipe: Recipe) -> type[Objective]:
-    return OBJECTIVES[recipe.train.objective]
+    """The Objective subclass the registry names for train.objective."""
+    return load(REGISTRY[recipe.train.objective].objective)
 
 
 def for_recipe(model: nn.Module, recipe: Recipe, tokenizer=None) -> Objective:
@@ -48,5 +49,5 @@ def rows_per_micro_batch(recipe: Recipe) -> int:
     return recipe.rows_per_micro_batch
 
 
-__all__ = ["GRPO", "KTO", "OBJECTIVES", "Objective", "Preference", "Reward", "Supervised", "for_recipe", "objective_class",
+__all__ = ["GRPO", "KTO", "Objective", "Preference", "Reward", "Supervised", "for_recipe", "objective_class",
            "rows_per_micro_batch", "uses_kl"]
