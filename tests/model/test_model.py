@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from finetune.model import base as model_lib
+from finetune.model.lora.attach import lora_config
 from finetune.recipe import validate_recipe
 
 
@@ -52,7 +53,7 @@ def test_quantization_none_is_plain_lora(tiny_llama):
 
 def test_rslora_dora_and_target_modules(tiny_llama):
     recipe = make_recipe(tiny_llama, lora={"rslora": True, "dora": True, "target_modules": ["q_proj", "v_proj"]})
-    config = model_lib.lora_config(recipe)
+    config = lora_config(recipe)
     assert config.use_rslora and config.use_dora and set(config.target_modules) == {"q_proj", "v_proj"}
     peft_model = build(recipe)
     names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
