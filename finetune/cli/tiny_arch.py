@@ -34,7 +34,22 @@ _SIZES = {
 # Per architecture, what the generic shrink gets wrong (sizes that must agree with each other).
 _OVERRIDES: dict[str, dict] = {
     "gpt_oss": {"intermediate_size": HIDDEN},
+    # Compression windows a short row spans (defaults 4 and 128 tokens) and fewer kept positions than the compressed
+    # ones (default 512), so that the compressors and the sparse-attention indexer run (and their LoRA trains).
+    "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                    "index_topk": 2},
 }
+
+
+def _hash_routes(model) -> None:
+    """Hash-routed MoE layers (DeepSeek-V4's first layers: token id -> experts, a table the checkpoint ships, zeros at
+    init) get a random table, as a real checkpoint has: every expert sees tokens."""
+    import torch
+
+    for name, buffer in model.named_buffers():
+        if name.endswith("tid2eid"):
+            experts = model.config.get_text_config().num_local_experts
+            buffer.copy_(torch.randint(0, experts, buffer.shape, dtype=buffer.dtype))
 
 
 # Causal-LM classes that are no standalone text decoder: the decoder half of an encoder-decoder (BERT generation,
@@ -106,6 +121,7 @@ def build_tiny_arch(model_type: str, out_dir: str | Path, *, seed: int = 0, dtyp
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    _hash_routes(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

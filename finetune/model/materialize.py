@@ -69,9 +69,12 @@ class Materializer:
             if param is not None and param.is_meta:
                 self._parameter(module, f"{prefix}.{attr}" if prefix else attr, attr, param)
         for attr, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                name = f"{prefix}.{attr}" if prefix else attr
-                module._buffers[attr] = self.reader.get(checkpoint_name(name)).to(self.device, buffer.dtype)
+            stored = checkpoint_name(f"{prefix}.{attr}" if prefix else attr)
+            # A persistent buffer made at init (the skeleton keeps buffers real) is read from the checkpoint where it
+            # is there, as from_pretrained reads it: DeepSeek-V4's hash-routing table `tid2eid` is zeros at init.
+            if buffer is not None and (buffer.is_meta or (attr not in module._non_persistent_buffers_set
+                                                          and stored in self.reader.index.shapes)):
+                module._buffers[attr] = self.reader.get(stored).to(self.device, buffer.dtype)
         place_buffers(module, self.device)
 
     def tree(self, root: nn.Module) -> None:

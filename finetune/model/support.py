@@ -42,6 +42,7 @@ TRAINED = {
     "granite": "Granite 3",
     "granitemoe": "Granite-MoE",
     "deepseek_v3": "DeepSeek-V3 / R1 (MoE, MLA)",
+    "deepseek_v4": "DeepSeek-V4 (MoE: experts with their own clamped SwiGLU, hash routing; compressed attention)",
     "minimax": "MiniMax (hybrid lightning attention, MoE)",
     "cohere2": "Command R7B / Command A",
     "smollm3": "SmolLM3",
@@ -62,8 +63,9 @@ MODEL_SETTINGS = {
 ADAPTER_GAPS: tuple[str, ...] = ()
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
-# Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py).
-SHARDED = ("qwen3", "gemma3_text", "deepseek_v3")
+# Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py), and DeepSeek-V4 (experts with a
+# gating of their own, experts/families/own_gating.py).
+SHARDED = ("qwen3", "gemma3_text", "deepseek_v3", "deepseek_v4")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
 _NO_CHECKPOINTING = (("no gradient checkpointing in transformers for it (the library's train.gradient_checkpointing: "
@@ -228,7 +230,8 @@ def _expert_refusals(config, model_class) -> list[str]:
     reasons: dict[str, str] = {}
     for _, module in fused_expert_modules(skeleton):
         family, why = family_for(module)
-        reason = "; ".join(why) if family is None else _routing_outside(module) if family == "concatenated" else None
+        reason = "; ".join(why) if family is None else _routing_outside(module) if family in ("concatenated", "own_gating") \
+            else None
         if reason is not None:
             reasons.setdefault(type(module).__name__, reason)
     return [f"the experts of {name} cannot be stored in 4 bits by finetune yet: {reason} (bitsandbytes quantizes "

@@ -118,10 +118,18 @@ def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
 
     base_dtype = model.get_input_embeddings().weight.dtype
 
+    # A module with children that owns parameters of another dtype (DeepSeek-V4's fp32 attention sinks and
+    # compressor position biases) is a unit of its direct parameters alone: each of its children is a unit too.
+    mixed = [m for m in model.modules() if list(m.children()) and any(p.dtype != base_dtype for p in m.parameters(recurse=False))]
+    beside_mixed = {id(child) for parent in mixed for child in parent.children()}
+    mixed_ids = {id(m) for m in mixed}
+
     def is_trainable_leaf(module: nn.Module) -> bool:
         # Own unit, so every flat parameter has one dtype and one requires_grad: LoRA A/B (and DoRA magnitude) leaves,
         # and frozen leaves transformers keeps in another dtype than the base (DeepSeek-V3's and GLM-4.5's fp32 router
         # weight, `_keep_in_fp32_modules_strict`: "Must flatten tensors with uniform dtype" inside the layer's unit).
+        if id(module) in mixed_ids or (id(module) in beside_mixed and any(True for _ in module.parameters())):
+            return True
         if list(module.named_children()):
             return False
         own = list(module.parameters(recurse=False))

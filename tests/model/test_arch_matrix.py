@@ -226,8 +226,10 @@ def test_trains_under_the_shipped_fsdp_config(model_type, config, tiny_arch, tmp
     losses = train_losses(out)
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    trained = [tensor for name, tensor in adapter.items() if "lora_B" in name]
-    assert trained and all(tensor.abs().sum() > 0 for tensor in trained)  # every LoRA B moved from its zero init
+    # Every LoRA B moved from its zero init, but a sparse-attention indexer's (DeepSeek-V3.2 / V4): it picks the
+    # positions attended to by top-k, which passes no gradient from the LM loss (DeepSeek trains it by a loss of its own).
+    trained = [tensor for name, tensor in adapter.items() if "lora_B" in name and ".indexer." not in name]
+    assert trained and all(tensor.abs().sum() > 0 for tensor in trained)
 
 
 if __name__ == "__main__":

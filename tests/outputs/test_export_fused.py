@@ -1,7 +1,8 @@
 """`finetune export` of a mixture-of-experts adapter loads in plain PEFT (`PeftModel.from_pretrained` on the stock
 transformers 5 base, unquantized) and computes what finetune's per-expert LoRA computes: per-expert tensors where PEFT
 converts them itself (Mixtral), else PEFT's LoRA on the fused expert parameters (finetune/outputs/export_fused.py),
-for every expert layout family (concatenated, Llama 4's transposed, gpt-oss's interleaved and biased) and for models
+for every expert layout family (concatenated, Llama 4's transposed, gpt-oss's interleaved and biased, DeepSeek-V4's
+own gating) and for models
 with shared experts and dense MLP layers beside the routed ones."""
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _per_expert_adapter(model_dir, out, *, use_rslora: bool):
     ("qwen2_moe", "fused", False),  # a shared expert whose gate_proj PEFT's rewrite would move onto the experts
     ("granitemoe", "fused", False),  # no per-expert tensors in its checkpoints: nothing for PEFT to convert
     ("mixtral", "per-expert", False),  # PEFT converts it itself: the per-expert form vLLM reads stays
+    ("deepseek_v4", "fused", False),  # experts with their own gating (clamped SwiGLU), hash routing
 ])
 def test_exported_moe_adapter_loads_in_plain_peft_and_computes_the_trained_model(model_type, form, use_rslora,
                                                                                  tiny_arch, tmp_path, capsys):

@@ -46,10 +46,10 @@ def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kw
 
     if train_router:
         config.modules_to_save = router_names(model)
-    if not has_routed_experts(model):
-        return peft_get_peft_model(model, config, **kwargs)
-    check_expert_targets(model, config)
     excluded = _exclude_linear_routers(model, config)
+    if not has_routed_experts(model):
+        return _without_exclusion(peft_get_peft_model(model, config, **kwargs), excluded, kwargs)
+    check_expert_targets(model, config)
     try:
         with per_expert_layout():
             peft_model = peft_get_peft_model(model, config, **kwargs)
@@ -57,12 +57,17 @@ def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kw
         raise ModelLoadError(f"lora.target_modules {config.target_modules!r}: PEFT cannot put LoRA there on this "
                              f"mixture-of-experts model ({str(exc).splitlines()[0][:300]}). Fix: use all-linear, or "
                              f"name Linear modules (attention projections, the experts' {_expert_leaf_names(model)}).") from None
-    if excluded is not None:  # the adapter's config as if the router had never matched (a reload needs no exclusion)
+    trainable_routers(peft_model)
+    return _without_exclusion(peft_model, excluded, kwargs)
+
+
+def _without_exclusion(peft_model, excluded: tuple[object, set[str]] | None, kwargs: dict):
+    """The adapter's config as if the excluded Linears had never matched (a reload needs no exclusion)."""
+    if excluded is not None:
         resolved = peft_model.peft_config[kwargs.get("adapter_name", "default")]
         resolved.exclude_modules = excluded[0]
         if isinstance(resolved.target_modules, set):  # all-linear, expanded by PEFT to leaf names, the router's too
             resolved.target_modules -= excluded[1]
-    trainable_routers(peft_model)
     return peft_model
 
 
@@ -86,14 +91,24 @@ def router_names(model: nn.Module) -> list[str]:
     return names
 
 
+def _own_forward_linear(child: nn.Module) -> bool:
+    """An `nn.Linear` subclass of transformers' with a forward of its own (DeepSeek-V4's grouped output projection
+    `o_a_proj`: one block per head group, outputs groups x rank): bitsandbytes leaves it unquantized (transformers
+    converts plain `nn.Linear` only) and PEFT's `lora.Linear` would add a plain x @ A @ B of another shape to it."""
+    return (isinstance(child, nn.Linear) and type(child).__module__.startswith("transformers.")
+            and type(child).forward is not nn.Linear.forward)
+
+
 def _exclude_linear_routers(model: nn.Module, config) -> tuple[object, set[str]] | None:
     """Keep LoRA off a router that is an `nn.Linear` subclass (Llama 4's returns scores and logits, which PEFT's
-    `lora.Linear` cannot add to): all-linear (or a regex) would wrap it. Added to the config's exclude_modules by full
-    name; returns the previous exclude_modules and the routers' leaf names (None when nothing was added). A list of
-    targets naming the router is refused before (`check_expert_targets`)."""
+    `lora.Linear` cannot add to) and off any Linear of transformers' with its own forward (`_own_forward_linear`):
+    all-linear (or a regex) would wrap them. Added to the config's exclude_modules by full name; returns the previous
+    exclude_modules and the excluded leaf names (None when nothing was added). A list of targets naming the router is
+    refused before (`check_expert_targets`)."""
     routers = [f"{parent_name}.{name}" for parent_name, parent in model.named_modules()
                if any(isinstance(child, RoutedExperts) for child in parent.children())
                for name, child in parent.named_children() if isinstance(child, nn.Linear) and _is_router(child)]
+    routers += [name for name, child in model.named_modules() if _own_forward_linear(child) and name not in routers]
     if not routers or not isinstance(config.target_modules, str):
         return None
     excluded = config.exclude_modules

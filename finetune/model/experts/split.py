@@ -47,7 +47,8 @@ def split_experts(model: nn.Module, *, dtype: torch.dtype, quantized: bool = Tru
             split = family.ROUTED([family.new_expert(module, names, hidden, inter, dtype=dtype)
                                    for _ in range(experts)])
         # Plain attributes (no state, nothing for FSDP to see): what `fuse_experts` needs to give the layout back.
-        split.family, split.fused_type, split.fused_config = family_name, type(module), family.fused_config(module)
+        config = family.fused_config(module) or model.config.get_text_config()  # DeepSeek-V4's experts keep none
+        split.family, split.fused_type, split.fused_config = family_name, type(module), config
         if device.type != "meta":
             with torch.no_grad():
                 family.copy_in(split, module)

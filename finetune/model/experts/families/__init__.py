@@ -18,10 +18,11 @@ from types import ModuleType
 
 from torch import nn
 
-from finetune.model.experts.families import concatenated, gpt_oss, llama4
+from finetune.model.experts.families import concatenated, gpt_oss, llama4, own_gating
 
 # Llama 4 first: its experts module looks concatenated (no flag says it is transposed), its class says otherwise.
-FAMILIES: dict[str, ModuleType] = {"llama4": llama4, "concatenated": concatenated, "gpt_oss": gpt_oss}
+FAMILIES: dict[str, ModuleType] = {"llama4": llama4, "concatenated": concatenated, "gpt_oss": gpt_oss,
+                                   "own_gating": own_gating}
 
 
 def family_for(module: nn.Module) -> tuple[str | None, list[str]]:
