@@ -1,9 +1,10 @@
 """Process-group facts from the launcher (accelerate launch, torchrun, or a plain `python`).
 
 We read the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and form the process
-group with torch's own API: NCCL with one GPU per process (device from LOCAL_RANK) when CUDA is present, gloo on
-CPU. We deliberately do not let accelerate's state decide: on CPU it reports `DistributedType.NO` for an FSDP
-config and lets N processes train N independent copies. Only this module and finetune/parallel/ touch torch.distributed.
+group with torch's own API: NCCL with one GPU per process (device from LOCAL_RANK, finetune/devices.py) when CUDA is
+present, gloo on CPU. We deliberately do not let accelerate's state decide: on CPU it reports `DistributedType.NO` for
+an FSDP config and lets N processes train N independent copies. Only this module and finetune/parallel/ touch
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from finetune.devices import check_torch_sees_the_gpus, local_gpu_index, shared_gpu_refused
 from finetune.errors import FinetuneError, LaunchError
 
 
@@ -66,11 +68,12 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = local_world_size(world_size)
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() not in ("true", "1")
-    if cuda:
-        check_one_gpu_per_process(local_world, torch.cuda.device_count())
-        device = torch.device("cuda", local_rank)
+    visible = torch.cuda.device_count() if cuda else 0
+    if cuda:  # LOCAL_RANK picks the GPU, or cuda:0 where the launcher bound one GPU to each process (devices.py)
+        device = torch.device("cuda", local_gpu_index(local_rank, local_world, visible))
         torch.cuda.set_device(device)
     else:
+        check_torch_sees_the_gpus()  # a CUDA torch on an older driver would train on the CPU with only a warning
         device = torch.device("cpu")
     backend = None
     # A launcher that starts one process on purpose (`torchrun --nproc_per_node 1`) gets a 1-rank group, so FSDP and
@@ -86,12 +89,14 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
         backend = process_group_backend(cuda=cuda)
         if not dist.is_initialized():
             kwargs = {"device_id": device} if cuda else {}
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+            with shared_gpu_refused(local_world, visible):  # NCCL's refusal of one GPU given to several ranks
+                dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         if dist.get_world_size() != world_size:
             raise LaunchError(f"process group has {dist.get_world_size()} ranks, the launcher announced {world_size}.")
         global _PEERS, _TIMEOUT_S
         _PEERS, _TIMEOUT_S = [None] * world_size, timeout_s
-        dist.all_gather_object(_PEERS, (socket.gethostname(), os.getpid()))  # so a failure can name the rank it lost
+        with shared_gpu_refused(local_world, visible):  # (NCCL's first collective, where its init is lazy)
+            dist.all_gather_object(_PEERS, (socket.gethostname(), os.getpid()))  # so a failure can name the rank lost
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
@@ -116,20 +121,6 @@ def process_group_backend(*, cuda: bool) -> str:
     goes through NCCL.
     """
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
-
-
-def check_one_gpu_per_process(local_processes: int, visible_gpus: int) -> None:
-    """One GPU per process on a node: more processes than visible GPUs would put two ranks on one GPU, which NCCL
-    refuses mid-start ("Duplicate GPU detected"); refuse it first, with the counts and the fix."""
-    if local_processes > visible_gpus:
-        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f"CUDA_VISIBLE_DEVICES={seen}" if seen is not None else "CUDA_VISIBLE_DEVICES unset"
-        raise LaunchError(
-            f"{local_processes} processes were started on this node but it sees {visible_gpus} GPU(s) ({where}): two "
-            "ranks would share a GPU, which NCCL refuses. Fix: start at most one process per visible GPU "
-            f"(accelerate's --num_processes / num_processes, torchrun's --nproc_per_node {visible_gpus}), or make "
-            "more GPUs visible in CUDA_VISIBLE_DEVICES."
-        )
 
 
 def _launcher_asked_processes() -> int:

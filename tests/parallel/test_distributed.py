@@ -226,22 +226,23 @@ def test_silent_single_process_split_is_refused(setup):
 
 # ------------------------------------------------------------------------------- GPU-only behaviour, simulated
 def test_more_local_processes_than_gpus_is_refused(monkeypatch):
-    """Simulated in this process (a CPU machine has no GPU to share): 2 local ranks, 1 visible GPU. Before the check,
-    rank 1 took `local_rank % device_count` = GPU 0 and NCCL failed later with "Duplicate GPU detected"."""
+    """Simulated in this process (a CPU machine has no GPU to share): 4 local ranks, 2 visible GPUs. Before the check,
+    rank 3 took `local_rank % device_count` = GPU 1 and NCCL failed later with "Duplicate GPU detected". (One visible
+    GPU is a launch that bound one GPU to each process: cuda:0, tests/test_devices.py.)"""
     import torch
 
     from finetune import distributed
     from finetune.errors import LaunchError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(distributed, "_INFO", None)
-    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                       "CUDA_VISIBLE_DEVICES": "0"}.items():
+    for key, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+                       "CUDA_VISIBLE_DEVICES": "0,1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    with pytest.raises(LaunchError, match=r"2 processes were started on this node but it sees 1 GPU\(s\) "
-                                          r"\(CUDA_VISIBLE_DEVICES=0\).*--nproc_per_node 1"):
+    with pytest.raises(LaunchError, match=r"4 processes were started on this node but it sees 2 GPU\(s\) "
+                                          r"\(CUDA_VISIBLE_DEVICES=0,1\).*--nproc_per_node 2"):
         distributed.init_distributed()
     assert distributed._INFO is None
 

@@ -213,19 +213,19 @@ def test_explicit_strategy_that_will_not_fit_warns_or_refuses(tiny_llama):
 def test_the_deepspeed_launchers_local_size_counts_this_nodes_processes(monkeypatch):
     """`deepspeed` sets LOCAL_SIZE, not LOCAL_WORLD_SIZE: 2 nodes x 8 GPUs is 8 processes per node, not WORLD_SIZE=16
     (which the one-GPU-per-process check would refuse on an 8-GPU node). Simulated: no CUDA here, the check is pure."""
-    from finetune import distributed
+    from finetune import devices, distributed
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "8")
     assert distributed.local_world_size(16) == 8
-    distributed.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)  # no refusal
+    devices.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)  # no refusal
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun / accelerate's own word wins
     assert distributed.local_world_size(16) == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("LOCAL_SIZE")
     assert distributed.local_world_size(2) == 2  # one node: WORLD_SIZE
     with pytest.raises(LaunchError, match="16 processes were started on this node but it sees 8"):
-        distributed.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)
+        devices.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)
 
 
 @pytest.mark.parametrize("version,fsdp_version,device,refused", [
