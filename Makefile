@@ -124,9 +124,10 @@ bench-peers: $(STAMP)
 	$(BIN)/python benchmarks/bench_peers.py
 
 # The CUDA path on one GPU (benchmarks/gpu_smoke.py); installs .venv with the CUDA build only where a GPU is present
-# and no Python with CUDA torch exists yet; without a GPU: one line, exit 2.
+# and no Python with CUDA torch exists yet; without a GPU: one line, exit 2. Its options through ARGS, e.g.
+#   make gpu-smoke ARGS="--json $$OUT/gpu_smoke.json --deadline-s 420"   (or GPU_SMOKE_JSON=... GPU_SMOKE_DEADLINE_S=...)
 gpu-smoke:
-	bash benchmarks/gpu_smoke.sh
+	bash benchmarks/gpu_smoke.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache build dist

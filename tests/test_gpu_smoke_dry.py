@@ -66,6 +66,12 @@ def test_dry_run_reaches_every_check_without_a_traceback(tmp_path):
     assert (f"gpu-smoke: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
             in result.stdout), output
     assert report["dry_run"] is True and "dry run" in checks["load peak vs planner"]["detail"], report
+    # The probe ran first, in its own process, and its answers are in the JSON and the output.
+    probe = report["probe"]
+    assert probe["device"] == "cpu" and probe["versions"]["torch"] and probe["foreach_copy_canonicalizes_nans"] is False
+    assert probe["fully_shard_param_dtype_none"]["mixed_unit"] == {"bitwise": True, "lora_grad_dtype": "float32",
+                                                                   "lora_grad_finite": True}, probe
+    assert "[gpu-smoke] probe: fully_shard(param_dtype=None), 1 rank: mixed unit" in result.stdout, output
 
 
 def test_load_check_reads_the_worker_record_as_bench_loading_writes_it(tmp_path, monkeypatch):
@@ -105,7 +111,8 @@ def peer_run(runner: str, mode: str, tokens_per_s: float, peak_mb: float) -> dic
 
 @pytest.mark.parametrize(("ours_speed", "ours_peak", "expected"), [
     (140.0, 90.0, PASS),  # 1.4x tokens/s, 0.9x memory
-    (120.0, 90.0, FAIL),  # 1.2x tokens/s: below 1.3x
+    (100.0, 90.0, PASS),  # 1.0x tokens/s: issue 13's goal (docs/benchmarks.md), not the CPU's 1.6x
+    (95.0, 90.0, FAIL),  # 0.95x tokens/s: below 1.0x
     (140.0, 110.0, FAIL),  # 1.1x memory: above 1.0x
     (140.0, 0.0, FAIL),  # no peak figure
 ])
@@ -121,7 +128,7 @@ def test_peer_line_checks_both_ratios_in_both_modes(ours_speed, ours_peak, expec
 
 def test_skips_are_listed_but_never_passes(tmp_path):
     """A skipped run is SKIP (not PASS) for its own checks; skips alone exit 0, any failure exits 1; the deadline
-    turns what has not started into FAIL 'not run: deadline' without starting it."""
+    turns what has not started into SKIP 'not run: deadline' without starting it."""
     skipped = gpu_smoke.train("zero3", "deepspeed is not installed in this Python", tmp_path, Cuda(), Deadline(60))
     single = {"name": "single", "ok": True, "reason": "", "losses": [2.0, 1.5]}
     checks = [gpu_smoke.trains_check(single), gpu_smoke.trains_check(skipped), gpu_smoke.losses_check(skipped, single)]
@@ -135,9 +142,11 @@ def test_skips_are_listed_but_never_passes(tmp_path):
     checks += [gpu_smoke.trains_check(late), gpu_smoke.losses_check(late, single),
                gpu_smoke.load_check(tmp_path, tmp_path / "recipe.yaml", Cuda(), passed),
                gpu_smoke.peer_check(tmp_path, Cuda(), passed)]
-    assert [(c.verdict, c.detail) for c in checks[3:]] == [(FAIL, "not run: deadline")] * 4
-    assert gpu_smoke.exit_code(checks) == 1
-    assert gpu_smoke.trains_check({"name": "single", "ok": True, "reason": "", "losses": [2.0, 2.1]}).verdict == FAIL
+    assert [c.verdict for c in checks[3:]] == [SKIP] * 4, checks[3:]
+    assert all(c.detail.startswith("not run: deadline (0 s left of 0;") for c in checks[3:]), checks[3:]
+    assert gpu_smoke.exit_code(checks) == 0
+    failed = gpu_smoke.trains_check({"name": "single", "ok": True, "reason": "", "losses": [2.0, 2.1]})
+    assert failed.verdict == FAIL and gpu_smoke.exit_code([*checks, failed]) == 1
 
 
 def test_a_subprocess_gets_no_more_than_the_time_left():
@@ -152,3 +161,193 @@ def test_a_check_that_raises_is_a_failed_check(capsys):
     check = gpu_smoke.guarded("load peak vs planner", lambda: {}["planner_sharded_load"])
     assert check == Check("load peak vs planner", FAIL, "error: KeyError: 'planner_sharded_load'")
     assert "Traceback" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- why a run failed (issue 57, finding 2)
+# What `torchrun --nproc_per_node=1 finetune/run.py BAD.yaml` wrote to stderr (torch 2.13, copied from a run; the
+# middle of torchrun's own traceback shortened): the child's paragraph, then torchrun's footer, which ends the text.
+TORCHRUN_FOOTER = """E1206 08:12:21.880000 10873 .venv/lib/python3.11/site-packages/torch/distributed/elastic/\
+multiprocessing/api.py:1002] failed (exitcode: {code}) local_rank: 0 (pid: 10878) of binary: /work/main/.venv/bin/python
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+finetune/run.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_08:12:21
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : {code} (pid: 10878){signal}
+  error_file: <N/A>
+  traceback : {traceback}
+============================================================
+"""
+HELP = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+
+
+def torchrun_stderr(child: str, *, code: int = 2, signal: str = "", traceback: str = HELP) -> str:
+    return child + TORCHRUN_FOOTER.format(code=code, signal=signal, traceback=traceback)
+
+
+RECIPE_ERROR = ("[finetune] model: 1,024 stored parameters\nfinetune: error: /w/r.yaml: 1 problem in the recipe:\n"
+                "  data: required key is missing.\n")
+RAISED = ('Traceback (most recent call last):\n  File "/w/finetune/run.py", line 3, in <module>\n    wrap(model)\n'
+          "RuntimeError: only Tensors of floating point dtype can require gradients\nsecond line of the message\n")
+
+
+@pytest.mark.parametrize(("child", "footer", "reason"), [
+    (RECIPE_ERROR, {}, "finetune: error: /w/r.yaml: 1 problem in the recipe: data: required key is missing."),
+    (RAISED, {"code": 1}, "RuntimeError: only Tensors of floating point dtype can require gradients"),
+    ("x\n", {"code": -11, "signal": "  (SIGSEGV)", "traceback": "Signal 11 (SIGSEGV) received by PID 10878"},
+     "torchrun: exitcode  : -11 (pid: 10878)  (SIGSEGV); traceback : Signal 11 (SIGSEGV) received by PID 10878"),
+], ids=["finetune-error", "exception", "signal"])
+def test_a_failed_checks_reason_is_the_childs_not_torchruns_footer(child, footer, reason):
+    """Before, the reason was the last 300 characters of stderr: always torchrun's footer ("... To enable traceback
+    see ... ===="), whatever the child said. Now its `finetune: error:` paragraph (whole), else its exception line,
+    else the signal from the footer's root cause."""
+    result = subprocess.CompletedProcess([], 1, "", torchrun_stderr(child, **footer))
+    assert gpu_smoke.failure(result) == f"exit 1: {reason}"
+
+
+def test_the_last_paragraph_wins_and_a_plain_process_is_read_the_same_way():
+    """A rank's `[rank0]:` prefix is dropped; after two errors the last one is the reason; a warning after the
+    paragraph ends it; without torchrun (the single run, bench_peers) the same rules hold; a timeout says only that."""
+    stderr = ("[rank0]: finetune: error: first.\nfinetune: error: the second one, whole:\n  its fix.\n"
+              "/x/y.py:3: UserWarning: later noise\n")
+    assert gpu_smoke.failure(subprocess.CompletedProcess([], 2, "", stderr)) == "exit 2: finetune: error: the second one, whole: its fix."
+    plain = 'Traceback (most recent call last):\n  File "a.py", line 1\nKeyError: \'runs\'\n'
+    assert gpu_smoke.failure(subprocess.CompletedProcess([], 1, "", plain)) == "exit 1: KeyError: 'runs'"
+    timed_out = subprocess.CompletedProcess([], 124, "", "partial\ntimed out after 12 s (the smoke's deadline)")
+    assert gpu_smoke.failure(timed_out) == "timed out after 12 s (the smoke's deadline)"
+
+
+@pytest.mark.slow
+def test_a_real_torchrun_failure_gives_the_childs_paragraph(tmp_path):
+    """The same through a real torchrun (its footer as this torch writes it): a child that prints the paragraph and
+    exits 2, and one that raises."""
+    script = tmp_path / "child.py"
+    script.write_text("import sys\nif sys.argv[1] == 'error':\n    print('finetune: error: the recipe is wrong. Fix: "
+                      "this.', file=sys.stderr)\n    sys.exit(2)\nraise ValueError('the exception line')\n")
+    for kind, reason in (("error", "finetune: error: the recipe is wrong. Fix: this."),
+                         ("raise", "ValueError: the exception line")):
+        result = gpu_smoke.run_quietly(gpu_smoke.torchrun(str(script), kind), timeout=120, deadline=Deadline(120),
+                                       env=child_env())
+        assert "ChildFailedError" in result.stderr and gpu_smoke.failure(result) == f"exit 1: {reason}", result.stderr
+
+
+# ------------------------------------------------------------------- --json and --deadline-s (issue 57, finding 2)
+def test_make_gpu_smoke_passes_json_and_deadline_through(tmp_path):
+    """`make gpu-smoke ARGS="..."` reaches gpu_smoke.py's command line (here a stand-in Python that says it has CUDA
+    and writes down its arguments); before, the target dropped them."""
+    arguments = tmp_path / "argv.txt"
+    fake_python = tmp_path / "python-with-cuda"
+    fake_python.write_text(f'#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\necho "$@" > {arguments}\nexit 0\n')
+    fake_python.chmod(0o755)
+    env = {**{k: v for k, v in child_env().items() if k not in ("WHEELS", "MAKEFLAGS")}, "PY": str(fake_python)}
+    result = subprocess.run(["make", "-s", "gpu-smoke", f"ARGS=--json {tmp_path}/out/gpu_smoke.json --deadline-s 420"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    argv = arguments.read_text().split()
+    assert argv[0].endswith("gpu_smoke.py") and argv[1] == "--work"
+    assert argv[3:] == ["--json", f"{tmp_path}/out/gpu_smoke.json", "--deadline-s", "420"], argv
+
+
+def test_json_and_deadline_come_from_the_environment_too(monkeypatch, tmp_path):
+    """GPU_SMOKE_JSON / GPU_SMOKE_DEADLINE_S: for a caller that cannot add arguments (the device tool's $OUT)."""
+    monkeypatch.setenv("GPU_SMOKE_JSON", str(tmp_path / "smoke.json"))
+    monkeypatch.setenv("GPU_SMOKE_DEADLINE_S", "300")
+    args = gpu_smoke.parse_args(["--work", str(tmp_path)])
+    assert args.json == tmp_path / "smoke.json" and args.deadline_s == 300.0
+    assert gpu_smoke.parse_args(["--work", str(tmp_path), "--deadline-s", "60"]).deadline_s == 60.0  # the option wins
+
+
+def test_a_process_that_would_end_past_the_deadline_is_skipped_not_started(tmp_path, monkeypatch):
+    """Nothing is started when the time left is shorter than what a process of its kind needs (the device's figure,
+    then the longest of its kind so far); each check says so as SKIP. Before, a run started with 5 s left and was
+    killed (FAIL), and only a deadline already passed stopped the next."""
+    started = []
+    monkeypatch.setattr(gpu_smoke, "run_quietly", lambda command, **kwargs: started.append(command))
+    short = Deadline(20, {"train": 30, "load": 25, "peers": 60, "probe": 30})
+    run = gpu_smoke.train("fsdp2", ["python", "x"], tmp_path, Cuda(), short)
+    single = {"name": "single", "ok": True, "reason": "", "losses": [2.0, 1.5]}
+    checks = [gpu_smoke.trains_check(run), gpu_smoke.losses_check(run, single), gpu_smoke.byte_guard_check(run, Cuda()),
+              gpu_smoke.step_check(run, tmp_path, tmp_path / "recipe.yaml", Cuda()),
+              gpu_smoke.load_check(tmp_path, tmp_path / "recipe.yaml", Cuda(), short),
+              gpu_smoke.peer_check(tmp_path, Cuda(), short)]
+    assert started == [] and [c.verdict for c in checks] == [SKIP] * 6, checks
+    assert checks[0].detail.startswith("not run: deadline (20 s left of 20; a train process needs ~30 s)"), checks[0]
+    assert "a peers process needs ~60 s" in checks[-1].detail and gpu_smoke.exit_code(checks) == 0
+    assert gpu_smoke.run_probe(Cuda(), short) == {"error": "not run: deadline (20 s left of 20; a probe process needs ~30 s)"}
+
+    learned = Deadline(100, {"train": 30})
+    assert learned.would_pass("train") is None
+    learned.took("train", 150.0)  # one run here took longer than the estimate: the next would not end in time
+    assert learned.would_pass("train").endswith("a train process needs ~150 s)")
+    assert gpu_smoke.losses_check(single, run).verdict == SKIP  # nothing to compare with: not a failure
+
+
+# ------------------------------------------------------------------------------- the probe (issue 57, the reshape)
+GPU_PROBE = {"versions": {"python": "3.12.3", "torch": "2.11.0+cu130", "transformers": "5.17.0", "bitsandbytes": None},
+             "cuda": {"torch_cuda": "13.0", "available": True, "device_count": 1, "gpus": ["GPU 0: NVIDIA H100"],
+                      "driver": "580.65.06", "driver_cuda": "13.0", "device": "NVIDIA H100 80GB HBM3",
+                      "capability": "9.0"},
+             "device": "cuda", "cublas_workspace_bytes": 33554432, "foreach_copy_canonicalizes_nans": True,
+             "fully_shard_param_dtype_none": {"error": "RuntimeError: only Tensors of floating point dtype"},
+             "seconds": 7.5}
+
+
+def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monkeypatch):
+    """The probe's JSON (its last stdout line) becomes the report's "probe" and one line per answer; an answer that
+    failed shows its error beside the others; a probe that crashed is one line with its reason."""
+    commands = []
+
+    def probe_process(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, "noise\n" + json.dumps(GPU_PROBE) + "\n", "")
+
+    monkeypatch.setattr(gpu_smoke, "run_quietly", probe_process)
+    probe = gpu_smoke.run_probe(Cuda(), Deadline(60))
+    assert probe == GPU_PROBE and commands[0][1].endswith("gpu_probe.py") and commands[0][2:] == []
+    assert gpu_smoke.run_probe(DryRun(), Deadline(60)) == GPU_PROBE and commands[1][2:] == ["--cpu"]
+    lines = gpu_smoke.probe_lines(probe)
+    assert lines[0] == "7.5 s on cuda: python 3.12.3, torch 2.11.0+cu130, transformers 5.17.0, bitsandbytes -"
+    assert lines[1] == ("torch sees 1 GPU(s) (NVIDIA H100 80GB HBM3, sm 9.0), built for CUDA 13.0; nvidia-smi lists 1, "
+                        "driver 580.65.06 (CUDA 13.0)")
+    assert lines[2:] == ["cuBLAS workspace: 32.0 MiB", "_foreach_copy_ of bf16 NaN payloads: rewrites them",
+                         "fully_shard_param_dtype_none: error: RuntimeError: only Tensors of floating point dtype"]
+
+    crashed = torchrun_stderr('Traceback (most recent call last):\n  File "p.py"\nImportError: libcuda.so.1\n', code=1)
+    monkeypatch.setattr(gpu_smoke, "run_quietly", lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", crashed))
+    failed = gpu_smoke.run_probe(Cuda(), Deadline(60))
+    assert gpu_smoke.probe_lines(failed) == ["failed: exit 1: ImportError: libcuda.so.1"]
+
+
+# ------------------------------------------------------------------------ the speed line's clock (finding 4)
+@pytest.mark.slow  # in-process, but ~6 s (a model, 200 chats, 3 steps)
+def test_the_plain_peft_loops_clock_waits_for_the_gpu(tmp_path, monkeypatch):
+    """bench_peers' plain PEFT loop, in this process on a tiny model: each step's clock is read after
+    `synchronize()` (which waits for the GPU's queued work; recorded here, no GPU), so a GPU step is timed when its
+    kernels have run, not when Python queued them. Before, the loop read the clock right after queueing."""
+    import bench_peers
+    import peers_common
+
+    recipe = peers_common.write_inputs(tmp_path, tiny=True)
+    synced_at = []
+    monkeypatch.setattr(bench_peers, "synchronize", lambda: synced_at.append(time.perf_counter()))
+    monkeypatch.setattr(bench_peers, "held_out_loss", lambda *args: 0.0)
+    bench_peers.worker_peft(recipe, tmp_path / "out", ["train.max_steps=3"])
+    step_end = json.loads((tmp_path / "out" / "bench_rank0.json").read_text())["step_end"]
+    assert len(synced_at) == len(step_end) == 3
+    assert all(synced <= end for synced, end in zip(synced_at, step_end)), (synced_at, step_end)
+
+    waited = []
+    monkeypatch.setattr(peers_common, "synchronize", lambda: waited.append("synchronized"))
+    assert peers_common.synced(lambda: waited.append("optimizer step") or 7)() == 7  # ours: after its optimizer step
+    assert waited == ["optimizer step", "synchronized"]

@@ -1,0 +1,161 @@
+"""What this machine's stack is and does, in about ten seconds: the first thing `make gpu-smoke` runs.
+
+    python benchmarks/gpu_probe.py [--cpu]      # one JSON object on stdout's last line, a summary on stderr
+
+Each answer is a fact the smoke's later lines (and a reader of its JSON) depend on, measured, not assumed:
+  * the versions of the libraries this Python has (read from their metadata: nothing is imported for it), torch's
+    CUDA build, whether torch sees a GPU, and the NVIDIA driver `nvidia-smi` reports;
+  * the cuBLAS workspace: what the caching allocator holds after the first bf16 matmul beyond its operands and result
+    (a fixed cost the planner must count: 32 MiB on sm90 by cuBLAS's documentation);
+  * whether `torch._foreach_copy_` (the copy FSDP2's all-gather uses) rewrites bf16 NaN bit patterns on this device:
+    4-bit weights stored as bf16 are packed bytes, about 0.1% of which read as NaNs (finetune/parallel/byte_guard.py);
+  * a 1-rank `fully_shard` with `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`: does one unshard give
+    back the packed bytes exactly, in a unit of mixed dtypes (bf16 payload + fp32 LoRA: gathered as uint8 views) and
+    in a bf16-only unit (gathered as bf16), and does the fp32 LoRA get a finite fp32 gradient. These are the facts of
+    the FSDP2 + 4-bit route on torch < 2.12 (issue 57, finding 1).
+`--cpu` (the smoke's dry run) asks the same questions of the CPU; a question that fails is answered with its error,
+the others are still asked.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "pydantic", "safetensors",
+             "deepspeed")
+PAYLOAD_ELEMENTS = 1 << 20  # random bytes viewed as bf16: ~0.4% of them NaN patterns (exponent all ones)
+
+
+def versions() -> dict[str, str | None]:
+    """Each library's installed version, None where it is missing."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def cuda_facts() -> dict:
+    import torch
+
+    from finetune.devices import nvidia_smi_facts
+
+    facts = {"torch_cuda": torch.version.cuda, "available": torch.cuda.is_available(),
+             "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0, **nvidia_smi_facts()}
+    if facts["available"]:
+        facts.update(device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+    return facts
+
+
+def nan_payload(device: str):
+    """Random bytes viewed as bf16 (the packed 4-bit storage), NaN patterns included."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (2 * PAYLOAD_ELEMENTS,), dtype=torch.uint8, generator=generator)
+    return packed.to(device).view(torch.bfloat16)
+
+
+def copy_canonicalizes_nans(device: str) -> bool:
+    """Does this device's `torch._foreach_copy_` (FSDP2's all-gather copy) rewrite bf16 NaN bit patterns?"""
+    import torch
+
+    packed = nan_payload(device)
+    copy = torch.empty_like(packed)
+    torch._foreach_copy_([copy], [packed])
+    return not torch.equal(copy.view(torch.uint8), packed.view(torch.uint8))
+
+
+def cublas_workspace_bytes(device: str) -> int | None:
+    """What the allocator holds after the first bf16 matmul beyond its operands and result (None on the CPU)."""
+    import torch
+
+    if device != "cuda":
+        return None
+    a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    b = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    before = torch.cuda.memory_allocated()
+    c = a @ b
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before - c.numel() * c.element_size()
+
+
+def fully_shard_unit(device: str, *, with_lora: bool) -> dict:
+    """One unit under a 1-rank `fully_shard(param_dtype=None, reduce_dtype=float32)`: the packed bytes after an
+    unshard, and (with the fp32 LoRA beside them) the LoRA's gradient after a forward and backward."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class Unit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.packed = nn.Parameter(nan_payload(device).clone().view(-1, 64), requires_grad=False)
+            self.lora = nn.Parameter(torch.randn(64, 4, device=device)) if with_lora else None
+
+        def forward(self, x):
+            return (x @ self.lora).square().sum()
+
+    unit = Unit()
+    original = unit.packed.detach().view(torch.uint8).clone()
+    mesh = init_device_mesh(device, (1,))
+    fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32))
+    unit.unshard()
+    result = {"bitwise": torch.equal(unit.packed.detach().view(torch.uint8), original)}
+    unit.reshard()
+    if with_lora:
+        unit(torch.randn(8, 64, device=device)).backward()
+        grad = unit.lora.grad.to_local() if hasattr(unit.lora.grad, "to_local") else unit.lora.grad
+        result.update(lora_grad_dtype=str(grad.dtype).replace("torch.", ""), lora_grad_finite=bool(grad.isfinite().all()))
+    return result
+
+
+def fully_shard_probe(device: str) -> dict:
+    """Both units in a 1-rank process group of this process (NCCL on CUDA, gloo on the CPU), destroyed after."""
+    import torch
+    import torch.distributed as dist
+
+    backend, extra = ("nccl", {"device_id": torch.device("cuda", 0)}) if device == "cuda" else ("gloo", {})
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
+    try:
+        return {"mixed_unit": fully_shard_unit(device, with_lora=True),
+                "bf16_only_unit": fully_shard_unit(device, with_lora=False)}
+    finally:
+        dist.destroy_process_group()
+
+
+def asked(question, *args):
+    """The answer, or the error that stopped it (the other questions are still asked)."""
+    try:
+        return question(*args)
+    except Exception as exc:  # noqa: BLE001  a probe answers every question it can
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def probe(*, cpu: bool) -> dict:
+    started = time.perf_counter()
+    found: dict = {"versions": versions(), "cuda": asked(cuda_facts)}
+    device = "cuda" if not cpu and found["cuda"].get("available") else "cpu"
+    found["device"] = device
+    found["cublas_workspace_bytes"] = asked(cublas_workspace_bytes, device)
+    found["foreach_copy_canonicalizes_nans"] = asked(copy_canonicalizes_nans, device)
+    found["fully_shard_param_dtype_none"] = asked(fully_shard_probe, device)
+    found["seconds"] = round(time.perf_counter() - started, 2)
+    return found
+
+
+if __name__ == "__main__":
+    result = probe(cpu="--cpu" in sys.argv)
+    print(json.dumps(result))
