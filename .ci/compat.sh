@@ -32,6 +32,8 @@ subset=(
   "tests/parallel/test_hybrid_shard.py::test_hybrid_shard_runs_as_two_nodes_of_two"
   "tests/parallel/test_experts_parallel.py::test_moe_trains_the_same_curve_single_ddp_fsdp2[mixtral-configs0-False]"
   "tests/outputs/test_checkpoint.py::test_sigkill_then_resume_gives_the_same_adapter_bitwise[fsdp2]"
+  # FSDP2 + 4-bit with the copy rewriting NaNs as CUDA's: on the floor (torch 2.11) the units-of-mixed-dtypes route
+  "tests/parallel/test_byte_guard.py::test_below_torch_2_12_the_packed_bytes_travel_in_units_of_mixed_dtypes"
   "tests/training/test_preference.py::test_each_loss_equals_the_plain_implementation[sigmoid]"
   "tests/training/test_preference.py::test_step_one_is_ln2_and_the_precomputed_reference_matches_adapter_off[adapter]"
   "tests/training/test_kto.py::test_step_one_is_half_the_mean_weight_and_it_learns"

@@ -10,9 +10,12 @@ Each answer is a fact the smoke's later lines (and a reader of its JSON) depend 
   * whether `torch._foreach_copy_` (the copy FSDP2's all-gather uses) rewrites bf16 NaN bit patterns on this device:
     4-bit weights stored as bf16 are packed bytes, about 0.1% of which read as NaNs (finetune/parallel/byte_guard.py);
   * a 1-rank `fully_shard` with `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`: does one unshard give
-    back the packed bytes exactly, in a unit of mixed dtypes (bf16 payload + fp32 LoRA: gathered as uint8 views) and
-    in a bf16-only unit (gathered as bf16), and does the fp32 LoRA get a finite fp32 gradient. These are the facts of
-    the FSDP2 + 4-bit route on torch < 2.12 (issue 57, finding 1).
+    back the packed bytes exactly, in a unit of mixed dtypes (bf16 payload + fp32 LoRA) and in a bf16-only unit, and
+    does the fp32 LoRA get a finite fp32 gradient. At one rank FSDP2 skips its all-gather (it copies the shard with
+    `Tensor.copy_`), so this is the 1-GPU path only; hence also:
+  * FSDP2's multi-rank copy-in itself (`torch.ops.fsdp.all_gather_copy_in`, what each rank runs before the all-gather
+    collective; no process group needed), on this device: a unit of mixed dtypes goes as uint8 views, a bf16 unit as
+    bf16. These are the facts of the FSDP2 + 4-bit route on torch < 2.12 (finetune/parallel/byte_guard.py, "mixed").
 `--cpu` (the smoke's dry run) asks the same questions of the CPU; a question that fails is answered with its error,
 the others are still asked.
 """
@@ -135,6 +138,27 @@ def fully_shard_probe(device: str) -> dict:
         dist.destroy_process_group()
 
 
+def fsdp_copy_in(device: str) -> dict:
+    """FSDP2's copy-in for rank 0 of 2, as `foreach_all_gather` calls it: the dtypes of a unit decide the buffer's
+    (uint8 when they differ, pytorch #119302), and each input is copied into it with `_foreach_copy_`."""
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # registers torch.ops.fsdp
+
+    payload = nan_payload(device)
+    lora = torch.randn(4096, device=device)
+
+    def rank0_part(inputs: list, dtype) -> torch.Tensor:
+        sizes = [t.numel() for t in inputs]
+        output = torch.empty(2 * sum(sizes), dtype=dtype, device=device)
+        part, _ = torch.ops.fsdp.all_gather_copy_in(inputs, output, sizes, sum(sizes), 0)
+        return part[: sizes[0]].view(torch.uint8)
+
+    mixed = rank0_part([payload.view(torch.uint8), lora.view(torch.uint8)], torch.uint8)
+    alone = rank0_part([payload], torch.bfloat16)
+    original = payload.view(torch.uint8)
+    return {"mixed_unit_as_uint8_bitwise": torch.equal(mixed, original), "bf16_unit_bitwise": torch.equal(alone, original)}
+
+
 def asked(question, *args):
     """The answer, or the error that stopped it (the other questions are still asked)."""
     try:
@@ -152,6 +176,7 @@ def probe(*, cpu: bool) -> dict:
     found["cublas_workspace_bytes"] = asked(cublas_workspace_bytes, device)
     found["foreach_copy_canonicalizes_nans"] = asked(copy_canonicalizes_nans, device)
     found["fully_shard_param_dtype_none"] = asked(fully_shard_probe, device)
+    found["fsdp_copy_in"] = asked(fsdp_copy_in, device)
     found["seconds"] = round(time.perf_counter() - started, 2)
     return found
 

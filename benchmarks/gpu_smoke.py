@@ -6,7 +6,7 @@
 
 First a probe of about ten seconds (benchmarks/gpu_probe.py, its own process): the library versions, whether torch
 sees the GPU and the driver, the cuBLAS workspace, `_foreach_copy_` on bf16 NaN payloads, a 1-rank `fully_shard` with
-`param_dtype=None`; printed, and in the JSON under "probe" (where it failed: its error).
+`param_dtype=None`, FSDP2's 2-rank copy-in; printed, and in the JSON under "probe" (where it failed: its error).
 
 A Llama-shaped model built from a config (no hub: the lent GPU machine has no network), NF4 + LoRA in bf16 with
 checkpointing on, the same recipe for every run. One line per check, each of which can fail:
@@ -248,8 +248,9 @@ def probe_lines(probe: dict) -> list[str]:
     versions = ", ".join(f"{name} {version or '-'}" for name, version in probe["versions"].items())
     lines = [f"{probe['seconds']} s on {probe['device']}: {versions}"]
     for key, say in (("cuda", _gpus_line), ("cublas_workspace_bytes", _workspace_line),
-                     ("foreach_copy_canonicalizes_nans", _copy_line), ("fully_shard_param_dtype_none", _shard_line)):
-        answer = probe[key]
+                     ("foreach_copy_canonicalizes_nans", _copy_line), ("fully_shard_param_dtype_none", _shard_line),
+                     ("fsdp_copy_in", _copy_in_line)):
+        answer = probe.get(key, {"error": "not asked"})
         lines.append(f"{key}: error: {answer['error']}" if isinstance(answer, dict) and "error" in answer else say(answer))
     return lines
 
@@ -266,6 +267,11 @@ def _workspace_line(workspace: int | None) -> str:
 
 def _copy_line(canonicalizes: bool) -> str:
     return "_foreach_copy_ of bf16 NaN payloads: " + ("rewrites them" if canonicalizes else "keeps the bytes")
+
+
+def _copy_in_line(result: dict) -> str:
+    return (f"FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise {result['mixed_unit_as_uint8_bitwise']}; bf16 unit "
+            f"bitwise {result['bf16_unit_bitwise']}")
 
 
 def _shard_line(result: dict) -> str:

@@ -71,6 +71,7 @@ def test_dry_run_reaches_every_check_without_a_traceback(tmp_path):
     assert probe["device"] == "cpu" and probe["versions"]["torch"] and probe["foreach_copy_canonicalizes_nans"] is False
     assert probe["fully_shard_param_dtype_none"]["mixed_unit"] == {"bitwise": True, "lora_grad_dtype": "float32",
                                                                    "lora_grad_finite": True}, probe
+    assert probe["fsdp_copy_in"] == {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": True}, probe  # CPU
     assert "[gpu-smoke] probe: fully_shard(param_dtype=None), 1 rank: mixed unit" in result.stdout, output
 
 
@@ -300,7 +301,7 @@ GPU_PROBE = {"versions": {"python": "3.12.3", "torch": "2.11.0+cu130", "transfor
                       "capability": "9.0"},
              "device": "cuda", "cublas_workspace_bytes": 33554432, "foreach_copy_canonicalizes_nans": True,
              "fully_shard_param_dtype_none": {"error": "RuntimeError: only Tensors of floating point dtype"},
-             "seconds": 7.5}
+             "fsdp_copy_in": {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": False}, "seconds": 7.5}
 
 
 def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monkeypatch):
@@ -321,7 +322,8 @@ def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monk
     assert lines[1] == ("torch sees 1 GPU(s) (NVIDIA H100 80GB HBM3, sm 9.0), built for CUDA 13.0; nvidia-smi lists 1, "
                         "driver 580.65.06 (CUDA 13.0)")
     assert lines[2:] == ["cuBLAS workspace: 32.0 MiB", "_foreach_copy_ of bf16 NaN payloads: rewrites them",
-                         "fully_shard_param_dtype_none: error: RuntimeError: only Tensors of floating point dtype"]
+                         "fully_shard_param_dtype_none: error: RuntimeError: only Tensors of floating point dtype",
+                         "FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise True; bf16 unit bitwise False"]
 
     crashed = torchrun_stderr('Traceback (most recent call last):\n  File "p.py"\nImportError: libcuda.so.1\n', code=1)
     monkeypatch.setattr(gpu_smoke, "run_quietly", lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", crashed))

@@ -8,10 +8,19 @@ rewritten one decodes as different 4-bit values: a wrong base model, no error (b
 
 What this module does, per rank, at wrap time:
   * `probe_copy`: before the first unit is sharded, copy a fixed tensor of every bit pattern of the storage dtype
-    with the op FSDP2 uses, on the device training uses, and compare the bytes. When the copy rewrites them, every
-    unit's packed weights are re-viewed as
-    uint8 before sharding (the same bytes, no copy): FSDP2 leaves non-floating parameters out of mixed precision and
-    all-gathers a unit of mixed dtypes as uint8, so nothing reinterprets them (bitsandbytes reads the bytes either way).
+    with the op FSDP2 uses, on the device training uses, and compare the bytes. When the copy rewrites them, the
+    packed bytes travel as uint8 (`route`), two ways:
+    - "uint8" (torch >= 2.12): every unit's packed weights are re-viewed as uint8 before sharding (the same bytes, no
+      copy): FSDP2 leaves non-floating parameters out of mixed precision and all-gathers a unit of mixed dtypes as
+      uint8, so nothing reinterprets them (bitsandbytes reads the bytes either way);
+    - "mixed" (torch < 2.12, whose fully_shard refuses a uint8 parameter): the packed weights keep their bf16 storage
+      and each decoder layer is sharded with `param_dtype=None` (`MIXED_UNIT_POLICY`), so its fp32 LoRA beside them
+      makes a unit of mixed dtypes, which FSDP2 also all-gathers as uint8 views (pytorch #119302); with a param_dtype
+      set, its copy-in casts every parameter to it (bf16) first and the NaNs are rewritten there. Measured on 2 CPU
+      ranks with the copy patched to rewrite NaNs as CUDA's does, torch 2.11.0 and 2.13.0: the mixed unit under
+      param_dtype=None keeps every byte (its one copy is of uint8); the same unit under param_dtype=bf16, and a bf16
+      unit without LoRA under None, lose their NaN payloads. The LoRA (PEFT's fp32) then reaches the forward in fp32:
+      the fused LoRA path computes in the input's dtype as before, so the step is the single process's.
   * `unit_checksums` before `fully_shard`, `verify_unit` after: one unshard of the unit through the path training
     uses gives back exactly the bytes it had; otherwise the run is refused with the reason.
 """
@@ -85,6 +94,36 @@ def probe_copy(dtype: torch.dtype, device) -> bool:
         copy = torch.empty_like(packed)
         torch._foreach_copy_([copy], [packed])
     return torch.equal(_bytes(copy), _bytes(packed))
+
+
+# fully_shard takes a uint8 parameter from torch 2.12 on (pytorch #177844; measured with a uint8 parameter under
+# fully_shard: 2.11.0 raises "only Tensors of floating point dtype can require gradients", 2.12.0, 2.13.0 and 2.15.0
+# take it). Before that the packed bytes travel in units of mixed dtypes (the module docstring).
+UINT8_PARAMETERS_TORCH = (2, 12)
+
+
+def route(copy_keeps_bytes: bool, torch_version: str | None = None) -> str:
+    """How the packed 4-bit weights travel under FSDP2 on this device and torch: "storage" (their own dtype: the copy
+    keeps every bit pattern, as on CPUs), "uint8" (uint8 parameters) or "mixed" (bf16 in units of mixed dtypes)."""
+    if copy_keeps_bytes:
+        return "storage"
+    version = torch_version or torch.__version__
+    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    return "uint8" if numbers >= UINT8_PARAMETERS_TORCH else "mixed"
+
+
+def check_mixed_unit(module: nn.Module, *, label: str) -> None:
+    """The "mixed" route needs a parameter of another dtype beside the packed weights in each unit (the layer's LoRA):
+    a unit of one dtype would be all-gathered in it, through the copy that rewrites NaN bit patterns."""
+    packed = packed_parameters(module)
+    if packed and len({p.dtype for p in module.parameters()}) == 1:
+        raise LaunchError(
+            f"{label} holds 4-bit weights but no parameter of another dtype (no LoRA in it): on torch "
+            f"{torch.__version__} FSDP2 would all-gather it in {packed[0][1].dtype} through this device's copy, which "
+            "rewrites NaN bit patterns of the packed bytes (a wrong base model). Fix: put LoRA on every decoder layer "
+            "(lora.target_modules), install torch>=2.12 (which shards the packed bytes as uint8 parameters), or use "
+            "FSDP1 (parallel.fsdp_version: 1)."
+        )
 
 
 def store_as_bytes(module: nn.Module) -> int:

@@ -62,29 +62,6 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
         )
 
 
-# On CUDA the packed 4-bit weights are all-gathered as uint8 under FSDP2 (CUDA's copy rewrites NaN bit patterns of a
-# bf16/fp32 storage: finetune/parallel/byte_guard.py), and fully_shard takes a uint8 parameter only from torch 2.12 on
-# (pytorch #177844; measured with a uint8 parameter under fully_shard: 2.11.0 raises "only Tensors of floating point
-# dtype can require gradients", 2.12.0, 2.13.0 and 2.15.0 take it). Before that, FSDP2 + 4-bit on CUDA cannot keep the
-# base's bytes: refused before anything loads, with FSDP1 (which moves flat buffers) as the route.
-FSDP2_UINT8_TORCH = (2, 12)
-
-
-def check_fsdp2_packed_bytes(recipe: Recipe, plan: ParallelPlan, device_type: str, problems: list[str], *,
-                             torch_version: str | None = None) -> None:
-    """FSDP2 with a 4-bit base on CUDA needs torch >= 2.12 (see FSDP2_UINT8_TORCH)."""
-    if plan.strategy != "fsdp" or plan.fsdp_version != 2 or device_type != "cuda" or recipe.quantization.method == "none":
-        return
-    version = torch_version or torch.__version__
-    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    if numbers < FSDP2_UINT8_TORCH:
-        problems.append(
-            f"FSDP2 with a 4-bit base on CUDA needs torch 2.12 or newer; this is torch {version}. On CUDA the packed 4-bit "
-            "weights must be all-gathered as uint8 (CUDA's copy rewrites NaN bit patterns of a bf16 storage, which would "
-            "silently change the base model), and fully_shard before 2.12 refuses uint8 parameters. Fix: use FSDP1 "
-            "(accelerate_configs/fsdp1.yaml, or parallel.fsdp_version: 1), or install torch>=2.12,<2.16.")
-
-
 def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
     mixed = launcher.get("mixed_precision")
     if mixed:

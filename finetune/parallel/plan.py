@@ -12,7 +12,7 @@ import torch
 from finetune.distributed import DistInfo, print0
 from finetune.errors import LaunchError
 from finetune.parallel import accelerate_keys, zero
-from finetune.parallel.checks import check_agreement, check_fsdp2_packed_bytes, check_fsdp_rules
+from finetune.parallel.checks import check_agreement, check_fsdp_rules
 from finetune.parallel.decision import ParallelPlan, Strategy
 from finetune.parallel.launcher import launcher_settings
 from finetune.parallel.layers import decoder_layer_class, layer_split_device_map, meta_model
@@ -57,7 +57,6 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
     check_agreement(recipe, launcher, plan, problems)
     check_fsdp_rules(recipe, launcher, plan, problems)
     accelerate_keys.check(launcher, plan, problems)
-    check_fsdp2_packed_bytes(recipe, plan, dist.device.type, problems)
     if strategy == "deepspeed":
         plan.zero = zero.resolve(recipe, launcher, world_size=dist.world_size, device_type=dist.device.type,
                                              problems=problems, notes=plan.notes)

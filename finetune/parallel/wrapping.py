@@ -77,25 +77,24 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
         # Pinned host memory needs an accelerator; on a CPU-only machine the same policy runs unpinned.
         "offload_policy": CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if plan.cpu_offload else OffloadPolicy(),
     }
-    as_bytes = None  # decided on the first unit: does this device's copy keep packed 4-bit bytes intact?
+    # On torch < 2.12 (route "mixed") each decoder layer is sharded with param_dtype None: see byte_guard.
+    mixed_options = {**options, "mp_policy": MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)}
+    route = None  # how the packed 4-bit bytes travel: decided on the first unit that has them (byte_guard.route)
     checksums = []
     for index, layer in enumerate(_layer_modules(model, plan)):
         if materialize is not None:
             materialize(layer)  # read + quantize this layer only; fully_shard then keeps this rank's shard
         packed = byte_guard.packed_parameters(layer)
-        if as_bytes is None and packed:
-            # Decided together (a unit's dtypes must be the same on every rank), on a fixed tensor of every bit pattern
-            # of the storage dtype: the same answer for every layer, whatever bytes its weights hold.
-            as_bytes = any_rank(not byte_guard.probe_copy(packed[0][1].dtype, dist.device))
-            if as_bytes:
-                plan.notes.append("this device's copies rewrite NaN bit patterns (CUDA does, pytorch #159333): the "
-                                  "packed 4-bit weights are all-gathered as uint8 under FSDP2 (same bytes, no copy)")
-                print0(f"[finetune] note: {plan.notes[-1]}")
-        if as_bytes:
+        label = f"decoder layer {index} ({plan.layer_class})"
+        if route is None and packed:
+            route = _packed_bytes_route(packed[0][1].dtype, plan, dist)
+        if route == "uint8":
             byte_guard.store_as_bytes(layer)
-        checksums.append((index, layer, byte_guard.unit_checksums(layer, rank=shard.rank, world_size=shard.world_size,
+        elif route == "mixed":
+            byte_guard.check_mixed_unit(layer, label=label)
+        checksums.append((label, layer, byte_guard.unit_checksums(layer, rank=shard.rank, world_size=shard.world_size,
                                                                   group=shard_group)))
-        fully_shard(layer, **options)
+        fully_shard(layer, **(mixed_options if route == "mixed" else options))
     if plan.forward_prefetch:  # the accelerate config's fsdp_forward_prefetch: gather the next layer during this one
         layers = _layer_modules(model, plan)
         for layer, following in itertools.pairwise(layers):
@@ -103,9 +102,23 @@ def _wrap_fsdp2(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materializ
     if materialize is not None:
         materialize(model)  # what is left: embeddings, final norm, LM head
     fully_shard(model, **options)
-    for index, layer, before in checksums:  # one unshard per unit through the copy path training uses
-        byte_guard.verify_unit(layer, before, label=f"decoder layer {index} ({plan.layer_class})")
+    for label, layer, before in checksums:  # one unshard per unit through the copy path training uses
+        byte_guard.verify_unit(layer, before, label=label)
     return model
+
+
+def _packed_bytes_route(storage_dtype: torch.dtype, plan: ParallelPlan, dist: DistInfo) -> str:
+    """byte_guard.route, decided together (a unit's dtypes must be the same on every rank), on a fixed tensor of every
+    bit pattern of the storage dtype: the same answer for every layer, whatever bytes its weights hold."""
+    route = byte_guard.route(not any_rank(not byte_guard.probe_copy(storage_dtype, dist.device)))
+    if route != "storage":
+        how = ("as uint8 parameters" if route == "uint8" else
+               f"as uint8 views of units of mixed dtypes (torch {torch.__version__}: decoder layers sharded with "
+               "param_dtype None, the LoRA in fp32 beside the bf16 bytes)")
+        plan.notes.append("this device's copies rewrite NaN bit patterns (CUDA does, pytorch #159333): the packed "
+                          f"4-bit weights are all-gathered as uint8 under FSDP2, {how} (same bytes, no copy)")
+        print0(f"[finetune] note: {plan.notes[-1]}")
+    return route
 
 
 def _wrap_fsdp1(model: nn.Module, plan: ParallelPlan, dist: DistInfo, materialize=None) -> nn.Module:

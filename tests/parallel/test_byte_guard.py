@@ -14,6 +14,7 @@ import pytest
 
 if __name__ != "__main__":  # the worker processes (this file run as a script) need none of the suite's helpers
     from conftest import (
+        REPO,
         addition_rows,
         child_env,
         free_port,
@@ -109,6 +110,48 @@ def test_a_copy_that_changes_any_bytes_is_refused(recipe, tmp_path):
     assert "[rank0]: Traceback" not in broken.stderr and not (tmp_path / "broken" / "adapter").exists()
 
 
+@pytest.mark.slow
+def test_below_torch_2_12_the_packed_bytes_travel_in_units_of_mixed_dtypes(recipe, tmp_path):
+    """torch < 2.12, whose fully_shard refuses uint8 parameters (forced on a newer torch by raising
+    byte_guard.UINT8_PARAMETERS_TORCH in the workers; real on the compat floor's 2.11), with the copy rewriting NaNs
+    as CUDA's does (the patch above): the decoder layers are sharded with param_dtype None, so each is a unit of bf16
+    bytes beside fp32 LoRA that FSDP2 gathers as uint8; the guard finds every byte intact and the losses are the
+    plain run's, bit for bit. Before, FSDP2 + 4-bit on CUDA below 2.12 was refused (parallel/checks.py)."""
+    plain = launch(recipe, tmp_path / "plain", "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    mixed = launch(recipe, tmp_path / "mixed", "canonicalize-below-2.12")
+    assert mixed.returncode == 0, mixed.stderr[-3000:]
+    assert "all-gathered as uint8 under FSDP2, as uint8 views of units of mixed dtypes" in mixed.stdout, mixed.stdout
+    assert "CANONICALIZED" in mixed.stdout  # the patch really rewrote NaNs (the probe's copy at least)
+    assert train_losses(tmp_path / "mixed") == train_losses(tmp_path / "plain")
+    single = run_cmd([sys.executable, str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={tmp_path / 'single'}",
+                      "train.max_steps=3", "train.micro_batch_size=4"], env=child_env())  # 1 x 4 rows, the same batches
+    assert single.returncode == 0, single.stderr[-3000:]
+    # within bf16 rounding (tests/parallel/test_distributed.py's BF16_LOSS_TOLERANCE), and the curve really moves
+    assert train_losses(tmp_path / "mixed") == pytest.approx(train_losses(tmp_path / "single"), abs=3e-3)
+
+
+def test_the_route_of_the_packed_bytes_follows_the_copy_and_the_torch_version():
+    """Where the copy keeps every bit pattern (CPUs) the storage dtype stays; where it rewrites NaNs (CUDA) they go as
+    uint8 parameters from torch 2.12 on, else in units of mixed dtypes; such a unit needs its LoRA beside the bytes."""
+    import torch
+    from torch import nn
+
+    from finetune.errors import LaunchError
+    from finetune.parallel import byte_guard
+
+    assert byte_guard.route(True, "2.11.0+cu130") == "storage" and byte_guard.route(True, "2.13.0") == "storage"
+    assert byte_guard.route(False, "2.11.0+cu130") == "mixed" and byte_guard.route(False, "2.12.0") == "uint8"
+    layer = nn.Module()
+    layer.q_proj = nn.Module()
+    layer.q_proj.weight = nn.Parameter(torch.zeros(8, 1, dtype=torch.bfloat16), requires_grad=False)
+    layer.q_proj.weight.quant_state = object()  # what marks a bitsandbytes Params4bit
+    with pytest.raises(LaunchError, match=r"decoder layer 3 holds 4-bit weights but no parameter of another dtype"):
+        byte_guard.check_mixed_unit(layer, label="decoder layer 3")
+    layer.lora_a = nn.Parameter(torch.zeros(2, 4))  # PEFT's fp32 LoRA: a unit of mixed dtypes
+    byte_guard.check_mixed_unit(layer, label="decoder layer 3")
+
+
 # ------------------------------------------------------------------------------------------- the worker processes
 def _patch_copy(mode: str) -> None:
     """Make `torch._foreach_copy_` behave like CUDA's (`canonicalize`), or worse (`break-bytes`: every copy of a
@@ -139,6 +182,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     if sys.argv[1] != "plain":
         _patch_copy(sys.argv[1])
+    if sys.argv[1] == "canonicalize-below-2.12":  # the route of a torch whose fully_shard refuses uint8 parameters
+        from finetune.parallel import byte_guard
+
+        byte_guard.UINT8_PARAMETERS_TORCH = (99, 0)
     from finetune.run import main
 
     sys.exit(main(sys.argv[2:]))

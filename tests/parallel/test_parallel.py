@@ -226,26 +226,3 @@ def test_the_deepspeed_launchers_local_size_counts_this_nodes_processes(monkeypa
     assert distributed.local_world_size(2) == 2  # one node: WORLD_SIZE
     with pytest.raises(LaunchError, match="16 processes were started on this node but it sees 8"):
         devices.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)
-
-
-@pytest.mark.parametrize("version,fsdp_version,device,refused", [
-    ("2.11.0+cu130", 2, "cuda", True), ("2.12.0+cu130", 2, "cuda", False), ("2.15.0", 2, "cuda", False),
-    ("2.11.0+cu130", 1, "cuda", False), ("2.11.0", 2, "cpu", False)])
-def test_fsdp2_with_a_4bit_base_on_cuda_needs_torch_2_12(version, fsdp_version, device, refused, tiny_llama):
-    """torch < 2.12's fully_shard refuses the uint8 parameters CUDA needs for the packed bytes (measured: 2.11 raises
-    "only Tensors of floating point dtype can require gradients", 2.12.0 takes them): refused before loading on CUDA,
-    with FSDP1 as the route; the CPU keeps bf16 storage and is never refused. The torch version is passed in."""
-    from finetune.parallel.checks import check_fsdp2_packed_bytes
-
-    r = validate_recipe({"model": {"name_or_path": str(tiny_llama), "dtype": "bfloat16"},
-                         "data": {"datasets": [{"path": "x.jsonl"}]}})
-    p = plan(tiny_llama, world=2, strategy="fsdp", fsdp_version=fsdp_version)
-    problems: list[str] = []
-    check_fsdp2_packed_bytes(r, p, device, problems, torch_version=version)
-    assert bool(problems) == refused, problems
-    if refused:
-        assert "needs torch 2.12 or newer; this is torch 2.11.0+cu130" in problems[0] and "FSDP1" in problems[0]
-    problems.clear()
-    check_fsdp2_packed_bytes(r.model_copy(update={"quantization": r.quantization.model_copy(update={"method": "none"})}),
-                             p, device, problems, torch_version=version)
-    assert problems == []  # no packed bytes without 4-bit
