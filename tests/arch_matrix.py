@@ -89,7 +89,8 @@ def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *,
     experts as finetune's per-expert layout does; the export, as the checkpoint does, for PEFT's own conversion)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+
+    from finetune.model.classes import from_pretrained  # AutoModelForCausalLM's class, or the one it does not map
 
     if experts:
         from finetune.cli.command import main as finetune_main
@@ -98,7 +99,7 @@ def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *,
         assert finetune_main(["export", str(adapter_dir), str(exported)]) == 0
         adapter_dir = exported
     ids = torch.arange(3, 19).unsqueeze(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
         before = base(input_ids=ids).logits
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir))
@@ -122,33 +123,86 @@ def _reload_with_plain_peft(model_dir: Path, adapter_dir: Path, tensors: int, *,
     return None
 
 
-def main(model_types: list[str]) -> None:
-    import tempfile
+def run_one(model_type: str, root: Path) -> dict:
+    """One row of the matrix: {"outcome", "detail", "seconds"} (module docstring's outcomes, and `not-a-decoder`,
+    `no-tiny`: the tiny model could not be built from transformers' defaults, so it is untried)."""
     import traceback
 
-    from finetune import quiet
-    from finetune.cli.tiny_arch import build_tiny_arch, text_causal_lm_types
+    from finetune.cli.tiny_arch import build_tiny_arch, decoder_kind
 
+    start = time.perf_counter()
+    kind = decoder_kind(model_type)
+    if kind != "decoder":
+        return {"outcome": "not-a-decoder", "detail": kind, "seconds": 0.0}
+    try:
+        folder = build_tiny_arch(model_type, root / model_type)
+    except Exception as exc:  # noqa: BLE001 - a row per architecture
+        return {"outcome": "no-tiny", "detail": f"{type(exc).__name__}: {_first_line(exc)}",
+                "seconds": round(time.perf_counter() - start, 1)}
+    try:
+        result = train_arch(model_type, folder, root / f"run-{model_type}")
+        detail = result.detail.replace("\n", " ")[:300] or " ".join(f"{x:.3f}" for x in result.losses)
+        return {"outcome": result.outcome, "detail": detail, "seconds": round(result.seconds, 1)}
+    except Exception as exc:  # noqa: BLE001
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {"outcome": "failed", "detail": f"{type(exc).__name__}: {_first_line(exc)} @ "
+                f"{Path(where.filename).name}:{where.lineno}", "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ""
+
+
+def _forked(model_type: str, root: Path, timeout: float) -> dict:
+    """`run_one` in a forked child (the imports are the parent's): a hang or a crash is one row, not the walk's end."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=lambda: send.send(run_one(model_type, root)), daemon=True)
+    start = time.perf_counter()
+    child.start()
+    if receive.poll(timeout):
+        row = receive.recv()
+        child.join(10)
+        return row
+    child.kill()
+    child.join()
+    return {"outcome": "failed", "detail": f"no result in {timeout:.0f} s (exit code {child.exitcode})",
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str]) -> None:
+    """`python tests/arch_matrix.py [MODEL_TYPE ...]`: a line per architecture. `--all --json PATH`: every model type
+    with a causal-LM or image-text-to-text class (`finetune.cli.tiny_arch.matrix_model_types`), each in a forked
+    child with `--timeout` seconds, the rows written to PATH (`make models-matrix`)."""
+    import argparse
+    import json
+    import tempfile
+
+    import torch
+    import transformers
+
+    from finetune import quiet
+    from finetune.cli.tiny_arch import matrix_model_types, text_causal_lm_types
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_types", nargs="*")
+    parser.add_argument("--all", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--timeout", type=float, default=180)
+    args = parser.parse_args(argv)
     quiet.install()
     root = Path(tempfile.mkdtemp(prefix="arch-matrix-"))
-    for model_type in model_types or text_causal_lm_types():
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            folder = build_tiny_arch(model_type, root / model_type)
-        except Exception as exc:  # noqa: BLE001 - a report line per architecture
-            print(f"{model_type}\tno-tiny\t{time.perf_counter() - start:.1f}\t{type(exc).__name__}: {str(exc)[:160]}",
-                  flush=True)
-            continue
-        try:
-            result = train_arch(model_type, folder, root / f"run-{model_type}")
-            detail = result.detail.replace("\n", " ")[:200] or " ".join(f"{x:.3f}" for x in result.losses)
-            print(f"{model_type}\t{result.outcome}\t{result.seconds:.1f}\tcpu {time.process_time() - cpu:.1f}\t{detail}",
-                  flush=True)
-        except Exception as exc:  # noqa: BLE001
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            print(f"{model_type}\tfailed\t{time.perf_counter() - start:.1f}\t{type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''} @ {Path(where.filename).name}:{where.lineno}",
-                  flush=True)
+    types = args.model_types or (matrix_model_types() if args.all else text_causal_lm_types())
+    rows = {}
+    for model_type in types:
+        row = _forked(model_type, root, args.timeout) if args.json else run_one(model_type, root)
+        rows[model_type] = row
+        print(f"{model_type}\t{row['outcome']}\t{row['seconds']}\t{row['detail'][:200]}", flush=True)
+        if args.json:  # after every row: an interrupted walk keeps what it measured
+            args.json.write_text(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
+                                             "rows": dict(sorted(rows.items()))}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,16 +28,15 @@ from finetune.outputs.export import (
 
 def load_for_generation(source: Source, *, no_adapter: bool):
     """(model, tokenizer): the run's base as trained, with the adapter on top unless `no_adapter`."""
-    from transformers import AutoModelForCausalLM
-
     from finetune.model import load_base_model
+    from finetune.model.classes import from_pretrained
     from finetune.model.experts import load_adapter
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if source.recipe is not None:
         model = load_base_model(source.recipe, device=device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source.base_name, dtype=torch.bfloat16).to(device)
+        model = from_pretrained(source.base_name, dtype=torch.bfloat16).to(device)
     tokenizer = load_tokenizer_for(source, None)
     if not no_adapter:
         # Through a clean copy: adapters gathered from wrapped models may carry wrapper prefixes in their keys.

@@ -1,4 +1,5 @@
-"""`finetune models`: the architectures the suite's architecture matrix trains, and those refused with the reason.
+"""`finetune models`: the architectures the suite's architecture matrix trains, those refused with the reason, and every
+other model type of transformers as the models matrix found it.
 
     finetune models          the table (model_type, models, status)
     finetune models --doc    docs/models.md as generated (`make models-doc` writes it)
@@ -21,15 +22,22 @@ on every linear layer, gradient checkpointing, the default dtype), and its adapt
 accelerate_configs/fsdp2.yaml and fsdp1.yaml (2 processes). A refused architecture is refused before any weight
 loads, with the reason and the fix (also by `finetune validate`).
 
-An architecture not listed is not refused: it has not been tried. A decoder of plain `nn.Linear` projections
-usually trains; `python tests/arch_matrix.py MODEL_TYPE` runs the matrix's check on any transformers model type.
+Below those, every other model type of the installed transformers with a causal-LM or image-text-to-text class, as
+the models matrix last found it (`make models-matrix`: each trained tiny in a forked child, the record in
+finetune/model/matrix.json, with the transformers version it ran on): trained tiny (not checked by the suite), untried
+(its tiny run failed, or no tiny model could be built from transformers' defaults: a run of one prints a warning
+first), or not trained (encoders, encoder-decoders). `python tests/arch_matrix.py MODEL_TYPE` runs the matrix's check
+on any transformers model type.
 """
 
 
 def models_doc() -> str:
+    from finetune.model.matrix import record
     from finetune.model.support import support_table
 
-    return f"{DOC_HEAD}\n{support_table()}\n"
+    version = record()["transformers"]
+    ran = f"The models matrix's record is of transformers {version}.\n" if version else ""
+    return f"{DOC_HEAD}\n{ran}\n{support_table()}\n"
 
 
 def cli_models(args: argparse.Namespace) -> int:

@@ -77,34 +77,88 @@ def text_causal_lm_types() -> list[str]:
     return sorted(found)
 
 
+def matrix_model_types() -> list[str]:
+    """Every model type of the installed transformers with a causal-LM or an image-text-to-text class: what the models
+    matrix walks (`make models-matrix`) and `finetune models` lists."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    names = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return sorted(name for name in names if name in CONFIG_MAPPING)
+
+
+def decoder_kind(model_type: str) -> str:
+    """"decoder" for a model the matrix trains (a text decoder, or a multimodal model whose language model is one),
+    else why not: an encoder with a causal-LM head, an encoder-decoder, or no text model."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    if model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES or getattr(
+            CONFIG_MAPPING[model_type], "is_encoder_decoder", False):
+        return "an encoder-decoder model (finetune trains decoder-only causal LMs)"
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in NOT_DECODERS:
+        return "an encoder with a language-model head, or no standalone decoder (finetune trains decoder-only LMs)"
+    return "decoder"
+
+
+def multimodal_class(config):
+    """The class a checkpoint of `config` is saved from: its causal LM, else (a multimodal model transformers maps to
+    no causal LM: Mistral Large 4, Kimi K2.5, GLM-5) its image-text-to-text model, as the hub's checkpoint is."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto as auto
+
+    if config.model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def _two_layers(values: list) -> list[int]:
     """Which layers of a per-layer list to keep: the first, and the first of another kind (else the second)."""
     other = next((index for index, value in enumerate(values) if value != values[0]), 1)
     return [0, other]
 
 
-def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_token_id: int):
-    """transformers' default config of `model_type`, shrunk (module docstring)."""
-    from transformers import CONFIG_MAPPING
-
-    defaults = CONFIG_MAPPING[model_type]().to_dict()
+def _shrunk(defaults: dict) -> dict:
+    """The fields of one (sub-)config's defaults that shrink (module docstring)."""
     layers = next((defaults[key] for key in ("num_hidden_layers", "n_layer", "num_layers") if key in defaults), None)
     fields = {key: value for key, value in _SIZES.items() if isinstance(defaults.get(key), int)
-              and not isinstance(defaults.get(key), bool)}
+              and not isinstance(defaults.get(key), bool) and defaults.get(key) != 0}  # 0: none (no rotary part)
     heads = defaults.get("num_attention_heads") or defaults.get("n_head") or 4
     kv_heads = defaults.get("num_key_value_heads")
     if isinstance(kv_heads, int):
         fields["num_key_value_heads"] = 2 if kv_heads < heads else 4
+    keep = _two_layers(defaults.get("layer_types") or [0] * (layers or LAYERS))
     for key, value in defaults.items():  # per-layer lists: keep two layers
         if isinstance(value, list) and layers and len(value) == layers and layers > LAYERS:
             keep = _two_layers(defaults.get("layer_types") or value)
             fields[key] = [value[index] for index in keep]
+    for key, value in defaults.items():  # per-layer settings keyed by layer index (Gemma 4's per_layer_config)
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            fields[key] = {f"{new:0{len(str(k))}d}": value[k] for k in value for new, old in enumerate(keep)
+                           if int(k) == old}
     if "qk_rope_head_dim" in fields and defaults.get("head_dim") == defaults["qk_rope_head_dim"]:
         fields["head_dim"] = fields["qk_rope_head_dim"]  # multi-head latent attention: rotary part = head_dim
     if isinstance(defaults.get("num_experts_per_tok"), int):
         fields["num_experts_per_tok"] = min(2, defaults["num_experts_per_tok"])
-    fields.update(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
-                  tie_word_embeddings=defaults.get("tie_word_embeddings", False))
+    return fields
+
+
+def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """transformers' default config of `model_type`, shrunk (module docstring). A multimodal config (a text_config
+    beside vision or audio ones) shrinks each of them: its towers too, so the tiny checkpoint holds them as the hub's
+    does."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    tokens = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": None}
+    if isinstance(defaults.get("text_config"), dict):
+        fields = {key: {**value, **_shrunk(value), **(tokens if key == "text_config" else {})}
+                  for key, value in defaults.items() if key.endswith("_config") and isinstance(value, dict)}
+        fields["text_config"].update(_OVERRIDES.get(fields["text_config"].get("model_type"), {}))
+        fields.update(_OVERRIDES.get(model_type, {}))
+        return CONFIG_MAPPING[model_type](**fields)
+    fields = _shrunk(defaults)
+    fields.update(tokens, tie_word_embeddings=defaults.get("tie_word_embeddings", False))
     fields.update(_OVERRIDES.get(model_type, {}))
     return CONFIG_MAPPING[model_type](**fields)
 
@@ -112,7 +166,6 @@ def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_toke
 def build_tiny_arch(model_type: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Save a random-init tiny `model_type` (in `dtype`, as hub checkpoints ship) plus the tiny tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from finetune.cli.tiny import build_tokenizer
 
@@ -120,7 +173,7 @@ def build_tiny_arch(model_type: str, out_dir: str | Path, *, seed: int = 0, dtyp
     config = tiny_config(model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = multimodal_class(config).from_config(config, dtype=getattr(torch, dtype))
     _hash_routes(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

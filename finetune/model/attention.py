@@ -9,22 +9,13 @@ the planner and the packing check need to know which attention a run computes. F
 from __future__ import annotations
 
 from finetune.distributed import print0
+from finetune.model.classes import causal_lm_class
 from finetune.recipe import Recipe
-
-
-def model_class(config):
-    """The causal-LM class transformers builds for `config`, or None (remote code, a type it does not know)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return None
 
 
 def supported_attention(config) -> tuple[str, str]:
     """(implementation, why) for `auto`: sdpa where the class supports it, else eager."""
-    cls = model_class(config)
+    cls = causal_lm_class(config)
     if cls is None:
         return "sdpa", "the model class is not one transformers maps for this config (remote code): its default"
     if getattr(cls, "_supports_sdpa", False):

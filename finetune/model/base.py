@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from finetune.model.attention import resolve_attention
+from finetune.model.classes import without_towers
 from finetune.model.lora.attach import attach_lora, check_adapter
 from finetune.model.settings import quantization_config, torch_dtype
 from finetune.model.sources.hub import hub_kwargs, is_local, load_error, offline_guard
@@ -90,7 +91,7 @@ def load_tokenizer(recipe: Recipe):
 
 def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | None = None) -> nn.Module:
     """The causal LM, quantized to 4 bits while loading (unless `quantization: none`), all base weights frozen."""
-    from transformers import AutoModelForCausalLM
+    from finetune.model.classes import from_pretrained
 
     offline_guard(recipe.model.name_or_path)
     if recipe.model.attn_implementation == "auto":
@@ -115,7 +116,7 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
 
         refuse_mxfp4_in_from_pretrained(load_config(recipe), name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = from_pretrained(name, load_config(recipe), **kwargs)
     except (OSError, ValueError) as exc:
         raise load_error("model", name, exc) from None
     from finetune.model.experts.split import quantize_split_experts, split_experts
@@ -163,8 +164,9 @@ def prepare_for_kbit_training(model: nn.Module, *, gradient_checkpointing: bool)
 
 
 def build_model(recipe: Recipe, *, device: torch.device, device_map: dict | None = None, gradient_checkpointing: bool):
-    """4-bit (or plain) base + LoRA, ready for the parallel wrap."""
-    base = load_base_model(recipe, device=device, device_map=device_map)
+    """4-bit (or plain) base + LoRA, ready for the parallel wrap (a multimodal model transformers maps to no causal LM
+    without its towers, as the per-tensor loaders build it: model/classes.py)."""
+    base = without_towers(load_base_model(recipe, device=device, device_map=device_map))
     prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
     return attach_lora(base, recipe)
 

@@ -57,6 +57,7 @@ from finetune.model.sources.files import (  # noqa: F401
     convert_to_safetensors,
 )
 from finetune.model.sources.shard_reads import RankShard
+from finetune.model.support import converted_at_load
 from finetune.recipe import Recipe
 
 
@@ -145,6 +146,8 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     from finetune.model import base as model_stage
 
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
+    if folder is not None and converted_at_load(model_stage.load_config(recipe)):
+        folder = None  # a layout transformers splits, concatenates or transposes at load: its from_pretrained reads it
     if folder is None:
         with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
             prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently

@@ -14,13 +14,14 @@ def meta_base_model(config, *, dtype: torch.dtype, bnb_config, attn_implementati
     """The causal LM on the meta device, its Linear layers turned into `Linear4bit` as `from_pretrained` would
     (attention `auto`: what the model's class supports, finetune/model/attention.py)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+
+    from finetune.model.classes import from_config
 
     if attn_implementation == "auto":
         attn_implementation = supported_attention(config)[0]
     with init_empty_weights(include_buffers=False):  # rotary frequencies etc. are computed, not loaded: keep them
-        base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
-                                                trust_remote_code=trust_remote_code)
+        base = from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                           trust_remote_code=trust_remote_code)
     base.tie_weights()  # from_config skips tying on the meta device; from_pretrained ties after loading
     from finetune.model.experts.split import split_experts
 

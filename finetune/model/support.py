@@ -12,7 +12,12 @@ An architecture in none of the tables is not refused: it has not been tried (a n
 
 from __future__ import annotations
 
+import sys
+
+from finetune.distributed import print0
 from finetune.errors import ModelLoadError
+from finetune.model import matrix
+from finetune.model.classes import causal_lm_class
 
 # model_type -> a name users know. Trained single-process by the matrix.
 TRAINED = {
@@ -52,6 +57,22 @@ TRAINED = {
     "gpt_oss": "gpt-oss (MoE; attention eager, chosen by model.attn_implementation: auto)",
     "phimoe": "Phi-3.5-MoE",
     "llama4_text": "Llama 4 (text: Scout, Maverick; MoE, experts stored transposed)",
+    # The text of multimodal checkpoints (model/classes.py): the whole model where transformers maps it as a causal
+    # LM (Gemma 4), else its own causal LM (Mistral 4) or its image-text-to-text model without the towers.
+    "gemma4": "Gemma 4 (text of the multimodal checkpoints)",
+    "gemma4_text": "Gemma 4 (text)",
+    "mistral4": "Mistral 4 (Mistral4ForCausalLM, which AutoModelForCausalLM does not map)",
+    "mistral3": "Mistral Small 3.1 / 3.2, Magistral (text of the multimodal checkpoints)",
+    "mistral_large4": "Mistral Large 4 (text; MoE)",
+    "kimi_k25": "Kimi K2.5 (text: DeepSeek-V3's language model; MoE)",
+    "glm5_next": "GLM-5 (text; MoE with its own gating, linear attention; read by from_pretrained)",
+    # Checkpoints whose tensors transformers splits, concatenates or transposes at load (CHECKPOINT_LAYOUTS): read by
+    # transformers' from_pretrained, whole on every rank.
+    "hrm_text": "HRM (text; read by from_pretrained)",
+    "lara_mini": "LARA mini (gated delta net; read by from_pretrained)",
+    "olmo_hybrid": "OLMo hybrid (linear attention; read by from_pretrained)",
+    "param2moe": "Param-2 MoE (read by from_pretrained)",
+    "sarvam_moe": "Sarvam MoE (read by from_pretrained)",
 }
 # model_type -> the model keys it needs besides the library's defaults (the matrix trains it with them).
 MODEL_SETTINGS = {
@@ -60,12 +81,16 @@ MODEL_SETTINGS = {
 # Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet: the matrix expects exactly
 # this, so a fix shows up as a failing row to move out of here. (None since the export writes PEFT's fused-expert
 # form where PEFT does not convert per-expert LoRA itself: finetune/outputs/export_fused.py.)
-ADAPTER_GAPS: tuple[str, ...] = ()
+ADAPTER_GAPS: tuple[str, ...] = ("mistral_large4",)  # its Mistral-format renames (`layers.` -> `model.language_model.
+# layers.`) are applied by PEFT a second time to the fused-expert LoRA keys of the export (`...mlp.mlp.experts`)
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
 # Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py), and DeepSeek-V4 (experts with a
 # gating of their own, experts/families/own_gating.py).
 SHARDED = ("qwen3", "gemma3_text", "deepseek_v3", "deepseek_v4")
+# Launched under the shipped FSDP2 config only: the text of the multimodal releases, each route of model/classes.py
+# (Gemma 4 whole, Mistral 4's unmapped causal LM, Kimi K2.5 without its towers, GLM-5 read by from_pretrained).
+SHARDED_FSDP2 = ("gemma4", "mistral4", "kimi_k25", "glm5_next")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
 _NO_CHECKPOINTING = (("no gradient checkpointing in transformers for it (the library's train.gradient_checkpointing: "
@@ -98,6 +123,8 @@ CHECKPOINT_LAYOUTS = {
     "param2moe": "it fuses attention's q, k and v into one attention.query_key_value, which transformers splits at load",
     "sarvam_moe": "it fuses attention's q, k and v into one attention.query_key_value, which transformers splits at "
                   "load",
+    "glm5_next": "it stores each linear-attention layer's short convolution as three tensors (self_attn.q_conv1d, "
+                 "k_conv1d, v_conv1d), which transformers concatenates into self_attn.conv1d at load",
 }
 REFUSED: dict[str, tuple[str, str]] = {
     "cpmant": _NO_CHECKPOINTING, "ctrl": _NO_CHECKPOINTING, "gpt_neox_japanese": _NO_CHECKPOINTING,
@@ -110,9 +137,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "nemotron_h": (("finetune's loaders cannot read its experts (non-gated, 3-D in the model, per expert in the "
                     "checkpoint) with any settings; PEFT also refuses LoRA on its Mamba mixers' out_proj"),
                    "cannot read its experts"),
-    **{model_type: ((f"finetune's loaders cannot read its checkpoint (with any settings): {layout}; finetune's "
-                     "per-tensor loaders apply transformers' key renames only, not its splits, concatenations and "
-                     "transposes"), "cannot read its checkpoint") for model_type, layout in CHECKPOINT_LAYOUTS.items()},
     "gpt2": _CONV1D, "gpt-sw3": _CONV1D,
     "openai-gpt": ((f"{_CONV1D[0]}; and no gradient checkpointing in transformers for it (the library's "
                     "train.gradient_checkpointing: true); trains with both fixes"), "Conv1D"),
@@ -154,23 +178,8 @@ UNREADABLE = {
     "nemotron_h": "finetune's loaders cannot read its experts (NemotronHExperts: non-gated experts held as 3-D up_proj "
                   "and down_proj, which finetune/model/experts/ does not split, stored per expert in the checkpoint). "
                   "Fix: none in finetune yet; use a model `finetune models` lists as trained",
-    **{model_type: (f"finetune's loaders cannot read its checkpoint: {layout}, and finetune's per-tensor loaders "
-                    "apply transformers' key renames only (finetune/model/sources/conversions.py), not its splits, "
-                    "concatenations and transposes, so the model's tensors are missing from the checkpoint with any "
-                    "settings. Fix: none in finetune yet; use a model `finetune models` lists as trained")
-       for model_type, layout in CHECKPOINT_LAYOUTS.items()},
 }
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def causal_lm_class(config):
-    """transformers' causal LM class for `config`, or None (remote code, or no causal LM)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except (KeyError, ValueError):
-        return None
 
 
 def refusals(config, *, quantized: bool, attn_implementation: str, gradient_checkpointing: bool = False,
@@ -261,6 +270,8 @@ def check_supported(config, recipe) -> None:
                        attn_implementation=recipe.model.attn_implementation,
                        gradient_checkpointing=recipe.train.gradient_checkpointing,
                        lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
+    if not reasons and (warning := matrix.failed_warning(config.model_type)):
+        print0(f"[finetune] warning: {warning}", file=sys.stderr, flush=True)
     if reasons:
         raise ModelLoadError(
             f"model.name_or_path `{recipe.model.name_or_path}` is a {config.model_type} model, which finetune cannot "
@@ -271,13 +282,17 @@ def support_rows() -> list[tuple[str, str, str]]:
     """(model_type, name, status) for the docs and `finetune models`: trained, trained + FSDP, or refused + why."""
     rows = []
     for model_type, name in sorted(TRAINED.items()):
-        status = "trained; FSDP2 and FSDP1 launched" if model_type in SHARDED else "trained (one process)"
+        status = ("trained; FSDP2 and FSDP1 launched" if model_type in SHARDED else "trained; FSDP2 launched"
+                  if model_type in SHARDED_FSDP2 else "trained (one process)")
         status += "".join(f"; needs model.{key}: {value}" for key, value in MODEL_SETTINGS.get(model_type, {}).items())
         if model_type in ADAPTER_GAPS:
             status += "; its exported adapter does not load in plain PEFT yet"
         rows.append((model_type, name, status))
     for model_type in sorted(REFUSED):
         rows.append((model_type, KNOWN_NAMES.get(model_type, model_type), f"refused: {REFUSED[model_type][0]}"))
+    listed = {row[0] for row in rows}
+    rows += [(model_type, KNOWN_NAMES.get(model_type, model_type), matrix.status(model_type))
+             for model_type in sorted(matrix.record()["rows"]) if model_type not in listed]
     return rows
 
 
@@ -286,3 +301,10 @@ def support_table() -> str:
     lines = ["| model_type | models | status |", "| --- | --- | --- |"]
     lines += [f"| `{model_type}` | {name} | {status} |" for model_type, name, status in support_rows()]
     return "\n".join(lines)
+
+
+def converted_at_load(config) -> str | None:
+    """How `config`'s checkpoint stores tensors transformers converts at load (CHECKPOINT_LAYOUTS), else None: such a
+    model is loaded by transformers' from_pretrained (model/base.py), whole on every rank, not by finetune's
+    per-tensor and sharded loaders, which apply transformers' key renames only."""
+    return CHECKPOINT_LAYOUTS.get(config.model_type)

@@ -98,9 +98,8 @@ def base_config(source: Source, base: str | None):
 
 def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.dtype = torch.float32):
     """The base with every weight in `dtype` (no 4-bit): what a merge needs so that W + BA is exact."""
-    from transformers import AutoModelForCausalLM
-
     from finetune.model import load_base_model
+    from finetune.model.classes import from_pretrained
 
     if base is None and source.recipe is not None:
         update = {
@@ -111,7 +110,7 @@ def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.d
         return model.to(dtype)
     name = base or source.adapter_config["base_model_name_or_path"]
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        return from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise ExportError(
             f"base `{name}`: cannot load it ({str(exc).splitlines()[0][:200]}). Fix: pass --base."
@@ -334,8 +333,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
     """
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
+    from finetune.model.classes import from_pretrained
     from finetune.model.experts import fuse_experts, load_adapter
 
     check_out_free(out)
@@ -367,7 +365,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         rounded = _logits(_cast_parameters(merged, torch.float32), ids)  # the bf16 weights, exactly, computed in fp32
-        reloaded = _logits(AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32), ids)  # plain transformers
+        reloaded = _logits(from_pretrained(tmp, dtype=torch.float32), ids)  # plain transformers
         saved = compare_logits("saved model (reloaded) vs the merged model in bf16", reloaded, rounded)
         _require_close(saved, relative=1e-4)
         storage = compare_logits("bf16 storage vs base + adapter", reloaded, reference)

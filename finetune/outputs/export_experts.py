@@ -27,12 +27,11 @@ from torch import nn
 
 def split_meta_model(config) -> nn.Module:
     """The base on the meta device (no weights, any size), its experts split as training split them."""
-    from transformers import AutoModelForCausalLM
-
+    from finetune.model.classes import from_config
     from finetune.model.experts import split_experts
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = from_config(config)
     split_experts(model, dtype=torch.float32, quantized=False)  # a no-op on a model without fused experts
     return model
 

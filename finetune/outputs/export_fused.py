@@ -32,10 +32,10 @@ FUSED = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
 
 def stock_meta_model(config) -> nn.Module:
     """The base as transformers builds it (fused experts), on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from finetune.model.classes import from_config
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return from_config(config)
 
 
 def moved_by_peft(stock: nn.Module, paths: list[str]) -> set[str]:

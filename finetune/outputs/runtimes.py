@@ -161,18 +161,20 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
     what PEFT loaded can be compared with what was written, and missing or unexpected keys are PEFT's own findings."""
     from peft import PeftConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+
+    from finetune.model.classes import from_config
 
     name = "PEFT (PeftModel.from_pretrained)"
     written = load_peft_weights(str(folder), device="cpu")
     peft_config = PeftConfig.from_pretrained(str(folder))
     if peft_config.task_type == "SEQ_CLS":  # a reward model: the base as a sequence classifier with one label
-        from transformers import AutoModelForSequenceClassification as AutoModelForCausalLM
+        from transformers import AutoModelForSequenceClassification
 
         base_config = copy.deepcopy(base_config)
         base_config.num_labels = 1
+    build = AutoModelForSequenceClassification.from_config if peft_config.task_type == "SEQ_CLS" else from_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(base_config)
+        model = build(base_config)
     peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)
     _materialize_adapter(peft_model, written)
     result = set_peft_model_state_dict(peft_model, written)

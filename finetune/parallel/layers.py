@@ -12,10 +12,10 @@ from finetune.errors import LaunchError
 # -------------------------------------------------------------------------------------------- model facts
 def meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
     """The model's module tree with no storage (classes and names for wrap and placement plans)."""
-    from transformers import AutoModelForCausalLM
+    from finetune.model.classes import from_config
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return from_config(config, trust_remote_code=trust_remote_code)
 
 
 def decoder_layer_class(model: nn.Module, requested: str | None = None) -> type[nn.Module]:

@@ -151,10 +151,11 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, 
     """
     try:
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from finetune.model.classes import from_config
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+            model = from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     except Exception as exc:  # noqa: BLE001  (any architecture transformers cannot build: estimate, never crash)
         facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
         facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")

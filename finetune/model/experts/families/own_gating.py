@@ -1,5 +1,6 @@
-"""The concatenated expert layout with a gating of the experts' own (DeepSeek-V4's `DeepseekV4Experts`: SwiGLU with the
-gate clamped above and the up projection clamped both ways at `swiglu_limit`): stored as the concatenated family stores
+"""The concatenated expert layout with a gating of the experts' own (DeepSeek-V4's `DeepseekV4Experts`, GLM-5's
+`Glm5NextTextExperts`: SwiGLU with the gate clamped above and the up projection clamped both ways at `swiglu_limit`):
+stored as the concatenated family stores
 them (`gate_up_proj` experts x 2*inter x hidden, gate rows then up rows; `down_proj` experts x hidden x inter; no
 biases), but the class overrides transformers' `_apply_gate`, the function its own forward and transformers' grouped /
 batched expert kernels apply to the concatenated gate|up output.
@@ -20,7 +21,7 @@ from torch import nn
 from finetune.model.experts.families import concatenated
 from finetune.model.experts.routed import ExpertMLP, ExpertNames, RoutedExperts
 
-MODELS = "DeepSeek-V4 (experts with their own gating)"
+MODELS = "DeepSeek-V4, GLM-5 (experts with their own gating)"
 ROUTED = RoutedExperts
 TRANSPOSED = False
 STORED_IN_OUT = False
@@ -62,7 +63,8 @@ def _own_gate(module: nn.Module):
 
 
 def new_expert(module: nn.Module, names: ExpertNames, hidden: int, inter: int, *, dtype) -> GatedExpertMLP:
-    return GatedExpertMLP(names, hidden, inter, module.act_fn, _own_gate(module), dtype=dtype)
+    # GLM-5's experts keep no activation module: their gate calls F.silu itself.
+    return GatedExpertMLP(names, hidden, inter, getattr(module, "act_fn", None), _own_gate(module), dtype=dtype)
 
 
 def fused_config(module: nn.Module):
