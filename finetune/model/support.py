@@ -271,7 +271,7 @@ def check_supported(config, recipe) -> None:
                        gradient_checkpointing=recipe.train.gradient_checkpointing,
                        lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
     if not reasons and (warning := matrix.failed_warning(config.model_type)):
-        print0(f"[finetune] warning: {warning}", file=sys.stderr, flush=True)
+        print0(f"[finetune] warning: {warning}", file=sys.stderr)
     if reasons:
         raise ModelLoadError(
             f"model.name_or_path `{recipe.model.name_or_path}` is a {config.model_type} model, which finetune cannot "

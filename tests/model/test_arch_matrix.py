@@ -162,6 +162,24 @@ def test_gpt2_style_conv1d_models_are_refused_under_4_bits_only():
     assert with_conv1d == {model_type for model_type, why in FOUR_BIT_GAPS.items() if "Conv1D" in why}
 
 
+def test_a_model_type_whose_tiny_run_failed_is_warned_of_and_listed_untried(monkeypatch, capsys, tmp_path):
+    """The models matrix's record (finetune/model/matrix.json) marks `failed` the model types whose tiny run failed:
+    a run of one says so before loading (a warning, not a refusal: a tiny model's failure does not prove a real
+    checkpoint's), and `finetune models` lists it as untried with the error."""
+    from finetune.model import matrix
+    from finetune.model.support import check_supported, support_rows
+    from finetune.recipe import validate_recipe
+
+    row = {"outcome": "failed", "detail": "RuntimeError: shape mismatch @ modeling_x.py:9", "seconds": 1.0}
+    monkeypatch.setattr(matrix, "record", lambda: {"transformers": "9.9", "rows": {"xglm": row}})
+    config = tiny_config("xglm", vocab_size=512, eos_token_id=2, pad_token_id=0)
+    recipe = validate_recipe(recipe_dict(tmp_path, tmp_path / "x.jsonl", tmp_path / "run"))
+    check_supported(config, recipe)
+    assert "could not train a tiny xglm (RuntimeError: shape mismatch" in capsys.readouterr().err
+    assert ("xglm", "xglm", "untried: the models matrix's tiny run failed (RuntimeError: shape mismatch @ "
+            "modeling_x.py:9)") in support_rows()
+
+
 def test_checkpoint_layouts_are_transformers_own_conversions():
     """The layouts read by transformers' from_pretrained (support.CHECKPOINT_LAYOUTS) are what the installed
     transformers splits, concatenates or transposes at load (a WeightConverter of its conversion mapping, reading the
