@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from finetune.errors import LaunchError
-
-_MODULUS = 65_521  # a byte's weight is (its position mod this) + 1
-_CHUNK = 16 * _MODULUS  # bytes per step of the checksum (~1 MiB: 8 MiB as float64, transient)
+from finetune.planner.allocator import CHECKSUM_CHUNK as _CHUNK  # bytes per step (~1 MiB: 8 MiB as float64, transient)
+from finetune.planner.allocator import CHECKSUM_MODULUS as _MODULUS  # a byte's weight is (its position mod this) + 1
 
 
 def packed_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

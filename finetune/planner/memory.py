@@ -16,7 +16,8 @@ How it counts (docs/planner.md has the derivations and the checks against publis
   * the step's peak: the largest of the moments of a step (the loss, the top and the bottom layer's backward, the
     optimizer step: `_step_terms`), not the sum of activations, loss and gradients, which are never alive together;
     checked op by op on 2-rank runs (tests/training/test_tensor_bytes.py);
-  * framework overhead: CUDA context + cuBLAS workspace, and allocator fragmentation;
+  * what the caching allocator holds beyond tensors (allocator.py): the cuBLAS workspace, in the step and the load;
+    the load's fp32 LoRA and the FSDP2 byte guard's float64 chunk; outside it: the CUDA context, and fragmentation;
   * DeepSpeed ZeRO-3 / ZeRO-2 (`zero_parts`): the memory model of FSDP full shard / shard-grad-op, partitioned per
     tensor (each padded to the world size), plus what DeepSpeed adds: tensors under stage3_param_persistence_threshold
     stay whole on every rank, the prefetch bucket of gathered parameters, the gradient reduce bucket, and an fp32
@@ -32,13 +33,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from finetune.planner.allocator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, load_peak
 from finetune.planner.facts import GiB, ModelFacts, gib
 from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, trained_together, with_generation
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
 from finetune.planner.shards import ZERO_PERSISTENCE_THRESHOLD, held_parameter_bytes
 from finetune.recipe.objectives import spec_of
 
-CUDA_CONTEXT_BYTES = int(0.75 * GiB)  # CUDA context + cuBLAS/NCCL workspaces: outside torch's allocator statistics
 FRAGMENTATION = 0.05  # caching-allocator slack over the dynamic (activation + transient) part
 SAFETY_MARGIN = 0.05  # a plan "fits" when its peak is at most 95% of the GPU
 LOSS_BYTES_PER_LOGIT = 12  # per logit of a loss chunk: fp32 logits, log-softmax, its gradient (measured 12.1-12.4, benchmarks/memory_breakdown.py)
@@ -277,6 +278,7 @@ class Hardware:
     nodes: int = 1
     cpu_memory_bytes: int | None = None
     read_bytes_per_s: float = DEFAULT_READ_BANDWIDTH  # one node's checkpoint storage (finetune plan --read-bandwidth)
+    cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES  # torch's default on sm90+ (allocator.cublas_workspace_bytes)
 
     @property
     def total_gpus(self) -> int:
@@ -310,6 +312,7 @@ def estimate(facts: ModelFacts, recipe, key: str, hw: Hardware, *, micro_batch: 
                        gradients=trainable, layer_gradients=_layer_gradient_bytes(facts, key, shard_world),
                        optimizer_temporary=trainable)
     parts = _parts(facts, recipe, key, held=held, step=step, trainable=trainable, devices=devices, world=world)
+    parts["cublas_workspace"] = hw.cublas_workspace_bytes  # the allocator's from the first matmul on (allocator.py)
     moment = step["moment"]
     if recipe.train.objective == "grpo":  # generating is a moment of its own (planner/objectives.py)
         parts, moment = with_generation(facts, recipe, key, parts, rows=micro_batch, step_gradients=step["gradients"],
@@ -361,7 +364,8 @@ def _parts(facts: ModelFacts, recipe, key: str, *, held: dict[str, int], step: d
 def _loading(result: Estimate, facts: ModelFacts, recipe, key: str, hw: Hardware, *, devices: int, shard_world: int,
              sharded: bool, counted: bool) -> None:
     """The load's peak (0 when not `counted`) and the checkpoint reads of each process."""
-    result.load_peak_bytes = _load_peak(facts, key, devices, shard_world, sharded=sharded) if counted else 0
+    result.load_peak_bytes = load_peak(facts, key, devices, shard_world, sharded=sharded,
+                                       workspace_bytes=hw.cublas_workspace_bytes) if counted else 0
     own_shard = sharded and (recipe.parallel.fsdp_version or 2) == 2  # FSDP2 reads ranges; FSDP1 whole units
     result.reads = checkpoint_reads(facts, processes=shard_world, per_node=min(shard_world, hw.gpus_per_node),
                                     own_shard=own_shard, read_bytes_per_s=hw.read_bytes_per_s)
@@ -409,22 +413,6 @@ def _layer_gradient_bytes(facts: ModelFacts, key: str, world: int) -> int:
         return 0
     numel = _layer_lora_numel(facts)
     return numel * facts.dtype_bytes + 4 * numel + math.ceil(4 * numel / world)
-
-
-def _load_peak(facts: ModelFacts, key: str, devices: int, world: int, *, sharded: bool) -> int:
-    """GPU bytes while loading.
-
-    Per-rank loader: the whole 4-bit base and its quant state + the largest tensor before quantization.
-    Sharded loading (finetune/model/loading.py): this rank's shard (none on the GPU with CPU offload) + the quant state
-    (not a parameter: whole on every rank) + the largest unit as read in model.dtype (a layer, or the embeddings
-    and LM head), which is built and quantized on the GPU and then sharded.
-    """
-    if sharded:
-        shard = 0 if key == "fsdp_offload" else facts.total_bytes(trainable=False) // world
-        return shard + facts.quant_state_bytes + facts.unit_load_bytes + CUDA_CONTEXT_BYTES
-    largest = max(t.numel for t in facts.tensors) * facts.dtype_bytes
-    frozen = facts.total_bytes(trainable=False) + facts.quant_state_bytes
-    return frozen // devices + largest + CUDA_CONTEXT_BYTES
 
 
 def _cpu_bytes_per_node(facts: ModelFacts, key: str, hw: Hardware, held: dict[str, int]) -> int:
