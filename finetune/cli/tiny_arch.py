@@ -118,7 +118,7 @@ def _two_layers(values: list) -> list[int]:
     return [0, other]
 
 
-def _shrunk(defaults: dict) -> dict:
+def _shrunk(defaults: dict, config_class=None) -> dict:
     """The fields of one (sub-)config's defaults that shrink (module docstring)."""
     layers = next((defaults[key] for key in ("num_hidden_layers", "n_layer", "num_layers") if key in defaults), None)
     fields = {key: value for key, value in _SIZES.items() if isinstance(defaults.get(key), int)
@@ -140,7 +140,21 @@ def _shrunk(defaults: dict) -> dict:
         fields["head_dim"] = fields["qk_rope_head_dim"]  # multi-head latent attention: rotary part = head_dim
     if isinstance(defaults.get("num_experts_per_tok"), int):
         fields["num_experts_per_tok"] = min(2, defaults["num_experts_per_tok"])
+    fields.update(_mrope(defaults, fields, config_class))
     return fields
+
+
+def _mrope(defaults: dict, fields: dict, config_class) -> dict:
+    """Multimodal rotary sections (Qwen2-VL, GLM-4V: `mrope_section`, defaulted in the model's code for a head of 128)
+    that sum to the tiny head's rotary half: (1/4, 3/8, 3/8) of it, as the defaults' (16, 24, 24)."""
+    rope = defaults.get("rope_parameters")
+    if "mrope_section" not in getattr(config_class, "ignore_keys_at_rope_validation", ()) or not isinstance(rope, dict):
+        return {}
+    partial = rope.get("partial_rotary_factor") or defaults.get("partial_rotary_factor") or 1.0
+    half = int(fields.get("head_dim", HIDDEN // 4) * partial) // 2
+    first = half // 4
+    second = (half - first) // 2
+    return {"rope_parameters": {**rope, "mrope_section": [first, second, half - first - second]}}
 
 
 def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_token_id: int):
@@ -152,12 +166,13 @@ def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_toke
     defaults = CONFIG_MAPPING[model_type]().to_dict()
     tokens = {"vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": None}
     if isinstance(defaults.get("text_config"), dict):
-        fields = {key: {**value, **_shrunk(value), **(tokens if key == "text_config" else {})}
+        classes = getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}
+        fields = {key: {**value, **_shrunk(value, classes.get(key)), **(tokens if key == "text_config" else {})}
                   for key, value in defaults.items() if key.endswith("_config") and isinstance(value, dict)}
         fields["text_config"].update(_OVERRIDES.get(fields["text_config"].get("model_type"), {}))
         fields.update(_OVERRIDES.get(model_type, {}))
         return CONFIG_MAPPING[model_type](**fields)
-    fields = _shrunk(defaults)
+    fields = _shrunk(defaults, CONFIG_MAPPING[model_type])
     fields.update(tokens, tie_word_embeddings=defaults.get("tie_word_embeddings", False))
     fields.update(_OVERRIDES.get(model_type, {}))
     return CONFIG_MAPPING[model_type](**fields)

@@ -92,11 +92,22 @@ def router_names(model: nn.Module) -> list[str]:
 
 
 def _own_forward_linear(child: nn.Module) -> bool:
-    """An `nn.Linear` subclass of transformers' with a forward of its own (DeepSeek-V4's grouped output projection
-    `o_a_proj`: one block per head group, outputs groups x rank): bitsandbytes leaves it unquantized (transformers
-    converts plain `nn.Linear` only) and PEFT's `lora.Linear` would add a plain x @ A @ B of another shape to it."""
-    return (isinstance(child, nn.Linear) and type(child).__module__.startswith("transformers.")
-            and type(child).forward is not nn.Linear.forward)
+    """An `nn.Linear` subclass of transformers' whose own forward is no linear map of the last dimension (DeepSeek-V4's
+    grouped output projection `o_a_proj`: one block per head group, outputs groups x rank), so PEFT's `lora.Linear`
+    would add a plain x @ A @ B of another shape to it. Told by running its forward on the meta device: a subclass
+    that computes x @ W.T (+ b) as nn.Linear does (Falcon's FalconLinear) keeps its LoRA."""
+    import copy
+
+    if not (isinstance(child, nn.Linear) and type(child).__module__.startswith("transformers.")
+            and type(child).forward is not nn.Linear.forward):
+        return False
+    probe = copy.copy(child)  # the same attributes, meta tensors instead of the weights
+    probe._parameters = {k: None if v is None else torch.empty_like(v, device="meta") for k, v in child._parameters.items()}
+    try:
+        out = probe(torch.empty(3, child.in_features, device="meta", dtype=child.weight.dtype))
+    except Exception:  # noqa: BLE001 - a forward that cannot take (tokens, in_features) is no Linear
+        return True
+    return tuple(out.shape) != (3, child.out_features)
 
 
 def _exclude_linear_routers(model: nn.Module, config) -> tuple[object, set[str]] | None:
