@@ -81,8 +81,7 @@ MODEL_SETTINGS = {
 # Trained, but `finetune export` says plain PEFT cannot load the exported adapter yet: the matrix expects exactly
 # this, so a fix shows up as a failing row to move out of here. (None since the export writes PEFT's fused-expert
 # form where PEFT does not convert per-expert LoRA itself: finetune/outputs/export_fused.py.)
-ADAPTER_GAPS: tuple[str, ...] = ("mistral_large4",)  # its Mistral-format renames (`layers.` -> `model.language_model.
-# layers.`) are applied by PEFT a second time to the fused-expert LoRA keys of the export (`...mlp.mlp.experts`)
+ADAPTER_GAPS: tuple[str, ...] = ()
 # Also launched under the shipped FSDP2 and FSDP1 configs: one dense GQA model, one with Gemma 3's norm layout
 # (pre and post norms, sliding window), one mixture of experts with latent attention and shared experts (DeepSeek-V3;
 # Mixtral and Qwen3-MoE run under FSDP2 in tests/parallel/test_experts_parallel.py), and DeepSeek-V4 (experts with a
@@ -90,7 +89,7 @@ ADAPTER_GAPS: tuple[str, ...] = ("mistral_large4",)  # its Mistral-format rename
 SHARDED = ("qwen3", "gemma3_text", "deepseek_v3", "deepseek_v4")
 # Launched under the shipped FSDP2 config only: the text of the multimodal releases, each route of model/classes.py
 # (Gemma 4 whole, Mistral 4's unmapped causal LM, Kimi K2.5 without its towers, GLM-5 read by from_pretrained).
-SHARDED_FSDP2 = ("gemma4", "mistral4", "kimi_k25", "glm5_next")
+SHARDED_FSDP2 = ("gemma4", "mistral4", "mistral_large4", "kimi_k25", "glm5_next")
 # model_type -> (why, as docs/models.md says it; the words `check_supported`'s refusal must contain): refused under
 # the library's settings (4-bit NF4, sdpa attention), before any weight loads.
 _NO_CHECKPOINTING = (("no gradient checkpointing in transformers for it (the library's train.gradient_checkpointing: "

@@ -180,7 +180,25 @@ def _peft_keys(tensors: dict, stock: nn.Module, adapter_config: dict, update: di
     for key, value in tensors.items():
         stem, _, half = key.rpartition(".")
         if stem in keys and half in ("lora_A", "lora_B"):
-            renamed[f"{keys[stem]}.{half}.weight"] = value
+            renamed[_unrenamed(f"{keys[stem]}.{half}.weight", stock)] = value
         else:
-            renamed[key] = value
+            renamed[_unrenamed(key, stock) if ".lora_" in key else key] = value
     return renamed
+
+
+def _unrenamed(key: str, stock: nn.Module) -> str:
+    """`key` as the checkpoint names it where PEFT's loader would rename it again: PEFT applies transformers' key
+    renames to an adapter's keys (peft/utils/transformers_weight_conversion.py), and a rename that is not idempotent
+    on the model's own name (Mistral Large 4's `.experts.` -> `.mlp.experts.`) would give `.mlp.mlp.experts`. The
+    checkpoint's name, renamed by PEFT, is the model's."""
+    from transformers.core_model_loading import rename_source_key
+
+    from finetune.model.sources.conversions import _renamings, checkpoint_names
+
+    prefix = "base_model.model."
+    name = key.removeprefix(prefix)
+    forward = _renamings(stock, reverse=False)
+    if rename_source_key(name, forward, [])[0] == name:
+        return key
+    stored = checkpoint_names(stock, [name])[name]
+    return prefix + stored if rename_source_key(stored, forward, [])[0] == name else key

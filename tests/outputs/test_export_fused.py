@@ -17,13 +17,13 @@ def _per_expert_adapter(model_dir, out, *, use_rslora: bool):
     """finetune's per-expert LoRA on the tiny model (fp32, experts split as training splits them), every B random so
     that every expert's LoRA counts, saved as the library saves a run's adapter; returns the model."""
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     from finetune import outputs, parallel
+    from finetune.model.classes import from_pretrained, without_towers
     from finetune.model.experts import get_peft_model, split_experts
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = without_towers(from_pretrained(str(model_dir), dtype=torch.float32))
     split_experts(model, dtype=torch.float32, quantized=False)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.05, use_rslora=use_rslora,
                         init_lora_weights=False)
@@ -46,14 +46,15 @@ def _per_expert_adapter(model_dir, out, *, use_rslora: bool):
     ("granitemoe", "fused", False),  # no per-expert tensors in its checkpoints: nothing for PEFT to convert
     ("mixtral", "per-expert", False),  # PEFT converts it itself: the per-expert form vLLM reads stays
     ("deepseek_v4", "fused", False),  # experts with their own gating (clamped SwiGLU), hash routing
+    ("mistral_large4", "fused", False),  # Mistral's format: renames PEFT applies to the adapter's keys again
 ])
 def test_exported_moe_adapter_loads_in_plain_peft_and_computes_the_trained_model(model_type, form, use_rslora,
                                                                                  tiny_arch, tmp_path, capsys):
     from peft import PeftModel
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     from finetune.cli import main
+    from finetune.model.classes import from_pretrained  # AutoModelForCausalLM's class, or the one it does not map
 
     model_dir = tiny_arch(model_type)
     ours = _per_expert_adapter(model_dir, tmp_path / "adapter", use_rslora=use_rslora)
@@ -70,7 +71,7 @@ def test_exported_moe_adapter_loads_in_plain_peft_and_computes_the_trained_model
     ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 2]])
     with torch.no_grad():
         reference = ours(input_ids=ids).logits
-        stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        stock = from_pretrained(str(model_dir), dtype=torch.float32)
         base = stock(input_ids=ids).logits
         plain = PeftModel.from_pretrained(stock, str(exported)).eval()
         got = plain(input_ids=ids).logits

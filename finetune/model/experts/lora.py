@@ -107,7 +107,7 @@ def _own_forward_linear(child: nn.Module) -> bool:
         out = probe(torch.empty(3, child.in_features, device="meta", dtype=child.weight.dtype))
     except Exception:  # noqa: BLE001 - a forward that cannot take (tokens, in_features) is no Linear
         return True
-    return tuple(out.shape) != (3, child.out_features)
+    return not isinstance(out, torch.Tensor) or tuple(out.shape) != (3, child.out_features)  # Llama 4's router: a tuple
 
 
 def _exclude_linear_routers(model: nn.Module, config) -> tuple[object, set[str]] | None:
