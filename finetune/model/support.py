@@ -68,6 +68,7 @@ TRAINED = {
     "glm5_next": "GLM-5 (text; MoE with its own gating, linear attention; read by from_pretrained)",
     # Checkpoints whose tensors transformers splits, concatenates or transposes at load (CHECKPOINT_LAYOUTS): read by
     # transformers' from_pretrained, whole on every rank.
+    "ergo": "Ergo (MoE; read by from_pretrained)",
     "hrm_text": "HRM (text; read by from_pretrained)",
     "lara_mini": "LARA mini (gated delta net; read by from_pretrained)",
     "olmo_hybrid": "OLMo hybrid (linear attention; read by from_pretrained)",
