@@ -8,21 +8,26 @@ First a probe of about ten seconds (benchmarks/gpu_probe.py, its own process): t
 sees the GPU and the driver, the cuBLAS workspace, `_foreach_copy_` on bf16 NaN payloads, a 1-rank `fully_shard` with
 `param_dtype=None`, FSDP2's 2-rank copy-in; printed, and in the JSON under "probe" (where it failed: its error).
 
-A Llama-shaped model built from a config (no hub: the lent GPU machine has no network), NF4 + LoRA in bf16 with
-checkpointing on, the same recipe for every run. One line per check, each of which can fail:
-  * single process; FSDP2 at world size 1 with and without CPU offload; FSDP1 at world size 1 (also with the library's
-    LoRA dropout 0.05, which crashed FSDP1 under checkpointing); DeepSpeed ZeRO-3 at world size 1 when installed:
+A Llama-shaped model built from a config (no hub: the lent GPU machine has no network; 2048 x 8, heads of 128), NF4 +
+LoRA in bf16 with checkpointing on, the same recipe for every run, rows longer than max_length (256) so that every
+micro-batch fills it, as the planner sizes it. One line per check, each of which can fail:
+  * single process; FSDP2 at world size 1 with and without CPU offload; FSDP1 at world size 1 with and without CPU
+    offload (also with the library's LoRA dropout 0.05, which crashed FSDP1 under checkpointing); HSDP's 2-D mesh as
+    2 nodes x 1 process on loopback (2 GPUs or more; the `cpu:gloo,cuda:nccl` group); DeepSpeed ZeRO-3 at world size
+    1 when installed (its wheel and hjson's are built by benchmarks/gpu_wheels.sh, installed with WHEELS=DIR):
     each "trains" (its loss falls);
   * the losses of the dropout-free runs equal to the single process within the suite's bf16 tolerance;
   * whether this GPU's copy canonicalizes NaN bit patterns and whether the FSDP2 byte guard said so;
   * the allocator's peak while loading sharded (benchmarks/bench_loading.py's worker, FSDP2, one rank) against the
-    planner's load term for the same model and recipe, CUDA context left out (within 15%);
+    planner's load term for the same model and recipe, CUDA context left out (within 15%; the term counts what the
+    allocator does: the fp32 LoRA, the byte guard's float64 chunk, the cuBLAS workspace: finetune/planner/allocator.py);
   * the CUDA allocator's peak during FSDP2's step 2 (FINETUNE_MEASURE_STEP=2) against the planner's training figure
     for the same recipe at world size 1, CUDA context and fragmentation left out (within 15%);
   * this project against the plain PEFT loop (benchmarks/bench_peers.py, both clocks synchronized with the GPU; a
     random 2048 x 8-layer model built from a config, large enough that the GPU, not Python, bounds a step): in both
     modes (unpacked, packed) our tokens/s >= PEER_MIN_SPEEDUP x the loop's and our peak GPU memory <= 1.0x its peak.
-A part this machine cannot run (ZeRO-3 without deepspeed) is `SKIP  <check>: <reason>`: listed, never a pass.
+A part this machine cannot run (ZeRO-3 without deepspeed, HSDP on one GPU) is `SKIP  <check>: <reason>`: listed, never a
+pass.
 One deadline bounds the whole smoke (--deadline-s, default 8 minutes: a lent GPU machine cuts a command at 10, and the
 runs' own timeouts add up to more): each subprocess gets the lesser of its own timeout and the time left, and one is
 started only while the time left covers what a process of its kind needs (the longest of that kind so far, else
@@ -47,7 +52,9 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,8 +82,12 @@ DEADLINE = "not run: deadline"
 FOOTER = re.compile(r"^[EWI]\d{4} .*torch/distributed/elastic/.*failed \(exitcode")  # torchrun's report of a failed child
 LOG_LINE = re.compile(r"^([EWIF]\d{4} \d\d:|\[[EWIF] ?\d|\S+\.py:\d+: \w*Warning:|Traceback |=+$)")
 EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b|Fatal Python error)")
-RUNS = ("single", "fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+dropout", "zero3")
-SAME_LOSSES = ("fsdp2", "fsdp2+offload", "fsdp1", "zero3")  # not fsdp1+dropout: its dropout masks are its own
+RUNS = ("single", "fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "fsdp1+dropout", "hsdp", "zero3")
+# Not fsdp1+dropout (its dropout masks are its own), nor hsdp (two ranks: twice the rows per step).
+SAME_LOSSES = ("fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "zero3")
+NO_DEEPSPEED = ("deepspeed is not installed in this Python. Fix: make its wheel and hjson's where the registries are "
+                "(bash benchmarks/gpu_wheels.sh DIR; both pure Python) and run with WHEELS=DIR make gpu-smoke")
+MAX_LENGTH = 256  # data.max_length; every row of the smoke's data is longer, so each micro-batch fills it
 
 
 @dataclass(frozen=True)
@@ -132,11 +143,13 @@ class Cuda:
 
     dry_run = False
     jobs = 1  # processes at once
-    sizes: ClassVar[dict[str, int]] = {"hidden": 1024, "layers": 8, "steps": 20, "peer_steps": 10}
+    # 2048 x 8 (~300M parameters, 16 heads of 128): the planner checks compare peaks in which the fixed costs
+    # (the cuBLAS workspace, the byte guard's chunk: ~40 MiB) are a small share; at 1024 x 8 they were ~40% of the load.
+    sizes: ClassVar[dict[str, int]] = {"hidden": 2048, "layers": 8, "steps": 20, "peer_steps": 10}
     timeouts: ClassVar[dict[str, int]] = {"probe": 60, "train": 240, "load": 240, "peers": 300}
     # Seconds a process of each kind needs before any has run here (estimates: imports ~5 s, NCCL ~2 s, loading and
-    # 20 steps of the 1024 x 8 model; the peers: 4 processes of a 2048 x 8 model): replaced by what one took.
-    needs: ClassVar[dict[str, float]] = {"probe": 10, "train": 30, "load": 20, "peers": 90}
+    # 20 steps of the 2048 x 8 model; the peers: 4 processes of a 2048 x 8 model): replaced by what one took.
+    needs: ClassVar[dict[str, float]] = {"probe": 10, "train": 40, "load": 25, "peers": 90}
     peak_label = "peak MiB"
 
     def describe(self) -> dict:
@@ -148,6 +161,19 @@ class Cuda:
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory
+
+    def cublas_workspace_bytes(self) -> int:
+        """What the planner counts for cuBLAS's workspace: torch's default on sm90+ (finetune/planner/allocator.py;
+        the probe prints what this GPU's allocator holds)."""
+        from finetune.planner import CUBLAS_WORKSPACE_BYTES
+
+        return CUBLAS_WORKSPACE_BYTES
+
+    def gpus(self) -> int | None:
+        """GPUs this Python sees (HSDP needs two); None where processes are not bound to GPUs (the dry run)."""
+        import torch
+
+        return torch.cuda.device_count()
 
     def copy_canonicalizes_nans(self) -> bool:
         return copy_canonicalizes_nans("cuda")
@@ -193,6 +219,12 @@ class DryRun(Cuda):
 
     def memory_bytes(self) -> int:
         return 80 * 2**30  # a placeholder: the planner's fit verdict reads it, the peaks compared here do not
+
+    def gpus(self) -> int | None:
+        return None  # CPU ranks: any number of processes
+
+    def cublas_workspace_bytes(self) -> int:
+        return 0  # no cuBLAS on the CPU: its stand-in peaks have no workspace
 
     def copy_canonicalizes_nans(self) -> bool:
         return copy_canonicalizes_nans("cpu")
@@ -343,30 +375,76 @@ def torchrun(*args: str) -> list[str]:
 
 
 def write_inputs(work: Path, hidden: int, layers: int, steps: int) -> Path:
-    """The model (built from a config, in this process), 512 addition rows and the recipe every run shares."""
+    """The model (built from a config, in this process), 512 counting rows and the recipe every run shares.
+
+    Heads of 128 (4 heads below 512 wide), as many key/value heads as query heads: SDPA keeps what the planner
+    counts with or without a mask (with one, transformers repeats k/v to every query head). Every row is longer than
+    data.max_length (a few hundred numbers counted on; the default `overlong: truncate` keeps the first MAX_LENGTH
+    tokens, the answer starting within them), so every micro-batch is MAX_LENGTH wide with no padding: the planner
+    sizes activations at max_length, and rows of 32-35 tokens (the addition rows this replaced) made the measured
+    step peak ~0.6 of its figure."""
     from finetune.cli.tiny import build_tiny_model
 
     work.mkdir(parents=True, exist_ok=True)
-    build_tiny_model(work / "model", hidden_size=hidden, num_layers=layers)
+    build_tiny_model(work / "model", hidden_size=hidden, num_layers=layers, **heads_of(hidden))
     rng = random.Random(0)
     with open(work / "data.jsonl", "w") as handle:
         for _ in range(512):
-            a, b = rng.randint(0, 999), rng.randint(0, 999)
-            row = {"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)}
+            start = rng.randint(0, 999)
+            row = {"instruction": "Count on from the number.", "input": str(start),
+                   "output": " ".join(str(start + step) for step in range(1, MAX_LENGTH))}
             handle.write(json.dumps(row) + "\n")
     recipe = work / "recipe.yaml"
     recipe.write_text(
         f"model: {{name_or_path: {work / 'model'}, dtype: bfloat16}}\n"
         "lora: {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}\n"
-        f"data: {{datasets: [{{path: {work / 'data.jsonl'}}}], max_length: 256}}\n"
+        f"data: {{datasets: [{{path: {work / 'data.jsonl'}}}], max_length: {MAX_LENGTH}}}\n"
         f"train: {{max_steps: {steps}, micro_batch_size: 8, learning_rate: 1.0e-3, gradient_checkpointing: true, "
         f"eval_every: 0, save_every: 0}}\n"
         f"output: {{dir: {work / 'unused'}}}\n")
     return recipe
 
 
-def plans(recipe: str) -> dict[str, list[str] | str]:
-    """Each run's command; a string in its place says why this machine skips the run."""
+def two_nodes(*args: str, gpus: int | None) -> list[str]:
+    """HSDP's 2-D mesh needs two nodes: two torchrun launches of one process each on loopback (--nnodes 2, node ranks
+    0 and 1, as tests/parallel/test_distributed.py runs them), one GPU each on a GPU machine (CUDA_VISIBLE_DEVICES), in
+    one shell whose status is the first failure's (0 when both succeed). The process group is `cpu:gloo,cuda:nccl`: both libraries pick
+    their interface on loopback (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME; docs/distributed.md). The shell's "$@" is
+    what the caller appends (output.dir)."""
+    port = free_port()
+    launches = []
+    for node in (0, 1):
+        command = shlex.join([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", *args])
+        launches.append(("" if gpus is None else f"CUDA_VISIBLE_DEVICES={node} ") + command + ' "$@"')
+    # The first node to fail ends the other, which would wait for minutes: in a collective (its torchrun stops its
+    # worker on SIGTERM), or in torchrun's exit barrier, where SIGTERM waits for the barrier's 300 s (measured: 5.5 min)
+    # and only SIGKILL ends it (its worker has ended by then). Each pid is waited for by name: `wait -n` answers 127
+    # when both have ended before it is asked.
+    script = ('export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}; '
+              f'{launches[0]} & a=$!; {launches[1]} & b=$!; '
+              'while kill -0 $a 2>/dev/null && kill -0 $b 2>/dev/null; do sleep 1; done; '
+              'for p in $a $b; do if ! kill -0 $p 2>/dev/null; then wait $p; s=$?; if [ $s -ne 0 ]; then '
+              'kill $a $b 2>/dev/null; sleep 5; kill -KILL $a $b 2>/dev/null; exit $s; fi; fi; done; '
+              'wait $a; s=$?; wait $b; t=$?; exit $(( s ? s : t ))')
+    return ["bash", "-c", script, "hsdp"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def heads_of(hidden: int) -> dict[str, int]:
+    """The smoke model's heads: of 128 (4 below 512 wide), as many key/value heads as query heads."""
+    heads = max(4, hidden // 128)
+    return {"num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def plans(recipe: str, *, gpus: int | None = None) -> dict[str, list[str] | str]:
+    """Each run's command; a string in its place says why this machine skips the run. `gpus`: how many this machine
+    has (None: the dry run's CPU ranks)."""
     run_py = str(REPO / "finetune" / "run.py")
     fsdp = ["parallel.strategy=fsdp"]
     commands: dict[str, list[str] | str] = {
@@ -374,9 +452,17 @@ def plans(recipe: str) -> dict[str, list[str] | str]:
         "fsdp2": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=2"),
         "fsdp2+offload": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=2", "parallel.cpu_offload=true"),
         "fsdp1": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=1"),
+        # Where a torch-2.11 user with too little GPU memory is sent: FSDP1's CPUOffload (on a CPU-only torch it stays
+        # off with a note: it pins memory).
+        "fsdp1+offload": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=1", "parallel.cpu_offload=true"),
         "fsdp1+dropout": torchrun(run_py, recipe, *fsdp, "parallel.fsdp_version=1", "lora.dropout=0.05"),
-        "zero3": "deepspeed is not installed in this Python",
+        "hsdp": two_nodes(run_py, recipe, *fsdp, "parallel.fsdp_version=2", "parallel.hybrid_shard=true", gpus=gpus),
+        "zero3": NO_DEEPSPEED,
     }
+    if gpus is not None and gpus < 2:
+        commands["hsdp"] = (f"HSDP needs two ranks on two GPUs (2 nodes x 1 process on loopback) and this machine has "
+                            f"{gpus}: NCCL refuses two ranks on one GPU ('Duplicate GPU detected'). It runs in the dry "
+                            "run on CPU ranks and here with 2 GPUs or more")
     if importlib.util.find_spec("deepspeed") is not None:
         commands["zero3"] = torchrun(run_py, recipe, "parallel.strategy=deepspeed", "parallel.zero_stage=3")
     return commands
@@ -427,7 +513,7 @@ def run_processes(work: Path, recipe: Path, device: Cuda, deadline: Deadline) ->
         peer_args = ("ours vs plain PEFT loop", peer_check, work, device, deadline)
         peers = pool.submit(guarded, *peer_args) if device.jobs > 1 else None
         runs = {name: pool.submit(train_logged, name, command, work, device, deadline)
-                for name, command in plans(str(recipe)).items()}
+                for name, command in plans(str(recipe), gpus=device.gpus()).items()}
         load = pool.submit(guarded, "load peak vs planner", load_check, work, recipe, device, deadline)
         peers = peers or pool.submit(guarded, *peer_args)
         return {name: future.result() for name, future in runs.items()}, load.result(), peers.result()
@@ -507,7 +593,8 @@ def fsdp2_estimate(work: Path, recipe_path: Path, device: Cuda):
 
     recipe = load_recipe(str(recipe_path), ["parallel.strategy=fsdp", "parallel.fsdp_version=2"])
     facts = facts_from_config(AutoConfig.from_pretrained(str(work / "model")), recipe)
-    return estimate(facts, recipe, "fsdp", Hardware(1, device.memory_bytes()))
+    hardware = Hardware(1, device.memory_bytes(), cublas_workspace_bytes=device.cublas_workspace_bytes())
+    return estimate(facts, recipe, "fsdp", hardware)
 
 
 def planned_load_bytes(work: Path, recipe_path: Path, device: Cuda) -> int:

@@ -6,7 +6,8 @@
 #   make gpu-smoke ARGS="--json $OUT/gpu_smoke.json --deadline-s 420"   # or GPU_SMOKE_JSON / GPU_SMOKE_DEADLINE_S set
 # Without a GPU, `python benchmarks/gpu_smoke.py --dry-run --work DIR` rehearses the same runs and checks on the CPU.
 # Python, first that imports a CUDA build of torch: $PY; .venv/bin/python; python3 (a machine with CUDA torch
-# preinstalled and no network: pass WHEELS=DIR with the wheels of what it lacks, e.g. from shared/gpu/wheels.sh).
+# preinstalled and no network: pass WHEELS=DIR with the wheels of what it lacks, made where the registries are by
+# `bash benchmarks/gpu_wheels.sh DIR`: bitsandbytes, datasets, pydantic, gguf, and DeepSpeed + hjson for the ZeRO-3 run).
 # With none of them but an NVIDIA driver present, `make install` sets up .venv with the CUDA build first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
