@@ -65,11 +65,16 @@ def guarded(facts: ModelFacts, key: str) -> bool:
 
 def unit_lora_bytes(facts: ModelFacts) -> int:
     """Bytes of the largest decoder layer's LoRA as built (fp32 from PEFT), whole."""
+    return largest_layer_lora(facts, lambda t: t.nbytes)
+
+
+def largest_layer_lora(facts: ModelFacts, size) -> int:
+    """`size(tensor)` summed over the LoRA tensors of each decoder layer: the largest layer's."""
     per_layer: dict[str, int] = {}
     for t in facts.tensors:
         match = re.search(r"\.(\d+)\.", t.unit) if t.trainable else None
         if match:
-            per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + t.nbytes
+            per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + size(t)
     return max(per_layer.values(), default=0)
 
 

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from finetune.planner.allocator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, load_peak
+from finetune.planner.allocator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, largest_layer_lora, load_peak
 from finetune.planner.facts import GiB, ModelFacts, gib
 from finetune.planner.objectives import grpo_note, preference_note, swaps_reference, trained_together, with_generation
 from finetune.planner.reads import DEFAULT_READ_BANDWIDTH, CheckpointReads, checkpoint_reads
@@ -247,12 +247,7 @@ def _unit_sizes(facts: ModelFacts, *, lora_elem_bytes: int | None = None) -> tup
 
 def _layer_lora_numel(facts: ModelFacts) -> int:
     """LoRA elements of one decoder layer (the largest)."""
-    per_layer: dict[str, int] = {}
-    for t in facts.tensors:
-        match = re.search(r"\.(\d+)\.", t.unit) if t.trainable else None
-        if match:
-            per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + t.numel
-    return max(per_layer.values(), default=0)
+    return largest_layer_lora(facts, lambda t: t.numel)
 
 
 # ------------------------------------------------------------------------------------------------ strategies
