@@ -184,6 +184,15 @@ def recipe_dict(model_dir: Path, data_path: Path, out_dir: Path, **sections) -> 
     return recipe
 
 
+def objective_recipe(objective: str, data_format: str, model_dir: Path, data_path: Path, out_dir: Path,
+                     **sections) -> dict:
+    """`recipe_dict` training `objective` on its one dataset given in `data_format`."""
+    values = recipe_dict(model_dir, data_path, out_dir, **sections)
+    values["data"]["datasets"][0]["format"] = data_format
+    values["train"]["objective"] = objective
+    return values
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

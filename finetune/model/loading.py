@@ -145,8 +145,9 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     under FSDP the wrap moves them with the units."""
     from finetune.model import base as model_stage
 
+    config = model_stage.load_config(recipe)
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
-    if folder is not None and converted_at_load(model_stage.load_config(recipe)):
+    if folder is not None and converted_at_load(config):
         folder = None  # a layout transformers splits, concatenates or transposes at load: its from_pretrained reads it
     if folder is None:
         with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
@@ -158,7 +159,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
                 place_buffers(module, device)
         checksum = lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
-    skeleton = build_skeleton(recipe, model_stage.load_config(recipe), gradient_checkpointing=gradient_checkpointing)
+    skeleton = build_skeleton(recipe, config, gradient_checkpointing=gradient_checkpointing)
     folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
     with distributed.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
         index = checkpoint_index(folder)

@@ -263,6 +263,9 @@ def _routing_outside(module) -> str | None:
     return None
 
 
+_WARNED: set[str] = set()
+
+
 def check_supported(config, recipe) -> None:
     """ModelLoadError (one paragraph: the model, every reason with its fix) for an architecture that cannot train
     with the recipe's settings: before any weight is read."""
@@ -270,7 +273,8 @@ def check_supported(config, recipe) -> None:
                        attn_implementation=recipe.model.attn_implementation,
                        gradient_checkpointing=recipe.train.gradient_checkpointing,
                        lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
-    if not reasons and (warning := matrix.failed_warning(config.model_type)):
+    if not reasons and config.model_type not in _WARNED and (warning := matrix.failed_warning(config.model_type)):
+        _WARNED.add(config.model_type)  # load_config runs this at every stage that reads the config: say it once
         print0(f"[finetune] warning: {warning}", file=sys.stderr)
     if reasons:
         raise ModelLoadError(

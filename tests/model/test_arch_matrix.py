@@ -166,12 +166,13 @@ def test_a_model_type_whose_tiny_run_failed_is_warned_of_and_listed_untried(monk
     """The models matrix's record (finetune/model/matrix.json) marks `failed` the model types whose tiny run failed:
     a run of one says so before loading (a warning, not a refusal: a tiny model's failure does not prove a real
     checkpoint's), and `finetune models` lists it as untried with the error."""
-    from finetune.model import matrix
+    from finetune.model import matrix, support
     from finetune.model.support import check_supported, support_rows
     from finetune.recipe import validate_recipe
 
     row = {"outcome": "failed", "detail": "RuntimeError: shape mismatch @ modeling_x.py:9", "seconds": 1.0}
     monkeypatch.setattr(matrix, "record", lambda: {"transformers": "9.9", "rows": {"xglm": row}})
+    monkeypatch.setattr(support, "_WARNED", set())  # said once per process
     config = tiny_config("xglm", vocab_size=512, eos_token_id=2, pad_token_id=0)
     recipe = validate_recipe(recipe_dict(tmp_path, tmp_path / "x.jsonl", tmp_path / "run"))
     check_supported(config, recipe)

@@ -17,7 +17,14 @@ import random
 
 import pytest
 import torch
-from conftest import accelerate_launch, read_metrics, recipe_dict, train_losses, write_jsonl, write_recipe
+from conftest import (
+    accelerate_launch,
+    objective_recipe,
+    read_metrics,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
 from test_preference import _train
 
 from finetune import data, model
@@ -43,10 +50,7 @@ def unpaired_rows(n: int = 48, seed: int = 0, desirable: float = 0.5) -> list[di
 
 
 def kto_recipe(model_dir, data_file, out_dir, **sections) -> dict:
-    values = recipe_dict(model_dir, data_file, out_dir, **sections)
-    values["data"]["datasets"][0]["format"] = "unpaired_preference"
-    values["train"]["objective"] = "kto"
-    return values
+    return objective_recipe("kto", "unpaired_preference", model_dir, data_file, out_dir, **sections)
 
 
 @pytest.fixture(scope="module")

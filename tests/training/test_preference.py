@@ -26,6 +26,7 @@ from conftest import (
     RUN_PY,
     accelerate_launch,
     free_port,
+    objective_recipe,
     read_metrics,
     recipe_dict,
     run_cmd,
@@ -57,10 +58,7 @@ def pair_rows(n: int = 48, seed: int = 0) -> list[dict]:
 
 
 def dpo_recipe(model_dir, data_file, out_dir, **sections) -> dict:
-    values = recipe_dict(model_dir, data_file, out_dir, **sections)
-    values["data"]["datasets"][0]["format"] = "preference"
-    values["train"]["objective"] = "dpo"
-    return values
+    return objective_recipe("dpo", "preference", model_dir, data_file, out_dir, **sections)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, recipe_dict, write_jsonl, write_recipe
+from conftest import objective_recipe, read_metrics, recipe_dict, write_jsonl, write_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe import validate_recipe
@@ -35,10 +35,7 @@ def pairs(n: int = 48, seed: int = 0) -> list[dict]:
 
 
 def reward_recipe(model_dir, data_file, out_dir, **sections) -> dict:
-    values = recipe_dict(model_dir, data_file, out_dir, **sections)
-    values["data"]["datasets"][0]["format"] = "preference"
-    values["train"]["objective"] = "reward"
-    return values
+    return objective_recipe("reward", "preference", model_dir, data_file, out_dir, **sections)
 
 
 def _refused(values) -> str:
