@@ -7,7 +7,12 @@
 set -euo pipefail
 dev_python=$1
 repo=$(cd "$(dirname "$0")/.." && pwd)
-work=${2:-$(mktemp -d)}
+if [ -n "${2:-}" ]; then
+  work=$2  # kept for a look afterwards
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT  # 1.6 GB of venv: not left behind in /tmp at every run
+fi
 start=$(date +%s)
 step() { echo "[wheel-check] $(( $(date +%s) - start ))s: $*"; }
 

@@ -12,6 +12,7 @@ cost ~10 s a run on a loaded CPU; the launches of a representative set under FSD
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -199,10 +200,13 @@ def main(argv: list[str]) -> None:
     for model_type in types:
         row = _forked(model_type, root, args.timeout) if args.json else run_one(model_type, root)
         rows[model_type] = row
+        for leftover in (root / model_type, root / f"run-{model_type}"):  # ~60 MB a type: 18 GB for --all otherwise
+            shutil.rmtree(leftover, ignore_errors=True)
         print(f"{model_type}\t{row['outcome']}\t{row['seconds']}\t{row['detail'][:200]}", flush=True)
         if args.json:  # after every row: an interrupted walk keeps what it measured
             args.json.write_text(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
                                              "rows": dict(sorted(rows.items()))}, indent=1) + "\n")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
