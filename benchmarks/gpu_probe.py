@@ -181,6 +181,46 @@ def probe(*, cpu: bool) -> dict:
     return found
 
 
+def probe_lines(probe: dict) -> list[str]:
+    """The probe's answers, one line each (an answer that failed shows its error)."""
+    if "error" in probe:
+        return [f"failed: {probe['error']}"]
+    versions = ", ".join(f"{name} {version or '-'}" for name, version in probe["versions"].items())
+    lines = [f"{probe['seconds']} s on {probe['device']}: {versions}"]
+    for key, say in (("cuda", _gpus_line), ("cublas_workspace_bytes", _workspace_line),
+                     ("foreach_copy_canonicalizes_nans", _copy_line), ("fully_shard_param_dtype_none", _shard_line),
+                     ("fsdp_copy_in", _copy_in_line)):
+        answer = probe.get(key, {"error": "not asked"})
+        lines.append(f"{key}: error: {answer['error']}" if isinstance(answer, dict) and "error" in answer else say(answer))
+    return lines
+
+
+def _gpus_line(cuda: dict) -> str:
+    seen = f" ({cuda['device']}, sm {cuda['capability']})" if cuda.get("device") else ""
+    return (f"torch sees {cuda['device_count']} GPU(s){seen}, built for CUDA {cuda['torch_cuda'] or '-'}; nvidia-smi "
+            f"lists {len(cuda.get('gpus', []))}, driver {cuda.get('driver') or '-'} (CUDA {cuda.get('driver_cuda') or '-'})")
+
+
+def _workspace_line(workspace: int | None) -> str:
+    return "cuBLAS workspace: " + ("- (CPU)" if workspace is None else f"{workspace / 2**20:.1f} MiB")
+
+
+def _copy_line(canonicalizes: bool) -> str:
+    return "_foreach_copy_ of bf16 NaN payloads: " + ("rewrites them" if canonicalizes else "keeps the bytes")
+
+
+def _copy_in_line(result: dict) -> str:
+    return (f"FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise {result['mixed_unit_as_uint8_bitwise']}; bf16 unit "
+            f"bitwise {result['bf16_unit_bitwise']}")
+
+
+def _shard_line(result: dict) -> str:
+    mixed, bf16 = result["mixed_unit"], result["bf16_only_unit"]
+    return (f"fully_shard(param_dtype=None), 1 rank: mixed unit (bf16 payload + fp32 LoRA) bitwise {mixed['bitwise']}, "
+            f"LoRA grad {mixed['lora_grad_dtype']} finite {mixed['lora_grad_finite']}; bf16-only unit bitwise "
+            f"{bf16['bitwise']}")
+
+
 if __name__ == "__main__":
     result = probe(cpu="--cpu" in sys.argv)
     print(json.dumps(result))

@@ -50,24 +50,20 @@ import argparse
 import importlib.util
 import json
 import os
-import random
-import re
-import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the planner checks import finetune from this checkout, however the script starts
 sys.path.insert(0, str(REPO / "benchmarks"))
-from gpu_probe import copy_canonicalizes_nans  # (after the path: benchmarks/ is a script folder)
+# (after the path: benchmarks/ is a script folder)
+from gpu_probe import probe_lines
+from gpu_smoke_device import Cuda, DryRun, cuda_available
+from gpu_smoke_processes import Deadline, failure, run_quietly, torchrun, two_nodes, write_inputs
+from gpu_smoke_report import FAIL, SKIP, Check, exit_code, print_table, verdict, write_report
 
 BF16_LOSS_TOLERANCE = 3e-3  # tests/parallel/test_distributed.py, per logged loss
 LOSS_RELATIVE = 5e-3  # on a GPU the kernels differ more than on CPU: the larger of the two is allowed
@@ -77,183 +73,11 @@ PLANNER_TOLERANCE = 0.15  # measured / planned within 0.85-1.15
 # kernel launches and memory traffic, not the CPU's dropout draws, and no figure of it on a GPU is published yet.
 PEER_MIN_SPEEDUP = 1.0
 PEER_MAX_PEAK = 1.0  # our peak GPU memory over the plain PEFT loop's, in each mode
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-DEADLINE = "not run: deadline"
-FOOTER = re.compile(r"^[EWI]\d{4} .*torch/distributed/elastic/.*failed \(exitcode")  # torchrun's report of a failed child
-LOG_LINE = re.compile(r"^([EWIF]\d{4} \d\d:|\[[EWIF] ?\d|\S+\.py:\d+: \w*Warning:|Traceback |=+$)")
-EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b|Fatal Python error)")
 RUNS = ("single", "fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "fsdp1+dropout", "hsdp", "zero3")
 # Not fsdp1+dropout (its dropout masks are its own), nor hsdp (two ranks: twice the rows per step).
 SAME_LOSSES = ("fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "zero3")
 NO_DEEPSPEED = ("deepspeed is not installed in this Python. Fix: make its wheel and hjson's where the registries are "
                 "(bash benchmarks/gpu_wheels.sh DIR; both pure Python) and run with WHEELS=DIR make gpu-smoke")
-MAX_LENGTH = 256  # data.max_length; every row of the smoke's data is longer, so each micro-batch fills it
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the verdict: PASS and FAIL are checked, SKIP says why this machine could not check it."""
-
-    name: str
-    verdict: str
-    detail: str
-    figures: dict = field(default_factory=dict)
-
-
-def verdict(ok: bool) -> str:
-    return PASS if ok else FAIL
-
-
-class Deadline:
-    """One clock for the whole smoke: the lent machine cuts a command at 10 minutes, whatever each run's timeout is.
-    A process starts only while the time left covers what one of its kind needs: the longest of that kind that
-    finished here so far, else the device's figure (`needs`); what is not started is skipped with the reason."""
-
-    def __init__(self, seconds: float, needs: dict[str, float] | None = None):
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-        self.needs = dict(needs or {})
-        self.taken: dict[str, float] = {}
-
-    def took(self, kind: str, seconds: float) -> None:
-        self.taken[kind] = max(seconds, self.taken.get(kind, 0.0))
-
-    def would_pass(self, kind: str) -> str | None:
-        """Why a process of `kind` is not started now (the deadline would pass first), or None."""
-        need = self.taken.get(kind, self.needs.get(kind, 0.0))
-        left = self.left()
-        if left > max(need, 0.0):
-            return None
-        return f"{DEADLINE} ({max(left, 0.0):.0f} s left of {self.seconds:.0f}; a {kind} process needs ~{need:.0f} s)"
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-    @property
-    def passed(self) -> bool:
-        return self.left() <= 0
-
-    def timeout(self, own: float) -> float:
-        return max(0.0, min(own, self.left()))
-
-
-# ------------------------------------------------------------------------- what only CUDA says, and its stand-ins
-class Cuda:
-    """The figures only a GPU gives, one small method each; `DryRun` answers the same questions on the CPU."""
-
-    dry_run = False
-    jobs = 1  # processes at once
-    # 2048 x 8 (~300M parameters, 16 heads of 128): the planner checks compare peaks in which the fixed costs
-    # (the cuBLAS workspace, the byte guard's chunk: ~40 MiB) are a small share; at 1024 x 8 they were ~40% of the load.
-    sizes: ClassVar[dict[str, int]] = {"hidden": 2048, "layers": 8, "steps": 20, "peer_steps": 10}
-    timeouts: ClassVar[dict[str, int]] = {"probe": 60, "train": 240, "load": 240, "peers": 300}
-    # Seconds a process of each kind needs before any has run here (estimates: imports ~5 s, NCCL ~2 s, loading and
-    # 20 steps of the 2048 x 8 model; the peers: 4 processes of a 2048 x 8 model): replaced by what one took.
-    needs: ClassVar[dict[str, float]] = {"probe": 10, "train": 40, "load": 25, "peers": 90}
-    peak_label = "peak MiB"
-
-    def describe(self) -> dict:
-        import torch
-
-        return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
-
-    def memory_bytes(self) -> int:
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory
-
-    def cublas_workspace_bytes(self) -> int:
-        """What the planner counts for cuBLAS's workspace: torch's default on sm90+ (finetune/planner/allocator.py;
-        the probe prints what this GPU's allocator holds)."""
-        from finetune.planner import CUBLAS_WORKSPACE_BYTES
-
-        return CUBLAS_WORKSPACE_BYTES
-
-    def gpus(self) -> int | None:
-        """GPUs this Python sees (HSDP needs two); None where processes are not bound to GPUs (the dry run)."""
-        import torch
-
-        return torch.cuda.device_count()
-
-    def copy_canonicalizes_nans(self) -> bool:
-        return copy_canonicalizes_nans("cuda")
-
-    def child_env(self, **extra: str) -> dict[str, str]:
-        return dict(os.environ, HF_HUB_OFFLINE="1", **extra)
-
-    def load_peak(self, record: dict) -> tuple[int | None, str]:
-        """The allocator's peak while the worker loaded and wrapped (bench_loading.py resets it before loading)."""
-        return record.get("peak_gpu_allocated"), "peak allocated"
-
-    def step_peak(self, record: dict) -> tuple[int | None, str]:
-        return record.get("gpu_step_peak_allocated_bytes"), "step 2 peak allocated"
-
-    def run_peaks(self, rank: dict) -> tuple[float, float | None]:
-        """MiB: the run's allocated and reserved peaks (ranks/rank0.json)."""
-        return rank.get("peak_gpu_bytes", 0) / 2**20, rank.get("peak_gpu_reserved_bytes", 0) / 2**20
-
-    def peer_peak_mb(self, run: dict) -> float | None:
-        return run.get("peak_gpu_mb")
-
-    def peer_model(self) -> list[str]:
-        """A model the GPU, not Python, bounds: 2048 wide (matmuls of 2048 x 2048 x 4096 at batch 4 x 512, ~0.1 ms
-        each on an H100, longer than a launch), 8 layers, built from a config (the lent machine has no network)."""
-        return ["--random", "2048,8"]
-
-
-class DryRun(Cuda):
-    """The CPU rehearsal: CUDA hidden from every process, CPU-side figures where the GPU's would be."""
-
-    dry_run = True
-    jobs = 2  # the 2-core machines the suite runs on: startup (imports) is most of each process, one core each
-    # bench_peers needs 3 steps or more (its step 1 is warm-up)
-    sizes: ClassVar[dict[str, int]] = {"hidden": 64, "layers": 2, "steps": 3, "peer_steps": 3}
-    timeouts: ClassVar[dict[str, int]] = {"probe": 60, "train": 90, "load": 90, "peers": 180}
-    needs: ClassVar[dict[str, float]] = {"probe": 5, "train": 8, "load": 8, "peers": 20}
-    peak_label = "RSS MiB*"
-
-    def describe(self) -> dict:
-        import torch
-
-        return {"device": "CPU (dry run: no CUDA call made)", "torch": torch.__version__, "cuda": None}
-
-    def memory_bytes(self) -> int:
-        return 80 * 2**30  # a placeholder: the planner's fit verdict reads it, the peaks compared here do not
-
-    def gpus(self) -> int | None:
-        return None  # CPU ranks: any number of processes
-
-    def cublas_workspace_bytes(self) -> int:
-        return 0  # no cuBLAS on the CPU: its stand-in peaks have no workspace
-
-    def copy_canonicalizes_nans(self) -> bool:
-        return copy_canonicalizes_nans("cpu")
-
-    def child_env(self, **extra: str) -> dict[str, str]:
-        # One thread each: two processes at once (`jobs`) on the suite's 2 cores, beside the CPU tests' own runs.
-        return dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-                    TOKENIZERS_PARALLELISM="false", **extra)
-
-    def load_peak(self, record: dict) -> tuple[int | None, str]:
-        return record.get("peak_over_baseline"), "dry run: the CPU's RssAnon peak over baseline stands in for"
-
-    def step_peak(self, record: dict) -> tuple[int | None, str]:
-        return record.get("peak_bytes"), "dry run: the tensor bytes alive at step 2's peak (CPU) stand in for"
-
-    def run_peaks(self, rank: dict) -> tuple[float, float | None]:
-        return rank.get("peak_rss_bytes", 0) / 2**20, None
-
-    def peer_peak_mb(self, run: dict) -> float | None:
-        return run.get("peak_rss_mb")  # dry run: the process's peak RSS stands in for the GPU peak
-
-    def peer_model(self) -> list[str]:
-        return ["--tiny"]
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 # ---------------------------------------------------------------------------------------------- the probe
@@ -273,175 +97,9 @@ def run_probe(device: Cuda, deadline: Deadline) -> dict:
         return {"error": f"no JSON on the probe's last line: {result.stdout[-200:]!r}"}
 
 
-def probe_lines(probe: dict) -> list[str]:
-    """The probe's answers, one line each (an answer that failed shows its error)."""
-    if "error" in probe:
-        return [f"failed: {probe['error']}"]
-    versions = ", ".join(f"{name} {version or '-'}" for name, version in probe["versions"].items())
-    lines = [f"{probe['seconds']} s on {probe['device']}: {versions}"]
-    for key, say in (("cuda", _gpus_line), ("cublas_workspace_bytes", _workspace_line),
-                     ("foreach_copy_canonicalizes_nans", _copy_line), ("fully_shard_param_dtype_none", _shard_line),
-                     ("fsdp_copy_in", _copy_in_line)):
-        answer = probe.get(key, {"error": "not asked"})
-        lines.append(f"{key}: error: {answer['error']}" if isinstance(answer, dict) and "error" in answer else say(answer))
-    return lines
-
-
-def _gpus_line(cuda: dict) -> str:
-    seen = f" ({cuda['device']}, sm {cuda['capability']})" if cuda.get("device") else ""
-    return (f"torch sees {cuda['device_count']} GPU(s){seen}, built for CUDA {cuda['torch_cuda'] or '-'}; nvidia-smi "
-            f"lists {len(cuda.get('gpus', []))}, driver {cuda.get('driver') or '-'} (CUDA {cuda.get('driver_cuda') or '-'})")
-
-
-def _workspace_line(workspace: int | None) -> str:
-    return "cuBLAS workspace: " + ("- (CPU)" if workspace is None else f"{workspace / 2**20:.1f} MiB")
-
-
-def _copy_line(canonicalizes: bool) -> str:
-    return "_foreach_copy_ of bf16 NaN payloads: " + ("rewrites them" if canonicalizes else "keeps the bytes")
-
-
-def _copy_in_line(result: dict) -> str:
-    return (f"FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise {result['mixed_unit_as_uint8_bitwise']}; bf16 unit "
-            f"bitwise {result['bf16_unit_bitwise']}")
-
-
-def _shard_line(result: dict) -> str:
-    mixed, bf16 = result["mixed_unit"], result["bf16_only_unit"]
-    return (f"fully_shard(param_dtype=None), 1 rank: mixed unit (bf16 payload + fp32 LoRA) bitwise {mixed['bitwise']}, "
-            f"LoRA grad {mixed['lora_grad_dtype']} finite {mixed['lora_grad_finite']}; bf16-only unit bitwise "
-            f"{bf16['bitwise']}")
 
 
 # ----------------------------------------------------------------------------------------------- the runs
-def run_quietly(command: list[str], *, timeout: float, deadline: Deadline, env: dict) -> subprocess.CompletedProcess:
-    """The command's result; a timeout (its own or the deadline) is a failed result (a failed check), not a traceback.
-    The command gets a session of its own so that a timeout ends torchrun's workers too (they would hold the GPU)."""
-    limit = deadline.timeout(timeout)
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        cause = "its timeout" if limit >= timeout else "the smoke's deadline"
-        note = f"timed out after {limit:.0f} s ({cause})"
-        return subprocess.CompletedProcess(command, 124, stdout, f"{stderr[-2000:]}\n{note}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def failure(result: subprocess.CompletedProcess) -> str:
-    """Why a process failed, on one line (a check's detail is one line of the table): a timeout says only that; else
-    the exit code and the child's own reason (`reason_in`; the end of its stderr is in the JSON)."""
-    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-    if result.returncode == 124 and lines and lines[-1].startswith("timed out after"):
-        return lines[-1]
-    return f"exit {result.returncode}: {reason_in(result.stderr)}"
-
-
-def reason_in(stderr: str, limit: int = 300) -> str:
-    """The child's own reason in a process's stderr, never torchrun's footer (which follows it, and says only
-    "exitcode ... To enable traceback see ..."): its last `finetune: error:` paragraph (whole: it names the fix), else
-    the last exception line of its last traceback, else the last exception-looking line, else the exit code and
-    signal of torchrun's root cause, else the last `limit` characters."""
-    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line.rstrip()) for line in stderr.splitlines()]
-    footer = next((i for i, line in enumerate(lines) if FOOTER.match(line)), len(lines))
-    child, torchrun_footer = lines[:footer], lines[footer:]
-    errors = [i for i, line in enumerate(child) if line.startswith("finetune: error:")]
-    if errors:
-        paragraph = [child[errors[-1]]]
-        for line in child[errors[-1] + 1:]:
-            if not line.strip() or LOG_LINE.match(line):
-                break
-            paragraph.append(line.strip())
-        return " ".join(paragraph)
-    tracebacks = [i for i, line in enumerate(child) if line.startswith("Traceback (most recent call last)")]
-    after = child[tracebacks[-1] + 1:] if tracebacks else []
-    raised = next((line for line in after if line.strip() and not line[0].isspace()), None)
-    raised = raised or next((line for line in reversed(child) if EXCEPTION.match(line)), None)
-    if raised:
-        return raised.strip()
-    cause = [line.strip() for line in torchrun_footer if line.strip().startswith(("exitcode", "traceback : Signal"))]
-    if cause:
-        return "torchrun: " + "; ".join(cause)
-    return " | ".join(line.strip() for line in child if line.strip())[-limit:]
-
-
-def torchrun(*args: str) -> list[str]:
-    """One rank under torchrun (a 1-rank process group); --standalone picks a free port when the run starts, so two
-    dry-run processes at once never race for one."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *args]
-
-
-def write_inputs(work: Path, hidden: int, layers: int, steps: int) -> Path:
-    """The model (built from a config, in this process), 512 counting rows and the recipe every run shares.
-
-    Heads of 128 (4 heads below 512 wide), as many key/value heads as query heads: SDPA keeps what the planner
-    counts with or without a mask (with one, transformers repeats k/v to every query head). Every row is longer than
-    data.max_length (a few hundred numbers counted on; the default `overlong: truncate` keeps the first MAX_LENGTH
-    tokens, the answer starting within them), so every micro-batch is MAX_LENGTH wide with no padding: the planner
-    sizes activations at max_length, and rows of 32-35 tokens (the addition rows this replaced) made the measured
-    step peak ~0.6 of its figure."""
-    from finetune.cli.tiny import build_tiny_model
-
-    work.mkdir(parents=True, exist_ok=True)
-    build_tiny_model(work / "model", hidden_size=hidden, num_layers=layers, **heads_of(hidden))
-    rng = random.Random(0)
-    with open(work / "data.jsonl", "w") as handle:
-        for _ in range(512):
-            start = rng.randint(0, 999)
-            row = {"instruction": "Count on from the number.", "input": str(start),
-                   "output": " ".join(str(start + step) for step in range(1, MAX_LENGTH))}
-            handle.write(json.dumps(row) + "\n")
-    recipe = work / "recipe.yaml"
-    recipe.write_text(
-        f"model: {{name_or_path: {work / 'model'}, dtype: bfloat16}}\n"
-        "lora: {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}\n"
-        f"data: {{datasets: [{{path: {work / 'data.jsonl'}}}], max_length: {MAX_LENGTH}}}\n"
-        f"train: {{max_steps: {steps}, micro_batch_size: 8, learning_rate: 1.0e-3, gradient_checkpointing: true, "
-        f"eval_every: 0, save_every: 0}}\n"
-        f"output: {{dir: {work / 'unused'}}}\n")
-    return recipe
-
-
-def two_nodes(*args: str, gpus: int | None) -> list[str]:
-    """HSDP's 2-D mesh needs two nodes: two torchrun launches of one process each on loopback (--nnodes 2, node ranks
-    0 and 1, as tests/parallel/test_distributed.py runs them), one GPU each on a GPU machine (CUDA_VISIBLE_DEVICES), in
-    one shell whose status is the first failure's (0 when both succeed). The process group is `cpu:gloo,cuda:nccl`: both libraries pick
-    their interface on loopback (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME; docs/distributed.md). The shell's "$@" is
-    what the caller appends (output.dir)."""
-    port = free_port()
-    launches = []
-    for node in (0, 1):
-        command = shlex.join([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", *args])
-        launches.append(("" if gpus is None else f"CUDA_VISIBLE_DEVICES={node} ") + command + ' "$@"')
-    # The first node to fail ends the other, which would wait for minutes: in a collective (its torchrun stops its
-    # worker on SIGTERM), or in torchrun's exit barrier, where SIGTERM waits for the barrier's 300 s (measured: 5.5 min)
-    # and only SIGKILL ends it (its worker has ended by then). Each pid is waited for by name: `wait -n` answers 127
-    # when both have ended before it is asked.
-    script = ('export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}; '
-              f'{launches[0]} & a=$!; {launches[1]} & b=$!; '
-              'while kill -0 $a 2>/dev/null && kill -0 $b 2>/dev/null; do sleep 1; done; '
-              'for p in $a $b; do if ! kill -0 $p 2>/dev/null; then wait $p; s=$?; if [ $s -ne 0 ]; then '
-              'kill $a $b 2>/dev/null; sleep 5; kill -KILL $a $b 2>/dev/null; exit $s; fi; fi; done; '
-              'wait $a; s=$?; wait $b; t=$?; exit $(( s ? s : t ))')
-    return ["bash", "-c", script, "hsdp"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def heads_of(hidden: int) -> dict[str, int]:
-    """The smoke model's heads: of 128 (4 below 512 wide), as many key/value heads as query heads."""
-    heads = max(4, hidden // 128)
-    return {"num_attention_heads": heads, "num_key_value_heads": heads}
-
-
 def plans(recipe: str, *, gpus: int | None = None) -> dict[str, list[str] | str]:
     """Each run's command; a string in its place says why this machine skips the run. `gpus`: how many this machine
     has (None: the dry run's CPU ranks)."""
@@ -712,53 +370,12 @@ def all_checks(runs: dict, load: Check, peers: Check, work: Path, recipe: Path, 
     return checks
 
 
-# --------------------------------------------------------------------------------------------- the verdict
-def summary(checks: list[Check]) -> dict[str, int]:
-    return {"passed": sum(c.verdict == PASS for c in checks), "failed": sum(c.verdict == FAIL for c in checks),
-            "skipped": sum(c.verdict == SKIP for c in checks)}
-
-
-def exit_code(checks: list[Check]) -> int:
-    """0 when no check failed (skips allowed: they are listed), else 1."""
-    return 1 if any(c.verdict == FAIL for c in checks) else 0
-
-
-def write_report(path: Path, about: dict, runs: dict, checks: list[Check], started: float) -> None:
-    report = {**about, "seconds": round(time.monotonic() - started, 1),
-              # A failed run keeps its stderr's end: on a lent GPU there may be no second try to see it.
-              "runs": {k: {key: v for key, v in r.items() if key != "stdout" and (key != "stderr" or not r["ok"])}
-                       for k, r in runs.items()},
-              "checks": [{"check": c.name, "verdict": c.verdict, "detail": c.detail, **c.figures} for c in checks],
-              "summary": summary(checks)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-
-
-def print_table(path: Path, about: dict, runs: dict, checks: list[Check], device: Cuda) -> None:
-    print(f"\nGPU smoke on {about['device']} (torch {about['torch']}, CUDA {about['cuda'] or '-'}); JSON: {path}")
-    print(f"{'run':<15} {'tokens/s':>9} {device.peak_label:>9} {'reserved':>9}  losses (first -> last)")
-    for name, run in runs.items():
-        if run["ok"] and run["losses"]:
-            reserved = "-" if run["reserved_mib"] is None else f"{run['reserved_mib']:.0f}"
-            print(f"{name:<15} {run['tokens_per_s'] or 0:>9.0f} {run['peak_mib']:>9.0f} {reserved:>9}  "
-                  f"{run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}")
-        else:
-            print(f"{name:<15} {run['reason'][-100:] if run['reason'] else 'no losses logged'}")
-    if device.dry_run:
-        print("* dry run: CPU-side figures stand in for the GPU's (peak RSS; each check's detail names its stand-in)")
-    for check in checks:
-        print(f"{check.verdict}  {check.name}: {check.detail}")
-    counts = summary(checks)
-    print(f"gpu-smoke: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
-          + (" (dry run on the CPU)" if device.dry_run else ""))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("GPU_SMOKE_JSON") or REPO / "benchmarks" / "gpu_smoke.json"),
                         help="where the JSON goes ($GPU_SMOKE_JSON; on a lent machine: $OUT/gpu_smoke.json comes back)")
-    parser.add_argument("--hidden", type=int, help="model width (default 1024; dry run 64)")
+    parser.add_argument("--hidden", type=int, help="model width (default 2048; dry run 64)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; dry run 2)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default 20; dry run 3)")
     parser.add_argument("--deadline-s", type=float, default=float(os.environ.get("GPU_SMOKE_DEADLINE_S") or 480),

@@ -16,8 +16,12 @@ import pytest
 from conftest import REPO, child_env
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_smoke  # (benchmarks/ is a script folder, not a package)
-from gpu_smoke import FAIL, PASS, SKIP, Check, Cuda, Deadline, DryRun
+import gpu_probe  # (benchmarks/ is a script folder, not a package)
+import gpu_smoke
+import gpu_smoke_processes as processes
+from gpu_smoke_device import Cuda, DryRun
+from gpu_smoke_processes import Deadline
+from gpu_smoke_report import FAIL, PASS, SKIP, Check, summary
 
 from finetune.planner import CUBLAS_WORKSPACE_BYTES
 
@@ -90,7 +94,7 @@ def test_load_check_reads_the_worker_record_as_bench_loading_writes_it(tmp_path,
     source = (REPO / "benchmarks" / "bench_loading.py").read_text()
     assert all(f'"{key}"' in source for key in WORKER_RECORD), "bench_loading's worker record changed: update it here"
     work = tmp_path / "work"
-    recipe = gpu_smoke.write_inputs(work, 64, 2, 3)
+    recipe = processes.write_inputs(work, 64, 2, 3)
     planned = gpu_smoke.planned_load_bytes(work, recipe, H200())
 
     def worker_wrote(command, **kwargs):  # as the worker does: one JSON file per rank into the folder it is given
@@ -146,7 +150,7 @@ def test_skips_are_listed_but_never_passes(tmp_path):
     checks = [gpu_smoke.trains_check(single), gpu_smoke.trains_check(skipped), gpu_smoke.losses_check(skipped, single)]
     assert [c.verdict for c in checks] == [PASS, SKIP, SKIP]
     assert checks[1].detail == "deepspeed is not installed in this Python"
-    assert gpu_smoke.summary(checks) == {"passed": 1, "failed": 0, "skipped": 2}
+    assert summary(checks) == {"passed": 1, "failed": 0, "skipped": 2}
     assert gpu_smoke.exit_code(checks) == 0
 
     passed = Deadline(0)
@@ -163,7 +167,7 @@ def test_skips_are_listed_but_never_passes(tmp_path):
 
 def test_a_subprocess_gets_no_more_than_the_time_left():
     started = time.perf_counter()
-    result = gpu_smoke.run_quietly(["sleep", "30"], timeout=240, deadline=Deadline(1), env=child_env())
+    result = processes.run_quietly(["sleep", "30"], timeout=240, deadline=Deadline(1), env=child_env())
     assert result.returncode == 124 and "the smoke's deadline" in result.stderr
     assert time.perf_counter() - started < 10
 
@@ -225,7 +229,7 @@ def test_a_failed_checks_reason_is_the_childs_not_torchruns_footer(child, footer
     see ... ===="), whatever the child said. Now its `finetune: error:` paragraph (whole), else its exception line,
     else the signal from the footer's root cause."""
     result = subprocess.CompletedProcess([], 1, "", torchrun_stderr(child, **footer))
-    assert gpu_smoke.failure(result) == f"exit 1: {reason}"
+    assert processes.failure(result) == f"exit 1: {reason}"
 
 
 def test_the_last_paragraph_wins_and_a_plain_process_is_read_the_same_way():
@@ -233,11 +237,11 @@ def test_the_last_paragraph_wins_and_a_plain_process_is_read_the_same_way():
     paragraph ends it; without torchrun (the single run, bench_peers) the same rules hold; a timeout says only that."""
     stderr = ("[rank0]: finetune: error: first.\nfinetune: error: the second one, whole:\n  its fix.\n"
               "/x/y.py:3: UserWarning: later noise\n")
-    assert gpu_smoke.failure(subprocess.CompletedProcess([], 2, "", stderr)) == "exit 2: finetune: error: the second one, whole: its fix."
+    assert processes.failure(subprocess.CompletedProcess([], 2, "", stderr)) == "exit 2: finetune: error: the second one, whole: its fix."
     plain = 'Traceback (most recent call last):\n  File "a.py", line 1\nKeyError: \'runs\'\n'
-    assert gpu_smoke.failure(subprocess.CompletedProcess([], 1, "", plain)) == "exit 1: KeyError: 'runs'"
+    assert processes.failure(subprocess.CompletedProcess([], 1, "", plain)) == "exit 1: KeyError: 'runs'"
     timed_out = subprocess.CompletedProcess([], 124, "", "partial\ntimed out after 12 s (the smoke's deadline)")
-    assert gpu_smoke.failure(timed_out) == "timed out after 12 s (the smoke's deadline)"
+    assert processes.failure(timed_out) == "timed out after 12 s (the smoke's deadline)"
 
 
 @pytest.mark.slow
@@ -249,9 +253,9 @@ def test_a_real_torchrun_failure_gives_the_childs_paragraph(tmp_path):
                       "this.', file=sys.stderr)\n    sys.exit(2)\nraise ValueError('the exception line')\n")
     for kind, reason in (("error", "finetune: error: the recipe is wrong. Fix: this."),
                          ("raise", "ValueError: the exception line")):
-        result = gpu_smoke.run_quietly(gpu_smoke.torchrun(str(script), kind), timeout=120, deadline=Deadline(120),
+        result = processes.run_quietly(processes.torchrun(str(script), kind), timeout=120, deadline=Deadline(120),
                                        env=child_env())
-        assert "ChildFailedError" in result.stderr and gpu_smoke.failure(result) == f"exit 1: {reason}", result.stderr
+        assert "ChildFailedError" in result.stderr and processes.failure(result) == f"exit 1: {reason}", result.stderr
 
 
 # ------------------------------------------------------------------- --json and --deadline-s (issue 57, finding 2)
@@ -328,7 +332,7 @@ def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monk
     probe = gpu_smoke.run_probe(Cuda(), Deadline(60))
     assert probe == GPU_PROBE and commands[0][1].endswith("gpu_probe.py") and commands[0][2:] == []
     assert gpu_smoke.run_probe(DryRun(), Deadline(60)) == GPU_PROBE and commands[1][2:] == ["--cpu"]
-    lines = gpu_smoke.probe_lines(probe)
+    lines = gpu_probe.probe_lines(probe)
     assert lines[0] == "7.5 s on cuda: python 3.12.3, torch 2.11.0+cu130, transformers 5.17.0, bitsandbytes -"
     assert lines[1] == ("torch sees 1 GPU(s) (NVIDIA H100 80GB HBM3, sm 9.0), built for CUDA 13.0; nvidia-smi lists 1, "
                         "driver 580.65.06 (CUDA 13.0)")
@@ -339,7 +343,7 @@ def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monk
     crashed = torchrun_stderr('Traceback (most recent call last):\n  File "p.py"\nImportError: libcuda.so.1\n', code=1)
     monkeypatch.setattr(gpu_smoke, "run_quietly", lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", crashed))
     failed = gpu_smoke.run_probe(Cuda(), Deadline(60))
-    assert gpu_smoke.probe_lines(failed) == ["failed: exit 1: ImportError: libcuda.so.1"]
+    assert gpu_probe.probe_lines(failed) == ["failed: exit 1: ImportError: libcuda.so.1"]
 
 
 # ------------------------------------------------------------------------ the speed line's clock (finding 4)
@@ -372,14 +376,14 @@ def test_every_row_fills_max_length_with_its_answer_inside(tmp_path):
     answer starts within it, so every micro-batch is max_length wide. The addition rows were 32-35 tokens of 256."""
     from transformers import AutoTokenizer
 
-    recipe = gpu_smoke.write_inputs(tmp_path, 64, 2, 3)
-    assert f"max_length: {gpu_smoke.MAX_LENGTH}" in recipe.read_text()
+    recipe = processes.write_inputs(tmp_path, 64, 2, 3)
+    assert f"max_length: {processes.MAX_LENGTH}" in recipe.read_text()
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     rows = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
     assert len(rows) == 512
     for row in rows:
         prompt = len(tokenizer(f"{row['instruction']}\n{row['input']}")["input_ids"])
-        assert prompt < 32 and len(tokenizer(row["output"])["input_ids"]) > gpu_smoke.MAX_LENGTH, row
+        assert prompt < 32 and len(tokenizer(row["output"])["input_ids"]) > processes.MAX_LENGTH, row
 
 
 def test_the_planner_checks_model_makes_the_fixed_costs_small(tmp_path):
@@ -391,18 +395,18 @@ def test_the_planner_checks_model_makes_the_fixed_costs_small(tmp_path):
     from finetune.planner.allocator import load_parts
     from finetune.recipe import load_recipe
 
-    recipe_path = gpu_smoke.write_inputs(tmp_path, 64, 2, 3)
+    recipe_path = processes.write_inputs(tmp_path, 64, 2, 3)
     recipe = load_recipe(str(recipe_path), ["parallel.strategy=fsdp", "parallel.fsdp_version=2"])
     hidden, layers = Cuda.sizes["hidden"], Cuda.sizes["layers"]
     config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                  vocab_size=512, **gpu_smoke.heads_of(hidden))
+                                  vocab_size=512, **processes.heads_of(hidden))
     facts = facts_from_config(config, recipe)
     load = load_parts(facts, "fsdp", 1, 1, sharded=True)
     allocated_load = sum(load.values()) - load["cuda_context"]
     assert (load["cublas_workspace"] + load["byte_guard"]) / allocated_load < 0.2, load
     plan = estimate(facts, recipe, "fsdp", Hardware(1, 80 * 2**30))
     assert plan.parts["cublas_workspace"] / (plan.peak_bytes - plan.parts["overhead"]) < 0.1, plan.parts
-    assert gpu_smoke.heads_of(hidden) == {"num_attention_heads": 16, "num_key_value_heads": 16}
+    assert processes.heads_of(hidden) == {"num_attention_heads": 16, "num_key_value_heads": 16}
 
 
 def test_fsdp1_offload_and_hsdp_are_runs_and_hsdp_needs_two_gpus(monkeypatch):
@@ -435,8 +439,8 @@ def test_two_nodes_rendezvous_and_a_failed_node_ends_the_other(tmp_path):
         out = tmp_path / str(fail)
         out.mkdir()
         started = time.perf_counter()
-        command = [*gpu_smoke.two_nodes(str(script), gpus=None), str(fail), str(out)]
-        result = gpu_smoke.run_quietly(command, timeout=120, deadline=Deadline(120), env=child_env())
+        command = [*processes.two_nodes(str(script), gpus=None), str(fail), str(out)]
+        result = processes.run_quietly(command, timeout=120, deadline=Deadline(120), env=child_env())
         assert (result.returncode == 0) == (fail == 0), result.stderr[-2000:]
         assert {p.name: p.read_text() for p in out.iterdir()} == {"0": "2", "1": "2"}
         assert time.perf_counter() - started < 60, result.stderr[-2000:]

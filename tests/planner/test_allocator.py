@@ -18,7 +18,7 @@ from finetune.planner.allocator import (
 )
 from finetune.recipe import validate_recipe
 
-# The GPU smoke's model shape (benchmarks/gpu_smoke.py, Cuda.sizes): 1024 wide, 8 layers, Llama-shaped.
+# A Llama shape of the GPU smoke's kind, 1024 wide and 8 layers (the smoke itself is 2048 wide: benchmarks/gpu_smoke_device.py, Cuda.sizes).
 SMOKE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
          "num_key_value_heads": 16, "vocab_size": 512, "tie_word_embeddings": False}
 
