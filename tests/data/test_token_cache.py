@@ -1,0 +1,107 @@
+"""The tokenization cache (finetune/data/cache.py): every input of its key is a miss when it changes and a hit when it
+does not, an old or damaged entry is rebuilt and never misread, and tokenizing in parallel gives what one process
+gives."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import addition_rows, write_jsonl
+from test_data import make_recipe
+
+from finetune import data
+from finetune.cli.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+
+
+def _examples(sequence) -> list[tuple[list[int], list[int]]]:
+    return [(e.input_ids, e.labels) for e in sequence]
+
+
+def test_each_input_of_the_cache_key_is_a_miss_and_an_unchanged_one_a_hit(tmp_path, tokenizer, monkeypatch):
+    """The key covers the rows, the tokenizer, its chat template, the data settings and the rendering code: a change in
+    any of them re-tokenizes (never a stale hit); nothing changed reads the memory-mapped entry, equal to the fresh one."""
+    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(30))
+    recipe = make_recipe({"path": str(path)})
+    train, evaluation, stats = data.build_examples(recipe, tokenizer)
+    assert stats.cached_datasets == 0
+    entries = [p for p in (tmp_path / "cache" / "data").iterdir() if p.suffix != ".lock"]
+    assert len(entries) == 1 and entries[0].is_dir(), entries  # no temporary folder left
+    real_tokenize = data.cache.tokenize_chunk
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("re-tokenized although the cache holds this dataset")
+
+    monkeypatch.setattr(data.cache, "tokenize_chunk", no_tokenizing)  # where the cache stage looks it up
+    again, again_eval, again_stats = data.build_examples(recipe, tokenizer)
+    assert again_stats.cached_datasets == 1
+    assert isinstance(again.stores[0].ids, np.memmap)  # mapped, not loaded into lists
+    assert _examples(again) + _examples(again_eval) == _examples(train) + _examples(evaluation)
+
+    templated = build_tokenizer()
+    templated.chat_template = (tokenizer.chat_template or "") + "{# another template #}"
+    misses = {
+        "max_length": (make_recipe({"path": str(path)}, max_length=64), tokenizer),
+        "system_prompt": (make_recipe({"path": str(path)}, system_prompt="S"), tokenizer),
+        "overlong": (make_recipe({"path": str(path)}, overlong="drop"), tokenizer),
+        "columns": (make_recipe({"path": str(path), "columns": {"output": "output"}}), tokenizer),
+        "tokenizer": (recipe, build_tokenizer(vocab_size=400)),
+        "chat template": (recipe, templated),
+    }
+    for name, (changed, changed_tokenizer) in misses.items():
+        with pytest.raises(AssertionError, match="re-tokenized"):
+            data.build_examples(changed, changed_tokenizer)
+            pytest.fail(f"{name}: a change of it was a cache hit")
+    monkeypatch.setattr(data.cache, "CACHE_VERSION", "edited rendering code")
+    with pytest.raises(AssertionError, match="re-tokenized"):  # the rendering code's version is part of the key
+        data.build_examples(recipe, tokenizer)
+    monkeypatch.undo()
+    monkeypatch.setattr(data.cache, "tokenize_chunk", no_tokenizing)
+    write_jsonl(path, addition_rows(30, seed=1))
+    with pytest.raises(AssertionError, match="re-tokenized"):  # the file content is part of the key
+        data.build_examples(recipe, tokenizer)
+    monkeypatch.setattr(data.cache, "tokenize_chunk", real_tokenize)
+
+
+def test_an_old_or_damaged_cache_entry_is_rebuilt_never_misread(tmp_path, tokenizer):
+    """An entry written by other code (another store format; v1-v3's .npz files) or cut short is rebuilt."""
+    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(30))
+    recipe = make_recipe({"path": str(path)})
+    fresh, _, _ = data.build_examples(recipe, tokenizer)
+    key = data.cache_key(recipe.data.datasets[0], data.open_source(recipe.data.datasets[0]), recipe, tokenizer)
+    entry = data.cache_dir() / key
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, "format": 2}))  # an older layout under the same name
+    (data.cache_dir() / f"{key}.npz").write_bytes(b"v1-v3 wrote npz files; never read")
+    rebuilt, _, stats = data.build_examples(recipe, tokenizer)
+    assert stats.cached_datasets == 0 and _examples(rebuilt) == _examples(fresh)
+    with open(entry / "ids.bin", "r+b") as handle:  # damaged: fewer tokens than its offsets say
+        handle.truncate(8)
+    rebuilt, _, stats = data.build_examples(recipe, tokenizer)
+    assert stats.cached_datasets == 0 and _examples(rebuilt) == _examples(fresh)
+    assert data.build_examples(recipe, tokenizer)[2].cached_datasets == 1
+
+
+def test_parallel_tokenizing_matches_in_process(tmp_path, tokenizer):
+    """data.num_proc spreads chunks of rows over processes; the tokens and labels do not depend on it."""
+    rows = addition_rows(2100)
+    rows[1500]["output"] = ""  # a bad row in a worker's chunk: counted like in-process
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    serial, _, one = data.build_examples(make_recipe({"path": str(path)}, cache=False, num_proc=1, bad_rows="skip"),
+                                         tokenizer)
+    parallel, _, two = data.build_examples(make_recipe({"path": str(path)}, cache=False, num_proc=2, bad_rows="skip"),
+                                           tokenizer)
+    assert _examples(parallel) == _examples(serial) and len(serial) > 1900
+    assert (one.skipped, one.skipped_reasons) == (two.skipped, two.skipped_reasons) == (1, one.skipped_reasons)
+    assert "line 1501" in one.skipped_reasons[0]
