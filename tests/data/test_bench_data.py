@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from data_scale import MEASURES, pack_best_fit, write_chat_file
+from data_scale import MEASURES, pack_best_fit
+from data_scale_file import write_chat_file
 
 
 def test_chat_file_is_deterministic_and_shaped_as_the_issue_says(tmp_path):
