@@ -35,7 +35,25 @@ def checked_chat_template(value: str | None) -> str | None:
     """The recipe's value, kept as written, once it names a template (pydantic's error for one that does not)."""
     if value is not None:
         try:
-            resolve_chat_template(value)
+            _compiles(resolve_chat_template(value), value)
         except RecipeError as exc:
             raise ValueError(str(exc).removeprefix("model.chat_template: ")) from None
     return value
+
+
+def _compiles(template: str, value: str) -> None:
+    """A template that is not valid Jinja fails every row alike: refused here, before any weight or row loads, by
+    transformers' own compiler (its sandbox, loop controls and the {% generation %} tag of training templates)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # (a private name: where it moved, the first row says the same)
+        return
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        source = "template text" if template == value else f"file `{value}`"
+        raise RecipeError(f"model.chat_template: the {source} is not valid Jinja: line {exc.lineno}: {exc.message}. "
+                          "Fix the template, or name one of finetune's: "
+                          f"{', '.join(sorted(named_templates()))}.") from None

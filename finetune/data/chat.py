@@ -27,10 +27,12 @@ DataError naming the row and the fix, never a silently wrong mask.
 
 from __future__ import annotations
 
+import re
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
-from finetune.data.conversations import renders_tools, template_messages
+from finetune.data.conversations import calls_need_none_content, renders_tools, template_messages
 from finetune.errors import DataError
 
 _PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
@@ -61,6 +63,12 @@ class _Renderer:
         if calls and "tool_calls" not in self.template:
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
                             f"render `tool_calls`. Fix: {NAMED_FIX}.")
+        if calls and calls_need_none_content(self.template):
+            raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template renders a "
+                            "call only in a turn whose content is None, which transformers drops before rendering "
+                            "(DeepSeek-R1 distills' template, finetune's deepseek-r1 too), so no call can be trained "
+                            "under it. Fix: a template that renders tool calls (model.chat_template: qwen2.5, qwen3, "
+                            "llama-3.1, ...), or leave tool-call rows out (data.bad_rows: skip).")
         self.messages = messages
         if calls:
             try:
@@ -75,13 +83,16 @@ class _Renderer:
 
     def render_messages(self, messages: list[dict], generation_prompt: bool = False) -> str:
         """Any messages in the normal form rendered with the row's template, tools and settings (probes too)."""
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, TemplateSyntaxError
 
         messages = template_messages(messages, self.template, reasoning=self.reasoning,
                                      string_arguments=self.string_arguments)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
+        except TemplateSyntaxError as exc:  # the template's own fault (model.chat_template is checked at load)
+            raise DataError(f"{self.where}: the tokenizer's chat template is not valid Jinja (its line {exc.lineno}: "
+                            f"{exc.message}), so no row can be rendered. Fix: {NAMED_FIX}.") from None
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise DataError(f"{self.where}: the chat template cannot render this conversation: {exc}. Fix the row "
                             "(the template's own words above), or set data.bad_rows: skip.") from None
@@ -196,12 +207,19 @@ def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
     if answer and answer not in span:
         raise DataError(f"{where}: message {number}'s answer is not whole in the span the chat template gives that "
                         f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. Fix: {NAMED_FIX}.")
-    for call in message.get("tool_calls", []):
-        if call["function"]["name"] not in span:
-            raise DataError(f"{where}: the chat template drops message {number}'s tool call "
-                            f"`{call['function']['name']}` (DeepSeek-R1 distills' template renders no tool call "
-                            f"beside text). Fix: {NAMED_FIX}.")
+    calls = Counter(call["function"]["name"] for call in message.get("tool_calls", []))
+    for name, count in calls.items():  # a name counted, not only found: two calls to one function, one rendered
+        if span.count(name) < count:
+            raise DataError(f"{where}: the chat template drops message {number}'s tool call `{name}` (the turn makes "
+                            f"{count} call(s) to it, the span names it {span.count(name)} time(s); gpt-oss's template "
+                            "renders a turn's first call only). Fix: one call per assistant turn, each followed by its "
+                            f"result, or {NAMED_FIX}.")
     reasoning = message.get("reasoning", "").strip()
+    if reasoning and renderer.reasoning != "drop" and reasoning not in span and calls:
+        raise DataError(f"{where}: the chat template drops the reasoning of message {number} beside its tool calls "
+                        "(Llama 3.1's renders a call alone), so the model would learn to call without it. Fix: "
+                        "data.reasoning: drop to train the calls alone, or a template that renders reasoning beside "
+                        "calls (model.chat_template: qwen3, qwen3.5, glm-4.5 or gpt-oss).")
     if reasoning and renderer.reasoning != "drop" and reasoning not in span:
         raise DataError(f"{where}: the chat template drops the reasoning of message {number}, the turn being trained "
                         "(DeepSeek-R1 distills' template strips every <think> block, the last turn's too), so the "
@@ -218,11 +236,29 @@ def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _
         segments.append((text[cursor : turn.start], False))
         span = text[turn.start : turn.end]
         reasoning = messages[turn.index].get("reasoning", "").strip()
-        at = span.find(reasoning) if reasoning and renderer.reasoning == "context" else -1
+        at = _reasoning_at(renderer, messages, turn, text) if reasoning and renderer.reasoning == "context" else -1
         if at >= 0:
+            at -= turn.start
             segments += [(span[:at], True), (reasoning, False), (span[at + len(reasoning):], True)]
         else:
             segments.append((span, True))
         cursor = turn.end
     segments.append((text[cursor:], False))
     return [(piece, trained) for piece, trained in segments if piece]
+
+
+def _reasoning_at(renderer: _Renderer, messages: list[dict], turn: _Turn, text: str) -> int:
+    """Where turn's reasoning starts in `text` (its example), for data.reasoning: context. Not the first match of the
+    reasoning in the span: a short reasoning ("analysis") may also be a word of the template's own markup
+    (gpt-oss's `<|channel|>analysis<|message|>`). The turn is rendered with a probe for its reasoning; what the template
+    writes right before the probe, then the reasoning, is found inside the span."""
+    message = messages[turn.index]
+    probed = renderer.render_messages(messages[: turn.index] + [{**message, "reasoning": _PROBE}])
+    lead = probed[: probed.find(_PROBE)][-48:] if _PROBE in probed else ""
+    pattern = re.compile(re.escape(lead) + r"\s*" + re.escape(message["reasoning"].strip()))
+    found = pattern.search(text, max(turn.start - len(lead), 0), turn.end) if lead else None
+    if found is None or found.end() - len(message["reasoning"].strip()) < turn.start:
+        raise DataError(f"{renderer.where}: message {turn.index + 1}'s reasoning cannot be told apart from the chat "
+                        "template's own text in its span, so data.reasoning: context cannot leave it untrained. Fix: "
+                        "data.reasoning: train or drop, or set data.bad_rows: skip.")
+    return found.end() - len(message["reasoning"].strip())

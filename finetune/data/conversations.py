@@ -27,8 +27,11 @@ ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant"
                 "observation": "tool", "function_call": "assistant"}
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' templates' names, then others'
 # A leading reasoning block: `<think>...</think>`, or reasoning closed by `</think>` alone (DeepSeek-R1's outputs: its
-# template prefills the opening tag), as Qwen3's and GLM's templates split it.
-_INLINE_THINK = re.compile(r"\A\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)
+# template prefills the opening tag) where that tag stands at a line's edge, as R1 writes it ("...\n</think>\n\n").
+# A `</think>` inside a line of text ("write the closing tag </think> after ...") is the answer's own text: it does
+# not make what comes before it reasoning (a template that splits there anyway fails the span's proof, chat.py).
+_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|\A(.*?)(?:(?<=\n)</think>|</think>(?=[ \t]*(?:\n|\Z)))\s*",
+                           re.DOTALL)
 
 
 # ------------------------------------------------------------------------------------------------ normal form
@@ -53,7 +56,8 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
     if speaker not in ROLE_ALIASES:
         raise DataError(f"{where}: message {number} has role `{role}`; known roles are {', '.join(ROLE_ALIASES)}. Fix "
                         "the row or set data.bad_rows: skip.")
-    message = {"role": ROLE_ALIASES[speaker], "content": _text(content)}
+    message = {"role": ROLE_ALIASES[speaker]}
+    message["content"] = _text(content, message["role"], f"{where}: message {number}")
     calls = turn.get("tool_calls") if speaker != "function_call" else content
     if calls not in (None, "", []):
         if message["role"] != "assistant":
@@ -69,12 +73,25 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
     return message
 
 
-def _text(content) -> str:
-    """A message's content as text: structured tool results (objects, lists) as JSON, None as empty."""
+def _text(content, role: str, where: str) -> str:
+    """A message's content as text: a list of text parts (transformers' and OpenAI's form: [{"type": "text", "text":
+    ...}]) joined, a tool's structured result (an object or list) as JSON, None as empty. Parts other than text
+    (images, audio) and structured content of any other role are the row's error: trained as JSON text they would
+    teach the model to write JSON."""
     if content is None:
         return ""
+    if isinstance(content, list) and content and all(isinstance(part, dict) and "type" in part for part in content):
+        kinds = sorted({str(part["type"]) for part in content} - {"text"})
+        if kinds:
+            raise DataError(f"{where} has content parts of type {', '.join(kinds)}; finetune trains text only. Keep "
+                            "its text parts, or set data.bad_rows: skip.")
+        return "".join(str(part.get("text") or "") for part in content)
     if isinstance(content, (dict, list)):
-        return json.dumps(content, ensure_ascii=False)
+        if role == "tool":
+            return json.dumps(content, ensure_ascii=False)
+        raise DataError(f"{where} (role {role}) has a {type(content).__name__} as its content; a turn's content is "
+                        'text, or a list of text parts ([{"type": "text", "text": ...}]); only tool results may be '
+                        "objects. Fix the row or set data.bad_rows: skip.")
     return str(content)
 
 
@@ -87,7 +104,8 @@ def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -
     if inline:
         if reasoning is not None:
             raise DataError(f"{where} has reasoning twice: in a field and as an inline <think> block. Keep one.")
-        reasoning, message["content"] = inline.group(1), message["content"][inline.end():]
+        thought = inline.group(1) if inline.group(1) is not None else inline.group(2)
+        reasoning, message["content"] = thought, message["content"][inline.end():]
     elif message["content"].lstrip().startswith("<think>"):
         raise DataError(f"{where}: its content has an unbalanced <think> block (a reasoning block opens the answer as "
                         "<think>...</think>). Fix the row, put the reasoning in `reasoning_content`, or set "
@@ -161,6 +179,10 @@ def check_order(messages: list[dict], where: str) -> None:
                 "expected: after optional system messages, a user turn; the assistant answers each user turn; an "
                 "assistant turn with tool_calls is followed by the tool results (role tool), then the assistant again. "
                 "Fix the row (merge consecutive turns of one speaker) or set data.bad_rows: skip.")
+        if role == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
+            raise DataError(f"{where}: message {number} is an empty assistant turn (no answer, no tool calls): only "
+                            "its end-of-turn token would be trained, teaching the model to stop at once. Fix the row "
+                            "or set data.bad_rows: skip.")
         expected = ("tool",) if role == "assistant" and message.get("tool_calls") else \
             ("user",) if role == "assistant" else allowed[role]
     if not any(m["role"] == "assistant" for m in messages):
@@ -176,6 +198,13 @@ def reasoning_field(template: str) -> str | None:
     if re.search(r"message\.thinking|message\[['\"]thinking['\"]\]", template):
         return "thinking"
     return None
+
+
+def calls_need_none_content(template: str) -> bool:
+    """Whether a template renders an assistant's tool calls only where its content `is none` (DeepSeek-R1 distills'
+    and DeepSeek-V3's). transformers (5.x) drops every None-valued key before rendering, so such a template never
+    renders a call: `message['content'] is none` is false for a missing key."""
+    return re.search(r"\[['\"]content['\"]\]\s+is\s+none|\.content\s+is\s+none", template) is not None
 
 
 def renders_tools(template: str) -> bool:

@@ -328,10 +328,10 @@ def test_an_answer_ending_like_the_next_header_keeps_its_stop_token():
     assert [text for _, text in finetune_turns(row, tokenizer)] == ["\n<think></think>\nAsk the user<|user|>"]
 
 
-@pytest.mark.parametrize("answer", ["<b>Hi</b>", "<think-tank>", ""])
+@pytest.mark.parametrize("answer", ["<b>Hi</b>", "<think-tank>"])
 def test_a_prefilled_think_never_eats_the_answer(answer):
-    """DeepSeek-R1 prefills `<think>\\n`; an answer starting with `<` shares a character with it, and an empty one
-    used to start the span inside the end-of-sentence token."""
+    """DeepSeek-R1 prefills `<think>\\n`; an answer starting with `<` shares a character with it (an empty one, which
+    started the span inside the end-of-sentence token, is a row error now: test_conversation_rows.py)."""
     tokenizer = family_tokenizer("deepseek-r1")
     row = {"messages": [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": answer}]}
     assert [text for _, text in finetune_turns(row, tokenizer)] == [answer + "<｜end▁of▁sentence｜>"]
