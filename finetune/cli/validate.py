@@ -72,6 +72,9 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     if problem:
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")
+    if recipe.train.resume is not None:  # the checkpoint it names exists, is whole, and fits this recipe
+        source = outputs.resume_source(recipe)
+        lines.append(f"  resume: from {source}" if source else "  resume: auto, no checkpoint yet (starts at step 0)")
     return "\n".join(lines)
 
 
@@ -99,6 +102,8 @@ def _check_data(recipe, num_processes: int) -> str:
         _, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         t = recipe.train
+        data.check_enough_rows(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
+                               world_size=num_processes)
         count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
         per_epoch = count(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
                           grad_accum=t.grad_accum)

@@ -42,6 +42,7 @@ from finetune.data.cache import CACHE_VERSION, cache_dir, cache_key, dataset_sto
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, PreparedData
 from finetune.data.loader import (
     BatchStream,
+    check_enough_rows,
     checked_steps_per_epoch,
     collate,
     epoch_permutation,
@@ -107,6 +108,7 @@ __all__ = [
     "build_examples",
     "cache_dir",
     "cache_key",
+    "check_enough_rows",
     "check_local_files",
     "check_row",
     "checked_steps_per_epoch",

@@ -118,6 +118,17 @@ def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int
     return steps
 
 
+def check_enough_rows(rows: int, *, micro_batch_size: int, world_size: int) -> None:
+    """A global micro-batch needs that many training rows (the run's start and `finetune validate` ask alike)."""
+    global_batch = micro_batch_size * world_size
+    if rows < global_batch:
+        raise DataError(
+            f"only {rows} training rows for a global micro-batch of {global_batch} "
+            f"(train.micro_batch_size={micro_batch_size} x {world_size} processes; with data.packing a row holds "
+            "several examples). Add data or lower the batch size."
+        )
+
+
 class BatchStream:
     """Endless micro-batches for one rank: a seeded shuffle per epoch, each rank a disjoint, strided share.
 
@@ -131,12 +142,7 @@ class BatchStream:
     def __init__(self, examples: Sequence[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  pad_id: int, grad_accum: int = 1, kl_max_length: int | None = None):
         global_batch = micro_batch_size * world_size
-        if len(examples) < global_batch:
-            raise DataError(
-                f"only {len(examples)} training rows for a global micro-batch of {global_batch} "
-                f"(train.micro_batch_size={micro_batch_size} x {world_size} processes; with data.packing a row holds "
-                "several examples). Add data or lower the batch size."
-            )
+        check_enough_rows(len(examples), micro_batch_size=micro_batch_size, world_size=world_size)
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch

@@ -56,14 +56,24 @@ def open_source(spec: DatasetSpec) -> Source:
         if path.suffix == ".jsonl":
             return Source(spec, jsonl=path)
         if path.suffix == ".json":
-            text = path.read_text(encoding="utf-8")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}). "
+                                f"{RECODE}") from None
             if not text.lstrip().startswith("["):
                 return Source(spec, jsonl=path)  # a .json file holding JSON Lines
             return Source(spec, rows=_json_array(path, text))
         if path.suffix in (".csv", ".parquet"):
             import datasets
 
-            return Source(spec, table=datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train"))
+            try:
+                table = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+            except Exception as exc:  # noqa: BLE001  (an empty file, a header without rows, bytes not CSV)
+                raise DataError(f"{path}: `datasets` cannot read it as {path.suffix[1:].upper()} ({_first_line(exc)}); "
+                                "is it empty, or a header without rows? Fix the file or point data.datasets[].path at "
+                                "another.") from None
+            return Source(spec, table=table)
         raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv "
                         "or .parquet.")
     if path.is_dir():
@@ -104,8 +114,9 @@ def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tupl
 
 def _line_chunks(path: Path, limit: float, chunk_rows: int) -> Iterator[tuple[list, list[str], bool]]:
     lines, places, taken = [], [], 0
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = _decoded(raw, path, number)
             if not line.strip():
                 continue
             if taken >= limit:
@@ -118,6 +129,19 @@ def _line_chunks(path: Path, limit: float, chunk_rows: int) -> Iterator[tuple[li
                 lines, places = [], []
     if lines:
         yield lines, places, True
+
+
+RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`, naming its real encoding), "
+          "or remove the line.")
+
+
+def _decoded(raw: bytes, path: Path, number: int) -> str:
+    """One line of a JSON Lines file as text; bytes that are not UTF-8 name the file, the line and the fix."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} line {number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}). "
+                        f"{RECODE}") from None
 
 
 def load_rows(spec: DatasetSpec) -> list[dict]:
@@ -191,8 +215,9 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
     """The first lines of a JSON Lines file parse (unless bad_rows: skip) and, together, have the fields of the
     dataset's format: a file in another format fails here, in seconds, before a tokenizer or a model loads."""
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(itertools.islice(handle, lines), start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(itertools.islice(handle, lines), start=1):
+            line = _decoded(raw, path, number)
             if not line.strip():
                 continue
             try:

@@ -23,7 +23,7 @@ from finetune.outputs.run_folder import (
     output_dir_problem,
     write_rank_stats,
 )
-from finetune.outputs.step_folders import newest_kept, report_best_eval
+from finetune.outputs.step_folders import newest_kept, report_best_eval, resume_source
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -36,6 +36,7 @@ __all__ = [
     "newest_kept",
     "output_dir_problem",
     "report_best_eval",
+    "resume_source",
     "save_adapter",
     "write_rank_stats",
 ]

@@ -105,19 +105,32 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
             f"the OS lock on {out_dir / LOCK_FILE}). Wait for it, stop it, or choose another output.dir. (The lock goes "
             "with its process: a killed run never blocks its resume.)"
         )
-    if overwrite or resume is not None:
+    elsewhere = _resumes_elsewhere(out_dir, resume)
+    if overwrite or (resume is not None and not elsewhere):
         return None
+    # A new run, or one resumed from another folder's checkpoint: either would write over what this folder holds.
+    started = (f"train.resume starts from another folder's checkpoint ({resume}), and its steps would be written "
+               "over this folder's. ") if elsewhere else ""
     if (out_dir / "adapter" / ADAPTER_WEIGHTS).exists():
         return (
-            f"output.dir {out_dir} already holds a finished run (adapter/). Nothing was changed. Fix: choose another "
-            "output.dir, pass output.overwrite=true to replace it, or train.resume=auto to continue it."
+            f"output.dir {out_dir} already holds a finished run (adapter/). {started}Nothing was changed. Fix: choose "
+            "another output.dir, pass output.overwrite=true to replace it, or train.resume=auto to continue it."
         )
     if list_checkpoints(out_dir):
         return (
-            f"output.dir {out_dir} holds checkpoints of a run that did not finish. Nothing was changed. Fix: pass "
-            "train.resume=auto to continue it, output.overwrite=true to start over, or choose another output.dir."
+            f"output.dir {out_dir} holds checkpoints of a run that did not finish. {started}Nothing was changed. Fix: "
+            "pass train.resume=auto to continue it, output.overwrite=true to start over, or choose another output.dir."
         )
     return None
+
+
+def _resumes_elsewhere(out_dir: Path, resume: str | None) -> bool:
+    """train.resume names a checkpoint or run folder that exists outside `out_dir` (one that does not exist is
+    resume_source's error)."""
+    if resume in (None, "auto"):
+        return False
+    path = Path(resume).expanduser().resolve()
+    return path.exists() and not path.is_relative_to(out_dir.expanduser().resolve())
 
 
 def take_output_dir(out_dir: Path) -> bool:
