@@ -158,9 +158,30 @@ MANAGED: frozenset[str] = frozenset({
 })
 
 
-def foreign_name(name: str, schema_keys: dict[str, list[str]]) -> str | None:
-    """What to tell a user who wrote `name` where the recipe has no such key: the key it means, where it belongs (a
-    key of another section), or why there is none. None: not a name the table knows (the caller may guess)."""
+# section -> {name: the key of that section it means}: what people write in a section for one of its own keys, asked
+# before the other sections' keys (`output.path` means output.dir, not data.datasets[].path).
+SECTION_MEANS: dict[str, dict[str, str]] = {
+    "model": {**dict.fromkeys(("path", "model", "name", "model_path", "model_name", "model_id", "model_name_or_path",
+                                "pretrained_model_name_or_path", "base_model", "id"), "name_or_path"),
+              "tokenizer_name": "tokenizer", "tokenizer_path": "tokenizer", "torch_dtype": "dtype",
+              "template": "chat_template"},
+    "output": {**dict.fromkeys(("path", "output_dir", "out_dir", "folder", "directory", "save_dir", "dir_path",
+                                 "output_path"), "dir"), "overwrite_output_dir": "overwrite"},
+    "train": {"lr": "learning_rate", "batch_size": "micro_batch_size", "epochs": "num_epochs", "steps": "max_steps",
+              "gradient_accumulation": "grad_accum", "grad_accum_steps": "grad_accum", "warmup": "warmup_steps",
+              "scheduler": "lr_schedule"},
+    "lora": {"rank": "r", "lora_r": "r", "lora_rank": "r", "target": "target_modules", "targets": "target_modules",
+             "modules": "target_modules"},
+    "data": {"dataset": "datasets", "max_len": "max_length", "seq_len": "max_length"},
+}
+
+
+def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | None = None) -> str | None:
+    """What to tell a user who wrote `name` where the recipe has no such key (in `section`, when it is one of the
+    recipe's sections): the key it means there, where it belongs (a key of another section), or why there is none.
+    None: not a name the table knows (the caller may guess)."""
+    if name in SECTION_MEANS.get(section or "", {}):
+        return f"`{name}` is `{section}.{SECTION_MEANS[section][name]}` here."
     sections = [section for section, keys in schema_keys.items() if name in keys]
     if sections:
         where = " or ".join(f"`{section}.{name}`" for section in sections)

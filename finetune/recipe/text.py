@@ -53,11 +53,11 @@ def section_keys(root: type[BaseModel]) -> dict[str, list[str]]:
     return sections
 
 
-def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None) -> str:
+def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None, section: str | None = None) -> str:
     """What to say of an unknown key: the key it means where it is another tool's name or belongs in another section
     (finetune/recipe/names.py), else a near spelling of a key here (close enough to be a typo, never a key of
     another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`), else the keys here."""
-    known = foreign_name(key, section_keys(root)) if root is not None else None
+    known = foreign_name(key, section_keys(root), section) if root is not None else None
     if known:
         return f" {known}"
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
@@ -77,7 +77,8 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
             lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
         elif item["type"] == "extra_forbidden":
             parent = schema_at(root, loc[:-1])
-            hint = suggest(str(loc[-1]), field_names(parent), root=root) if parent else ""
+            section = str(loc[0]) if len(loc) == 2 else None
+            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section) if parent else ""
             lines.append(f"  {dotted}: unknown key.{hint}")
         elif item["type"] == "missing":
             lines.append(f"  {dotted}: required key is missing.")
@@ -99,7 +100,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not parts:
         raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else None  # (a SafeLoader)
     except yaml.YAMLError as exc:
         raise RecipeError(f"override `{text}`: the value is not valid YAML ({exc.problem}).") from None
     return parts, value
@@ -112,10 +113,9 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
     for depth, part in enumerate(parts):
         if schema is not None and part not in schema.model_fields and not isinstance(node, list):
             where = ".".join(parts[:depth]) or "the top level"
+            hint = suggest(part, field_names(schema), root=root, section=parts[0] if depth == 1 else None)
             raise RecipeError(
-                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{suggest(part, field_names(schema), root=root)}"
-                f" (keys under {where})"
-            )
+                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{hint} (keys under {where})")
         last = depth == len(parts) - 1
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
@@ -137,6 +137,25 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
         schema = schema_at(root, tuple(p for p in parts[: depth + 1] if not p.isdigit()))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error where PyYAML keeps the last one
+    silently (a second `train:` section would replace the whole first one)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                if key is None or key == "<<":
+                    continue
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"`{key}` is given twice in one mapping (first at line {first[key]}); YAML would "
+                        "keep only the second. Merge the two", key_node.start_mark)
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -146,7 +165,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
             "`finetune recipes` lists the library."
         )
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # (a SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
