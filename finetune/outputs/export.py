@@ -87,6 +87,13 @@ def base_config(source: Source, base: str | None):
         raise ExportError(
             f"{source.adapter_dir}: the adapter names no base model. Fix: pass --base MODEL_FOLDER_OR_HUB_ID."
         )
+    from finetune.hub import use_cache_only_if_unreachable
+    from finetune.model.sources.hub import is_local, local_problem
+
+    if problem := local_problem(name):
+        raise ExportError(f"--base {problem}")
+    if not is_local(name):
+        use_cache_only_if_unreachable()  # offline: the cache at once, not five retries (~27 s) before the same error
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:

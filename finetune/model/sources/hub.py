@@ -9,9 +9,30 @@ from pathlib import Path
 from finetune.errors import ModelLoadError
 from finetune.recipe import Recipe
 
+FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".pt", ".pth", ".yaml", ".yml", ".txt", ".model")
+
 
 def is_local(name_or_path: str) -> bool:
     return Path(name_or_path).expanduser().exists()
+
+
+def looks_local(name_or_path: str) -> bool:
+    """A path, not a hub id (`org/name`): it starts like one, has more than one slash, or names a file."""
+    return (name_or_path.startswith(("./", "../", "/", "~", ".\\")) or name_or_path.count("/") > 1
+            or Path(name_or_path).suffix.lower() in FILE_SUFFIXES)
+
+
+def local_problem(name_or_path: str) -> str | None:
+    """Why a local-looking name cannot be the folder of a model (None when it can, or when it is a hub id): it does
+    not exist, or it is a file. Asked before the hub is: a path is never looked up there."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return (f"`{name_or_path}` is a file; give the folder that holds it (config.json, the weights and the "
+                "tokenizer files), or a GGUF file's folder or hub id with model.gguf_file naming the file.")
+    if not path.exists() and looks_local(name_or_path):
+        return (f"`{name_or_path}`: no such folder (relative paths are read from {Path.cwd()}). Fix the path, or give "
+                "a hub id (`org/name`).")
+    return None
 
 
 def hub_kwargs(recipe: Recipe) -> dict:
@@ -22,7 +43,7 @@ def hub_kwargs(recipe: Recipe) -> dict:
 
 
 def load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
-    local = is_local(name)
+    local = is_local(name) or looks_local(name)
     if local:
         fix = f"check that {name} is a saved transformers folder (config.json, weights, tokenizer files)."
     else:
@@ -37,7 +58,11 @@ def load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
 
 
 def offline_guard(name_or_path: str) -> None:
-    """Fail fast (not hang) when a hub id is needed and the hub cannot be reached: use the local cache only."""
+    """Fail fast (not hang) when a hub id is needed and the hub cannot be reached: use the local cache only. A name
+    that is a path (local_problem) fails here, never asked of the hub."""
+    problem = local_problem(name_or_path)
+    if problem:
+        raise ModelLoadError(f"model: {problem}")
     if is_local(name_or_path):
         return
     from finetune.hub import use_cache_only_if_unreachable
