@@ -8,6 +8,8 @@ with code 2, without a traceback. Programming errors stay ordinary exceptions wi
 from __future__ import annotations
 
 EXIT_USER_ERROR = 2
+# Where a launched rank writes its exit code for `finetune train` (accelerate's launcher exits 1 whatever a rank's).
+EXIT_CODE_FILE = "FINETUNE_EXIT_CODE_FILE"
 
 
 class FinetuneError(Exception):
@@ -97,6 +99,13 @@ def exit_process(code: int) -> None:
             if thread is not threading.main_thread() and not thread.daemon:
                 thread.join()
     atexit._run_exitfuncs()
+    relay = os.environ.get(EXIT_CODE_FILE)
+    if relay and code not in (0, None):  # `finetune train` launched this rank: the launcher itself exits 1 for any code
+        try:
+            with open(relay, "w") as handle:
+                handle.write(str(code))
+        except OSError:
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -20,6 +20,17 @@ from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
 from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (argparse's own error, exit 2, for anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML (a path, or the name of a recipe in the library)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=50")
@@ -37,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from finetune.recipe import announcements_muted
 
         with announcements_muted():  # the launched rank 0 says them, once
-            validate(recipe, list(args.overrides), num_processes=args.num_processes or 1,
+            validate(recipe, list(args.overrides), num_processes=args.num_processes,
                      accelerate_config=args.accelerate_config, check_data=False)
         command = [sys.executable, "-m", "accelerate.commands.launch"]
         if args.accelerate_config:
@@ -47,11 +58,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         script = Path(__file__).resolve().parent.parent / "run.py"
         command += [str(script)]
         command += [recipe, *args.overrides]
-        return subprocess.call(command)
+        return _launch(command)
     from finetune.run import run
 
     run(recipe, list(args.overrides))
     return 0
+
+
+def _launch(command: list[str]) -> int:
+    """accelerate's launcher, and the ranks' own exit code: it exits 1 whatever a rank's was, so each rank writes its
+    code (2: a user error, 130: stopped by Ctrl-C after its checkpoint) where this process reads it. Ctrl-C reaches the
+    launcher and every rank too (one process group): this process waits for them to save and stop, never kills them."""
+    import tempfile
+
+    from finetune.errors import EXIT_CODE_FILE
+
+    with tempfile.TemporaryDirectory(prefix="finetune-launch-") as folder:
+        relay = Path(folder) / "exit_code"
+        process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}))
+        interrupted = False
+        while True:
+            try:
+                code = process.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        ranks = relay.read_text().strip() if relay.exists() else ""
+    if code != 0 and ranks.isdigit():
+        return int(ranks)
+    return 130 if interrupted and code != 0 else code
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -112,12 +147,12 @@ def _add_run_verbs(verbs) -> None:
     _add_recipe_args(p)
     p.add_argument("--accelerate-config", help="accelerate config: a file, or a library config by name (fsdp2, fsdp1, ddp, ...); launches "
                    "through `accelerate launch`")
-    p.add_argument("--num-processes", type=int, help="processes to launch (with accelerate)")
+    p.add_argument("--num-processes", type=positive_int, help="processes to launch (with accelerate)")
     p.set_defaults(func=cmd_train)
 
     p = verbs.add_parser("validate", help="check a recipe (schema, files, parallel setup) without loading weights")
     _add_recipe_args(p)
-    p.add_argument("--num-processes", type=int, default=None, help="processes the run will have (default: those of "
+    p.add_argument("--num-processes", type=positive_int, default=None, help="processes the run will have (default: those of "
                    "the accelerate config the recipe names in its comments, else 1)")
     p.add_argument("--accelerate-config", help="accelerate config (file or library name) the run will use (checked against the recipe)")
     p.set_defaults(func=cmd_validate)
@@ -143,8 +178,8 @@ def _add_look_verbs(verbs) -> None:
 
     p = verbs.add_parser("data", help="preview rendered examples with trained spans, and data statistics")
     _add_recipe_args(p)
-    p.add_argument("--rows", type=int, default=3, help="examples to show (default 3)")
-    p.add_argument("--num-processes", type=int, default=None, help="processes the run will have, for the steps per "
+    p.add_argument("--rows", type=positive_int, default=3, help="examples to show (default 3)")
+    p.add_argument("--num-processes", type=positive_int, default=None, help="processes the run will have, for the steps per "
                    "epoch (default: those of the accelerate config the recipe names in its comments, else 1)")
     p.set_defaults(func=_delegate("finetune.cli.preview", "cli_data"))
 
@@ -154,7 +189,7 @@ def _add_output_verbs(verbs) -> None:
     p = verbs.add_parser("export", help="export a run's adapter, or merge it into a full bf16 model")
     p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
     p.add_argument("out", help="output folder (must not exist)")
-    p.add_argument("--step", type=int, help="the run's kept checkpoint of this step instead of its final adapter "
+    p.add_argument("--step", type=positive_int, help="the run's kept checkpoint of this step instead of its final adapter "
                    "(`finetune checkpoints RUN` lists them)")
     p.add_argument("--merge", action="store_true", help="merge into the base and save a full model + tokenizer")
     p.add_argument("--base", help="base model folder or hub id (default: from the adapter/run)")
@@ -167,9 +202,9 @@ def _add_output_verbs(verbs) -> None:
 
     p = verbs.add_parser("generate", help="generate with a run's adapter (or chat interactively)")
     p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
-    p.add_argument("--step", type=int, help="the run's kept checkpoint of this step instead of its final adapter")
+    p.add_argument("--step", type=positive_int, help="the run's kept checkpoint of this step instead of its final adapter")
     p.add_argument("--prompt", action="append", help="prompt (repeatable); none: interactive chat")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
     p.set_defaults(func=_delegate("finetune.cli.generate", "cli_generate"))
 
@@ -205,8 +240,8 @@ def _add_output_verbs(verbs) -> None:
                                                                  "llama4_text"])
     p.add_argument("--arch", metavar="MODEL_TYPE", help="any transformers text causal LM type instead (e.g. gemma3_text, "
                    "qwen3_next): transformers' default config of it, shrunk to 2 layers of hidden size 64")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2)
     p.set_defaults(func=cmd_tiny_model)
 
 

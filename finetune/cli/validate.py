@@ -14,7 +14,7 @@ import torch
 from finetune import data, model, outputs, parallel
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
 from finetune.distributed import DistInfo
-from finetune.errors import DataError, FinetuneError
+from finetune.errors import DataError, FinetuneError, RecipeError
 from finetune.model.quantization import prequantized
 from finetune.recipe import load_recipe
 
@@ -41,6 +41,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
             accelerate_config, launch = resolve_accelerate_config(named), f"as the recipe names it ({named})"
         else:
             launch = "one process (the recipe names no accelerate config; --num-processes N or --accelerate-config to check another)"
+    given = num_processes  # --num-processes overrides the accelerate config's num_processes, as `accelerate launch` does
     num_processes = num_processes or 1
 
     config = model.load_config(recipe)
@@ -49,13 +50,19 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
                  f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
     if prequantized.check_local_checkpoint(recipe):
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
+    if recipe.lora.target_modules != "all-linear" and not recipe.model.adapter:  # names checked on the meta model
+        from finetune.planner import facts_from_config
+
+        problem = facts_from_config(config, recipe).target_problem
+        if problem:
+            raise RecipeError(problem)
 
     launcher = None
     machines = 1
     if accelerate_config:
         env = parallel.accelerate_config_env(accelerate_config)
         launcher = parallel.launcher_settings(env)
-        num_processes = max(num_processes, int(env["ACCELERATE_NUM_PROCESSES"]))
+        num_processes = given or int(env["ACCELERATE_NUM_PROCESSES"])
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
     # A multi-machine config's processes per machine (what LOCAL_WORLD_SIZE will be): hybrid shard's node count.
     per_machine = num_processes // machines if num_processes % machines == 0 else num_processes

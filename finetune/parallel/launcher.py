@@ -21,6 +21,11 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
     except yaml.YAMLError as exc:
         raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
+    if not isinstance(config, dict) or not {"distributed_type", "compute_environment"} & set(config):
+        recipe = isinstance(config, dict) and {"model", "data"} <= set(config)
+        raise LaunchError(f"accelerate config {path}: not an accelerate config (it has no distributed_type"
+                          f"{'; it looks like a recipe' if recipe else ''}). Fix: pass a library config by name (fsdp2, "
+                          "fsdp1, ddp, single_gpu, deepspeed_zero2, deepspeed_zero3) or a file `accelerate config` wrote.")
     env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1)),
            "ACCELERATE_NUM_MACHINES": str(config.get("num_machines", 1))}  # ours: accelerate gives workers LOCAL_WORLD_SIZE
     if config.get("mixed_precision"):

@@ -71,6 +71,7 @@ class ModelFacts:
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
     notes: list[str] = field(default_factory=list)
+    target_problem: str | None = None  # lora.target_modules names matching no module (model/lora/attach.py)
     # Mixture of experts (finetune/model/experts/: one 4-bit Linear per expert projection): experts per layer, how
     # many each token is routed to, and an expert's intermediate size. 0: a dense model.
     experts: int = 0
@@ -235,6 +236,9 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         mxfp4=bool(mxfp4),
     )
     facts.notes += _notes(facts, layers_path)
+    from finetune.model.lora.attach import target_modules_problem
+
+    facts.target_problem = target_modules_problem(model, recipe.lora.target_modules)
     return facts
 
 

@@ -134,7 +134,9 @@ def parse_size(text: str, flag: str) -> int:
     """`24GiB`, `80GB`, `80G` (decimal), `24` (GiB) -> bytes; anything else is a PlanError naming the flag."""
     match = _SIZE.match(str(text))
     unit = (match.group(2) or "").lower() if match else None
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+    if match and unit in _UNITS and float(match.group(1)) <= 0:
+        raise PlanError(f"{flag} {text!r}: a memory size must be more than 0. Fix: e.g. {flag} 24GiB.")
+    if not match or unit not in _UNITS:
         raise PlanError(f"{flag} {text!r}: not a memory size. Fix: write a number with a unit, e.g. {flag} 24GiB or "
                         f"{flag} 80GB (GB = 10^9 bytes, GiB = 2^30; a bare number means GiB).")
     return int(float(match.group(1)) * _UNITS[unit])

@@ -69,10 +69,31 @@ def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, t
     return {names[key]: value for key, value in tensors.items()}
 
 
+def target_modules_problem(model: nn.Module, target_modules) -> str | None:
+    """Which names of a lora.target_modules list match no module of `model` (PEFT's rule: the whole name or its last
+    parts), with the Linear names the model has; None when each matches. PEFT itself fails only when no name matches,
+    with a traceback: a misspelled name beside good ones is dropped without a word, and training has fewer LoRAs."""
+    if target_modules == "all-linear" or target_modules is None:
+        return None
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return None
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, nn.Linear) and module is not model.get_output_embeddings()})
+    return (f"lora.target_modules: {', '.join(f'`{t}`' for t in missing)} match{'es' if len(missing) == 1 else ''} no "
+            f"module of this model, so {'it' if len(missing) == 1 else 'they'} would get no LoRA. Its Linear layers: "
+            f"{', '.join(linear)}. Fix the names, or use `all-linear`.")
+
+
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
     (or from model.adapter's values)."""
+    from finetune.errors import RecipeError
     from finetune.model.experts.lora import get_peft_model
+
+    if not recipe.model.adapter and (problem := target_modules_problem(model, recipe.lora.target_modules)):
+        raise RecipeError(problem)  # (finetune validate says it before any weight loads)
 
     peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
