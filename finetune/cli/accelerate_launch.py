@@ -1,0 +1,39 @@
+"""`accelerate launch`, as `finetune train --accelerate-config` runs it, without the launcher's own traceback.
+
+When a rank fails, accelerate's launcher re-raises torch's ChildFailedError (or, with one process, a
+CalledProcessError): Python prints the launcher's traceback, twenty lines of accelerate and torch.distributed
+frames after the rank's own words. Here those two are caught. torch's failure report (which rank, its exit code,
+the signal) is printed unless the first rank to fail (the root cause; torch stops the others) ended as finetune
+ends a user's mistake (exit 2, its paragraph already printed) or a Ctrl-C (130). The process exits 1, as the
+launcher would; `finetune train` reads the ranks' own code.
+
+    python -m finetune.cli.accelerate_launch [accelerate launch arguments] finetune/run.py RECIPE ...
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+QUIET_CODES = (2, 130)  # finetune's exit for a user's mistake, and a Ctrl-C after its checkpoint
+
+
+def main() -> int:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(sys.argv[1:])
+    try:
+        launch_command(args)
+    except ChildFailedError as exc:
+        _, first = exc.get_first_failure()  # the root cause: the others were stopped because of it (SIGTERM)
+        if first.exitcode not in QUIET_CODES:
+            print(exc.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    except subprocess.CalledProcessError as exc:  # one process: accelerate's simple launcher
+        return exc.returncode or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
