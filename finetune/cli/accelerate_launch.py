@@ -2,10 +2,11 @@
 
 When a rank fails, accelerate's launcher re-raises torch's ChildFailedError (or, with one process, a
 CalledProcessError): Python prints the launcher's traceback, twenty lines of accelerate and torch.distributed
-frames after the rank's own words. Here those two are caught. torch's failure report (which rank, its exit code,
+frames after the rank's own words. Here those are caught. torch's failure report (which rank, its exit code,
 the signal) is printed unless the first rank to fail (the root cause; torch stops the others) ended as finetune
-ends a user's mistake (exit 2, its paragraph already printed) or a Ctrl-C (130). The process exits 1, as the
-launcher would; `finetune train` reads the ranks' own code.
+ends a user's mistake (exit 2, its paragraph already printed) or a Ctrl-C (130). A signal to the launcher
+itself (Ctrl-C reaches it with the ranks) is its exit code, 128 + the signal. Otherwise the process exits 1, as
+the launcher would; `finetune train` reads the ranks' own code.
 
     python -m finetune.cli.accelerate_launch [accelerate launch arguments] finetune/run.py RECIPE ...
 """
@@ -20,6 +21,7 @@ QUIET_CODES = (2, 130)  # finetune's exit for a user's mistake, and a Ctrl-C aft
 
 def main() -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(sys.argv[1:])
@@ -32,6 +34,10 @@ def main() -> int:
         return 1
     except subprocess.CalledProcessError as exc:  # one process: accelerate's simple launcher
         return exc.returncode or 1
+    except SignalException as exc:  # Ctrl-C (or a scheduler's SIGTERM): torch passed it to the ranks, which stopped
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # the simple launcher's Ctrl-C
+        return 130
     return 0
 
 
