@@ -1,0 +1,143 @@
+"""A newcomer's mistakes that a review (2026-12-06) found ending in a traceback, passing `validate` and failing `train`,
+given the wrong fix, or silently changing what the user had. Each was reproduced on the code before this file.
+
+In-process through `finetune.cli.main` (exit code 2, one paragraph, no traceback), but for the launch through
+`finetune train --accelerate-config` (real processes: the exit code and the launcher's output are the subject).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+from conftest import addition_rows, child_env, recipe_dict, write_jsonl, write_recipe
+
+from finetune import cli, outputs
+from finetune.errors import RecipeError
+from finetune.recipe.text import read_yaml
+
+
+@pytest.fixture
+def recipe(tiny_llama, tmp_path):
+    return write_recipe(tmp_path / "recipe.yaml",
+                        recipe_dict(tiny_llama, write_jsonl(tmp_path / "rows.jsonl", addition_rows(16)), tmp_path / "out"))
+
+
+def refused(capsys, *argv: str) -> str:
+    """The paragraph a mistake gets: exit 2 and no traceback."""
+    assert cli.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return " ".join(err.split())
+
+
+def test_a_checkpoint_of_another_run_never_writes_over_a_finished_one(tmp_path, recipe, capsys):
+    """train.resume=PATH skipped the output folder's check: a finished run's adapter and checkpoints were replaced."""
+    finished, other = tmp_path / "out", tmp_path / "other"
+    (finished / "adapter").mkdir(parents=True)
+    adapter = finished / "adapter" / outputs.ADAPTER_WEIGHTS
+    adapter.write_bytes(b"the user's adapter")
+    (other / "checkpoints" / "step-00000002").mkdir(parents=True)
+    foreign = str(other / "checkpoints" / "step-00000002")
+    problem = outputs.output_dir_problem(finished, overwrite=False, resume=foreign)
+    assert "already holds a finished run" in problem and "another folder's checkpoint" in problem
+    assert outputs.output_dir_problem(finished, overwrite=False, resume="auto") is None  # its own run: continued
+    assert outputs.output_dir_problem(finished, overwrite=False, resume=str(finished / "checkpoints" / "x")) is None
+    assert outputs.output_dir_problem(finished, overwrite=True, resume=foreign) is None
+    before = hashlib.sha256(adapter.read_bytes()).hexdigest()
+    assert "Nothing was changed" in refused(capsys, "train", str(recipe), f"train.resume={foreign}")
+    assert hashlib.sha256(adapter.read_bytes()).hexdigest() == before
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("empty.jsonl", "", "no rows"),
+    ("blank.jsonl", "\n\n  \n", "no rows"),
+    ("empty.json", "[]", "no rows"),
+    ("empty.csv", "", "cannot read it as CSV"),
+    ("header.csv", "instruction,input,output\n", "cannot read it as CSV"),
+])
+def test_a_dataset_without_rows_is_one_paragraph(name, text, expected, recipe, tmp_path, capsys):
+    (tmp_path / name).write_text(text)
+    assert expected in refused(capsys, "validate", str(recipe), f"data.datasets.0.path={tmp_path / name}")
+
+
+def test_bytes_that_are_not_utf8_name_the_line(recipe, tmp_path, capsys):
+    rows = [line.encode() for line in (write_jsonl(tmp_path / "ok.jsonl", addition_rows(30)).read_text().splitlines())]
+    rows[24] = rows[24].replace(b"Add", b"Add \xff")
+    (tmp_path / "latin.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+    said = refused(capsys, "validate", str(recipe), f"data.datasets.0.path={tmp_path / 'latin.jsonl'}")
+    assert "latin.jsonl line 25: not UTF-8 text (byte 0xff at column" in said and "iconv" in said
+
+
+def test_a_key_given_twice_in_the_yaml_is_refused(recipe, tmp_path, capsys):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model: {name_or_path: m}\ntrain:\n  max_steps: 4\n  learning_rate: 1.0e-3\n"
+                    "data: {datasets: [{path: rows.jsonl}]}\ntrain:\n  seed: 3\n")
+    with pytest.raises(RecipeError, match=r"line 6, column 1: .*`train` is given twice in one mapping \(first at line 2\)"):
+        read_yaml(path)
+    assert "`max_steps` is given twice" in refused(capsys, "validate", str(recipe), "train={max_steps: 2, max_steps: 3}")
+
+
+@pytest.mark.parametrize("override,means", [("output.path=x", "`output.dir`"), ("model.path=x", "`model.name_or_path`"),
+                                            ("train.lr=0.1", "`train.learning_rate`"), ("lora.rank=4", "`lora.r`"),
+                                            ("data.path=x", "`data.datasets[].path`")])
+def test_a_name_written_for_a_key_of_its_own_section_says_that_key(override, means, recipe, capsys):
+    said = refused(capsys, "validate", str(recipe), override)
+    name = override.split("=")[0].split(".")[1]
+    assert f"`{name}` is {means}" in said
+
+
+def test_a_target_module_that_matches_nothing_is_refused_before_weights_load(recipe, capsys):
+    """PEFT drops a misspelled name beside good ones without a word (fewer LoRAs), and fails on one alone with a
+    traceback."""
+    for targets in ("[q_projj]", "[q_proj, nonexist_proj]"):
+        said = refused(capsys, "validate", str(recipe), f"lora.target_modules={targets}")
+        assert "matches no module of this model" in said and "Its Linear layers: down_proj, gate_proj" in said
+    assert cli.main(["validate", str(recipe), "lora.target_modules=[q_proj, v_proj]"]) == 0
+
+
+def test_a_model_path_that_is_not_a_model_folder_fails_before_the_hub(recipe, tiny_llama, capsys):
+    assert "`./no_such_model`: no such folder" in refused(capsys, "validate", str(recipe), "model.name_or_path=./no_such_model")
+    said = refused(capsys, "validate", str(recipe), f"model.name_or_path={tiny_llama / 'config.json'}")
+    assert "is a file; give the folder that holds it" in said
+
+
+def test_validate_checks_the_launch_train_makes_and_what_train_would_refuse(recipe, tmp_path, capsys):
+    assert cli.main(["validate", str(recipe), "--accelerate-config", "fsdp2", "--num-processes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "launch: 1 process" in out and "parallel: single process" in out  # --num-processes wins, as in accelerate
+    assert "not an accelerate config" in refused(capsys, "validate", str(recipe), "--accelerate-config", str(recipe))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["validate", str(recipe), "--num-processes", "-2"])
+    assert exited.value.code == 2
+    assert "train.resume: maybe does not exist" in refused(capsys, "validate", str(recipe), "train.resume=maybe")
+    one = write_jsonl(tmp_path / "one.jsonl", addition_rows(1))
+    said = refused(capsys, "validate", str(recipe), f"data.datasets.0.path={one}", "train.micro_batch_size=2",
+                   "data.eval_fraction=0")
+    assert "only 1 training rows for a global micro-batch of 2" in said
+
+
+def test_cli_numbers_and_file_names_are_checked(recipe, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", str(tmp_path), "--max-new-tokens", "0", "--prompt", "hi"])
+    assert exited.value.code == 2 and "must be 1 or more" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    assert "not an image file name" in refused(capsys, "plot", str(tmp_path / "run"), "--out", "x.yaml")
+    assert "must be more than 0" in refused(capsys, "plan", str(recipe), "--gpu-memory", "0")
+
+
+@pytest.mark.slow
+def test_finetune_train_with_a_launcher_exits_2_without_the_launchers_traceback(recipe, tmp_path):
+    """accelerate's launcher exits 1 whatever a rank's code, after twenty lines of its own traceback."""
+    rows = [line for line in write_jsonl(tmp_path / "r.jsonl", addition_rows(40)).read_text().splitlines()]
+    rows[29] = rows[29][:-3]  # line 30 broken: past the 20 lines checked before the launch
+    (tmp_path / "bad.jsonl").write_text("\n".join(rows) + "\n")
+    result = subprocess.run([sys.executable, "-m", "finetune", "train", str(recipe), f"data.datasets.0.path={tmp_path / 'bad.jsonl'}",
+                             "--accelerate-config", "ddp", "--num-processes", "2"],
+                            check=False, capture_output=True, text=True, timeout=300,
+                            env=child_env(ACCELERATE_USE_CPU="true"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "line 30 is not valid JSON" in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
