@@ -20,15 +20,20 @@ from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
 from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number above 0 (argparse's own error, exit 2, for anything else)."""
+def positive_int(text: str, *, least: int = 1) -> int:
+    """An argparse type: a whole number of at least `least` (argparse's own error, exit 2, for anything else)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
     return value
+
+
+def count_int(text: str) -> int:
+    """An argparse type: a whole number of 0 or more (`finetune data --rows 0`: the statistics alone)."""
+    return positive_int(text, least=0)
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +183,7 @@ def _add_look_verbs(verbs) -> None:
 
     p = verbs.add_parser("data", help="preview rendered examples with trained spans, and data statistics")
     _add_recipe_args(p)
-    p.add_argument("--rows", type=positive_int, default=3, help="examples to show (default 3)")
+    p.add_argument("--rows", type=count_int, default=3, help="examples to show (default 3)")
     p.add_argument("--num-processes", type=positive_int, default=None, help="processes the run will have, for the steps per "
                    "epoch (default: those of the accelerate config the recipe names in its comments, else 1)")
     p.set_defaults(func=_delegate("finetune.cli.preview", "cli_data"))

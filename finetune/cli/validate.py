@@ -50,12 +50,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
                  f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
     if prequantized.check_local_checkpoint(recipe):
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
-    if recipe.lora.target_modules != "all-linear" and not recipe.model.adapter:  # names checked on the meta model
-        from finetune.planner import facts_from_config
-
-        problem = facts_from_config(config, recipe).target_problem
-        if problem:
-            raise RecipeError(problem)
+    _check_lora_targets(recipe, config)
 
     launcher = None
     machines = 1
@@ -83,6 +78,17 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         source = outputs.resume_source(recipe)
         lines.append(f"  resume: from {source}" if source else "  resume: auto, no checkpoint yet (starts at step 0)")
     return "\n".join(lines)
+
+
+def _check_lora_targets(recipe, config) -> None:
+    """lora.target_modules' names against the model built on the meta device (experts split as the loaders do)."""
+    if recipe.lora.target_modules == "all-linear" or recipe.model.adapter:
+        return
+    from finetune.planner import facts_from_config
+
+    problem = facts_from_config(config, recipe).target_problem
+    if problem:
+        raise RecipeError(problem)
 
 
 def _data_origin(recipe_path: Path) -> str | None:

@@ -161,7 +161,11 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, 
         facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
         facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
         return facts
-    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+    facts = _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+    from finetune.model.lora.attach import target_modules_problem  # (on the model as the loaders split its experts)
+
+    facts.target_problem = target_modules_problem(model, recipe.lora.target_modules)
+    return facts
 
 
 def _split_experts(model, quantized: bool) -> tuple[int, int]:
@@ -236,9 +240,6 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         mxfp4=bool(mxfp4),
     )
     facts.notes += _notes(facts, layers_path)
-    from finetune.model.lora.attach import target_modules_problem
-
-    facts.target_problem = target_modules_problem(model, recipe.lora.target_modules)
     return facts
 
 

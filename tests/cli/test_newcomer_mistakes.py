@@ -57,7 +57,7 @@ def test_a_checkpoint_of_another_run_never_writes_over_a_finished_one(tmp_path, 
     ("empty.json", "[]", "no rows"),
     ("empty.csv", "", "cannot read it as CSV"),
     ("header.csv", "instruction,input,output\n", "cannot read it as CSV"),
-])
+], ids=["empty.jsonl", "blank.jsonl", "empty.json", "empty.csv", "header.csv"])
 def test_a_dataset_without_rows_is_one_paragraph(name, text, expected, recipe, tmp_path, capsys):
     (tmp_path / name).write_text(text)
     assert expected in refused(capsys, "validate", str(recipe), f"data.datasets.0.path={tmp_path / name}")
