@@ -104,6 +104,15 @@ class LoraSection(_Section):
         True, description="LoRA through finetune's fused autograd function (compute in model.dtype, fp32 master "
         "weights, dropout mask regenerated, no fp32 input copies). False: PEFT's own forward.")
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_or_all_linear(cls, value):
+        """One message for a bare name (pydantic's would be one per branch of the union, naming its types)."""
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"a list of module names (e.g. [{value}], or [q_proj, k_proj, v_proj, o_proj]) or "
+                             "`all-linear`")
+        return value
+
 
 class DatasetSpec(_Section):
     path: str = Field(description="Local file (.jsonl/.json/.csv/.parquet), load_from_disk folder, or `datasets` name.")

@@ -96,6 +96,8 @@ def test_a_target_module_that_matches_nothing_is_refused_before_weights_load(rec
         said = refused(capsys, "validate", str(recipe), f"lora.target_modules={targets}")
         assert "matches no module of this model" in said and "Its Linear layers: down_proj, gate_proj" in said
     assert cli.main(["validate", str(recipe), "lora.target_modules=[q_proj, v_proj]"]) == 0
+    said = refused(capsys, "validate", str(recipe), "lora.target_modules=q_proj")  # one line, not one per union branch
+    assert "1 problem" in said and "a list of module names (e.g. [q_proj]" in said and "literal[" not in said
 
 
 def test_a_model_path_that_is_not_a_model_folder_fails_before_the_hub(recipe, tiny_llama, capsys):
