@@ -13,6 +13,7 @@ the launcher would; `finetune train` reads the ranks' own code.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -33,12 +34,27 @@ def main() -> int:
             print(exc.format_msg(), file=sys.stderr, flush=True)
         return 1
     except subprocess.CalledProcessError as exc:  # one process: accelerate's simple launcher
-        return exc.returncode or 1
+        return 128 - exc.returncode if exc.returncode < 0 else exc.returncode or 1  # (killed by a signal: 128 + it)
     except SignalException as exc:  # Ctrl-C (or a scheduler's SIGTERM): torch passed it to the ranks, which stopped
         return 128 + int(exc.sigval)
-    except KeyboardInterrupt:  # the simple launcher's Ctrl-C
-        return 130
+    except KeyboardInterrupt:  # the simple launcher's Ctrl-C: its one rank got it too and is saving; wait for it
+        return _rank_exit()
     return 0
+
+
+def _rank_exit() -> int:
+    """The exit code of the simple launcher's rank (a child of this process), once it has saved and stopped; 130
+    where there is none left to wait for."""
+    code = 130
+    while True:
+        try:
+            _, status = os.wait()
+        except ChildProcessError:
+            return code
+        except KeyboardInterrupt:  # a second Ctrl-C: the rank is already stopping
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
                 progress.update(result.counts["rows"])
         if not counts.get("rows"):
             raise DataError(f"data.datasets path {spec.path}: no rows (an empty file, blank lines, or `[]`). Fix: point "
-                            "the path at a file with rows, or remove the dataset from data.datasets.")
+                            "the path at a file with rows, or remove that dataset from the recipe.")
         counts.setdefault("skipped_reasons", [])
         counts.setdefault("dropped_rows", [])
         counts["pairs"] = spec.format == "preference"

@@ -30,7 +30,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformer
 # template prefills the opening tag) where that tag stands at a line's edge, as R1 writes it ("...\n</think>\n\n").
 # A `</think>` inside a line of text ("write the closing tag </think> after ...") is the answer's own text: it does
 # not make what comes before it reasoning (a template that splits there anyway fails the span's proof, chat.py).
-_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|\A(.*?)(?:(?<=\n)</think>|</think>(?=[ \t]*(?:\n|\Z)))\s*",
+_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|\A(.*?)(?:(?<=\n)</think>|</think>(?=[ \t\r]*(?:\n|\Z)))\s*",
                            re.DOTALL)
 
 
@@ -57,14 +57,13 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
         raise DataError(f"{where}: message {number} has role `{role}`; known roles are {', '.join(ROLE_ALIASES)}. Fix "
                         "the row or set data.bad_rows: skip.")
     message = {"role": ROLE_ALIASES[speaker]}
-    message["content"] = _text(content, message["role"], f"{where}: message {number}")
+    # ShareGPT's function_call turn: its value is the call (text or an object), its content nothing
+    message["content"] = "" if speaker == "function_call" else _text(content, message["role"], f"{where}: message {number}")
     calls = turn.get("tool_calls") if speaker != "function_call" else content
     if calls not in (None, "", []):
         if message["role"] != "assistant":
             raise DataError(f"{where}: message {number} (role `{role}`) has `tool_calls`; only assistant turns call tools.")
         message["tool_calls"] = _tool_calls(calls, f"{where}: message {number}")
-        if speaker == "function_call":
-            message["content"] = ""
     if message["role"] == "assistant":
         _split_reasoning(message, turn, spec, f"{where}: message {number}")
     for key in ("name", "tool_call_id"):
@@ -85,7 +84,11 @@ def _text(content, role: str, where: str) -> str:
         if kinds:
             raise DataError(f"{where} has content parts of type {', '.join(kinds)}; finetune trains text only. Keep "
                             "its text parts, or set data.bad_rows: skip.")
-        return "".join(str(part.get("text") or "") for part in content)
+        texts = [part.get("text", part.get("value")) for part in content]  # ("value": some templates' own name)
+        if not all(isinstance(text, str) for text in texts):
+            raise DataError(f"{where} has a text part without its text (a `text` key): {content!r}. Fix the row or set "
+                            "data.bad_rows: skip.")
+        return "".join(texts)
     if isinstance(content, (dict, list)):
         if role == "tool":
             return json.dumps(content, ensure_ascii=False)
@@ -202,9 +205,11 @@ def reasoning_field(template: str) -> str | None:
 
 def calls_need_none_content(template: str) -> bool:
     """Whether a template renders an assistant's tool calls only where its content `is none` (DeepSeek-R1 distills'
-    and DeepSeek-V3's). transformers (5.x) drops every None-valued key before rendering, so such a template never
+    and DeepSeek-V3's `message['role'] == 'assistant' and message['content'] is none`; a template that only guards
+    its content with `is none` renders calls either way). transformers (5.x) drops every None-valued key before rendering, so such a template never
     renders a call: `message['content'] is none` is false for a missing key."""
-    return re.search(r"\[['\"]content['\"]\]\s+is\s+none|\.content\s+is\s+none", template) is not None
+    return re.search(r"role['\"]?\]?\s*==\s*['\"]assistant['\"]\s+and\s+message(?:\[['\"]content['\"]\]|\.content)"
+                     r"\s+is\s+none", template) is not None
 
 
 def renders_tools(template: str) -> bool:

@@ -114,19 +114,17 @@ def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tupl
 
 def _line_chunks(path: Path, limit: float, chunk_rows: int) -> Iterator[tuple[list, list[str], bool]]:
     lines, places, taken = [], [], 0
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            line = _decoded(raw, path, number)
-            if not line.strip():
-                continue
-            if taken >= limit:
-                break
-            lines.append(line)
-            places.append(f"line {number}")
-            taken += 1
-            if len(lines) == chunk_rows:
-                yield lines, places, True
-                lines, places = [], []
+    for number, line in enumerate(_text_lines(path), start=1):
+        if not line.strip():
+            continue
+        if taken >= limit:
+            break
+        lines.append(line)
+        places.append(f"line {number}")
+        taken += 1
+        if len(lines) == chunk_rows:
+            yield lines, places, True
+            lines, places = [], []
     if lines:
         yield lines, places, True
 
@@ -135,13 +133,31 @@ RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > O
           "or remove the line.")
 
 
-def _decoded(raw: bytes, path: Path, number: int) -> str:
-    """One line of a JSON Lines file as text; bytes that are not UTF-8 name the file, the line and the fix."""
+def _text_lines(path: Path) -> Iterator[str]:
+    """The lines of a JSON Lines file (Python's universal newlines: \\n, \\r\\n or \\r). Bytes that are not UTF-8
+    name the file, the line and the fix: the text reader cannot say which line, so the bytes are read again to find
+    it (only then)."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} line {number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}). "
-                        f"{RECODE}") from None
+        with open(path, encoding="utf-8") as handle:
+            yield from handle
+    except UnicodeDecodeError:
+        number, column, byte = _first_undecodable(path)
+        raise DataError(f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}") from None
+
+
+def _first_undecodable(path: Path) -> tuple[int, int, int]:
+    """(line, column, byte) of the first bytes that are not UTF-8, lines counted as universal newlines count them."""
+    number = 0
+    with open(path, "rb") as handle:
+        for raw in handle:
+            body = raw.removesuffix(b"\n").removesuffix(b"\r")
+            for line in body.split(b"\r"):  # bare carriage returns end lines too
+                number += 1
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return number, exc.start + 1, line[exc.start]
+    return number, 1, 0
 
 
 def load_rows(spec: DatasetSpec) -> list[dict]:
@@ -215,17 +231,15 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
     """The first lines of a JSON Lines file parse (unless bad_rows: skip) and, together, have the fields of the
     dataset's format: a file in another format fails here, in seconds, before a tokenizer or a model loads."""
     rows = []
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(itertools.islice(handle, lines), start=1):
-            line = _decoded(raw, path, number)
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                if bad_rows == "error":
-                    raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); a "
-                                    "JSON Lines file holds one JSON object per line.") from None
+    for number, line in enumerate(itertools.islice(_text_lines(path), lines), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if bad_rows == "error":
+                raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); a "
+                                "JSON Lines file holds one JSON object per line.") from None
     objects = [row for row in rows if isinstance(row, dict)]
     if rows and not objects:
         raise DataError(f"{where}: the rows are {type(rows[0]).__name__}s, not objects with the fields of format "

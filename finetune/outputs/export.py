@@ -91,7 +91,8 @@ def base_config(source: Source, base: str | None):
     from finetune.model.sources.hub import is_local, local_problem
 
     if problem := local_problem(name):
-        raise ExportError(f"--base {problem}")
+        given = "--base" if base else f"the adapter's base model ({ADAPTER_CONFIG} base_model_name_or_path)"
+        raise ExportError(f"{given}: {problem}" + ("" if base else " Or pass --base MODEL_FOLDER_OR_HUB_ID."))
     if not is_local(name):
         use_cache_only_if_unreachable()  # offline: the cache at once, not five retries (~27 s) before the same error
     try:

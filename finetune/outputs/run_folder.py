@@ -207,12 +207,13 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
 
 
 def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:
-    """Rank 0, when training is about to start: clear a replaced run's files (fresh start) or trim the metrics past
-    the checkpoint (resume); write recipe.yaml.
+    """Rank 0, when training is about to start: clear a replaced run's files (a fresh start, or one from another
+    folder's checkpoint) or trim the metrics past the checkpoint (this folder's run resumed); write recipe.yaml.
 
     Done this late so that a run failing on its inputs (data, model, launcher, checkpoint) changes nothing in output.dir.
     """
-    if resume_from is None:
+    own = resume_from is not None and resume_from.resolve().is_relative_to(out_dir.resolve())
+    if not own:  # a fresh start, or a start from another folder's checkpoint (output.overwrite replaces this one's)
         for name in ("adapter", CHECKPOINTS, "ranks"):
             shutil.rmtree(out_dir / name, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):

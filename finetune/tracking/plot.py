@@ -54,9 +54,6 @@ def _figure(**options):
     return figure
 
 
-IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")  # formats matplotlib's Agg backend writes
-
-
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     """One PNG: loss (train solid, eval dashed with markers) above, the GRPO reward (runs that log one) in the middle,
     learning rate below, one colour per run."""
@@ -115,9 +112,14 @@ def cli_plot(args) -> int:
     """`finetune plot RUN_DIR [RUN_DIR ...] [--out PNG]`."""
     runs = list(args.runs)
     out = args.out or (Path(runs[0]) / "plot.png" if len(runs) == 1 else Path("compare.png"))
-    if Path(out).suffix.lower() not in IMAGE_SUFFIXES:  # (matplotlib's own error is a traceback, after the drawing)
-        raise FinetuneError(f"--out {out}: not an image file name. Fix: end it with {', '.join(IMAGE_SUFFIXES)}, "
-                            "e.g. --out loss.png.")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise FinetuneError(f"`finetune plot` needs matplotlib, which is optional. Fix: {INSTALL_PLOT}.") from None
+    formats = FigureCanvasBase.get_supported_filetypes()  # what savefig writes (its own error is a traceback)
+    if Path(out).suffix.lower().lstrip(".") not in formats:
+        raise FinetuneError(f"--out {out}: not an image file name matplotlib writes. Fix: end it with one of "
+                            f"{', '.join('.' + name for name in sorted(formats))}, e.g. --out loss.png.")
     try:
         path = plot_runs(runs, out)
     except ImportError:

@@ -143,3 +143,23 @@ def test_finetune_train_with_a_launcher_exits_2_without_the_launchers_traceback(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "line 30 is not valid JSON" in result.stderr
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------ what a review of the fixes found
+def test_lines_ended_by_bare_carriage_returns_are_rows(recipe, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "lf.jsonl", addition_rows(16)).read_text().splitlines()
+    (tmp_path / "cr.jsonl").write_bytes(("\r".join(rows) + "\r").encode())
+    assert cli.main(["validate", str(recipe), f"data.datasets.0.path={tmp_path / 'cr.jsonl'}"]) == 0
+    assert "16 rows" in capsys.readouterr().out
+
+
+def test_overwrite_with_another_folders_checkpoint_replaces_the_old_run(tmp_path):
+    """output.overwrite=true is the fix the refusal names; the start from another folder's checkpoint then clears this
+    folder's adapter, checkpoints and metrics, as a fresh start does (they were kept, and a later resume=auto took
+    the old run's newest checkpoint)."""
+    out, other = tmp_path / "out", tmp_path / "other" / "checkpoints" / "step-00000002"
+    for folder in (out / "adapter", out / "checkpoints" / "step-00000500", other):
+        folder.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 100, "loss": 1.0}\n')
+    outputs.begin_outputs(out, "model: {}\n", other)
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]

@@ -9,6 +9,8 @@ the same way; a broken `.jinja` file was blamed on the first row.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from chat_families import WEATHER_TOOL, family_tokenizer
 
@@ -124,3 +126,31 @@ def test_a_chat_template_file_that_is_not_jinja_is_a_recipe_error(tmp_path):
     recipe.write_text(f"model: {{name_or_path: m, chat_template: {broken}}}\ndata: {{datasets: [{{path: rows.jsonl}}]}}\n")
     with pytest.raises(Exception, match=rf"model.chat_template: the file `{broken}` is not valid Jinja: line 1"):
         load_recipe(str(recipe))
+
+
+# ------------------------------------------------------------------------------ what a review of the fixes found
+def test_sharegpt_function_call_values_as_objects_are_calls_and_text_parts_may_say_value():
+    row = {"tools": [WEATHER_TOOL], "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}
+    as_text = {**row, "conversations": [{**turn, "value": json.dumps(turn["value"])} if turn["from"] == "function_call"
+                                        else turn for turn in row["conversations"]]}
+    assert _examples(row, "qwen3") == _examples(as_text, "qwen3")
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "value": "Say hi."}]},
+                          {"role": "assistant", "content": "Hello!"}]}
+    plain = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello!"}]}
+    assert _examples(parts, "qwen2.5") == _examples(plain, "qwen2.5")
+    with pytest.raises(DataError, match="a text part without its text"):
+        _examples({"messages": [{"role": "user", "content": [{"type": "text"}]}, plain["messages"][1]]}, "qwen2.5")
+
+
+def test_only_deepseeks_none_content_rule_refuses_tool_calls_and_crlf_closes_a_think_block():
+    from finetune.chat_templates import named_templates
+    from finetune.data.conversations import calls_need_none_content
+
+    assert calls_need_none_content(named_templates()["deepseek-r1"])
+    guard = "{% for m in messages %}{% if m.content is none %}{% endif %}{{ m.tool_calls }}{% endfor %}"
+    assert not calls_need_none_content(guard)  # a guard on content: the calls render either way
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Greet back.</think>\r\n\r\nHi!"}]}
+    assert _trained(row, "llama-3.1", reasoning="drop") == ["Hi!<|eot_id|>"]

@@ -75,6 +75,15 @@ def target_modules_problem(model: nn.Module, target_modules) -> str | None:
     with a traceback: a misspelled name beside good ones is dropped without a word, and training has fewer LoRAs."""
     if target_modules == "all-linear" or target_modules is None:
         return None
+    from types import SimpleNamespace
+
+    from finetune.model.experts.lora import check_expert_targets, has_routed_experts
+
+    if has_routed_experts(model):  # a router or transformers 5's fused expert name: its own message, with the fix
+        try:
+            check_expert_targets(model, SimpleNamespace(target_modules=list(target_modules), target_parameters=None))
+        except ModelLoadError as exc:
+            return str(exc)
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:
