@@ -48,7 +48,7 @@ def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: R
     Counts cuts in `counts` (truncated pairs, prompt_truncated, response_truncated); a pair left with no response token
     adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows).
     """
-    sequences = tokenize_many([segments for pair in rendered for segments in pair], tokenizer)
+    sequences = tokenize_prompted([segments for pair in rendered for segments in pair], tokenizer)
     limit, max_prompt = recipe.data.max_length, prompt_limit(recipe)
     examples = []
     for index, place in enumerate(places):
@@ -68,3 +68,22 @@ def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: R
         chosen.rejected = rejected
         examples.append(chosen)
     return examples
+
+
+def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer) -> list[Example]:
+    """Rows of a prompt and an answer (preference pairs, KTO rows), each answer after its prompt's own tokens.
+
+    The joined text is tokenized once, as SFT rows are; but where the tokenizer merges the prompt's last characters
+    into the answer's first token (Qwen's BPE: the `\\n` a generation prompt ends with, and an answer's `\\n`, are one
+    `\\n\\n` token), the prompt's tokens would differ between the two answers of a pair, and a prompt character would
+    be scored in one answer only. Such a row is tokenized as TRL's preference trainers tokenize every row: the prompt
+    alone, then the rest."""
+    whole = tokenize_many(all_segments, tokenizer)
+    split = [next((i for i, (_, trained) in enumerate(segments) if trained), len(segments)) for segments in all_segments]
+    prompts = tokenize_many([segments[:k] for segments, k in zip(all_segments, split)], tokenizer)
+    merged = [i for i, (example, prompt) in enumerate(zip(whole, prompts))
+              if example.input_ids[: len(prompt.input_ids)] != prompt.input_ids]
+    rests = tokenize_many([all_segments[i][split[i]:] for i in merged], tokenizer, bos=False)
+    for i, rest in zip(merged, rests):
+        whole[i] = Example(prompts[i].input_ids + rest.input_ids, prompts[i].labels + rest.labels)
+    return whole

@@ -21,15 +21,35 @@ from finetune.recipe import DatasetSpec, Recipe
 REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids"}  # what a reward function is called with, by name
 
 
-def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None) -> str:
-    """The text the policy continues: chat messages through the chat template (generation prompt added, the row's
-    tools rendered as the template renders them), a string as it is."""
+def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None,
+                spec: DatasetSpec | None = None, where: str = "prompt") -> str:
+    """The text the policy continues: a string as it is; chat messages (any shape a chat row takes: ShareGPT's, text
+    parts, reasoning fields) in the normal form of data/conversations.py, through the chat template with the
+    generation prompt added and the row's tools, as TRL renders a prompt. A prompt must end with a user turn or a tool
+    result (the policy answers it); a template that does not render the tools the row offers is the row's error."""
     if isinstance(prompt, str):
         return prompt
-    messages = list(prompt)
-    if system_prompt and messages and messages[0].get("role") != "system":
+    from finetune.data.chat import chat_template_text
+    from finetune.data.conversations import convert_turns, renders_tools, template_messages
+
+    messages = convert_turns(prompt, spec or DatasetSpec(path=where, format="prompt"), where)
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise DataError(f"{where}: a chat prompt must end with a user turn or a tool result, which the policy answers "
+                        f"(it ends with {messages[-1]['role'] if messages else 'nothing'}). Fix the row or set "
+                        "data.bad_rows: skip.")
+    if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    template = chat_template_text(tokenizer, tools=bool(tools))
+    if tools and not renders_tools(template):
+        raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render `tools`, so "
+                        "the policy would never see them. Fix: set model.chat_template to a template that renders "
+                        "them, or leave the tools out of the rows.")
+    try:
+        return tokenizer.apply_chat_template(template_messages(messages, template), tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001  (jinja's and transformers' errors: the row's paragraph)
+        raise DataError(f"{where}: the chat template cannot render this prompt: {exc}. Fix the row or set "
+                        "data.bad_rows: skip.") from None
 
 
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
@@ -75,8 +95,17 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                 raise DataError(f"{key} ({spec.path}) row {line}: `prompt` is {prompt!r}; a prompt is text or a list of "
                                 "chat messages. Fix the row, or set data.bad_rows: skip.")
             system = spec.system_prompt if spec.system_prompt is not None else recipe.data.system_prompt
-            tools = row_tools(row, spec, f"{key} ({spec.path}) row {line}") if isinstance(prompt, list) else None
-            ids = prompt_ids(prompt_text(prompt, tokenizer, system, tools=tools), tokenizer, chat=isinstance(prompt, list))
+            where = f"{key} ({spec.path}) row {line}"
+            try:
+                tools = row_tools(row, spec, where) if isinstance(prompt, list) else None
+                text = prompt_text(prompt, tokenizer, system, tools=tools, spec=spec, where=where)
+            except DataError as exc:
+                if recipe.data.bad_rows != "skip":
+                    raise
+                stats.skipped += 1
+                stats.skipped_reasons.append(str(exc))
+                continue
+            ids = prompt_ids(text, tokenizer, chat=isinstance(prompt, list))
             if len(ids) > budget:
                 if recipe.data.overlong == "drop":
                     stats.dropped += 1

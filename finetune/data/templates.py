@@ -159,6 +159,9 @@ def render_pair(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | No
                         "data.bad_rows: skip to skip such pairs with a count.")
     chosen_segments, rejected_segments = _answered(prompt, (("chosen", chosen), ("rejected", rejected)), spec,
                                                    tokenizer, system_prompt, where, row=row, reasoning=reasoning)
+    if chosen_segments == rejected_segments:  # alike once rendered: a message list against its text, say
+        raise DataError(f"{where}: `chosen` and `rejected` render identically, so the pair says nothing. Fix the row or "
+                        "set data.bad_rows: skip to skip such pairs with a count.")
     return chosen_segments, rejected_segments
 
 
@@ -185,6 +188,11 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
     base model); message-list prompts (with history, tool calls and results, and the row's tools) must end with a
     user or tool turn, and the answers are assistant turn(s) scored in one sequence each.
     """
+    answers = tuple((name, [answer] if isinstance(answer, dict) else answer) for name, answer in answers)  # a message
+    for name, answer in answers:
+        if not isinstance(answer, (str, list)):
+            raise DataError(f"{where}: `{_column(spec, name)}` is {answer!r}; an answer is text, an assistant message or a "
+                            "list of them. Fix the row or set data.bad_rows: skip.")
     chat = isinstance(prompt, list) or any(isinstance(a, list) for _, a in answers) or \
         bool(getattr(tokenizer, "chat_template", None))
     if not chat:
@@ -247,6 +255,19 @@ def _labels(ids: list[int], offsets, segments: list[tuple[str, bool]]) -> list[i
     return np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
 
 
+class _NoBos:
+    """A tokenizer seen by `_with_bos` as adding no BOS; everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.add_bos_token = tokenizer, False
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
 def _with_bos(example: Example, tokenizer) -> Example:
     bos = tokenizer.bos_token_id
     if bos is not None and getattr(tokenizer, "add_bos_token", False) and (not example.input_ids or example.input_ids[0] != bos):
@@ -259,10 +280,14 @@ def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> Example:
     return tokenize_many([segments], tokenizer)[0]
 
 
-def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024) -> list[Example]:
-    """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads)."""
+def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024,
+                  bos: bool = True) -> list[Example]:
+    """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads). `bos`: the
+    tokenizer's BOS is put first where it adds one (False: a continuation, tokenized apart)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     examples = []
+    if not bos:
+        tokenizer = _NoBos(tokenizer)
     for first in range(0, len(all_segments), chunk):
         part = all_segments[first : first + chunk]
         texts = ["".join(text for text, _ in segments) for segments in part]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from finetune.data.chat import chat_template_text
 from finetune.data.conversations import renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
-from finetune.data.pairs import pair_examples
+from finetune.data.pairs import pair_examples, tokenize_prompted
 from finetune.data.templates import FORMAT_FIELDS, _column, _render_or_reason, tokenize_many
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
@@ -125,7 +125,7 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if spec.format == "preference":
         _pairs(kept, spec, recipe, tokenizer, result)
     elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
-        tokenized = tokenize_many([segments for (segments, _), _ in kept], tokenizer)
+        tokenized = tokenize_prompted([segments for (segments, _), _ in kept], tokenizer)
         for example, ((_, desirable), place) in zip(tokenized, kept):
             example.desirable = desirable
             _length_policy(example, spec, place, data, result)
