@@ -201,8 +201,11 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                             "answers. Add it, map it with data.datasets[].columns, or give whole conversations.")
         eos = tokenizer.eos_token or ""
         return [[(str(prompt), False), (str(answer) + eos, True)] for _, answer in answers]
-    turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) and prompt else \
-        convert_turns(prompt or [], spec, where)
+    if prompt in (None, "", []):
+        raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: the answers need the prompt they answer. Add "
+                        "it, map it with data.datasets[].columns, or give `chosen` and `rejected` as whole conversations "
+                        "(the implicit-prompt form), or set data.bad_rows: skip.")
+    turns = [{"role": "user", "content": str(prompt)}] if isinstance(prompt, str) else convert_turns(prompt, spec, where)
     if not turns or turns[-1]["role"] not in ("user", "tool"):
         raise DataError(f"{where}: the prompt of a conversational row must end with a user turn (or a tool result; it "
                         f"ends with {turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "

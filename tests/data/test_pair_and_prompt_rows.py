@@ -40,10 +40,12 @@ def test_an_answer_given_as_one_message_is_that_message():
         render_segments({**as_lists, "chosen": True}, PAIRS, tokenizer, None, "line 1")
 
 
-def test_a_pair_alike_once_rendered_is_refused():
+def test_a_pair_alike_once_rendered_or_without_a_prompt_is_refused():
     row = {"prompt": USER, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "4"}
     with pytest.raises(DataError, match="`chosen` and `rejected` render identically"):
         render_segments(row, PAIRS, family_tokenizer("qwen3"), None, "line 1")
+    with pytest.raises(DataError, match=r"line 1: `prompt` is missing: the answers need the prompt"):  # (was: "ends
+        render_segments({"chosen": "4", "rejected": "5"}, PAIRS, family_tokenizer("qwen3"), None, "line 1")  # with nothing")
 
 
 def _qwen_like_bpe():
