@@ -49,7 +49,7 @@ subset=(
   "tests/training/test_kto.py::test_step_one_is_half_the_mean_weight_and_it_learns"
   # GRPO: a real run killed and resumed (decoding with the KV cache, whose names transformers changed in 5.25: a raw
   # AttributeError on the floor until training/rollout.py named them by version), and sampling against generate
-  "tests/training/test_grpo.py::test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step"
+  "tests/training/test_grpo_runs.py::test_kill_then_resume_is_bitwise_with_the_sampling_seeded_by_step"
   "tests/training/test_grpo.py::test_near_zero_temperature_is_transformers_greedy_generate"
   "tests/training/test_grpo.py::test_a_completion_depends_on_its_seed_not_on_the_other_rows"
   "tests/training/test_reward.py::test_a_reward_model_trains_under_every_engine_and_exports_with_its_head"
