@@ -65,10 +65,11 @@ class _Renderer:
                             f"render `tool_calls`. Fix: {NAMED_FIX}.")
         if calls and calls_need_none_content(self.template):
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template renders a "
-                            "call only in a turn whose content is None, which transformers drops before rendering "
-                            "(DeepSeek-R1 distills' template, finetune's deepseek-r1 too), so no call can be trained "
-                            "under it. Fix: a template that renders tool calls (model.chat_template: qwen2.5, qwen3, "
-                            "llama-3.1, ...), or leave tool-call rows out (data.bad_rows: skip).")
+                            "call only in a turn whose content is None (DeepSeek-R1 distills' template, finetune's "
+                            "deepseek-r1 too), and a turn's content reaches the template as text (finetune's normal "
+                            "form; transformers 5.25 also drops None-valued keys), so no call can be trained under it. "
+                            "Fix: a template that renders tool calls (model.chat_template: qwen2.5, qwen3, llama-3.1, "
+                            "...), or leave tool-call rows out (data.bad_rows: skip).")
         self.messages = messages
         if calls:
             try:

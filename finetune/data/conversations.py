@@ -58,7 +58,8 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
                         "the row or set data.bad_rows: skip.")
     message = {"role": ROLE_ALIASES[speaker]}
     # ShareGPT's function_call turn: its value is the call (text or an object), its content nothing
-    message["content"] = "" if speaker == "function_call" else _text(content, message["role"], f"{where}: message {number}")
+    where_message = f"{where}: message {number}"
+    message["content"] = "" if speaker == "function_call" else _text(content, message["role"], where_message)
     calls = turn.get("tool_calls") if speaker != "function_call" else content
     if calls not in (None, "", []):
         if message["role"] != "assistant":
@@ -206,8 +207,9 @@ def reasoning_field(template: str) -> str | None:
 def calls_need_none_content(template: str) -> bool:
     """Whether a template renders an assistant's tool calls only where its content `is none` (DeepSeek-R1 distills'
     and DeepSeek-V3's `message['role'] == 'assistant' and message['content'] is none`; a template that only guards
-    its content with `is none` renders calls either way). transformers (5.x) drops every None-valued key before rendering, so such a template never
-    renders a call: `message['content'] is none` is false for a missing key."""
+    its content with `is none` renders calls either way). Such a template never renders a call here: the normal
+    form's content is text, and transformers 5.25 drops every None-valued key before rendering
+    (`message['content'] is none` is false for a missing key)."""
     return re.search(r"role['\"]?\]?\s*==\s*['\"]assistant['\"]\s+and\s+message(?:\[['\"]content['\"]\]|\.content)"
                      r"\s+is\s+none", template) is not None
 

@@ -79,7 +79,8 @@ def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer) -> 
     be scored in one answer only. Such a row is tokenized as TRL's preference trainers tokenize every row: the prompt
     alone, then the rest."""
     whole = tokenize_many(all_segments, tokenizer)
-    split = [next((i for i, (_, trained) in enumerate(segments) if trained), len(segments)) for segments in all_segments]
+    split = [next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
+             for segments in all_segments]
     prompts = tokenize_many([segments[:k] for segments, k in zip(all_segments, split)], tokenizer)
     merged = [i for i, (example, prompt) in enumerate(zip(whole, prompts))
               if example.input_ids[: len(prompt.input_ids)] != prompt.input_ids]
