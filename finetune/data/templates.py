@@ -258,22 +258,9 @@ def _labels(ids: list[int], offsets, segments: list[tuple[str, bool]]) -> list[i
     return np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
 
 
-class _NoBos:
-    """A tokenizer seen by `_with_bos` as adding no BOS; everything else is the tokenizer's."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer, self.add_bos_token = tokenizer, False
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def __call__(self, *args, **kwargs):
-        return self._tokenizer(*args, **kwargs)
-
-
-def _with_bos(example: Example, tokenizer) -> Example:
+def _with_bos(example: Example, tokenizer, *, wanted: bool = True) -> Example:
     bos = tokenizer.bos_token_id
-    if bos is not None and getattr(tokenizer, "add_bos_token", False) and (not example.input_ids or example.input_ids[0] != bos):
+    if wanted and bos is not None and getattr(tokenizer, "add_bos_token", False) and (not example.input_ids or example.input_ids[0] != bos):
         return Example([bos] + example.input_ids, [IGNORE_INDEX] + example.labels)
     return example
 
@@ -289,18 +276,17 @@ def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chun
     tokenizer's BOS is put first where it adds one (False: a continuation, tokenized apart)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     examples = []
-    if not bos:
-        tokenizer = _NoBos(tokenizer)
     for first in range(0, len(all_segments), chunk):
         part = all_segments[first : first + chunk]
         texts = ["".join(text for text, _ in segments) for segments in part]
         if backend is not None:  # straight to the Rust tokenizer: skips transformers' per-row Python conversion
             for segments, encoding in zip(part, backend.encode_batch(texts, add_special_tokens=False)):
-                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), tokenizer))
+                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), tokenizer,
+                                               wanted=bos))
             continue
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for segments, ids, offsets in zip(part, encoded["input_ids"], encoded["offset_mapping"]):
-            examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), tokenizer))
+            examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), tokenizer, wanted=bos))
     return examples
 
 
