@@ -14,7 +14,7 @@ import numpy as np
 
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted
 from finetune.data.sources import load_rows
-from finetune.data.templates import row_tools
+from finetune.data.templates import row_system, row_tools
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -94,7 +94,7 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                     continue
                 raise DataError(f"{key} ({spec.path}) row {line}: `prompt` is {prompt!r}; a prompt is text or a list of "
                                 "chat messages. Fix the row, or set data.bad_rows: skip.")
-            system = spec.system_prompt if spec.system_prompt is not None else recipe.data.system_prompt
+            system = row_system(row, spec, recipe.data.system_prompt)
             where = f"{key} ({spec.path}) row {line}"
             try:
                 tools = row_tools(row, spec, where) if isinstance(prompt, list) else None

@@ -20,12 +20,12 @@ __all__ = ["ROLE_ALIASES"]  # re-exported: the speaker names live with the conve
 # Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names).
 FORMAT_FIELDS = {
     "alpaca": (("instruction", "output"), ("input", "system")),
-    "chat": (("messages",), ()),
+    "chat": (("messages",), ("system", "tools")),
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
-    "preference": (("chosen", "rejected"), ("prompt",)),  # prompt optional: the implicit-prompt form has none
-    "unpaired_preference": (("prompt", "completion", "label"), ()),  # TRL's KTO rows; label: desirable or not
-    "prompt": (("prompt",), ()),  # GRPO: prompts only; the other columns go to the reward functions
+    "preference": (("chosen", "rejected"), ("prompt", "system", "tools")),  # prompt optional: the implicit-prompt form has none
+    "unpaired_preference": (("prompt", "completion", "label"), ("system", "tools")),  # TRL's KTO rows; label: desirable or not
+    "prompt": (("prompt",), ("system", "tools")),  # GRPO: prompts only; the other columns go to the reward functions
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -41,6 +41,15 @@ def _column(spec: DatasetSpec, name: str, row: dict | None = None) -> str:
 
 def _field(row: dict, spec: DatasetSpec, name: str):
     return row.get(_column(spec, name, row))
+
+
+def row_system(row: dict, spec: DatasetSpec, system_prompt: str | None) -> str | None:
+    """A row's system prompt: its own `system` column (LLaMA-Factory's exports carry one per row, for chat, pairs and
+    alpaca rows alike) when it holds text, else the dataset's system_prompt, else data.system_prompt."""
+    own = _field(row, spec, "system") if isinstance(row, dict) else None
+    if isinstance(own, str) and own.strip():
+        return own
+    return spec.system_prompt if spec.system_prompt is not None else system_prompt
 
 
 def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
@@ -97,9 +106,7 @@ def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     if spec.format != "chat":
         return [render_segments(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)]
     check_row(row, spec, where)
-    system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
-    own = _field(row, spec, "system")  # a row's `system` column (LLaMA-Factory's ShareGPT exports) comes first
-    system_prompt = own if isinstance(own, str) and own.strip() else system_prompt
+    system_prompt = row_system(row, spec, system_prompt)
     messages = normalize_messages(_field(row, spec, "messages"), spec, where)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
@@ -126,7 +133,7 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     instruction, extra = str(_field(row, spec, "instruction")), _field(row, spec, "input")
     template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
     prompt = template.format(instruction=instruction, input=extra)
-    system = _field(row, spec, "system") or system_prompt
+    system = row_system(row, spec, system_prompt)
     if system:
         prompt = f"{system}\n\n{prompt}"
     return [(prompt, False), (str(_field(row, spec, "output")) + eos, True)]
@@ -189,6 +196,7 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
     user or tool turn, and the answers are assistant turn(s) scored in one sequence each.
     """
     answers = tuple((name, [answer] if isinstance(answer, dict) else answer) for name, answer in answers)  # a message
+    system_prompt = row_system(row, spec, system_prompt)
     for name, answer in answers:
         if not isinstance(answer, (str, list)):
             raise DataError(f"{where}: `{_column(spec, name)}` is {answer!r}; an answer is text, an assistant message or a "
@@ -199,8 +207,8 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
         if prompt in (None, ""):
             raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: a text response needs the prompt it "
                             "answers. Add it, map it with data.datasets[].columns, or give whole conversations.")
-        eos = tokenizer.eos_token or ""
-        return [[(str(prompt), False), (str(answer) + eos, True)] for _, answer in answers]
+        eos, prompt = tokenizer.eos_token or "", f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
+        return [[(prompt, False), (str(answer) + eos, True)] for _, answer in answers]
     if prompt in (None, "", []):
         raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: the answers need the prompt they answer. Add "
                         "it, map it with data.datasets[].columns, or give `chosen` and `rejected` as whole conversations "

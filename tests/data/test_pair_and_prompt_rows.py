@@ -117,3 +117,42 @@ def test_grpo_tools_a_template_cannot_render_are_refused():
     assert "get_weather" in prompt_text(USER, family_tokenizer("qwen3"), None, tools=tools, spec=PROMPTS)
     with pytest.raises(DataError, match=r"row 3: the row offers tools, but the tokenizer's chat template does not render"):
         prompt_text(USER, family_tokenizer("deepseek-r1"), None, tools=tools, spec=PROMPTS, where="row 3")
+
+
+def test_a_rows_own_system_heads_its_pair_and_kto_prompt():
+    """A row's `system` column (LLaMA-Factory's preference exports carry one per row) was dropped from pairs, KTO and
+    GRPO prompts while chat rows honoured it: the pair was scored without the instruction it answers."""
+    tokenizer = family_tokenizer("qwen3")
+    pair = {"system": "Answer in French.", "prompt": "What is 2+2?", "chosen": "quatre", "rejected": "four"}
+    as_messages = {**pair, "prompt": [{"role": "system", "content": "Answer in French."}, *USER]}
+    del as_messages["system"]
+    chosen, rejected = render_segments(pair, PAIRS, tokenizer, "Be brief.", "line 1")
+    assert (chosen, rejected) == render_segments(as_messages, PAIRS, tokenizer, None, "line 1")
+    assert "Answer in French." in chosen[0][0] and "Be brief." not in chosen[0][0]
+    kto = {"system": "Answer in French.", "prompt": "What is 2+2?", "completion": "quatre", "label": True}
+    (segments, _) = render_segments(kto, UNPAIRED, tokenizer, None, "line 1")
+    assert segments == chosen
+    # no row system: the dataset's, then data.system_prompt; a base model's raw text gets it as alpaca rows do
+    assert "Be brief." in render_segments({**pair, "system": ""}, PAIRS, tokenizer, "Be brief.", "line 1")[0][0][0]
+    base = family_tokenizer("qwen3")
+    base.chat_template = None
+    raw, _ = render_segments(pair, PAIRS, base, None, "line 1")
+    assert raw[0] == ("Answer in French.\n\nWhat is 2+2?", False)
+
+
+def test_a_grpo_rows_system_heads_its_chat_prompt(tmp_path):
+    from finetune.data.prompts import prompt_examples
+    from finetune.recipe import Recipe
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": [{"role": "user", "content": "What is 2+2?"}], "system": "Answer in French."}\n')
+    recipe = Recipe.model_validate({"model": {"name_or_path": "tiny"}, "train": {"objective": "grpo", "micro_batch_size": 8},
+                                    "grpo": {"reward_functions": ["finetune.rewards:exact_match"],
+                                             "max_completion_length": 64},
+                                    "data": {"datasets": [{"path": str(path), "format": "prompt"}],
+                                             "system_prompt": "Be brief."}})
+    tokenizer = family_tokenizer("qwen3")
+    (example,), _, _ = prompt_examples(recipe, tokenizer)
+    text = tokenizer.decode(example.input_ids)
+    assert "Answer in French." in text and "Be brief." not in text
+    assert example.row["system"] == "Answer in French."  # the reward functions still see the column
