@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,6 +148,15 @@ class GRPOSection(_Section):
 
 
 
+def _search_working_folder() -> None:
+    """Modules beside where the command runs are found as `python -m` finds them: the `finetune` console script and
+    `accelerate launch finetune/run.py` put their own folders first on sys.path, not the working folder. Appended, so
+    an installed package of the same name still wins."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+
+
 def import_reward_function(name: str):
     """The callable named `module:function` (a dotted attribute path after the colon is allowed); ValueError with
     the fix when it cannot be found."""
@@ -155,14 +165,23 @@ def import_reward_function(name: str):
         raise ValueError(f"`{name}` is not `module:function`. Fix: name the module and the function, e.g. "
                          "`finetune.rewards:exact_match` or `my_rewards:format_reward` (a my_rewards.py on PYTHONPATH "
                          "or beside where you run).")
+    _search_working_folder()
     try:
         found: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            found = getattr(found, part)
     except Exception as exc:  # noqa: BLE001  (an ImportError, or anything the user's module raises on import)
+        missing = isinstance(exc, ModuleNotFoundError) and module_name.startswith(str(exc.name))
+        where = (f"that {module_name.replace('.', '/')}.py is in the folder you run from or on PYTHONPATH" if missing
+                 else f"that {module_name} imports without error")
         raise ValueError(f"`{name}` cannot be imported ({type(exc).__name__}: {exc}). Fix: check the spelling, and "
-                         f"that {module_name.replace('.', '/')}.py is on PYTHONPATH (or in the folder you run from) "
-                         "and imports without error.") from None
+                         f"{where}.") from None
+    owner = module_name
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            own = sorted(n for n, v in vars(found).items() if callable(v) and not n.startswith("_")
+                         and getattr(v, "__module__", None) == getattr(found, "__name__", None))
+            raise ValueError(f"`{name}`: {owner} has no `{part}`. Fix: check the spelling (its functions: "
+                             f"{', '.join(own) or 'none'}).")
+        found, owner = getattr(found, part), f"{owner}.{part}"
     if not callable(found):
         # a ValueError (not TypeError): collected with the other recipe problems
         raise ValueError(f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "  # noqa: TRY004
