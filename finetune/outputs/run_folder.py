@@ -206,6 +206,12 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
             release_output_dir(out_dir, remove_if_empty=folder.created)
 
 
+# What a run writes in output.dir besides recipe.yaml: a replaced run's are removed, so nothing of it mixes with the new
+# run's (GRPO's sampled completions, vLLM's per-step adapters and log, the plot).
+RUN_FOLDERS = ("adapter", CHECKPOINTS, "ranks", "completions", "vllm")
+RUN_FILES = ("metrics.jsonl", "plot.png")
+
+
 def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:
     """Rank 0, when training is about to start: clear a replaced run's files (a fresh start, or one from another
     folder's checkpoint) or trim the metrics past the checkpoint (this folder's run resumed); write recipe.yaml.
@@ -214,18 +220,21 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
     """
     own = resume_from is not None and resume_from.resolve().is_relative_to(out_dir.resolve())
     if not own:  # a fresh start, or a start from another folder's checkpoint (output.overwrite replaces this one's)
-        for name in ("adapter", CHECKPOINTS, "ranks"):
+        for name in RUN_FOLDERS:
             shutil.rmtree(out_dir / name, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            (out_dir / "metrics.jsonl").unlink()
-    else:
+        for name in RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (out_dir / name).unlink()
+    else:  # the records of steps after the checkpoint go: those steps run again
         resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
-        _trim_metrics(out_dir / "metrics.jsonl", resumed_step)
+        for log in [out_dir / "metrics.jsonl", *sorted((out_dir / "completions").glob("rank*.jsonl"))]:
+            _trim_metrics(log, resumed_step)
     (out_dir / "recipe.yaml").write_text(recipe_yaml)
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after the checkpoint (written by the killed run): they are trained again."""
+    """Drop records of steps after the checkpoint (written by the killed run; metrics.jsonl, GRPO's completions):
+    they are trained again."""
     if not path.exists():
         return
     kept = []

@@ -213,6 +213,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     recipe_yaml = recipe_to_yaml(recipe)
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
+    distributed.barrier()  # a replaced run's files are gone before any rank writes its own (completions/rank<r>.jsonl)
     # DPO with dpo.reference precomputed: the reference log-probs before step 1 (or read back on resume).
     objective.prepare(model, train_examples, eval_examples, recipe, pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)

@@ -35,3 +35,29 @@ def test_a_reward_module_in_the_folder_you_run_from_is_found_by_the_finetune_com
                           text=True, timeout=300, check=False)
     assert done.returncode == 2 and "my_rewards has no `lenght`" in done.stderr and "(its functions: length)" in \
         done.stderr and "PYTHONPATH" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_replaced_runs_completions_vllm_adapters_and_plot_go_and_a_resume_trims_its_completions(tmp_path):
+    """output.overwrite=true (or a fresh start) cleared adapter, checkpoints, ranks and metrics only: the old run's
+    completions/rank0.jsonl (24 lines of 3 steps) stayed, and the new run's 24 were appended to it; a resume appended
+    the steps it sampled again beside the killed run's lines of them."""
+    import json
+
+    from finetune import outputs
+
+    out = tmp_path / "out"
+    for folder in ("adapter", "checkpoints/step-00000002", "completions", "vllm/step3"):
+        (out / folder).mkdir(parents=True)
+    (out / "checkpoints" / "step-00000002" / "manifest.json").write_text(json.dumps({"step": 2}))
+    lines = "".join(json.dumps({"step": step, "completion": "x"}) + "\n" for step in (1, 1, 2, 2, 3, 3))
+    for rank in (0, 1):
+        (out / "completions" / f"rank{rank}.jsonl").write_text(lines)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    (out / "plot.png").write_bytes(b"png")
+    outputs.begin_outputs(out, "model: {}\n", out / "checkpoints" / "step-00000002")  # this folder's run resumed
+    for rank in (0, 1):
+        kept = [json.loads(line)["step"] for line in (out / "completions" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert kept == [1, 1, 2, 2]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    outputs.begin_outputs(out, "model: {}\n", None)  # a fresh start (output.overwrite)
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]

@@ -48,7 +48,7 @@ class GRPO(Objective):
 
     def prepare(self, model: nn.Module, train, evaluation, recipe: Recipe, *, out_dir=None, **where) -> None:
         """The completions log: every sampled completion with its rewards and advantage, one file per rank
-        (completions/rank<r>.jsonl in the run folder, appended: a resumed run adds the steps it samples again)."""
+        (completions/rank<r>.jsonl in the run folder, appended: a resumed run's begins at its checkpoint's step, outputs.begin_outputs)."""
         if out_dir is not None:
             folder = Path(out_dir) / "completions"
             folder.mkdir(parents=True, exist_ok=True)
