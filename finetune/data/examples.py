@@ -17,8 +17,8 @@ class Example:
     reference model's (chosen, rejected) log-probabilities when dpo.reference is precomputed. An unpaired preference
     row (KTO) is one sequence whose `desirable` says whether its completion is desirable (its label). A GRPO prompt
     (format: prompt) is its prompt's ids, nothing trained, with `row`: the dataset row ({"prompt": text or messages,
-    the other columns}) its reward functions read, and `prompt_index`: its place in the prompt rows (the sampling
-    seed of its completions).
+    the other columns}) its reward functions read, `prompt_index`: its place among the rows of data.datasets read in
+    order, from 0, kept or not (the sampling seed of its completions), and `place`: its file and line, for messages.
     """
 
     input_ids: list[int]
@@ -29,6 +29,7 @@ class Example:
     desirable: bool | None = None
     row: dict | None = None
     prompt_index: int | None = None
+    place: str | None = None
 
     @property
     def num_trained(self) -> int:

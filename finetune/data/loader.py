@@ -26,12 +26,13 @@ def collate(examples: list[Example], pad_id: int, *, kl_partners: list[Example] 
     Unpaired preference rows (KTO): the rows and their labels (`desirable`); given `kl_partners`, also the KL rows
     (`kl_input_ids`, `kl_labels`, `kl_attention_mask`): each row's prompt followed by its partner's completion.
 
-    GRPO prompts: the prompt ids with `rows` (the dataset rows, for the reward functions) and `prompt_index`.
+    GRPO prompts: the prompt ids with `rows` (the dataset rows, for the reward functions), `prompt_index` and `places`.
     """
     if examples and examples[0].row is not None:
         batch = _collate_rows(examples, pad_id)
         batch["rows"] = [e.row for e in examples]
         batch["prompt_index"] = torch.tensor([e.prompt_index for e in examples], dtype=torch.long)
+        batch["places"] = [e.place for e in examples]
         return batch
     if examples and examples[0].desirable is not None:
         batch = _collate_rows(examples, pad_id)

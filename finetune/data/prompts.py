@@ -86,6 +86,7 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
         found = []
         for line, row in enumerate(rows, start=1):
             stats.rows += 1
+            index += 1  # every row read counts, kept or not: `prompt_index` is the row's place in the data
             prompt = row["prompt"]
             if not prompt or not isinstance(prompt, (str, list)):
                 if recipe.data.bad_rows == "skip":
@@ -116,8 +117,8 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                     f"(data.max_length {recipe.data.max_length} - grpo.max_completion_length "
                     f"{recipe.grpo.max_completion_length}). Fix: raise data.max_length, lower max_completion_length, "
                     "shorten the prompt, or set data.overlong: drop to leave such rows out.")
-            found.append(Example(ids, [IGNORE_INDEX] * len(ids), row=row, prompt_index=index))
-            index += 1
+            found.append(Example(ids, [IGNORE_INDEX] * len(ids), row=row, prompt_index=index - 1,
+                                 place=f"prompt row {line} of {spec.path} ({key})"))
         if not found:
             raise DataError(f"{key} ({spec.path}): no usable prompt ({len(rows)} rows read).")
         stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": len(rows), "examples": len(found),

@@ -160,7 +160,7 @@ def test_builtin_rewards_and_the_weighted_nansum():
     with pytest.raises(ValueError, match="`answer` column"):
         rewards.exact_match(["q"], ["5"])
     table = grpo_rewards.rewards_per_function([rewards.exact_match, lambda prompts, completions, **kw: [0.5, 0.25, None]],
-                                      ["q"] * 3, ["5", "7", "8"], {"answer": ["5", None, None]}, [3, 3, 3])
+                                      ["q"] * 3, ["5", "7", "8"], {"answer": ["5", None, None]}, ["row 4"] * 3)
     assert table[0].tolist() == [1.0, 0.5] and torch.isnan(table[1, 0]) and table[1, 1] == 0.25
     weighted = grpo_rewards.weighted_rewards(table, [2.0, 1.0])  # None skipped (nansum); none scored at all: NaN
     assert weighted[:2].tolist() == [2.5, 0.25] and torch.isnan(weighted[2])
@@ -170,15 +170,18 @@ def test_a_raising_reward_names_itself_the_prompt_row_and_the_exception():
     def strict(prompts, completions, answer, **columns):
         return [float(int(c) == int(a)) for c, a in zip(completions, answer)]
 
+    places = ["prompt row 8 of p.jsonl (data.datasets[0])"] * 2 + ["prompt row 9 of p.jsonl (data.datasets[0])"] * 2
     with pytest.raises(RewardError) as caught:
-        grpo_rewards.rewards_per_function([strict], ["q"] * 4, ["5", "5", "x", "1"], {"answer": ["5"] * 4}, [7, 7, 8, 8])
+        grpo_rewards.rewards_per_function([strict], ["q"] * 4, ["5", "5", "x", "1"], {"answer": ["5"] * 4}, places)
     message = str(caught.value)
-    assert "`strict` raised ValueError: invalid literal for int() with base 10: 'x' (on prompt row 8 of the data" in message
-    assert "last checkpoint is intact" in message and "train.resume=auto" in message and "\n" not in message
+    assert ("`strict` raised ValueError: invalid literal for int() with base 10: 'x' (on prompt row 9 of p.jsonl "
+            "(data.datasets[0]))") in message
+    assert "checkpoints it wrote are intact" in message and "train.resume=auto" in message and "\n" not in message
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
-        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, [0, 0])
-    with pytest.raises(RewardError, match=r"returned '1.0' for the completion of prompt row 0\. Fix: return floats"):
-        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: ["1.0"]], ["q"], ["a"], {}, [0])
+        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: [1.0]], ["q"] * 2, ["a", "b"], {}, ["r"] * 2)
+    with pytest.raises(RewardError, match=r"returned '1.0' for the completion of prompt row 1 of p.jsonl\. Fix: return"):
+        grpo_rewards.rewards_per_function([lambda prompts, completions, **kw: ["1.0"]], ["q"], ["a"], {},
+                                          ["prompt row 1 of p.jsonl"])
 
 
 def test_rewards_as_numpy_scalars_and_one_element_tensors_are_numbers_as_in_trl():

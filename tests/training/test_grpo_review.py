@@ -61,3 +61,26 @@ def test_a_replaced_runs_completions_vllm_adapters_and_plot_go_and_a_resume_trim
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     outputs.begin_outputs(out, "model: {}\n", None)  # a fresh start (output.overwrite)
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_prompt_after_a_dropped_row_keeps_its_place_in_the_data(tiny_llama, tmp_path):
+    """prompt_index counted kept rows only: after one overlong row was dropped, a reward error on file row 41 said
+    "prompt row 39 ... counted from 0", and the completions log's prompt_index was one off."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.prompts import prompt_examples
+    from finetune.recipe import Recipe
+
+    rows = [{"prompt": f"What is {i}?", "answer": str(i)} for i in range(6)]
+    rows[2]["prompt"] = "many words " * 80  # over the prompt budget: dropped
+    first, second = write_jsonl(tmp_path / "a.jsonl", rows), write_jsonl(tmp_path / "b.jsonl", rows[:2])
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": "tiny"}, "train": {"objective": "grpo", "micro_batch_size": 8},
+        "grpo": {"reward_functions": ["finetune.rewards:exact_match"], "max_completion_length": 64},
+        "data": {"datasets": [{"path": str(first), "format": "prompt"}, {"path": str(second), "format": "prompt"}],
+                 "max_length": 128, "overlong": "drop"}})
+    examples, _, stats = prompt_examples(recipe, AutoTokenizer.from_pretrained(tiny_llama))
+    assert stats.dropped == 1
+    assert [e.prompt_index for e in examples] == [0, 1, 3, 4, 5, 6, 7]
+    assert examples[2].place == f"prompt row 4 of {first} (data.datasets[0])"
+    assert examples[-1].place == f"prompt row 2 of {second} (data.datasets[1])"

@@ -174,7 +174,7 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
     try:
         table = reward_table.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
-                                          [i for i in indices for _ in range(g)], completion_ids=completions)
+                                          [p for p in batch["places"] for _ in range(g)], completion_ids=completions)
     except RewardError as exc:
         problem = exc
     if sampler_logps is not None:
