@@ -8,6 +8,7 @@ keys and the fix (the schema turns it into one paragraph naming the file).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -233,6 +234,35 @@ def reward_model_problem(path: str) -> str | None:
     if not ((folder / "adapter_config.json").is_file() or (folder / "config.json").is_file()):
         return (f"{folder} holds neither adapter_config.json nor config.json. Fix: point at a reward run's folder or "
                 "adapter/, or at a sequence-classification model folder.")
+    return _not_a_classifier(folder)
+
+
+RANDOM_HEAD = ("loaded as a sequence classifier, its score head would be random weights and every reward noise. Fix: "
+               "train a reward model (train.objective: reward, docs/reward.md) and point at its run folder, or at a "
+               "sequence-classification model with one label")
+
+
+def _not_a_classifier(folder: Path) -> str | None:
+    """Why the folder holds no trained one-logit scorer: an adapter of a causal LM (an SFT or GRPO run), a causal-LM
+    checkpoint, or a classifier of several labels (its first logit is no reward). None when it can score."""
+    try:
+        if (folder / "adapter_config.json").is_file():
+            config = json.loads((folder / "adapter_config.json").read_text())
+            if config.get("task_type") != "SEQ_CLS":
+                return (f"{folder} is an adapter of a {config.get('task_type') or 'causal LM'} (a fine-tuned "
+                        f"generator, not a scorer): {RANDOM_HEAD}.")
+            return None
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{folder}: its config cannot be read ({exc}). Fix: point at a reward run or a sequence classifier."
+    architectures = config.get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        kind = ", ".join(architectures) or "no `architectures` in config.json"
+        return f"{folder} is not a sequence classifier ({kind}): {RANDOM_HEAD}."
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
+    if labels != 1:
+        return (f"{folder} is a classifier of {labels} labels, not a reward model: its first logit is no reward. Fix: "
+                "a sequence classifier with one label (a reward model), or a finetune reward run.")
     return None
 
 

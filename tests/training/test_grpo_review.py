@@ -84,3 +84,55 @@ def test_a_prompt_after_a_dropped_row_keeps_its_place_in_the_data(tiny_llama, tm
     assert [e.prompt_index for e in examples] == [0, 1, 3, 4, 5, 6, 7]
     assert examples[2].place == f"prompt row 4 of {first} (data.datasets[0])"
     assert examples[-1].place == f"prompt row 2 of {second} (data.datasets[1])"
+
+
+def test_a_generator_is_refused_as_a_reward_model(tiny_llama, tmp_path):
+    """grpo.reward_models took any causal-LM folder (or an SFT run's adapter): transformers gave it a randomly
+    initialized score head (one LOAD REPORT line, printed for a good reward run too) and GRPO trained on noise."""
+    import json
+
+    from test_grpo import REWARD
+    from test_reward import _refused
+
+    sft_adapter = tmp_path / "sft" / "adapter"
+    sft_adapter.mkdir(parents=True)
+    (sft_adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "peft_type": "LORA"}))
+    three = tmp_path / "three-labels"
+    three.mkdir()
+    (three / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                   "id2label": {"0": "a", "1": "b", "2": "c"}}))
+    one = tmp_path / "one-label"
+    one.mkdir()
+    (one / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                 "id2label": {"0": "LABEL_0"}}))
+    values = grpo_recipe(tiny_llama, tmp_path / "p.jsonl", tmp_path / "out",
+                         {"reward_functions": [REWARD], "reward_models": [str(tiny_llama), str(tmp_path / "sft"),
+                                                                          str(three), str(one)]})
+    message = _refused(values)
+    assert f"grpo.reward_models[0]: {tiny_llama} is not a sequence classifier (LlamaForCausalLM): loaded as a " \
+           "sequence classifier, its score head would be random weights" in message
+    assert f"grpo.reward_models[1]: {sft_adapter} is an adapter of a CAUSAL_LM" in message
+    assert f"grpo.reward_models[2]: {three} is a classifier of 3 labels" in message
+    assert "grpo.reward_models[3]" not in message
+
+
+def test_a_reward_model_scores_a_text_prompt_as_its_reward_run_trained_on_it(tiny_llama):
+    """A reward run renders a text pair through the chat template (a user turn, the answer), but GRPO scored a text
+    prompt's completion as the raw `prompt + completion`, text the model never saw."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.templates import render_segments
+    from finetune.recipe import DatasetSpec
+    from finetune.training.objectives.grpo.reward_models import RewardModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert tokenizer.chat_template
+    chosen, _ = render_segments({"prompt": "Number 3:", "chosen": "aaaa", "rejected": "b"},
+                                DatasetSpec(path="pairs.jsonl", format="preference"), tokenizer, None, "row 1")
+    scorer = RewardModel.__new__(RewardModel)  # the rendering alone: no weights needed
+    scorer.tokenizer = tokenizer
+    assert scorer.texts(["Number 3:"], ["aaaa"]) == ["".join(text for text, _ in chosen)]
+    tokenizer.chat_template = None  # a base model's tokenizer: the raw text, as its reward run joined it
+    chosen, _ = render_segments({"prompt": "Number 3:", "chosen": "aaaa", "rejected": "b"},
+                                DatasetSpec(path="pairs.jsonl", format="preference"), tokenizer, None, "row 1")
+    assert scorer.texts(["Number 3:"], ["aaaa"]) == ["".join(text for text, _ in chosen).removesuffix(tokenizer.eos_token)]

@@ -45,10 +45,15 @@ class RewardModel:
         self.model, self.device = model.to(device).eval(), device
 
     def texts(self, prompts: list, completions: list) -> list[str]:
+        """What the model scores: the prompt and completion through its chat template when it has one (a text prompt
+        as a user turn, as a reward run renders its text pairs: data/templates.py), else the raw text joined."""
         out = []
         for prompt, completion in zip(prompts, completions):
             if isinstance(prompt, list):  # chat: the messages and the completion's, through the template
                 out.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False))
+            elif getattr(self.tokenizer, "chat_template", None):
+                out.append(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], tokenize=False))
             else:
                 out.append(prompt + completion)
         return out
