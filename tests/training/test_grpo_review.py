@@ -136,3 +136,38 @@ def test_a_reward_model_scores_a_text_prompt_as_its_reward_run_trained_on_it(tin
     chosen, _ = render_segments({"prompt": "Number 3:", "chosen": "aaaa", "rejected": "b"},
                                 DatasetSpec(path="pairs.jsonl", format="preference"), tokenizer, None, "row 1")
     assert scorer.texts(["Number 3:"], ["aaaa"]) == ["".join(text for text, _ in chosen).removesuffix(tokenizer.eos_token)]
+
+
+def test_train_chunk_size_leaves_every_loss_type_unchanged():
+    """docs/grpo.md: train_chunk_size gives "the loss and gradient the same sums". bnpo divided each chunk by its own
+    tokens and by the number of chunks (TRL: a micro-batch's token mean, averaged over the micro-batches), so chunking
+    a micro-batch changed its loss (-0.0093 whole, 0.0694 in chunks of 2, in the bug bash's example)."""
+    from typing import get_args
+
+    import torch
+
+    from finetune.recipe import GRPOSection
+    from finetune.training.objectives.grpo import loss
+
+    torch.manual_seed(0)
+    kinds = get_args(GRPOSection.model_fields["loss_type"].annotation)
+    assert "bnpo" in kinds
+    micro_batches = []
+    for rows in (4, 6):  # two micro-batches of different completion tokens, as the step's
+        lengths = torch.randint(1, 7, (rows,))
+        mask = (torch.arange(6)[None, :] < lengths[:, None]).double()
+        micro_batches.append((torch.randn(rows, 6, dtype=torch.float64), loss.Rollout(batch={"input_ids": torch.zeros(rows, 6)}, mask=mask,
+                                                                 rewards=torch.zeros(rows, 1), truncated=torch.zeros(rows),
+                                                                 lengths=lengths.double())))
+    completions = sum(r.mask.size(0) for _, r in micro_batches)
+    tokens = sum(float(r.mask.sum()) for _, r in micro_batches)
+    for kind in kinds:
+        config = GRPOSection(loss_type=kind, reward_functions=["finetune.rewards:exact_match"], num_generations=2)
+        whole = sum(loss.aggregate(values, r.mask, config, completions=completions, tokens=tokens, batches=2,
+                                   batch_tokens=r.batch_tokens) for values, r in micro_batches)
+        chunked = 0.0
+        for values, r in micro_batches:
+            for start, chunk in zip(range(0, r.mask.size(0), 3), r.chunks(3)):
+                chunked += loss.aggregate(values[start:start + 3], chunk.mask, config, completions=completions,
+                                          tokens=tokens, batches=2, batch_tokens=chunk.batch_tokens)
+        assert float(chunked) == pytest.approx(float(whole), rel=1e-12, abs=1e-12), kind

@@ -119,16 +119,17 @@ def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ma
 
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, config: GRPOSection, *, completions: float,
-              tokens: float, batches: float = 1.0) -> torch.Tensor:
-    """This micro-batch's share of the step loss, given the step's completions, completion tokens and trained
-    micro-batches (chunks), over all ranks."""
+              tokens: float, batches: float = 1.0, batch_tokens: float | None = None) -> torch.Tensor:
+    """This chunk's share of the step loss, given the step's completions, completion tokens and micro-batches, over
+    all ranks (and, for bnpo, the completion tokens of the micro-batch the chunk is part of: `batch_tokens`)."""
     masked = per_token_loss * mask
     if config.loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(completions, 1)
     if config.loss_type == "dr_grpo":
         return masked.sum() / (max(completions, 1) * config.max_completion_length)
     if config.loss_type == "bnpo":  # TRL: the local batch's token mean, averaged over the accumulated batches
-        return masked.sum() / mask.sum().clamp(min=1.0) / max(batches, 1)
+        denominator = mask.sum().clamp(min=1.0) if batch_tokens is None else max(batch_tokens, 1.0)
+        return masked.sum() / denominator / max(batches, 1)
     if config.loss_type == "luspo":
         return masked.sum() / max(completions, 1)
     return masked.sum() / max(tokens, 1)  # dapo, cispo, vespo
@@ -181,6 +182,7 @@ class Rollout:
     sampling_logps: torch.Tensor | None = None  # (completions, width): the sampler's log-probs (grpo.generation vllm)
     is_ratio: torch.Tensor | None = None  # the sampler correction (sampler_correction), when applied
     shown: list[dict] | None = None  # per completion: its prompt row's index, prompt and completion text (the log)
+    batch_tokens: float | None = None  # a chunk's: its whole micro-batch's completion tokens (bnpo's denominator)
 
     def chunks(self, size: int | None) -> list[Rollout]:
         """The rollout as consecutive runs of `size` completions (grpo.train_chunk_size; None: itself whole), each
@@ -191,14 +193,17 @@ class Rollout:
             return [self]
 
         def part(value, start):
+            if isinstance(value, float):  # batch_tokens
+                return value
             if value is None:
                 return None
             if isinstance(value, dict):
                 return {key: tensor[start:start + size] for key, tensor in value.items()}
             return value[start:start + size]
 
-        return [Rollout(**{name: part(getattr(self, name), start) for name in self.__dataclass_fields__})
-                for start in range(0, rows, size)]
+        whole = self.batch_tokens if self.batch_tokens is not None else float(self.mask.sum())
+        return [Rollout(**{name: part(getattr(self, name), start) for name in self.__dataclass_fields__ if name != "batch_tokens"},
+                        batch_tokens=whole) for start in range(0, rows, size)]
 
 
 def sequences(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],

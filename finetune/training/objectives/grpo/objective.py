@@ -69,8 +69,8 @@ class GRPO(Objective):
         return self.prompt_batches
 
     def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
-        """[completions, completion tokens] of this rank's step: the completions sampled and scored first, at the
-        start of a cycle."""
+        """[completions, completion tokens, micro-batches] of this rank's step: the completions sampled and scored
+        first, at the start of a cycle."""
         if self.generated_at is None:
             if self.vllm is not None:
                 self.vllm.sync(model, self.step)  # the adapter as trained so far, hot-loaded into the server
@@ -79,7 +79,7 @@ class GRPO(Objective):
             self.generated_at = self.step
         self.position = 0
         return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts),
-                len(self.trained)]
+                len(self.rollouts)]
 
     def train_batches(self, micro_batches: list[dict]) -> list[loss.Rollout]:
         """What the step runs a forward and backward on: the rollouts' chunks (after `counts`)."""
@@ -97,7 +97,7 @@ class GRPO(Objective):
                                                    rollout.advantages.to(logps.device, logps.dtype), self.config,
                                                    mask=mask, is_ratio=moved(rollout.is_ratio))
         share = loss.aggregate(per_token, mask, self.config, completions=totals[0], tokens=totals[1],
-                               batches=totals[2] if len(totals) > 2 else 1.0)
+                               batches=totals[2] if len(totals) > 2 else 1.0, batch_tokens=rollout.batch_tokens)
         kl_sum = (kl.detach() * mask).sum() if kl is not None else torch.zeros((), device=logps.device)
         entropy_sum = sum(entropy, torch.zeros((), device=logps.device))
         sums = torch.stack([kl_sum, entropy_sum.to(logps.device, kl_sum.dtype),
