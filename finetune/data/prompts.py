@@ -19,6 +19,7 @@ from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
 REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids"}  # what a reward function is called with, by name
+TURN_KEYS = ("role", "content", "reasoning")  # data.datasets[].columns keys that name the keys of chat turns
 
 
 def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None,
@@ -65,8 +66,15 @@ def _rows_of(spec: DatasetSpec, key: str) -> list[dict]:
             f"{key} ({spec.path}): the rows have no `{column}` column (columns: {', '.join(map(str, rows[0]))}), and "
             "format: prompt samples completions for each row's prompt. Fix: give each row a `prompt` (text, or chat "
             f"messages [{{\"role\": \"user\", \"content\": ...}}]), or map yours with {key}.columns: {{prompt: NAME}}.")
-    # The reward functions see the prompt as `prompt` and every other column under its own name, beside the arguments
-    # of the call itself (TRL's signature), which a column cannot take.
+    # The reward functions see the prompt as `prompt` and every other column under its own name, and also under the
+    # field name data.datasets[].columns gives it (`answer: solution`: `answer` too), beside the arguments of the call
+    # itself (TRL's signature), which a column cannot take. role, content and reasoning map the keys of chat turns.
+    mapped = {field: column for field, column in spec.columns.items() if field not in TURN_KEYS and field != "prompt"}
+    missing = sorted(column for column in mapped.values() if rows and all(column not in row for row in rows))
+    if missing:
+        raise DataError(f"{key}.columns maps a field to `{missing[0]}`, but no row has that column (columns: "
+                        f"{', '.join(map(str, rows[0]))}). Fix the mapping (field: column in the data).")
+    rows = [{**row, **{field: row.get(column) for field, column in mapped.items()}} for row in rows]
     taken = sorted({key for row in rows for key in row} & REWARD_ARGUMENTS)
     if taken:
         raise DataError(

@@ -214,6 +214,7 @@ def check_local_files(recipe: Recipe) -> None:
     have the fields its format needs. Hub names are checked when they load."""
     for key, specs in (("data.datasets", recipe.data.datasets), ("data.eval_datasets", recipe.data.eval_datasets)):
         for index, spec in enumerate(specs):
+            _check_column_names(spec, f"{key}[{index}]")
             path = Path(spec.path).expanduser()
             where = f"{key}[{index}] path `{spec.path}`"
             looks_local = spec.path.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".json", ".csv", ".parquet")
@@ -225,6 +226,20 @@ def check_local_files(recipe: Recipe) -> None:
                 raise DataError(f"{where}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv or .parquet.")
             if path.is_file() and path.suffix == ".jsonl":
                 _check_first_lines(path, spec, where, bad_rows=recipe.data.bad_rows)
+
+
+def _check_column_names(spec: DatasetSpec, where: str) -> None:
+    """Every key of `columns` is a field of the format: another (a typo, or a field of another format) was ignored."""
+    if spec.format == "prompt":  # GRPO: any column can be mapped, for the reward functions (data/prompts.py)
+        return
+    required, optional = FORMAT_FIELDS[spec.format]
+    turns = ("role", "content", "reasoning") if spec.format in ("chat", "preference", "unpaired_preference") else ()
+    fields = sorted({*required, *optional, *turns})
+    unknown = sorted(set(spec.columns) - set(fields))
+    if unknown:
+        raise DataError(f"{where}.columns: `{unknown[0]}` is not a field of format `{spec.format}` (its fields: "
+                        f"{', '.join(fields)}), so the mapping would be ignored. Fix: map one of those fields (field: "
+                        "the column in the data), or set the dataset's format.")
 
 
 def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: str, lines: int = 20) -> None:

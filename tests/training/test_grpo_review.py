@@ -171,3 +171,37 @@ def test_train_chunk_size_leaves_every_loss_type_unchanged():
                 chunked += loss.aggregate(values[start:start + 3], chunk.mask, config, completions=completions,
                                           tokens=tokens, batches=2, batch_tokens=chunk.batch_tokens)
         assert float(chunked) == pytest.approx(float(whole), rel=1e-12, abs=1e-12), kind
+
+
+def test_mapped_reward_columns_reach_the_rewards_and_unknown_column_keys_are_refused(tiny_llama, tmp_path):
+    """`columns: {prompt: question, answer: solution}` mapped the prompt only: exact_match failed at step 1 ("the
+    prompt rows have none"), after validate said OK; a `columns` key no format has (`bogus: x`) was ignored."""
+    from transformers import AutoTokenizer
+
+    from finetune.data import check_local_files
+    from finetune.data.prompts import prompt_examples
+    from finetune.errors import DataError
+    from finetune.recipe import Recipe
+
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": f"What is {i}+{i}?", "solution": str(2 * i)} for i in range(4)])
+
+    def recipe(columns: dict, fmt: str = "prompt") -> Recipe:
+        objective = {"objective": "grpo", "micro_batch_size": 8} if fmt == "prompt" else {}
+        return Recipe.model_validate({
+            "model": {"name_or_path": "tiny"}, "train": objective,
+            "grpo": {"reward_functions": ["finetune.rewards:exact_match"], "max_completion_length": 32},
+            "data": {"datasets": [{"path": str(path), "format": fmt, "columns": columns}], "max_length": 128}}
+            if fmt == "prompt" else {"model": {"name_or_path": "tiny"},
+                                     "data": {"datasets": [{"path": str(path), "format": fmt, "columns": columns}]}})
+
+    examples, _, _ = prompt_examples(recipe({"prompt": "question", "answer": "solution"}),
+                                     AutoTokenizer.from_pretrained(tiny_llama))
+    assert [e.row["answer"] for e in examples] == ["0", "2", "4", "6"]
+    assert examples[1].row["prompt"] == "What is 1+1?"
+    with pytest.raises(DataError, match=r"columns maps a field to `answr`, but no row has that column"):
+        prompt_examples(recipe({"prompt": "question", "answer": "answr"}), AutoTokenizer.from_pretrained(tiny_llama))
+    with pytest.raises(DataError, match=r"data.datasets\[0\].columns: `bogus` is not a field of format `chat` \(its "
+                                        r"fields: content, messages, reasoning, role, system, tools\)"):
+        check_local_files(recipe({"messages": "conversations", "bogus": "x"}, fmt="chat"))
+    with pytest.raises(DataError, match=r"`answer` is not a field of format `completion`"):
+        check_local_files(recipe({"prompt": "question", "answer": "solution"}, fmt="completion"))
