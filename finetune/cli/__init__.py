@@ -7,7 +7,7 @@
     export.py      `export`: a clean adapter or a verified merge, of a run or a kept checkpoint (--step); `checkpoints`:
                    a run's kept checkpoints with their eval losses (the work is in finetune/outputs/)
     tiny.py        `tiny-model`: tiny random models + tokenizers for tests, smoke runs and benchmarks
-    tiny_arch.py   `tiny-model --arch`: a tiny model of any transformers text causal LM, from its own config class
+    tiny_arch.py   `tiny-model --arch`: a tiny model of any transformers decoder model type, from its own config class
     models.py      `models`: the architectures the suite's matrix trains or refuses (docs/models.md, generated)
     quantize.py    `quantize`: a bf16 base written as a 4-bit checkpoint, or into the quantized cache
 """

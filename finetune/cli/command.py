@@ -119,16 +119,27 @@ def _delegate(module: str, function: str):
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if args.arch:
-        from finetune.cli.tiny_arch import build_tiny_arch, text_causal_lm_types
+        from finetune.cli.tiny_arch import HIDDEN, LAYERS, build_tiny_arch, tiny_arch_types
 
-        if args.arch not in text_causal_lm_types():
-            raise FinetuneError(f"--arch {args.arch}: not a text causal LM of this transformers. Fix: one of "
-                                f"{', '.join(text_causal_lm_types())}.")
+        if args.arch not in tiny_arch_types():
+            raise FinetuneError(f"--arch {args.arch}: not a decoder model type of this transformers (a causal LM, or "
+                                f"an image-text-to-text model whose language model is one). Fix: one of "
+                                f"{', '.join(tiny_arch_types())}.")
+        # transformers' defaults shrunk as a whole (head sizes, experts, latent ranks agree with 2 layers of 64)
+        sizes = [f"{flag} {value}" for flag, value, built in (("--layers", args.layers, LAYERS),
+                                                              ("--hidden-size", args.hidden_size, HIDDEN))
+                 if value is not None and value != built]
+        if sizes:
+            raise FinetuneError(f"--arch {args.arch} with {' and '.join(sizes)}: --arch builds transformers' default "
+                                f"config shrunk to {LAYERS} layers of hidden size {HIDDEN}, the sizes its other "
+                                "fields are shrunk to agree with. Fix: drop --layers/--hidden-size, or use --family "
+                                "(which takes them).")
         print(f"tiny {args.arch} model + tokenizer written to {build_tiny_arch(args.arch, args.out)}")
         return 0
     from finetune.cli.tiny import build_tiny_model
 
-    path = build_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.layers)
+    path = build_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size or 64,
+                            num_layers=args.layers or 2)
     print(f"tiny {args.family} model + tokenizer written to {path}")
     return 0
 
@@ -243,10 +254,11 @@ def _add_output_verbs(verbs) -> None:
     p.add_argument("out")
     p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen3_moe", "gpt_oss",
                                                                  "llama4_text"])
-    p.add_argument("--arch", metavar="MODEL_TYPE", help="any transformers text causal LM type instead (e.g. gemma3_text, "
-                   "qwen3_next): transformers' default config of it, shrunk to 2 layers of hidden size 64")
-    p.add_argument("--hidden-size", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--arch", metavar="MODEL_TYPE", help="any transformers decoder model type instead (e.g. gemma3_text, "
+                   "qwen3_next, mistral4, glm5_next): transformers' default config of it, shrunk to 2 layers of hidden "
+                   "size 64 (--layers and --hidden-size apply to --family only)")
+    p.add_argument("--hidden-size", type=positive_int, default=None, help="--family only (default 64)")
+    p.add_argument("--layers", type=positive_int, default=None, help="--family only (default 2)")
     p.set_defaults(func=cmd_tiny_model)
 
 

@@ -1,5 +1,6 @@
 """Tiny models of every text causal LM transformers ships, built from transformers' own config class (its defaults,
-shrunk): the architecture matrix of the suite (tests/model/test_arch_matrix.py) and `finetune tiny-model --arch`.
+shrunk): the architecture matrix of the suite (tests/model/test_arch_matrix.py) and `finetune tiny-model --arch` (any type
+of `tiny_arch_types`: text causal LMs, and multimodal models whose language model finetune trains).
 
 Each config keeps its model_type and every switch of the defaults (norm layout, activation, rope, biases, soft-capping,
 the kind of each layer); only the sizes shrink: 2 layers, hidden 64, 4 heads of 16 (2 key/value heads where the
@@ -85,6 +86,13 @@ def matrix_model_types() -> list[str]:
 
     names = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     return sorted(name for name in names if name in CONFIG_MAPPING)
+
+
+def tiny_arch_types() -> list[str]:
+    """What `finetune tiny-model --arch` builds: every model type of `matrix_model_types` that `decoder_kind` calls a
+    decoder (the text causal LMs, and the multimodal models whose language model finetune trains: Mistral 4, GLM-5,
+    Kimi K2.5, Gemma 4, ...): the model types docs/models.md lists as trained."""
+    return [model_type for model_type in matrix_model_types() if decoder_kind(model_type) == "decoder"]
 
 
 def decoder_kind(model_type: str) -> str:

@@ -72,16 +72,23 @@ def without_towers(model):
     are stored in a layout transformers permutes at load), and the memory is the language model's. A model of
     another kind is returned as it is. `from_pretrained` keeps them (a merged export saves the whole model); the
     training model drops them after it (model/base.py: build_model)."""
+    for name in tower_names(model):
+        model.model._modules[name.removeprefix("model.")] = None
+    return model
+
+
+def tower_names(model) -> list[str]:
+    """The module names (`model.visual`, `model.multi_modal_projector`) of what `without_towers` removes from `model`:
+    everything beside the language model inside an image-text-to-text model that transformers maps to no causal LM;
+    [] for any other model. A model loaded whole (export, generate) keeps them, and LoRA must stay off them there
+    too: an adapter's targets are leaf names (`gate_proj`), which the vision tower's blocks also have."""
     if is_mapped_causal_lm(model.config):  # Gemma 3 and 4: trained whole, as transformers maps them
-        return model
+        return []
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     inner = getattr(model, "model", None)
     if decoder is None or inner is None or not any(child is decoder for child in inner.children()):
-        return model
-    for name, child in list(inner.named_children()):
-        if child is not decoder:
-            inner._modules[name] = None
-    return model
+        return []
+    return [f"model.{name}" for name, child in inner.named_children() if child is not decoder]
 
 
 def from_pretrained(name: str, config=None, **kwargs):

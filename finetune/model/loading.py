@@ -31,7 +31,7 @@ from torch import nn
 from finetune import distributed
 from finetune.errors import ModelLoadError
 from finetune.model.experts.split import fused_expert_views
-from finetune.model.lora.attach import adapter_start, lora_config
+from finetune.model.lora.attach import adapter_start, check_target_modules, lora_config
 from finetune.model.lora.init import lora_checksum
 from finetune.model.materialize import (  # noqa: F401
     Materializer,
@@ -71,6 +71,8 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
                            bnb_config=model_stage.quantization_config(recipe),
                            attn_implementation=recipe.model.attn_implementation,
                            trust_remote_code=recipe.model.trust_remote_code)
+    with distributed.checks_every_rank_makes():  # a misspelled target: refused before any weight is read
+        check_target_modules(recipe, base)
     model_stage.keep_4bit_weights_trainable_on_cpu(base)
     model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
     peft_model = get_peft_model(base, lora_config(recipe), train_router=recipe.lora.train_router,
@@ -80,6 +82,29 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
 
         use_fused_lora(peft_model)
     return peft_model
+
+
+def check_lora_targets(recipe: Recipe, config) -> None:
+    """lora.target_modules against the module names of `config`'s model, built on the meta device with its experts
+    split as the loaders split them (no weight read): for the loads through `from_pretrained` (layer split, DoRA,
+    a checkpoint that is not safetensors), which attach LoRA only after every weight is loaded and quantized. PEFT
+    drops a misspelled name beside good ones without a word (fewer LoRAs trained) and fails with a traceback when
+    no name matches."""
+    if recipe.model.adapter or recipe.lora.target_modules == "all-linear":
+        return
+    from finetune.model import base as model_stage
+    from finetune.model.classes import from_config
+    from finetune.model.experts.split import split_experts
+
+    try:
+        with torch.device("meta"):
+            model = from_config(config, dtype=model_stage.torch_dtype(recipe.model.dtype),
+                                trust_remote_code=recipe.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model only from_pretrained builds: attach_lora checks it after loading
+        return
+    split_experts(model, dtype=model_stage.torch_dtype(recipe.model.dtype),
+                  quantized=recipe.quantization.method != "none")
+    check_target_modules(recipe, model)
 
 
 def check_checkpoint(model: nn.Module, index: CheckpointIndex, packed: PackedLayout | None = None) -> None:
@@ -152,6 +177,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     if folder is None:
         with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
             prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently
+            check_lora_targets(recipe, config)  # from_pretrained reads every weight before LoRA is attached
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
         if device_map is None:  # one device: its init-time buffers there too, whatever from_pretrained did with them

@@ -196,7 +196,6 @@ def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, .
     """On-disk adapter keys and shapes that PEFT expects for this base config (built on the meta device: no weights),
     mixture-of-experts layers split into per-expert Linears as training split them (finetune/model/experts/)."""
     from peft import PeftConfig
-    from peft.utils import get_peft_model_state_dict
 
     from finetune.model.experts import get_peft_model
     from finetune.outputs.export_experts import split_meta_model
@@ -212,17 +211,30 @@ def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, .
         with torch.device("meta"):
             classifier = AutoModelForSequenceClassification.from_config(config)
             peft_model = plain_get_peft_model(classifier, peft_config)
-        return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(peft_model).items()}
+        return _adapter_shapes(peft_model)
     model = split_meta_model(config)
     with torch.device("meta"):
         peft_model = get_peft_model(model, peft_config)
-    return {key: tuple(value.shape) for key, value in get_peft_model_state_dict(peft_model).items()}
+    return _adapter_shapes(peft_model)
+
+
+def _adapter_shapes(peft_model) -> dict[str, tuple[int, ...]]:
+    """The adapter's on-disk keys and shapes: LoRA and modules_to_save, and the base weight of a LoRA-targeted
+    `lm_head` or `embed_tokens`, which PEFT's own save adds (save_embedding_layers "auto") but a run's adapter never
+    holds (only trainable tensors are saved): check_adapter_fits takes it as optional (EMBEDDING_BASE)."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers="auto")
+    return {key: tuple(value.shape) for key, value in state.items()}
+
+
+EMBEDDING_BASE = ".base_layer.weight"  # the optional keys: an embedding's base weight saved beside its LoRA
 
 
 def check_adapter_fits(tensors: dict[str, torch.Tensor], config, source: Source, base: str | None) -> str:
     """ExportError unless the adapter's keys and shapes are exactly those of a PeftModel for the base; returns a summary."""
     expected = expected_adapter_shapes(config, source.adapter_dir)
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(key for key in set(expected) - set(tensors) if not key.endswith(EMBEDDING_BASE))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [
         f"{k} {tuple(tensors[k].shape)} vs {expected[k]}"
@@ -343,6 +355,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
 
     from finetune.model.classes import from_pretrained
     from finetune.model.experts import fuse_experts, load_adapter
+    from finetune.outputs.export_base import merge_base, untie_adapted_head
 
     check_out_free(out)
     if json.loads((source.adapter_dir / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS":
@@ -351,10 +364,12 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
                           "does not verify. Nothing was written. Fix: export without --merge and load it with "
                           "AutoModelForSequenceClassification.from_pretrained(base, num_labels=1) + "
                           "PeftModel.from_pretrained (or merge_and_unload() there).")
+    base, base_note = merge_base(source, base)  # a 4-bit checkpoint: the 16-bit folder it was quantized from
     config = base_config(source, base)
     tokenizer = load_tokenizer_for(source, base)
     tensors, (written, update), fits, note = _checked_tensors(source, config, base, tokenizer)
     model = load_full_precision_base(source, base)
+    note = base_note + untie_adapted_head(model, source.adapter_config) + note  # LoRA on a tied head: on it alone
     ids = prompt_ids(tokenizer)
     base_logits = _logits(model, ids)
     with tempfile.TemporaryDirectory() as adapter_tmp, atomic_dir(out, replace=False) as tmp:

@@ -158,10 +158,11 @@ def load_adapter(model: nn.Module, folder: str | Path):
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    if not has_routed_experts(model):
-        return PeftModel.from_pretrained(model, str(folder))
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
+    exclude_towers(config, model)
+    if not has_routed_experts(model):
+        return PeftModel.from_pretrained(model, str(folder), config=config)
     peft_model = get_peft_model(model, config)
     weights = load_peft_weights(str(folder), device="cpu")
     names = model_names(model, list(weights))
@@ -173,6 +174,25 @@ def load_adapter(model: nn.Module, folder: str | Path):
                              f"({len(result.unexpected_keys)} unexpected, {len(missing)} missing LoRA tensors, e.g. "
                              f"{(list(result.unexpected_keys) or missing)[0]}). Fix: use the adapter of a run on this base.")
     return peft_model.eval()
+
+
+def exclude_towers(config, model: nn.Module) -> None:
+    """Keep LoRA off the vision tower and projector of a multimodal model loaded whole (export, generate): training
+    removed them (model/classes.py: without_towers), but the adapter's leaf-name targets match their Linears too.
+    Added to the config's exclude_modules as a regex (PEFT full-matches a string against each module name)."""
+    import re
+
+    from finetune.model.classes import tower_names
+
+    towers = [rf"{re.escape(name)}(?:\..*)?" for name in tower_names(model)]
+    if not towers:
+        return
+    excluded = config.exclude_modules
+    if isinstance(excluded, str):
+        towers.insert(0, excluded)
+    elif excluded:  # a list: PEFT's rule for one, each name whole or as the last parts of a module's name
+        towers[:0] = [rf"(?:.*\.)?{re.escape(name)}" for name in excluded]
+    config.exclude_modules = "|".join(f"(?:{pattern})" for pattern in towers)
 
 
 def _expert_leaf_names(model: nn.Module) -> str:

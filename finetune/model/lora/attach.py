@@ -95,15 +95,22 @@ def target_modules_problem(model: nn.Module, target_modules) -> str | None:
             f"{', '.join(linear)}. Fix the names, or use `all-linear`.")
 
 
+def check_target_modules(recipe: Recipe, model: nn.Module) -> None:
+    """RecipeError with `target_modules_problem`'s paragraph (the one `finetune validate` prints) when lora.target_modules
+    names a module `model` lacks. `model` may be on the meta device: only its module names are read. model.adapter's
+    targets are its own config's (the adapter was trained on them), not checked here."""
+    from finetune.errors import RecipeError
+
+    if not recipe.model.adapter and (problem := target_modules_problem(model, recipe.lora.target_modules)):
+        raise RecipeError(problem)
+
+
 def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     """Wrap the base in a PeftModel; only LoRA parameters require grad afterwards. LoRA starts from `init_lora_weights`
     (or from model.adapter's values)."""
-    from finetune.errors import RecipeError
     from finetune.model.experts.lora import get_peft_model
 
-    if not recipe.model.adapter and (problem := target_modules_problem(model, recipe.lora.target_modules)):
-        raise RecipeError(problem)  # (finetune validate says it before any weight loads)
-
+    check_target_modules(recipe, model)  # (the loaders said it before any weight loaded: model/loading.py)
     peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
     if recipe.lora.fused:

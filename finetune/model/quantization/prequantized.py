@@ -66,6 +66,18 @@ def is_prequantized(folder: Path) -> bool:
     return stored_quantization(folder) is not None
 
 
+QUANTIZED_FROM = "quantized_from.json"  # written by writer.py beside config.json: {"quantized_from": folder}
+
+
+def quantized_from(folder: Path) -> str | None:
+    """The 16-bit folder a 4-bit checkpoint was written from by `finetune quantize` (writer.py records it), or None
+    (not recorded: quantized elsewhere, or by an older finetune)."""
+    try:
+        return json.loads((Path(folder) / QUANTIZED_FROM).read_text())["quantized_from"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> PackedLayout | None:
     """The layout of a pre-quantized checkpoint, refused in one paragraph where its settings are not the recipe's
     (config.json and the quant states against `quantization.*`); None for an unquantized checkpoint."""
@@ -105,15 +117,21 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
 
 
 def check_local_checkpoint(recipe: Recipe) -> bool:
-    """`finetune validate`: a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON
-    only). True when model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
-    from finetune.model.sources.files import checkpoint_index
+    """`finetune validate` and the loads through `from_pretrained`: a local safetensors checkpoint's files (every shard
+    its index names is there and readable: headers only, ModelLoadError naming the shard as the sharded loader does),
+    and a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON only). True when
+    model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
+    from finetune.model.sources.files import INDEX_FILE, SINGLE_FILE, checkpoint_index
     from finetune.model.sources.hub import is_local
 
     folder = Path(recipe.model.name_or_path).expanduser()
-    if recipe.model.gguf_file or not is_local(recipe.model.name_or_path) or not is_prequantized(folder):
+    if recipe.model.gguf_file or not is_local(recipe.model.name_or_path):
         return False
-    packed_layout(recipe, folder, checkpoint_index(folder))
+    safetensors = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
+    index = checkpoint_index(folder) if safetensors else None  # pickle weights: from_pretrained reads them
+    if not is_prequantized(folder):
+        return False
+    packed_layout(recipe, folder, index or checkpoint_index(folder))
     return True
 
 

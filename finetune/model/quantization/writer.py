@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import ModelLoadError
-from finetune.model.quantization.prequantized import stored_quantization
+from finetune.model.quantization.prequantized import QUANTIZED_FROM, stored_quantization
 from finetune.model.sources.files import INDEX_FILE, CheckpointIndex, TensorReader, checkpoint_index
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -141,6 +141,8 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2, sort_keys=True))
         _copy_side_files(base, tmp, None if dequantize else bnb_config, dtype)
+        if not dequantize:  # where the 16-bit weights are: what a merge of an adapter trained on this folder needs
+            (tmp / QUANTIZED_FROM).write_text(json.dumps({"quantized_from": str(base.resolve())}, indent=2) + "\n")
         if finish is not None:
             finish(tmp)
     return out
@@ -150,7 +152,7 @@ def _copy_side_files(base: Path, target: Path, bnb_config, dtype: torch.dtype) -
     """config.json with the quantization_config added (None: none); tokenizer, generation config and the rest copied as they are."""
     for path in base.iterdir():
         if path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES) \
-                and "index.json" not in path.name and path.name != "config.json":
+                and "index.json" not in path.name and path.name not in ("config.json", QUANTIZED_FROM):
             shutil.copy2(path, target / path.name)
     config = json.loads((base / "config.json").read_text())
     if bnb_config is not None:
