@@ -40,8 +40,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
         distributed.print0((data.streaming_line if streaming else data.data_line)(stats, recipe))
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
-        if not streaming:  # a stream's length is unknown: it runs train.max_steps (num_epochs is refused)
-            training.resolve_max_steps(recipe, len(train_examples), info.world_size)  # train.num_epochs -> max_steps
+        # train.num_epochs -> max_steps (not for a stream); then the checkpoint of a resume fits this run, or one paragraph
+        training.resolve_length(recipe, train_examples, plan, resume_from=folder.resume_from)
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
         model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()

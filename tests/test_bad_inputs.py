@@ -158,7 +158,7 @@ CASES: dict[str, Case] = {
     "resume tampered": _tampered,
     "resume all damaged": _all_damaged,
     "resume other lora shape": lambda ws: ([str(ws.recipe()), f"train.resume={ws.fake_checkpoint(ws.root / 'old', lora_r=4)}"],
-                                           "lora.r: checkpoint 4, recipe 8"),
+                                           "lora.r is 8 here, 4 in the checkpoint"),
     # output folders
     "output is a file": lambda ws: ([str(ws.recipe()), f"output.dir={ws.raw('out.txt', 'x')}"], "is a file, not a folder"),
     "output holds a finished run": _finished_run,

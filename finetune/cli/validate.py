@@ -67,17 +67,28 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
 
+    train_rows = None
     if check_data:
-        lines.append("  data: " + _check_data(recipe, num_processes))
+        line, train_rows = _check_data(recipe, num_processes)
+        lines.append("  data: " + line)
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
     if problem:
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")
-    if recipe.train.resume is not None:  # the checkpoint it names exists, is whole, and fits this recipe
-        source = outputs.resume_source(recipe)
-        lines.append(f"  resume: from {source}" if source else "  resume: auto, no checkpoint yet (starts at step 0)")
+    if recipe.train.resume is not None:
+        lines += _check_resume(recipe, plan, train_rows)
     return "\n".join(lines)
+
+
+def _check_resume(recipe, plan, train_rows: int | None) -> list[str]:
+    """The checkpoint train.resume names exists, is whole, and fits this run as the run checks it before loading
+    (refused: its paragraph; allowed: the changes it notes)."""
+    source = outputs.resume_source(recipe)
+    if source is None:
+        return ["  resume: auto, no checkpoint yet (starts at step 0)"]
+    notes = outputs.resume_changes(source, recipe, plan, train_rows=train_rows)
+    return [f"  resume: from {source}", *(f"    note: {note}" for note in notes)]
 
 
 def _check_lora_targets(recipe, config) -> None:
@@ -103,15 +114,16 @@ def _data_origin(recipe_path: Path) -> str | None:
     return None
 
 
-def _check_data(recipe, num_processes: int) -> str:
+def _check_data(recipe, num_processes: int) -> tuple[str, int | None]:
     """Tokenize every row when the tokenizer is local (with train.num_epochs, check that an epoch holds a whole
-    optimizer step, as the run's start does); otherwise check the files and columns only."""
+    optimizer step and resolve max_steps, as the run's start does); otherwise check the files and columns only.
+    Returns the report line and the training rows (None when not counted)."""
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
         if recipe.data.streaming:  # the first rows of each dataset only: a stream is never read whole
             _, _, stats = data.stream_examples(recipe, tokenizer)
-            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: ")
+            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: "), None
         _, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         t = recipe.train
@@ -120,9 +132,11 @@ def _check_data(recipe, num_processes: int) -> str:
         count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
         per_epoch = count(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
                           grad_accum=t.grad_accum)
+        if t.num_epochs is not None:  # the run's max_steps, which a resume compares with its checkpoint's step
+            recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
-                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch")
+                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch"), stats.train_sequences
     total = 0
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():
@@ -131,4 +145,4 @@ def _check_data(recipe, num_processes: int) -> str:
         for number, row in enumerate(rows, start=1):
             data.check_row(row, spec, f"{spec.path} row {number}")
         total += len(rows)
-    return f"{total} local rows have the fields their format needs (tokenizer not local: not tokenized)"
+    return f"{total} local rows have the fields their format needs (tokenizer not local: not tokenized)", None

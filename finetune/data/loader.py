@@ -147,6 +147,7 @@ class BatchStream:
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
+        self.counted_from = (0, 0.0)  # (step, epochs done then) epoch_at counts from: a resumed run's checkpoint
         # KTO rows, given kl_max_length (the loss has a KL term): each micro-batch carries its KL rows
         self.unpaired = kl_max_length is not None and examples[0].desirable is not None
         self.kl_max_length = kl_max_length
@@ -162,8 +163,14 @@ class BatchStream:
         self.batches_per_epoch = steps * grad_accum or len(examples) // global_batch
 
     def epoch_at(self, step: int) -> float:
-        """Epochs done after `step` optimizer steps (step / steps per epoch), 4 decimals as Hugging Face's Trainer."""
-        return round(step * self.grad_accum / self.batches_per_epoch, 4)
+        """Epochs done after `step` optimizer steps (step / steps per epoch), 4 decimals as Hugging Face's Trainer.
+        A resumed run counts on from its checkpoint's position, whose steps may have taken other rows per step."""
+        return round(self.epochs_done(step), 4)
+
+    def epochs_done(self, step: int) -> float:
+        """epoch_at unrounded (what a checkpoint keeps)."""
+        first, done = self.counted_from
+        return done + (step - first) * self.grad_accum / self.batches_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (its shuffle is seed + epoch)."""
@@ -197,7 +204,9 @@ class BatchStream:
                 "rows": len(self.examples), "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where the saving run stopped, even if it had another world size or micro-batch size."""
+        """Continue where the saving run stopped, even if it had another world size or micro-batch size. `state`'s
+        `step` (the checkpoint's; the loop adds it, with the epoch it logged then: GRPO's num_iterations cycles take
+        fewer rows than steps) is where epoch_at counts on from."""
         if state.get("streaming"):
             raise DataError("resume: the checkpoint was written by a run with data.streaming, whose position is a row of "
                             "the stream, not of the shuffled rows. Resume with data.streaming: true, or start a new run.")
@@ -211,6 +220,10 @@ class BatchStream:
         rows_seen = state["cursor"] * saved_global
         self.epoch = state["epoch"]
         self.cursor = math.ceil(rows_seen / (self.batch * self.world))
+        if "step" in state:  # the epoch the checkpoint's run logged at its step, else its data position's
+            done = state.get("logged_epoch")
+            self.counted_from = (state["step"], done if done is not None else
+                                 self.epoch + min(1.0, self.cursor / self.batches_per_epoch))
 
 
 def _filler(example: Example) -> Example:

@@ -3,11 +3,14 @@
     run_folder.py     claim_output_dir (one run per folder, a lock), begin_outputs, output_dir_problem, rank stats
     step_folders.py   the checkpoints a run folder holds, each checked against its manifest, with its eval loss;
                       resume_source; the checkpoint of `--step N`; the best eval of a run
+    resume_checks.py  check_resume: whether a checkpoint can continue this run (recipe key by key, strategy, step,
+                      rows), before any weight loads; refused or noted
     checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state),
                       read_trainable_tensors (a checkpoint's LoRA tensors whole, in one process)
     checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
+    export_base.py    the base an export loads: the run's own, `--base`, or the 16-bit folder a 4-bit one came from
     export_source.py  what an export starts from: a run, an adapter, a checkpoint folder or a run's `--step N`
     export_experts.py mixture-of-experts adapters at export: checked as trained (experts split), written as runtimes read
     runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
@@ -15,6 +18,7 @@
 """
 
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter
+from finetune.outputs.resume_checks import check_resume, resume_changes
 from finetune.outputs.run_folder import (
     LOCK_FILE,
     begin_outputs,
@@ -31,11 +35,13 @@ __all__ = [
     "LOCK_FILE",
     "adapter_key_map",
     "begin_outputs",
+    "check_resume",
     "claim_output_dir",
     "current_rss_bytes",
     "newest_kept",
     "output_dir_problem",
     "report_best_eval",
+    "resume_changes",
     "resume_source",
     "save_adapter",
     "write_rank_stats",

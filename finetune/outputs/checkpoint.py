@@ -8,7 +8,8 @@ Layout of output.dir:
         trainable/              torch.distributed.checkpoint (DCP) of {"model": LoRA tensors, "optim": optimizer state};
                                 under FSDP every rank writes its own shard, and a load reshards to any world size
         deepspeed/              instead of trainable/ under DeepSpeed: its own checkpoint (one ZeRO partition file per
-                                rank; loads into the same number of ranks and ZeRO stage only)
+                                rank; loads into the ZeRO stage that wrote it only, at any number of ranks: another
+                                number through DeepSpeed's universal checkpoint, finetune/parallel/zero_checkpoint.py)
         rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
         trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
         recipe.yaml             the resolved recipe of the run that wrote it

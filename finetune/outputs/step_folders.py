@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from finetune import distributed
 from finetune.errors import CheckpointError
@@ -20,12 +19,6 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 STEP_PREFIX = "step-"
-# Recipe keys that fix the shapes and meaning of the saved LoRA tensors: a resume must not change them.
-SHAPE_KEYS = (("lora", "r"), ("lora", "target_modules"), ("lora", "dora"), ("lora", "bias"))
-# Keys whose change is allowed on resume but makes the run differ from an uninterrupted one: reported.
-NOTED_KEYS = (("model", "name_or_path"), ("model", "dtype"), ("quantization", "method"), ("lora", "alpha"),
-              ("lora", "rslora"), ("train", "seed"), ("train", "micro_batch_size"), ("train", "grad_accum"),
-              ("train", "learning_rate"), ("train", "lr_schedule"), ("data", "datasets"), ("data", "packing"))
 
 
 # ------------------------------------------------------------------------------------ finding checkpoints
@@ -208,9 +201,7 @@ def resume_source(recipe) -> Path | None:
             distributed.print0(f"[finetune] warning: no good checkpoint in {out_dir / CHECKPOINTS}; starting from step 0")
     else:
         found = _explicit_checkpoint(Path(wanted).expanduser())
-    if found is not None:
-        check_compatible(found, recipe)
-    return found
+    return found  # whether it fits this run: resume_checks.check_resume, once the plan and the data are known
 
 
 def _explicit_checkpoint(path: Path) -> Path:
@@ -232,26 +223,3 @@ def _explicit_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"train.resume: {path} is not a checkpoint (no {MANIFEST}) nor a run folder "
                           f"(no {CHECKPOINTS}/). Fix: give …/{CHECKPOINTS}/{STEP_PREFIX}N, a run folder, or `auto`.")
 
-
-def check_compatible(path: Path, recipe) -> None:
-    """Refuse a checkpoint whose LoRA shapes differ from the recipe's; report other changed keys."""
-    import yaml
-
-    try:
-        saved = yaml.safe_load((path / "recipe.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise CheckpointError(f"train.resume: {path}/recipe.yaml is unreadable ({exc}).") from None
-    current = recipe.model_dump(mode="json")
-
-    def value(tree: dict, keys: tuple[str, str]) -> Any:
-        return (tree.get(keys[0]) or {}).get(keys[1])
-
-    clashes = [f"{'.'.join(k)}: checkpoint {value(saved, k)!r}, recipe {value(current, k)!r}"
-               for k in SHAPE_KEYS if value(saved, k) != value(current, k)]
-    if clashes:
-        raise CheckpointError(f"train.resume: checkpoint {path} was trained with a different LoRA layout "
-                              f"({'; '.join(clashes)}). Fix: use the recipe it was made with, or start a new run.")
-    for keys in NOTED_KEYS:
-        if value(saved, keys) != value(current, keys):
-            distributed.print0(f"[finetune] note: resuming with {'.'.join(keys)} changed "
-                               f"({value(saved, keys)!r} -> {value(current, keys)!r}): the run will differ from an uninterrupted one")

@@ -22,7 +22,9 @@ def save_state(engine, folder: Path) -> None:
 
 
 def load_state(engine, folder: Path, *, saved_world_size: int, saved_strategy: str) -> None:
-    """Restore a DeepSpeed checkpoint into a fresh engine (same world size and ZeRO stage; see the refusal text)."""
+    """Restore a DeepSpeed checkpoint into a fresh engine: the ZeRO stage that wrote it, any number of ranks (another
+    number through the universal checkpoint). The run refuses the rest before any weight loads
+    (finetune/outputs/resume_checks.py); the refusals here guard a caller that did not ask."""
     from finetune import distributed
 
     world = distributed.info().world_size
@@ -68,8 +70,14 @@ def to_universal(source: Path, target: Path) -> None:
 
     shutil.rmtree(target.parent, ignore_errors=True)
     target.mkdir(parents=True)
+    # ZeRO-1/2 checkpoints of a plain data-parallel engine carry no `universal_checkpoint_info` (only tensor- or
+    # pipeline-parallel clients such as Megatron-DeepSpeed write one), and ds_to_universal asserts on it ("Required
+    # universal_checkpoint_info state is missing"). Its own `inject_missing_state` option adds the version key alone,
+    # which is all a data-parallel checkpoint needs: no parameter is split by tensor parallelism. ZeRO-3 reads its
+    # parameter shapes from the model-state files and never asks for it. Measured: a ZeRO-2 checkpoint of 2 ranks
+    # resumed by 1 (tests/outputs/test_resume_review.py).
     args = SimpleNamespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
-                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
             ds_to_universal.main(args)

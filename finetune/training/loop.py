@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from finetune import distributed, outputs
-from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, real_token_count, steps_per_epoch
+from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, steps_per_epoch
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
@@ -59,22 +59,37 @@ class Preempted(FinetuneError):
         self.exit_code = 128 + signum
 
 
+ONE_ACTION_S = 1.0  # SIGINTs this close are one Ctrl-C delivered twice (directly and forwarded by the launcher)
+
+
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `received`: the loop finishes the step, checkpoints, then stops.
 
-    A second SIGINT (an impatient Ctrl-C) interrupts at once. Outside the main thread (signals cannot be caught
-    there) it does nothing.
+    A second SIGINT (an impatient Ctrl-C) interrupts at once; one within ONE_ACTION_S of the first is the same Ctrl-C
+    reaching the rank twice (the process group's and the launcher's copy), not a second one. Outside the main thread
+    (signals cannot be caught there) it does nothing.
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self._at = 0.0
+        self._postponed = False
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
+            if time.monotonic() - self._at < ONE_ACTION_S:  # the launcher's copy of the same Ctrl-C, or a job step's
+                return
             raise KeyboardInterrupt
-        self.received = signum
+        self.received, self._at = signum, time.monotonic()
         distributed.print0(f"[finetune] {signal.Signals(signum).name} received: finishing this step, then checkpointing")
+
+    def postpone(self, note: str) -> bool:
+        """The stop waits for a step after which a checkpoint resumes exactly (`note` says why, printed once)."""
+        if not self._postponed:
+            distributed.print0(note)
+            self._postponed = True
+        return False
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
@@ -97,12 +112,14 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
+    resumed_tokens: int = 0  # of the steps before the checkpoint this launch resumed from: not trained in `seconds`
     seconds: float = 0.0
     generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        trained = self.tokens - self.resumed_tokens
+        return trained / self.seconds if self.seconds and trained else 0.0
 
 
 def lr_lambda(recipe: Recipe):
@@ -139,6 +156,17 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     distributed.print0(f"[finetune] length: {told}")
     for note in recipe.notes[known:]:  # a warmup longer than the resolved run
         distributed.print0(f"[finetune] note: {note}")
+
+
+def resolve_length(recipe: Recipe, train_examples, plan, *, resume_from: Path | None) -> None:
+    """Before any weight loads: train.num_epochs becomes max_steps for this launch (not for a stream, whose length is
+    unknown: it runs train.max_steps; num_epochs is refused there), then the checkpoint of a resume is checked against
+    the resolved run (outputs.check_resume: refused in one paragraph naming the fix, or its changes noted)."""
+    rows = None if recipe.data.streaming else len(train_examples)
+    if rows is not None:
+        resolve_max_steps(recipe, rows, plan.world_size)
+    with distributed.checks_every_rank_makes():  # every rank gets rank 0's answer; rank 0 prints the paragraph
+        outputs.check_resume(resume_from, recipe, plan, train_rows=rows)
 
 
 def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -236,11 +264,11 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 distributed.doing(f"step {step}'s forward and backward ({parallel})")
                 with around_step(step, out_dir, info.rank):  # STEP_HOOKS: none unless a diagnostic is asked for
                     micro_batches = objective.take(batches, step, t.grad_accum)
-                    local_seen = sum(real_token_count(b, pad_id) for b in micro_batches)
-                    *totals, global_seen = distributed.all_reduce_sum([*objective.counts(model, micro_batches, info.device), local_seen])
+                    local_counts = objective.counts(model, micro_batches, info.device)
+                    trained = objective.train_batches(micro_batches)  # GRPO: its rollouts' chunks
+                    *totals, global_seen = distributed.all_reduce_sum([*local_counts, objective.seen_tokens(trained, pad_id)])
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
-                    trained = objective.train_batches(micro_batches)  # GRPO: its rollouts' chunks
                     for index, batch in enumerate(trained):
                         with gradient_sync(model, enabled=index == len(trained) - 1):
                             to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
@@ -287,6 +315,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                                            + (f", reward accuracy {accuracy:.1%}" if accuracy is not None else ""))
 
                 stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
+                if stop and not objective.resumable_after(step):  # GRPO: within a num_iterations cycle
+                    stop = signals.postpone(objective.stop_note(step))
                 if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
                     distributed.doing(f"the checkpoint of step {step}")
                     state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
@@ -343,8 +373,9 @@ def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Rec
 
 def trainer_state(step: int, scheduler, stream: BatchStream, result: TrainResult, world_size: int, parallel: str) -> dict:
     """Everything besides tensors that an exact resume needs (JSON)."""
-    return {"step": step, "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "losses": result.losses,
-            "eval_losses": result.eval_losses, "tokens": result.tokens, "world_size": world_size, "strategy": parallel}
+    return {"step": step, "epoch": stream.epochs_done(step), "scheduler": scheduler.state_dict(),
+            "data": stream.state_dict(), "losses": result.losses, "eval_losses": result.eval_losses,
+            "tokens": result.tokens, "world_size": world_size, "strategy": parallel}
 
 
 def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStream, names: set[str], result: TrainResult,
@@ -353,8 +384,10 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
     info = distributed.info()
     state = checkpoint.load_checkpoint(path, model, optimizer, names)
     scheduler.load_state_dict(state["scheduler"])
-    stream.load_state_dict(state["data"])
+    # the step and the epoch logged then: epoch_at counts on from there
+    stream.load_state_dict({**state["data"], "step": state["step"], "logged_epoch": state.get("epoch")})
     result.steps, result.tokens = state["step"], state["tokens"]
+    result.resumed_tokens = state["tokens"]
     result.losses = list(state["losses"])
     result.eval_losses = [tuple(item) for item in state["eval_losses"]]
     message = f"[finetune] resumed from {path} at step {state['step']}"
@@ -362,8 +395,9 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
         message += (f" (saved by {state['strategy']}, now {parallel}: adapter and optimizer state resharded, data position "
                     "converted" + (", RNG of the new ranks seeded" if info.world_size > state["world_size"] else "") + ")")
     distributed.print0(message)
-    if state["step"] >= max_steps:
-        distributed.print0(f"[finetune] the checkpoint already reached train.max_steps ({max_steps}); nothing left to train")
+    if state["step"] == max_steps:  # a later one was refused before loading (outputs/resume_checks.py)
+        distributed.print0(f"[finetune] the checkpoint is of step train.max_steps ({max_steps}): nothing left to train; "
+                           "its adapter is written")
     return state["step"]
 
 

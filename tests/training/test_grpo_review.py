@@ -94,9 +94,9 @@ def test_a_generator_is_refused_as_a_reward_model(tiny_llama, tmp_path):
     from test_grpo import REWARD
     from test_reward import _refused
 
-    sft_adapter = tmp_path / "sft" / "adapter"
-    sft_adapter.mkdir(parents=True)
-    (sft_adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "peft_type": "LORA"}))
+    generator_adapter = tmp_path / "sft" / "adapter"
+    generator_adapter.mkdir(parents=True)
+    (generator_adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "peft_type": "LORA"}))
     three = tmp_path / "three-labels"
     three.mkdir()
     (three / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
@@ -111,7 +111,7 @@ def test_a_generator_is_refused_as_a_reward_model(tiny_llama, tmp_path):
     message = _refused(values)
     assert f"grpo.reward_models[0]: {tiny_llama} is not a sequence classifier (LlamaForCausalLM): loaded as a " \
            "sequence classifier, its score head would be random weights" in message
-    assert f"grpo.reward_models[1]: {sft_adapter} is an adapter of a CAUSAL_LM" in message
+    assert f"grpo.reward_models[1]: {generator_adapter} is an adapter of a CAUSAL_LM" in message
     assert f"grpo.reward_models[2]: {three} is a classifier of 3 labels" in message
     assert "grpo.reward_models[3]" not in message
 
@@ -205,3 +205,85 @@ def test_mapped_reward_columns_reach_the_rewards_and_unknown_column_keys_are_ref
         check_local_files(recipe({"messages": "conversations", "bogus": "x"}, fmt="chat"))
     with pytest.raises(DataError, match=r"`answer` is not a field of format `completion`"):
         check_local_files(recipe({"prompt": "question", "answer": "solution"}, fmt="completion"))
+
+
+STOPPING_REWARDS = '''
+import os
+import signal
+
+CALLS = [0]
+
+
+def digits(prompts, completions, **columns):
+    """The share of digit characters; SIGTERMs its own process at call STOP_AT (a step that samples)."""
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ.get("STOP_AT", "0")):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_a_stop_signal_inside_a_num_iterations_cycle_finishes_the_cycle_and_resumes_bitwise(tiny_llama, tmp_path):
+    """SIGTERM at step 3, the first of a num_iterations 2 cycle: the checkpoint of step 3 was saved, and the resume
+    started a cycle there, sampling new completions for step 4 (its loss 0.0045 against -0.0513, the adapters apart by
+    0.052). Now step 4 trains on the cycle's completions first, and the resume from step 4 is bitwise the
+    uninterrupted run."""
+    import torch
+    from processes import finish
+    from safetensors.torch import load_file
+    from test_grpo_runs import _run, _untimed
+
+    (tmp_path / "my_rewards.py").write_text(STOPPING_REWARDS)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", sums())
+    values = grpo_recipe(tiny_llama, prompts, tmp_path / "unused",
+                         {"reward_functions": ["my_rewards:digits"], "num_iterations": 2, "beta": 0.1, "temperature": 0.9},
+                         train={"max_steps": 6, "save_every": 2, "learning_rate": 3e-2})
+    recipe = write_recipe(tmp_path / "grpo.yaml", values)
+    reference, run = tmp_path / "reference", tmp_path / "stopped"
+    code, output = finish(*_run(recipe, f"output.dir={reference}", rewards_dir=tmp_path))
+    assert code == 0, output[-3000:]
+    code, output = finish(*_run(recipe, f"output.dir={run}", rewards_dir=tmp_path, env={"STOP_AT": "2"},
+                                log=tmp_path / "stopped.log"))
+    assert code == 128 + 15 and "finishing the grpo.num_iterations cycle first: step 4 train" in output, output[-3000:]
+    assert "stopped by SIGTERM after step 4" in output, output[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    code, output = finish(*_run(recipe, f"output.dir={run}", "train.resume=auto", rewards_dir=tmp_path,
+                                log=tmp_path / "resumed.log"))
+    assert code == 0 and "step-00000004 at step 4" in output, output[-3000:]
+    assert _untimed(run) == _untimed(reference)
+    expected, resumed = (load_file(str(folder / "adapter" / "adapter_model.safetensors")) for folder in (reference, run))
+    assert expected.keys() == resumed.keys() and all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def test_grpo_num_tokens_counts_the_completions_it_trains_on():
+    """num_tokens (and tokens/s) counted the prompt micro-batches only: 62 per step for 2 prompts of 31 tokens, the
+    8 x 8 completion tokens left out (TRL counts each completion's prompt and completion tokens)."""
+    from finetune.training.objectives.grpo import loss
+    from finetune.training.objectives.grpo.objective import GRPO
+
+    prompts, completions = [[1, 2, 3], [1, 2, 3], [4], [4]], [[5, 6], [7], [8, 9, 10], []]
+    inputs, mask, truncated = loss.sequences(prompts, completions, pad_id=0, eos_ids=[2], mask_truncated=False)
+    rollout = loss.Rollout(batch=inputs, mask=mask, rewards=mask[:, :1], truncated=truncated,
+                           lengths=mask.sum(-1).double())
+    trl = sum(len(p) for p in prompts) + sum(len(c) for c in completions)  # attention_mask.sum() + completion_mask.sum()
+    assert GRPO.seen_tokens(None, rollout.chunks(3), pad_id=0) == trl == 14
+
+
+def test_a_vllm_url_that_answers_nothing_is_named_with_its_own_fix():
+    """grpo.vllm_server_base_url with nothing listening said "Fix: read the log; a server that ran out of memory..."
+    (there is no log of a server the user runs) and hid the connection's refusal."""
+    import socket
+
+    from finetune.errors import GenerationError
+    from finetune.training.objectives.grpo.vllm_server import Server
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(GenerationError) as caught:
+        Server(f"http://127.0.0.1:{port}", timeout=0.5).wait_ready()
+    message = str(caught.value)
+    assert f"the vLLM server at http://127.0.0.1:{port} did not answer /health within 0 s" in message
+    assert "last: [Errno 111] Connection refused" in message and "Fix: check grpo.vllm_server_base_url" in message
+    assert "read the log" not in message

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from finetune.data import Example
+from finetune.data import Example, real_token_count
 from finetune.recipe import Recipe
 
 
@@ -54,6 +54,18 @@ class Objective:
 
     def loss(self, model: nn.Module, batch, totals: list[float], device: torch.device):
         raise NotImplementedError
+
+    def seen_tokens(self, trained: list, pad_id: int) -> int:
+        """The tokens of what the step trains on, not counting padding (num_tokens, tokens/s)."""
+        return sum(real_token_count(batch, pad_id) for batch in trained)
+
+    def resumable_after(self, step: int) -> bool:
+        """Whether a checkpoint after `step` resumes exactly (a stop signal waits for such a step)."""
+        return True
+
+    def stop_note(self, step: int) -> str:
+        """What a stop signal that must wait for `resumable_after` prints."""
+        return ""
 
     def step_loss(self, summed: float, totals: list[float]) -> float:
         return summed

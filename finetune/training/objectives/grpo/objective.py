@@ -68,6 +68,18 @@ class GRPO(Objective):
         self.prompt_batches, self.generated_at = [next(batches) for _ in range(count)], None
         return self.prompt_batches
 
+    def resumable_after(self, step: int) -> bool:
+        """At a num_iterations cycle's end: a resume starts a cycle (it samples), so a checkpoint within one would
+        train the cycle's remaining steps on new completions (as save_every must be a multiple of num_iterations)."""
+        return step % self.config.num_iterations == 0
+
+    def stop_note(self, step: int) -> str:
+        mu = self.config.num_iterations
+        end = step + (-step) % mu
+        steps = f"step {end}" if end == step + 1 else f"steps {step + 1}-{end}"
+        return (f"[finetune] finishing the grpo.num_iterations cycle first: {steps} train on the completions already "
+                f"sampled (no sampling), then the checkpoint of step {end}, which resumes exactly")
+
     def counts(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list:
         """[completions, completion tokens, micro-batches] of this rank's step: the completions sampled and scored
         first, at the start of a cycle."""
@@ -80,6 +92,11 @@ class GRPO(Objective):
         self.position = 0
         return [sum(r.mask.size(0) for r in self.rollouts), sum(float(r.mask.sum()) for r in self.rollouts),
                 len(self.rollouts)]
+
+    def seen_tokens(self, trained: list[loss.Rollout], pad_id: int) -> int:
+        """Every trained sequence's prompt and completion tokens (TRL's num_tokens at num_iterations 1: the prompt
+        tokens of each of the G completions, and the completion tokens)."""
+        return sum(int(chunk.batch["attention_mask"].sum()) for chunk in trained)
 
     def train_batches(self, micro_batches: list[dict]) -> list[loss.Rollout]:
         """What the step runs a forward and backward on: the rollouts' chunks (after `counts`)."""

@@ -88,7 +88,7 @@ class Server:
 
     def wait_ready(self) -> None:
         """Until /health answers; a server that exits or takes longer than the timeout is a GenerationError."""
-        deadline = time.monotonic() + self.timeout
+        deadline, last = time.monotonic() + self.timeout, "no answer"
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise self._error(f"the vLLM server exited with code {self.process.returncode} while starting")
@@ -96,11 +96,16 @@ class Server:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
                     if reply.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
+                    last = f"HTTP {reply.status}"
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(getattr(exc, "reason", exc))
             if time.monotonic() > deadline:
-                raise self._error(f"the vLLM server at {self.url} did not answer /health within "
-                                  f"{self.timeout:.0f} s (grpo.vllm_server_timeout)")
+                given = self.process is None  # grpo.vllm_server_base_url: a server the user runs, no log of ours
+                raise self._error(f"the vLLM server at {self.url} did not answer /health within {self.timeout:.0f} s "
+                                  f"(grpo.vllm_server_timeout; last: {last})", fix=(
+                                      "Fix: check grpo.vllm_server_base_url and that the server there is running "
+                                      "(started with --enable-lora and a --max-lora-rank of at least lora.r), or "
+                                      "remove the key to let finetune start one.") if given else None)
             time.sleep(1.0)
 
     def post(self, path: str, body: dict) -> dict | str:
@@ -144,7 +149,7 @@ class Server:
         return [(list(c["token_ids"]), [float("nan") if v is None else float(v) for v in c["logprobs"]["token_logprobs"]])
                 for c in choices]
 
-    def _error(self, what: str) -> GenerationError:
+    def _error(self, what: str, *, fix: str | None = None) -> GenerationError:
         tail = ""
         if self.log is not None and self.log.exists():  # the root cause vLLM logged, else the log's last lines
             lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
@@ -152,8 +157,8 @@ class Server:
                       and " WARNING " not in line]
             shown = causes[:1] if causes else lines[-4:]
             tail = f" Its log ({self.log}) says: " + " | ".join(line.strip()[-300:] for line in shown)
-        fix = ("Fix: read the log; a server that ran out of memory needs a lower grpo.vllm_gpu_memory_utilization or "
-               "data.max_length, a slow machine a higher grpo.vllm_server_timeout.")
+        fix = fix or ("Fix: read the log; a server that ran out of memory needs a lower grpo.vllm_gpu_memory_utilization "
+                      "or data.max_length, a slow machine a higher grpo.vllm_server_timeout.")
         return GenerationError(f"grpo.generation: vllm: {what}; the run stopped before this step's update.{tail} {fix}")
 
     def close(self) -> None:

@@ -1,0 +1,232 @@
+"""Whether a checkpoint can continue this run, decided before any weight loads: the checkpoint's resolved recipe
+against this run's, key by key; the strategy that wrote it against this run's plan; its step against train.max_steps;
+its data position against this run's rows.
+
+A difference is refused (one paragraph naming every refused key, both values and the fix), harmless (where the run
+writes, what it logs and tracks, how often it checkpoints), or noted: every other key, so a key added to the recipe
+later is noted by default rather than forgotten. `finetune validate` runs the same checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from finetune import distributed
+from finetune.errors import CheckpointError
+from finetune.files import on_main
+from finetune.outputs.step_folders import TRAINER_STATE, checkpoint_problem, list_checkpoints
+
+# Changes that leave the checkpoint unusable by this run, and why; the fix is the checkpoint's value.
+REFUSED = {
+    "lora.r": "it fixes the shapes of the saved LoRA tensors",
+    "lora.target_modules": "it decides which modules have saved LoRA tensors",
+    "lora.dora": "it adds or removes the saved magnitude vectors",
+    "lora.bias": "it adds or removes saved bias tensors",
+    "lora.train_router": "it adds or removes the saved router weights",
+    "train.objective": "the saved state (data position, optimizer, reward head) belongs to another objective",
+    "train.optimizer": "the saved optimizer state is of the checkpoint's optimizer, whose state this one cannot read",
+    "train.seed": "the saved data position is a place in the order train.seed shuffles the rows in",
+    "data.streaming": "the saved data position counts rows of a stream, or of the shuffled rows, not both",
+}
+# Changes that change nothing the run trains or computes: where it writes, its name, what it logs and where it tracks,
+# how often it checkpoints and which checkpoints it keeps, worker counts and caches of identical bytes. `parallel`
+# is compared as the strategy itself (this run's plan against the one that wrote the checkpoint: `_strategy_problem`;
+# a reshard is said when the checkpoint loads), since an accelerate config chooses it as well as the recipe.
+HARMLESS = ("description", "output", "parallel", "train.resume", "train.log_every", "train.save_every",
+            "train.keep_last", "train.keep_best", "train.trackers", "train.run_name", "train.tensorboard_dir",
+            "train.mlflow_tracking_uri", "train.mlflow_experiment", "train.wandb_project", "data.num_proc", "data.cache",
+            "model.quantized_cache")
+# Compared together as the rows of one optimizer step (micro_batch_size x processes x grad_accum), not key by key:
+# 2 processes x 2 rows and 1 process x 2 rows x grad_accum 2 train the same steps.
+BATCH = ("train.micro_batch_size", "train.grad_accum")
+WHY_NOTED = {"train.max_steps": "it reshapes the learning-rate schedule",
+             "train.warmup_steps": "it reshapes the learning-rate schedule"}
+
+
+def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None) -> None:
+    """Refuse, before any weight loads, a checkpoint this run cannot continue; say every change that makes the run
+    differ from an uninterrupted one (rank 0 decides and prints; every rank gets the same answer). `plan`: this
+    run's ParallelPlan; `train_rows`: its training rows (None for a stream). After train.num_epochs is resolved."""
+    if source is None:
+        return
+
+    def decide() -> None:
+        for note in resume_changes(source, recipe, plan, train_rows=train_rows):
+            distributed.print0(f"[finetune] note: {note}")
+
+    on_main(decide)
+
+
+def resume_changes(source: Path, recipe, plan, *, train_rows: int | None) -> list[str]:
+    """What check_resume decides: CheckpointError for a checkpoint this run cannot continue, else the notes."""
+    saved, state = _saved(source)
+    current = recipe.model_dump(mode="json")
+    refused, noted = [], []
+    # train.num_epochs not yet resolved (`finetune validate` without the rows): the length is compared by the run
+    unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
+        recipe.train.num_epochs is not None) else ()
+    for key, before, now in differences(saved, current):
+        if _under(key, unresolved):
+            continue
+        if key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
+            refused.append((key, before, now, REFUSED[key]))
+        elif not _under(key, HARMLESS + BATCH):
+            noted.append(f"{key} {_shown(before)} -> {_shown(now)}"
+                         + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else ""))
+    rows_then, rows_now = _rows_per_step(saved, state), _rows_per_step(current, None, plan.world_size)
+    # train.num_epochs, once resolved, is null and max_steps set: the recipe keeps how (its resolved recipe.yaml's comment)
+    by_epochs = getattr(recipe, "_length_origin", None) is not None
+    problems = [_described(*item) for item in refused]
+    problems += [p for p in (_strategy_problem(source, state, plan), _rows_problem(state, train_rows),
+                             _epochs_problem(rows_then, current, plan.world_size, by_epochs=by_epochs)) if p]
+    if problems:
+        raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]))
+    if not unresolved and (length := _length_problem(source, state["step"], recipe.train.max_steps)) is not None:
+        raise CheckpointError(length)
+    if rows_then is not None and rows_then != rows_now:
+        noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
+                     "train.grad_accum)")
+    if not noted:
+        return []
+    return [f"resuming {source} with {'; '.join(noted)}: the run will differ from an uninterrupted one"]
+
+
+def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(dotted key, checkpoint's value, this run's value) of every leaf that differs; keys the checkpoint's recipe
+    does not have (written before they existed) are skipped. Lists of sections of the same length (data.datasets)
+    are compared item by item (`data.datasets[0].path`), other lists whole."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key, value in current.items():
+            if key in saved:
+                yield from differences(saved[key], value, f"{path}.{key}" if path else key)
+    elif (isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current)
+          and all(isinstance(item, dict) for item in [*saved, *current])):
+        for index, (before, now) in enumerate(zip(saved, current)):
+            yield from differences(before, now, f"{path}[{index}]")
+    elif saved != current:
+        yield path, saved, current
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """`key` is one of `prefixes` or inside one (a section, a list of sections)."""
+    return any(key == p or key.startswith((f"{p}.", f"{p}[")) for p in prefixes)
+
+
+def _saved(source: Path) -> tuple[dict, dict]:
+    """The checkpoint's recipe and trainer state."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((source / "recipe.yaml").read_text()) or {}
+        state = json.loads((source / TRAINER_STATE).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"train.resume: checkpoint {source} is unreadable ({exc}). Fix: point train.resume at "
+                              "another checkpoint, or use `auto` to take the newest good one.") from None
+    return saved, state
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _described(key: str, before: Any, now: Any, why: str) -> str:
+    return f"{key} is {_shown(now)} here, {_shown(before)} in the checkpoint ({why})"
+
+
+def _refusal(source: Path, recipe, problems: list[str], fixes: list[tuple[str, Any]]) -> str:
+    """One paragraph: every problem, then the fix (the checkpoint's values, or a new run)."""
+    overrides = " ".join(f"{key}={_shown(value)}" for key, value in fixes)
+    new_run = ("start a new run (another output.dir, or output.overwrite=true)" if recipe.train.resume == "auto"
+               else "start a new run without train.resume")
+    fix = f"resume with the checkpoint's values ({overrides}), or {new_run}" if overrides else f"as said, or {new_run}"
+    return (f"train.resume: checkpoint {source} cannot continue this run: {'; '.join(problems)}. Nothing was loaded "
+            f"or written. Fix: {fix}.")
+
+
+def _zero_stage(strategy: str | None) -> int | None:
+    found = re.search(r"ZeRO-(\d)", strategy or "")
+    return int(found.group(1)) if found else None
+
+
+def _strategy_problem(source: Path, state: dict, plan) -> str | None:
+    """A checkpoint's format loads only where it can: DCP (trainable/) into any strategy but DeepSpeed, at any number
+    of processes; DeepSpeed's own into DeepSpeed at the ZeRO stage that wrote it, at any number of ranks."""
+    from finetune.parallel.zero_checkpoint import CHECKPOINT_FOLDER
+
+    saved = state.get("strategy") or "an unknown strategy"
+    written_by_deepspeed = (source / CHECKPOINT_FOLDER).is_dir()
+    stage = plan.zero.stage if plan.strategy == "deepspeed" and plan.zero is not None else None
+    if written_by_deepspeed and plan.strategy != "deepspeed":
+        want = _zero_stage(saved)
+        return (f"it was written by {saved} in DeepSpeed's own format, which only DeepSpeed at ZeRO-{want} loads, and "
+                f"this run is {plan.describe()}; resume it with parallel.strategy=deepspeed parallel.zero_stage={want} "
+                f"(or accelerate_configs/deepspeed_zero{want}.yaml), any number of processes")
+    if not written_by_deepspeed and plan.strategy == "deepspeed":
+        return (f"it was written by {saved} (torch DCP, trainable/), which DeepSpeed does not load, and this run is "
+                f"{plan.describe()}; resume it with a strategy other than DeepSpeed (single, DDP, FSDP or layer "
+                "split: DCP reshards to any of them and any number of processes)")
+    if written_by_deepspeed and stage != _zero_stage(saved):
+        return (f"it was written by {saved} and this run is ZeRO-{stage}: DeepSpeed partitions the optimizer state per "
+                f"stage and loads only the stage that wrote it; resume it with parallel.zero_stage={_zero_stage(saved)}")
+    return None
+
+
+def _rows_problem(state: dict, train_rows: int | None) -> str | None:
+    """The saved data position counts this many training rows; another count cannot place it."""
+    data = state.get("data") or {}
+    if train_rows is None or data.get("streaming") or "rows" not in data or data["rows"] == train_rows:
+        return None
+    return (f"the training rows are {train_rows} here, {data['rows']} in the checkpoint (the data or a data setting "
+            "changed: data.datasets, max_length, packing, the eval split...), so its data position cannot be placed; "
+            "resume it with the data and data settings of its recipe.yaml")
+
+
+def _rows_per_step(recipe: dict, state: dict | None, world_size: int | None = None) -> int | None:
+    """Rows of one optimizer step: the stream's rows per micro-batch (GRPO: prompts) x processes x grad_accum."""
+    train = recipe.get("train") or {}
+    if state is not None:  # the checkpoint's: its data position says the rows per micro-batch and the processes
+        data = state.get("data") or {}
+        if "micro_batch_size" not in data or "world_size" not in data:
+            return None
+        return data["micro_batch_size"] * data["world_size"] * int(train.get("grad_accum") or 1)
+    per_micro_batch = train["micro_batch_size"]
+    if train.get("objective") == "grpo":
+        per_micro_batch //= (recipe.get("grpo") or {}).get("num_generations") or 1
+    return per_micro_batch * world_size * train["grad_accum"]
+
+
+def _epochs_problem(rows_then: int | None, recipe: dict, world_size: int, *, by_epochs: bool) -> str | None:
+    """train.num_epochs counts steps of the checkpoint's size: with other steps the epochs would not add up (the
+    resolved max_steps is of this run's steps, the steps done of the checkpoint's)."""
+    rows_now = _rows_per_step(recipe, None, world_size)
+    if not by_epochs or rows_then is None or rows_then == rows_now:
+        return None
+    per_micro_batch = rows_now // (world_size * recipe["train"]["grad_accum"])
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    if rows_then % (per_micro_batch * world_size) == 0:
+        same = f"train.grad_accum={rows_then // (per_micro_batch * world_size)} with {processes}, or "
+    else:
+        same = ""
+    return (f"train.num_epochs counts optimizer steps of {rows_then} rows (the checkpoint's), and this run's take "
+            f"{rows_now} (train.micro_batch_size x {processes} x train.grad_accum), so its epochs would not add up to "
+            f"train.num_epochs; resume with steps of {rows_then} rows ({same}the checkpoint's processes and batch "
+            "settings), or set train.max_steps instead of train.num_epochs")
+
+
+def _length_problem(source: Path, step: int, max_steps: int) -> str | None:
+    """A checkpoint past train.max_steps would train nothing and leave its own later adapter under a shorter recipe."""
+    if step <= max_steps:
+        return None
+    run_dir = source.parent.parent
+    earlier = [path for kept, path in list_checkpoints(run_dir) if kept <= max_steps and checkpoint_problem(path) is None]
+    back = (f"train.resume={earlier[-1]} (the newest kept checkpoint at or below step {max_steps}) to end at step "
+            f"{max_steps}, or " if earlier else "")
+    return (f"train.resume: checkpoint {source} is of step {step}, past train.max_steps {max_steps} of this run: it "
+            f"would train nothing and leave step {step}'s adapter under a recipe that says {max_steps} steps. Nothing "
+            f"was loaded or written. Fix: {back}train.max_steps={step} or more to continue the run"
+            f"{'' if earlier else ' (no kept checkpoint is at or below step ' + str(max_steps) + ')'}.")
