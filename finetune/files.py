@@ -136,5 +136,22 @@ def on_main(function: Callable[[], Any]) -> Any:
     outcome = distributed.broadcast_object(outcome)
     if outcome[0] == "error":
         error_type, message = outcome[1]
-        raise error_type(message)
+        error = error_type(message)
+        error.alike_on_every_rank = True  # the same error on every rank: rank 0 prints it, once (finetune/run.py main)
+        raise error
     return outcome[1]
+
+
+# A mixture-of-experts run whose experts carry LoRA writes its adapter as trained (experts split) here, beside adapter/,
+# which then holds the form plain PEFT loads (finetune/outputs/run_adapter.py); finetune's own readers (export,
+# generate, model.adapter) take this one.
+AS_TRAINED = "adapter-as-trained"
+
+
+def as_trained(folder: Path) -> Path:
+    """The folder finetune reads a run's adapter from: AS_TRAINED/ beside (or in) `folder` when the run wrote one, else
+    `folder`."""
+    for candidate in (folder / AS_TRAINED, folder.parent / AS_TRAINED if folder.name == "adapter" else None):
+        if candidate is not None and (candidate / "adapter_config.json").is_file():
+            return candidate
+    return folder

@@ -69,9 +69,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.doing("the gather of the trained adapter")
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
         outputs.write_rank_stats(out_dir, rank_stats, state)
-        if info.is_main:
-            outputs.save_adapter(model.adapter_config(peft_model, recipe), key_map, state, out_dir / "adapter")
-            tokenizer.save_pretrained(out_dir / "adapter")
+        if info.is_main:  # a mixture-of-experts run: adapter/ in the form PEFT loads, adapter-as-trained/ beside it
+            outputs.save_run_adapter(model.adapter_config(peft_model, recipe), key_map, state, out_dir, tokenizer, recipe)
             tracking.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
             tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()

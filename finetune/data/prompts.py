@@ -70,6 +70,10 @@ def _rows_of(spec: DatasetSpec, key: str) -> list[dict]:
     # field name data.datasets[].columns gives it (`answer: solution`: `answer` too), beside the arguments of the call
     # itself (TRL's signature), which a column cannot take. role, content and reasoning map the keys of chat turns.
     mapped = {field: column for field, column in spec.columns.items() if field not in TURN_KEYS and field != "prompt"}
+    if reserved := sorted(set(mapped) & REWARD_ARGUMENTS):
+        raise DataError(f"{key}.columns: `{reserved[0]}` is an argument of the reward functions' call (f(prompts=..., "
+                        f"completions=..., completion_ids=..., **columns)), so the column could not reach them under "
+                        f"that name. Fix: map `{mapped[reserved[0]]}` to another name.")
     missing = sorted(column for column in mapped.values() if rows and all(column not in row for row in rows))
     if missing:
         raise DataError(f"{key}.columns maps a field to `{missing[0]}`, but no row has that column (columns: "

@@ -9,6 +9,7 @@
                       read_trainable_tensors (a checkpoint's LoRA tensors whole, in one process)
     checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
+    run_adapter.py    save_run_adapter: a run's adapter/ (a MoE run: the form PEFT loads, and adapter-as-trained/)
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
     export_base.py    the base an export loads: the run's own, `--base`, or the 16-bit folder a 4-bit one came from
     export_source.py  what an export starts from: a run, an adapter, a checkpoint folder or a run's `--step N`
@@ -17,7 +18,14 @@
     publish.py        push_to_hub: the exported folder uploaded to the Hugging Face Hub
 """
 
-from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key_map, save_adapter
+from finetune.outputs.adapter_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AS_TRAINED,
+    adapter_key_map,
+    as_trained,
+    save_adapter,
+)
 from finetune.outputs.resume_checks import check_resume, resume_changes
 from finetune.outputs.run_folder import (
     LOCK_FILE,
@@ -32,8 +40,10 @@ from finetune.outputs.step_folders import newest_kept, report_best_eval, resume_
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "AS_TRAINED",
     "LOCK_FILE",
     "adapter_key_map",
+    "as_trained",
     "begin_outputs",
     "check_resume",
     "claim_output_dir",
@@ -46,3 +56,10 @@ __all__ = [
     "save_adapter",
     "write_rank_stats",
 ]
+
+
+def save_run_adapter(*args, **kwargs) -> None:
+    """run_adapter.save_run_adapter, imported when a run ends (it brings the export's modules)."""
+    from finetune.outputs.run_adapter import save_run_adapter as save
+
+    save(*args, **kwargs)

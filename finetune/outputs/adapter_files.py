@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from finetune.errors import CheckpointError
-from finetune.files import atomic_dir, free_mb, no_room
+from finetune.files import AS_TRAINED, as_trained, atomic_dir, free_mb, no_room  # noqa: F401 (AS_TRAINED, as_trained: re-exported)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -79,3 +79,4 @@ def _verify_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], load_f
             raise RuntimeError(f"adapter tensor {key} differs after reading it back")
     if not (folder / ADAPTER_CONFIG).exists():
         raise RuntimeError("adapter_config.json was not written")
+

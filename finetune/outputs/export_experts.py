@@ -13,7 +13,7 @@ run's adapter holds one LoRA per expert projection under the model's names (`mlp
     loads as written;
   * its adapter_config.json says `lora_dropout: 0` when it carries expert LoRA: PEFT loads expert LoRA on transformers 5
     through `ParamWrapper`, which refuses any other dropout, and dropout does nothing at inference. The dropout the run
-    trained with stays in the run's own adapter/ and recipe.yaml (and a run that starts from this adapter with
+    trained with stays in the run's adapter-as-trained/ and recipe.yaml (and a run that starts from this adapter with
     model.adapter takes lora.dropout from its recipe, as always);
   * a merged model gets transformers' fused experts back before it is saved (`fuse_experts`), so it loads with plain
     `AutoModelForCausalLM.from_pretrained` and saves the checkpoint's per-expert tensors.

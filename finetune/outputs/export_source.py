@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import FinetuneError, RecipeError
-from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, as_trained
 from finetune.outputs.step_folders import (
     CHECKPOINTS,
     checked_checkpoint,
@@ -101,6 +101,7 @@ def resolve_source(path: str | Path) -> Source:
             f"{folder}: not found. Pass a run folder (output.dir of a finished run) or an adapter folder."
         )
     adapter_dir = folder / "adapter" if (folder / "adapter" / ADAPTER_CONFIG).exists() else folder
+    adapter_dir = as_trained(folder) if as_trained(folder) != folder else adapter_dir  # a MoE run: as trained
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not (adapter_dir / ADAPTER_CONFIG).exists() or not weights.exists() or weights.stat().st_size == 0:
         raise ExportError(

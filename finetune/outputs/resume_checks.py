@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,13 +135,18 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _override(value: Any) -> str:
+    """A value as a `key=value` override takes it (YAML flow: lists and mappings as JSON), never shortened."""
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
 def _described(key: str, before: Any, now: Any, why: str) -> str:
     return f"{key} is {_shown(now)} here, {_shown(before)} in the checkpoint ({why})"
 
 
 def _refusal(source: Path, recipe, problems: list[str], fixes: list[tuple[str, Any]]) -> str:
     """One paragraph: every problem, then the fix (the checkpoint's values, or a new run)."""
-    overrides = " ".join(f"{key}={_shown(value)}" for key, value in fixes)
+    overrides = " ".join(shlex.quote(f"{key}={_override(value)}") for key, value in fixes)  # whole, ready to paste
     new_run = ("start a new run (another output.dir, or output.overwrite=true)" if recipe.train.resume == "auto"
                else "start a new run without train.resume")
     fix = f"resume with the checkpoint's values ({overrides}), or {new_run}" if overrides else f"as said, or {new_run}"

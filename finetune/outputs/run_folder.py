@@ -21,7 +21,7 @@ import torch
 from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import _write_text_atomic, on_main
-from finetune.outputs.adapter_files import ADAPTER_WEIGHTS
+from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
 
 LOCK_FILE = ".finetune.lock"
@@ -207,9 +207,11 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
 
 
 # What a run writes in output.dir besides recipe.yaml: a replaced run's are removed, so nothing of it mixes with the new
-# run's (GRPO's sampled completions, vLLM's per-step adapters and log, the plot).
-RUN_FOLDERS = ("adapter", CHECKPOINTS, "ranks", "completions", "vllm")
-RUN_FILES = ("metrics.jsonl", "plot.png")
+# run's (GRPO's sampled completions, vLLM's per-step adapters and log, the plot, TensorBoard's events, and the tracker
+# run ids a resume continues: without them the new run starts its own MLflow / W&B run). An MLflow store in the folder
+# (mlflow.db) may hold other runs: kept.
+RUN_FOLDERS = ("adapter", AS_TRAINED, CHECKPOINTS, "ranks", "completions", "vllm", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "plot.png", "trackers.json")
 
 
 def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> None:

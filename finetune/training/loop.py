@@ -403,8 +403,10 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
 
 def preempted(signum: int | None, step: int, saved: Path) -> Preempted:
     name = signal.Signals(signum).name if signum else "a signal to another rank"
-    return Preempted(
+    stopped = Preempted(
         f"stopped by {name} after step {step}, checkpoint saved. To continue, run the same command with "
         f"train.resume=auto added (or set train.resume: auto in the recipe). Checkpoint: {saved}",
         signum or signal.SIGTERM,
     )
+    stopped.alike_on_every_rank = True  # every rank stops after the same step: rank 0 says so, once
+    return stopped

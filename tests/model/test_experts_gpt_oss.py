@@ -15,6 +15,8 @@ from conftest import recipe_dict, train_losses
 from loading_check import held_tensors
 from safetensors.torch import load_file, save_file
 
+from finetune.outputs import as_trained
+
 
 def _config():
     from transformers import AutoConfig
@@ -224,7 +226,7 @@ def test_gpt_oss_trains_under_single_process_and_fsdp2_and_exports_both_ways(shi
     runs = {config: shipped_run(config, "gpt_oss", True) for config in ("single_gpu", "fsdp2")}
     for config, (run_dir, result) in runs.items():
         assert result.returncode == 0, f"{config}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-        adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+        adapter = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
         expert_b = [t for name, t in adapter.items() if ".experts." in name and "lora_B" in name]
         assert len(expert_b) == 2 * 4 * 3 and all(t.abs().sum() > 0 for t in expert_b), config
         losses = train_losses(run_dir)

@@ -13,6 +13,7 @@ import torch
 from conftest import recipe_dict, run_cmd, write_recipe
 
 from finetune.cli import main
+from finetune.outputs import as_trained
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,7 @@ def test_a_moe_run_exports_as_an_adapter_and_merged_and_both_reload_without_fine
     Before, export built the stock fused model and refused the adapter (8 missing / 48 unexpected keys)."""
     from peft import PeftModel
     from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from finetune.model.experts import load_adapter, split_experts
@@ -235,8 +237,14 @@ def test_a_moe_run_exports_as_an_adapter_and_merged_and_both_reload_without_fine
     printed = capsys.readouterr().out
     assert "lora_dropout 0 (trained with 0.05)" in printed
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["lora_dropout"] == 0.0 and json.loads((run_dir / "adapter" / "adapter_config.json").read_text())[
+    assert config["lora_dropout"] == 0.0 and json.loads((as_trained(run_dir) / "adapter_config.json").read_text())[
         "lora_dropout"] == 0.05
+    # The run's own adapter/ is already this form (plain PEFT silently dropped the per-expert tensors it had before);
+    # the adapter as trained is adapter-as-trained/, which export read.
+    assert as_trained(run_dir) == run_dir / "adapter-as-trained"
+    assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text()) == config
+    ran, exported = (load_file(str(folder / "adapter_model.safetensors")) for folder in (run_dir / "adapter", adapter))
+    assert ran.keys() == exported.keys() and all(torch.equal(ran[k], exported[k]) for k in ran)
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
         keys = list(handle.keys())
     assert sum(".block_sparse_moe.experts." in k for k in keys) == 2 * 4 * 3 * 2 and not [k for k in keys if ".mlp." in k]
@@ -263,15 +271,13 @@ def test_a_moe_run_exports_as_an_adapter_and_merged_and_both_reload_without_fine
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
     # And a new run can start from the exported adapter (model.adapter): every expert LoRA found under its model name.
-    from safetensors.torch import load_file
-
     from finetune.model.base import build_model
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(run_dir / "recipe.yaml")
     recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"adapter": str(adapter)})})
     started_from = build_model(recipe, device=torch.device("cpu"), gradient_checkpointing=False)
-    trained = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    trained = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
     held = {k.replace(".default.", ".").replace(".base_layer.", "."): v for k, v in started_from.state_dict().items()}
     assert all(torch.equal(held[k].to(v.dtype), v) for k, v in trained.items())
     print(f"export + reload checks: {time.perf_counter() - started:.1f} s")
@@ -296,7 +302,7 @@ def test_a_llama4_run_learns_4bit_and_exports_for_plain_peft_and_merged(shipped_
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line and "eval" not in line]
     assert losses[-1] < losses[0]
-    trained = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    trained = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
     expert_b = {name: t for name, t in trained.items() if ".feed_forward.experts." in name and "lora_B" in name}
     assert len(expert_b) == 2 * 4 * 3  # layers x experts x projections
     # Llama 4 scales an expert's input by its router score, zero where not routed (top-1 of 4 here): an expert that
@@ -338,6 +344,11 @@ def test_a_llama4_run_learns_4bit_and_exports_for_plain_peft_and_merged(shipped_
 
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama4, dtype=torch.float32), str(adapter))
     assert (_logits(plain, ids) - reference).abs().max() <= 1e-5 * reference.abs().max()  # routers trained in full too
+    # The run's own adapter/, as a user loads it (README): the same. Before, it held the per-expert tensors, which plain
+    # PEFT skipped without a word (the bug bash measured logits 0.19 apart on DeepSeek-V4, of the adapter's 0.89).
+    own = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama4, dtype=torch.float32),
+                                    str(run_dir / "adapter"))
+    assert (_logits(own, ids) - reference).abs().max() <= 1e-5 * reference.abs().max()
     reloaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)  # plain transformers, no PEFT
     assert type(reloaded.model.layers[0].feed_forward.experts).__name__ == "Llama4TextExperts"
     got = _logits(reloaded, ids)

@@ -142,6 +142,19 @@ def test_seed_and_optimizer_are_refused_in_one_paragraph_with_the_fix_and_no_not
     assert "Nothing was loaded or written" in text and "note" not in text + capsys.readouterr().out
 
 
+def test_the_fix_of_a_refusal_carries_whole_values_ready_to_paste(recipe_file):
+    """The fix showed values cut at 80 characters (`lora.target_modules=["q_proj", ..., "down_proj",...)`), which no
+    override can take, and unquoted, so a shell split a list with spaces into several arguments (a review found it)."""
+    import re
+    import shlex
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    source = fake_checkpoint(load_recipe(recipe_file, [f"lora.target_modules=[{','.join(targets)}]"]), 3)
+    text = refusal(source, recipe_file, "lora.target_modules=all-linear")
+    pasted = shlex.split(re.search(r"Fix: resume with the checkpoint's values \((.*)\), or start", text).group(1))
+    assert load_recipe(recipe_file, pasted).lora.target_modules == targets, text
+
+
 def test_other_rows_and_the_lora_layout_are_refused(recipe_file):
     source = fake_checkpoint(load_recipe(recipe_file), 3)
     text = refusal(source, recipe_file, rows=50)

@@ -42,7 +42,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from finetune import cli
-from finetune.outputs import step_folders
+from finetune.outputs import as_trained, step_folders
 from finetune.parallel import zero, zero_checkpoint
 
 pytestmark = [
@@ -123,7 +123,7 @@ def rank_stats(run_dir: Path) -> list[dict]:
 
 
 def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
 
 
 # ------------------------------------------------------------------------------------------------ the runs

@@ -33,6 +33,8 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
+from finetune.outputs import as_trained
+
 STEPS, STRATEGIES = STRATEGY_STEPS, STRATEGY_OVERRIDES
 
 
@@ -59,7 +61,7 @@ def rank_stats(run_dir) -> list[dict]:
 
 
 def adapter(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
 
 
 @pytest.mark.slow

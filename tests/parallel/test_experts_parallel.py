@@ -20,6 +20,7 @@ from test_distributed import BF16_LOSS_TOLERANCE
 from test_shipped import rank_stats
 
 from finetune.cli import main
+from finetune.outputs import as_trained
 from finetune.recipe import load_recipe
 
 # Per-rank dropout masks: one process draws other masks than two, so with the library's dropout the single-process curve
@@ -47,7 +48,7 @@ def test_moe_trains_the_same_curve_single_ddp_fsdp2(shipped_run, family, configs
         run_dir, results[config] = shipped_run(config, family, True, train_router=train_router)
         _ok(results[config])
         curves[config] = train_losses(run_dir)
-        adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+        adapter = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
         expert_b = [t for name, t in adapter.items() if ".experts." in name and "lora_B" in name]
         assert len(expert_b) == 2 * 4 * 3  # layers x experts x projections
         assert all(t.abs().sum() > 0 for t in expert_b)  # each expert learned, routed to or not on each rank
@@ -85,7 +86,7 @@ def test_llama4_trains_the_same_curve_ddp_fsdp2(shipped_run):
         run_dir, result = shipped_run(config, "llama4", True)
         _ok(result)
         curves[config] = train_losses(run_dir)
-        adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+        adapter = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
         expert_b = [t for name, t in adapter.items() if ".feed_forward.experts." in name and "lora_B" in name]
         assert len(expert_b) == 2 * 4 * 3 and sum(t.abs().sum() > 0 for t in expert_b) >= len(expert_b) // 2
         assert not [name for name in adapter if ".router." in name]  # frozen, no LoRA

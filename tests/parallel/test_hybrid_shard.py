@@ -19,7 +19,7 @@ from conftest import train_losses
 from safetensors.torch import load_file
 from shipped import launch
 
-from finetune.outputs import step_folders
+from finetune.outputs import as_trained, step_folders
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def rank_stats(run_dir) -> list[dict]:
 
 
 def adapter(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
 
 
 @pytest.fixture(scope="module")

@@ -67,3 +67,19 @@ def test_the_paragraph_reaches_the_terminal_once_whole_whichever_rank_is_first(l
         assert "(rank 1)" not in err  # no header of another rank, with or without its problems
         assert f'File "{RUN_PY.parent}' not in err  # no traceback of ours (the launcher's own may follow)
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_rank_0_decides_for_every_rank_is_printed_once(tiny_qwen2, tmp_path):
+    """output.dir holding a finished run: rank 0 decides (files.on_main) and every rank raises the same error, which
+    every rank printed, "(rank 1) output.dir ... already holds a finished run" beside rank 0's (4 times with 4
+    processes, found in a bug bash; so were the resume refusals and the stop by a signal)."""
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_model.safetensors").write_bytes(b"the user's adapter")
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_qwen2, data, out))
+    result = _launched("accelerate", recipe, [])
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert result.stderr.count("already holds a finished run") == 1 and "(rank 1)" not in result.stderr, result.stderr
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == b"the user's adapter"

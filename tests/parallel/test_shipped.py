@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from shipped import ACCELERATE_CONFIG_RUNS, CONFIG_DIR, checkpointing_choices, expected_strategy, settings
 
 from finetune.cli.library import expected_accelerate_config
+from finetune.outputs import as_trained
 from finetune.recipe import DatasetSpec, load_recipe
 
 # Three architectures with different decoder-layer classes (tests/conftest.py builds them with finetune/cli/tiny.py).
@@ -106,7 +107,7 @@ def test_shipped_accelerate_config_trains(case, shipped_run):
     assert len(losses) == SHIPPED_STEPS and all(math.isfinite(loss) for loss in losses)
     if family != "gemma":  # a tiny random Gemma (embeddings scaled by sqrt(hidden)) does not fall within 3 noisy steps
         assert losses[-1] < losses[0], losses  # it learns (lr 3e-3 on a random tiny model)
-    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    adapter = load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))
     trained = [t for name, t in adapter.items() if "lora_B" in name]
     assert trained and all(t.abs().sum() > 0 for t in trained)  # every LoRA B moved from its zero init
 
@@ -241,7 +242,7 @@ def _train_two_steps(path: Path, tmp_path: Path, config: str) -> None:
         ACCELERATE_CONFIG_RUNS[config].processes
     if recipe.train.warmup_steps >= 2:
         assert "warming up over 1 step instead" in result.stdout + result.stderr  # clamped, said, not refused
-    assert len(load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))) > 0
+    assert len(load_file(str(as_trained(run_dir / "adapter") / "adapter_model.safetensors"))) > 0
 
 
 # ------------------------------------------------------------------------------------------------- meta-test

@@ -39,8 +39,9 @@ def test_a_reward_module_in_the_folder_you_run_from_is_found_by_the_finetune_com
 
 def test_a_replaced_runs_completions_vllm_adapters_and_plot_go_and_a_resume_trims_its_completions(tmp_path):
     """output.overwrite=true (or a fresh start) cleared adapter, checkpoints, ranks and metrics only: the old run's
-    completions/rank0.jsonl (24 lines of 3 steps) stayed, and the new run's 24 were appended to it; a resume appended
-    the steps it sampled again beside the killed run's lines of them."""
+    completions/rank0.jsonl (24 lines of 3 steps) stayed, and the new run's 24 were appended to it (and trackers.json
+    kept, so the new run logged into the old MLflow run: a review); a resume appended the steps it sampled again
+    beside the killed run's lines of them."""
     import json
 
     from finetune import outputs
@@ -54,7 +55,10 @@ def test_a_replaced_runs_completions_vllm_adapters_and_plot_go_and_a_resume_trim
         (out / "completions" / f"rank{rank}.jsonl").write_text(lines)
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
     (out / "plot.png").write_bytes(b"png")
+    (out / "tensorboard").mkdir()
+    (out / "trackers.json").write_text('{"mlflow": "run-1"}')  # the tracker runs a resume continues
     outputs.begin_outputs(out, "model: {}\n", out / "checkpoints" / "step-00000002")  # this folder's run resumed
+    assert (out / "trackers.json").exists() and (out / "tensorboard").exists()
     for rank in (0, 1):
         kept = [json.loads(line)["step"] for line in (out / "completions" / f"rank{rank}.jsonl").read_text().splitlines()]
         assert kept == [1, 1, 2, 2]
@@ -198,6 +202,9 @@ def test_mapped_reward_columns_reach_the_rewards_and_unknown_column_keys_are_ref
                                      AutoTokenizer.from_pretrained(tiny_llama))
     assert [e.row["answer"] for e in examples] == ["0", "2", "4", "6"]
     assert examples[1].row["prompt"] == "What is 1+1?"
+    with pytest.raises(DataError, match=r"data.datasets\[0\].columns: `completions` is an argument of the reward "
+                                        r"functions' call.*Fix: map `solution` to another name"):  # not the data's fault
+        prompt_examples(recipe({"prompt": "question", "completions": "solution"}), AutoTokenizer.from_pretrained(tiny_llama))
     with pytest.raises(DataError, match=r"columns maps a field to `answr`, but no row has that column"):
         prompt_examples(recipe({"prompt": "question", "answer": "answr"}), AutoTokenizer.from_pretrained(tiny_llama))
     with pytest.raises(DataError, match=r"data.datasets\[0\].columns: `bogus` is not a field of format `chat` \(its "
@@ -259,6 +266,8 @@ def test_a_stop_signal_inside_a_num_iterations_cycle_finishes_the_cycle_and_resu
 def test_grpo_num_tokens_counts_the_completions_it_trains_on():
     """num_tokens (and tokens/s) counted the prompt micro-batches only: 62 per step for 2 prompts of 31 tokens, the
     8 x 8 completion tokens left out (TRL counts each completion's prompt and completion tokens)."""
+    from types import SimpleNamespace
+
     from finetune.training.objectives.grpo import loss
     from finetune.training.objectives.grpo.objective import GRPO
 
@@ -267,7 +276,9 @@ def test_grpo_num_tokens_counts_the_completions_it_trains_on():
     rollout = loss.Rollout(batch=inputs, mask=mask, rewards=mask[:, :1], truncated=truncated,
                            lengths=mask.sum(-1).double())
     trl = sum(len(p) for p in prompts) + sum(len(c) for c in completions)  # attention_mask.sum() + completion_mask.sum()
-    assert GRPO.seen_tokens(None, rollout.chunks(3), pad_id=0) == trl == 14
+    sampling, reusing = SimpleNamespace(generated_at=3, step=3), SimpleNamespace(generated_at=3, step=4)
+    assert GRPO.seen_tokens(sampling, rollout.chunks(3), pad_id=0) == trl == 14
+    assert GRPO.seen_tokens(reusing, rollout.chunks(3), pad_id=0) == 0  # num_iterations: TRL counts at generation
 
 
 def test_a_vllm_url_that_answers_nothing_is_named_with_its_own_fix():

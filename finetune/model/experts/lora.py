@@ -158,6 +158,9 @@ def load_adapter(model: nn.Module, folder: str | Path):
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
+    from finetune.files import as_trained
+
+    folder = as_trained(Path(folder))  # a MoE run's adapter/ (PEFT's form): the adapter as trained beside it
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = True
     exclude_towers(config, model)
@@ -208,7 +211,8 @@ def check_expert_targets(model: nn.Module, config) -> None:
         raise ModelLoadError(
             f"model.adapter: it puts LoRA on transformers 5's fused expert tensors (target_parameters, e.g. "
             f"{min(config.target_parameters)}), which finetune keeps as one 4-bit Linear per expert. Fix: start "
-            "from the run's own adapter/ folder (per expert) where `finetune export` wrote this one for plain PEFT; "
+            "from the run folder's adapter-as-trained/ (per expert), or its adapter/ (taken as that), where `finetune "
+            "export` or the run wrote this form for plain PEFT; "
             "else train a new adapter with finetune (target_modules all-linear puts LoRA on every expert's "
             f"{_expert_leaf_names(model)}).")
     targets = config.target_modules

@@ -40,7 +40,9 @@ def check_adapter(recipe: Recipe) -> Path | None:
     """model.adapter's folder, checked before any weight loads (a PEFT adapter: config + safetensors)."""
     if not recipe.model.adapter:
         return None
-    folder = Path(recipe.model.adapter).expanduser()
+    from finetune.files import as_trained
+
+    folder = as_trained(Path(recipe.model.adapter).expanduser())  # a MoE run's adapter/: its as-trained twin
     missing = [name for name in ("adapter_config.json", "adapter_model.safetensors") if not (folder / name).is_file()]
     if missing:
         raise ModelLoadError(

@@ -94,8 +94,11 @@ class GRPO(Objective):
                 len(self.rollouts)]
 
     def seen_tokens(self, trained: list[loss.Rollout], pad_id: int) -> int:
-        """Every trained sequence's prompt and completion tokens (TRL's num_tokens at num_iterations 1: the prompt
-        tokens of each of the G completions, and the completion tokens)."""
+        """The sampled sequences' prompt and completion tokens, at the step that samples them (TRL's num_tokens: the
+        prompt tokens of each of the G completions and the completion tokens, counted when generated; the other steps
+        of a num_iterations cycle train on them again and add none)."""
+        if self.generated_at != self.step:
+            return 0
         return sum(int(chunk.batch["attention_mask"].sum()) for chunk in trained)
 
     def train_batches(self, micro_batches: list[dict]) -> list[loss.Rollout]:
