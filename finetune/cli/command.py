@@ -238,10 +238,11 @@ def _add_output_verbs(verbs) -> None:
     p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
     p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
     p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
-    p.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
-                   "preference pairs (default --out runs/quickstart-dpo)")
-    p.add_argument("--grpo", action="store_true", help="SFT -> GRPO: a short SFT run, then GRPO from its adapter with "
-                   "an exact-match reward, exact match before and after (default --out runs/quickstart-grpo)")
+    second = p.add_mutually_exclusive_group()  # one second stage: --dpo --grpo ran GRPO alone without a word
+    second.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
+                        "preference pairs (default --out runs/quickstart-dpo)")
+    second.add_argument("--grpo", action="store_true", help="SFT -> GRPO: a short SFT run, then GRPO from its adapter "
+                        "with an exact-match reward, exact match before and after (default --out runs/quickstart-grpo)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_delegate("finetune.cli.quickstart", "cli_quickstart"))
 

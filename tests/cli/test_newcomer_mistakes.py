@@ -163,3 +163,11 @@ def test_overwrite_with_another_folders_checkpoint_replaces_the_old_run(tmp_path
     (out / "metrics.jsonl").write_text('{"step": 100, "loss": 1.0}\n')
     outputs.begin_outputs(out, "model: {}\n", other)
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+
+
+def test_quickstart_takes_one_second_stage(tmp_path, capsys):
+    """`finetune quickstart --tiny --dpo --grpo` ran GRPO alone without a word (a bug bash)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["quickstart", "--tiny", "--dpo", "--grpo", "--out", str(tmp_path / "qs")])
+    assert exited.value.code == 2 and "--grpo: not allowed with argument --dpo" in capsys.readouterr().err
+    assert not (tmp_path / "qs").exists()
