@@ -41,8 +41,39 @@ def cli_plan(args: argparse.Namespace) -> int:
     else:
         print(decision.table)
         print()
-        print(decision.summary)
+        if asked := recipe_strategy_line(recipe, decision.estimates, gpus * nodes):
+            print(asked)
+            print("parallel.strategy: auto would choose: " + decision.summary)
+        else:
+            print(decision.summary)
     return 0
+
+
+def _asked_key(parallel) -> str | None:
+    """The planner's row of the recipe's parallel.strategy (None: auto, the planner's own choice)."""
+    if parallel.strategy == "fsdp":
+        return ("fsdp_offload" if parallel.cpu_offload else "fsdp_grad_op" if parallel.reshard_after_forward is False
+                else "hsdp" if parallel.hybrid_shard else "fsdp")
+    if parallel.strategy == "deepspeed":
+        return "zero2" if parallel.zero_stage == 2 else "zero3"
+    return None if parallel.strategy == "auto" else parallel.strategy
+
+
+def recipe_strategy_line(recipe, estimates, gpus: int) -> str | None:
+    """What the recipe's own parallel.strategy needs here (the summary speaks of the planner's choice for auto: a recipe
+    asking for FSDP read "DDP on 2 GPU(s) fits")."""
+    from finetune.planner.facts import gib
+
+    key = _asked_key(recipe.parallel)
+    if key is None:
+        return None
+    found = next((e for e in estimates if e.strategy == key), None)
+    if found is None:
+        return (f"the recipe's parallel.strategy {recipe.parallel.strategy}: not planned on {gpus} GPU(s) (it needs "
+                f"{'1' if key == 'single' else '2 or more'}; --gpus and --nodes say how many there are).")
+    verdict = "fits" if found.fits else f"does not fit ({gib(-found.margin_bytes)} short)"
+    return (f"the recipe's parallel.strategy {recipe.parallel.strategy}: {found.label} on {found.world_size} GPU(s) "
+            f"{verdict}, {gib(found.peak_bytes)} per GPU.")
 
 
 # -------------------------------------------------------------------------------------------- library table

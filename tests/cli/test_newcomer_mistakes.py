@@ -171,3 +171,16 @@ def test_quickstart_takes_one_second_stage(tmp_path, capsys):
         cli.main(["quickstart", "--tiny", "--dpo", "--grpo", "--out", str(tmp_path / "qs")])
     assert exited.value.code == 2 and "--grpo: not allowed with argument --dpo" in capsys.readouterr().err
     assert not (tmp_path / "qs").exists()
+
+
+def test_plan_speaks_of_the_strategy_the_recipe_asks_for(recipe, capsys):
+    """`finetune plan r.yaml parallel.strategy=fsdp` concluded "DDP on 2 GPU(s) fits": the planner's choice for auto,
+    not the strategy the recipe asks for (a bug bash)."""
+    assert cli.main(["plan", str(recipe), "parallel.strategy=fsdp", "--gpus", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("the recipe's parallel.strategy fsdp: FSDP full shard on 2 GPU(s) fits"), lines[-2:]
+    assert lines[-1].startswith("parallel.strategy: auto would choose: ") and "DDP on 2 GPU(s) fits" in lines[-1]
+    assert cli.main(["plan", str(recipe), "parallel.strategy=ddp"]) == 0
+    assert "the recipe's parallel.strategy ddp: not planned on 1 GPU(s)" in capsys.readouterr().out
+    assert cli.main(["plan", str(recipe)]) == 0  # auto: the planner's choice alone
+    assert "the recipe's" not in capsys.readouterr().out
