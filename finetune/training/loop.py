@@ -143,7 +143,10 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     (Recipe.resolve_num_epochs; an epoch without a whole optimizer step is an error). Said once, by rank 0."""
     t = recipe.train
     rows = objectives.rows_per_micro_batch(recipe)  # GRPO: prompts (micro_batch_size counts its completions)
-    launch = (f"{train_rows} rows // (micro_batch_size {rows} x {world_size} "
+    per_batch = (f"{rows} prompts per micro-batch (micro_batch_size {t.micro_batch_size} completions / "
+                 f"grpo.num_generations {recipe.grpo.num_generations})" if rows != t.micro_batch_size
+                 else f"micro_batch_size {rows}")  # GRPO: a micro-batch of completions holds that many prompts
+    launch = (f"{train_rows} rows // ({per_batch} x {world_size} "
               f"process{'es' if world_size > 1 else ''} x grad_accum {t.grad_accum})")
     count = checked_steps_per_epoch if t.num_epochs is not None else steps_per_epoch  # num_epochs needs a whole step
     per_epoch = count(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum)

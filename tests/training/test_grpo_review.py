@@ -298,3 +298,18 @@ def test_a_vllm_url_that_answers_nothing_is_named_with_its_own_fix():
     assert f"the vLLM server at http://127.0.0.1:{port} did not answer /health within 0 s" in message
     assert "last: [Errno 111] Connection refused" in message and "Fix: check grpo.vllm_server_base_url" in message
     assert "read the log" not in message
+
+
+def test_grpos_length_line_counts_prompts_per_micro_batch_by_name(tmp_path, capsys):
+    """The length line said "micro_batch_size 2" of a recipe whose micro_batch_size is 8: GRPO's micro-batch of 8
+    completions holds 2 prompts of 4 generations, which the line now says (a bug bash)."""
+    from finetune.recipe import Recipe
+    from finetune.training.loop import resolve_max_steps
+
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": "tiny"}, "train": {"objective": "grpo", "micro_batch_size": 8, "max_steps": 3},
+        "grpo": {"reward_functions": ["finetune.rewards:exact_match"], "num_generations": 4, "max_completion_length": 32},
+        "data": {"datasets": [{"path": str(tmp_path / "p.jsonl"), "format": "prompt"}], "max_length": 128}})
+    resolve_max_steps(recipe, 24, 1)
+    assert ("24 rows // (2 prompts per micro-batch (micro_batch_size 8 completions / grpo.num_generations 4) x 1 "
+            "process x grad_accum 1)") in capsys.readouterr().out
