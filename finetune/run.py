@@ -69,11 +69,12 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         distributed.doing("the gather of the trained adapter")
         state = parallel.trainable_state_dict(wrapped, key_map)  # collective: every rank takes part
         outputs.write_rank_stats(out_dir, rank_stats, state)
-        if info.is_main:  # a mixture-of-experts run: adapter/ in the form PEFT loads, adapter-as-trained/ beside it
+        if info.is_main:  # a mixture-of-experts run: adapter-as-trained/ now, adapter/ (PEFT's form) after the barrier
             outputs.save_run_adapter(model.adapter_config(peft_model, recipe), key_map, state, out_dir, tokenizer, recipe)
-            tracking.plot_run(out_dir)  # plot.png: loss (train, eval) and learning rate against steps
-            tracking.log_run_artifacts(out_dir)  # adapter, recipe, plot into the MLflow run, when there is one
         distributed.barrier()
+        if info.is_main:  # the rest is rank 0's alone: no rank waits on it (a large MoE's export takes minutes)
+            outputs.finish_run_adapter(out_dir, recipe)
+            tracking.finish_run(out_dir)  # plot.png (loss, eval, learning rate); adapter, recipe, plot into MLflow
     best_step = outputs.report_best_eval(out_dir, result.eval_losses)  # the lowest eval loss: its step and checkpoint
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,

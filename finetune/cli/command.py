@@ -200,6 +200,19 @@ def _add_look_verbs(verbs) -> None:
     p.set_defaults(func=_delegate("finetune.cli.preview", "cli_data"))
 
 
+def _add_quickstart(verbs) -> None:
+    p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
+    p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
+    p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
+    second = p.add_mutually_exclusive_group()  # one second stage (--dpo --grpo ran GRPO alone without a word)
+    second.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
+                        "preference pairs (default --out runs/quickstart-dpo)")
+    second.add_argument("--grpo", action="store_true", help="SFT -> GRPO: a short SFT run, then GRPO from its adapter "
+                        "with an exact-match reward, exact match before and after (default --out runs/quickstart-grpo)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_delegate("finetune.cli.quickstart", "cli_quickstart"))
+
+
 def _add_output_verbs(verbs) -> None:
     """export, checkpoints, generate, recipes, runs, quickstart, plot, tiny-model: what runs produce, and where to start."""
     p = verbs.add_parser("export", help="export a run's adapter, or merge it into a full bf16 model")
@@ -235,16 +248,7 @@ def _add_output_verbs(verbs) -> None:
                    "$MLFLOW_TRACKING_URI, else runs/)")
     p.set_defaults(func=_delegate("finetune.tracking.runs", "cli_runs"))
 
-    p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
-    p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
-    p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
-    second = p.add_mutually_exclusive_group()  # one second stage: --dpo --grpo ran GRPO alone without a word
-    second.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
-                        "preference pairs (default --out runs/quickstart-dpo)")
-    second.add_argument("--grpo", action="store_true", help="SFT -> GRPO: a short SFT run, then GRPO from its adapter "
-                        "with an exact-match reward, exact match before and after (default --out runs/quickstart-grpo)")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=_delegate("finetune.cli.quickstart", "cli_quickstart"))
+    _add_quickstart(verbs)
 
     p = verbs.add_parser("plot", help="plot loss and learning rate of one or more runs into a PNG")
     p.add_argument("runs", nargs="+")

@@ -63,3 +63,10 @@ def save_run_adapter(*args, **kwargs) -> None:
     from finetune.outputs.run_adapter import save_run_adapter as save
 
     save(*args, **kwargs)
+
+
+def finish_run_adapter(*args, **kwargs) -> None:
+    """run_adapter.finish_run_adapter, imported when a run ends."""
+    from finetune.outputs.run_adapter import finish_run_adapter as finish
+
+    finish(*args, **kwargs)

@@ -9,4 +9,11 @@
 from finetune.tracking.plot import plot_run
 from finetune.tracking.trackers import Trackers, log_run_artifacts, run_tags
 
-__all__ = ["Trackers", "log_run_artifacts", "plot_run", "run_tags"]
+__all__ = ["Trackers", "finish_run", "log_run_artifacts", "plot_run", "run_tags"]
+
+
+def finish_run(out_dir) -> None:
+    """A finished run's last writes (rank 0): plot.png (loss, eval loss and learning rate against steps), then the
+    adapter, recipe and plot into the MLflow run, when there is one."""
+    plot_run(out_dir)
+    log_run_artifacts(out_dir)
