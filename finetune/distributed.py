@@ -254,6 +254,15 @@ def any_rank(flag: bool) -> bool:
     return bool(tensor.item() > 0)
 
 
+def rank_max(value: int) -> int:
+    """The largest of an integer over the ranks (the stop signal any rank received: every rank names the same one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([float(value)], device=info().device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def check_same_on_all_ranks(value: float, what: str) -> None:
     """Raise if `value` differs between ranks (e.g. a checksum of the LoRA start: ranks that start apart diverge)."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -243,6 +243,10 @@ class StreamingBatches:
         """The pass over the stream the last micro-batch came from (a stream's length, so a fraction, is unknown)."""
         return float(self.position.epoch)
 
+    def epochs_done(self, step: int) -> float:
+        """What a checkpoint keeps of the epoch (BatchStream's unrounded epoch_at): the pass, as epoch_at."""
+        return self.epoch_at(step)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         sequences = self.rows.sequences(self.position)
         while True:

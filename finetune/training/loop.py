@@ -317,7 +317,9 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                         distributed.print0(f"[finetune] step {step}: eval loss {figures['eval_loss']:.4f}"
                                            + (f", reward accuracy {accuracy:.1%}" if accuracy is not None else ""))
 
-                stop = distributed.any_rank(signals.received is not None)  # every rank stops after the same step
+                # The signal any rank received (0: none): every rank stops after the same step, and names that signal
+                stop_signal = distributed.rank_max(signals.received or 0)
+                stop = stop_signal > 0
                 if stop and not objective.resumable_after(step):  # GRPO: within a num_iterations cycle
                     stop = signals.postpone(objective.stop_note(step))
                 if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
@@ -329,7 +331,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     verify_next_save = False
                 if stop:
                     progress.close()
-                    raise preempted(signals.received, step, saved)
+                    raise preempted(stop_signal, step, saved)
         progress.close()
         result.seconds = time.perf_counter() - started
         result.generation = generation_eval(model, tokenizer, eval_examples, recipe, "after", metrics)
