@@ -14,7 +14,8 @@ import torch
 from finetune import data, model, outputs, parallel
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
 from finetune.distributed import DistInfo
-from finetune.errors import DataError, FinetuneError, RecipeError
+from finetune.errors import DataError, FinetuneError
+from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
 from finetune.recipe import load_recipe
 
@@ -50,7 +51,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
                  f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
     if prequantized.check_local_checkpoint(recipe):
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
-    _check_lora_targets(recipe, config)
+    check_lora_targets(recipe, config)  # as the run does before any weight loads
 
     launcher = None
     machines = 1
@@ -89,17 +90,6 @@ def _check_resume(recipe, plan, train_rows: int | None) -> list[str]:
         return ["  resume: auto, no checkpoint yet (starts at step 0)"]
     notes = outputs.resume_changes(source, recipe, plan, train_rows=train_rows)
     return [f"  resume: from {source}", *(f"    note: {note}" for note in notes)]
-
-
-def _check_lora_targets(recipe, config) -> None:
-    """lora.target_modules' names against the model built on the meta device (experts split as the loaders do)."""
-    if recipe.lora.target_modules == "all-linear" or recipe.model.adapter:
-        return
-    from finetune.planner import facts_from_config
-
-    problem = facts_from_config(config, recipe).target_problem
-    if problem:
-        raise RecipeError(problem)
 
 
 def _data_origin(recipe_path: Path) -> str | None:

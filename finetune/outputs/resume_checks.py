@@ -83,7 +83,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None) -> lis
     by_epochs = getattr(recipe, "_length_origin", None) is not None
     problems = [_described(*item) for item in refused]
     problems += [p for p in (_strategy_problem(source, state, plan), _rows_problem(state, train_rows),
-                             _epochs_problem(rows_then, current, plan.world_size, by_epochs=by_epochs)) if p]
+                             _epochs_problem(rows_then, rows_now, current, plan.world_size, by_epochs=by_epochs)) if p]
     if problems:
         raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]))
     if not unresolved and (length := _length_problem(source, state["step"], recipe.train.max_steps)) is not None:
@@ -131,7 +131,8 @@ def _saved(source: Path) -> tuple[dict, dict]:
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+    """A value in a description: as an override takes it, cut at 80 characters."""
+    text = _override(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -206,10 +207,10 @@ def _rows_per_step(recipe: dict, state: dict | None, world_size: int | None = No
     return per_micro_batch * world_size * train["grad_accum"]
 
 
-def _epochs_problem(rows_then: int | None, recipe: dict, world_size: int, *, by_epochs: bool) -> str | None:
+def _epochs_problem(rows_then: int | None, rows_now: int, recipe: dict, world_size: int, *,
+                    by_epochs: bool) -> str | None:
     """train.num_epochs counts steps of the checkpoint's size: with other steps the epochs would not add up (the
     resolved max_steps is of this run's steps, the steps done of the checkpoint's)."""
-    rows_now = _rows_per_step(recipe, None, world_size)
     if not by_epochs or rows_then is None or rows_then == rows_now:
         return None
     per_micro_batch = rows_now // (world_size * recipe["train"]["grad_accum"])

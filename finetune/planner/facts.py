@@ -71,7 +71,6 @@ class ModelFacts:
     extra_norms: int = 0  # norms per layer beyond the usual two (Gemma 2 has four)
     fsdp_version: int = 2  # how FSDP would wrap it: FSDP1 pads flat parameters and runs LoRA through PEFT's forward
     notes: list[str] = field(default_factory=list)
-    target_problem: str | None = None  # lora.target_modules names matching no module (model/lora/attach.py)
     # Mixture of experts (finetune/model/experts/: one 4-bit Linear per expert projection): experts per layer, how
     # many each token is routed to, and an expert's intermediate size. 0: a dense model.
     experts: int = 0
@@ -161,11 +160,7 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, 
         facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
         facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
         return facts
-    facts = _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
-    from finetune.model.lora.attach import target_modules_problem  # (on the model as the loaders split its experts)
-
-    facts.target_problem = target_modules_problem(model, recipe.lora.target_modules)
-    return facts
+    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
 
 
 def _split_experts(model, quantized: bool) -> tuple[int, int]:
