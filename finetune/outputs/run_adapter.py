@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.errors import FinetuneError
 from finetune.files import AS_TRAINED, _replace_dir
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, save_adapter
 from finetune.outputs.export import export_adapter
@@ -56,10 +57,10 @@ def finish_run_adapter(out_dir: Path, recipe) -> None:
     except Exception as exc:  # noqa: BLE001 (any failure: the adapter as trained is kept, and said why)
         shutil.rmtree(staged, ignore_errors=True)
         shutil.copytree(trained, staged)
+        why = str(exc) if isinstance(exc, FinetuneError) else f"{type(exc).__name__}: {str(exc)[:300]}"
         print(f"[finetune] warning: adapter/ holds the adapter as trained (per expert): the form plain PEFT loads could "
-              f"not be written ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}). Plain "
-              "PEFT skips per-expert tensors; use finetune export, generate and model.adapter with this run.",
-              flush=True)
+              f"not be written ({why.splitlines()[0] if why else ''}). Plain PEFT skips per-expert tensors; use "
+              "finetune export, generate and model.adapter with this run.", flush=True)
     else:
         print(f"[finetune] adapter/: the experts' LoRA in the form plain PEFT loads (what `finetune export` writes; "
               f"adapter/runtimes.json says where else it runs); {AS_TRAINED}/: the adapter as trained (experts split), "

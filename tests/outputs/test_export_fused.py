@@ -77,3 +77,24 @@ def test_exported_moe_adapter_loads_in_plain_peft_and_computes_the_trained_model
         got = plain(input_ids=ids).logits
     assert (reference - base).abs().max() > 1e-2, "the adapter must change the model"
     assert (got - reference).abs().max() <= 1e-5 * reference.abs().max() + 1e-6, (got - reference).abs().max()
+
+
+@pytest.mark.parametrize("installed", ["0.18.0", "0.19.1"])
+def test_export_of_expert_lora_refuses_a_peft_that_loads_no_form_of_it(installed, tiny_mixtral, tmp_path, capsys,
+                                                                       monkeypatch):
+    """Measured with the real releases (this test file's load test under PEFT 0.18.0, 0.19.0 and 0.20.0): below 0.20
+    loading the fused form fails on every shape (0.19's ParamWrapper reads a 3-D parameter the other way round), and
+    0.18 converts no per-expert name either. Only the version is patched here, as the compat floor (PEFT 0.18) has it:
+    the export refuses with the fix, and writes nothing."""
+    import importlib.metadata
+
+    from finetune.cli import main
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "peft" else real(name))
+    _per_expert_adapter(tiny_mixtral, tmp_path / "adapter", use_rslora=False)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "adapter"), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert f"PEFT {installed}" in err and "pip install -U 'peft>=0.20'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "exported").exists()
