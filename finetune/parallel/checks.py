@@ -55,10 +55,14 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
         )
     config_ckpt = launcher.get("activation_checkpointing")
     if config_ckpt is not None and config_ckpt != plan.activation_checkpointing:
+        key = ("parallel.activation_checkpointing" if recipe.parallel.activation_checkpointing is not None
+               else "train.gradient_checkpointing")
         problems.append(
             f"the accelerate config has fsdp_activation_checkpointing: {config_ckpt} but the recipe has "
             f"train.gradient_checkpointing / parallel.activation_checkpointing: {plan.activation_checkpointing}. Checkpointing "
-            "is applied once, by this tool, non-reentrant (reentrant recompute under FSDP re-runs the all-gathers). Fix: make them equal."
+            "is applied once, by this tool, non-reentrant (reentrant recompute under FSDP re-runs the all-gathers). Fix: "
+            f"set {key}: {str(config_ckpt).lower()} in the recipe, or "
+            f"fsdp_activation_checkpointing: {str(plan.activation_checkpointing).lower()} in the accelerate config."
         )
 
 

@@ -86,6 +86,33 @@ def sharding_settings(strategy: str | None, reshard: str | None) -> dict:
     return settings
 
 
+def launcher_config_file() -> str | None:
+    """The accelerate config this process was launched with, as the user named it (for errors): `--config_file` on
+    the parent `accelerate launch` command line (made absolute from the parent's folder), else accelerate's default
+    config where it exists; None outside `accelerate launch` or where /proc cannot say."""
+    from pathlib import Path
+
+    parent = Path(f"/proc/{os.getppid()}")
+    try:
+        argv = (parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        cwd = os.readlink(parent / "cwd")
+    except OSError:
+        return None
+    if not any("accelerate" in part for part in argv[:3]):
+        return None
+    for index, part in enumerate(argv):
+        for flag in ("--config_file", "--config-file"):
+            value = argv[index + 1] if part == flag and index + 1 < len(argv) else (
+                part.split("=", 1)[1] if part.startswith(flag + "=") else None)
+            if value:
+                return value if os.path.isabs(value) else os.path.normpath(os.path.join(cwd, value))
+    try:
+        from accelerate.commands.config import default_config_file
+    except ImportError:
+        return None
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
 def launcher_settings(env: dict[str, str] | None = None) -> dict:
     """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
     env = os.environ if env is None else env

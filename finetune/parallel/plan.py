@@ -14,7 +14,7 @@ from finetune.errors import LaunchError
 from finetune.parallel import accelerate_keys, zero
 from finetune.parallel.checks import check_agreement, check_fsdp_rules
 from finetune.parallel.decision import ParallelPlan, Strategy
-from finetune.parallel.launcher import launcher_settings
+from finetune.parallel.launcher import launcher_config_file, launcher_settings
 from finetune.parallel.layers import decoder_layer_class, layer_split_device_map, meta_model
 from finetune.recipe import Recipe
 
@@ -62,7 +62,9 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
                                              problems=problems, notes=plan.notes)
         plan.cpu_offload = plan.zero.offload_params
     if problems:
-        raise LaunchError("the parallel setup cannot work:\n" + "\n".join(f"  - {p}" for p in problems))
+        config = launcher_config_file() if launcher else None
+        raise LaunchError(f"the parallel setup cannot work{f' (the accelerate config: {config})' if config else ''}:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
     if strategy in ("fsdp", "layer_split") or p.layer_class:
         meta = meta_model(model_config, trust_remote_code=recipe.model.trust_remote_code)
         layer_cls = decoder_layer_class(meta, p.layer_class or launcher.get("layer_class"))

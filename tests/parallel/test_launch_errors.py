@@ -83,3 +83,26 @@ def test_a_refusal_rank_0_decides_for_every_rank_is_printed_once(tiny_qwen2, tmp
     assert result.returncode != 0, result.stderr[-3000:]
     assert result.stderr.count("already holds a finished run") == 1 and "(rank 1)" not in result.stderr, result.stderr
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == b"the user's adapter"
+
+
+@pytest.mark.slow
+def test_a_disagreement_with_the_accelerate_config_names_the_file_and_both_fixes(tiny_qwen2, tmp_path):
+    """The user's own copy of fsdp2.yaml (activation checkpointing on) named relative to their folder, and a recipe
+    with checkpointing off: the refusal said "the accelerate config has fsdp_activation_checkpointing" without saying
+    which file (found in a bug bash). `accelerate launch` itself, not the suite's warm launch: the file is read from
+    the launcher's command line."""
+    from shipped import CONFIG_DIR
+
+    (tmp_path / "my_fsdp.yaml").write_text((CONFIG_DIR / "fsdp2.yaml").read_text())
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_qwen2, data, tmp_path / "out",
+                                                           train={"gradient_checkpointing": False}))
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "my_fsdp.yaml", "--num_processes",
+            "2", "--main_process_port", str(free_port()), str(RUN_PY), str(recipe)]
+    result = run_cmd(args, env=child_env(ACCELERATE_USE_CPU="true"), timeout=240, warm=False, cwd=tmp_path)
+    err = result.stderr
+    assert result.returncode != 0
+    assert err.count(f"the parallel setup cannot work (the accelerate config: {tmp_path / 'my_fsdp.yaml'}):") == 1, err
+    assert ("Fix: set train.gradient_checkpointing: true in the recipe, or fsdp_activation_checkpointing: false in "
+            "the accelerate config.") in err, err
+    assert not (tmp_path / "out").exists()
