@@ -300,6 +300,8 @@ def _checked_tensors(source: Source, config, base: str | None, tokenizer=None) -
         return tensors, (tensors, {}), check_adapter_fits(tensors, config, source, base), ""
     tensors = export_experts.in_model_names(tensors, config)
     fits = check_adapter_fits(tensors, config, source, base)
+    if why := export_experts.peft_loads_no_form(tensors, config):
+        raise ExportError(why)
     written, update = export_experts.for_runtimes(tensors, config, source.adapter_config)
     return tensors, (written, update), fits, export_experts.note(source.adapter_config, update)
 

@@ -59,8 +59,6 @@ def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
     from finetune.outputs.export_fused import fused_adapter
 
     on_experts = any(".experts." in key for key in tensors)
-    if on_experts:
-        _check_peft_reads_fused_experts(config)
     dropout = {"lora_dropout": 0.0} if on_experts else {}
     fused = fused_adapter(tensors, split_meta_model(config), config, adapter_config) if on_experts else None
     if fused is not None:
@@ -77,23 +75,22 @@ def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
 PEFT_FUSED_EXPERTS = (0, 20)  # measured: 0.18 and 0.19 fail the fused-expert load check; 0.20 and 0.21 pass
 
 
-def _check_peft_reads_fused_experts(config) -> None:
-    """Refuse, naming the fix, where the installed PEFT loads no form of LoRA on transformers 5's fused experts:
-    before 0.19 it converts no per-expert names, and before 0.20 its `ParamWrapper` reads a fused expert parameter's
-    LoRA the other way round (loading what export_fused.py writes fails on every shape)."""
+def peft_loads_no_form(tensors: dict[str, torch.Tensor], config) -> str | None:
+    """Why the installed PEFT loads no form of this adapter's LoRA on transformers 5's fused experts (None where it
+    does, or the adapter has none): before 0.19 it converts no per-expert names, and before 0.20 its `ParamWrapper`
+    reads a fused expert parameter's LoRA the other way round (loading what export_fused.py writes fails on every
+    shape)."""
     from importlib.metadata import version
 
-    from finetune.outputs.export_source import ExportError
-
     installed = version("peft")
-    if tuple(int(part) for part in installed.split(".")[:2]) >= PEFT_FUSED_EXPERTS:
-        return
-    raise ExportError(
-        f"this adapter holds LoRA on the routed experts of a {config.model_type} model, and the installed PEFT "
-        f"{installed} loads no form of it onto transformers 5's fused experts (before 0.19 it converts no per-expert "
-        "names; before 0.20 it reads a fused expert parameter's LoRA in other shapes). Fix: pip install -U "
-        "'peft>=0.20' and export again. The run's adapter as trained (adapter-as-trained/, or adapter/ with a note) "
-        "is untouched, and finetune generate and model.adapter read it as it is.")
+    if not any(".experts." in key for key in tensors) or tuple(
+            int(part) for part in installed.split(".")[:2]) >= PEFT_FUSED_EXPERTS:
+        return None
+    return (f"this adapter holds LoRA on the routed experts of a {config.model_type} model, and the installed PEFT "
+            f"{installed} loads no form of it onto transformers 5's fused experts (before 0.19 it converts no per-expert "
+            "names; before 0.20 it reads a fused expert parameter's LoRA in other shapes). Fix: pip install -U "
+            "'peft>=0.20' and export again. The run's adapter as trained (adapter-as-trained/, or adapter/ with a note) "
+            "is untouched, and finetune generate and model.adapter read it as it is.")
 
 
 def note(source_config: dict, update: dict) -> str:

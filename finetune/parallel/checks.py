@@ -32,6 +32,15 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
             f"parallel.zero_stage / parallel.deepspeed_config are set but the strategy is {plan.strategy}. Fix: set "
             "parallel.strategy: deepspeed (or launch with a DeepSpeed accelerate config), or remove them."
         )
+    if p.cpu_offload and plan.strategy in ("single", "ddp", "layer_split"):
+        problems.append(
+            f"parallel.cpu_offload is true but the strategy is {plan.strategy}, which has no offload: FSDP and DeepSpeed "
+            "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: `torchrun --nproc_per_node 1 "
+            "finetune/run.py RECIPE.yaml`), or remove parallel.cpu_offload.")
+    if plan.strategy == "single" and config_kind in ("fsdp", "deepspeed"):
+        name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
+        plan.notes.append(f"the accelerate config is {name} config, but 1 process was started: with nothing to shard "
+                          "over, it trains as a single process (launch N processes to shard)")
     if plan.strategy != "fsdp":
         return
     pairs = [

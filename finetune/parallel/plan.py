@@ -54,7 +54,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
     plan.replicas = _hybrid_replicas(recipe, dist, launcher, plan, problems)
     if decision is not None:
         _apply_decision(recipe, plan, decision, launcher, problems)
-    check_agreement(recipe, launcher, plan, problems)
+    check_agreement(recipe, launcher, plan, problems)  # (and notes a sharding config launched as one process)
     check_fsdp_rules(recipe, launcher, plan, problems)
     accelerate_keys.check(launcher, plan, problems)
     if strategy == "deepspeed":
@@ -144,7 +144,9 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
     if asked == "auto":
         if world == 1:
             # One process: the planner may spread layers over the GPUs it sees when one GPU is not enough.
-            return "layer_split" if decision is not None and decision.strategy == "layer_split" else "single"
+            if decision is not None and decision.strategy == "layer_split":
+                return "layer_split"
+            return _one_process(recipe, dist, launcher, problems)
         if launcher.get("strategy") in ("fsdp", "deepspeed"):
             return launcher["strategy"]
         if recipe.parallel.zero_stage is not None or recipe.parallel.deepspeed_config:
@@ -167,6 +169,34 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             "fsdp or deepspeed."
         )
     return asked
+
+
+def _offload_asked(recipe: Recipe, launcher: dict) -> str | None:
+    """Which key asks for CPU offload (the recipe's or the accelerate config's), or None."""
+    if recipe.parallel.cpu_offload:
+        return "parallel.cpu_offload: true"
+    if launcher.get("cpu_offload"):
+        return "the accelerate config's fsdp_offload_params: true"
+    for key in ("offload_optimizer_device", "offload_param_device"):
+        if launcher.get(key) not in (None, "none"):
+            return f"the accelerate config's {key}: {launcher[key]}"
+    return None
+
+
+def _one_process(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str]) -> Strategy:
+    """`auto` with one process: a single process, unless CPU offload is asked for (FSDP or ZeRO over one rank is the
+    one-GPU route for a model larger than the GPU), which needs a process group; it was dropped without a word."""
+    offload = _offload_asked(recipe, launcher)
+    engine = launcher.get("strategy") if launcher.get("strategy") in ("fsdp", "deepspeed") else "fsdp"
+    if offload and dist.backend is not None:
+        return engine
+    if offload:
+        problems.append(
+            f"{offload} asks for CPU offload, which FSDP or DeepSpeed does, over a process group, and this single process "
+            "has none (accelerate launch starts one process without a group on a CPU-only machine, or under --cpu). "
+            "Fix: start it with `torchrun --nproc_per_node 1 finetune/run.py RECIPE.yaml` (FSDP over one process "
+            "offloads), or remove the offload.")
+    return "single"
 
 
 def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict, problems: list[str]) -> None:

@@ -226,3 +226,30 @@ def test_the_deepspeed_launchers_local_size_counts_this_nodes_processes(monkeypa
     assert distributed.local_world_size(2) == 2  # one node: WORLD_SIZE
     with pytest.raises(LaunchError, match="16 processes were started on this node but it sees 8"):
         devices.check_one_gpu_per_process(distributed.local_world_size(16), visible_gpus=8)
+
+
+def test_one_process_with_cpu_offload_shards_over_its_group_or_is_refused(tiny_llama):
+    """`strategy: auto` with one process took `single` and dropped CPU offload without a word (a recipe's
+    parallel.cpu_offload, or an FSDP / DeepSpeed config's offload keys launched with --num_processes 1): the one-GPU
+    route for a model larger than the GPU (FSDP over one rank, as fsdp_qlora offers) trained unoffloaded."""
+    grouped = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                       backend="gloo")
+    r = recipe(tiny_llama, cpu_offload=True)
+    one = parallel.resolve_plan(r, grouped, load_config(r), launcher={})
+    assert (one.strategy, one.cpu_offload) == ("fsdp", True)
+    config = parallel.launcher_settings({**FSDP2_ENV, "FSDP_OFFLOAD_PARAMS": "true"})
+    assert parallel.resolve_plan(recipe(tiny_llama), grouped, load_config(r), launcher=config).cpu_offload is True
+    with pytest.raises(LaunchError, match=r"parallel.cpu_offload: true asks for CPU offload.*torchrun --nproc_per_node 1"):
+        plan(tiny_llama, world=1, cpu_offload=True)  # no process group (accelerate's one CPU process)
+    with pytest.raises(LaunchError, match="fsdp_offload_params: true asks for CPU offload"):
+        plan(tiny_llama, world=1, launcher=config)
+    with pytest.raises(LaunchError, match="parallel.cpu_offload is true but the strategy is single, which has no offload"):
+        plan(tiny_llama, world=1, strategy="single", cpu_offload=True)
+
+
+def test_a_sharding_config_launched_as_one_process_says_it_trains_single(tiny_llama):
+    zero3 = parallel.launcher_settings({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
+    for launcher, name in ((parallel.launcher_settings(FSDP2_ENV), "an FSDP"), (zero3, "a DeepSpeed")):
+        one = plan(tiny_llama, world=1, launcher=launcher)
+        assert one.strategy == "single"
+        assert any(f"the accelerate config is {name} config, but 1 process was started" in note for note in one.notes)
