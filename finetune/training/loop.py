@@ -387,8 +387,10 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
            *, parallel: str, max_steps: int) -> int:
     """Restore model, optimizer, scheduler, data position, RNG and progress from a checkpoint; return its step."""
     info = distributed.info()
+    recipe_groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     state = checkpoint.load_checkpoint(path, model, optimizer, names)
     scheduler.load_state_dict(state["scheduler"])
+    _recipe_hyperparameters(optimizer, scheduler, recipe_groups)
     # the step and the epoch logged then: epoch_at counts on from there
     stream.load_state_dict({**state["data"], "step": state["step"], "logged_epoch": state.get("epoch")})
     result.steps, result.tokens = state["step"], state["tokens"]
@@ -404,6 +406,19 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
         distributed.print0(f"[finetune] the checkpoint is of step train.max_steps ({max_steps}): nothing left to train; "
                            "its adapter is written")
     return state["step"]
+
+
+def _recipe_hyperparameters(optimizer, scheduler, recipe_groups: list[dict]) -> None:
+    """The saved optimizer and scheduler state carry the hyperparameters they were saved with (each group's lr,
+    initial_lr, weight_decay, betas; the scheduler's base_lrs): this run's recipe decides them, at the schedule's
+    place. A resume that changed train.learning_rate or train.weight_decay trained on with the old ones, bitwise,
+    while its note said the run would differ (found in a bug bash)."""
+    for group, hyper in zip(optimizer.param_groups, recipe_groups, strict=True):
+        group.update(hyper)
+    scheduler.base_lrs = [hyper["initial_lr"] for hyper in recipe_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def preempted(signum: int | None, step: int, saved: Path) -> Preempted:

@@ -288,3 +288,30 @@ def test_zero2_checkpoint_of_two_ranks_resumes_on_one(tiny_recipe, tmp_path):
     assert reference.keys() == adapter.keys() and reference
     for key, value in adapter.items():  # a wrong reshard is off by ~1e-2; 1 vs 2 processes by last bits
         torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=5e-4)
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_recipes_learning_rate_and_weight_decay(tiny_recipe, tmp_path):
+    """AdamW's own step is the oracle: from the same step-4 state and the same step-5 gradients (the RNG restored:
+    the same LoRA dropout masks), the update p5 - p4 scales with the learning rate, and decoupled weight decay adds
+    -lr * wd * p4 exactly. Before the fix (found in a bug bash) both changed resumes trained on with the checkpoint's
+    lr 0.01 and weight decay 0, bitwise the unchanged resume, while the note said the run would differ."""
+    from safetensors.torch import load_file
+
+    constant = ["train.lr_schedule=constant", "train.warmup_steps=0", "train.learning_rate=0.01",
+                "train.weight_decay=0.0"]
+    run = tmp_path / "run"
+    first = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={run}", *constant])
+    assert first.returncode == 0, first.stderr[-3000:]
+    p4 = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    p5 = {}
+    for name, change in (("same", []), ("lr", ["train.learning_rate=0.02"]), ("wd", ["train.weight_decay=5.0"])):
+        result = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={tmp_path / name}", *constant,
+                          *change, "train.max_steps=5", f"train.resume={run / 'checkpoints' / 'step-00000004'}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        p5[name] = load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors"))
+    for key, before in p4.items():
+        update, ulps = p5["same"][key] - before, 4 * torch.finfo(torch.float32).eps * before.abs().max()
+        assert update.abs().max() > 100 * ulps, key  # (differences of nearby fp32 values: off by a few ulps of p4)
+        torch.testing.assert_close(p5["lr"][key] - before, 2 * update, rtol=1e-4, atol=ulps)
+        torch.testing.assert_close(p5["wd"][key] - p5["same"][key], -0.01 * 5.0 * before, rtol=1e-3, atol=ulps)
