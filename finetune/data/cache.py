@@ -80,6 +80,13 @@ def _content_hash(spec: DatasetSpec) -> str | None:
     return digest.hexdigest()
 
 
+def _file_hash(path: str) -> str | None:
+    try:
+        return hashlib.blake2b(Path(path).expanduser().read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        return None  # unreadable: the rows' build names the file
+
+
 def cache_key(spec: DatasetSpec, source: Source, recipe: Recipe, tokenizer) -> str | None:
     """The entry's name, or None when the rows cannot be identified (a hub dataset with no fingerprint)."""
     rows = _content_hash(spec) or source.fingerprint()
@@ -90,6 +97,8 @@ def cache_key(spec: DatasetSpec, source: Source, recipe: Recipe, tokenizer) -> s
                 "max_length": data.max_length, "overlong": data.overlong, "bad_rows": data.bad_rows, "reasoning": data.reasoning}
     if spec.format == "preference":
         settings["max_prompt_length"] = prompt_limit(recipe)
+    if isinstance(spec.tools, str):  # a tools file: its schemas are rendered into every row, so its bytes count
+        settings["tools_file"] = _file_hash(spec.tools)
     text = json.dumps([CACHE_VERSION, tokenizer_fingerprint(tokenizer), rows, settings], sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 

@@ -105,3 +105,27 @@ def test_parallel_tokenizing_matches_in_process(tmp_path, tokenizer):
     assert _examples(parallel) == _examples(serial) and len(serial) > 1900
     assert (one.skipped, one.skipped_reasons) == (two.skipped, two.skipped_reasons) == (1, one.skipped_reasons)
     assert "line 1501" in one.skipped_reasons[0]
+
+
+def test_an_edited_tools_file_is_a_miss(tmp_path):
+    """data.datasets[].tools naming a JSON file: its schemas are rendered into every row, but the key held only the
+    path, so an edited file trained the old schemas from the cache (found in a bug bash)."""
+    from chat_families import WEATHER_TOOL, family_tokenizer
+
+    tokenizer = family_tokenizer("qwen3")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    rows = [{"messages": [{"role": "user", "content": f"Weather in city {i}?"},
+                          {"role": "assistant", "content": "Sunny."}]} for i in range(8)]
+    recipe = make_recipe({"path": str(write_jsonl(tmp_path / "chat.jsonl", rows)), "format": "chat",
+                          "tools": str(tools)}, max_length=512, eval_fraction=0)
+
+    def rendered() -> tuple[str, int]:
+        train, _, stats = data.build_examples(recipe, tokenizer)
+        return tokenizer.decode(train[0].input_ids), stats.cached_datasets
+
+    first, again = rendered(), rendered()
+    assert "get_weather" in first[0] and (first[1], again) == (0, (first[0], 1))  # built, then a hit
+    tools.write_text(json.dumps([WEATHER_TOOL]).replace("get_weather", "lookup_forecast"))
+    text, cached = rendered()
+    assert cached == 0 and "lookup_forecast" in text and "get_weather" not in text, text
