@@ -87,11 +87,16 @@ def dataset_tools(spec: DatasetSpec):
     """data.datasets[].tools: a list of function schemas, or the path of a JSON file holding one."""
     if not isinstance(spec.tools, str):
         return spec.tools
-    return _tools_file(spec.tools)
+    try:  # read once per version of the file: an edited file is read again, in this process too
+        stamp = Path(spec.tools).expanduser().stat()
+        version = (stamp.st_mtime_ns, stamp.st_size, stamp.st_ino)
+    except OSError:
+        version = None
+    return _tools_file(spec.tools, version)
 
 
 @functools.lru_cache(maxsize=16)
-def _tools_file(path: str):
+def _tools_file(path: str, version: tuple | None):
     try:
         return json.loads(Path(path).expanduser().read_text())
     except (OSError, json.JSONDecodeError) as exc:
