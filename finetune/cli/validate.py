@@ -68,9 +68,9 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
 
-    train_rows = None
+    train_rows = fingerprint = None
     if check_data:
-        line, train_rows = _check_data(recipe, num_processes)
+        line, train_rows, fingerprint = _check_data(recipe, num_processes)
         lines.append("  data: " + line)
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
@@ -78,17 +78,17 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")
     if recipe.train.resume is not None:
-        lines += _check_resume(recipe, plan, train_rows)
+        lines += _check_resume(recipe, plan, train_rows, fingerprint)
     return "\n".join(lines)
 
 
-def _check_resume(recipe, plan, train_rows: int | None) -> list[str]:
+def _check_resume(recipe, plan, train_rows: int | None, fingerprint: str | None) -> list[str]:
     """The checkpoint train.resume names exists, is whole, and fits this run as the run checks it before loading
     (refused: its paragraph; allowed: the changes it notes)."""
     source = outputs.resume_source(recipe)
     if source is None:
         return ["  resume: auto, no checkpoint yet (starts at step 0)"]
-    notes = outputs.resume_changes(source, recipe, plan, train_rows=train_rows)
+    notes = outputs.resume_changes(source, recipe, plan, train_rows=train_rows, train_fingerprint=fingerprint)
     return [f"  resume: from {source}", *(f"    note: {note}" for note in notes)]
 
 
@@ -104,17 +104,17 @@ def _data_origin(recipe_path: Path) -> str | None:
     return None
 
 
-def _check_data(recipe, num_processes: int) -> tuple[str, int | None]:
+def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None]:
     """Tokenize every row when the tokenizer is local (with train.num_epochs, check that an epoch holds a whole
     optimizer step and resolve max_steps, as the run's start does); otherwise check the files and columns only.
-    Returns the report line and the training rows (None when not counted)."""
+    Returns the report line, the training rows and their data.rows_fingerprint (None when not counted)."""
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
         if recipe.data.streaming:  # the first rows of each dataset only: a stream is never read whole
             _, _, stats = data.stream_examples(recipe, tokenizer)
-            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: "), None
-        _, _, stats = data.build_examples(recipe, tokenizer)
+            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: "), None, None
+        train, _, stats = data.build_examples(recipe, tokenizer)
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         t = recipe.train
         data.check_enough_rows(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
@@ -126,7 +126,8 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None]:
             recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
-                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch"), stats.train_sequences
+                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch"), stats.train_sequences, \
+            data.rows_fingerprint(train)
     total = 0
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():
@@ -135,4 +136,4 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None]:
         for number, row in enumerate(rows, start=1):
             data.check_row(row, spec, f"{spec.path} row {number}")
         total += len(rows)
-    return f"{total} local rows have the fields their format needs (tokenizer not local: not tokenized)", None
+    return f"{total} local rows have the fields their format needs (tokenizer not local: not tokenized)", None, None

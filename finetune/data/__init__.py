@@ -49,6 +49,7 @@ from finetune.data.loader import (
     eval_batches,
     kl_sequence,
     real_token_count,
+    rows_fingerprint,
     steps_per_epoch,
 )
 from finetune.data.packing import (
@@ -134,6 +135,7 @@ __all__ = [
     "real_token_count",
     "render_examples",
     "render_segments",
+    "rows_fingerprint",
     "sequence_lengths",
     "set_reference_logps",
     "split_eval",

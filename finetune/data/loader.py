@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from finetune.data.examples import IGNORE_INDEX, Example
@@ -148,6 +150,7 @@ class BatchStream:
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
         self.counted_from = (0, 0.0)  # (step, epochs done then) epoch_at counts from: a resumed run's checkpoint
+        self._fingerprint: str | None = None  # rows_fingerprint, at the first save
         # KTO rows, given kl_max_length (the loss has a KL term): each micro-batch carries its KL rows
         self.unpaired = kl_max_length is not None and examples[0].desirable is not None
         self.kl_max_length = kl_max_length
@@ -200,8 +203,10 @@ class BatchStream:
         return [block[position - 1] for position in range(offset + self.rank, offset + size, self.world)]
 
     def state_dict(self) -> dict:
+        if self._fingerprint is None:
+            self._fingerprint = rows_fingerprint(self.examples)
         return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world, "micro_batch_size": self.batch,
-                "rows": len(self.examples), "seed": self.seed}
+                "rows": len(self.examples), "seed": self.seed, "fingerprint": self._fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where the saving run stopped, even if it had another world size or micro-batch size. `state`'s
@@ -248,3 +253,25 @@ def eval_batches(examples: list[Example], *, micro_batch_size: int, rank: int, w
     share = share + [filler] * (per_rank - len(share))
     for start in range(0, per_rank, micro_batch_size):
         yield collate(share[start : start + micro_batch_size], pad_id)
+
+
+def rows_fingerprint(examples: Sequence[Example]) -> str:
+    """A hash of the training rows' tokens and labels in their order before the shuffle (what a saved data position
+    indexes): a resume onto other rows of the same count is said (outputs/resume_checks.py). Tokenized stores are
+    hashed from their mapped arrays (about 1 s per GB); a list (GRPO prompts, a library caller's) example by example."""
+    digest = hashlib.blake2b(digest_size=16)
+    view = getattr(examples, "base", examples)  # store.PackedView's examples (store imports this module)
+    if hasattr(view, "stores"):  # a store.ExampleView
+        for store in view.stores:
+            for array in (store.ids, store.trained, store.bounds, *([store.desirable] if store.desirable is not None else [])):
+                digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        digest.update(view.picks.tobytes())
+        if view is not examples:
+            digest.update(examples.members.tobytes() + examples.row_bounds.tobytes())
+        return digest.hexdigest()
+    for example in examples:
+        for sequence in (example, example.rejected):
+            if sequence is not None:
+                digest.update(np.asarray(sequence.input_ids, np.int64).tobytes())
+                digest.update(np.asarray(sequence.labels, np.int64).tobytes())
+    return digest.hexdigest()

@@ -48,7 +48,8 @@ WHY_NOTED = {"train.max_steps": "it reshapes the learning-rate schedule",
              "train.warmup_steps": "it reshapes the learning-rate schedule"}
 
 
-def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None) -> None:
+def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None,
+                 train_fingerprint: str | None = None) -> None:
     """Refuse, before any weight loads, a checkpoint this run cannot continue; say every change that makes the run
     differ from an uninterrupted one (rank 0 decides and prints; every rank gets the same answer). `plan`: this
     run's ParallelPlan; `train_rows`: its training rows (None for a stream). After train.num_epochs is resolved."""
@@ -56,14 +57,16 @@ def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None) -
         return
 
     def decide() -> None:
-        for note in resume_changes(source, recipe, plan, train_rows=train_rows):
+        for note in resume_changes(source, recipe, plan, train_rows=train_rows, train_fingerprint=train_fingerprint):
             distributed.print0(f"[finetune] note: {note}")
 
     on_main(decide)
 
 
-def resume_changes(source: Path, recipe, plan, *, train_rows: int | None) -> list[str]:
-    """What check_resume decides: CheckpointError for a checkpoint this run cannot continue, else the notes."""
+def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
+                   train_fingerprint: str | None = None) -> list[str]:
+    """What check_resume decides: CheckpointError for a checkpoint this run cannot continue, else the notes.
+    `train_fingerprint`: data.rows_fingerprint of this run's training rows (None: not compared)."""
     saved, state = _saved(source)
     current = recipe.model_dump(mode="json")
     refused, noted = [], []
@@ -88,6 +91,10 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None) -> lis
         raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]))
     if not unresolved and (length := _length_problem(source, state["step"], recipe.train.max_steps)) is not None:
         raise CheckpointError(length)
+    saved_print = (state.get("data") or {}).get("fingerprint")
+    if train_fingerprint and saved_print and saved_print != train_fingerprint and train_rows == state["data"].get("rows"):
+        noted.append("the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed); "
+                     "the saved data position is applied to these rows")
     if rows_then is not None and rows_then != rows_now:
         noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
                      "train.grad_accum)")

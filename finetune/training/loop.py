@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from finetune import distributed, outputs
-from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, steps_per_epoch
+from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, rows_fingerprint, steps_per_epoch
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
@@ -169,7 +169,8 @@ def resolve_length(recipe: Recipe, train_examples, plan, *, resume_from: Path | 
     if rows is not None:
         resolve_max_steps(recipe, rows, plan.world_size)
     with distributed.checks_every_rank_makes():  # every rank gets rank 0's answer; rank 0 prints the paragraph
-        outputs.check_resume(resume_from, recipe, plan, train_rows=rows)
+        outputs.check_resume(resume_from, recipe, plan, train_rows=rows, train_fingerprint=(
+            rows_fingerprint(train_examples) if rows is not None and resume_from is not None else None))
 
 
 def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
