@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from finetune.data import IGNORE_INDEX, Example, PreparedData, steps_per_epoch
+from finetune.data.build import eval_overlap
 from finetune.recipe import Recipe, steps_for_epochs
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -125,8 +126,9 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
         source = "tokenization cache" if item["cached"] else "tokenized now"
         role = "eval dataset" if item.get("role") == "eval" else "dataset"
         weight = "" if item.get("role") == "eval" else f", weight {item['weight']}"
+        mixed = f", {item['train_examples']} train examples after weighting" if "train_examples" in item else ""
         lines.append(f"{role} {item['path']} ({item['format']}{weight}): {item['rows']} rows -> "
-                     f"{item['examples']} examples ({source})")
+                     f"{item['examples']} examples{mixed} ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
     if recipe.train.objective == "dpo":
@@ -142,6 +144,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
     eval_parts = ([f"{len(prepared.eval_files)} from data.eval_datasets"] if prepared.eval_files else []) + (
         [f"{held_out} held out (eval_fraction {data.eval_fraction})"] if held_out or not prepared.eval_files else [])
     lines.append(f"examples: {stats.train_examples} train, {stats.eval_examples} eval ({' + '.join(eval_parts)})")
+    if stats.eval_in_train:
+        lines.append(f"warning: {eval_overlap(stats)}")
     if data.packing:
         lines.append(f"packing: on, {stats.train_examples} examples in {stats.train_sequences} rows of <= {data.max_length} "
                      f"tokens; efficiency {stats.batch_efficiency:.1%} non-pad tokens (unpacked: {stats.unpacked_efficiency:.1%})")

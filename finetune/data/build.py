@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,7 +55,7 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     examples = ExampleView(stores + eval_stores, np.arange(count))
     eval_files = ExampleView(stores + eval_stores, np.arange(count, count + sum(len(s) for s in eval_stores)))
     train_ids, eval_ids = split_eval_indices(count, recipe)
-    train = ExampleView(examples.stores, _mix(train_ids, [origin[i] for i in train_ids], recipe))
+    train = ExampleView(examples.stores, _mix(train_ids, [origin[i] for i in train_ids], recipe, stats))
     # files first: the generation eval takes the first rows
     evaluation = ExampleView(examples.stores, np.concatenate([eval_files.picks, np.asarray(eval_ids, dtype=np.int64)]))
     sequences = train
@@ -64,6 +65,7 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
             raise DataError(problem)
         sequences = PackedView(train, pack_lengths(train.lengths().tolist(), recipe.data.max_length))
     _fill_stats(stats, stores, train, evaluation, sequences, recipe)
+    stats.eval_in_train = _eval_in_train(train, evaluation)
     return PreparedData(examples, sequences, evaluation, stats, eval_files)
 
 
@@ -75,7 +77,8 @@ def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore
         try:
             store, counts = dataset_store(spec, recipe, tokenizer)
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
-            raise DataError(str(exc).replace("data.datasets path", f"{key} path", 1)) from None
+            raise DataError(str(exc).replace("data.datasets[].path", f"{key}.path").replace(
+                "data.datasets path", f"{key} path", 1)) from None
         _count(stats, store, counts, spec, key, role="eval")
         found.append(store)
     return found
@@ -93,15 +96,43 @@ def build_examples(recipe: Recipe, tokenizer) -> tuple[Sequence[Example], Sequen
     return prepared.train, prepared.eval, prepared.stats
 
 
-def _mix(train: list[int], origin: list[int], recipe: Recipe) -> list[int]:
-    """Apply each dataset's weight to its train examples (indices): repeat (weight > 1) or subsample (weight < 1)."""
+def _mix(train: list[int], origin: list[int], recipe: Recipe, stats: DataStats) -> list[int]:
+    """Apply each dataset's weight to its train examples (indices): repeat (weight > 1) or subsample (weight < 1).
+    Each dataset's weighted count goes to its stats entry; a weight that leaves a dataset none is an error."""
     weights = [spec.weight for spec in recipe.data.datasets]
     if all(weight == 1.0 for weight in weights):
         return train
     mixed = []
     for index, weight in enumerate(weights):
-        mixed += weighted([e for e, o in zip(train, origin) if o == index], weight, recipe.train.seed + index)
+        own = [e for e, o in zip(train, origin) if o == index]
+        kept = weighted(own, weight, recipe.train.seed + index)
+        stats.per_dataset[index]["train_examples"] = len(kept)
+        if own and not kept:
+            raise DataError(
+                f"data.datasets[{index}] ({recipe.data.datasets[index].path}): weight {weight} of its {len(own)} "
+                f"training examples keeps round({weight} x {len(own)}) = 0, so it would not be trained on. Fix: a "
+                f"weight of at least {1 / len(own):.3g} (one example), or remove the dataset.")
+        mixed += kept
     return mixed
+
+
+def _eval_in_train(train: ExampleView, evaluation: ExampleView) -> int:
+    """Eval examples whose tokens and trained tokens equal a training example's: an eval file that is a training
+    file, or duplicate rows split across. Only training examples of a length some eval example has are read."""
+    if not len(evaluation) or not len(train):
+        return 0
+
+    def tokens(view: ExampleView, index: int) -> bytes:
+        glob = int(view.picks[index])
+        number = bisect_right(view.starts, glob) - 1
+        store, local = view.stores[number], glob - view.starts[number]
+        rows = (2 * local, 2 * local + 1) if store.pairs else (local,)
+        return b"".join(store.ids[store.bounds[r]:store.bounds[r + 1]].tobytes()
+                        + store.trained[store.bounds[r]:store.bounds[r + 1]].tobytes() for r in rows)
+
+    candidates = np.nonzero(np.isin(train.lengths(), np.unique(evaluation.lengths())))[0]
+    trained = {tokens(train, int(i)) for i in candidates}
+    return sum(1 for i in range(len(evaluation)) if tokens(evaluation, i) in trained)
 
 
 def data_line(stats: DataStats, recipe: Recipe) -> str:
@@ -109,7 +140,15 @@ def data_line(stats: DataStats, recipe: Recipe) -> str:
     packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
     return (f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} ({stats.rows} "
             f"rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{dropped_note(stats)}; "
-            f"batch efficiency {stats.batch_efficiency:.1%})")
+            f"batch efficiency {stats.batch_efficiency:.1%})" + (f"\n[finetune] warning: {eval_overlap(stats)}"
+                                                                  if stats.eval_in_train else ""))
+
+
+def eval_overlap(stats: DataStats) -> str:
+    """The sentence of eval examples that are training examples too (data line, `finetune data`)."""
+    return (f"{stats.eval_in_train} of {stats.eval_examples} eval examples are also training examples (the same "
+            "tokens): the eval loss measures recall of trained rows, not generalization. Fix: an eval file apart from "
+            "the training files (data.eval_datasets), or the duplicate rows removed from the data")
 
 
 def dropped_note(stats: DataStats) -> str:

@@ -58,6 +58,7 @@ class DataStats:
     unpacked_efficiency: float = 0.0  # the same without packing, for comparison
     cached_datasets: int = 0  # datasets read from the tokenization cache instead of tokenized
     per_dataset: list[dict] = field(default_factory=list)
+    eval_in_train: int = 0  # eval examples whose tokens equal a training example's (build._eval_in_train)
 
 
 @dataclass

@@ -97,3 +97,42 @@ def test_loss_and_generation_evals_use_the_eval_file(tiny_llama, tmp_path):
     assert [r["generation_total"] for r in generation] == [2, 2]
     assert all("minus" in r["generation_sample"]["prompt"] for r in generation)
     assert load_recipe(out / "recipe.yaml").data.eval_fraction == 0.0
+
+
+def test_eval_examples_that_are_training_examples_are_counted_and_said(tmp_path):
+    """An eval file that is the training file, or rows duplicated across the held-out split, were taken without a
+    word (found in a bug bash): the eval loss then measures recall."""
+    tokenizer = build_tokenizer()
+    same = data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(tmp_path / "train.jsonl")}]), tokenizer)
+    assert same.stats.eval_in_train == 40
+    assert "warning: 40 of 40 eval examples are also training examples" in data.data_line(same.stats, recipe_with(
+        tmp_path))
+    apart = data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(write_jsonl(tmp_path / "e.jsonl",
+                                                                                      EVAL_ROWS))}]), tokenizer)
+    assert apart.stats.eval_in_train == 0 and "warning" not in data.data_line(apart.stats, recipe_with(tmp_path))
+    rows = addition_rows(30)
+    doubled = write_jsonl(tmp_path / "doubled.jsonl", rows + rows[:10])  # 10 rows twice, split at random
+    split = data.prepare(validate_recipe({"model": {"name_or_path": "m"}, "data": {
+        "datasets": [{"path": str(doubled)}], "max_length": 128, "eval_fraction": 0.5}}), tokenizer)
+    picks = set(split.train.picks.tolist())
+    twins = {i for i in range(10) if {i, 30 + i} - picks and {i, 30 + i} & picks}  # one copy each side
+    assert split.stats.eval_in_train == len(twins) > 0
+
+
+def test_a_weight_that_leaves_a_dataset_nothing_is_refused_and_weighted_counts_are_shown(tmp_path, capsys):
+    tokenizer = build_tokenizer()
+    train = tmp_path / "train.jsonl"
+    with pytest.raises(data.DataError, match=r"data.datasets\[0\] \(.*train.jsonl\): weight 0.01 of its 40 training "
+                                             r"examples keeps round\(0.01 x 40\) = 0.*at least 0.025"):
+        data.prepare(recipe_with(tmp_path, eval_fraction=0, datasets=[{"path": str(write_jsonl(
+            train, addition_rows(40))), "weight": 0.01}]), tokenizer)
+    half = data.prepare(recipe_with(tmp_path, eval_fraction=0, datasets=[{"path": str(train), "weight": 0.5}]),
+                        tokenizer)
+    assert half.stats.per_dataset[0]["train_examples"] == 20 == half.stats.train_examples
+
+
+def test_an_eval_csv_error_names_its_eval_key(tmp_path):
+    (tmp_path / "eval.csv").write_text("instruction,output\n")
+    with pytest.raises(data.DataError) as raised:
+        data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(tmp_path / "eval.csv")}]), build_tokenizer())
+    assert "data.eval_datasets[0]" in str(raised.value) and "data.datasets" not in str(raised.value), raised.value
