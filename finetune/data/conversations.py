@@ -16,6 +16,8 @@ template that concatenates them as strings (DeepSeek's).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import re
 
 from finetune.errors import DataError
@@ -90,13 +92,41 @@ def _text(content, role: str, where: str) -> str:
             raise DataError(f"{where} has a text part without its text (a `text` key): {content!r}. Fix the row or set "
                             "data.bad_rows: skip.")
         return "".join(texts)
-    if isinstance(content, (dict, list)):
-        if role == "tool":
+    if isinstance(content, (dict, list, bool)):
+        if role == "tool":  # a tool's result as its JSON text
             return json.dumps(content, ensure_ascii=False)
         raise DataError(f"{where} (role {role}) has a {type(content).__name__} as its content; a turn's content is "
                         'text, or a list of text parts ([{"type": "text", "text": ...}]); only tool results may be '
                         "objects. Fix the row or set data.bad_rows: skip.")
-    return str(content)
+    return field_text(content, f"{where} (role {role}): its content")
+
+
+def field_text(value, what: str) -> str:
+    """A field's value as the text that is trained: text as it is; a number as its JSON text (a CSV or Parquet column of
+    numbers loads as numbers, and `72` is what such a row means; NaN, a CSV's empty cell, is empty); None as empty.
+    true/false, a list or an object is the row's error (`what` names the file, the line and the field): str() would
+    train Python's spelling of it (`True`, `['red', 'blue']`, `{'ok': True}`), which is no text anyone writes."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    boolean = isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool_ is no numbers.Real
+    if isinstance(value, numbers.Integral) and not boolean:
+        return str(int(value))
+    if isinstance(value, numbers.Real) and not boolean:
+        return "" if math.isnan(value) else str(value)
+    if boolean:
+        kind, spelled, fix = f"{str(bool(value)).lower()} (a JSON boolean)", repr(bool(value)), \
+            f'"{str(bool(value)).lower()}", or the answer in words'
+    else:
+        kind = "a list" if isinstance(value, (list, tuple)) else "an object" if isinstance(value, dict) else \
+            f"a {type(value).__name__}"
+        shown = json.dumps(json.dumps(value, ensure_ascii=False, default=str), ensure_ascii=False)
+        spelled, fix = repr(value), f"its JSON text, {_clip(shown)}, if the model should write JSON"
+    raise DataError(f"{what} is {kind}, not text: as it is, the row would train Python's spelling of it "
+                    f"({_clip(spelled)}). Fix the row: write the value as text ({fix}), or set data.bad_rows: skip.")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -> None:

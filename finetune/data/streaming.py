@@ -1,7 +1,8 @@
 """Streaming (data.streaming): rows read lazily, tokenized and packed on the fly, each rank's share, exact resume.
 
-For datasets larger than memory or disk: nothing is read whole and nothing is cached. Local JSON Lines are read line by
-line; other local files, folders and hub names are `datasets` IterableDatasets (`load_dataset(..., streaming=True)`).
+For datasets larger than memory or disk: nothing is read whole and nothing is cached. Local files and folders of data
+files are read as the cached path reads them (sources.local_rows: JSON Lines line by line, CSV and Parquet an Arrow
+batch at a time); save_to_disk folders and hub names are `datasets` IterableDatasets (`load_dataset(..., streaming=True)`).
 Rows go through `tokenize_chunk` a small chunk at a time, so tokens and labels are those of the cached path. With
 data.packing, examples are packed greedily as they come: an open row takes the next example if it fits in
 data.max_length, else the row is emitted and a new one opened. The datasets are read one after another in their own
@@ -34,7 +35,7 @@ from finetune.data.build import eval_file_examples
 from finetune.data.examples import DataStats, Example, PreparedData
 from finetune.data.loader import BatchStream, collate
 from finetune.data.packing import concat_examples, packing_problem
-from finetune.data.sources import LOCAL_SUFFIXES
+from finetune.data.sources import LOCAL_SUFFIXES, _reason, _saved_folder, local_files, local_rows
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
@@ -53,74 +54,42 @@ class Position:
 
 
 # --------------------------------------------------------------------------------------------------- rows
-def _json_lines(path: Path) -> bool:
-    """A .jsonl file, or a .json file holding JSON Lines (not one JSON array): read line by line."""
-    if path.suffix != ".json":
-        return path.suffix == ".jsonl"
-    with open(path, encoding="utf-8") as handle:
-        while (character := handle.read(1)) and character.isspace():
-            pass
-    return character != "["
-
-
-def _lines(path: Path, start: int) -> Iterator[tuple[int, str, str]]:
-    """(row, line, place) from row `start` on; rows are the non-empty lines, as the cached path counts them. Skipped
-    rows are read past, never parsed."""
-    with open(path, encoding="utf-8") as handle:
-        row = 0
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            if row >= start:
-                yield row, line, f"line {number}"
-            row += 1
-
-
 def _iterable(spec: DatasetSpec, path: Path):
-    """Anything but JSON Lines as a `datasets` IterableDataset (a JSON array file: its parsed rows)."""
+    """A save_to_disk folder or a hub name as a `datasets` IterableDataset (local files are read by sources.py)."""
     import datasets
 
     try:
-        if path.is_file() and path.suffix == ".json":  # one JSON array is one value: parsed whole (use JSON Lines)
-            from finetune.data.sources import _json_array
-
-            return _json_array(path, path.read_text(encoding="utf-8"))
-        if path.is_file():
-            return datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train", streaming=True)
-        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if path.is_dir():
             loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow: read as it is iterated
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = loaded[spec.split]
             return loaded.to_iterable_dataset()
-        if path.is_dir():
-            return datasets.load_dataset(str(path), spec.subset, split=spec.split, streaming=True)
         from finetune.hub import use_cache_only_if_unreachable
 
         use_cache_only_if_unreachable()
         return datasets.load_dataset(spec.path, spec.subset, split=spec.split, streaming=True)
-    except DataError:
-        raise
     except Exception as exc:  # noqa: BLE001  datasets raises many types for names and folders it cannot stream
-        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({text}). Streaming reads "
-                        "hub datasets from the hub itself: offline, save it to a local folder or files first.") from None
+        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({_reason(exc)}). Streaming "
+                        "reads hub datasets from the hub itself: offline, save it to a local folder or files first.") from None
 
 
 def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, object, str]]:
     """(row, item, place) of one dataset from row `start` on, at most spec.max_rows rows. An item is a JSON Lines
-    line (text, parsed when tokenized) or a row dict. Skipped rows are read past, never tokenized."""
+    line (text, parsed when tokenized) or a row dict. Skipped rows are read past, never tokenized. Local files and
+    folders of data files are read as the cached path reads them (sources.local_rows: every file of a folder, CSV
+    values as written), so a stream and a cached run train on the same rows."""
     path = Path(spec.path).expanduser()
     limit = spec.max_rows
     if limit is not None and start >= limit:
         return
     if not path.exists() and (spec.path.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES):
         raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
-    if path.is_file() and _json_lines(path):
-        rows = _lines(path, start)
+    if path.is_file() or (path.is_dir() and not _saved_folder(path)):
+        files, folder = local_files(spec)
+        rows = ((start + i, item, place) for i, (item, place, _) in enumerate(local_rows(files, folder, start)))
     else:
         table = _iterable(spec, path)
-        rows = ((start + i, item, f"row {start + i + 1}")
-                for i, item in enumerate(table[start:] if isinstance(table, list) else table.skip(start)))
+        rows = ((start + i, item, f"row {start + i + 1}") for i, item in enumerate(table.skip(start)))
     yield from rows if limit is None else itertools.takewhile(lambda entry: entry[0] < limit, rows)
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
 
 from finetune.data.chat import chat_examples
-from finetune.data.conversations import ROLE_ALIASES, check_order, convert_turns, normalize_tools
+from finetune.data.conversations import ROLE_ALIASES, check_order, convert_turns, field_text, normalize_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
@@ -27,6 +29,11 @@ FORMAT_FIELDS = {
     "unpaired_preference": (("prompt", "completion", "label"), ("system", "tools")),  # TRL's KTO rows; label: desirable or not
     "prompt": (("prompt",), ("system", "tools")),  # GRPO: prompts only; the other columns go to the reward functions
 }
+# The fields rendered as text (the others: messages, answers that may be turns, tools, labels). A number is taken as
+# its JSON text; true/false, a list or an object is the row's error (conversations.field_text).
+TEXT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "completion": ("prompt", "completion"),
+               "text": ("text",), "chat": ("system",), "preference": ("system",), "unpaired_preference": ("system",)}
+_SURROGATE = re.compile("[\ud800-\udfff]")
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # --------------------------------------------------------------------------------------------------- rendering
@@ -53,19 +60,54 @@ def row_system(row: dict, spec: DatasetSpec, system_prompt: str | None) -> str |
 
 
 def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
-    """The row is an object with every field its format needs, and chat turns are well formed (no tokenizer needed)."""
+    """The row is an object with every field its format needs, its text fields hold text, no string holds half a
+    character, and chat turns are well formed (no tokenizer needed)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object with fields, got {type(row).__name__}.")
     required, _ = FORMAT_FIELDS[spec.format]
-    missing = [_column(spec, name, row) for name in required if _field(row, spec, name) in (None, "", [])]
+    missing = [_column(spec, name, row) for name in required if _blank(_field(row, spec, name))]
     if missing:
+        present = [f"{key}: null" if row[key] is None else str(key) for key in sorted(row, key=str)]
         raise DataError(
-            f"{where}: missing or empty {', '.join(f'`{m}`' for m in missing)} needed by format `{spec.format}` (row has: "
-            f"{', '.join(sorted(row))}). Fix the row, map the columns with data.datasets[].columns, or set data.bad_rows: skip."
+            f"{where}: missing or empty {', '.join(f'`{m}`' for m in missing)} (absent, null or only whitespace) "
+            f"needed by format `{spec.format}` (row has: {', '.join(present) or 'nothing'}). Fix the row, map the columns "
+            "with data.datasets[].columns, or set data.bad_rows: skip."
         )
+    for name in TEXT_FIELDS.get(spec.format, ()):
+        field_text(_field(row, spec, name), f"{where}: `{_column(spec, name)}`")
+    if (broken := _surrogate(row)) is not None:
+        path, text = broken
+        raise DataError(
+            f"{where}: `{path}` holds a lone surrogate ({text!r}: half of a UTF-16 pair, as when an emoji is cut in "
+            "two), which is not text a tokenizer can encode. Fix the row (write the whole character, or delete the "
+            "half), or set data.bad_rows: skip.")
     if spec.format == "chat":
         normalize_messages(_field(row, spec, "messages"), spec, where)
         row_tools(row, spec, where)
+
+
+def _blank(value) -> bool:
+    """A required field with nothing to train: absent, null, empty or only whitespace, an empty list, NaN (a CSV's
+    empty cell in a column of numbers)."""
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, float):
+        return math.isnan(value)
+    return value is None or (isinstance(value, list) and not value)
+
+
+def _surrogate(value, path: str = "") -> tuple[str, str] | None:
+    """(where in the row, the text around it) of the first lone surrogate: JSON's "\\ud83d" without its other half
+    parses to a str that no tokenizer takes (the Rust tokenizer raises a TypeError naming no row)."""
+    if isinstance(value, str):
+        found = None if value.isascii() else _SURROGATE.search(value)
+        return (path, value[max(found.start() - 20, 0) : found.end() + 20]) if found else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if (found := _surrogate(item, inner)) is not None:
+            return found
+    return None
 
 
 def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
@@ -127,21 +169,27 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     check_row(row, spec, where)
     eos = tokenizer.eos_token or ""
     system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
+    text = functools.partial(_text, row, spec, where=where)
     if spec.format == "text":
-        return [(str(_field(row, spec, "text")) + eos, True)]
+        return [(text("text") + eos, True)]
     if spec.format == "completion":
-        return [(str(_field(row, spec, "prompt")), False), (str(_field(row, spec, "completion")) + eos, True)]
+        return [(text("prompt"), False), (text("completion") + eos, True)]
     if spec.format == "preference":
         return render_pair(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     if spec.format == "unpaired_preference":
         return render_unpaired(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
-    instruction, extra = str(_field(row, spec, "instruction")), _field(row, spec, "input")
-    template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
+    instruction, extra = text("instruction"), text("input")
+    template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
     prompt = template.format(instruction=instruction, input=extra)
     system = row_system(row, spec, system_prompt)
     if system:
         prompt = f"{system}\n\n{prompt}"
-    return [(prompt, False), (str(_field(row, spec, "output")) + eos, True)]
+    return [(prompt, False), (text("output") + eos, True)]
+
+
+def _text(row: dict, spec: DatasetSpec, name: str, *, where: str) -> str:
+    """Field `name` of a row as the text it trains (check_row refused what is not text)."""
+    return field_text(_field(row, spec, name), f"{where}: `{_column(spec, name)}`")
 
 
 # ------------------------------------------------------------------------------------------- preference pairs
@@ -212,7 +260,8 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
         if prompt in (None, ""):
             raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: a text response needs the prompt it "
                             "answers. Add it, map it with data.datasets[].columns, or give whole conversations.")
-        eos, prompt = tokenizer.eos_token or "", f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
+        prompt = field_text(prompt, f"{where}: `{_column(spec, 'prompt')}`")
+        eos, prompt = tokenizer.eos_token or "", f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
         return [[(prompt, False), (str(answer) + eos, True)] for _, answer in answers]
     if prompt in (None, "", []):
         raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: the answers need the prompt they answer. Add "

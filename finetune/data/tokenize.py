@@ -15,18 +15,25 @@ A row with no trained token at all (an empty answer) is a malformed row: data.ba
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from finetune.data.chat import chat_template_text
 from finetune.data.conversations import renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.pairs import pair_examples, tokenize_prompted
-from finetune.data.templates import FORMAT_FIELDS, _column, _render_or_reason, tokenize_many
+from finetune.data.templates import FORMAT_FIELDS, _column, _field, _render_or_reason, tokenize_many
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
 KEPT_REASONS = 20  # skipped rows whose reasons are kept (every skip is counted)
 NAMED_DROPS = 5  # rows dropped for length that the data line names
+# The fields whose value may be a list of chat turns (whose keys data.datasets[].columns role/content/reasoning name).
+TURN_LISTS = {"chat": ("messages",), "preference": ("prompt", "chosen", "rejected"),
+              "unpaired_preference": ("prompt", "completion"), "prompt": ("prompt",)}
+# A row error's advice to skip such rows (`, or set data.bad_rows: skip [to skip ... with a count]`), said to no one
+# when rows are skipped already: dropped from the reasons kept under data.bad_rows: skip.
+_SKIP_ADVICE = re.compile(r",? or set data\.bad_rows: skip(?: to skip [^.]*)?(?=\.)| \(data\.bad_rows: skip\)")
 
 
 @dataclass
@@ -47,12 +54,13 @@ def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str
     """JSON Lines text -> rows (and their places); an unparsable line is a reason (skipped or, by bad_rows, fatal)."""
     rows, kept, broken = [], [], []
     for line, place in zip(lines, places):
-        try:
-            rows.append(json.loads(line))
+        try:  # without its newline: a line cut short is "Expecting value" where it stops, not at column 1 of nothing
+            rows.append(json.loads(line.rstrip("\r\n")))
             kept.append(place)
         except json.JSONDecodeError as exc:
             broken.append(f"{path}: {place} is not valid JSON ({exc.msg} at column {exc.colno}). Fix or delete that "
-                          "line, or set data.bad_rows: skip to skip broken rows with a count.")
+                          "line" + (", or set data.bad_rows: skip to skip broken rows with a count." if bad_rows == "error"
+                                    else "."))
             if bad_rows == "error":
                 break
     return rows, kept, broken
@@ -72,6 +80,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
                 f"not exist (columns: {', '.join(columns)}). Map it with data.datasets[].columns, e.g. "
                 f"columns: {{{name}: {columns[0] if columns else 'COLUMN'}}}, or pick the right format."
             )
+    _check_mapped_columns(dict_rows, spec, source)
     if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
@@ -81,6 +90,26 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
         )
     if spec.format in ("chat", "preference", "unpaired_preference", "prompt"):
         _check_tools(dict_rows, spec, tokenizer, source)
+
+
+def _check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str) -> None:
+    """Every column data.datasets[].columns names is in the data (the keys of the rows; for role, content and
+    reasoning, of their turns): a mapping to a column no row has (a typo) would leave an optional field out of every
+    row without a word (alpaca rows trained without their `input`, chat rows without their tools)."""
+    columns = sorted({str(key) for row in rows for key in row})
+    turns = [turn for row in rows for name in TURN_LISTS.get(spec.format, ()) if isinstance(_field(row, spec, name), list)
+             for turn in _field(row, spec, name) if isinstance(turn, dict)]
+    turn_keys = sorted({str(key) for turn in turns for key in turn})
+    for name, column in spec.columns.items():
+        inside_turns = name in ("role", "content", "reasoning")
+        have, what = (turn_keys, "message has that key") if inside_turns else (columns, "row has that column")
+        if not rows or (inside_turns and not turns) or column in have:
+            continue
+        raise DataError(
+            f"{source}: data.datasets[].columns maps `{name}` to `{column}`, but no {what} (the first {len(rows)} rows' "
+            f"{'message keys' if inside_turns else 'columns'}: {', '.join(have) or 'none'}), so every row would be "
+            f"read without its `{name}`. Fix: map `{name}` to the {'key' if inside_turns else 'column'} that holds it "
+            f"(columns: {{{name}: ...}}), or remove the mapping.")
 
 
 def _check_tools(rows: list[dict], spec: DatasetSpec, tokenizer, source: str) -> None:
@@ -137,6 +166,8 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if result.reasons and data.bad_rows == "error" and result.fatal is None:
         result.fatal = result.reasons[0]
     result.reasons = result.reasons[:KEPT_REASONS]
+    if data.bad_rows == "skip":
+        result.reasons = [_SKIP_ADVICE.sub("", reason) for reason in result.reasons]
     return result
 
 

@@ -187,8 +187,9 @@ class TrainSection(_Section):
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="HF's: warmup over this share of max_steps "
-                                       "(rounded up), instead of warmup_steps; the resolved recipe says the steps.")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="As HF's: warmup over this share of max_steps "
+                                       "(rounded up), instead of warmup_steps; the resolved recipe says the steps. "
+                                       "Warmup step s of w uses (s+1)/(w+1) of the peak (HF's: s/w, from lr 0).")
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"

@@ -123,7 +123,10 @@ class TrainResult:
 
 
 def lr_lambda(recipe: Recipe):
-    """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak."""
+    """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak.
+
+    Step s (from 0) of w warmup steps uses (s + 1) / (w + 1) of the peak: no step runs at lr 0. transformers'
+    get_*_schedule_with_warmup uses s / w, whose first step has lr 0; after the warmup the two are the same."""
     t = recipe.train
 
     def factor(step: int) -> float:
