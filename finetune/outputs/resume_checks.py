@@ -41,6 +41,9 @@ HARMLESS = ("description", "output", "parallel", "train.resume", "train.log_ever
             "train.keep_last", "train.keep_best", "train.trackers", "train.run_name", "train.tensorboard_dir",
             "train.mlflow_tracking_uri", "train.mlflow_experiment", "train.wandb_project", "data.num_proc", "data.cache",
             "model.quantized_cache")
+# Changes of what is evaluated and when, not of what is trained: said apart, as such (train.keep_best compares the eval
+# losses of other cadences or rows).
+EVAL_ONLY = ("train.eval_every", "eval")
 # Compared together as the rows of one optimizer step (micro_batch_size x processes x grad_accum), not key by key:
 # 2 processes x 2 rows and 1 process x 2 rows x grad_accum 2 train the same steps.
 BATCH = ("train.micro_batch_size", "train.grad_accum")
@@ -69,7 +72,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     `train_fingerprint`: data.rows_fingerprint of this run's training rows (None: not compared)."""
     saved, state = _saved(source)
     current = recipe.model_dump(mode="json")
-    refused, noted = [], []
+    refused, noted, evaluation = [], [], []
     # train.num_epochs not yet resolved (`finetune validate` without the rows): the length is compared by the run
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
         recipe.train.num_epochs is not None) else ()
@@ -78,6 +81,8 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
             continue
         if key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
             refused.append((key, before, now, REFUSED[key]))
+        elif _under(key, EVAL_ONLY):
+            evaluation.append(f"{key} {_shown(before)} -> {_shown(now)}")
         elif not _under(key, HARMLESS + BATCH):
             noted.append(f"{key} {_shown(before)} -> {_shown(now)}"
                          + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else ""))
@@ -98,9 +103,10 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     if rows_then is not None and rows_then != rows_now:
         noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
                      "train.grad_accum)")
-    if not noted:
-        return []
-    return [f"resuming {source} with {'; '.join(noted)}: the run will differ from an uninterrupted one"]
+    said = [f"resuming {source} with {'; '.join(noted)}: the run will differ from an uninterrupted one"] if noted else []
+    if evaluation:
+        said.append(f"resuming {source} with {'; '.join(evaluation)}: the evaluation differs, the training does not")
+    return said
 
 
 def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:

@@ -111,16 +111,22 @@ def _set(tree: dict, dotted: str, value) -> None:
 
 def test_the_bug_bash_keys_are_noted_with_both_values(recipe_file):
     source = fake_checkpoint(load_recipe(recipe_file), 3)
-    [note] = changes(source, recipe_file, "train.weight_decay=0.1", "train.warmup_steps=2", "train.min_lr_ratio=0.5",
-                     "train.max_grad_norm=0.5", "train.max_steps=20", "lora.dropout=0.1", "data.max_length=64",
-                     "data.system_prompt=Be brief.", "eval.generation_rows=2", "train.eval_every=3",
-                     "train.save_every=5", "output.overwrite=true")
+    note, evaluation = changes(source, recipe_file, "train.weight_decay=0.1", "train.warmup_steps=2",
+                               "train.min_lr_ratio=0.5", "train.max_grad_norm=0.5", "train.max_steps=20",
+                               "lora.dropout=0.1", "data.max_length=64", "data.system_prompt=Be brief.",
+                               "eval.generation_rows=2", "train.eval_every=3", "train.save_every=5",
+                               "output.overwrite=true")
     for said in ("train.weight_decay 0.0 -> 0.1", "train.warmup_steps 0 -> 2", "train.min_lr_ratio 0.1 -> 0.5",
                  "train.max_grad_norm 1.0 -> 0.5", "train.max_steps 12 -> 20 (it reshapes the learning-rate schedule)",
-                 "lora.dropout 0.0 -> 0.1", "data.max_length 128 -> 64", "data.system_prompt null -> Be brief.",
-                 "eval.generation_rows 0 -> 2", "train.eval_every 0 -> 3"):
+                 "lora.dropout 0.0 -> 0.1", "data.max_length 128 -> 64", "data.system_prompt null -> Be brief."):
         assert said in note, (said, note)
     assert "save_every" not in note and "output" not in note and note.endswith("will differ from an uninterrupted one")
+    # what is evaluated, not what is trained: said apart (it was "the run will differ")
+    assert "eval.generation_rows" not in note and "train.eval_every" not in note, note
+    assert evaluation.endswith("with train.eval_every 0 -> 3; eval.generation_rows 0 -> 2: the evaluation differs, "
+                               "the training does not"), evaluation
+    [only] = changes(source, recipe_file, "train.eval_every=3")
+    assert only.endswith("train.eval_every 0 -> 3: the evaluation differs, the training does not"), only
     assert changes(source, recipe_file, "train.save_every=5", "train.keep_last=4") == []
 
 
