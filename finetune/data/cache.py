@@ -2,7 +2,7 @@
 
 The cache key covers everything the tokens depend on: the rows (a local file's bytes, a hub dataset's `datasets`
 fingerprint), the tokenizer (vocabulary, special tokens, chat template), the recipe's data settings and the rendering
-code (the source of templates.py, pairs.py and tokenize.py, plus STORE_FORMAT). So any change is a miss, never a
+code (the source of the modules that read and render rows, _RENDERING_CODE, plus STORE_FORMAT). So any change is a miss, never a
 stale hit; an entry written by older code (another format, or the .npz files of v1-v3) is never read.
 
 The first process to want an entry builds it while the others (the ranks of this node, other runs) wait on a file
@@ -33,7 +33,7 @@ from finetune.errors import DataError
 from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
-_RENDERING_CODE = ("templates.py", "conversations.py", "chat.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
+_RENDERING_CODE = ("sources.py", "templates.py", "conversations.py", "chat.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
 
 
 def _rendering_code_version() -> str:
