@@ -13,6 +13,7 @@ import torch
 
 from finetune import data, model, outputs, parallel
 from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+from finetune.data.tokenize import check_mapped_columns
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
 from finetune.model.loading import check_lora_targets
@@ -133,6 +134,7 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
         if not Path(spec.path).expanduser().exists():
             continue  # a `datasets` hub name: checked when the run loads it
         rows = data.load_rows(spec)
+        check_mapped_columns([row for row in rows[:1000] if isinstance(row, dict)], spec, spec.path)
         for number, row in enumerate(rows, start=1):
             data.check_row(row, spec, f"{spec.path} row {number}")
         total += len(rows)

@@ -80,7 +80,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
                 f"not exist (columns: {', '.join(columns)}). Map it with data.datasets[].columns, e.g. "
                 f"columns: {{{name}: {columns[0] if columns else 'COLUMN'}}}, or pick the right format."
             )
-    _check_mapped_columns(dict_rows, spec, source)
+    check_mapped_columns(dict_rows, spec, source)
     if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
@@ -92,7 +92,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
         _check_tools(dict_rows, spec, tokenizer, source)
 
 
-def _check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str) -> None:
+def check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str) -> None:
     """Every column data.datasets[].columns names is in the data (the keys of the rows; for role, content and
     reasoning, of their turns): a mapping to a column no row has (a typo) would leave an optional field out of every
     row without a word (alpaca rows trained without their `input`, chat rows without their tools)."""

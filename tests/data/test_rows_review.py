@@ -188,3 +188,18 @@ def test_row_has_lists_null_fields_as_null(tokenizer):
     row = {"instruction": "x", "output": None, "input": "y"}
     with pytest.raises(DataError, match=r"missing or empty `output` .*\(row has: input, instruction, output: null\)"):
         data.check_row(row, DatasetSpec(path="fold", format="alpaca"), "fold row 11")
+
+
+def test_validate_without_a_local_tokenizer_checks_the_mapped_columns(tiny_llama, tmp_path, capsys):
+    """validate reads the rows without tokenizing them when the tokenizer is not local; a mapping to a column no row
+    has passed there."""
+    from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
+
+    from finetune.cli import main
+
+    rows = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    recipe = recipe_dict(tiny_llama, rows, tmp_path / "out")
+    recipe["model"]["tokenizer"] = "some-org/a-hub-tokenizer"
+    recipe["data"]["datasets"][0]["columns"] = {"input": "context"}
+    assert main(["validate", str(write_recipe(tmp_path / "r.yaml", recipe))]) == 2
+    assert "maps `input` to `context`, but no row has that column" in capsys.readouterr().err
