@@ -64,10 +64,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         command += [str(script)]
         command += [recipe, *args.overrides]
         return _launch(command)
-    from finetune.run import run
+    from finetune.run import main as run_main  # the launched ranks' own main: one path for errors and a full disk
 
-    run(recipe, list(args.overrides))
-    return 0
+    return run_main([recipe, *args.overrides])
 
 
 def _launch(command: list[str]) -> int:

@@ -36,8 +36,10 @@ def adapter_key_map(peft_model) -> dict[str, str]:
     return keys
 
 
-def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path) -> dict:
-    """Write a standard PEFT adapter folder atomically, read it back and compare. Rank 0 only."""
+def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path, *,
+                 tokenizer=None) -> dict:
+    """Write a standard PEFT adapter folder atomically (with the tokenizer, when given: a folder is published whole or
+    not at all), read it back and compare. Rank 0 only."""
     from safetensors.torch import load_file, save_file
 
     missing = [name for name in key_map if name not in trainable_state]
@@ -55,6 +57,8 @@ def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str
         with atomic_dir(out_dir) as tmp:
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             config.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
             _verify_adapter_files(tmp, tensors, load_file)
     except Exception as exc:  # safetensors raises its own error type for a full disk
         if not no_room(exc):
@@ -64,7 +68,8 @@ def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str
         raise CheckpointError(
             f"the adapter was not written to {out_dir}: no space left on that filesystem ({free_mb(out_dir)} free; "
             f"{str(exc).splitlines()[0][:200]}); the temporary files were removed and {before}. It needs about "
-            f"{size / 1e6:,.1f} MB. Free that much there, then run the same command with train.resume=auto added: the run "
+            f"{size / 1e6:,.1f} MB{' and the tokenizer files' if tokenizer is not None else ''}. Free that much there, "
+            "then run the same command with train.resume=auto added: the run "
             "continues from its newest checkpoint (after the last step it trains nothing again) and writes the adapter."
         ) from None
     return tensors

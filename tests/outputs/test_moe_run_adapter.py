@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,32 @@ def test_the_old_adapter_goes_first_and_a_failed_conversion_keeps_the_adapter_as
     assert not (run / "adapter").exists() and (run / AS_TRAINED / ADAPTER_CONFIG).is_file()  # a kill now: unfinished
     finish_run_adapter(run, recipe=None)  # no recipe, no base named: the export fails
     said = capsys.readouterr().out
-    assert "warning: adapter/ holds the adapter as trained (per expert)" in said and "ExportError" in said
+    assert "warning: adapter/ holds the adapter as trained (per expert)" in said and "FOLDER_OR_HUB_ID" in said
     assert _keys(run / "adapter") == _keys(run / AS_TRAINED)
     assert json.loads((run / "adapter" / ADAPTER_CONFIG).read_text())["r"] == 2
+
+
+def test_a_full_disk_while_the_tokenizer_is_written_publishes_no_adapter(tiny_llama, tmp_path):
+    """The tokenizer was written into adapter/ after it was published: a disk that filled there left weights beside a
+    0-byte tokenizer_config.json, a folder every check took for a finished run (found in a bug bash, on a 995 KB tmpfs).
+    The full disk is simulated in the tokenizer's save, with the text the tokenizers library raises."""
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from finetune.errors import CheckpointError
+    from finetune.outputs.run_adapter import save_run_adapter
+
+    class FullDisk:
+        def __init__(self):
+            self.real = AutoTokenizer.from_pretrained(tiny_llama)
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer_config.json").write_text("")
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002 (the tokenizers library's own)
+
+    name = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(CheckpointError, match=r"no space left on that filesystem.*and the tokenizer files"):
+        save_run_adapter(config, {name: "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"},
+                         {name: torch.ones(2, 8)}, tmp_path, FullDisk(), recipe=None)
+    assert not (tmp_path / "adapter").exists() and not list(tmp_path.iterdir())
