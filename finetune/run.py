@@ -18,8 +18,15 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script: put the repository root (not finetune/) on the path so `finetune` is the package.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from finetune import distributed, host_memory, quiet, rank_errors
-from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
+try:
+    from finetune import distributed, host_memory, quiet, rank_errors
+    from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
+except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imports: no traceback from any rank
+    if __name__ != "__main__":
+        raise
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print("finetune: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
@@ -147,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             rank_errors.rank0_printed(peers_waiting=alike)
         return code
+    except KeyboardInterrupt:  # before training's own handler (which saves a checkpoint first) was installed
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print("finetune: interrupted", file=sys.stderr, flush=True)
+        return 130
     except OSError as exc:  # a full disk outside the checkpoint and adapter writes (metrics.jsonl, plot.png)
         from finetune.files import no_room
 

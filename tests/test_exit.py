@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import child_env
 
 LEAVE = r"""
@@ -32,3 +33,39 @@ def test_exit_process_joins_threads_runs_exit_hooks_and_keeps_the_code(tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     assert (tmp_path / "late.txt").read_text() == "written"  # the non-daemon thread finished its work
     assert "the pool ran" in result.stdout and "the exit hook ran" in result.stdout and "unflushed output" in result.stdout
+
+
+CTRL_C_IN_IMPORT = r"""
+import sys
+
+class CtrlC:  # Ctrl-C arriving while torch imports its submodules (a launch's first seconds), deterministically
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.nn.modules.conv":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["finetune train", "finetune recipes", "run.py rank 0", "run.py rank 1"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_130(how, tmp_path):
+    """It printed "finetune: interrupted" and then an AttributeError traceback of a half-imported torch (the command's
+    cleanup imported finetune.distributed again), a RecursionError (`finetune recipes`), or each rank's KeyboardInterrupt
+    traceback (run.py's imports ran before any handler); found in a bug bash with real signals at 1-12 s."""
+    from conftest import REPO, RUN_PY
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CTRL_C_IN_IMPORT)
+    rank = {"run.py rank 1": "1"}.get(how, "0")
+    env = child_env(PYTHONPATH=f"{hook}:{REPO}", RANK=rank)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m}\ndata: {datasets: [{path: x.jsonl}]}\n")
+    command = {"finetune train": [sys.executable, "-m", "finetune", "train", str(recipe)],
+               "finetune recipes": [sys.executable, "-m", "finetune", "recipes"]}.get(
+        how, [sys.executable, str(RUN_PY), str(recipe)])
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert result.stderr == ("" if rank == "1" else "finetune: interrupted\n"), result.stderr[-2000:]

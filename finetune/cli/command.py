@@ -267,6 +267,21 @@ def _add_output_verbs(verbs) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: one paragraph and exit 2 for a user's mistake, 130 and one line for Ctrl-C, whenever it comes
+    (while torch is still importing too)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("finetune: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        # Never imported here: after a Ctrl-C during torch's import, importing it again fails inside torch.
+        teardown = getattr(sys.modules.get("finetune.distributed"), "teardown", None)  # absent or half-imported: none
+        if teardown is not None:
+            teardown()
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv or "-v" in argv:  # anywhere on the line; the processes a launch starts inherit it
         argv = [item for item in argv if item not in ("--verbose", "-v")]
@@ -292,13 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         code = getattr(exc, "exit_code", EXIT_USER_ERROR)  # preemption: 128 + signal, and not an "error"
         print(f"finetune: {'error: ' if code == EXIT_USER_ERROR else ''}{exc}", file=sys.stderr, flush=True)
         return code
-    except KeyboardInterrupt:
-        print("finetune: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        from finetune import distributed
-
-        distributed.teardown()
 
 
 def entry() -> None:
