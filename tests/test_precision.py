@@ -144,4 +144,6 @@ def test_a_launched_run_says_the_dtype_once(tiny_llama, tmp_path, monkeypatch, c
     assert code == 0, err[-3000:]
     lines = [line for line in (out + err).splitlines() if line.startswith("[finetune] dtype:")]
     assert lines == ["[finetune] dtype: float32 (model.dtype: auto; FINETUNE_NATIVE_BF16=0)"], lines
+    attention = [line for line in (out + err).splitlines() if line.startswith("[finetune] model.attn_implementation:")]
+    assert len(attention) == 1, attention  # the attention line too (said by the parent as well, found in a bug bash)
     assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["model"]["dtype"] == "float32"

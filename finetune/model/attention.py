@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from finetune.distributed import print0
 from finetune.model.classes import causal_lm_class
-from finetune.recipe import Recipe
+from finetune.recipe import Recipe, announcing
 
 
 def supported_attention(config) -> tuple[str, str]:
@@ -36,5 +36,6 @@ def resolve_attention(recipe: Recipe, config) -> str:
         return recipe.model.attn_implementation
     implementation, why = supported_attention(config)
     recipe.model.attn_implementation = implementation
-    print0(f"[finetune] model.attn_implementation: auto -> {implementation} ({why})")
+    if announcing():  # `finetune train`'s pre-flight is muted: the launched rank 0 says it, once
+        print0(f"[finetune] model.attn_implementation: auto -> {implementation} ({why})")
     return implementation

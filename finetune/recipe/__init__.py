@@ -28,6 +28,7 @@ from finetune.recipe.schema import (
     Recipe,
     TrainSection,
     announcements_muted,
+    announcing,
     load_recipe,
     recipe_to_yaml,
     validate_recipe,
@@ -36,5 +37,5 @@ from finetune.recipe.text import parse_override, read_yaml
 
 __all__ = ["DType", "DataSection", "DatasetSpec", "EvalSection", "GRPOSection", "KTOSection", "LoraSection", "ModelSection",
            "OutputSection", "ParallelSection", "PreferenceSection", "QuantizationSection", "Recipe", "RewardSection", "TrainSection",
-           "announcements_muted", "load_recipe", "parse_override", "read_yaml", "recipe_to_yaml", "steps_for_epochs",
+           "announcements_muted", "announcing", "load_recipe", "parse_override", "read_yaml", "recipe_to_yaml", "steps_for_epochs",
            "validate_recipe"]

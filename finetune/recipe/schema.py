@@ -404,6 +404,11 @@ def announcements_muted() -> Iterator[None]:
         _ANNOUNCE[0] = True
 
 
+def announcing() -> bool:
+    """Whether a line about how the recipe was resolved is said here (not inside `announcements_muted`)."""
+    return _ANNOUNCE[0]
+
+
 def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     try:
         recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
