@@ -86,6 +86,10 @@ def test_overrides_are_validated_like_the_file(tmp_path):
     assert load_recipe(path, ["train.learning_rate=1e-4"]).train.learning_rate == 1e-4  # YAML 1.1 string, coerced
     recipe = load_recipe(path, ["data.datasets.0.format=chat"])
     assert recipe.data.datasets[0].format == "chat"
+    # the bracket form users write (it was "`data.datasets[0]` is not a recipe key. Did you mean `datasets`?")
+    assert load_recipe(path, ["data.datasets[0].format=chat"]).data.datasets[0].format == "chat"
+    with pytest.raises(RecipeError, match=r"`3` is not an index of the list \(it has 1 items\)"):
+        load_recipe(path, ["data.datasets[3].format=chat"])
 
 
 def test_parse_override_values():

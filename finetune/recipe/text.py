@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,15 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.max_steps=50` -> (["train", "max_steps"], 50). Values are parsed as YAML scalars/lists."""
+    """`train.max_steps=50` -> (["train", "max_steps"], 50); `data.datasets[0].path=x` or `data.datasets.0.path=x`
+    -> (["data", "datasets", "0", "path"], "x"). Values are parsed as YAML scalars/lists."""
     if "=" not in text:
         raise RecipeError(f"override `{text}`: expected KEY.PATH=VALUE, for example train.max_steps=50.")
     key, _, raw = text.partition("=")
-    parts = [p for p in key.strip().split(".") if p]
+    parts = []
+    for part in (p for p in key.strip().split(".") if p):  # a list's item as `datasets.0` or `datasets[0]`
+        indexed = re.fullmatch(r"([^\[\]]+)((?:\[\d+\])+)", part)
+        parts += [indexed.group(1), *re.findall(r"\d+", indexed.group(2))] if indexed else [part]
     if not parts:
         raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
     try:
