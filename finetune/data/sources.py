@@ -128,12 +128,10 @@ def local_rows(files: list[Path], folder: Path | None, start: int = 0) -> Iterat
 def _json_lines_rows(path: Path, prefix: str, skip: int):
     passed = 0
     for number, line in enumerate(_text_lines(path), start=1):
-        if not line.strip():
-            continue
-        if passed < skip:
+        if line.strip() and passed < skip:
             passed += 1
-            continue
-        yield line.removesuffix("\n"), f"{prefix}line {number}", True
+        elif line.strip():
+            yield line.removesuffix("\n"), f"{prefix}line {number}", True
     return passed
 
 
@@ -155,9 +153,10 @@ def _csv_rows(path: Path, prefix: str, skip: int):
     convert = pyarrow.csv.ConvertOptions(column_types={name: pyarrow.string() for name in names}, null_values=[],
                                          strings_can_be_null=False, quoted_strings_can_be_null=False)
     try:
-        batches = pyarrow.csv.open_csv(_opened(path, "rb"), convert_options=convert,
-                                       parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True))
-        return (yield from _batch_rows(batches, prefix, skip))
+        with _opened(path, "rb") as handle:
+            batches = pyarrow.csv.open_csv(handle, convert_options=convert,
+                                           parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True))
+            return (yield from _batch_rows(batches, prefix, skip))
     except pyarrow.ArrowException as exc:
         number, column, byte = _first_undecodable(path) if "UTF8" in str(exc) else (0, 0, 0)
         fix = f"Line {number}: byte {byte:#04x} at column {column} is not UTF-8. {RECODE}" if number else "Fix the file."

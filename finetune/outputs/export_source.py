@@ -19,6 +19,7 @@ from finetune.outputs.step_folders import (
     checked_checkpoint,
     checkpoint_facts,
     is_checkpoint,
+    list_checkpoints,
     step_checkpoint,
 )
 from finetune.recipe import Recipe
@@ -104,10 +105,13 @@ def resolve_source(path: str | Path) -> Source:
     adapter_dir = as_trained(folder) if as_trained(folder) != folder else adapter_dir  # a MoE run: as trained
     weights = adapter_dir / ADAPTER_WEIGHTS
     if not (adapter_dir / ADAPTER_CONFIG).exists() or not weights.exists() or weights.stat().st_size == 0:
+        kept = [step for step, _ in list_checkpoints(folder)]
+        fix = (f"it keeps the checkpoints of step{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}: add "
+               f"--step {kept[-1]} to use the newest, or finish the run (train.resume=auto)" if kept else
+               "point at a finished run folder or an adapter folder (a checkpoint's adapter works too)")
         raise ExportError(
             f"{folder}: holds no adapter (looked for {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in {folder}/adapter and "
-            f"{folder}). The run did not finish or saved nothing. Fix: point at a finished run folder or an adapter folder "
-            "(a checkpoint's adapter works too)."
+            f"{folder}). The run did not finish or saved nothing. Fix: {fix}."
         )
     recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
     recipe = None

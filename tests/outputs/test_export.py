@@ -153,6 +153,12 @@ def test_run_without_adapter_exits_2(trained_run, tmp_path, capsys):
     assert main(["export", str(unfinished), str(tmp_path / "out")]) == 2
     assert "holds no adapter" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # a run stopped with checkpoints kept: the refusal names them and the --step that works (it named none)
+    shutil.copytree(trained_run / "checkpoints", unfinished / "checkpoints")
+    newest = max(int(p.name.split("-")[1]) for p in (unfinished / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert main(["export", str(unfinished), str(tmp_path / "out")]) == 2
+    assert f"add --step {newest} to use the newest" in capsys.readouterr().err
+    assert main(["export", str(unfinished), str(tmp_path / "out"), "--step", str(newest)]) == 0
 
 
 @pytest.mark.slow
