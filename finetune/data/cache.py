@@ -166,6 +166,7 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
             shutil.rmtree(target)
         os.replace(temporary, target)
     finally:
+        writer.close()  # (closed already when finished: closing again does nothing)
         shutil.rmtree(temporary, ignore_errors=True)
     if counts["rows"] >= 10 * 1000:
         print(f"[finetune] data: tokenized {counts['rows']:,} rows of {spec.path} in {time.perf_counter() - started:.0f} s "

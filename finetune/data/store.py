@@ -51,9 +51,13 @@ class StoreWriter:
         if "desirable" in arrays:
             self._desirable.append(arrays["desirable"])
 
-    def finish(self, counts: dict, *, pairs: bool) -> None:
+    def close(self) -> None:
+        """Close the token files (finish does; a build that failed part-way calls it itself)."""
         self._ids.close()
         self._trained.close()
+
+    def finish(self, counts: dict, *, pairs: bool) -> None:
+        self.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
         np.save(self.folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         counts_per_sequence = np.concatenate(self._trained_counts) if self._trained_counts else np.zeros(0, np.int64)
