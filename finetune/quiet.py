@@ -11,6 +11,7 @@ What is filtered, each by its exact message, so that a new warning of the same l
     "When using ``NO_SHARD`` ... full_state_dict will be returned": the same training and files, nothing to fix);
   * kernels' "Skipping publisher trust check ... offline mode" (bitsandbytes' optional kernel lookup, HF_HUB_OFFLINE);
   * DeepSpeed's "Setting accelerator to CPU" (said by every process of a CPU DeepSpeed run);
+  * torchrun's OMP_NUM_THREADS banner (said by the launcher of a DeepSpeed config: the threads are the launcher's);
   * the progress bars of transformers' weight loading and saving (finetune prints its own model line).
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
 """
@@ -29,6 +30,8 @@ _LOGGED = {
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
     "DeepSpeed": "Setting accelerator to CPU",
     "kernels._internals.hf_hub": "Skipping publisher trust check",
+    # torchrun's banner in the launcher (accelerate's DeepSpeed path starts torchrun without OMP_NUM_THREADS set)
+    "torch.distributed.run": "\n*****************************************\nSetting OMP_NUM_THREADS",
 }
 _WARNINGS = (  # (category, start of the message as a regular expression)
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),

@@ -108,3 +108,25 @@ def test_an_fsdp1_run_is_quiet_unless_verbose(recipe, strategy_runs, shipped_run
         assert not [word for word in FSDP1_NOISE if word in output], output[-4000:]
     loud = launch(1, FINETUNE_VERBOSE="1")
     assert "NO_SHARD" in loud and "FSDP.state_dict_type() and FSDP.set_state_dict_type()" in loud, loud[-3000:]
+
+
+def test_the_launchers_torchrun_banner_is_filtered_by_its_exact_text(caplog):
+    """accelerate's DeepSpeed path starts torchrun in the launcher without OMP_NUM_THREADS: its 4-line banner (and
+    DeepSpeed's accelerator line) showed under `finetune train --accelerate-config deepspeed_zero2` (bug bash). The
+    launcher (finetune/cli/accelerate_launch.py) installs the filters; torch's own call is the text filtered."""
+    import inspect
+    import logging
+
+    import torch.distributed.run as torchrun
+
+    from finetune import quiet
+
+    start = quiet._LOGGED["torch.distributed.run"]
+    assert start.replace("\n", "\\n") in inspect.getsource(torchrun).replace('"\n            "', "")  # torch's text
+    quiet.install()
+    logger = torchrun.logger if hasattr(torchrun, "logger") else logging.getLogger("torch.distributed.run")
+    with caplog.at_level(logging.WARNING):
+        logger.warning(start + " environment variable for each process to be 1 in default")
+        logger.warning("another torchrun warning")
+    assert [record.getMessage() for record in caplog.records] == ["another torchrun warning"]
+    assert "quiet.install()" in inspect.getsource(__import__("finetune.cli.accelerate_launch", fromlist=["main"]).main)

@@ -21,6 +21,9 @@ QUIET_CODES = (2, 130)  # finetune's exit for a user's mistake, and a Ctrl-C aft
 
 
 def main() -> int:
+    from finetune import quiet
+
+    quiet.install()  # the launcher's own noise too (DeepSpeed's accelerator line, torchrun's threads banner)
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
