@@ -236,13 +236,15 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
     """Drop records of steps after the checkpoint (written by the killed run; metrics.jsonl, GRPO's completions):
-    they are trained again."""
+    they are trained again. The generation eval "after" training goes too: the resumed run ends with its own (an
+    extended run would otherwise hold one per launch)."""
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            if json.loads(line).get("step", 0) <= last_step:
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            record = json.loads(line)
+            if record.get("step", 0) <= last_step and record.get("phase") != "after":
                 kept.append(line)
     _write_text_atomic(path, "".join(line + "\n" for line in kept))
 

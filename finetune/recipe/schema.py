@@ -215,7 +215,8 @@ class TrainSection(_Section):
         default_factory=list, description="Experiment trackers fed from rank 0, besides metrics.jsonl (always written)."
     )
     run_name: str | None = Field(None, description="Run name shown by the trackers; default: the name of output.dir.")
-    tensorboard_dir: str | None = Field(None, description="TensorBoard log folder; default: output.dir/tensorboard.")
+    tensorboard_dir: str | None = Field(None, description="TensorBoard log folder, shared by runs: each logs into "
+                                        "<tensorboard_dir>/<run_name>; default: output.dir/tensorboard.")
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI (sqlite:///..., http://server, file:...); default: $MLFLOW_TRACKING_URI, "
         "else a SQLite store in output.dir/mlflow.db."

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from finetune.errors import FinetuneError
-from finetune.tracking.trackers import STATE_FILE, check_reachable, prepare_mlflow_env, ui_line
+from finetune.tracking.mlflow_store import STATE_FILE, check_reachable, prepare_mlflow_env, ui_line
 
 
 class RunsError(FinetuneError):

@@ -8,28 +8,21 @@
 `Trackers.write(**record)` has the call shape of the loop's metrics log (`write(step=..., loss=..., lr=...)`).
 Only rank 0 writes anything. A tracker is a convenience, the run is the product: a tracker that is not installed,
 cannot reach its server or fails at step 10,000 costs one warning line and is switched off; training goes on and
-metrics.jsonl still holds every record. MLflow in detail: docs/tracking.md.
+metrics.jsonl still holds every record. A resumed run's trackers follow metrics.jsonl, which keeps the steps up to the
+checkpoint: `Trackers(..., resumed_step=N)`. MLflow (mlflow_store.py) in detail: docs/tracking.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from finetune.recipe import Recipe
-
-STATE_FILE = "trackers.json"  # run ids of the trackers, so a resumed run continues the same tracker run
-
-
-def warn(message: str) -> None:
-    """One line on stderr (rank 0 is the only caller)."""
-    print(f"[finetune] warning: {message}", file=sys.stderr, flush=True)
+from finetune.tracking.metrics_file import read_records
+from finetune.tracking.mlflow_store import STATE_FILE, MlflowTracker, mlflow_uri, ui_line, warn
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -51,17 +44,60 @@ def numeric_metrics(record: dict) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- backends
+def tensorboard_log_dir(recipe: Recipe, out_dir: Path, run_name: str) -> Path:
+    """output.dir/tensorboard, or train.tensorboard_dir/<run name>: a folder shared by runs shows each as its own
+    TensorBoard run (the run name as one folder name: `/` becomes `_`)."""
+    if not recipe.train.tensorboard_dir:
+        return out_dir / "tensorboard"
+    name = run_name.replace("/", "_").replace("\\", "_")
+    return Path(recipe.train.tensorboard_dir) / (name if name.strip(".") else "run")
+
+
+def cut_event_files(log_dir: Path, last_step: int) -> None:
+    """Drop the events after `last_step` from the event files in `log_dir` (each rewritten only if it has any).
+
+    SummaryWriter's purge_step alone is not enough: only TensorBoard's legacy reader honours it; its data server and
+    readers of single files (tbparse, scripts) would show the killed run's steps beside the retrained ones."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [raw for raw in records if Event.FromString(raw).step <= last_step]
+        if len(kept) == len(records):
+            continue
+        partial = path.with_name(".cut-in-progress.tmp")  # a name TensorBoard never reads (no "tfevents" in it)
+        with open(partial, "wb") as handle:
+            writer = RecordWriter(handle)
+            for raw in kept:
+                writer.write(raw)
+            writer.flush()
+        os.replace(partial, path)
+
+
 class TensorBoardTracker:
-    """Scalars in TensorBoard event files under `log_dir` (torch's SummaryWriter, needs the `tensorboard` package)."""
+    """Scalars in TensorBoard event files under `log_dir` (torch's SummaryWriter, needs the `tensorboard` package).
+
+    A fresh start (`resumed_step` 0) removes the event files of an earlier run in `log_dir` (output.overwrite, or
+    the same run name in a shared train.tensorboard_dir); a resume cuts them to `resumed_step` (the steps a run
+    killed after its newest checkpoint logged are trained again) and writes on with SummaryWriter's purge_step, so
+    each step shows once."""
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path, run_name: str, recipe_yaml: str):
+    def __init__(self, log_dir: Path, run_name: str, recipe_yaml: str, *, resumed_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.writer.add_text("recipe", "```yaml\n" + recipe_yaml + "\n```", 0)
-        self.writer.add_text("run_name", run_name, 0)
+        if not resumed_step:
+            for old in log_dir.glob("**/events.out.tfevents.*"):
+                old.unlink()
+        else:
+            cut_event_files(log_dir, resumed_step)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resumed_step + 1 if resumed_step else None)
+        first = resumed_step + 1 if resumed_step else 0  # the recipe of this launch, from its first step
+        self.writer.add_text("recipe", "```yaml\n" + recipe_yaml + "\n```", first)
+        self.writer.add_text("run_name", run_name, first)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -77,113 +113,6 @@ class TensorBoardTracker:
     def close(self, status: str = "FINISHED") -> None:
         self.writer.flush()
         self.writer.close()
-
-
-def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
-    """The recipe's URI, else $MLFLOW_TRACKING_URI, else a SQLite store in the run folder (output.dir/mlflow.db).
-
-    MLflow 3 keeps the plain-file store (`file:...`) only in maintenance mode; it still works when asked for by URI.
-    """
-    uri = recipe.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
-
-
-def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:
-    """Raise OSError at once when an http(s) tracking server does not answer, instead of MLflow's minutes of retries."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("http", "https"):
-        return
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    with socket.create_connection((parsed.hostname or "localhost", port), timeout=timeout_s):
-        pass
-
-
-def sqlite_file(uri: str) -> Path | None:
-    """The database file of a `sqlite:///path` URI (None for other stores and in-memory databases)."""
-    if not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:"):
-        return None
-    return Path(uri.removeprefix("sqlite:///"))
-
-
-def artifact_location(uri: str) -> str | None:
-    """Where a new experiment of a SQLite store keeps its artifacts: mlartifacts/ next to the database file.
-
-    Without it MLflow would use ./mlruns of whatever folder the run was started from.
-    Other stores (a server, the file store) decide themselves.
-    """
-    database = sqlite_file(uri)
-    return (database.resolve().parent / "mlartifacts").as_uri() if database else None
-
-
-def prepare_mlflow_env(uri: str) -> None:
-    """Environment and logging for MLflow's client: fast failure on a dead server, the file store allowed when asked."""
-    import logging
-
-    if uri.startswith("file:") or "://" not in uri:
-        # mlflow 3.x refuses the file store unless told it is wanted; the user's URI asked for exactly that.
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a dead server costs seconds, not minutes
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables...", per migration
-        logging.getLogger(name).setLevel(logging.WARNING)
-    database = sqlite_file(uri)
-    if database is not None and not database.parent.is_dir():
-        raise OSError(f"the folder of the SQLite store ({database.parent}) does not exist")
-
-
-class MlflowTracker:
-    """One run in an MLflow tracking store: the recipe as params, run facts as tags, metrics per step. Uses the
-    client API, not mlflow's process-global active run, so nothing leaks into user code that also uses mlflow.
-
-    A resumed training run passes the saved `run_id` and continues that MLflow run (its status goes back to
-    RUNNING); `close(status)` ends it as FINISHED, or KILLED (preempted) / FAILED."""
-
-    name = "mlflow"
-
-    def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
-                 run_id: str | None):
-        prepare_mlflow_env(uri)
-        check_reachable(uri)
-        from mlflow.entities import Metric, Param, RunTag
-        from mlflow.tracking import MlflowClient
-
-        self._metric, self.uri = Metric, uri
-        self.client = MlflowClient(tracking_uri=uri)
-        if run_id is not None and self._continue(run_id):
-            self.run_id = run_id
-            return
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = (found.experiment_id if found else
-                         self.client.create_experiment(experiment, artifact_location=artifact_location(uri)))
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        items = [Param(key, str(value)[:6000]) for key, value in params.items()]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
-        self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
-
-    def _continue(self, run_id: str) -> bool:
-        """Reopen the saved run; False (a new run is started) when this store does not have it."""
-        try:
-            self.client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - MlflowException (unknown id): another store than the first start used
-            warn(f"MLflow run {run_id} (trackers.json) is not in {self.uri}; the resumed run starts a new MLflow run.")
-            return False
-        self.client.update_run(run_id, status="RUNNING")
-        return True
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
-
-    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
-        """An MLflow table artifact per step (`<name>/step-<N>.json`), shown in the run's artifacts and evaluation."""
-        data = {column: [row[i] for row in rows] for i, column in enumerate(columns)}
-        self.client.log_table(self.run_id, data=data, artifact_file=f"{name}/step-{step:08d}.json")
-
-    def close(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
 
 
 def run_tags(*, strategy: str, world_size: int, device: str) -> dict[str, str]:
@@ -212,21 +141,29 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def ui_line(uri: str) -> str:
-    return f"[finetune] MLflow: mlflow ui --backend-store-uri {uri}   (the UI needs the full `pip install mlflow`)"
-
-
 class WandbTracker:
     """A Weights & Biases run; offline (synced later with `wandb sync`) when no API key is configured."""
 
     name = "wandb"
 
-    def __init__(self, project: str, run_name: str, config: dict, out_dir: Path, run_id: str | None):
+    def __init__(self, project: str, run_name: str, config: dict, out_dir: Path, run_id: str | None, *,
+                 resumed_step: int = 0):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self.run = wandb.init(project=project, name=run_name, config=config, dir=str(out_dir), mode=mode,
-                              id=run_id, resume="allow" if run_id else None)
+        options = {"project": project, "name": run_name, "config": config, "dir": str(out_dir), "mode": mode}
+        self.run = None
+        if run_id and resumed_step:
+            # W&B's rewind: the run's history is cut before the first step trained again (a run killed after its
+            # newest checkpoint logged later steps; W&B drops steps below its newest one). A preview feature of
+            # W&B's cloud: where the server refuses it, the run is continued as before.
+            try:
+                self.run = wandb.init(**options, resume_from=f"{run_id}?_step={resumed_step + 1}")
+            except Exception as exc:  # noqa: BLE001 - the plain resume below still works
+                warn(f"W&B refused to rewind run {run_id} to step {resumed_step + 1} ({type(exc).__name__}); it is "
+                     "continued instead, and W&B drops the steps below the newest one it holds.")
+        if self.run is None:
+            self.run = wandb.init(**options, id=run_id, resume="allow" if run_id else None)
         self.run_id = self.run.id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -246,18 +183,30 @@ class Trackers:
     """metrics.jsonl plus the recipe's trackers, rank 0 only; every tracker call is guarded.
 
     Drop-in for the loop's metrics log: `write(step=..., loss=..., ...)`, then `close()` at the end of the run.
+    `resumed_step`: the checkpoint's step a resume starts from (0: a fresh start). The run folder's metrics.jsonl is
+    then already trimmed to it (outputs/run_folder.py); the trackers are brought to the same timeline (the steps after
+    it go, where the tracker can drop them: docs/tracking.md) and `elapsed_s` counts on from its last value there.
+    `last_step`: the newest step written (`resumed_step` before any), where a record without a step is placed.
     """
 
-    def __init__(self, recipe: Recipe, out_dir: str | Path, *, is_main: bool, tags: dict[str, str] | None = None):
+    def __init__(self, recipe: Recipe, out_dir: str | Path, *, is_main: bool, tags: dict[str, str] | None = None,
+                 resumed_step: int = 0):
         self.out_dir = Path(out_dir)
         self.tags = tags or {}
         self.path = self.out_dir / "metrics.jsonl" if is_main else None
         self.backends: list = []
         self.mlflow_uri: str | None = None
+        self.resumed_step = self.last_step = resumed_step
+        self.elapsed_offset = 0.0
         if not is_main:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run_name = recipe.train.run_name or self.out_dir.resolve().name
+        kept = read_records(self.path) if resumed_step and self.path.is_file() else []
+        self.history = [(int(r.get("step", 0)), numeric_metrics(r)) for r in kept if numeric_metrics(r)]
+        # seconds trained before the checkpoint: the last elapsed_s kept (log_every > 1: up to log_every - 1 steps early)
+        self.elapsed_offset = next((float(r["elapsed_s"]) for r in reversed(kept)
+                                    if isinstance(r.get("elapsed_s"), (int, float))), 0.0)
         saved = self._saved_ids()
         for name in dict.fromkeys(recipe.train.trackers):  # in order, each once
             backend = self._guard(name, "start", lambda name=name: self._start(name, recipe, saved.get(name)))
@@ -280,15 +229,17 @@ class Trackers:
         from finetune.recipe import recipe_to_yaml
 
         config = recipe.model_dump(mode="json")
+        step = self.resumed_step
         if name == "tensorboard":
-            log_dir = Path(recipe.train.tensorboard_dir) if recipe.train.tensorboard_dir else self.out_dir / "tensorboard"
-            return TensorBoardTracker(log_dir, self.run_name, recipe_to_yaml(recipe))
+            return TensorBoardTracker(tensorboard_log_dir(recipe, self.out_dir, self.run_name), self.run_name,
+                                      recipe_to_yaml(recipe), resumed_step=step)
         if name == "mlflow":
             self.mlflow_uri = mlflow_uri(recipe, self.out_dir)
-            return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name,
-                                 flatten(config), self.tags, run_id)
+            return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name, flatten(config),
+                                 self.tags, run_id, resumed_step=step, history=self.history)
         if name == "wandb":
-            return WandbTracker(recipe.train.wandb_project, self.run_name, config, self.out_dir, run_id)
+            return WandbTracker(recipe.train.wandb_project, self.run_name, config, self.out_dir, run_id,
+                                resumed_step=step)
         raise ValueError(f"unknown tracker {name!r}")
 
     def _guard(self, name: str, action: str, call: Callable[[], Any]) -> Any:
@@ -310,12 +261,17 @@ class Trackers:
         return None
 
     def write(self, **record) -> None:
-        """Append the record to metrics.jsonl and send its numbers to every live tracker at record['step']."""
+        """Append the record to metrics.jsonl and send its numbers to every live tracker at record['step'] (a record
+        without one: at `last_step`). A resumed run's `elapsed_s` counts on from the checkpoint's."""
+        step = int(record.get("step", self.last_step))
+        self.last_step = max(self.last_step, step)
         if self.path is None:
             return
+        if self.elapsed_offset and isinstance(record.get("elapsed_s"), (int, float)):
+            record["elapsed_s"] = round(record["elapsed_s"] + self.elapsed_offset, 3)
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        metrics, step = numeric_metrics(record), int(record.get("step", 0))
+        metrics = numeric_metrics(record)
         if not metrics:
             return
         for backend in list(self.backends):
@@ -346,34 +302,3 @@ class Trackers:
             print(ui_line(self.mlflow_uri), flush=True)
 
 
-# ------------------------------------------------------------------------------------------ after the training
-def log_run_artifacts(out_dir: str | Path) -> None:
-    """Adapter, recipe and plot of a finished run into its MLflow run (rank 0, after the adapter is written).
-
-    Does nothing for a run without MLflow; a failure is one warning line (the files are in the run folder anyway).
-    """
-    out_dir = Path(out_dir)
-    try:
-        saved = json.loads((out_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return
-    if "mlflow" not in saved or "mlflow_uri" not in saved:
-        return
-    uri, run_id = saved["mlflow_uri"], saved["mlflow"]
-    try:
-        prepare_mlflow_env(uri)
-        check_reachable(uri)
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
-        if (out_dir / "adapter").is_dir():
-            client.log_artifacts(run_id, str(out_dir / "adapter"), artifact_path="adapter")
-        for name in ("recipe.yaml", "plot.png"):
-            if (out_dir / name).is_file():
-                client.log_artifact(run_id, str(out_dir / name))
-    except Exception as exc:  # noqa: BLE001 - the run is done and its files are on disk; the tracker is a convenience
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warn(f"train.trackers: mlflow (tracking URI {uri}) failed to store the artifacts ({type(exc).__name__}: "
-             f"{reason}); they are in {out_dir}.")
-        return
-    print(ui_line(uri), flush=True)

@@ -253,7 +253,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     objective.prepare(model, train_examples, eval_examples, recipe, pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
-    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags)
+    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags, resumed_step=first_step - 1)
     status = "FAILED"  # what the trackers record unless the run finishes or is preempted
     try:  # trackers are closed however the run ends (done, preempted, numerical fault)
         if first_step == 1:
@@ -350,7 +350,10 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
 
 def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,
                     metrics: Trackers) -> dict | None:
-    """Greedy answers to `eval.generation_rows` held-out prompts, scored (exact match...), before and after training."""
+    """Greedy answers to `eval.generation_rows` held-out prompts, scored (exact match...), before and after training.
+
+    The record is logged at the step of the model it scored: "before" at the step training starts from, "after" at
+    the last step trained (the newest step `metrics` has written)."""
     if tokenizer is None or not recipe.eval.generation_rows or not eval_examples:
         return None
     from finetune.parallel import generation_model
@@ -360,7 +363,7 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
         record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase,
                                               device=distributed.info().device)
     if record is not None:
-        metrics.write(**record)
+        metrics.write(**{"step": metrics.last_step, **record})
         distributed.print0(f"[finetune] generation eval {phase}: {record['generation_metric']} "
                            f"{record['generation_score']:.0%} ({record['generation_correct']}/{record['generation_total']})")
     return record

@@ -1,0 +1,255 @@
+"""MLflow: the store a run logs into (checked up front: a dead server or an unwritable SQLite store is one warning,
+not minutes of retries), one MLflow run per training run and its resume, the artifacts of a finished run.
+
+A resume that trains again steps the MLflow run already holds (a run killed after its newest checkpoint) cannot drop
+those points: MLflow has no call that deletes metric points. The resume then logs into a new MLflow run that holds
+the run's metrics.jsonl, trimmed to the checkpoint, and tags the old one `finetune.replaced_by` (docs/tracking.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
+
+STATE_FILE = "trackers.json"  # run ids of the trackers, so a resumed run continues the same tracker run
+
+
+def warn(message: str) -> None:
+    """One line on stderr (rank 0 is the only caller)."""
+    print(f"[finetune] warning: {message}", file=sys.stderr, flush=True)
+
+
+def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
+    """The recipe's URI, else $MLFLOW_TRACKING_URI, else a SQLite store in the run folder (output.dir/mlflow.db).
+
+    MLflow 3 keeps the plain-file store (`file:...`) only in maintenance mode; it still works when asked for by URI.
+    """
+    uri = recipe.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    return uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+
+
+def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:
+    """Raise OSError at once when an http(s) tracking server does not answer, instead of MLflow's minutes of retries."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    with socket.create_connection((parsed.hostname or "localhost", port), timeout=timeout_s):
+        pass
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI (None for other stores and in-memory databases)."""
+    if not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: mlartifacts/ next to the database file.
+
+    Without it MLflow would use ./mlruns of whatever folder the run was started from.
+    Other stores (a server, the file store) decide themselves.
+    """
+    database = sqlite_file(uri)
+    return (database.resolve().parent / "mlartifacts").as_uri() if database else None
+
+
+def prepare_mlflow_env(uri: str) -> None:
+    """Environment and logging for MLflow's client: fast failure on a dead server, the file store allowed when asked."""
+    import logging
+
+    if uri.startswith("file:") or "://" not in uri:
+        # mlflow 3.x refuses the file store unless told it is wanted; the user's URI asked for exactly that.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a dead server costs seconds, not minutes
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # alembic says "Creating initial MLflow database tables..." and every migration; MLflow's engine retry loop
+    # (~100 s on a store it cannot open) says each of its 27 tries: the one warning line of Trackers says it all.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.ERROR)
+    database = sqlite_file(uri)
+    if database is not None and not database.parent.is_dir():
+        what = "is a file, not a folder" if database.parent.exists() else "does not exist"
+        raise OSError(f"the folder of the SQLite store ({database.parent}) {what}")
+
+
+def check_writable(uri: str) -> None:
+    """Raise OSError at once when a SQLite store cannot be written (a read-only mount, a folder or file without write
+    permission), instead of MLflow's ~100 s of retries. SQLite writes its journal beside the database: the folder must
+    be writable, and the file too when it exists. `access` also says EROFS for root on a read-only mount."""
+    database = sqlite_file(uri)
+    if database is None:
+        return
+    for path in (database.parent, database) if database.exists() else (database.parent,):
+        if not os.access(path, os.W_OK):
+            raise OSError(f"the SQLite store's {'folder' if path == database.parent else 'file'} {path} cannot be "
+                          "written (read-only)")
+
+
+def step_ranges(steps: list[int]) -> str:
+    """[11, 12, 13, 15] -> '11-13, 15'."""
+    spans: list[list[int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+class MlflowTracker:
+    """One run in an MLflow tracking store: the recipe as params, run facts as tags, metrics per step. Uses the
+    client API, not mlflow's process-global active run, so nothing leaks into user code that also uses mlflow.
+
+    A resumed training run (`resumed_step` > 0) passes the saved `run_id` and continues that MLflow run (its status
+    goes back to RUNNING), unless the run holds steps after `resumed_step` (logged by a run killed after its newest
+    checkpoint): MLflow cannot delete metric points, so those steps would be there twice; a new MLflow run then takes
+    over with `history` (the kept metrics.jsonl, as (step, metrics) pairs). Params are immutable in MLflow: a resume
+    that changes recipe keys tags them `resumed_at_<step>.<key>`. `close(status)` ends the run as FINISHED, or KILLED
+    (preempted) / FAILED."""
+
+    name = "mlflow"
+
+    def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
+                 run_id: str | None, *, resumed_step: int = 0, history: list[tuple[int, dict[str, float]]] = ()):
+        prepare_mlflow_env(uri)
+        check_reachable(uri)
+        check_writable(uri)
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        self._metric, self._param, self._tag, self.uri = Metric, Param, RunTag, uri
+        self.client = MlflowClient(tracking_uri=uri)
+        params = {key: str(value)[:6000] for key, value in params.items()}
+        saved = self._saved_run(run_id) if run_id is not None else None
+        if saved is not None and resumed_step:
+            later = self._steps_after(saved, resumed_step)
+            self.run_id = self._replace(saved, later, resumed_step, history) if later else run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            self._tag_changes(saved.data.params, params, resumed_step)
+            return
+        if saved is not None:  # no step to go back to (a caller without resumed_step): as before, the same run
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+            return
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = (found.experiment_id if found else
+                         self.client.create_experiment(experiment, artifact_location=artifact_location(uri)))
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self._log_facts(params, tags)
+        self._log_history(history)
+        if resumed_step:
+            self._batches(tags=[RunTag("resumed_from_step", str(resumed_step))])
+
+    def _saved_run(self, run_id: str):
+        """The saved run; None (a new run is started) when this store does not have it."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - MlflowException (unknown id): another store than the first start used
+            warn(f"MLflow run {run_id} (trackers.json) is not in {self.uri}; the resumed run starts a new MLflow run.")
+            return None
+
+    def _steps_after(self, run, resumed_step: int) -> list[int]:
+        """Steps after the checkpoint the run already holds: they are trained again."""
+        return sorted({point.step for key in run.data.metrics
+                       for point in self.client.get_metric_history(run.info.run_id, key) if point.step > resumed_step})
+
+    def _replace(self, old, later: list[int], resumed_step: int, history) -> str:
+        """A new MLflow run for the resumed timeline: the old run's name, params and tags, the kept history. The old
+        run stays as it was (KILLED if it was left RUNNING), tagged with its successor."""
+        facts = {key: value for key, value in old.data.tags.items() if not key.startswith("mlflow.")}
+        new_id = self.client.create_run(old.info.experiment_id, run_name=old.info.run_name).info.run_id
+        self.run_id = new_id
+        self._log_facts(old.data.params, {**facts, "finetune.replaces": old.info.run_id})
+        self._log_history(history)
+        self.client.set_tag(old.info.run_id, "finetune.replaced_by", new_id)
+        if old.info.status == "RUNNING":  # killed without a word (SIGKILL, OOM, a lost node)
+            self.client.set_terminated(old.info.run_id, status="KILLED")
+        warn(f"MLflow run {old.info.run_id} holds steps {step_ranges(later)}, which the resume from step "
+             f"{resumed_step} trains again; MLflow cannot delete metric points, so the run goes on in a new MLflow run "
+             f"{new_id} (steps up to {resumed_step} copied from metrics.jsonl); the old one is kept, tagged "
+             "finetune.replaced_by.")
+        return new_id
+
+    def _tag_changes(self, logged: dict[str, str], params: dict[str, str], resumed_step: int) -> None:
+        """Recipe keys this resume changed, as tags (MLflow refuses to change a logged param)."""
+        changed = [self._tag(f"resumed_at_{resumed_step}.{key}", value) for key, value in params.items()
+                   if logged.get(key) != value]
+        self._batches(tags=[self._tag("resumed_from_step", str(resumed_step)), *changed])
+
+    def _log_facts(self, params: dict[str, str], tags: dict[str, str]) -> None:
+        self._batches(params=[self._param(key, value) for key, value in params.items()])
+        self._batches(tags=[self._tag(key, str(value)) for key, value in tags.items()])
+
+    def _log_history(self, history) -> None:
+        import time
+
+        now = int(time.time() * 1000)
+        self._batches(metrics=[self._metric(key, value, now, step) for step, metrics in history
+                               for key, value in metrics.items()])
+
+    def _batches(self, *, params=(), tags=(), metrics=()) -> None:
+        """log_batch within MLflow's limits: 100 params, 100 tags, 1000 metrics per call."""
+        for items, size, name in ((params, 100, "params"), (tags, 100, "tags"), (metrics, 1000, "metrics")):
+            for start in range(0, len(items), size):
+                self.client.log_batch(self.run_id, **{name: list(items[start : start + size])})
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
+
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """An MLflow table artifact per step (`<name>/step-<N>.json`), shown in the run's artifacts and evaluation."""
+        data = {column: [row[i] for row in rows] for i, column in enumerate(columns)}
+        self.client.log_table(self.run_id, data=data, artifact_file=f"{name}/step-{step:08d}.json")
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def ui_line(uri: str) -> str:
+    return f"[finetune] MLflow: mlflow ui --backend-store-uri {uri}   (the UI needs the full `pip install mlflow`)"
+
+
+# ------------------------------------------------------------------------------------------ after the training
+def log_run_artifacts(out_dir: str | Path) -> None:
+    """Adapter, recipe and plot of a finished run into its MLflow run (rank 0, after the adapter is written).
+
+    Does nothing for a run without MLflow; a failure is one warning line (the files are in the run folder anyway).
+    """
+    out_dir = Path(out_dir)
+    try:
+        saved = json.loads((out_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if "mlflow" not in saved or "mlflow_uri" not in saved:
+        return
+    uri, run_id = saved["mlflow_uri"], saved["mlflow"]
+    try:
+        prepare_mlflow_env(uri)
+        check_reachable(uri)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        if (out_dir / "adapter").is_dir():
+            client.log_artifacts(run_id, str(out_dir / "adapter"), artifact_path="adapter")
+        for name in ("recipe.yaml", "plot.png"):
+            if (out_dir / name).is_file():
+                client.log_artifact(run_id, str(out_dir / name))
+    except Exception as exc:  # noqa: BLE001 - the run is done and its files are on disk; the tracker is a convenience
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warn(f"train.trackers: mlflow (tracking URI {uri}) failed to store the artifacts ({type(exc).__name__}: "
+             f"{reason}); they are in {out_dir}.")
+        return
+    print(ui_line(uri), flush=True)
