@@ -114,12 +114,14 @@ class TrainResult:
     tokens: int = 0
     resumed_tokens: int = 0  # of the steps before the checkpoint this launch resumed from: not trained in `seconds`
     seconds: float = 0.0
+    step_seconds: float = 0.0  # of the optimizer steps alone (no eval, checkpoint or generation eval)
     generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
 
     @property
     def tokens_per_s(self) -> float:
+        """Trained tokens per second of the steps themselves, as each step's line says (eval and saves left out)."""
         trained = self.tokens - self.resumed_tokens
-        return trained / self.seconds if self.seconds and trained else 0.0
+        return trained / self.step_seconds if self.step_seconds and trained else 0.0
 
 
 def lr_lambda(recipe: Recipe):
@@ -298,6 +300,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
 
                 elapsed = time.perf_counter() - step_start
+                result.step_seconds += elapsed
                 lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
                     # HF Trainer's and TRL's names: num_tokens counts every step so far (a resume goes on counting)
