@@ -230,9 +230,11 @@ def render_unpaired(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     """An unpaired preference row (TRL's KTO format: prompt, completion, label) -> (segments, desirable): the prompt
     untrained, the completion trained, rendered as a pair's response is (render_pair)."""
     label = _field(row, spec, "label")
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # a CSV cell (read as its text)
+        label = label.strip().lower() == "true"
     if not isinstance(label, (bool, np.bool_)):
         raise DataError(f"{where}: `{_column(spec, 'label')}` must be true (a desirable completion) or false (an "
-                        f"undesirable one), got {label!r}. Fix the row (JSON true/false, not a number or a string) or "
+                        f"undesirable one), got {label!r}. Fix the row (true/false, not a number or another word) or "
                         "set data.bad_rows: skip.")
     prompt, completion = _field(row, spec, "prompt"), _field(row, spec, "completion")
     (segments,) = _answered(prompt, (("completion", completion),), spec, tokenizer, system_prompt, where, row=row,

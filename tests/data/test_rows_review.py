@@ -203,3 +203,16 @@ def test_validate_without_a_local_tokenizer_checks_the_mapped_columns(tiny_llama
     recipe["data"]["datasets"][0]["columns"] = {"input": "context"}
     assert main(["validate", str(write_recipe(tmp_path / "r.yaml", recipe))]) == 2
     assert "maps `input` to `context`, but no row has that column" in capsys.readouterr().err
+
+
+def test_kto_labels_in_a_csv_are_read_as_true_and_false(tmp_path, tokenizer):
+    """CSV cells are read as their text now (so 007 stays 007): a KTO label column of True/False was refused for
+    every row, and KTO could not train from a CSV at all (found in a review); another word stays an error."""
+    path = tmp_path / "kto.csv"
+    path.write_text("prompt,completion,label\nSay hi.,Hello!,True\nSay hi.,Go away.,false\nSay hi.,Hm.,maybe\n")
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "train": {"objective": "kto", "micro_batch_size": 2},
+                              "data": {"datasets": [{"path": str(path), "format": "unpaired_preference"}],
+                                       "max_length": 128, "eval_fraction": 0, "bad_rows": "skip"}})
+    train, _, stats = data.build_examples(recipe, tokenizer)
+    assert [example.desirable for example in train] == [True, False] and stats.skipped == 1
+    assert "got 'maybe'" in stats.skipped_reasons[0]
