@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -118,21 +119,27 @@ def _mix(train: list[int], origin: list[int], recipe: Recipe, stats: DataStats) 
 
 def _eval_in_train(train: ExampleView, evaluation: ExampleView) -> int:
     """Eval examples whose tokens and trained tokens equal a training example's: an eval file that is a training
-    file, or duplicate rows split across. Only training examples of a length some eval example has are read."""
+    file, or duplicate rows split across. The eval side's digests are held (it is small); the training examples of a
+    length some eval example has are hashed one at a time, so memory does not grow with the training data."""
     if not len(evaluation) or not len(train):
         return 0
 
-    def tokens(view: ExampleView, index: int) -> bytes:
+    def digest(view: ExampleView, index: int) -> bytes:
         glob = int(view.picks[index])
         number = bisect_right(view.starts, glob) - 1
         store, local = view.stores[number], glob - view.starts[number]
-        rows = (2 * local, 2 * local + 1) if store.pairs else (local,)
-        return b"".join(store.ids[store.bounds[r]:store.bounds[r + 1]].tobytes()
-                        + store.trained[store.bounds[r]:store.bounds[r + 1]].tobytes() for r in rows)
+        hasher = hashlib.blake2b(digest_size=16)
+        for row in (2 * local, 2 * local + 1) if store.pairs else (local,):
+            start, end = int(store.bounds[row]), int(store.bounds[row + 1])
+            hasher.update(store.ids[start:end].tobytes() + store.trained[start:end].tobytes())
+        return hasher.digest()
 
-    candidates = np.nonzero(np.isin(train.lengths(), np.unique(evaluation.lengths())))[0]
-    trained = {tokens(train, int(i)) for i in candidates}
-    return sum(1 for i in range(len(evaluation)) if tokens(evaluation, i) in trained)
+    held = [digest(evaluation, i) for i in range(len(evaluation))]
+    wanted, found = set(held), set()
+    for index in np.nonzero(np.isin(train.lengths(), np.unique(evaluation.lengths())))[0]:
+        if (key := digest(train, int(index))) in wanted:
+            found.add(key)
+    return sum(1 for key in held if key in found)
 
 
 def data_line(stats: DataStats, recipe: Recipe) -> str:

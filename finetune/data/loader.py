@@ -261,8 +261,11 @@ def rows_fingerprint(examples: Sequence[Example]) -> str:
     hashed from their mapped arrays (about 1 s per GB); a list (GRPO prompts, a library caller's) example by example."""
     digest = hashlib.blake2b(digest_size=16)
     view = getattr(examples, "base", examples)  # store.PackedView's examples (store imports this module)
-    if hasattr(view, "stores"):  # a store.ExampleView
-        for store in view.stores:
+    if hasattr(view, "stores"):  # a store.ExampleView: the stores its rows come from (not the eval files' after them)
+        used = {int(number) for number in np.unique(np.searchsorted(np.asarray(view.starts), view.picks, side="right") - 1)}
+        for number, store in enumerate(view.stores):
+            if number not in used:
+                continue
             for array in (store.ids, store.trained, store.bounds, *([store.desirable] if store.desirable is not None else [])):
                 digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
         digest.update(view.picks.tobytes())

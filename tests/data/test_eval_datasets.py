@@ -136,3 +136,23 @@ def test_an_eval_csv_error_names_its_eval_key(tmp_path):
     with pytest.raises(data.DataError) as raised:
         data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(tmp_path / "eval.csv")}]), build_tokenizer())
     assert "data.eval_datasets[0]" in str(raised.value) and "data.datasets" not in str(raised.value), raised.value
+
+
+def test_the_rows_fingerprint_is_of_the_training_rows_not_the_eval_files(tmp_path):
+    """A resume's check of the training rows hashed every store of the view, the eval files' too: an edited eval file
+    gave a false "other training rows" note (found in a review)."""
+    tokenizer = build_tokenizer()
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+
+    def fingerprint() -> str:
+        return data.rows_fingerprint(data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(eval_path)}]),
+                                                  tokenizer).train)
+
+    first = fingerprint()
+    write_jsonl(eval_path, EVAL_ROWS[::-1])
+    assert fingerprint() == first
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(40, seed=3))  # recipe_with writes seed 0's rows again...
+    changed = data.rows_fingerprint(data.prepare(validate_recipe({"model": {"name_or_path": "m"}, "data": {
+        "datasets": [{"path": str(tmp_path / "train.jsonl")}], "max_length": 128, "eval_datasets": [
+            {"path": str(eval_path)}]}}), tokenizer).train)
+    assert changed != first
