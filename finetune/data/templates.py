@@ -75,7 +75,9 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
         )
     for name in TEXT_FIELDS.get(spec.format, ()):
         field_text(_field(row, spec, name), f"{where}: `{_column(spec, name)}`")
-    if (broken := _surrogate(row)) is not None:
+    broken = next((found for name in (*required, *FORMAT_FIELDS[spec.format][1])  # what is rendered, nothing else
+                   if (found := _surrogate(_field(row, spec, name), _column(spec, name))) is not None), None)
+    if broken is not None:
         path, text = broken
         raise DataError(
             f"{where}: `{path}` holds a lone surrogate ({text!r}: half of a UTF-16 pair, as when an emoji is cut in "
@@ -104,6 +106,8 @@ def _surrogate(value, path: str = "") -> tuple[str, str] | None:
         return (path, value[max(found.start() - 20, 0) : found.end() + 20]) if found else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
+        if not isinstance(item, (str, dict, list)) or isinstance(item, str) and item.isascii():
+            continue  # (numbers and ASCII text: nothing to find, and no path built)
         inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
         if (found := _surrogate(item, inner)) is not None:
             return found
