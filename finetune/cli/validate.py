@@ -134,7 +134,8 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
         if not Path(spec.path).expanduser().exists():
             continue  # a `datasets` hub name: checked when the run loads it
         rows = data.load_rows(spec)
-        check_mapped_columns([row for row in rows[:1000] if isinstance(row, dict)], spec, spec.path)
+        check_mapped_columns([row for row in rows[:1000] if isinstance(row, dict)], spec, spec.path,
+                             whole=len(rows) <= 1000)
         for number, row in enumerate(rows, start=1):
             data.check_row(row, spec, f"{spec.path} row {number}")
         total += len(rows)

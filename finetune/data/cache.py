@@ -187,9 +187,9 @@ def _chunk_results(source: Source, recipe: Recipe, tokenizer):
     if first is None:
         return
     rows, places, broken = _parsed(first, source.spec, recipe)
-    check_dataset(rows, source.spec, tokenizer, source.spec.path)
-    yield _with_arrays(tokenize_chunk(rows, places, broken, source.spec, recipe, tokenizer))
     second = next(chunks, None)
+    check_dataset(rows, source.spec, tokenizer, source.spec.path, whole=second is None)
+    yield _with_arrays(tokenize_chunk(rows, places, broken, source.spec, recipe, tokenizer))
     if second is None:  # one chunk (most small datasets): no processes started
         return
     chunks, context, processes = itertools.chain([second], chunks), (source.spec, recipe, tokenizer), _processes(recipe)

@@ -278,7 +278,8 @@ def _opened(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], lis
         items, places = [item for _, item, _ in first], [place for _, _, place in first]
         if items and isinstance(items[0], str):
             items, _, _ = parse_lines(items, places, spec.path, bad_rows="skip")
-        check_dataset(items, spec, tokenizer, spec.path)  # as the cached path: before any row's own problem
+        check_dataset(items, spec, tokenizer, spec.path,  # as the cached path: before any row's own problem
+                      whole=len(first) < STREAM_CHUNK_ROWS)
         _tokenized(first, spec, recipe, tokenizer)
     rows = StreamedRows(recipe, tokenizer, start)
     if next(rows.sequences(Position(0, *start)), None) is None:

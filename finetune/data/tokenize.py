@@ -66,8 +66,11 @@ def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str
     return rows, kept, broken
 
 
-def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None:
-    """Problems of a whole dataset that skipping rows cannot fix: a column absent everywhere, no chat template."""
+def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whole: bool = True) -> None:
+    """Problems of a whole dataset that skipping rows cannot fix: a column absent everywhere, no chat template.
+    `rows`: the dataset's first rows; `whole`: they are all of it (a mapped optional column none has is then refused,
+    else warned about: a later row may have it)."""
+    whole = whole and len(rows) <= 1000
     dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
     required, _ = FORMAT_FIELDS[spec.format]
     for name in required:
@@ -80,7 +83,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
                 f"not exist (columns: {', '.join(columns)}). Map it with data.datasets[].columns, e.g. "
                 f"columns: {{{name}: {columns[0] if columns else 'COLUMN'}}}, or pick the right format."
             )
-    check_mapped_columns(dict_rows, spec, source)
+    check_mapped_columns(dict_rows, spec, source, whole=whole)
     if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{source}: chat data needs a tokenizer with a chat template, and this tokenizer "
@@ -92,10 +95,11 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str) -> None
         _check_tools(dict_rows, spec, tokenizer, source)
 
 
-def check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str) -> None:
+def check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str, *, whole: bool = True) -> None:
     """Every column data.datasets[].columns names is in the data (the keys of the rows; for role, content and
     reasoning, of their turns): a mapping to a column no row has (a typo) would leave an optional field out of every
-    row without a word (alpaca rows trained without their `input`, chat rows without their tools)."""
+    row without a word (alpaca rows trained without their `input`, chat rows without their tools). `whole`: `rows`
+    are all the rows (refused); else the first ones only, and a later row may have it (a warning)."""
     columns = sorted({str(key) for row in rows for key in row})
     turns = [turn for row in rows for name in TURN_LISTS.get(spec.format, ()) if isinstance(_field(row, spec, name), list)
              for turn in _field(row, spec, name) if isinstance(turn, dict)]
@@ -104,6 +108,11 @@ def check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str) -> No
         inside_turns = name in ("role", "content", "reasoning")
         have, what = (turn_keys, "message has that key") if inside_turns else (columns, "row has that column")
         if not rows or (inside_turns and not turns) or column in have:
+            continue
+        if not whole:
+            print(f"[finetune] warning: {source}: data.datasets[].columns maps `{name}` to `{column}`, and none of the "
+                  f"first {len(rows)} rows has that {'key' if inside_turns else 'column'}: the rows without it are read "
+                  f"without their `{name}` (if the name is a typo, every row is).", flush=True)
             continue
         raise DataError(
             f"{source}: data.datasets[].columns maps `{name}` to `{column}`, but no {what} (the first {len(rows)} rows' "

@@ -216,3 +216,16 @@ def test_kto_labels_in_a_csv_are_read_as_true_and_false(tmp_path, tokenizer):
     train, _, stats = data.build_examples(recipe, tokenizer)
     assert [example.desirable for example in train] == [True, False] and stats.skipped == 1
     assert "got 'maybe'" in stats.skipped_reasons[0]
+
+
+def test_a_mapped_column_that_first_appears_after_the_sampled_rows_is_a_warning(tmp_path, tokenizer, capsys):
+    """The check saw the first 1,000 rows and refused a column only later rows have, saying no row had it (found in
+    a review): a sample that is not the whole data warns; the rows that have the column render it."""
+    rows = [{"instruction": f"Add {i} and 1.", "output": str(i + 1)} for i in range(1200)]
+    rows += [{"instruction": "Add 1 and 1.", "sys": "Answer in words.", "output": "two"}]
+    path = write_jsonl(tmp_path / "sparse.jsonl", rows)
+    train, _, _ = data.build_examples(make_recipe({"path": str(path), "format": "alpaca",
+                                                   "columns": {"system": "sys"}}), tokenizer)
+    said = capsys.readouterr().out
+    assert "maps `system` to `sys`, and none of the first 1000 rows has that column" in said, said
+    assert "Answer in words." in tokenizer.decode(train[len(train) - 1].input_ids)
