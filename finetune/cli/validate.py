@@ -65,7 +65,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     per_machine = num_processes // machines if num_processes % machines == 0 else num_processes
     info = DistInfo(rank=0, world_size=num_processes, local_rank=0, local_world_size=per_machine,
                     device=torch.device("cpu"), backend=None)
-    plan = parallel.resolve_plan(recipe, info, config, launcher=launcher)
+    plan = parallel.resolve_plan(recipe, info, config, launcher=launcher, config_file=accelerate_config)
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
 

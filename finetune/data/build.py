@@ -78,8 +78,8 @@ def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore
         try:
             store, counts = dataset_store(spec, recipe, tokenizer)
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
-            raise DataError(str(exc).replace("data.datasets[].path", f"{key}.path").replace(
-                "data.datasets path", f"{key} path", 1)) from None
+            raise DataError(str(exc).replace("data.datasets[]", key).replace("data.datasets path", f"{key} path", 1)
+                            ) from None
         _count(stats, store, counts, spec, key, role="eval")
         found.append(store)
     return found

@@ -32,7 +32,9 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
             f"parallel.zero_stage / parallel.deepspeed_config are set but the strategy is {plan.strategy}. Fix: set "
             "parallel.strategy: deepspeed (or launch with a DeepSpeed accelerate config), or remove them."
         )
-    if p.cpu_offload and plan.strategy in ("single", "ddp", "layer_split"):
+    # (under `auto` the choice itself offloads, or refuses a single process without a group: plan._one_process)
+    if p.cpu_offload and plan.strategy in ("single", "ddp", "layer_split") and (
+            p.strategy != "auto" or plan.strategy == "layer_split"):
         problems.append(
             f"parallel.cpu_offload is true but the strategy is {plan.strategy}, which has no offload: FSDP and DeepSpeed "
             "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: `torchrun --nproc_per_node 1 "

@@ -28,11 +28,12 @@ def detect_gpus(dist: DistInfo) -> tuple[int, int] | None:
 
 
 def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict | None = None,
-                 gpus: tuple[int, int] | None = None) -> ParallelPlan:
+                 gpus: tuple[int, int] | None = None, config_file: str | None = None) -> ParallelPlan:
     """Choose and check the strategy before any weight loads; every refusal names its fix.
 
     `gpus` = (GPUs per node, bytes per GPU) turns on the memory planner: `strategy: auto` then follows its decision,
     and an explicit strategy it says will not fit gets a warning with the figures (an error with `parallel.strict`).
+    `config_file`: the accelerate config `launcher` was read from, for a refusal (a rank reads its launcher's).
     """
     from finetune.model import torch_dtype
 
@@ -62,9 +63,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
                                              problems=problems, notes=plan.notes)
         plan.cpu_offload = plan.zero.offload_params
     if problems:
-        config = launcher_config_file() if launcher else None
-        raise LaunchError(f"the parallel setup cannot work{f' (the accelerate config: {config})' if config else ''}:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise _refusal(problems, config_file or (launcher_config_file() if launcher else None))
     if strategy in ("fsdp", "layer_split") or p.layer_class:
         meta = meta_model(model_config, trust_remote_code=recipe.model.trust_remote_code)
         layer_cls = decoder_layer_class(meta, p.layer_class or launcher.get("layer_class"))
@@ -151,6 +150,8 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             return launcher["strategy"]
         if recipe.parallel.zero_stage is not None or recipe.parallel.deepspeed_config:
             return "deepspeed"  # torchrun / the deepspeed launcher: the recipe's DeepSpeed keys say which engine
+        if recipe.parallel.cpu_offload:
+            return "fsdp"  # offload is FSDP's (or DeepSpeed's): DDP has none, and dropped it without a word
         if decision is None:
             return "ddp"
         ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
@@ -169,6 +170,11 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
             "fsdp or deepspeed."
         )
     return asked
+
+
+def _refusal(problems: list[str], config: str | None) -> LaunchError:
+    return LaunchError(f"the parallel setup cannot work{f' (the accelerate config: {config})' if config else ''}:\n"
+                       + "\n".join(f"  - {p}" for p in problems))
 
 
 def _offload_asked(recipe: Recipe, launcher: dict) -> str | None:

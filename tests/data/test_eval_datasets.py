@@ -136,6 +136,13 @@ def test_an_eval_csv_error_names_its_eval_key(tmp_path):
     with pytest.raises(data.DataError) as raised:
         data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(tmp_path / "eval.csv")}]), build_tokenizer())
     assert "data.eval_datasets[0]" in str(raised.value) and "data.datasets" not in str(raised.value), raised.value
+    folder = tmp_path / "flat"  # a folder's refusals (split, subset) named data.datasets[].split (found in a review)
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", EVAL_ROWS)
+    with pytest.raises(data.DataError) as raised:
+        data.prepare(recipe_with(tmp_path, eval_datasets=[{"path": str(folder), "split": "validation"}]),
+                     build_tokenizer())
+    assert "data.eval_datasets[0].split" in str(raised.value) and "data.datasets" not in str(raised.value), raised.value
 
 
 def test_the_rows_fingerprint_is_of_the_training_rows_not_the_eval_files(tmp_path):

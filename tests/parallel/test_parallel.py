@@ -245,6 +245,11 @@ def test_one_process_with_cpu_offload_shards_over_its_group_or_is_refused(tiny_l
         plan(tiny_llama, world=1, launcher=config)
     with pytest.raises(LaunchError, match="parallel.cpu_offload is true but the strategy is single, which has no offload"):
         plan(tiny_llama, world=1, strategy="single", cpu_offload=True)
+    with pytest.raises(LaunchError) as one_problem:  # said once, not again as "the strategy is single"
+        plan(tiny_llama, world=1, cpu_offload=True)
+    assert str(one_problem.value).count("\n  - ") == 1, one_problem.value
+    # several processes under auto: FSDP, which offloads (auto chose DDP, then refused its own choice)
+    assert (plan(tiny_llama, world=2, cpu_offload=True).strategy, plan(tiny_llama, world=2).strategy) == ("fsdp", "ddp")
 
 
 def test_a_sharding_config_launched_as_one_process_says_it_trains_single(tiny_llama):
@@ -253,3 +258,21 @@ def test_a_sharding_config_launched_as_one_process_says_it_trains_single(tiny_ll
         one = plan(tiny_llama, world=1, launcher=launcher)
         assert one.strategy == "single"
         assert any(f"the accelerate config is {name} config, but 1 process was started" in note for note in one.notes)
+
+
+def test_validate_and_train_name_the_accelerate_config_of_a_refusal(tiny_llama, tmp_path, capsys):
+    """`finetune train/validate --accelerate-config FILE` refuse in the parent process, whose own parent is the shell:
+    the file was named only under a raw `accelerate launch` (found in a review)."""
+    from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
+
+    from finetune.cli import main
+
+    mine = tmp_path / "my_fsdp.yaml"
+    mine.write_text(CONFIGS[[path.name for path in CONFIGS].index("fsdp2.yaml")].read_text())
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, data, tmp_path / "out",
+                                                           train={"gradient_checkpointing": False}))
+    for verb in ("validate", "train"):
+        assert main([verb, str(recipe), "--accelerate-config", str(mine)]) == 2
+        assert f"the parallel setup cannot work (the accelerate config: {mine}):" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
