@@ -174,8 +174,9 @@ def resolve_length(recipe: Recipe, train_examples, plan, *, resume_from: Path | 
     if rows is not None:
         resolve_max_steps(recipe, rows, plan.world_size)
     with distributed.checks_every_rank_makes():  # every rank gets rank 0's answer; rank 0 prints the paragraph
-        outputs.check_resume(resume_from, recipe, plan, train_rows=rows, train_fingerprint=(
-            rows_fingerprint(train_examples) if rows is not None and resume_from is not None else None))
+        outputs.check_resume(resume_from, recipe, plan, train_rows=rows, train_fingerprint=(  # rank 0 decides
+            rows_fingerprint(train_examples) if rows is not None and resume_from is not None
+            and distributed.info().is_main else None))
 
 
 def build_optimizer(recipe: Recipe, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
