@@ -16,6 +16,9 @@ The stage is a package, one module per job, read in this order:
 
     examples.py   Example, DataStats, PreparedData, IGNORE_INDEX
     sources.py    rows from files, folders and hub datasets, in chunks; the pre-flight check of local files
+    readers.py    local files' readers (JSON Lines, JSON arrays, Parquet, text, Arrow), by chunk
+    csv_files.py  CSV, every cell as its text (an empty one missing), short rows read on
+    folders.py    which files of a folder are read: a hub README's configs and splits, else every data file
     templates.py  formats and chat templates -> (text, trained) segments -> tokens with exact labels
     tokenize.py   a chunk of rows rendered, tokenized and length-limited (data.overlong, data.bad_rows)
     store.py      tokenized examples on disk, memory-mapped; views that pick and pack them without copying

@@ -33,7 +33,9 @@ from finetune.errors import DataError
 from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
-_RENDERING_CODE = ("sources.py", "templates.py", "conversations.py", "chat.py", "pairs.py", "tokenize.py")  # the layout is STORE_FORMAT
+# The code that reads and renders rows (the layout is STORE_FORMAT): editing any invalidates every entry.
+_RENDERING_CODE = ("sources.py", "readers.py", "csv_files.py", "folders.py", "templates.py", "conversations.py",
+                   "chat.py", "pairs.py", "tokenize.py")
 
 
 def _rendering_code_version() -> str:

@@ -33,9 +33,11 @@ import torch
 
 from finetune.data.build import eval_file_examples
 from finetune.data.examples import DataStats, Example, PreparedData
+from finetune.data.folders import saved_folder
 from finetune.data.loader import BatchStream, collate
 from finetune.data.packing import concat_examples, packing_problem
-from finetune.data.sources import LOCAL_SUFFIXES, _reason, _saved_folder, local_files, local_rows
+from finetune.data.readers import LOCAL_SUFFIXES, reason
+from finetune.data.sources import local_files, local_rows
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
@@ -69,7 +71,7 @@ def _iterable(spec: DatasetSpec, path: Path):
         use_cache_only_if_unreachable()
         return datasets.load_dataset(spec.path, spec.subset, split=spec.split, streaming=True)
     except Exception as exc:  # noqa: BLE001  datasets raises many types for names and folders it cannot stream
-        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({_reason(exc)}). Streaming "
+        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({reason(exc)}). Streaming "
                         "reads hub datasets from the hub itself: offline, save it to a local folder or files first.") from None
 
 
@@ -84,7 +86,7 @@ def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, objec
         return
     if not path.exists() and (spec.path.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES):
         raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
-    if path.is_file() or (path.is_dir() and not _saved_folder(path)):
+    if path.is_file() or (path.is_dir() and not saved_folder(path)):
         files, folder = local_files(spec)
         rows = ((start + i, item, place) for i, (item, place, _) in enumerate(local_rows(files, folder, start)))
     else:

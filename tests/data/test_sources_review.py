@@ -92,17 +92,17 @@ CODES = ("instruction,input,output\n"
          "Give the other answer.,n/a,null\n"
          "Give the last answer.,,NA\n"
          "Give the empty answer.,x,\n")
-WRITTEN = ["007", "02134", "+4915112345678", "1.50", "7", "None", "null", "NA", ""]
+WRITTEN = ["007", "02134", "+4915112345678", "1.50", "7", "None", "null", "NA", None]
 
 
 def test_csv_values_are_the_text_written_cached_and_streamed(tmp_path, tokenizer):
     """No type inference (leading zeros, a plus sign, 1.50, an int column made float by an empty cell) and no
-    missing-value words: every value is the text in the file, an empty cell the empty string."""
+    missing-value words: every value is the text in the file, an empty cell missing (None), as pandas read it."""
     path = tmp_path / "codes.csv"
     path.write_text(CODES)
     rows = data.load_rows(DatasetSpec(path=str(path)))
     assert [row["output"] for row in rows] == WRITTEN
-    assert [row["input"] for row in rows] == ["", "", "", "", "", "NA", "n/a", "", "x"]
+    assert [row["input"] for row in rows] == [None, None, None, None, None, "NA", "n/a", None, "x"]
     assert streamed(path) == rows
     with pytest.raises(DataError, match=r"codes\.csv row 9: missing or empty `output`"):  # the empty cell: missing
         trained_answers(path, tokenizer)

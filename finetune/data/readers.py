@@ -1,0 +1,191 @@
+"""The readers of local data files but CSV (data/csv_files.py): JSON Lines, JSON arrays, Parquet, text and Arrow
+files, each yielding (item, place, raw) rows from row `skip` on; the suffixes they read; the read-error helpers."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+from collections.abc import Iterator
+from pathlib import Path
+
+from finetune.errors import DataError
+
+CHUNK_ROWS = 1000  # rows per chunk handed to a tokenizing process: a few MB of tokens, never the whole dataset
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# A folder's data files may also be these, as `datasets` read them before finetune did: `.txt` (one row per line, in
+# a `text` column) and `.arrow` (Arrow IPC streams, as `datasets` writes them). A file given alone stays one of
+# LOCAL_SUFFIXES: a stray notes.txt or cache-*.arrow named by mistake is refused rather than read as rows.
+FOLDER_SUFFIXES = (*LOCAL_SUFFIXES, ".txt", ".arrow")
+# A folder's files may be compressed, as hub downloads often are (`datasets` read them so before finetune did).
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`, naming its real encoding), "
+          "or remove the line.")
+
+
+def data_suffix(path: Path) -> str | None:
+    """The FOLDER_SUFFIXES type of a data file (also compressed: a.jsonl.gz), else None."""
+    suffixes = [suffix.lower() for suffix in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in COMPRESSED and suffixes[:-1] not in ([".parquet"], [".arrow"]):  # compressed inside
+        suffixes.pop()
+    return suffixes[-1] if suffixes and suffixes[-1] in FOLDER_SUFFIXES else None
+
+
+# ------------------------------------------------------------------------------------------------ JSON
+def json_lines_rows(path: Path, prefix: str, skip: int):
+    passed = 0
+    for number, line in enumerate(text_lines(path), start=1):
+        if line.strip() and passed < skip:
+            passed += 1
+        elif line.strip():
+            yield line.removesuffix("\n"), f"{prefix}line {number}", True
+    return passed
+
+
+def json_array_rows(path: Path, prefix: str, skip: int):
+    rows = _json_array(path)
+    yield from ((row, f"{prefix}row {number}", False) for number, row in enumerate(rows[skip:], start=skip + 1))
+    return min(skip, len(rows))
+
+
+def json_is_array(path: Path) -> bool:
+    """Whether a .json file holds one JSON array (parsed whole) rather than JSON Lines. One object written over several
+    lines (`{"data": [...]}`, pretty-printed) is neither, and is refused naming what it holds."""
+    with opened(path, "rt", encoding="utf-8-sig") as handle:
+        first = next((line for line in handle if line.strip()), "")
+    if first.lstrip().startswith("["):
+        return True
+    try:
+        json.loads(first)
+        return False  # a whole value on the first line: JSON Lines
+    except json.JSONDecodeError:
+        pass
+    try:
+        value = json.loads("".join(text_lines(path)))
+    except json.JSONDecodeError:
+        return False  # JSON Lines with a broken line: named with its line and column when read
+    if not isinstance(value, list):
+        raise DataError(_not_rows(path, value))
+    return True
+
+
+def _json_array(path: Path) -> list:
+    try:
+        rows = json.loads("".join(text_lines(path)))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno}). Fix the file.") from None
+    if not isinstance(rows, list):
+        raise DataError(_not_rows(path, rows))
+    return rows
+
+
+def _not_rows(path: Path, value) -> str:
+    lists = [key for key, item in value.items() if isinstance(item, list)] if isinstance(value, dict) else []
+    hint = (f" Its `{lists[0]}` holds a list: save that list as the file, e.g. as JSON Lines with "
+            f"`jq -c '.{lists[0]}[]' {path.name} > rows.jsonl`." if lists else "")
+    kind = f"an object (keys: {', '.join(map(str, value))})" if isinstance(value, dict) else type(value).__name__
+    return f"{path}: a JSON data file must hold a list of rows (or be JSON Lines: one object per line), got {kind}.{hint}"
+
+
+# --------------------------------------------------------------------------------------- text and Arrow
+def text_rows(path: Path, prefix: str, skip: int):
+    """A .txt file as `datasets`' text builder read it: one row per line (universal newlines, the line break dropped),
+    in a `text` column; an empty line is a row whose text is empty (a missing field to the row checks)."""
+    number = 0
+    for number, line in enumerate(text_lines(path), start=1):
+        if number > skip:
+            yield {"text": line.removesuffix("\n")}, f"{prefix}line {number}", False
+    return min(skip, number)
+
+
+def arrow_rows(path: Path, prefix: str, skip: int):
+    """An .arrow file as `datasets`' arrow builder read it: an Arrow IPC stream (what `datasets` writes), else an
+    Arrow IPC file, a record batch at a time."""
+    import pyarrow
+    import pyarrow.ipc
+
+    try:
+        with opened(path, "rb") as handle:
+            try:
+                batches = pyarrow.ipc.open_stream(handle)
+            except (OSError, pyarrow.ArrowInvalid):
+                handle.seek(0)
+                reader = pyarrow.ipc.open_file(handle)
+                batches = (reader.get_batch(index) for index in range(reader.num_record_batches))
+            return (yield from batch_rows(batches, prefix, skip))
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise DataError(f"{path}: cannot read it as an Arrow stream or file ({reason(exc)}). Fix the file or move it "
+                        "out of the folder.") from None
+
+
+# ------------------------------------------------------------------------------------------------ Parquet
+def parquet_rows(path: Path, prefix: str, skip: int):
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+        if parquet.metadata.num_rows <= skip:  # a resume past this file: its row groups are never decoded
+            return parquet.metadata.num_rows
+        return (yield from batch_rows(parquet.iter_batches(batch_size=CHUNK_ROWS), prefix, skip))
+    except pyarrow.ArrowException as exc:
+        raise DataError(f"{path}: cannot read it as Parquet ({reason(exc)}). Fix the file or point "
+                        "data.datasets[].path at another.") from None
+
+
+def batch_rows(batches, prefix: str, skip: int):
+    """Row dicts of Arrow record batches, numbered from 1, the first `skip` rows read past (sliced off, not converted)."""
+    seen = 0
+    for batch in batches:
+        cut = min(max(skip - seen, 0), batch.num_rows)
+        for number, row in enumerate(batch.slice(cut).to_pylist(), start=seen + cut + 1):
+            yield row, f"{prefix}row {number}", False
+        seen += batch.num_rows
+    return min(skip, seen)
+
+
+# ------------------------------------------------------------------------------------------- text helpers
+def opened(path: Path, mode: str, **options):
+    """The file, decompressed when its name ends in .gz, .bz2 or .xz."""
+    return COMPRESSED.get(path.suffix.lower(), open)(path, mode, **options)
+
+
+def text_lines(path: Path) -> Iterator[str]:
+    """The lines of a text file (Python's universal newlines: \\n, \\r\\n or \\r; a leading UTF-8 byte-order mark
+    dropped, as editors on Windows write it). Bytes that are not UTF-8 name the file, the line and the fix: the text
+    reader cannot say which line, so the bytes are read again to find it (only then)."""
+    try:
+        with opened(path, "rt", encoding="utf-8-sig") as handle:
+            yield from handle
+    except UnicodeDecodeError:
+        number, column, byte = first_undecodable(path)
+        raise DataError(f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}") from None
+
+
+def first_undecodable(path: Path) -> tuple[int, int, int]:
+    """(line, column, byte) of the first bytes that are not UTF-8, lines counted as universal newlines count them."""
+    number = 0
+    with opened(path, "rb") as handle:
+        for raw in handle:
+            body = raw.removesuffix(b"\n").removesuffix(b"\r")
+            for line in body.split(b"\r"):  # bare carriage returns end lines too
+                number += 1
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return number, exc.start + 1, line[exc.start]
+    return number, 1, 0
+
+
+def reason(exc: BaseException) -> str:
+    """The error's first line and, where it wraps another (`datasets`' "An error occurred while generating the
+    dataset"), the last line of the innermost cause: what actually went wrong."""
+    top, seen = exc, [exc]
+    while (inner := exc.__cause__ or exc.__context__) is not None and inner not in seen:
+        exc = inner
+        seen.append(exc)
+    first, last = (str(top).strip() or type(top).__name__).splitlines()[0], (str(exc).strip() or type(exc).__name__).splitlines()[-1]
+    return first[:200] if exc is top or last == first else f"{first[:200]}: {last[:200]}"
