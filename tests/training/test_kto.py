@@ -95,7 +95,7 @@ def test_rows_score_the_completion_only_and_carry_their_label(tiny_llama, tmp_pa
 @pytest.mark.parametrize("row,needle", [
     ({"prompt": "Q?", "completion": "A"}, "missing or empty `label`"),
     ({"prompt": "Q?", "completion": "A", "label": 1}, "`label` must be true (a desirable completion) or false"),
-    ({"prompt": "Q?", "completion": "A", "label": "true"}, "got 'true'"),
+    ({"prompt": "Q?", "completion": "A", "label": "yes"}, "got 'yes'"),  # ("true"/"false" as text: a CSV's cells)
     ({"prompt": "Q?", "completion": "", "label": True}, "missing or empty `completion`"),
 ])
 def test_bad_rows_name_the_row_and_the_fix(tiny_llama, tmp_path, row, needle):
