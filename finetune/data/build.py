@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from bisect import bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -125,9 +124,7 @@ def _eval_in_train(train: ExampleView, evaluation: ExampleView) -> int:
         return 0
 
     def digest(view: ExampleView, index: int) -> bytes:
-        glob = int(view.picks[index])
-        number = bisect_right(view.starts, glob) - 1
-        store, local = view.stores[number], glob - view.starts[number]
+        store, local = view.locate(index)
         hasher = hashlib.blake2b(digest_size=16)
         for row in (2 * local, 2 * local + 1) if store.pairs else (local,):
             start, end = int(store.bounds[row]), int(store.bounds[row + 1])

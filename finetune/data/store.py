@@ -166,12 +166,17 @@ class ExampleView(Sequence):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
-        glob = int(self.picks[index])
-        store = bisect_right(self.starts, glob) - 1
-        example = self.stores[store].example(glob - self.starts[store])
+        store, local = self.locate(index)
+        example = store.example(local)
         if self.reference_logps is not None:
             example.reference_logps = (float(self.reference_logps[index, 0]), float(self.reference_logps[index, 1]))
         return example
+
+    def locate(self, index: int) -> tuple[TokenStore, int]:
+        """(the store, the example's number in it) of example `index`."""
+        glob = int(self.picks[index])
+        number = bisect_right(self.starts, glob) - 1
+        return self.stores[number], glob - self.starts[number]
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([s.lengths() for s in self.stores] or [np.zeros(0, np.int64)])[self.picks]
