@@ -1,4 +1,4 @@
-"""CSV data files: every non-empty cell the text written in it, an empty or absent cell missing (None), read by Arrow a
+"""CSV and TSV data files: every non-empty cell the text written in it, an empty or absent cell missing (None), read by Arrow a
 block at a time, or by Python's csv module for a file whose rows are shorter than its header."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import csv
 import re
 from pathlib import Path
 
-from finetune.data.readers import RECODE, batch_rows, first_undecodable, opened, reason
+from finetune.data.readers import RECODE, batch_rows, data_suffix, first_undecodable, opened, reason
 from finetune.errors import DataError
 
 # Arrow's refusal of a row whose cell count is not the header's; such a file is read again by the csv module
@@ -22,18 +22,21 @@ def csv_rows(path: Path, prefix: str, skip: int):
     read it: a GRPO reward function is given the row's columns, and `"" in text` is always true. Read by Arrow a block
     at a time (quoted values may hold newlines), so a large file is never whole in memory. Arrow refuses a row with
     fewer cells than the header, which pandas read with the missing cells missing: such a file is read on by the csv
-    module from where Arrow stopped, and a row with more cells than the header is refused naming its line."""
+    module from where Arrow stopped, and a row with more cells than the header is refused naming its line. A .tsv file
+    is read the same way with tabs between cells, as `datasets` read it."""
     import pyarrow
     import pyarrow.csv
 
     names = _csv_header(path)
+    separator = _separator(path)
     convert = pyarrow.csv.ConvertOptions(column_types={name: pyarrow.string() for name in names}, null_values=[""],
                                          strings_can_be_null=True, quoted_strings_can_be_null=True)
     done = 0  # rows Arrow gave before it stopped at a short row
     try:
         with opened(path, "rb") as handle:
             batches = pyarrow.csv.open_csv(handle, convert_options=convert,
-                                           parse_options=pyarrow.csv.ParseOptions(newlines_in_values=True))
+                                           parse_options=pyarrow.csv.ParseOptions(delimiter=separator,
+                                                                                  newlines_in_values=True))
             rows = batch_rows(batches, prefix, skip)
             while True:
                 try:
@@ -47,7 +50,15 @@ def csv_rows(path: Path, prefix: str, skip: int):
             return (yield from _short_rows(path, names, prefix, skip, done))
         number, column, byte = first_undecodable(path) if "UTF8" in str(exc) else (0, 0, 0)
         fix = f"Line {number}: byte {byte:#04x} at column {column} is not UTF-8. {RECODE}" if number else "Fix the file."
-        raise DataError(f"{path}: cannot read it as CSV ({reason(exc)}). {fix}") from None
+        raise DataError(f"{path}: cannot read it as {_kind(path)} ({reason(exc)}). {fix}") from None
+
+
+def _separator(path: Path) -> str:
+    return "\t" if data_suffix(path) == ".tsv" else ","
+
+
+def _kind(path: Path) -> str:
+    return "TSV" if data_suffix(path) == ".tsv" else "CSV"
 
 
 def _short_rows(path: Path, names: list[str], prefix: str, skip: int, done: int):
@@ -59,7 +70,7 @@ def _short_rows(path: Path, names: list[str], prefix: str, skip: int, done: int)
     number = 0
     try:
         with opened(path, "rt", encoding="utf-8-sig", newline="") as handle:
-            records = csv.reader(handle)
+            records = csv.reader(handle, delimiter=_separator(path))
             next(records)  # the header, read by _csv_header
             for cells in records:
                 if not cells:
@@ -79,10 +90,12 @@ def _short_rows(path: Path, names: list[str], prefix: str, skip: int, done: int)
 
 
 def _long_row(path: Path, names: list[str], cells: list[str], line: int) -> str:
-    text = ",".join(cells)
-    return (f"{path}: cannot read it as CSV (line {line}: Expected {len(names)} columns, got {len(cells)}: "
+    separator = _separator(path)
+    text = separator.join(cells).replace("\t", "\\t")
+    which, quoted = ("a tab", "in double quotes") if separator == "\t" else ("a comma", '"a, b"')
+    return (f"{path}: cannot read it as {_kind(path)} (line {line}: Expected {len(names)} columns, got {len(cells)}: "
             f"{text[:80]}{'...' if len(text) > 80 else ''}). Line {line} has more cells than the header names "
-            f"({', '.join(names)}): a comma in a value that is not quoted? Fix: quote that value (\"a, b\"), or name "
+            f"({', '.join(names)}): {which} in a value that is not quoted? Fix: quote that value ({quoted}), or name "
             "the extra column in the header.")
 
 
@@ -91,14 +104,15 @@ def _csv_header(path: Path) -> list[str]:
     (Arrow reads a header alone as no rows, and the message would not say why), and so is a header naming a column
     twice (pandas renamed the second `output.1`; Arrow would keep one of the two silently)."""
     with opened(path, "rt", encoding="utf-8-sig", newline="", errors="replace") as handle:
-        records = csv.reader(handle)
+        records = csv.reader(handle, delimiter=_separator(path))
         header = next(records, None)
         try:
             first = next(records, None)
         except csv.Error:  # a value past the csv module's field limit (128 KiB): a row all the same, for Arrow
             first = []
     if not header or first is None:
-        raise DataError(f"{path}: cannot read it as CSV ({'empty' if not header else 'a header without rows'}); is "
+        what = "empty" if not header else "a header without rows"
+        raise DataError(f"{path}: cannot read it as {_kind(path)} ({what}); is "
                         "it empty, or a header without rows? Fix the file or point data.datasets[].path at another.")
     twice = next((name for index, name in enumerate(header) if name in header[:index]), None)
     if twice is not None:

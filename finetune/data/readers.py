@@ -14,13 +14,14 @@ from finetune.errors import DataError
 
 CHUNK_ROWS = 1000  # rows per chunk handed to a tokenizing process: a few MB of tokens, never the whole dataset
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 # A folder's data files may also be these, as `datasets` read them before finetune did: `.txt` (one row per line, in
 # a `text` column) and `.arrow` (Arrow IPC streams, as `datasets` writes them). A file given alone stays one of
 # LOCAL_SUFFIXES: a stray notes.txt or cache-*.arrow named by mistake is refused rather than read as rows.
 FOLDER_SUFFIXES = (*LOCAL_SUFFIXES, ".txt", ".arrow")
-# A folder's files may be compressed, as hub downloads often are (`datasets` read them so before finetune did).
+# Data files may be compressed, as hub downloads often are (`datasets` read them so before finetune did).
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+FILE_TYPES = ".jsonl, .json, .csv, .tsv or .parquet (JSON Lines, JSON, CSV and TSV also compressed: .gz, .bz2, .xz)"
 
 RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`, naming its real encoding), "
           "or remove the line.")
@@ -32,6 +33,17 @@ def data_suffix(path: Path) -> str | None:
     if suffixes and suffixes[-1] in COMPRESSED and suffixes[:-1] not in ([".parquet"], [".arrow"]):  # compressed inside
         suffixes.pop()
     return suffixes[-1] if suffixes and suffixes[-1] in FOLDER_SUFFIXES else None
+
+
+def file_suffix(path: Path) -> str | None:
+    """The LOCAL_SUFFIXES type of a data file given alone (also compressed: a.jsonl.gz), else None."""
+    kind = data_suffix(path)
+    return kind if kind in LOCAL_SUFFIXES else None
+
+
+def looks_local(text: str) -> bool:
+    """Whether a data.datasets[].path names a local file (a path, or a data file's name) rather than a hub dataset."""
+    return text.startswith((".", "/", "~")) or file_suffix(Path(text)) is not None
 
 
 # ------------------------------------------------------------------------------------------------ JSON

@@ -14,12 +14,14 @@ from finetune.data.csv_files import csv_rows
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.readers import (
     CHUNK_ROWS,
-    LOCAL_SUFFIXES,
+    FILE_TYPES,
     arrow_rows,
     data_suffix,
+    file_suffix,
     json_array_rows,
     json_is_array,
     json_lines_rows,
+    looks_local,
     parquet_rows,
     reason,
     text_lines,
@@ -70,7 +72,7 @@ def open_source(spec: DatasetSpec) -> Source:
         return Source(spec, files=files, folder=folder)
     if path.is_dir():
         return Source(spec, table=_load_saved(path, spec))
-    if spec.path.startswith((".", "/", "~")) or Path(spec.path).suffix in LOCAL_SUFFIXES:
+    if looks_local(spec.path):
         raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
     return Source(spec, table=_load_hub(spec))
 
@@ -80,9 +82,8 @@ def local_files(spec: DatasetSpec) -> tuple[list[Path], Path | None]:
     path = Path(spec.path).expanduser()
     if path.is_dir():
         return folder_files(path, spec), path
-    if path.suffix not in LOCAL_SUFFIXES:
-        raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv "
-                        "or .parquet.")
+    if file_suffix(path) is None:
+        raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use {FILE_TYPES}.")
     return [path], None
 
 
@@ -126,8 +127,8 @@ def local_rows(files: list[Path], folder: Path | None, start: int = 0) -> Iterat
         if kind == ".json" and json_is_array(file):
             reader = json_array_rows
         else:
-            reader = {".jsonl": json_lines_rows, ".json": json_lines_rows, ".csv": csv_rows, ".parquet": parquet_rows,
-                      ".txt": text_rows, ".arrow": arrow_rows}[kind]
+            reader = {".jsonl": json_lines_rows, ".json": json_lines_rows, ".csv": csv_rows, ".tsv": csv_rows,
+                      ".parquet": parquet_rows, ".txt": text_rows, ".arrow": arrow_rows}[kind]
         skip -= yield from reader(file, prefix, skip)
 
 
@@ -168,14 +169,13 @@ def check_local_files(recipe: Recipe) -> None:
             _check_column_names(spec, f"{key}[{index}]")
             path = Path(spec.path).expanduser()
             where = f"{key}[{index}] path `{spec.path}`"
-            looks_local = spec.path.startswith((".", "/", "~")) or path.suffix in (".jsonl", ".json", ".csv", ".parquet")
             if not path.exists():
-                if looks_local:
+                if looks_local(spec.path):
                     raise DataError(f"{where}: file not found (relative paths are read from {Path.cwd()}).")
                 continue
-            if path.is_file() and path.suffix not in (".jsonl", ".json", ".csv", ".parquet"):
-                raise DataError(f"{where}: unsupported file type `{path.suffix}`; use .jsonl, .json, .csv or .parquet.")
-            if path.is_file() and path.suffix == ".jsonl":
+            if path.is_file() and file_suffix(path) is None:
+                raise DataError(f"{where}: unsupported file type `{path.suffix}`; use {FILE_TYPES}.")
+            if path.is_file() and file_suffix(path) == ".jsonl":
                 _check_first_lines(path, spec, where, bad_rows=recipe.data.bad_rows)
             if path.is_dir() and not saved_folder(path):  # which files it reads, and their first lines
                 for file in folder_files(path, spec):

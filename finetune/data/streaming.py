@@ -36,7 +36,7 @@ from finetune.data.examples import DataStats, Example, PreparedData
 from finetune.data.folders import saved_folder
 from finetune.data.loader import BatchStream, collate
 from finetune.data.packing import concat_examples, packing_problem
-from finetune.data.readers import LOCAL_SUFFIXES, reason
+from finetune.data.readers import looks_local, reason
 from finetune.data.sources import local_files, local_rows
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
@@ -84,7 +84,7 @@ def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, objec
     limit = spec.max_rows
     if limit is not None and start >= limit:
         return
-    if not path.exists() and (spec.path.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES):
+    if not path.exists() and looks_local(spec.path):
         raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
     if path.is_file() or (path.is_dir() and not saved_folder(path)):
         files, folder = local_files(spec)

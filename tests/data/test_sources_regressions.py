@@ -196,3 +196,47 @@ def test_a_folder_of_arrow_files_reads_their_rows(tmp_path):
     assert rows(folder) == expected
     assert streamed(folder) == expected
     assert [item for _, item, _ in dataset_rows(DatasetSpec(path=str(folder)), start=2)] == expected[2:]
+
+
+# ---------------------------------------------------------------------- 5. TSV files, compressed files alone
+def test_a_tsv_file_reads_as_datasets_read_it_and_a_tab_in_a_value_is_named(tmp_path):
+    """`.tsv` was refused as a file and left out of folders; `datasets` reads it as CSV with tabs (its oracle here)."""
+    import datasets
+
+    path = tmp_path / "qa.tsv"
+    path.write_text('instruction\tinput\toutput\nq1, with a comma\tx\ta1\n"q2\ttabbed"\ty\ta2\n')
+    expected = datasets.load_dataset("csv", data_files=str(path), sep="\t", split="train",
+                                     cache_dir=str(tmp_path / "oracle")).to_list()
+    assert expected == [{"instruction": "q1, with a comma", "input": "x", "output": "a1"},
+                        {"instruction": "q2\ttabbed", "input": "y", "output": "a2"}]
+    assert rows(path) == expected
+    assert streamed(path) == expected
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "part.tsv").write_bytes(path.read_bytes())
+    assert rows(folder) == expected
+    long = tmp_path / "extra.tsv"
+    long.write_text("instruction\toutput\nq1\ta1\nq2\ta2\tz\n")
+    with pytest.raises(DataError, match=r"extra\.tsv: cannot read it as TSV \(line 3: Expected 2 columns, got 3: "
+                                        r"q2\\ta2\\tz\)\. .*a tab in a value that is not quoted"):
+        rows(long)
+
+
+def test_a_compressed_data_file_given_alone_reads_and_a_missing_one_is_not_a_hub_name(tmp_path):
+    """`train.jsonl.gz` read inside a folder but was refused alone (`unsupported file type .gz`), and a missing one was
+    looked up on the hub."""
+    import gzip
+
+    plain = tmp_path / "train.jsonl"
+    write_jsonl(plain, [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(3)])
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert rows(packed) == rows(plain) and streamed(packed) == streamed(plain)
+    check_local_files(validate_recipe({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": str(packed)}]}}))
+    missing = validate_recipe({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "data/gone.jsonl.gz"}]}})
+    with pytest.raises(DataError, match=r"data\.datasets\[0\] path `data/gone\.jsonl\.gz`: file not found"):
+        check_local_files(missing)
+    notes = tmp_path / "notes.md.gz"
+    notes.write_bytes(gzip.compress(b"hello"))
+    with pytest.raises(DataError, match=r"unsupported file type `\.gz`; use \.jsonl, \.json, \.csv, \.tsv or \.parquet"):
+        rows(notes)
