@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -168,9 +169,17 @@ def is_main() -> bool:
     return _INFO is None or _INFO.is_main
 
 
-def print0(*args, **kwargs) -> None:
-    if is_main():
-        print(*args, **kwargs, flush=True)
+def print0(*args, sep: str = " ", end: str = "\n", file=None) -> None:
+    """Print on rank 0. While a progress bar is drawn (the training loop's, a tokenizing one) the line is written above
+    it by tqdm, which clears the bar and draws it again below: a plain print wrote over the bar's line."""
+    if not is_main():
+        return
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None and any(not bar.disable for bar in list(bars.tqdm._instances)):
+        bars.tqdm.write(sep.join(str(arg) for arg in args), file=file, end=end)
+        (file or sys.stdout).flush()
+        return
+    print(*args, sep=sep, end=end, file=file, flush=True)
 
 
 def barrier() -> None:

@@ -5,6 +5,7 @@ by processes that use them (real 2-process DDP, real export)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -130,3 +131,26 @@ def test_the_launchers_torchrun_banner_is_filtered_by_its_exact_text(caplog):
         logger.warning("another torchrun warning")
     assert [record.getMessage() for record in caplog.records] == ["another torchrun warning"]
     assert "quiet.install()" in inspect.getsource(__import__("finetune.cli.accelerate_launch", fromlist=["main"]).main)
+
+
+def test_a_line_printed_while_a_progress_bar_is_drawn_goes_above_the_bar(capsys):
+    """On a terminal, the training loop's tqdm bar is drawn on stderr; a log line printed on stdout wrote over it
+    (`train:  40%|####      | 4/10 [00:02<...]step 4 loss 2.1`). print0 now has tqdm write it: the bar is cleared,
+    the line written, and the bar drawn again below it."""
+    from tqdm.auto import tqdm
+
+    from finetune.distributed import print0
+
+    bar = tqdm(total=10, desc="train", file=sys.stderr, disable=False, ascii=True, ncols=60)
+    bar.update(4)
+    capsys.readouterr()
+    print0("step 4 loss 2.1")
+    out, err = capsys.readouterr()
+    bar.close()
+    capsys.readouterr()
+    assert out == "step 4 loss 2.1\n"
+    assert re.fullmatch(r"\r {60}\r\rtrain:  40%\|.*\| 4/10 \[.*\]", err)  # cleared, then drawn again below
+    silent = tqdm(total=10, disable=True)
+    print0("no bar drawn", file=sys.stderr)
+    silent.close()
+    assert capsys.readouterr() == ("", "no bar drawn\n")
