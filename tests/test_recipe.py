@@ -88,8 +88,13 @@ def test_overrides_are_validated_like_the_file(tmp_path):
     assert recipe.data.datasets[0].format == "chat"
     # the bracket form users write (it was "`data.datasets[0]` is not a recipe key. Did you mean `datasets`?")
     assert load_recipe(path, ["data.datasets[0].format=chat"]).data.datasets[0].format == "chat"
-    with pytest.raises(RecipeError, match=r"`3` is not an index of the list \(it has 1 items\)"):
+    with pytest.raises(RecipeError, match=r"`3` is not an index of the list \(it has 1 items: 0 to 0, or -1 for the "):
         load_recipe(path, ["data.datasets[3].format=chat"])
+    # the last item as Python writes it (it was "`data.datasets[-1]` is not a recipe key")
+    assert load_recipe(path, ["data.datasets[-1].format=chat"]).data.datasets[0].format == "chat"
+    assert load_recipe(path, ["data.datasets.-1.weight=2"]).data.datasets[0].weight == 2
+    with pytest.raises(RecipeError, match=r"`-2` is not an index of the list"):
+        load_recipe(path, ["data.datasets[-2].format=chat"])
 
 
 def test_parse_override_values():

@@ -94,14 +94,15 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.max_steps=50` -> (["train", "max_steps"], 50); `data.datasets[0].path=x` or `data.datasets.0.path=x`
-    -> (["data", "datasets", "0", "path"], "x"). Values are parsed as YAML scalars/lists."""
+    -> (["data", "datasets", "0", "path"], "x"); `datasets[-1]` is the last item. Values are parsed as YAML
+    scalars/lists."""
     if "=" not in text:
         raise RecipeError(f"override `{text}`: expected KEY.PATH=VALUE, for example train.max_steps=50.")
     key, _, raw = text.partition("=")
     parts = []
     for part in (p for p in key.strip().split(".") if p):  # a list's item as `datasets.0` or `datasets[0]`
-        indexed = re.fullmatch(r"([^\[\]]+)((?:\[\d+\])+)", part)
-        parts += [indexed.group(1), *re.findall(r"\d+", indexed.group(2))] if indexed else [part]
+        indexed = re.fullmatch(r"([^\[\]]+)((?:\[-?\d+\])+)", part)
+        parts += [indexed.group(1), *re.findall(r"-?\d+", indexed.group(2))] if indexed else [part]
     if not parts:
         raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
     try:
@@ -116,6 +117,7 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
     node: Any = raw
     schema: type[BaseModel] | None = root
     for depth, part in enumerate(parts):
+        index = int(part) if re.fullmatch(r"-?\d+", part) else None
         if schema is not None and part not in schema.model_fields and not isinstance(node, list):
             where = ".".join(parts[:depth]) or "the top level"
             hint = suggest(part, field_names(schema), root=root, section=parts[0] if depth == 1 else None)
@@ -123,13 +125,15 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
                 f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{hint} (keys under {where})")
         last = depth == len(parts) - 1
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise RecipeError(f"override `{text}`: `{part}` is not an index of the list (it has {len(node)} items).")
+            if index is None or not -len(node) <= index < len(node):
+                items = f"0 to {len(node) - 1}, or -1 for the last" if node else "none"
+                raise RecipeError(f"override `{text}`: `{part}` is not an index of the list (it has {len(node)} items: "
+                                  f"{items}).")
             if last:
-                node[int(part)] = value
+                node[index] = value
                 return
-            node = node[int(part)]
-            schema = schema_at(root, tuple(p for p in parts[: depth + 1] if not p.isdigit()))
+            node = node[index]
+            schema = schema_at(root, tuple(p for p in parts[: depth + 1] if re.fullmatch(r"-?\d+", p) is None))
             continue
         if last:
             node[part] = value
@@ -139,7 +143,7 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
             if not isinstance(node[part], (dict, list)):
                 raise RecipeError(f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section.")
         node = node[part]
-        schema = schema_at(root, tuple(p for p in parts[: depth + 1] if not p.isdigit()))
+        schema = schema_at(root, tuple(p for p in parts[: depth + 1] if re.fullmatch(r"-?\d+", p) is None))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
