@@ -98,8 +98,27 @@ def _quiet_torch_distributed() -> Iterator[None]:
 
 def _dcp(operation: Callable, state: dict, path: Path) -> None:
     """dcp.save / dcp.load on `path`, in this process alone when there is no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    options = {"planner": _load_planner()} if operation is dcp.load else {}
     with _quiet_torch_distributed():
-        operation(state, checkpoint_id=path, no_dist=_single())
+        operation(state, checkpoint_id=path, no_dist=_single(), **options)
+
+
+def _load_planner():
+    """DCP's default load planner without its fallback to checkpoints of torch < 2.4: where the checkpoint has keys
+    this rank's state does not, that fallback flattens the state again the pre-2.4 way (`optim.param_groups` one key),
+    which no checkpoint written here has ("Missing key in checkpoint state_dict: optim.param_groups"). Under FSDP1 a
+    rank holds no shard of a tensor with fewer rows than ranks (a reward model's score head [1, hidden], lora.r below
+    the process count), so its state lacks that key: every such run died at its first checkpoint's read-back. Every
+    checkpoint here is written by torch >= 2.4 (the declared floor), so the fallback is never the right reading."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+    return LoadPlanner()
 
 
 def _local(value: Any) -> Any:
@@ -320,7 +339,14 @@ def verify_readback(path: Path, saved: dict) -> None:
     for _, value in _leaves(template):
         if isinstance(_local(value), torch.Tensor):
             _local(value).zero_()
-    _dcp(dcp.load, template, path / "trainable")
+    try:
+        _dcp(dcp.load, template, path / "trainable")
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP raises a load's failure on every rank
+        if distributed.is_communication_failure(exc):
+            raise
+        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read back ({reason}). It cannot be trusted; this is a "
+                              "bug in the parallel setup, please report it with the recipe and the launch command.") from None
     saved_leaves, loaded_leaves = dict(_leaves(saved)), dict(_leaves(template))
     differs = [key for key, value in saved_leaves.items() if not _same(_local(value), _local(loaded_leaves.get(key)))]
     if distributed.any_rank(bool(differs)):

@@ -345,3 +345,17 @@ def test_other_rows_of_the_same_count_are_said_and_the_same_rows_are_not(tiny_re
     other = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={tmp_path / 'other'}",
                      f"train.resume={step2}"])
     assert other.returncode == 0 and said in other.stdout, other.stdout[-3000:]
+
+
+def test_a_checkpoint_that_cannot_be_read_back_is_one_paragraph_not_a_traceback(tmp_path):
+    """The read-back after each save raised DCP's own error (a traceback on every rank, then "lost a peer" claims) when
+    the load failed outright, as it did for FSDP1 with a tensor of fewer rows than ranks; now a CheckpointError naming
+    the checkpoint. Simulated in one process: the state read back has a key the checkpoint lacks."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"model": {"a": torch.ones(3)}}
+    checkpoint._dcp(dcp.save, saved, tmp_path / "trainable")
+    checkpoint.verify_readback(tmp_path, saved)  # as saved: equal
+    with pytest.raises(CheckpointError, match=r"checkpoint .* could not be read back \(.*Missing key.*model\.b.*\)\. It "
+                                              r"cannot be trusted"):
+        checkpoint.verify_readback(tmp_path, {"model": {"a": torch.ones(3), "b": torch.ones(2)}})

@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 if __name__ != "__main__":
     from conftest import addition_rows, child_env, free_port, recipe_dict, run_cmd, write_jsonl, write_recipe
@@ -40,6 +41,32 @@ def test_fsdp1_gathers_lora_units_only_and_keeps_buffer_dtypes(tiny_llama, tmp_p
             assert report[phase]["lora_bytes"] == 2 * per_unit * report["lora_full_bytes"], (phase, report[phase])
         assert report["reloaded_equal"] == [True, True], report  # LoRA zeroed after each save, the load restores it
         assert report["saved_model_keys"] and all(".lora_" in key for key in report["saved_model_keys"]), report
+
+
+@pytest.mark.slow  # ~20 s: three 2-rank FSDP1 runs (accelerate_configs/fsdp1.yaml)
+def test_fsdp1_with_a_tensor_of_fewer_rows_than_ranks_checkpoints_and_resumes_as_one_run(tiny_llama, tmp_path):
+    """lora.r 1 under 2 FSDP1 ranks: rank 1 holds no shard of each [1, in] LoRA A (nor of a reward model's [1, hidden]
+    head), so its state lacks those keys, and DCP's load fell back to pre-torch-2.4 keys that no checkpoint has: every
+    such run died at its first checkpoint's read-back ("Missing key in checkpoint state_dict: optim.param_groups") and
+    wrote no adapter. Now the run finishes, and 2 steps + a resume to 3 equal 3 steps in one run (the reference; a
+    constant learning rate, so that the first run's max_steps 2 schedules the same rates)."""
+    from conftest import accelerate_launch
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(32))
+    adapters = {}
+    for name, steps in (("whole", ("3",)), ("resumed", ("2", "3"))):
+        recipe = write_recipe(tmp_path / f"{name}.yaml", recipe_dict(
+            tiny_llama, data, tmp_path / name, lora={"r": 1, "alpha": 2, "dropout": 0.0},
+            train={"micro_batch_size": 2, "save_every": 1, "resume": "auto", "lr_schedule": "constant"}))
+        for max_steps in steps:
+            result = accelerate_launch("fsdp1", recipe, f"train.max_steps={max_steps}")
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        adapters[name] = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
+    assert "resum" in result.stdout, result.stdout[-2000:]
+    assert adapters["whole"].keys() == adapters["resumed"].keys() and adapters["whole"]
+    for key, value in adapters["whole"].items():
+        assert torch.equal(value, adapters["resumed"][key]), key
 
 
 if __name__ == "__main__":

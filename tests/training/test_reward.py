@@ -135,7 +135,7 @@ def test_a_reward_model_trains_under_every_engine_and_exports_with_its_head(tiny
                                data={"eval_fraction": 0.125})
         recipe = write_recipe(tmp_path / f"{name}.yaml", values)
         result = (run_cmd(["python", run_py, str(recipe)]) if name == "single"
-                  else accelerate_launch("fsdp2", recipe))
+                  else accelerate_launch(name, recipe))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = [m for m in read_metrics(tmp_path / name)]
     for name, metrics in runs.items():
