@@ -423,6 +423,22 @@ def _lost_peers(me: int, *, wait_s: float) -> list[str]:
         time.sleep(0.1)
 
 
+def _slow_peer(me: int, checkpoints: str, error: str) -> str:
+    """A collective that timed out with every rank on this host alive: a peer busy for longer than the timeout (a slow
+    reward function, work on rank 0 alone) is as likely as a failure, and only the timeout knob helps it."""
+    here = socket.gethostname()
+    remote = sorted({host for rank, (host, _) in enumerate(_PEERS) if rank != me and host != here})
+    where = (f"every other rank is alive on this host ({here}), so one of them is still busy or hung"
+             if not remote else f"every other rank on this host is alive; a rank on {', '.join(remote)} may be busy, "
+             "hung or gone, or the network failed")
+    return (f"rank {me} waited for its peers during {_DOING} longer than parallel.collective_timeout_s = {_TIMEOUT_S} s: "
+            f"{where}. A step that is slower on one rank than this (a reward function or reward model, work on rank 0 "
+            "alone, data loading, a long generation) stops the run the same way as a hung rank. The job cannot "
+            f"continue without every rank and stops (the launcher ends the other ranks); {checkpoints} If that rank "
+            "was slow but working, raise parallel.collective_timeout_s (the recipe key; HF's ddp_timeout is read as "
+            f"it) and run the same command with train.resume=auto added. ({error})")
+
+
 def peer_failure(exc: BaseException, *, checkpoints: str) -> PeerLost:
     """The paragraph for a failed collective: what this rank was doing, which ranks are dead or stopped, the timeout,
     where the run stands (`checkpoints`: what is on disk) and the way back."""
@@ -432,6 +448,8 @@ def peer_failure(exc: BaseException, *, checkpoints: str) -> PeerLost:
     lost = _lost_peers(me, wait_s=0.0 if timed_out else 3.0)
     waited = (f"no answer within parallel.collective_timeout_s = {_TIMEOUT_S} s" if timed_out
               else "the connection to a peer broke")
+    if timed_out and not lost:
+        return PeerLost(_slow_peer(me, checkpoints, f"{type(exc).__name__}: {text}"))
     who = "; ".join(lost) if lost else "every other rank on this host is still alive (a rank on another host, or the network, failed)"
     return PeerLost(
         f"rank {me} lost a peer during {_DOING} ({waited}): {who}. The job cannot continue without every rank and stops "

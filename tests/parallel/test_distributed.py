@@ -395,3 +395,29 @@ def test_a_peer_that_breaks_the_connection_as_it_dies_is_named(monkeypatch):
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_timeout_with_every_local_peer_alive_says_a_peer_is_busy_and_names_the_timeout_knob(monkeypatch):
+    """A rank busy for longer than parallel.collective_timeout_s (a slow reward function on one rank) was reported as
+    "lost a peer ... (a rank on another host, or the network, failed)" with both ranks alive on this host, and the fix
+    never named the timeout. Now: waited, every rank alive here, raise parallel.collective_timeout_s. (Module state
+    only, as above: the peers' list, gloo's timeout words; the peer is a live process.)"""
+    from finetune import distributed
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms "
+                           "for recv operation to complete")
+    try:
+        assert peer.stdout.readline().strip() == "up"
+        here = socket.gethostname()
+        monkeypatch.setattr(distributed, "_PEERS", [(here, os.getpid()), (here, peer.pid)])
+        paragraph = str(distributed.peer_failure(timeout, checkpoints="no checkpoint yet."))
+        assert "waited for its peers" in paragraph and f"every other rank is alive on this host ({here})" in paragraph
+        assert "raise parallel.collective_timeout_s" in paragraph and "another host" not in paragraph, paragraph
+        monkeypatch.setattr(distributed, "_PEERS", [(here, os.getpid()), (here, peer.pid), ("node-2", 4242)])
+        paragraph = str(distributed.peer_failure(timeout, checkpoints="no checkpoint yet."))
+        assert "a rank on node-2 may be busy, hung or gone, or the network failed" in paragraph, paragraph
+    finally:
+        peer.kill()
+        peer.wait()
