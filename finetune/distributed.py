@@ -76,6 +76,7 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     else:
         check_torch_sees_the_gpus()  # a CUDA torch on an older driver would train on the CPU with only a warning
         device = torch.device("cpu")
+    end_with_the_launcher()
     backend = None
     # A launcher that starts one process on purpose (`torchrun --nproc_per_node 1`) gets a 1-rank group, so FSDP and
     # ZeRO run at world size 1 (one GPU with CPU offload); a plain `python` start stays without one.
@@ -101,6 +102,24 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
+
+
+def end_with_the_launcher() -> None:
+    """A rank started by torch elastic (torchrun, accelerate launch) is sent SIGTERM when its launcher dies, as when
+    the launcher is SIGKILLed, or killed by a signal it does not handle (SIGUSR1: SLURM's usual warning before
+    preemption). The agent starts each rank in a session of its own, so a kill of the launcher's process group missed
+    the ranks too: they trained on as orphans, writing the run where nobody looked. SIGTERM takes the preemption path
+    (the step finishes, every rank checkpoints, exit 143). A launcher already gone by now is acted on at once."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def local_world_size(world_size: int) -> int:

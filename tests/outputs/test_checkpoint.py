@@ -12,12 +12,14 @@ import json
 import os
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import CHECKPOINT_EVERY, CHECKPOINT_STEPS, CHECKPOINT_STRATEGIES, RUN_PY, checkpoint_command, train_losses
-from processes import finish, kill_plan, outline, start, wait_for_step, worker_pids
+from processes import finish, kill_plan, last_logged_step, outline, start, wait_for_step, worker_pids
 
 from finetune import outputs
 from finetune.outputs import step_folders
@@ -193,6 +195,33 @@ def test_sigterm_to_one_fsdp1_rank_checkpoints_on_every_rank_then_resumes(base_r
                         tmp_path / "resume.log")
     assert f"resumed from {path} at step {step}" in output
     assert_same_adapter(adapter(kill_and_resume("fsdp1", base_recipe, runs_root, checkpointed_run)["ref"]), adapter(run), exact=True)
+
+
+def test_a_launcher_killed_outright_stops_its_ranks_with_a_checkpoint_not_orphans(base_recipe, tmp_path):
+    """SIGKILL to torchrun (or a signal it does not handle: SLURM's SIGUSR1) ended the launcher alone: torch elastic
+    starts each rank in a session of its own, so the ranks trained on as orphans to the last step, writing the run
+    where nobody looked. Now each rank gets SIGTERM when its launcher dies (PR_SET_PDEATHSIG) and takes the preemption
+    path: every rank checkpoints after the same step and exits. A real torchrun (a warm launch's ranks are forked from
+    the suite's servers, not from the launcher)."""
+    from finetune.distributed import peer_state
+
+    run = tmp_path / "run"
+    log = tmp_path / "orphans.log"
+    process = start(command(base_recipe, run, "ddp", "train.save_every=0"), log, warm=False)
+    wait_for_step(process, run, 3, log)
+    workers = worker_pids(process.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 120
+    while any(peer_state(socket.gethostname(), pid) == "alive" for pid in workers.values()):
+        assert time.monotonic() < deadline, f"ranks still training after their launcher died:\n{outline(log.read_text())}"
+        time.sleep(0.1)
+    output = log.read_text()
+    assert "stopped by SIGTERM after step" in output, output[-3000:]
+    [(step, path)] = step_folders.list_checkpoints(run)
+    assert 3 <= step < MAX_STEPS and step_folders.checkpoint_problem(path) is None, outline(output)
+    assert not (run / "adapter").exists() and last_logged_step(run) == step
 
 
 def test_nan_loss_stops_with_a_message_and_writes_no_nan(base_recipe, tmp_path):
