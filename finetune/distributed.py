@@ -14,10 +14,7 @@ import random
 import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -381,51 +378,6 @@ def peer_state(host: str, pid: int) -> str:
     return {"T": "stopped (SIGSTOP or a debugger: state T)", "t": "stopped by a debugger (state t)",
             "Z": "dead (killed or crashed; not yet reaped)", "D": "stuck in the kernel (state D: I/O, e.g. a hung "
             "network filesystem)"}.get(state, "alive")
-
-
-_HELD: dict[int, object] = {}  # signal -> the handler to put back, while a lost peer's paragraph is being written
-_HELD_RECEIVED: list[int] = []
-
-
-def hold_stop_signals(previous: dict | None = None, received: int | None = None) -> bool:
-    """Record SIGTERM/SIGINT instead of acting on them until `release_stop_signals`. The launcher SIGTERMs the
-    survivors as soon as it sees a dead rank; without this, a survivor that has left the training loop (whose handler
-    only records) is killed before it names the peer it lost (seen on a busy CI machine). `previous`: the handlers to
-    put back (the training loop's own were in place); `received`: a signal the loop had already recorded."""
-    if _HELD or threading.current_thread() is not threading.main_thread():
-        return False
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        before = signal.signal(signum, lambda number, frame: _HELD_RECEIVED.append(number))
-        _HELD[signum] = (previous or {}).get(signum, before)
-    if received is not None:
-        _HELD_RECEIVED.append(received)
-    return True
-
-
-@contextmanager
-def checks_every_rank_makes() -> Iterator[None]:
-    """Hold SIGTERM/SIGINT over checks that every rank makes alike and that wait on no peer (recipe, files, model
-    config, parallel plan). A rank that fails such a check first exits, and the launcher SIGTERMs the others at once:
-    rank 0, the one that prints the whole paragraph, was killed before it got there (CI: "(rank 1) the parallel setup
-    cannot work:" and nothing more). Released when the checks pass; when one fails, after main() has printed it."""
-    took = hold_stop_signals()
-    try:
-        yield
-    except FinetuneError as exc:
-        exc.alike_on_every_rank = True  # main(): a rank other than 0 waits for rank 0's paragraph before it exits
-        raise
-    if took:
-        release_stop_signals()
-
-
-def release_stop_signals() -> None:
-    """Put the handlers back once the paragraph is printed; a signal that came meanwhile is acted on now (the
-    launcher's SIGTERM ends the process, as it would have)."""
-    for signum, handler in _HELD.items():
-        signal.signal(signum, handler)
-    _HELD.clear()
-    if _HELD_RECEIVED:
-        signal.raise_signal(_HELD_RECEIVED.pop(0))
 
 
 def _lost_peers(me: int, *, wait_s: float) -> list[str]:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from finetune.distributed import release_stop_signals
+from finetune.held_signals import release_stop_signals
 
 _PRINTED_KEY = "finetune/rank0-printed"
 

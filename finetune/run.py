@@ -19,7 +19,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 try:
-    from finetune import distributed, host_memory, quiet, rank_errors
+    from finetune import distributed, held_signals, host_memory, quiet, rank_errors
     from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imports: no traceback from any rank
     if __name__ != "__main__":
@@ -37,7 +37,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
     with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
-        with distributed.checks_every_rank_makes():
+        with held_signals.checks_every_rank_makes():
             plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
         if plan.strategy != "deepspeed":
             quiet.keep_deepspeed_out()
@@ -96,7 +96,7 @@ def _checked_recipe(recipe_path: str, overrides: list[str]):
     from finetune import data
     from finetune import recipe as recipes
 
-    with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
+    with held_signals.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
         recipe = recipes.load_recipe(recipe_path, overrides)
         data.check_local_files(recipe)
     return recipe
@@ -110,7 +110,7 @@ def _lost_peers_named(out_dir: Path) -> Iterator[None]:
     except BaseException as exc:
         if not distributed.is_communication_failure(exc):
             raise
-        distributed.hold_stop_signals()  # released once main() has printed the paragraph
+        held_signals.hold_stop_signals()  # released once main() has printed the paragraph
         from finetune import outputs
 
         raise distributed.peer_failure(exc, checkpoints=outputs.newest_kept(out_dir)) from None
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
               "train.resume=auto added (it continues from the newest checkpoint).", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     finally:
-        distributed.release_stop_signals()
+        held_signals.release_stop_signals()
         distributed.teardown(clean=clean)
     return 0
 

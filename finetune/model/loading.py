@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from finetune import distributed
+from finetune import held_signals
 from finetune.errors import ModelLoadError
 from finetune.model.experts.split import fused_expert_views
 from finetune.model.lora.attach import adapter_start, check_target_modules, lora_config
@@ -71,7 +71,7 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
                            bnb_config=model_stage.quantization_config(recipe),
                            attn_implementation=recipe.model.attn_implementation,
                            trust_remote_code=recipe.model.trust_remote_code)
-    with distributed.checks_every_rank_makes():  # a misspelled target: refused before any weight is read
+    with held_signals.checks_every_rank_makes():  # a misspelled target: refused before any weight is read
         check_target_modules(recipe, base)
     model_stage.keep_4bit_weights_trainable_on_cpu(base)
     model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
@@ -175,7 +175,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     if folder is not None and converted_at_load(config):
         folder = None  # a layout transformers splits, concatenates or transposes at load: its from_pretrained reads it
     if folder is None:
-        with distributed.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
+        with held_signals.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
             prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently
             check_lora_targets(recipe, config)  # from_pretrained reads every weight before LoRA is attached
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
@@ -187,7 +187,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, config, gradient_checkpointing=gradient_checkpointing)
     folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
-    with distributed.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
+    with held_signals.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
         index = checkpoint_index(folder)
         convert_index(index, skeleton)  # transformers' key renames
         fused_expert_views(index, skeleton)  # per-expert tensors stored fused: each read as its expert's slice

@@ -12,17 +12,15 @@ import contextlib
 import math
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 import torch
 from torch import nn
 
-from finetune import distributed, outputs
+from finetune import distributed, held_signals, outputs
 from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, rows_fingerprint, steps_per_epoch
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
@@ -31,6 +29,7 @@ from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
 from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
+from finetune.training.stopping import StopSignals
 
 # Context managers entered around each training step, `hook(step, out_dir, rank)`: what diagnostics attach (the
 # tensor-bytes meter, training/tensor_bytes.py, when FINETUNE_MEASURE_STEP asks for it: run.py), never the loop itself.
@@ -57,53 +56,6 @@ class Preempted(FinetuneError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
-
-
-ONE_ACTION_S = 1.0  # SIGINTs this close are one Ctrl-C delivered twice (directly and forwarded by the launcher)
-
-
-class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop finishes the step, checkpoints, then stops.
-
-    A second SIGINT (an impatient Ctrl-C) interrupts at once; one within ONE_ACTION_S of the first is the same Ctrl-C
-    reaching the rank twice (the process group's and the launcher's copy), not a second one. Outside the main thread
-    (signals cannot be caught there) it does nothing.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._at = 0.0
-        self._postponed = False
-        self._previous: dict[int, object] = {}
-
-    def _handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            if time.monotonic() - self._at < ONE_ACTION_S:  # the launcher's copy of the same Ctrl-C, or a job step's
-                return
-            raise KeyboardInterrupt
-        self.received, self._at = signum, time.monotonic()
-        distributed.print0(f"[finetune] {signal.Signals(signum).name} received: finishing this step, then checkpointing")
-
-    def postpone(self, note: str) -> bool:
-        """The stop waits for a step after which a checkpoint resumes exactly (`note` says why, printed once)."""
-        if not self._postponed:
-            distributed.print0(note)
-            self._postponed = True
-        return False
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        if exc is not None and self._previous and distributed.is_communication_failure(exc):
-            # A peer is lost: keep recording until the entry point has printed which one (the launcher's SIGTERM follows).
-            distributed.hold_stop_signals(self._previous, self.received)
-            return
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 @dataclass
@@ -173,7 +125,7 @@ def resolve_length(recipe: Recipe, train_examples, plan, *, resume_from: Path | 
     rows = None if recipe.data.streaming else len(train_examples)
     if rows is not None:
         resolve_max_steps(recipe, rows, plan.world_size)
-    with distributed.checks_every_rank_makes():  # every rank gets rank 0's answer; rank 0 prints the paragraph
+    with held_signals.checks_every_rank_makes():  # every rank gets rank 0's answer; rank 0 prints the paragraph
         outputs.check_resume(resume_from, recipe, plan, train_rows=rows, train_fingerprint=(  # rank 0 decides
             rows_fingerprint(train_examples) if rows is not None and resume_from is not None
             and distributed.info().is_main else None))
@@ -302,6 +254,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
 
                 elapsed = time.perf_counter() - step_start
                 result.step_seconds += elapsed
+                signals.timed(step, first_step, elapsed)  # a step longer than the launcher's grace after SIGTERM
                 lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
                     # HF Trainer's and TRL's names: num_tokens counts every step so far (a resume goes on counting)

@@ -338,9 +338,9 @@ def test_a_failed_collective_with_a_dead_local_peer_is_a_lost_peer_whatever_its_
 LAUNCHER_SIGTERM_AFTER_THE_LOOP = r"""
 import os, signal, socket, subprocess, sys, tempfile
 from pathlib import Path
-from finetune import distributed
+from finetune import distributed, held_signals
 from finetune.run import _lost_peers_named
-from finetune.training.loop import StopSignals
+from finetune.training.stopping import StopSignals
 
 peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 peer.kill(); peer.wait()
@@ -355,7 +355,7 @@ try:
 except distributed.PeerLost as exc:
     os.kill(os.getpid(), signal.SIGTERM)  # the launcher, which saw the dead rank, while the paragraph is written
     print("finetune: error:", exc, flush=True)
-distributed.release_stop_signals()
+held_signals.release_stop_signals()
 print("went on after the launcher's SIGTERM", flush=True)
 """
 

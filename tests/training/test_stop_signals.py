@@ -1,4 +1,4 @@
-"""The stop signals of the training loop (finetune/training/loop.py: StopSignals), in-process: the handler is called
+"""The stop signals of the training loop (finetune/training/stopping.py: StopSignals), in-process: the handler is called
 as the OS would call it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from finetune.training import loop
+from finetune.training import stopping
 
 
 def test_one_ctrl_c_delivered_twice_is_one_and_a_second_one_interrupts(monkeypatch, capsys):
@@ -15,21 +15,52 @@ def test_one_ctrl_c_delivered_twice_is_one_and_a_second_one_interrupts(monkeypat
     launcher's forward; a scheduler signalling the job step): the second copy was taken for an impatient second
     Ctrl-C, every rank raised KeyboardInterrupt with a traceback, and the step's checkpoint was never written."""
     now = [100.0]
-    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
-    signals = loop.StopSignals()
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: now[0])
+    signals = stopping.StopSignals()
     signals._handle(signal.SIGINT, None)
     now[0] += 0.2  # the launcher's copy
     signals._handle(signal.SIGINT, None)
     assert signals.received == signal.SIGINT
     assert capsys.readouterr().out.count("SIGINT received: finishing this step, then checkpointing") == 1
-    now[0] += loop.ONE_ACTION_S  # a real second Ctrl-C: interrupt now
+    now[0] += stopping.ONE_ACTION_S  # a real second Ctrl-C: interrupt now
     with pytest.raises(KeyboardInterrupt):
         signals._handle(signal.SIGINT, None)
 
 
 def test_a_postponed_stop_says_why_once(capsys):
     """GRPO's num_iterations cycle: the stop waits for the cycle's end, saying so once, not at every step it waits."""
-    signals = loop.StopSignals()
+    signals = stopping.StopSignals()
     assert signals.postpone("[finetune] finishing the cycle first") is False
     assert signals.postpone("[finetune] finishing the cycle first") is False
     assert capsys.readouterr().out.count("finishing the cycle first") == 1
+
+
+def test_a_step_longer_than_the_launchers_grace_is_warned_once_with_the_setting(monkeypatch, capsys):
+    """torch elastic SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default) after it passes a SIGTERM on:
+    with steps of 45 s the "finishing this step, then checkpointing" line was followed by the SIGKILL, no checkpoint
+    and no word. Now a step over half the grace is warned about once, naming the variable and a value; the SIGTERM line
+    says how long the launcher waits. Not under a launcher: nothing."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    plain = stopping.StopSignals()
+    plain.timed(5, 1, 1000.0)
+    assert plain.grace_s is None and capsys.readouterr() == ("", "")
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20")
+    signals = stopping.StopSignals()
+    signals.timed(1, 1, 45.0)  # this launch's first step (compilation, caches): not judged
+    signals.timed(2, 1, 9.0)  # within half the grace
+    assert capsys.readouterr() == ("", "")
+    signals.timed(3, 1, 15.0)
+    signals.timed(4, 1, 15.0)
+    err = capsys.readouterr().err
+    assert err.count("warning: a step takes 15 s") == 1 and "gives the ranks 20 s" in err, err
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=75" in err and "KillWait" in err, err
+    signals._handle(signal.SIGTERM, None)
+    assert "SIGKILLs the ranks 20 s after" in capsys.readouterr().out
+
+    monkeypatch.setattr(stopping, "_grace_is_settable", lambda: False)  # torch 2.11: a fixed 30 s (simulated here)
+    old = stopping.StopSignals()
+    old.timed(3, 1, 16.0)
+    err = capsys.readouterr().err
+    assert old.grace_s == 30 and "waits a fixed 30 s (torch >= 2.12 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT)" in err, err
