@@ -150,3 +150,36 @@ def test_fp16_training_is_refused_with_the_reason(section, key):
     raw.setdefault(section, {})[key] = "float16"
     with pytest.raises(RecipeError, match=rf"{section}.{key}: float16 is not supported for training.*Fix: bfloat16"):
         validate_recipe(raw, source="r.yaml")
+
+
+def test_local_paths_are_kept_absolute_so_the_run_names_the_files_it_trained(tmp_path, monkeypatch):
+    """Relative local paths were kept as written: the run's recipe.yaml and adapter_config.json said `tiny` and
+    `data/train.jsonl`, so `finetune generate` / `export` / a resume from another folder took the model for a hub id
+    or read that folder's own data/train.jsonl. Now each that exists from here is made absolute when the recipe loads;
+    hub ids, template names and paths not found stay as written."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("tiny", "data", "sft/adapter", "rm"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "q", "answer": "a"}\n')
+    (tmp_path / "data" / "tools.json").write_text("[]")
+    (tmp_path / "rm" / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}')
+    (tmp_path / "chatml").write_text("{{ messages }}")  # a file named as a template: the named template wins
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    raw = {"model": {"name_or_path": "tiny", "adapter": "sft/adapter", "chat_template": "t.jinja"},
+           "train": {"objective": "grpo", "micro_batch_size": 8},
+           "data": {"max_length": 1024, "datasets": [{"path": "data/train.jsonl", "format": "prompt", "tools": "data/tools.json"},
+                                 {"path": "openai/gsm8k", "format": "prompt"}],
+                    "eval_datasets": [{"path": "data/missing.jsonl", "format": "prompt"}]},
+           "grpo": {"reward_functions": ["finetune.rewards:contains_answer"], "reward_models": ["rm"]}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    recipe = load_recipe(path)
+    assert recipe.model.name_or_path == str(tmp_path / "tiny") and recipe.model.adapter == str(tmp_path / "sft/adapter")
+    assert recipe.model.chat_template == str(tmp_path / "t.jinja")
+    assert [spec.path for spec in recipe.data.datasets] == [str(tmp_path / "data/train.jsonl"), "openai/gsm8k"]
+    assert recipe.data.datasets[0].tools == str(tmp_path / "data/tools.json")
+    assert recipe.data.eval_datasets[0].path == "data/missing.jsonl"  # not found: as written, its check names it
+    assert recipe.grpo.reward_models == [str(tmp_path / "rm")]
+    raw["model"]["chat_template"] = "chatml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_recipe(path).model.chat_template == "chatml"

@@ -77,7 +77,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
         recipe.train.num_epochs is not None) else ()
     for key, before, now in differences(saved, current):
-        if _under(key, unresolved):
+        if _under(key, unresolved) or _same_place(before, now):
             continue
         if key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
             refused.append((key, before, now, REFUSED[key]))
@@ -123,6 +123,13 @@ def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str,
             yield from differences(before, now, f"{path}[{index}]")
     elif saved != current:
         yield path, saved, current
+
+
+def _same_place(before: Any, now: Any) -> bool:
+    """A relative path in a checkpoint's recipe (written before recipes kept local paths absolute) and the absolute
+    path it names from here: the same file, no change."""
+    return (isinstance(before, str) and isinstance(now, str) and not Path(before).is_absolute()
+            and Path(now).is_absolute() and Path(before).expanduser().resolve() == Path(now).resolve())
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

@@ -43,7 +43,13 @@ from finetune.recipe.checks import (
     steps_for_epochs,
 )
 from finetune.recipe.objectives import OBJECTIVES, sections
-from finetune.recipe.text import apply_override, format_errors, parse_override, read_yaml  # read_yaml: also the CLI's
+from finetune.recipe.text import (  # read_yaml: also the CLI's
+    absolute_local_paths,
+    apply_override,
+    format_errors,
+    parse_override,
+    read_yaml,
+)
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -388,6 +394,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     for text in overrides:
         parts, value = parse_override(text)
         apply_override(raw, parts, value, text, root=_SCHEMA_ROOT)
+    absolute_local_paths(raw)  # recipe.yaml and the adapter then name the files trained, read from anywhere
     return validate_recipe(raw, source=str(path), dtype_device=dtype_device)
 
 

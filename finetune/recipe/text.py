@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from finetune.chat_templates import named_templates
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
 from finetune.recipe.names import foreign_name
 
@@ -144,6 +145,39 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
                 raise RecipeError(f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section.")
         node = node[part]
         schema = schema_at(root, tuple(p for p in parts[: depth + 1] if re.fullmatch(r"-?\d+", p) is None))
+
+
+def absolute_local_paths(raw: dict) -> None:
+    """The recipe's local paths as absolute ones, where they name something that exists from here (the folder the
+    command runs in, as the libraries read them): the model and tokenizer folders, model.adapter, a chat template
+    file, data and tools files, reward model folders. The run's recipe.yaml and adapter_config.json
+    (base_model_name_or_path) then say which files were trained wherever they are read from: `finetune generate`,
+    `export` and a resume from another folder took the relative names for hub ids, or read another folder's files.
+    Hub ids, template names and paths not found are left as written (their own checks name them)."""
+    def absolute(value, *, files_only: bool = False):
+        if not isinstance(value, str) or not value or "\n" in value or "{" in value:
+            return value
+        path = Path(value).expanduser()
+        if path.is_absolute() or not (path.is_file() if files_only else path.exists()):
+            return value
+        return os.path.abspath(path)  # symbolic links kept as the user named them
+
+    def fix(section, key, **options):
+        if isinstance(section, dict) and key in section:
+            section[key] = absolute(section[key], **options)
+
+    model, data, grpo = (raw.get(name) if isinstance(raw, dict) else None for name in ("model", "data", "grpo"))
+    for key in ("name_or_path", "tokenizer", "adapter"):
+        fix(model, key)
+    template = model.get("chat_template") if isinstance(model, dict) else None
+    if isinstance(template, str) and template not in named_templates():
+        fix(model, "chat_template", files_only=True)  # a named template wins over a file of its name
+    for key in ("datasets", "eval_datasets"):
+        for spec in (data.get(key) or []) if isinstance(data, dict) and isinstance(data.get(key), list) else []:
+            fix(spec, "path")
+            fix(spec, "tools", files_only=True)
+    if isinstance(grpo, dict) and isinstance(grpo.get("reward_models"), list):
+        grpo["reward_models"] = [absolute(entry) for entry in grpo["reward_models"]]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

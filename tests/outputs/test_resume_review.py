@@ -359,3 +359,19 @@ def test_a_checkpoint_that_cannot_be_read_back_is_one_paragraph_not_a_traceback(
     with pytest.raises(CheckpointError, match=r"checkpoint .* could not be read back \(.*Missing key.*model\.b.*\)\. It "
                                               r"cannot be trusted"):
         checkpoint.verify_readback(tmp_path, {"model": {"a": torch.ones(3), "b": torch.ones(2)}})
+
+
+def test_a_checkpoint_naming_a_data_file_relatively_is_no_change_from_its_absolute_path(recipe_file, tmp_path,
+                                                                                       monkeypatch):
+    """Recipes now keep local paths absolute; a checkpoint written before, with `train.jsonl` relative, and this
+    run's absolute path to the same file are the same rows, not "the run will differ"; another file is noted."""
+    recipe = load_recipe(recipe_file)
+    source = fake_checkpoint(recipe, 3)
+    saved = yaml.safe_load((source / "recipe.yaml").read_text())
+    saved["data"]["datasets"][0]["path"] = "train.jsonl"
+    (source / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    monkeypatch.chdir(tmp_path)
+    assert changes(source, recipe_file) == []
+    monkeypatch.chdir(tmp_path / "run")
+    [note] = changes(source, recipe_file)
+    assert f"data.datasets[0].path train.jsonl -> {tmp_path / 'train.jsonl'}" in note, note
