@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from finetune import rendezvous
 from finetune.devices import check_torch_sees_the_gpus, local_gpu_index, shared_gpu_refused
 from finetune.errors import FinetuneError, LaunchError
 
@@ -80,15 +81,12 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
     launched_alone = world_size == 1 and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if world_size > 1 or launched_alone:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-            raise LaunchError(
-                f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set, so no process group can be formed. "
-                "Start the run with `accelerate launch --config_file accelerate_configs/<config>.yaml finetune/run.py ...` "
-                "or `torchrun --nproc_per_node N finetune/run.py ...`."
-            )
+            raise LaunchError(rendezvous.missing_address(world_size))
         backend = process_group_backend(cuda=cuda)
         if not dist.is_initialized():
             kwargs = {"device_id": device} if cuda else {}
-            with shared_gpu_refused(local_world, visible):  # NCCL's refusal of one GPU given to several ranks
+            # NCCL's refusal of one GPU given to several ranks; ranks that never arrive as one paragraph
+            with shared_gpu_refused(local_world, visible), rendezvous.forming(world_size, rank, timeout_s):
                 dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         if dist.get_world_size() != world_size:
             raise LaunchError(f"process group has {dist.get_world_size()} ranks, the launcher announced {world_size}.")

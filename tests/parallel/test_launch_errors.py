@@ -106,3 +106,24 @@ def test_a_disagreement_with_the_accelerate_config_names_the_file_and_both_fixes
     assert ("Fix: set train.gradient_checkpointing: true in the recipe, or fsdp_activation_checkpointing: false in "
             "the accelerate config.") in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # ~10 s: a plain python start whose process group waits out a 4 s timeout
+def test_variables_left_in_a_shell_are_one_paragraph_after_a_said_wait_not_a_silent_traceback(tiny_qwen2, tmp_path):
+    """`python finetune/run.py` in a shell where WORLD_SIZE/RANK/MASTER_* were left by another job: nothing was
+    printed for the whole collective timeout (600 s), then torch's 25-line traceback ("Timed out after 601 seconds
+    waiting for clients. 1/2 clients joined."). Now rank 0 says it is waiting, and the end is one paragraph naming
+    the address and `unset ...` (the same for a node of a multi-node job that never started, under a launcher)."""
+    data = write_jsonl(tmp_path / "train.jsonl", addition_rows(8))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_qwen2, data, tmp_path / "out"))
+    port = free_port()
+    env = child_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    result = run_cmd([sys.executable, str(RUN_PY), str(recipe), "parallel.collective_timeout_s=4"], env=env,
+                     timeout=120, warm=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert f"waiting for the other 1 rank(s) at 127.0.0.1:{port} (up to parallel.collective_timeout_s = 4 s)" in output
+    assert (f"finetune: error: the process group of 2 ranks did not form at 127.0.0.1:{port} within "
+            "parallel.collective_timeout_s = 4 s. This process was not started by torchrun or accelerate launch") in output
+    assert "`unset WORLD_SIZE RANK LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT` trains in one process" in output
