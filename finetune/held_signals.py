@@ -54,3 +54,12 @@ def release_stop_signals() -> None:
     _HELD.clear()
     if _HELD_RECEIVED:
         signal.raise_signal(_HELD_RECEIVED.pop(0))
+
+
+def parent_death_signal():
+    """A function for a child process, between fork and exec: it is sent SIGTERM when this process ends, however it
+    ends (prctl PR_SET_PDEATHSIG, Linux). libc is looked up here, before the fork: the child only calls it."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)

@@ -72,21 +72,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _launch(command: list[str]) -> int:
     """accelerate's launcher, and the ranks' own exit code: it exits 1 whatever a rank's was, so each rank writes its
     code (2: a user error, 130: stopped by Ctrl-C after its checkpoint) where this process reads it. Ctrl-C reaches the
-    launcher and every rank too (one process group): this process waits for them to save and stop, never kills them."""
+    launcher and every rank too (one process group): this process waits for them to save and stop, never kills them.
+    SIGTERM and SIGHUP sent to this process alone (`kill`, `timeout`, a container's stop, a closed terminal) are passed
+    to the launcher, which passes them to the ranks: they checkpoint and stop. SIGUSR1 (SLURM's warning before
+    preemption) is passed as SIGTERM, which torch elastic passes on (it does not handle SIGUSR1). If this process is
+    killed outright, the launcher gets SIGTERM (and its ranks end with it: distributed.end_with_the_launcher)."""
+    import signal
     import tempfile
 
     from finetune.errors import EXIT_CODE_FILE
+    from finetune.held_signals import parent_death_signal
 
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as folder:
         relay = Path(folder) / "exit_code"
-        process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}))
+        process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}),
+                                   preexec_fn=parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
+        passed_on = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
+        previous = {signum: signal.signal(signum, lambda signum, frame: process.send_signal(passed_on[signum]))
+                    for signum in passed_on}
         interrupted = False
-        while True:
-            try:
-                code = process.wait()
-                break
-            except KeyboardInterrupt:
-                interrupted = True
+        try:
+            while True:
+                try:
+                    code = process.wait()
+                    break
+                except KeyboardInterrupt:
+                    interrupted = True
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         ranks = relay.read_text().strip() if relay.exists() else ""
     if code != 0 and ranks.isdigit():
         return int(ranks)

@@ -14,6 +14,8 @@ from typing import Self
 from finetune import distributed, held_signals
 
 ONE_ACTION_S = 1.0  # SIGINTs this close are one Ctrl-C delivered twice (directly and forwarded by the launcher)
+# SIGHUP: a closed terminal, which torch elastic passes on to the ranks as SIGHUP (their default: die, no checkpoint)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 DEFAULT_GRACE_S = 30  # torch elastic's wait between the SIGTERM it passes on and its SIGKILL
 
 
@@ -38,7 +40,8 @@ def _grace_is_settable() -> bool:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop finishes the step, checkpoints, then stops.
+    """While active, SIGTERM, SIGINT and SIGHUP only set `received`: the loop finishes the step, checkpoints, then
+    stops.
 
     A second SIGINT (an impatient Ctrl-C) interrupts at once; one within ONE_ACTION_S of the first is the same Ctrl-C
     reaching the rank twice (the process group's and the launcher's copy), not a second one. Outside the main thread
@@ -91,7 +94,7 @@ class StopSignals:
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

@@ -13,6 +13,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,6 +224,28 @@ def test_a_launcher_killed_outright_stops_its_ranks_with_a_checkpoint_not_orphan
     [(step, path)] = step_folders.list_checkpoints(run)
     assert 3 <= step < MAX_STEPS and step_folders.checkpoint_problem(path) is None, outline(output)
     assert not (run / "adapter").exists() and last_logged_step(run) == step
+
+
+def test_sigterm_to_finetune_train_reaches_the_ranks_which_checkpoint_and_stop(base_recipe, tmp_path):
+    """`finetune train --accelerate-config ddp`, SIGTERMed alone (kill, `timeout`, a container's stop): it exited 143
+    at once and passed nothing on, so the launcher and both ranks trained on as orphans and no preemption checkpoint
+    was written. Now it passes SIGTERM to the launcher, which passes it to the ranks: both checkpoint after the same
+    step and stop, and the command exits with the ranks' 143."""
+    from finetune.distributed import peer_state
+
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    process = start([sys.executable, "-m", "finetune", "train", str(base_recipe), f"output.dir={run}",
+                     "train.save_every=0", "--accelerate-config", "ddp"], log, warm=False)
+    wait_for_step(process, run, 3, log)
+    ranks = [int(line.split()[0]) for line in subprocess.run(["pgrep", "-f", "-a", "finetune/run.py"], text=True,
+             capture_output=True, check=False).stdout.splitlines() if str(base_recipe) in line]
+    os.kill(process.pid, signal.SIGTERM)
+    code, output = finish(process, log)
+    assert code == 143 and "stopped by SIGTERM after step" in output, outline(output)
+    [(step, path)] = step_folders.list_checkpoints(run)
+    assert 3 <= step < MAX_STEPS and step_folders.checkpoint_problem(path) is None
+    assert ranks and not any(peer_state(socket.gethostname(), pid) == "alive" for pid in ranks), ranks
 
 
 def test_nan_loss_stops_with_a_message_and_writes_no_nan(base_recipe, tmp_path):

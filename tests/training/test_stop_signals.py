@@ -64,3 +64,13 @@ def test_a_step_longer_than_the_launchers_grace_is_warned_once_with_the_setting(
     old.timed(3, 1, 16.0)
     err = capsys.readouterr().err
     assert old.grace_s == 30 and "waits a fixed 30 s (torch >= 2.12 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT)" in err, err
+
+
+def test_a_closed_terminal_checkpoints_like_a_sigterm(capsys):
+    """torch elastic passes the SIGHUP of a closed terminal on to the ranks as SIGHUP, whose default killed every rank
+    at once, with no checkpoint and no word. The loop now takes it as it takes SIGTERM."""
+    with stopping.StopSignals() as signals:
+        assert signal.getsignal(signal.SIGHUP) == signals._handle
+        signal.raise_signal(signal.SIGHUP)
+    assert signals.received == signal.SIGHUP and "SIGHUP received: finishing this step" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL

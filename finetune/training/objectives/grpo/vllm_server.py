@@ -27,7 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from finetune import distributed
+from finetune import distributed, held_signals
 from finetune.errors import GenerationError
 from finetune.recipe.grpo import vllm_command
 
@@ -47,15 +47,6 @@ def _server_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(_LAUNCH_ENV)}
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env
-
-
-def _parent_death_signal():
-    """A function for the server's child process, between fork and exec: it is sent SIGTERM when the training process
-    ends, however it ends (prctl PR_SET_PDEATHSIG). libc is looked up here, before the fork: the child only calls it."""
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)
 
 
 class Server:
@@ -81,7 +72,7 @@ class Server:
             out.flush()
             process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=_server_env(), start_new_session=True,
-                                       preexec_fn=_parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
+                                       preexec_fn=held_signals.parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
         server = cls(f"http://127.0.0.1:{port}", timeout=timeout, process=process, log=log)
         atexit.register(server.close)
         return server
