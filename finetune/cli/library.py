@@ -101,6 +101,17 @@ def expected_accelerate_config(path: Path) -> str | None:
     return None
 
 
+def expected_num_processes(path: Path) -> int | None:
+    """The process count named beside the accelerate config in the recipe's leading comment (`fsdp2.yaml with
+    num_processes: 8`), else None (the config's own)."""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if _ACCELERATE_CONFIG.search(line) and (match := re.search(r"num_processes:? (\d+)", line)):
+            return int(match.group(1))
+    return None
+
+
 def describe(path: Path) -> dict:
     """Name, model, accelerate config and one-line purpose of a library recipe (the file is only read, not validated)."""
     from finetune.recipe import read_yaml

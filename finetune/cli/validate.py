@@ -7,12 +7,13 @@ processes and the accelerate config the run will use, and the output folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from finetune import data, model, outputs, parallel
-from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+from finetune.cli.library import expected_accelerate_config, expected_num_processes, resolve_accelerate_config
 from finetune.data.tokenize import check_mapped_columns
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
@@ -41,6 +42,9 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
         if named:
             accelerate_config, launch = resolve_accelerate_config(named), f"as the recipe names it ({named})"
+            num_processes = expected_num_processes(Path(recipe_path))  # "fsdp2.yaml with num_processes: 8"
+            if num_processes:
+                launch = f"as the recipe names it ({named} with num_processes: {num_processes})"
         else:
             launch = "one process (the recipe names no accelerate config; --num-processes N or --accelerate-config to check another)"
     given = num_processes  # --num-processes overrides the accelerate config's num_processes, as `accelerate launch` does
@@ -58,6 +62,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     machines = 1
     if accelerate_config:
         env = parallel.accelerate_config_env(accelerate_config)
+        _check_main_machine(accelerate_config)
         launcher = parallel.launcher_settings(env)
         num_processes = given or int(env["ACCELERATE_NUM_PROCESSES"])
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
@@ -75,12 +80,58 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         lines.append("  data: " + line)
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
+    problem = problem or _unwritable(Path(recipe.output.dir))
     if problem:
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")
     if recipe.train.resume is not None:
         lines += _check_resume(recipe, plan, train_rows, fingerprint)
     return "\n".join(lines)
+
+
+def _check_main_machine(config_file: str) -> None:
+    """A multi-machine config launched as machine 0 must name an address of this machine as main_process_ip: the
+    template's placeholder (10.0.0.1) made the launcher retry it for 15 minutes, printing C++ stack traces, before any
+    of finetune's code ran."""
+    import socket
+
+    import yaml
+
+    config = yaml.safe_load(Path(config_file).read_text()) or {}
+    if int(config.get("num_machines", 1) or 1) < 2 or int(config.get("machine_rank", 0) or 0) != 0:
+        return
+    address = str(config.get("main_process_ip") or "")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))  # only an address of this machine can be bound
+        return
+    except OSError:
+        pass
+    raise FinetuneError(
+        f"accelerate config {config_file}: machine_rank 0 (this machine, the main one) but main_process_ip "
+        f"{address or '(none)'} is not an address of this machine ({socket.gethostname()}), so the launcher would wait "
+        "for itself there (15 minutes of retries). Fix: set main_process_ip to this machine's address, reachable from "
+        "the others (`hostname -I`), and machine_rank on each machine (0 here); or launch with `accelerate launch "
+        "--config_file ... --machine_rank N --main_process_ip ADDRESS` (docs/distributed.md, Multi-node).")
+
+
+def _unwritable(out_dir: Path) -> str | None:
+    """The run's own refusal of a folder it cannot write (a read-only mount, another user's folder), said here too:
+    the nearest folder that exists must take a write."""
+    folder = out_dir.expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    why = "Read-only file system" if _read_only(folder) else "Permission denied"
+    return f"output.dir {out_dir}: cannot write there ({why}: {folder}). Fix: choose a writable folder."
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_resume(recipe, plan, train_rows: int | None, fingerprint: str | None) -> list[str]:
@@ -129,14 +180,18 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
                 f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch"), stats.train_sequences, \
             data.rows_fingerprint(train)
-    total = 0
+    total, hub = 0, []
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():
-            continue  # a `datasets` hub name: checked when the run loads it
+            hub.append(spec.path)  # a `datasets` hub name: checked when the run loads it
+            continue
         rows = data.load_rows(spec)
         check_mapped_columns([row for row in rows[:1000] if isinstance(row, dict)], spec, spec.path,
                              whole=len(rows) <= 1000)
         for number, row in enumerate(rows, start=1):
             data.check_row(row, spec, f"{spec.path} row {number}")
         total += len(rows)
-    return f"{total} local rows have the fields their format needs (tokenizer not local: not tokenized)", None, None
+    said = [f"{total} local rows have the fields their format needs"] if total or not hub else []
+    if hub:
+        said.append(f"{', '.join(hub)}: hub dataset{'s' if len(hub) > 1 else ''}, read when the run starts (not here)")
+    return "; ".join(said) + " (tokenizer not local: rows not tokenized)", None, None

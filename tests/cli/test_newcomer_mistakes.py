@@ -10,13 +10,17 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import addition_rows, child_env, recipe_dict, write_jsonl, write_recipe
 
 from finetune import cli, outputs
 from finetune.errors import RecipeError
 from finetune.recipe.text import read_yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "accelerate_configs"
 
 
 @pytest.fixture
@@ -184,3 +188,42 @@ def test_plan_speaks_of_the_strategy_the_recipe_asks_for(recipe, capsys):
     assert "the recipe's parallel.strategy ddp: not planned on 1 GPU(s)" in capsys.readouterr().out
     assert cli.main(["plan", str(recipe)]) == 0  # auto: the planner's choice alone
     assert "the recipe's" not in capsys.readouterr().out
+
+
+def test_validate_refuses_what_the_launch_would_hang_or_fail_on(recipe, tmp_path, capsys, monkeypatch):
+    """Found by a bug bash of launches: `finetune train --accelerate-config multi_node` on machine 0 with the
+    template's placeholder address (10.0.0.1) retried it for 15 minutes with C++ stack traces, and validate said all
+    was fine; validate called a read-only output.dir "usable" (train refused it in 2 s). A read-only mount is
+    simulated (os.access on the folder, as access(2) answers EROFS even for root): mounting needs privileges CI lacks."""
+    said = refused(capsys, "validate", str(recipe), "--accelerate-config", "multi_node")
+    assert "main_process_ip 10.0.0.1 is not an address of this machine" in said and "`hostname -I`" in said, said
+    config = read_yaml(REPO_CONFIGS / "multi_node.yaml")
+    config.update(main_process_ip="127.0.0.1", num_processes=2)
+    local = tmp_path / "two_machines.yaml"
+    local.write_text(yaml.safe_dump(config))
+    assert cli.main(["validate", str(recipe), "--accelerate-config", str(local)]) == 0
+    capsys.readouterr()
+    config.update(machine_rank=1, main_process_ip="10.0.0.1")  # another machine: machine 0's address, not ours
+    local.write_text(yaml.safe_dump(config))
+    assert cli.main(["validate", str(recipe), "--accelerate-config", str(local)]) == 0
+    capsys.readouterr()
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    import finetune.cli.validate as validate_module
+
+    real = validate_module.os.access
+    monkeypatch.setattr(validate_module.os, "access", lambda path, mode: Path(path) != locked and real(path, mode))
+    said = refused(capsys, "validate", str(recipe), f"output.dir={locked / 'run'}")
+    assert f"output.dir {locked / 'run'}: cannot write there (Permission denied: {locked})" in said, said
+
+
+def test_validate_of_a_library_recipe_checks_the_launch_its_comment_names_and_says_hub_data_is_read_later(capsys):
+    """`finetune validate llama-3.1-70b` checked 2 processes (fsdp2.yaml's own count) where the recipe says "fsdp2.yaml
+    with num_processes: 8", and said "data: 0 local rows have the fields their format needs" of a hub dataset, which
+    read like a failure."""
+    assert cli.main(["validate", "llama-3.1-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "launch: 8 processes, as the recipe names it (accelerate_configs/fsdp2.yaml with num_processes: 8)" in out
+    assert "parallel: FSDP2 over 8 processes" in out and "0 local rows" not in out, out
+    assert "data: HuggingFaceH4/ultrachat_200k: hub dataset, read when the run starts (not here)" in out, out
