@@ -165,8 +165,25 @@ def copy_recipe(name: str | None, dest: str | None) -> Path:
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "x") as handle:  # "x": fails instead of overwriting a file created meanwhile
-        handle.write(source.read_text())
+        handle.write(_copied(source, target))
     return target
+
+
+def _copied(source: Path, target: Path) -> str:
+    """The recipe's text with its comments naming the copy, and `# Launch:` the accelerate config by name (the paths
+    recipes/NAME.yaml, accelerate_configs/X.yaml and finetune/run.py exist in the repository, not beside a copy of an
+    installed package). The `# accelerate config:` line stays: validate reads it."""
+    lines = []
+    for line in source.read_text().splitlines(keepends=True):
+        if line.startswith("#"):
+            line = line.replace(f"recipes/{source.name}", str(target))
+        if line.startswith(("# Launch:", "#     or:")):
+            config = re.search(r"accelerate_configs/([\w.<>-]+?)\.ya?ml", line)
+            line = f"# Launch: finetune train {target} --accelerate-config {config.group(1)}\n" if config else line
+            if line in lines:
+                continue
+        lines.append(line)
+    return "".join(lines)
 
 
 def cli_recipes(args: argparse.Namespace) -> int:

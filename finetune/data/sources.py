@@ -83,8 +83,14 @@ def local_files(spec: DatasetSpec) -> tuple[list[Path], Path | None]:
     if path.is_dir():
         return folder_files(path, spec), path
     if file_suffix(path) is None:
-        raise DataError(f"data.datasets path {path}: unsupported file type `{path.suffix}`; use {FILE_TYPES}.")
+        raise DataError(f"data.datasets path {path}: {_unsupported(path)}")
     return [path], None
+
+
+def _unsupported(path: Path) -> str:
+    folder = (f" A {data_suffix(path)} file is read as rows inside a folder of them: point the path at its folder "
+              f"({path.parent}).") if data_suffix(path) in (".txt", ".arrow") else ""
+    return f"unsupported file type `{path.suffix}`; use {FILE_TYPES}.{folder}"
 
 
 def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[list, list[str], bool]]:
@@ -174,7 +180,7 @@ def check_local_files(recipe: Recipe) -> None:
                     raise DataError(f"{where}: file not found (relative paths are read from {Path.cwd()}).")
                 continue
             if path.is_file() and file_suffix(path) is None:
-                raise DataError(f"{where}: unsupported file type `{path.suffix}`; use {FILE_TYPES}.")
+                raise DataError(f"{where}: {_unsupported(path)}")
             if path.is_file() and file_suffix(path) == ".jsonl":
                 _check_first_lines(path, spec, where, bad_rows=recipe.data.bad_rows)
             if path.is_dir() and not saved_folder(path):  # which files it reads, and their first lines

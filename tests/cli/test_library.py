@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from finetune.cli import main
 from finetune.cli.library import expected_accelerate_config, library_dir, recipe_names, recipe_path, resolve_recipe_path
@@ -102,11 +103,21 @@ def test_unknown_name_exits_2_and_lists_known(capsys):
 
 
 def test_copy_to_file_and_folder_never_overwrites(tmp_path, capsys):
+    """The copy is the recipe but for its comments, which name the copy (they named recipes/NAME.yaml and
+    accelerate_configs/X.yaml, which exist in the repository, not beside a copy from an installed package)."""
     source = (REPO / "recipes" / "mistral-7b.yaml").read_text()
     assert main(["recipes", "copy", "mistral-7b", str(tmp_path / "mine.yaml")]) == 0
-    assert (tmp_path / "mine.yaml").read_text() == source
+    copied = (tmp_path / "mine.yaml").read_text()
+    assert yaml.safe_load(copied) == yaml.safe_load(source) and "recipes/mistral-7b.yaml" in source
+    assert "recipes/mistral-7b.yaml" not in copied and f"# Launch: finetune train {tmp_path / 'mine.yaml'} " in copied
     assert main(["recipes", "copy", "mistral-7b", str(tmp_path)]) == 0
-    assert (tmp_path / "mistral-7b.yaml").read_text() == source
+    assert yaml.safe_load((tmp_path / "mistral-7b.yaml").read_text()) == yaml.safe_load(source)
+    dpo = tmp_path / "dpo.yaml"
+    assert main(["recipes", "copy", "llama-3.1-70b-2x24gb-dpo", str(dpo)]) == 0
+    said = dpo.read_text()
+    assert f"# Launch: finetune train {dpo} --accelerate-config fsdp2\n" in said and "#     or:" not in said
+    assert "# accelerate config: accelerate_configs/fsdp2.yaml" in said  # what validate reads, kept
+    assert f"`finetune plan {dpo} --gpus 2" in said
     (tmp_path / "mine.yaml").write_text("edited")
     assert main(["recipes", "copy", "quickstart", str(tmp_path / "mine.yaml")]) == 2
     assert "already exists" in capsys.readouterr().err

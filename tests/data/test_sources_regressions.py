@@ -236,6 +236,11 @@ def test_a_compressed_data_file_given_alone_reads_and_a_missing_one_is_not_a_hub
     missing = validate_recipe({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "data/gone.jsonl.gz"}]}})
     with pytest.raises(DataError, match=r"data\.datasets\[0\] path `data/gone\.jsonl\.gz`: file not found"):
         check_local_files(missing)
+    text = tmp_path / "lines.txt"
+    text.write_text("hello\n")
+    with pytest.raises(DataError, match=r"unsupported file type `\.txt`.* A \.txt file is read as rows inside a folder "
+                                        r"of them: point the path at its folder"):
+        rows(text)  # (it said only "use .jsonl, ..." while docs/data.md reads .txt in folders)
     notes = tmp_path / "notes.md.gz"
     notes.write_bytes(gzip.compress(b"hello"))
     with pytest.raises(DataError, match=r"unsupported file type `\.gz`; use \.jsonl, \.json, \.csv, \.tsv or \.parquet"):

@@ -101,3 +101,15 @@ def test_missing_local_model_names_path_and_fix(tmp_path):
     recipe = make_recipe(tmp_path / "no-such-model")
     with pytest.raises(ModelLoadError, match="no-such-model"):
         model_lib.load_config(recipe)
+
+
+def test_a_hub_model_missing_offline_does_not_advise_the_setting_already_made(monkeypatch):
+    """With HF_HUB_OFFLINE=1 already set, the fix said "or set HF_HUB_OFFLINE=1 to use only the local cache"."""
+    from finetune.model.sources.hub import load_error
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    said = str(load_error("config", "meta-llama/Llama-3.1-8B", OSError("not cached")))
+    assert "hf download meta-llama/Llama-3.1-8B --local-dir DIR" in said and "or set HF_HUB_OFFLINE=1" in said
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    said = str(load_error("config", "meta-llama/Llama-3.1-8B", OSError("not cached")))
+    assert "or set HF_HUB_OFFLINE=1" not in said and "HF_HUB_OFFLINE is set: only the local cache is read" in said

@@ -4,6 +4,7 @@ one-paragraph error when it cannot load."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
@@ -50,8 +51,10 @@ def load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
         fix = (
             "this looks like a hub id and it is neither in the local cache nor fetchable now (offline, gated or "
             "misspelled). Download it where the hub "
-            f"is reachable (`hf download {name} --local-dir DIR`) and set model.name_or_path to DIR, or set "
-            "HF_HUB_OFFLINE=1 to use only the local cache."
+            f"is reachable (`hf download {name} --local-dir DIR`) and set model.name_or_path to DIR"
+            + (" (HF_HUB_OFFLINE is set: only the local cache is read, and it does not hold it)."
+               if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") else
+               ", or set HF_HUB_OFFLINE=1 to use only the local cache.")
         )
     reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
     return ModelLoadError(f"model.name_or_path `{name}`: cannot load the {what} ({reason}). Fix: {fix}")
