@@ -54,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         with announcements_muted():  # the launched rank 0 says them, once
             validate(recipe, list(args.overrides), num_processes=args.num_processes,
-                     accelerate_config=args.accelerate_config, check_data=False)
+                     accelerate_config=args.accelerate_config, check_data=False, launching=True)
         command = [sys.executable, "-m", "finetune.cli.accelerate_launch"]  # accelerate launch, minus its traceback
         if args.accelerate_config:
             command += ["--config_file", args.accelerate_config]

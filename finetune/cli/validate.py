@@ -23,8 +23,9 @@ from finetune.recipe import load_recipe
 
 
 def validate(recipe_path: str, overrides: list[str], *, num_processes: int | None = None,
-             accelerate_config: str | None = None, check_data: bool = True) -> str:
-    """Raise FinetuneError on the first failing stage; return a short report of what was checked.
+             accelerate_config: str | None = None, check_data: bool = True, launching: bool = False) -> str:
+    """Raise FinetuneError on the first failing stage; return a short report of what was checked. `launching`: the
+    check before `finetune train` launches (a multi-machine config that cannot start here is refused, not noted).
 
     The launch checked is the one given (`num_processes`, `accelerate_config`), else the one the recipe names in its
     leading comments (`# accelerate config: accelerate_configs/fsdp2.yaml`, as every library recipe does), else one
@@ -37,16 +38,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         origin = _data_origin(Path(recipe_path))
         raise DataError(f"{exc} {origin}" if origin and "file not found" in str(exc) else str(exc)) from None
     lines = [f"{recipe_path}: recipe OK ({recipe.description or 'no description'})"]
-    launch = "as given"
-    if num_processes is None and accelerate_config is None:
-        named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
-        if named:
-            accelerate_config, launch = resolve_accelerate_config(named), f"as the recipe names it ({named})"
-            num_processes = expected_num_processes(Path(recipe_path))  # "fsdp2.yaml with num_processes: 8"
-            if num_processes:
-                launch = f"as the recipe names it ({named} with num_processes: {num_processes})"
-        else:
-            launch = "one process (the recipe names no accelerate config; --num-processes N or --accelerate-config to check another)"
+    accelerate_config, num_processes, launch = _launch_checked(recipe_path, accelerate_config, num_processes)
     given = num_processes  # --num-processes overrides the accelerate config's num_processes, as `accelerate launch` does
     num_processes = num_processes or 1
 
@@ -62,7 +54,10 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     machines = 1
     if accelerate_config:
         env = parallel.accelerate_config_env(accelerate_config)
-        _check_main_machine(accelerate_config)
+        if problem := _main_machine_problem(accelerate_config):
+            if launching:
+                raise FinetuneError(problem)
+            lines.append(f"  note: {problem.replace('the launcher would', '`finetune train` here refuses it: the launcher would')}")
         launcher = parallel.launcher_settings(env)
         num_processes = given or int(env["ACCELERATE_NUM_PROCESSES"])
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
@@ -89,25 +84,38 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     return "\n".join(lines)
 
 
-def _check_main_machine(config_file: str) -> None:
-    """A multi-machine config launched as machine 0 must name an address of this machine as main_process_ip: the
-    template's placeholder (10.0.0.1) made the launcher retry it for 15 minutes, printing C++ stack traces, before any
-    of finetune's code ran."""
+def _launch_checked(recipe_path: str, accelerate_config: str | None, num_processes: int | None):
+    """(accelerate config, processes or None, how chosen): as given, else as the recipe's comment names them."""
+    if num_processes is not None or accelerate_config is not None:
+        return accelerate_config, num_processes, "as given"
+    named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
+    if not named:
+        return None, None, ("one process (the recipe names no accelerate config; --num-processes N or "
+                            "--accelerate-config to check another)")
+    processes = expected_num_processes(Path(recipe_path))  # "fsdp2.yaml with num_processes: 8"
+    return (resolve_accelerate_config(named), processes,
+            f"as the recipe names it ({named}{f' with num_processes: {processes}' if processes else ''})")
+
+
+def _main_machine_problem(config_file: str) -> str | None:
+    """Why a multi-machine config cannot launch here as machine 0: its main_process_ip is no address of this machine (the
+    template's placeholder 10.0.0.1 made the launcher retry it for 15 minutes, printing C++ stack traces, before any of
+    finetune's code ran)."""
     import socket
 
     import yaml
 
     config = yaml.safe_load(Path(config_file).read_text()) or {}
     if int(config.get("num_machines", 1) or 1) < 2 or int(config.get("machine_rank", 0) or 0) != 0:
-        return
+        return None
     address = str(config.get("main_process_ip") or "")
     try:
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
             probe.bind((address, 0))  # only an address of this machine can be bound
-        return
+        return None
     except OSError:
         pass
-    raise FinetuneError(
+    return (
         f"accelerate config {config_file}: machine_rank 0 (this machine, the main one) but main_process_ip "
         f"{address or '(none)'} is not an address of this machine ({socket.gethostname()}), so the launcher would wait "
         "for itself there (15 minutes of retries). Fix: set main_process_ip to this machine's address, reachable from "

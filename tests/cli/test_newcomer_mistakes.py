@@ -192,11 +192,14 @@ def test_plan_speaks_of_the_strategy_the_recipe_asks_for(recipe, capsys):
 
 def test_validate_refuses_what_the_launch_would_hang_or_fail_on(recipe, tmp_path, capsys, monkeypatch):
     """Found by a bug bash of launches: `finetune train --accelerate-config multi_node` on machine 0 with the
-    template's placeholder address (10.0.0.1) retried it for 15 minutes with C++ stack traces, and validate said all
-    was fine; validate called a read-only output.dir "usable" (train refused it in 2 s). A read-only mount is
+    template's placeholder address (10.0.0.1) retried it for 15 minutes with C++ stack traces (now refused; validate,
+    which may plan it from a login node, notes it), and validate said all was fine; validate called a read-only output.dir "usable" (train refused it in 2 s). A read-only mount is
     simulated (os.access on the folder, as access(2) answers EROFS even for root): mounting needs privileges CI lacks."""
-    said = refused(capsys, "validate", str(recipe), "--accelerate-config", "multi_node")
+    said = refused(capsys, "train", str(recipe), "--accelerate-config", "multi_node")
     assert "main_process_ip 10.0.0.1 is not an address of this machine" in said and "`hostname -I`" in said, said
+    assert cli.main(["validate", str(recipe), "--accelerate-config", "multi_node", "--num-processes", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: accelerate config" in out and "`finetune train` here refuses it: the launcher would wait" in out, out
     config = read_yaml(REPO_CONFIGS / "multi_node.yaml")
     config.update(main_process_ip="127.0.0.1", num_processes=2)
     local = tmp_path / "two_machines.yaml"
