@@ -67,7 +67,8 @@ quickstart: $(STAMP)
 	$(BIN)/finetune quickstart output.overwrite=true
 
 # The README's quickstart figures (exact match before -> after; SFT -> DPO), from the two runs that produce them,
-# printed in the README's words with the machine (~2 + ~4 minutes on 2 idle cores).
+# printed in the README's words with the machine (827 s + 1,791 s measured 2026-12-04 under a load average of 6-13;
+# not yet measured on idle cores).
 quickstart-figures: $(STAMP)
 	$(BIN)/python benchmarks/quickstart_figures.py
 

@@ -12,7 +12,12 @@ What is filtered, each by its exact message, so that a new warning of the same l
   * kernels' "Skipping publisher trust check ... offline mode" (bitsandbytes' optional kernel lookup, HF_HUB_OFFLINE);
   * DeepSpeed's "Setting accelerator to CPU" (said by every process of a CPU DeepSpeed run);
   * torchrun's OMP_NUM_THREADS banner (said by the launcher of a DeepSpeed config: the threads are the launcher's);
-  * the progress bars of transformers' weight loading and saving (finetune prints its own model line).
+  * the progress bars of transformers' weight loading and saving (finetune prints its own model line);
+  * two transformers warnings about configs as the hub publishes them, said when finetune builds or reads the config
+    (validate, plan, train): Llama 4 Scout's llama3 rope has equal low and high frequency factors (the model's own
+    values: "high_freq_factor field must be greater than low_freq_factor"), and gpt-oss's config.json states no
+    dtype, so the planner's fallback from `config.dtype` to the older name `config.torch_dtype` (planner/facts.py)
+    reads transformers' deprecated alias ("`torch_dtype` is deprecated! Use `dtype` instead!").
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
 """
 
@@ -32,6 +37,8 @@ _LOGGED = {
     "kernels._internals.hf_hub": "Skipping publisher trust check",
     # torchrun's banner in the launcher (accelerate's DeepSpeed path starts torchrun without OMP_NUM_THREADS set)
     "torch.distributed.run": "\n*****************************************\nSetting OMP_NUM_THREADS",
+    "transformers.modeling_rope_utils": "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor",
+    "transformers.configuration_utils": "`torch_dtype` is deprecated! Use `dtype` instead!",
 }
 _WARNINGS = (  # (category, start of the message as a regular expression)
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),

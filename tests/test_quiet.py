@@ -154,3 +154,34 @@ def test_a_line_printed_while_a_progress_bar_is_drawn_goes_above_the_bar(capsys)
     print0("no bar drawn", file=sys.stderr)
     silent.close()
     assert capsys.readouterr() == ("", "no bar drawn\n")
+
+
+@pytest.mark.parametrize("argv", [["validate", "llama-4-scout"], ["plan", "gpt-oss-20b"]], ids=lambda argv: argv[1])
+def test_a_stored_configs_transformers_warnings_show_only_with_verbose(argv, monkeypatch, tmp_path):
+    """transformers' warnings about two configs as the hub publishes them (Llama 4 Scout's equal rope frequency
+    factors; gpt-oss's missing dtype, read through the deprecated `torch_dtype` alias) were printed by validate and plan
+    without --verbose: nothing a user can change."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    from finetune.cli import main
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    # Caught where transformers' own handler sits (a record reaches it past the filters of the logger that says it):
+    # its stream is whatever stderr was when transformers was imported, not necessarily this test's.
+    library = transformers_logging.get_logger()
+    level = library.level
+    monkeypatch.delenv("FINETUNE_VERBOSE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    transformers_logging.warning_once.cache_clear()  # said once per process: an earlier test may have said it
+    library.setLevel(logging.WARNING)
+    library.addHandler(handler)
+    try:
+        assert main(argv) == 0
+    finally:
+        library.removeHandler(handler)
+        library.setLevel(level)
+    assert not [message for message in said if "rope_parameters" in message or "torch_dtype" in message], said

@@ -64,17 +64,28 @@ def json_array_rows(path: Path, prefix: str, skip: int):
 
 
 def json_is_array(path: Path) -> bool:
-    """Whether a .json file holds one JSON array (parsed whole) rather than JSON Lines. One object written over several
-    lines (`{"data": [...]}`, pretty-printed) is neither, and is refused naming what it holds."""
-    with opened(path, "rt", encoding="utf-8-sig") as handle:
-        first = next((line for line in handle if line.strip()), "")
+    """Whether a .json file holds one JSON array (parsed whole) rather than JSON Lines. One object holding the rows
+    (`{"data": [...]}`), pretty-printed or on one line as `json.dump` writes it, is neither, and is refused naming what
+    it holds."""
+    lines = text_lines(path)  # bytes that are not UTF-8: named with their line, as when the rows are read
+    try:
+        filled = (line for line in lines if line.strip())
+        first, alone = next(filled, ""), next(filled, None) is None
+    finally:
+        lines.close()
     if first.lstrip().startswith("["):
         return True
     try:
-        json.loads(first)
-        return False  # a whole value on the first line: JSON Lines
+        value = json.loads(first)
     except json.JSONDecodeError:
         pass
+    else:
+        # A whole value on the first line: JSON Lines, unless it is the file's only line and holds a list of objects.
+        # Read as one row, `{"data": [...]}` was refused for lacking the format's columns, with a `columns:` fix that
+        # cannot work. A single row of that shape (one chat) reads from a .jsonl file, where no object is refused.
+        if alone and _holds_rows(value):
+            raise DataError(_not_rows(path, value) + " (One row of JSON Lines? Name the file .jsonl.)")
+        return False
     try:
         value = json.loads("".join(text_lines(path)))
     except json.JSONDecodeError:
@@ -92,6 +103,12 @@ def _json_array(path: Path) -> list:
     if not isinstance(rows, list):
         raise DataError(_not_rows(path, rows))
     return rows
+
+
+def _holds_rows(value) -> bool:
+    """Whether a JSON value is an object one of whose values is a list of objects: rows wrapped in an object."""
+    return isinstance(value, dict) and any(isinstance(item, list) and item and all(isinstance(row, dict) for row in item)
+                                           for item in value.values())
 
 
 def _not_rows(path: Path, value) -> str:

@@ -8,6 +8,8 @@ the planner and the packing check need to know which attention a run computes. F
 
 from __future__ import annotations
 
+import sys
+
 from finetune.distributed import print0
 from finetune.model.classes import causal_lm_class
 from finetune.recipe import Recipe, announcing
@@ -37,5 +39,6 @@ def resolve_attention(recipe: Recipe, config) -> str:
     implementation, why = supported_attention(config)
     recipe.model.attn_implementation = implementation
     if announcing():  # `finetune train`'s pre-flight is muted: the launched rank 0 says it, once
-        print0(f"[finetune] model.attn_implementation: auto -> {implementation} ({why})")
+        # stderr, as the dtype line: `plan --json` and `plan --library-table` keep stdout for what they print
+        print0(f"[finetune] model.attn_implementation: auto -> {implementation} ({why})", file=sys.stderr)
     return implementation

@@ -310,8 +310,9 @@ def mxfp4_bytes(numel: int) -> int:
 
 
 def _stored_dtype_bytes(config) -> int:
-    """Bytes per value of the checkpoint as config.json states it (`dtype`, formerly `torch_dtype`); 0 if unstated."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    """Bytes per value of the checkpoint as config.json states it (`dtype`, formerly `torch_dtype`, which transformers
+    reads into `dtype`: asking for `torch_dtype` only logs its deprecation); 0 if unstated."""
+    dtype = getattr(config, "dtype", None)
     return DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 0) if dtype is not None else 0
 
 

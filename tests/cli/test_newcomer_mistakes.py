@@ -193,8 +193,9 @@ def test_plan_speaks_of_the_strategy_the_recipe_asks_for(recipe, capsys):
 def test_validate_refuses_what_the_launch_would_hang_or_fail_on(recipe, tmp_path, capsys, monkeypatch):
     """Found by a bug bash of launches: `finetune train --accelerate-config multi_node` on machine 0 with the
     template's placeholder address (10.0.0.1) retried it for 15 minutes with C++ stack traces (now refused; validate,
-    which may plan it from a login node, notes it), and validate said all was fine; validate called a read-only output.dir "usable" (train refused it in 2 s). A read-only mount is
-    simulated (os.access on the folder, as access(2) answers EROFS even for root): mounting needs privileges CI lacks."""
+    which may plan it from a login node, notes it); validate called a read-only output.dir "usable" (train refused it
+    in 2 s). A read-only mount is simulated (os.access on the folder, as access(2) answers EROFS even for root):
+    mounting needs privileges CI lacks."""
     said = refused(capsys, "train", str(recipe), "--accelerate-config", "multi_node")
     assert "main_process_ip 10.0.0.1 is not an address of this machine" in said and "`hostname -I`" in said, said
     assert cli.main(["validate", str(recipe), "--accelerate-config", "multi_node", "--num-processes", "2"]) == 0

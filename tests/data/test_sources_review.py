@@ -216,6 +216,32 @@ def test_a_json_file_holding_an_object_says_it_must_hold_a_list(tmp_path):
     assert data.load_rows(DatasetSpec(path=str(path))) == addition_rows(2)
 
 
+def test_a_json_file_holding_an_object_on_one_line_is_refused_as_the_pretty_printed_one(tmp_path):
+    """What `json.dump({"data": rows}, f)` writes was read as one JSON Lines row, then refused for lacking the format's
+    columns with a `columns: {instruction: data}` fix that cannot work."""
+    path = tmp_path / "dumped.json"
+    path.write_text(json.dumps({"data": addition_rows(2)}))
+    for read in (data.load_rows, streamed):
+        with pytest.raises(DataError, match=r"must hold a list of rows .*got an object \(keys: data\).*jq -c '\.data\[\]'"):
+            read(DatasetSpec(path=str(path)) if read is data.load_rows else path)
+    path.write_text("".join(json.dumps(row) + "\n" for row in addition_rows(2)))  # JSON Lines in a .json file
+    assert data.load_rows(DatasetSpec(path=str(path))) == addition_rows(2)
+    path.write_text(json.dumps(addition_rows(1)[0]))  # one row of JSON Lines, no list in it
+    assert data.load_rows(DatasetSpec(path=str(path))) == addition_rows(1)
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(chat))  # a .jsonl file's one object is a row
+    assert data.load_rows(DatasetSpec(path=str(tmp_path / "chat.jsonl"))) == [chat]
+
+
+def test_a_json_file_of_json_lines_with_bytes_that_are_not_utf8_names_the_line(tmp_path):
+    """Looking at a .json file's first lines (array, object or JSON Lines?) decoded a whole block of it: a Latin-1
+    byte on line 2 was a UnicodeDecodeError traceback, not the line and the fix."""
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"instruction": "a", "output": "b"}\n{"instruction": "caf\xe9", "output": "d"}\n')
+    with pytest.raises(DataError, match=r"latin1\.json line 2: not UTF-8 text \(byte 0xe9 at column 21\)"):
+        data.load_rows(DatasetSpec(path=str(path)))
+
+
 @pytest.mark.parametrize("name", ["bom.jsonl", "bom.json", "bom.csv"])
 def test_a_utf8_byte_order_mark_is_not_part_of_line_1(tmp_path, name):
     rows = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}]

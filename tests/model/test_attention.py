@@ -37,7 +37,7 @@ def test_auto_is_eager_for_gpt_oss_which_has_no_sdpa(tiny_gpt_oss, capsys):
     assert recipe.model.attn_implementation == "auto"
     config = model_lib.load_config(recipe)
     assert recipe.model.attn_implementation == "eager"
-    assert "model.attn_implementation: auto -> eager (GptOssForCausalLM does not support sdpa" in capsys.readouterr().out
+    assert "model.attn_implementation: auto -> eager (GptOssForCausalLM does not support sdpa" in capsys.readouterr().err
     # The other side, from transformers itself: the old default is refused, the resolved value builds and runs on CPU.
     with pytest.raises(ValueError, match="does not support an attention implementation through"):
         AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -58,14 +58,14 @@ def test_auto_is_sdpa_for_a_dense_llama(tiny_llama, capsys):
     recipe = make_recipe(tiny_llama)
     model_lib.load_config(recipe)
     assert recipe.model.attn_implementation == "sdpa"
-    assert "auto -> sdpa (LlamaForCausalLM supports" in capsys.readouterr().out
+    assert "auto -> sdpa (LlamaForCausalLM supports" in capsys.readouterr().err
 
 
 def test_an_explicit_value_is_kept_and_not_announced(tiny_llama, capsys):
     recipe = make_recipe(tiny_llama, attn_implementation="eager")
     model = model_lib.load_base_model(recipe, device=torch.device("cpu"))
     assert recipe.model.attn_implementation == "eager" and model.config._attn_implementation == "eager"
-    assert "attn_implementation" not in capsys.readouterr().out
+    assert "attn_implementation" not in str(capsys.readouterr())
 
 
 def test_the_per_rank_loader_resolves_auto_before_loading(tiny_llama):
