@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,24 @@ def test_every_mapped_key_is_a_recipe_key():
         parent = schema_at(Recipe, path[:-1])
         assert parent is not None and path[-1] in parent.model_fields, f"{name} -> {target}: no key `{key}`"
         assert name not in NO_COUNTERPART and name not in MANAGED, name
+
+
+def test_the_trl_fields_the_preference_docs_name_are_trls():
+    """docs/preference.md's TRL column names fields of the installed TRL's configs, and names.py maps no TRL name TRL
+    lacks: `dpo.max_prompt_length` was said to be DPOConfig.max_prompt_length, which TRL 1.16 does not have (its DPO
+    keeps the start of prompt + response), so a ported config was told the keys correspond."""
+    import trl
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
+
+    classes = {"DPOConfig": trl.DPOConfig, "KTOConfig": trl.KTOConfig, "CPOConfig": CPOConfig,
+               "ORPOConfig": ORPOConfig, "GRPOConfig": trl.GRPOConfig, "SFTConfig": trl.SFTConfig}
+    text = (Path(__file__).resolve().parent.parent / "docs" / "preference.md").read_text()
+    named = set(re.findall(r"\b([A-Z][A-Za-z]*Config)\.([a-z_]+)", text))
+    assert named and not [f"{cls}.{name}" for cls, name in sorted(named)
+                          if name not in {f.name for f in dataclasses.fields(classes[cls])}]
+    assert not any("max_prompt_length" in fields for fields in installed_fields().values())
+    assert "max_prompt_length" not in MEANS
 
 
 HF_RECIPE = {"per_device_train_batch_size": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum",

@@ -40,6 +40,16 @@ NAMED_FIX = ("set model.chat_template to a template that renders it: one of fine
              "llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, glm-4.5, deepseek-r1), a .jinja file, or the template text")
 
 
+class Opener(int):
+    """The trained flag of a reasoning opener under data.reasoning: context (Qwen3's `<think>\n`, gpt-oss's
+    `<|channel|>analysis<|message|>`, written by the turn, not prefilled by the generation prompt): trained, since the
+    model must open its reasoning, but not the answer. A cut that keeps an opener and none of the answer after the
+    untrained reasoning leaves the row nothing to learn (templates.answer_starts, tokenize.py's length policy)."""
+
+
+OPENER = Opener(1)  # truthy, and equal to True: every reader of a segment's flag trains it
+
+
 @dataclass
 class _Turn:
     index: int  # the message's index in the conversation
@@ -240,7 +250,7 @@ def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _
         at = _reasoning_at(renderer, messages, turn, text) if reasoning and renderer.reasoning == "context" else -1
         if at >= 0:
             at -= turn.start
-            segments += [(span[:at], True), (reasoning, False), (span[at + len(reasoning):], True)]
+            segments += [(span[:at], OPENER), (reasoning, False), (span[at + len(reasoning):], True)]
         else:
             segments.append((span, True))
         cursor = turn.end

@@ -19,6 +19,8 @@ class Example:
     (format: prompt) is its prompt's ids, nothing trained, with `row`: the dataset row ({"prompt": text or messages,
     the other columns}) its reward functions read, `prompt_index`: its place among the rows of data.datasets read in
     order, from 0, kept or not (the sampling seed of its completions), and `place`: its file and line, for messages.
+    A KTO row cut to data.max_length keeps the completion tokens the cut removed in `completion_tail` (as many as a
+    mismatched row can hold): the KL row that borrows its completion takes the whole of it, as TRL's does.
     """
 
     input_ids: list[int]
@@ -30,6 +32,7 @@ class Example:
     row: dict | None = None
     prompt_index: int | None = None
     place: str | None = None
+    completion_tail: Example | None = None
 
     @property
     def num_trained(self) -> int:

@@ -72,12 +72,13 @@ def _collate_rows(examples: list[Example], pad_id: int) -> dict[str, torch.Tenso
 
 
 def kl_sequence(example: Example, partner: Example, *, max_length: int | None) -> Example:
-    """`example`'s prompt (its tokens before the first trained one) followed by `partner`'s completion (from its first
-    trained token on), cut to max_length as a row is (keep the start): the mismatched pair of KTO's KL estimate, as
-    TRL concatenates prompt_ids and the rotated completion_ids. A cut that leaves no trained token scores nothing."""
-    prompt, start = _first_trained(example), _first_trained(partner)
-    ids = example.input_ids[:prompt] + partner.input_ids[start:]
-    labels = [IGNORE_INDEX] * prompt + partner.labels[start:]
+    """`example`'s prompt (its tokens before the first trained one) followed by `partner`'s whole completion (from its
+    first trained token on, with the tokens its own cut to max_length removed: Example.completion_tail), cut to
+    max_length as a row is (keep the start): the mismatched pair of KTO's KL estimate, as TRL concatenates prompt_ids
+    and the rotated, uncut completion_ids. A cut that leaves no trained token scores nothing."""
+    prompt, start, tail = _first_trained(example), _first_trained(partner), partner.completion_tail
+    ids = example.input_ids[:prompt] + partner.input_ids[start:] + (tail.input_ids if tail is not None else [])
+    labels = [IGNORE_INDEX] * prompt + partner.labels[start:] + (tail.labels if tail is not None else [])
     return Example(ids[:max_length], labels[:max_length])
 
 

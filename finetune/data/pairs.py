@@ -42,13 +42,13 @@ def fit_pair(chosen: Example, rejected: Example, *, max_length: int, max_prompt:
 
 
 def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: Recipe, counts: dict,
-                  reasons: list[str]) -> list[Example]:
+                  reasons: list[str], *, bos: bool = True) -> list[Example]:
     """Tokenize rendered pairs ((chosen segments, rejected segments) per row) and fit each to data.max_length.
 
     Counts cuts in `counts` (truncated pairs, prompt_truncated, response_truncated); a pair left with no response token
-    adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows).
+    adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows). `bos`: as tokenize_many's.
     """
-    sequences = tokenize_prompted([segments for pair in rendered for segments in pair], tokenizer)
+    sequences = tokenize_prompted([segments for pair in rendered for segments in pair], tokenizer, bos=bos)
     limit, max_prompt = recipe.data.max_length, prompt_limit(recipe)
     examples = []
     for index, place in enumerate(places):
@@ -70,18 +70,18 @@ def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: R
     return examples
 
 
-def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer) -> list[Example]:
+def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer, *, bos: bool = True) -> list[Example]:
     """Rows of a prompt and an answer (preference pairs, KTO rows), each answer after its prompt's own tokens.
 
     The joined text is tokenized once, as SFT rows are; but where the tokenizer merges the prompt's last characters
     into the answer's first token (Qwen's BPE: the `\\n` a generation prompt ends with, and an answer's `\\n`, are one
     `\\n\\n` token), the prompt's tokens would differ between the two answers of a pair, and a prompt character would
     be scored in one answer only. Such a row is tokenized as TRL's preference trainers tokenize every row: the prompt
-    alone, then the rest."""
-    whole = tokenize_many(all_segments, tokenizer)
+    alone, then the rest. `bos`: as tokenize_many's (False for a chat template's renderings)."""
+    whole = tokenize_many(all_segments, tokenizer, bos=bos)
     split = [next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
              for segments in all_segments]
-    prompts = tokenize_many([segments[:k] for segments, k in zip(all_segments, split)], tokenizer)
+    prompts = tokenize_many([segments[:k] for segments, k in zip(all_segments, split)], tokenizer, bos=bos)
     merged = [i for i, (example, prompt) in enumerate(zip(whole, prompts))
               if example.input_ids[: len(prompt.input_ids)] != prompt.input_ids]
     rests = tokenize_many([all_segments[i][split[i]:] for i in merged], tokenizer, bos=False)

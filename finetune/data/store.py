@@ -3,7 +3,8 @@
 A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
 token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
 example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version); unpaired preference rows
-(KTO) add `desirable.npy` (each row's label). Every
+(KTO) add `desirable.npy` (each row's label) and `tail_ids.npy`, `tail_trained.npy`, `tail_bounds.npy` (each row's
+Example.completion_tail, empty for a row that was not cut: what its KL partner's row takes). Every
 rank maps the same files, so the pages are shared through the page cache: a rank's own memory holds only per-example
 arrays (offsets, lengths), never Python lists of every token. An `Example` (lists of ints) is built only for the rows
 of the micro-batch being collated.
@@ -26,7 +27,7 @@ import numpy as np
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.packing import concat_examples
 
-STORE_FORMAT = 3  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
+STORE_FORMAT = 4  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -41,6 +42,7 @@ class StoreWriter:
         self._lengths: list[np.ndarray] = []
         self._trained_counts: list[np.ndarray] = []
         self._desirable: list[np.ndarray] = []
+        self._tails: list[dict[str, np.ndarray]] = []  # KTO rows' completion tails (small: a cut row's few tokens)
 
     def add(self, arrays: dict[str, np.ndarray]) -> None:
         """Write one chunk's `chunk_arrays`."""
@@ -50,6 +52,7 @@ class StoreWriter:
         self._trained_counts.append(arrays["trained_counts"])
         if "desirable" in arrays:
             self._desirable.append(arrays["desirable"])
+            self._tails.append({key: arrays[key] for key in ("tail_ids", "tail_trained", "tail_lengths")})
 
     def close(self) -> None:
         """Close the token files (finish does; a build that failed part-way calls it itself)."""
@@ -65,8 +68,17 @@ class StoreWriter:
         if counts.get("unpaired"):  # unpaired preference rows (KTO): each one's label
             desirable = np.concatenate(self._desirable) if self._desirable else np.zeros(0, dtype=np.bool_)
             np.save(self.folder / "desirable.npy", desirable.astype(np.bool_))
+            self._finish_tails()
         meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
         (self.folder / "meta.json").write_text(json.dumps(meta))
+
+    def _finish_tails(self) -> None:
+        """The KTO rows' completion tails, one after another, and where each starts (an empty one: a row not cut)."""
+        joined = {key: np.concatenate([tails[key] for tails in self._tails] or [np.zeros(0, dtype)]).astype(dtype)
+                  for key, dtype in (("tail_ids", np.int32), ("tail_trained", np.bool_), ("tail_lengths", np.int64))}
+        np.save(self.folder / "tail_ids.npy", joined["tail_ids"])
+        np.save(self.folder / "tail_trained.npy", joined["tail_trained"])
+        np.save(self.folder / "tail_bounds.npy", np.concatenate([[0], np.cumsum(joined["tail_lengths"])]).astype(np.int64))
 
 
 def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
@@ -83,6 +95,11 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
               "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
     if examples and examples[0].desirable is not None:
         arrays["desirable"] = np.fromiter((bool(e.desirable) for e in examples), dtype=np.bool_, count=len(examples))
+        tails = [e.completion_tail or Example([], []) for e in examples]
+        arrays["tail_ids"] = np.fromiter(itertools.chain.from_iterable(t.input_ids for t in tails), dtype=np.int32)
+        arrays["tail_trained"] = np.fromiter((label != IGNORE_INDEX for t in tails for label in t.labels), dtype=np.bool_,
+                                             count=len(arrays["tail_ids"]))
+        arrays["tail_lengths"] = np.fromiter((len(t.input_ids) for t in tails), dtype=np.int64, count=len(tails))
     return arrays
 
 
@@ -108,6 +125,11 @@ class TokenStore:
         self.desirable = np.load(labels) if self.counts.get("unpaired") else None
         if self.desirable is not None and len(self.desirable) != len(self.bounds) - 1:
             raise ValueError(f"{labels}: {len(self.desirable)} labels for {len(self.bounds) - 1} rows (a damaged entry)")
+        self.tails = None
+        if self.desirable is not None:  # (ids, trained, bounds) of the KTO rows' completion tails
+            self.tails = tuple(np.load(folder / f"tail_{name}.npy") for name in ("ids", "trained", "bounds"))
+            if len(self.tails[2]) != len(self.desirable) + 1 or len(self.tails[0]) != self.tails[2][-1]:
+                raise ValueError(f"{folder}: completion tails do not match the rows (a damaged entry)")
 
     def __len__(self) -> int:
         return (len(self.bounds) - 1) // (2 if self.pairs else 1)
@@ -121,6 +143,11 @@ class TokenStore:
         if self.desirable is not None:
             example = self.sequence(index)
             example.desirable = bool(self.desirable[index])
+            ids, trained, bounds = self.tails
+            start, end = int(bounds[index]), int(bounds[index + 1])
+            if end > start:
+                tail = np.asarray(ids[start:end], dtype=np.int64)
+                example.completion_tail = Example(tail.tolist(), np.where(trained[start:end], tail, IGNORE_INDEX).tolist())
             return example
         if not self.pairs:
             return self.sequence(index)

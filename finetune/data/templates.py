@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.data.chat import chat_examples
+from finetune.data.chat import Opener, chat_examples
 from finetune.data.conversations import ROLE_ALIASES, check_order, convert_turns, field_text, normalize_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.errors import DataError
@@ -175,9 +175,9 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
     text = functools.partial(_text, row, spec, where=where)
     if spec.format == "text":
-        return [(text("text") + eos, True)]
+        return [(_ended(text("text"), eos), True)]
     if spec.format == "completion":
-        return [(text("prompt"), False), (text("completion") + eos, True)]
+        return [(text("prompt"), False), (_ended(text("completion"), eos), True)]
     if spec.format == "preference":
         return render_pair(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     if spec.format == "unpaired_preference":
@@ -188,7 +188,21 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     system = row_system(row, spec, system_prompt)
     if system:
         prompt = f"{system}\n\n{prompt}"
-    return [(prompt, False), (text("output") + eos, True)]
+    return [(prompt, False), (_ended(text("output"), eos), True)]
+
+
+def _ended(text: str, eos: str) -> str:
+    """`text` followed by the tokenizer's eos, unless it ends with it already (exported datasets often carry it
+    literally: `</s>`, `<|endoftext|>`): TRL's add_eos rule, so that no row trains "after EOS comes EOS"."""
+    return text if eos and text.endswith(eos) else text + eos
+
+
+def template_rendered(spec: DatasetSpec, tokenizer) -> bool:
+    """Whether the chat template renders the dataset's rows (chat rows; preference and KTO rows when the tokenizer
+    has one, as _answered decides): its text is then the whole sequence, BOS where it writes one and nowhere else, as
+    transformers' apply_chat_template(tokenize=True), TRL, `finetune generate` and GRPO's chat prompts tokenize it."""
+    return spec.format == "chat" or (spec.format in ("preference", "unpaired_preference")
+                                     and bool(getattr(tokenizer, "chat_template", None)))
 
 
 def _text(row: dict, spec: DatasetSpec, name: str, *, where: str) -> str:
@@ -268,7 +282,7 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                             "answers. Add it, map it with data.datasets[].columns, or give whole conversations.")
         prompt = field_text(prompt, f"{where}: `{_column(spec, 'prompt')}`")
         eos, prompt = tokenizer.eos_token or "", f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
-        return [[(prompt, False), (str(answer) + eos, True)] for _, answer in answers]
+        return [[(prompt, False), (_ended(str(answer), eos), True)] for _, answer in answers]
     if prompt in (None, "", []):
         raise DataError(f"{where}: `{_column(spec, 'prompt')}` is missing: the answers need the prompt they answer. Add "
                         "it, map it with data.datasets[].columns, or give `chosen` and `rejected` as whole conversations "
@@ -326,9 +340,20 @@ def _labels(ids: list[int], offsets, segments: list[tuple[str, bool]]) -> list[i
     return np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
 
 
-def _with_bos(example: Example, tokenizer, *, wanted: bool = True) -> Example:
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts its BOS first when it encodes text, asked of what it produces rather than of its
+    `add_bos_token` attribute: Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor while
+    transformers 5 reports add_bos_token False (a base model trained without its attention sink)."""
     bos = tokenizer.bos_token_id
-    if wanted and bos is not None and getattr(tokenizer, "add_bos_token", False) and (not example.input_ids or example.input_ids[0] != bos):
+    if bos is None:
+        return False
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos] and plain[:1] != [bos]
+
+
+def _with_bos(example: Example, bos: int | None) -> Example:
+    """`example` with BOS (untrained) first, given the tokenizer adds one (`bos`), unless its text writes it already."""
+    if bos is not None and (not example.input_ids or example.input_ids[0] != bos):
         return Example([bos] + example.input_ids, [IGNORE_INDEX] + example.labels)
     return example
 
@@ -341,21 +366,35 @@ def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> Example:
 def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024,
                   bos: bool = True) -> list[Example]:
     """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads). `bos`: the
-    tokenizer's BOS is put first where it adds one (False: a continuation, tokenized apart)."""
+    tokenizer's BOS is put first where it adds one (adds_bos). False: a continuation, tokenized apart, or a chat
+    template's rendering (template_rendered), which writes BOS itself where the model has one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    examples = []
+    examples, bos_id = [], tokenizer.bos_token_id if bos and all_segments and adds_bos(tokenizer) else None
     for first in range(0, len(all_segments), chunk):
         part = all_segments[first : first + chunk]
         texts = ["".join(text for text, _ in segments) for segments in part]
         if backend is not None:  # straight to the Rust tokenizer: skips transformers' per-row Python conversion
             for segments, encoding in zip(part, backend.encode_batch(texts, add_special_tokens=False)):
-                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), tokenizer,
-                                               wanted=bos))
+                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), bos_id))
             continue
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for segments, ids, offsets in zip(part, encoded["input_ids"], encoded["offset_mapping"]):
-            examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), tokenizer, wanted=bos))
+            examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), bos_id))
     return examples
+
+
+def answer_starts(all_segments: list[list[tuple[str, bool]]], tokenizer, *, bos: bool = True) -> list[int | None]:
+    """The token each rendered example's answer starts at where it has a reasoning opener (chat.Opener: under
+    data.reasoning: context a turn trains its `<think>\n` before its untrained reasoning), else None (its first
+    trained token is its answer's). A row cut before that token has nothing to learn: the opener alone is no answer.
+    Found by tokenizing those examples again with the openers untrained (the same text: the same tokens)."""
+    opened = [i for i, segments in enumerate(all_segments) if any(isinstance(flag, Opener) for _, flag in segments)]
+    bare = tokenize_many([[(text, bool(flag) and not isinstance(flag, Opener)) for text, flag in all_segments[i]]
+                          for i in opened], tokenizer, bos=bos)
+    starts: list[int | None] = [None] * len(all_segments)
+    for i, example in zip(opened, bare):
+        starts[i] = next((k for k, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
+    return starts
 
 
 def _labels_from_encoding(encoding, segments: list[tuple[str, bool]]) -> list[int]:

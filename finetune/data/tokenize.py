@@ -7,6 +7,8 @@ raises the first one when the recipe says to.
 Length policy (data.overlong):
 - truncate (default): a row longer than max_length keeps its first max_length tokens; a row whose answer lies
   wholly past max_length then has nothing to learn and is dropped and counted (the data line names the first few).
+  Under data.reasoning: context a turn's reasoning opener (`<think>\n`) is trained but is no answer: a row cut
+  inside its reasoning keeps nothing to learn (templates.answer_starts).
 - drop: every row longer than max_length is dropped and counted.
 - error: truncate, but a row left with nothing to learn stops the run, naming it (the strictness of v1-v3).
 A row with no trained token at all (an empty answer) is a malformed row: data.bad_rows decides.
@@ -22,7 +24,15 @@ from finetune.data.chat import chat_template_text
 from finetune.data.conversations import renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.pairs import pair_examples, tokenize_prompted
-from finetune.data.templates import FORMAT_FIELDS, _column, _field, _render_or_reason, tokenize_many
+from finetune.data.templates import (
+    FORMAT_FIELDS,
+    _column,
+    _field,
+    _render_or_reason,
+    answer_starts,
+    template_rendered,
+    tokenize_many,
+)
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -160,17 +170,20 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
                                   reasoning=data.reasoning) for row, place in zip(rows, places)]
     result.reasons += [item for item in rendered if isinstance(item, str)]
     kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
+    bos = not template_rendered(spec, tokenizer)  # a chat template writes BOS itself where the model has one
     if spec.format == "preference":
-        _pairs(kept, spec, recipe, tokenizer, result)
+        _pairs(kept, spec, recipe, tokenizer, result, bos=bos)
     elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
-        tokenized = tokenize_prompted([segments for (segments, _), _ in kept], tokenizer)
+        tokenized = tokenize_prompted([segments for (segments, _), _ in kept], tokenizer, bos=bos)
         for example, ((_, desirable), place) in zip(tokenized, kept):
             example.desirable = desirable
             _length_policy(example, spec, place, data, result)
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
         flat = [(segments, place) for examples, place in kept for segments in examples]
-        for example, (_, place) in zip(tokenize_many([item for item, _ in flat], tokenizer), flat):
-            _length_policy(example, spec, place, data, result)
+        all_segments = [segments for segments, _ in flat]
+        tokenized = tokenize_many(all_segments, tokenizer, bos=bos)
+        for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), flat):
+            _length_policy(example, spec, place, data, result, answer=answer)
     result.counts["skipped"] += len(result.reasons)
     if result.reasons and data.bad_rows == "error" and result.fatal is None:
         result.fatal = result.reasons[0]
@@ -180,21 +193,22 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     return result
 
 
-def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result: ChunkResult) -> None:
-    """Keep, truncate or drop one tokenized example of the row at `place` by data.overlong (module docstring)."""
+def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result: ChunkResult, *,
+                   answer: int | None = None) -> None:
+    """Keep, truncate or drop one tokenized example of the row at `place` by data.overlong (module docstring).
+    `answer`: the token its answer starts at, where that is not its first trained token (answer_starts)."""
     where = f"{spec.path} {place}"
     overlong = len(example.input_ids) > data.max_length
     if overlong and data.overlong == "drop":
         _dropped(result, where)
         return
-    kept = Example(example.input_ids[: data.max_length], example.labels[: data.max_length],
-                   desirable=example.desirable) if overlong else example
-    if any(label != IGNORE_INDEX for label in kept.labels):
+    trained = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
+    first = answer if answer is not None else trained
+    if first is not None and first < data.max_length:
         result.counts["truncated"] += int(overlong)
-        result.examples.append(kept)
+        result.examples.append(_cut(example, data.max_length, trained) if overlong else example)
         result.origins.append(place)
         return
-    first = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
     if first is None:  # nothing trained even before truncation: a malformed row (empty answer)
         result.reasons.append(f"{where}: no trained token (the answer is empty after rendering).")
     elif data.overlong == "error":
@@ -206,6 +220,17 @@ def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result
         _dropped(result, where)
 
 
+def _cut(example: Example, max_length: int, completion: int) -> Example:
+    """The example's first max_length tokens (TRL's keep_start). A KTO row also keeps the completion tokens the cut
+    removed, as many as a mismatched row can hold after a prompt of one token (Example.completion_tail): TRL builds
+    the KL row from its partner's whole completion (`completion`: where it starts) and cuts only that row."""
+    kept = Example(example.input_ids[:max_length], example.labels[:max_length], desirable=example.desirable)
+    end = min(len(example.input_ids), completion + max_length - 1)
+    if example.desirable is not None and end > max_length:
+        kept.completion_tail = Example(example.input_ids[max_length:end], example.labels[max_length:end])
+    return kept
+
+
 def _dropped(result: ChunkResult, where: str) -> None:
     """Count a dropped example; name its row once (a conversation can give several examples: data/chat.py)."""
     result.counts["dropped"] += 1
@@ -213,10 +238,10 @@ def _dropped(result: ChunkResult, where: str) -> None:
         result.dropped_rows.append(where)
 
 
-def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, result: ChunkResult) -> None:
+def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, result: ChunkResult, *, bos: bool) -> None:
     before = len(result.reasons)
     result.examples = pair_examples([item for item, _ in kept], [f"{spec.path} {place}" for _, place in kept],
-                                    tokenizer, recipe, result.counts, result.reasons)
+                                    tokenizer, recipe, result.counts, result.reasons, bos=bos)
     if len(result.reasons) > before and recipe.data.bad_rows == "error":
         result.fatal = f"{result.reasons[before]} Fix the row or set data.bad_rows: skip to skip such pairs with a count."
 

@@ -41,7 +41,9 @@ MEANS: dict[str, str] = {
     "activation_checkpointing": "train.gradient_checkpointing (parallel.activation_checkpointing under FSDP)",
     # TRL
     "max_seq_length": "data.max_length",
-    "max_prompt_length": "dpo.max_prompt_length",
+    # (not `max_prompt_length`: TRL 1.16 has none. Its DPO keeps the start of prompt + response and drops a pair whose
+    # prompt alone fills max_length; `dpo.max_prompt_length` is finetune's own floor for a cut prompt, and a recipe
+    # that names it elsewhere is told its section by the recipe's keys, docs/preference.md says the difference.)
     "dataset_text_field": "data.datasets[].columns; `{text: YOUR_FIELD}`, with format: text",
     "dataset_num_proc": "data.num_proc",
     "chat_template_path": "model.chat_template; a file, a named template or the text",

@@ -169,6 +169,32 @@ def test_a_kl_row_is_the_prompt_with_the_partners_completion():
     assert kl_sequence(long, partner, max_length=4).labels == [IGNORE_INDEX] * 4  # cut: scores nothing
 
 
+def test_the_kl_row_takes_the_partners_whole_completion_as_trls(tiny_llama, tmp_path):
+    """A partner row whose long prompt cut its completion at data.max_length lends its whole completion to the KL row
+    (TRL 1.16 rotates the uncut completion_ids and cuts only the KL row): TRL's collator on the uncut rows' tokens is
+    the oracle, the rows read back from the token store as training reads them."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    rows = [{"prompt": "Hi?", "completion": "Fine thanks.", "label": True},
+            {"prompt": " ".join(f"p{i}" for i in range(16)), "completion": " ".join(map(str, range(12))), "label": False}]
+    uncut, tokenizer = _prepared(tiny_llama, rows, tmp_path / "uncut", max_length=4096)
+    short, long = sorted(uncut.train, key=lambda e: not e.desirable)
+    start = lambda e: next(i for i, label in enumerate(e.labels) if label != IGNORE_INDEX)
+    max_length = start(long) + 3  # the long row keeps 3 of its completion's tokens
+    cut, _ = _prepared(tiny_llama, rows, tmp_path / "cut", max_length=max_length)
+    assert type(cut.train).__name__ == "ExampleView"  # read from the token store
+    row, partner = sorted(cut.train, key=lambda e: not e.desirable)
+    assert cut.stats.truncated == 1 and partner.num_trained == 3
+    ours = kl_sequence(row, partner, max_length=max_length)
+    trl = DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)([{
+        "prompt_ids": short.input_ids[: start(short)], "completion_ids": short.input_ids[start(short):],
+        "KL_completion_ids": long.input_ids[start(long):], "label": True}])
+    assert ours.input_ids == trl["KL_input_ids"][0].tolist()
+    assert ours == kl_sequence(short, long, max_length=max_length) and ours.num_trained > 3  # TRL: the same tokens
+    scored = trl["KL_completion_mask"][0].tolist()  # (TRL's also scores the newline after the end of turn)
+    assert all(scored[i] for i, label in enumerate(ours.labels) if label != IGNORE_INDEX)
+
+
 def _step_kl_rows(n: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> list[list[tuple]]:
     """Per optimizer step: the (prompt, completion) tokens of every KL row of every rank, as sets."""
     steps = []

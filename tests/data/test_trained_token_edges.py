@@ -1,0 +1,179 @@
+"""Which tokens a row trains at its edges: EOS, BOS and a cut inside reasoning, against TRL 1.16 and transformers.
+
+A bug bash (bb4) found, each reproduced on the code before this file: text, completion and alpaca rows (and the text
+answers of preference pairs) that already end with the EOS text were given a second EOS, both trained; a tokenizer
+that adds BOS through its post-processor (Llama 3's tokenizer.json: transformers reports add_bos_token False) gave
+text rows no BOS, while TRL and finetune's own GRPO prompts put it first; a tokenizer that adds BOS gave chat rows a
+BOS the chat template does not write (`<s><|im_start|>user...` under chatml), which neither apply_chat_template, TRL
+nor `finetune generate` gives the model; and under data.reasoning: context a Qwen3 / gpt-oss / GLM row cut inside its
+reasoning was kept, training only the reasoning opener (`<think>\\n`), where DeepSeek-R1 and Qwen3.5 rows are dropped.
+
+The oracles: TRL 1.16's SFTTrainer._prepare_dataset (its tokenization, EOS rule and labels) on a stand-in self, and
+transformers' apply_chat_template(tokenize=True).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from chat_families import FAMILIES, family_tokenizer
+
+from finetune.chat_templates import named_templates
+from finetune.cli.tiny import build_tokenizer
+from finetune.data import IGNORE_INDEX
+from finetune.data.prompts import prompt_ids, prompt_text
+from finetune.data.tokenize import tokenize_chunk
+from finetune.recipe import validate_recipe
+
+pytest.importorskip("trl")  # the oracle (trl is a dev dependency)
+HELLO = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+
+
+def tokenized(rows: list[dict], fmt: str, tokenizer, *, objective: str = "sft", **data_keys):
+    """finetune's tokenization of `rows` as the cache builder does it (tokenize_chunk): the ChunkResult."""
+    section = {"datasets": [{"path": "rows.jsonl", "format": fmt}], "max_length": 256, **data_keys}
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": section, "train": {"objective": objective}})
+    places = [f"line {i + 1}" for i in range(len(rows))]
+    return tokenize_chunk(rows, places, [], recipe.data.datasets[0], recipe, tokenizer)
+
+
+def trl_sft(rows: list[dict], tokenizer, max_length: int = 256) -> list[tuple[list[int], list[int]]]:
+    """TRL 1.16 SFTTrainer's own dataset preparation (EOS added, tokenized, labels): (input_ids, labels) per row."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir="unused", max_length=max_length, report_to=[], dataset_num_proc=None, use_cpu=True)
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, _is_vision_dataset=False, chat_template=None,
+                                    completion_only_loss="completion" in rows[0])
+    prepared = SFTTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, args, False, None,
+                                           "train")
+    return [(list(row["input_ids"]), list(row["labels"])) for row in prepared]
+
+
+def trained_text(example, tokenizer) -> str:
+    return tokenizer.decode([t for t, label in zip(example.input_ids, example.labels) if label != IGNORE_INDEX])
+
+
+# ------------------------------------------------------------------------------------------------------------- EOS
+def test_eos_is_appended_only_where_the_text_does_not_end_with_it():
+    tokenizer = build_tokenizer()
+    eos = tokenizer.eos_token
+    text = [{"text": f"Ends with eos already.{eos}"}, {"text": "Plain text."}]
+    completion = [{"prompt": "Q: hi\nA:", "completion": f" hello{eos}"}, {"prompt": "Q: 2+2\nA:", "completion": " 4"}]
+    for fmt, rows in (("text", text), ("completion", completion)):
+        ours = [(e.input_ids, e.labels) for e in tokenized(rows, fmt, tokenizer).examples]
+        assert ours == trl_sft(rows, tokenizer), fmt
+    (alpaca,) = tokenized([{"instruction": "Say hi", "output": f"hi{eos}"}], "alpaca", tokenizer).examples
+    assert trained_text(alpaca, tokenizer) == f"hi{eos}"
+    tokenizer.chat_template = None  # a base model: text pairs, whose answers TRL's DPOTrainer ends the same way
+    (pair,) = tokenized([{"prompt": "Q: hi\nA:", "chosen": f" hello{eos}", "rejected": " bye"}], "preference",
+                        tokenizer, objective="dpo").examples
+    assert (trained_text(pair, tokenizer), trained_text(pair.rejected, tokenizer)) == (f" hello{eos}", f" bye{eos}")
+
+
+# ------------------------------------------------------------------------------------------------------------- BOS
+def post_processed_llama():
+    """Llama 3.1's tokenizer as its tokenizer.json ships: BOS put first by a TemplateProcessing post-processor, no
+    add_bos_token in its config (transformers reports it False)."""
+    from tokenizers import processors
+
+    tokenizer = family_tokenizer("llama-3.1")
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokenizer.bos_token_id)])
+    return tokenizer
+
+
+def test_text_rows_start_with_the_bos_the_tokenizer_puts_first():
+    tokenizer = post_processed_llama()
+    bos = tokenizer.bos_token_id
+    assert not getattr(tokenizer, "add_bos_token", False) and tokenizer("a")["input_ids"][0] == bos  # the premise
+    text = [{"text": "The cat sat."}]
+    completion = [{"prompt": "Q: 2+2?\nA:", "completion": " 4"}]
+    ((ids, labels),) = trl_sft(text, tokenizer)
+    (ours,) = tokenized(text, "text", tokenizer).examples
+    assert ours.input_ids == ids and ours.labels[1:] == labels[1:]  # (label 0 is no target: nothing predicts it)
+    (ours,) = tokenized(completion, "completion", tokenizer).examples
+    assert [(ours.input_ids, ours.labels)] == trl_sft(completion, tokenizer)
+    prompt = ours.input_ids[: next(i for i, label in enumerate(ours.labels) if label != IGNORE_INDEX)]
+    assert prompt == prompt_ids("Q: 2+2?\nA:", tokenizer, chat=False)  # as GRPO's text prompts
+    (written,) = tokenized([{"text": f"{tokenizer.bos_token}The cat sat."}], "text", tokenizer).examples
+    assert written.input_ids == ids  # a text that writes BOS gets no second one
+    tokenizer.chat_template = None  # a base model's text pairs and KTO rows
+    (pair,) = tokenized([{"prompt": "Q:", "chosen": " yes", "rejected": " no"}], "preference", tokenizer,
+                        objective="dpo").examples
+    (row,) = tokenized([{"prompt": "Q:", "completion": " yes", "label": True}], "unpaired_preference", tokenizer,
+                       objective="kto").examples
+    assert [pair.input_ids[0], pair.rejected.input_ids[0], row.input_ids[0]] == [bos] * 3
+
+
+def bos_adding_chatml():
+    """A base model's tokenizer that adds BOS (Mistral's, Llama 2's) under model.chat_template: chatml."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    tokenizer.add_bos_token = True
+    tokenizer.chat_template = named_templates()["chatml"]
+    assert tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id  # the premise
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(named_templates()))
+def test_chat_rows_have_bos_where_the_template_writes_it_and_nowhere_else(name):
+    """Each shipped template with a tokenizer that adds BOS where its family has one: the context a turn is trained
+    in is the generation prompt apply_chat_template gives the model (BOS only where the template writes it)."""
+    if name == "chatml":
+        tokenizer = bos_adding_chatml()
+    else:
+        tokenizer = post_processed_llama() if name == "llama-3.1" else family_tokenizer(name)
+        tokenizer.chat_template = named_templates()[name]
+        if FAMILIES[name][3] is not None:
+            tokenizer.add_bos_token = True  # the family's BOS put first by the tokenizer too
+            assert tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id
+    context = tokenizer.apply_chat_template(HELLO[:1], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    (ours,) = tokenized([{"messages": HELLO}], "chat", tokenizer).examples
+    first = next(i for i, label in enumerate(ours.labels) if label != IGNORE_INDEX)
+    assert ours.input_ids[:first] == context[:first] and ours.input_ids.count(tokenizer.bos_token_id) == \
+        context.count(tokenizer.bos_token_id)
+
+
+def test_a_chat_row_is_the_sequence_apply_chat_template_and_trl_give_the_model():
+    """... and the context its answer is trained in is the prompt `finetune generate` and GRPO give the model."""
+    from finetune.cli.generate import render
+
+    tokenizer = bos_adding_chatml()
+    whole = tokenizer.apply_chat_template(HELLO, tokenize=True, return_dict=True)["input_ids"]
+    (ours,) = tokenized([{"messages": HELLO}], "chat", tokenizer).examples
+    ((theirs, _),) = trl_sft([{"messages": HELLO}], tokenizer)
+    assert ours.input_ids == whole == theirs
+    context = ours.input_ids[: next(i for i, label in enumerate(ours.labels) if label != IGNORE_INDEX)]
+    assert context == render(tokenizer, HELLO[:1], None) == prompt_ids(prompt_text(HELLO[:1], tokenizer, None),
+                                                                       tokenizer, chat=True)
+    (pair,) = tokenized([{"prompt": HELLO[:1], "chosen": "Hello.", "rejected": "Go away."}], "preference", tokenizer,
+                        objective="dpo").examples
+    assert pair.input_ids == whole
+
+
+# ------------------------------------------------------------------------------------------------------- reasoning
+COUNT = {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "Done.",
+                                                               "reasoning_content": " ".join(map(str, range(60)))}]}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss", "glm-4.5", "deepseek-r1", "qwen3.5"])
+def test_a_row_cut_inside_its_reasoning_under_context_has_nothing_to_learn(family):
+    """The reasoning opener a turn writes (Qwen3's `<think>\\n`) is trained but no answer: a cut that keeps it and
+    nothing after the reasoning drops the row (error: stops), as where the generation prompt holds the opener."""
+    template = named_templates()["deepseek-r1"] if family == "deepseek-r1" else None
+    tokenizer = family_tokenizer(family, template=template)
+    (whole,) = tokenized([COUNT], "chat", tokenizer, reasoning="context", max_length=4096).examples
+    answer = max(i for i, label in enumerate(whole.labels) if label != IGNORE_INDEX)
+    while whole.labels[answer - 1] != IGNORE_INDEX:  # the last trained run: `</think>` and the answer after the
+        answer -= 1  # untrained reasoning
+    cut = tokenized([COUNT], "chat", tokenizer, reasoning="context", max_length=len(whole.input_ids) - 20)
+    assert (cut.examples, cut.counts["dropped"], cut.counts["truncated"]) == ([], 1, 0)
+    refused = tokenized([COUNT], "chat", tokenizer, reasoning="context", max_length=len(whole.input_ids) - 20,
+                        overlong="error")
+    assert refused.fatal is not None and "truncation leaves nothing to learn" in refused.fatal
+    kept = tokenized([COUNT], "chat", tokenizer, reasoning="context", max_length=answer + 1)  # one answer token kept
+    assert kept.counts["truncated"] == 1 and kept.examples[0].labels[answer] != IGNORE_INDEX
