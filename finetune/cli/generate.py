@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.data.prompts import prompt_ids
 from finetune.outputs.export import (
     Source,
     clean_adapter_tensors,
@@ -49,8 +50,8 @@ def load_for_generation(source: Source, *, no_adapter: bool):
 
 def render(tokenizer, messages: list[dict], system_prompt: str | None) -> list[int]:
     """Token ids of a conversation ready for the assistant's answer (plain text when there is no chat template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):  # the tokenizer's BOS first, as text rows trained and GRPO's
+        return prompt_ids(messages[-1]["content"], tokenizer, chat=False)  # text prompts (Llama 3's post-processor)
     if system_prompt and not (messages and messages[0]["role"] == "system"):
         messages = [{"role": "system", "content": system_prompt}, *messages]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -177,3 +177,16 @@ def test_a_row_cut_inside_its_reasoning_under_context_has_nothing_to_learn(famil
     assert refused.fatal is not None and "truncation leaves nothing to learn" in refused.fatal
     kept = tokenized([COUNT], "chat", tokenizer, reasoning="context", max_length=answer + 1)  # one answer token kept
     assert kept.counts["truncated"] == 1 and kept.examples[0].labels[answer] != IGNORE_INDEX
+
+
+def test_finetune_generate_gives_a_text_prompt_the_bos_its_rows_trained_with():
+    """`finetune generate` of a model without a chat template encoded the prompt without the tokenizer's BOS, while its
+    text rows trained with it (and GRPO's text prompts have it): the model answered from a context it never saw."""
+    from finetune.cli.generate import render
+
+    tokenizer = post_processed_llama()
+    tokenizer.chat_template = None
+    (trained,) = tokenized([{"prompt": "Q: 2+2?\nA:", "completion": " 4"}], "completion", tokenizer).examples
+    context = trained.input_ids[: next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)]
+    assert render(tokenizer, [{"role": "user", "content": "Q: 2+2?\nA:"}], None) == context
+    assert context[0] == tokenizer.bos_token_id
