@@ -104,16 +104,19 @@ def end_with_the_launcher() -> None:
     the launcher is SIGKILLed, or killed by a signal it does not handle (SIGUSR1: SLURM's usual warning before
     preemption). The agent starts each rank in a session of its own, so a kill of the launcher's process group missed
     the ranks too: they trained on as orphans, writing the run where nobody looked. SIGTERM takes the preemption path
-    (the step finishes, every rank checkpoints, exit 143). A launcher already gone by now is acted on at once."""
+    (the step finishes, every rank checkpoints, exit 143). A launcher gone between reading the parent's pid and the
+    prctl call is acted on at once (prctl(2)'s idiom: the parent pid changed; never "is 1": a container's launcher is
+    pid 1)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
 
 

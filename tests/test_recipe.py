@@ -74,8 +74,8 @@ def test_missing_file_and_yaml_syntax(tmp_path):
 
 def test_overrides_are_validated_like_the_file(tmp_path):
     path = write(tmp_path, BASE)
-    recipe = load_recipe(path, ["train.max_steps=7", "output.dir=runs/x", "lora.target_modules=[q_proj, v_proj]"])
-    assert recipe.train.max_steps == 7 and recipe.output.dir == "runs/x"
+    recipe = load_recipe(path, ["train.max_steps=7", "output.dir=/runs/x", "lora.target_modules=[q_proj, v_proj]"])
+    assert recipe.train.max_steps == 7 and recipe.output.dir == "/runs/x"
     assert recipe.lora.target_modules == ["q_proj", "v_proj"]
     with pytest.raises(RecipeError, match="`train.max_step` is not a recipe key. Did you mean `max_steps`"):
         load_recipe(path, ["train.max_step=7"])
@@ -183,3 +183,13 @@ def test_local_paths_are_kept_absolute_so_the_run_names_the_files_it_trained(tmp
     raw["model"]["chat_template"] = "chatml"
     path.write_text(yaml.safe_dump(raw))
     assert load_recipe(path).model.chat_template == "chatml"
+
+
+def test_output_dir_is_kept_absolute_before_it_exists(tmp_path, monkeypatch):
+    """A review of the paths fix: output.dir stayed relative, so `finetune train runs/rel/recipe.yaml
+    train.resume=auto` from another folder started a new run there, without a word. It is absolute from the start."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]},
+                                    "output": {"dir": "runs/rel"}}))
+    assert load_recipe(path).output.dir == str(tmp_path / "runs/rel") and not (tmp_path / "runs").exists()

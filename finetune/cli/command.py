@@ -79,19 +79,26 @@ def _launch(command: list[str]) -> int:
     killed outright, the launcher gets SIGTERM (and its ranks end with it: distributed.end_with_the_launcher)."""
     import signal
     import tempfile
+    import threading
 
     from finetune.errors import EXIT_CODE_FILE
     from finetune.held_signals import parent_death_signal
 
     with tempfile.TemporaryDirectory(prefix="finetune-launch-") as folder:
         relay = Path(folder) / "exit_code"
-        process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}),
-                                   preexec_fn=parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
+        launched: list[subprocess.Popen] = []
         passed_on = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
-        previous = {signum: signal.signal(signum, lambda signum, frame: process.send_signal(passed_on[signum]))
-                    for signum in passed_on}
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # (signal handlers are the main thread's alone)
+            for signum in passed_on:
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # `nohup finetune train`: SIGHUP stays ignored
+                    previous[signum] = signal.signal(signum, lambda number, frame: [
+                        process.send_signal(passed_on[number]) for process in launched])
         interrupted = False
         try:
+            process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}),
+                                       preexec_fn=parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
+            launched.append(process)
             while True:
                 try:
                     code = process.wait()

@@ -195,6 +195,8 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
         if problem:
             raise CheckpointError(problem)
         source = resume_source(recipe)
+        if source is None and recipe.train.resume == "auto" and not list_checkpoints(out_dir):
+            distributed.print0(f"[finetune] train.resume=auto: no checkpoint in {out_dir} yet; starting at step 1")
         return (str(source) if source else None), take_output_dir(out_dir)
 
     source, created = on_main(decide)

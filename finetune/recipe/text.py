@@ -153,7 +153,8 @@ def absolute_local_paths(raw: dict) -> None:
     file, data and tools files, reward model folders. The run's recipe.yaml and adapter_config.json
     (base_model_name_or_path) then say which files were trained wherever they are read from: `finetune generate`,
     `export` and a resume from another folder took the relative names for hub ids, or read another folder's files.
-    Hub ids, template names and paths not found are left as written (their own checks name them)."""
+    Hub ids, template names and paths not found are left as written (their own checks name them). output.dir, which
+    a first run creates, is made absolute whether it exists or not."""
     def absolute(value, *, files_only: bool = False):
         if not isinstance(value, str) or not value or "\n" in value or "{" in value:
             return value
@@ -178,6 +179,10 @@ def absolute_local_paths(raw: dict) -> None:
             fix(spec, "tools", files_only=True)
     if isinstance(grpo, dict) and isinstance(grpo.get("reward_models"), list):
         grpo["reward_models"] = [absolute(entry) for entry in grpo["reward_models"]]
+    output = raw.get("output") if isinstance(raw, dict) else None
+    if isinstance(output, dict) and isinstance(output.get("dir"), str) and output["dir"]:
+        # made before it exists: a resume from the run's recipe.yaml, launched elsewhere, finds this run's checkpoints
+        output["dir"] = os.path.abspath(Path(output["dir"]).expanduser())
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

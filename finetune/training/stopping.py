@@ -95,6 +95,8 @@ class StopSignals:
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
+                if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # `nohup`: a logout must not stop the run
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

@@ -74,3 +74,54 @@ def test_a_closed_terminal_checkpoints_like_a_sigterm(capsys):
         signal.raise_signal(signal.SIGHUP)
     assert signals.received == signal.SIGHUP and "SIGHUP received: finishing this step" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_nohup_keeps_sighup_ignored_through_the_loop_and_finetune_train():
+    """A review found the SIGHUP handling above undid `nohup`: a job started with `nohup ... &` stopped at logout. An
+    ignored SIGHUP stays ignored, in the loop and in `finetune train`'s forwarding; and `finetune train` driven from
+    a worker thread (a notebook, a sweep harness) launches without touching signals (ValueError before)."""
+    import sys
+    import threading
+
+    from finetune.cli.command import _launch
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stopping.StopSignals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        codes = []
+        worker = threading.Thread(target=lambda: codes.append(_launch([sys.executable, "-c", "pass"])))
+        worker.start()
+        worker.join(60)
+        assert codes == [0] and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+LAUNCHER_AS_PID_1 = """
+import os, signal, sys
+from finetune import distributed
+pids = iter([int(value) for value in sys.argv[1:]])
+os.getppid = lambda: next(pids)
+os.environ["TORCHELASTIC_RUN_ID"] = "none"
+signal.signal(signal.SIGTERM, lambda number, frame: (print("SIGTERM", flush=True), sys.exit(0)))
+distributed.end_with_the_launcher()
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.slow  # two Python processes importing torch
+def test_a_launcher_that_is_pid_1_is_not_taken_for_a_dead_one():
+    """A review found every rank killing itself at start where the launcher is pid 1 (a container whose command is
+    `torchrun ...`): "parent is 1" was taken for "the launcher died". Now only a parent that changed between the read
+    and prctl is. (os.getppid replaced in a child process: a pid namespace needs privileges CI may lack.)"""
+    import subprocess
+    import sys
+
+    alive = subprocess.run([sys.executable, "-c", LAUNCHER_AS_PID_1, "1", "1"], capture_output=True, text=True,
+                           timeout=120, check=False)
+    assert alive.stdout.strip() == "went on", alive.stdout + alive.stderr
+    died = subprocess.run([sys.executable, "-c", LAUNCHER_AS_PID_1, "4242", "1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert died.stdout.strip() == "SIGTERM", died.stdout + died.stderr
