@@ -75,9 +75,9 @@ def test_the_second_command_and_everything_after_it_run_clean(folder):
 
     # Line 37's answer lies past max_length: by default the row is dropped and named, not a refusal.
     report = finetune(folder, "validate", "my.yaml")
-    assert "155 rows -> 139 train / 15 eval examples (0 skipped, 0 truncated, 1 dropped (past max_length: chats.jsonl " \
-           "line 37)" in report and "launch: 1 process" in report, report
-    assert "dropped for length: chats.jsonl line 37;" in finetune(folder, "data", "my.yaml")
+    assert "155 rows -> 139 train / 15 eval examples (0 skipped, 0 truncated, 1 dropped (past max_length: " \
+           f"{folder / 'chats.jsonl'} line 37)" in report and "launch: 1 process" in report, report
+    assert f"dropped for length: {folder / 'chats.jsonl'} line 37;" in finetune(folder, "data", "my.yaml")
 
     first = finetune(folder, "train", "my.yaml")
 

@@ -68,12 +68,17 @@ def test_a_step_longer_than_the_launchers_grace_is_warned_once_with_the_setting(
 
 def test_a_closed_terminal_checkpoints_like_a_sigterm(capsys):
     """torch elastic passes the SIGHUP of a closed terminal on to the ranks as SIGHUP, whose default killed every rank
-    at once, with no checkpoint and no word. The loop now takes it as it takes SIGTERM."""
-    with stopping.StopSignals() as signals:
-        assert signal.getsignal(signal.SIGHUP) == signals._handle
-        signal.raise_signal(signal.SIGHUP)
-    assert signals.received == signal.SIGHUP and "SIGHUP received: finishing this step" in capsys.readouterr().out
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    at once, with no checkpoint and no word. The loop now takes it as it takes SIGTERM. (SIGHUP's default set first:
+    CI's workers may run with it ignored, which the loop leaves alone: the test below.)"""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with stopping.StopSignals() as signals:
+            assert signal.getsignal(signal.SIGHUP) == signals._handle
+            signal.raise_signal(signal.SIGHUP)
+        assert signals.received == signal.SIGHUP and "SIGHUP received: finishing this step" in capsys.readouterr().out
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_nohup_keeps_sighup_ignored_through_the_loop_and_finetune_train():
