@@ -89,11 +89,15 @@ def _launch(command: list[str]) -> int:
         launched: list[subprocess.Popen] = []
         passed_on = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
         previous = {}
+
+        def forward(number, frame) -> None:
+            for process in launched:
+                process.send_signal(passed_on[number])
+
         if threading.current_thread() is threading.main_thread():  # (signal handlers are the main thread's alone)
             for signum in passed_on:
                 if signal.getsignal(signum) is not signal.SIG_IGN:  # `nohup finetune train`: SIGHUP stays ignored
-                    previous[signum] = signal.signal(signum, lambda number, frame: [
-                        process.send_signal(passed_on[number]) for process in launched])
+                    previous[signum] = signal.signal(signum, forward)
         interrupted = False
         try:
             process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}),

@@ -54,10 +54,10 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     machines = 1
     if accelerate_config:
         env = parallel.accelerate_config_env(accelerate_config)
-        if problem := _main_machine_problem(accelerate_config):
+        if problem := _main_machine_problem(accelerate_config, launching=launching):
             if launching:
                 raise FinetuneError(problem)
-            lines.append(f"  note: {problem.replace('the launcher would', '`finetune train` here refuses it: the launcher would')}")
+            lines.append(f"  note: {problem}")
         launcher = parallel.launcher_settings(env)
         num_processes = given or int(env["ACCELERATE_NUM_PROCESSES"])
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
@@ -97,7 +97,7 @@ def _launch_checked(recipe_path: str, accelerate_config: str | None, num_process
             f"as the recipe names it ({named}{f' with num_processes: {processes}' if processes else ''})")
 
 
-def _main_machine_problem(config_file: str) -> str | None:
+def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:
     """Why a multi-machine config cannot launch here as machine 0: its main_process_ip is no address of this machine (the
     template's placeholder 10.0.0.1 made the launcher retry it for 15 minutes, printing C++ stack traces, before any of
     finetune's code ran)."""
@@ -117,10 +117,11 @@ def _main_machine_problem(config_file: str) -> str | None:
         pass
     return (
         f"accelerate config {config_file}: machine_rank 0 (this machine, the main one) but main_process_ip "
-        f"{address or '(none)'} is not an address of this machine ({socket.gethostname()}), so the launcher would wait "
-        "for itself there (15 minutes of retries). Fix: set main_process_ip to this machine's address, reachable from "
-        "the others (`hostname -I`), and machine_rank on each machine (0 here); or launch with `accelerate launch "
-        "--config_file ... --machine_rank N --main_process_ip ADDRESS` (docs/distributed.md, Multi-node).")
+        f"{address or '(none)'} is not an address of this machine ({socket.gethostname()}), so "
+        f"{'' if launching else '`finetune train` here refuses it: '}the launcher would wait for itself there (15 "
+        "minutes of retries). Fix: set main_process_ip to this machine's address, reachable from the others "
+        "(`hostname -I`), and machine_rank on each machine (0 here); or launch with `accelerate launch --config_file "
+        "... --machine_rank N --main_process_ip ADDRESS` (docs/distributed.md, Multi-node).")
 
 
 def _unwritable(out_dir: Path) -> str | None:
