@@ -109,7 +109,7 @@ def launch(name: str, recipe: Path, *overrides: str, timeout: int = 300, cwd: Pa
             "--num_processes", str(row.processes), *row.flags, *flags]
     script = [str(RUN_PY), str(recipe), *overrides]
     if row.machines == 1:
-        args = command([*base, "--main_process_port", str(free_port()), *script])
+        args = command([*base, *script])  # the file's own port: main_process_port 0, a free one
         return subprocess.run(args, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     port = free_port()
     machines = [

@@ -98,7 +98,8 @@ def _launch_checked(recipe_path: str, accelerate_config: str | None, num_process
 
 
 def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:
-    """Why a multi-machine config cannot launch here as machine 0: its main_process_ip is no address of this machine (the
+    """Why a multi-machine config cannot launch here: main_process_port 0 (the single-machine configs' free port, which
+    each machine would pick for itself), or, as machine 0, a main_process_ip that is no address of this machine (the
     template's placeholder 10.0.0.1 made the launcher retry it for 15 minutes, printing C++ stack traces, before any of
     finetune's code ran)."""
     import socket
@@ -106,7 +107,14 @@ def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:
     import yaml
 
     config = yaml.safe_load(Path(config_file).read_text()) or {}
-    if int(config.get("num_machines", 1) or 1) < 2 or int(config.get("machine_rank", 0) or 0) != 0:
+    if int(config.get("num_machines", 1) or 1) < 2:
+        return None
+    if str(config.get("main_process_port")) == "0":
+        return (f"accelerate config {config_file}: num_machines {config['num_machines']} with main_process_port 0 (a "
+                "free port, which each machine would pick for itself: the machines would never meet). Fix: set "
+                "main_process_port to one port open on the main machine, the same in every machine's config (e.g. "
+                "29500, as accelerate_configs/multi_node.yaml does).")
+    if int(config.get("machine_rank", 0) or 0) != 0:
         return None
     address = str(config.get("main_process_ip") or "")
     try:

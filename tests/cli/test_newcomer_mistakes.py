@@ -211,6 +211,11 @@ def test_validate_refuses_what_the_launch_would_hang_or_fail_on(recipe, tmp_path
     local.write_text(yaml.safe_dump(config))
     assert cli.main(["validate", str(recipe), "--accelerate-config", str(local)]) == 0
     capsys.readouterr()
+    config = read_yaml(REPO_CONFIGS / "fsdp2.yaml")  # its free port (main_process_port: 0) on 2 machines: never meet
+    config.update(num_machines=2, num_processes=4, main_process_ip="127.0.0.1")
+    local.write_text(yaml.safe_dump(config))
+    said = refused(capsys, "train", str(recipe), "--accelerate-config", str(local))
+    assert "num_machines 2 with main_process_port 0" in said and "main_process_port to one port" in said, said
 
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -10,11 +10,12 @@ recipe:" with nothing under it and exited, and the launcher SIGTERMed rank 0 bef
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 from conftest import RUN_PY, addition_rows, child_env, free_port, recipe_dict, run_cmd, write_jsonl, write_recipe
-from shipped import launch
+from shipped import CONFIG_DIR, CPU_SWITCH, launch
 
 MISTAKES = {  # the recipe's train keys -> the lines the paragraph must hold
     "recipe": ({"learning_rat": 0.001, "gradient_accumulation_steps": 4},
@@ -127,3 +128,28 @@ def test_variables_left_in_a_shell_are_one_paragraph_after_a_said_wait_not_a_sil
     assert (f"finetune: error: the process group of 2 ranks did not form at 127.0.0.1:{port} within "
             "parallel.collective_timeout_s = 4 s. This process was not started by torchrun or accelerate launch") in output
     assert "`unset WORLD_SIZE RANK LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT` trains in one process" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_runs_started_together_on_one_machine_each_get_a_port(name, tmp_path):
+    """Found by a bug bash of launches: two `finetune train --accelerate-config ddp` started together on one machine (a
+    sweep's `&`, two jobs on one node): the second died with torch's EADDRINUSE traceback on port 29500. accelerate's
+    launcher checks the port only before torch binds it, so the second run's check passed while the first had not yet
+    bound. The shipped single-machine configs now say `main_process_port: 0` (accelerate picks a free port). Here the
+    launcher runs, as `finetune train` runs it, a script that forms the process group and reports its port. Whether
+    the second check comes before the first bind is a matter of timing (here it often does not: the second then falls
+    back to a free port itself), so the fixed port is what is checked: neither run takes accelerate's 29500."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo'); dist.barrier()\n"
+                     "print('port', os.environ['MASTER_PORT'], flush=True); dist.destroy_process_group()\n")
+    command = [sys.executable, "-m", "finetune.cli.accelerate_launch", "--config_file",
+               str(CONFIG_DIR / f"{name}.yaml"), str(probe)]
+    runs = [subprocess.Popen(command, env=child_env(**CPU_SWITCH), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(outputs)[-3000:]
+    ports = [{line.split()[1] for line in output.splitlines() if line.startswith("port ")} for output in outputs]
+    assert all(len(port) == 1 for port in ports) and ports[0] != ports[1] and {"29500"} not in ports, ports
+
