@@ -63,7 +63,7 @@ def shared_gpu_refused(local_processes: int, visible_gpus: int) -> Iterator[None
             f"{local_processes} processes sees {visible_gpus} GPU and takes it as cuda:0, but the launcher gave "
             "several of them the same one. Fix: give each process its own GPU (SLURM: --gpus-per-task=1, or "
             "CUDA_VISIBLE_DEVICES=$LOCAL_RANK per process), or let every process see all GPUs and start one per GPU "
-            "(torchrun --nproc_per_node N)."
+            "(torchrun --standalone --nproc_per_node N)."
         ) from exc
 
 

@@ -76,7 +76,7 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
         device = torch.device("cpu")
     end_with_the_launcher()
     backend = None
-    # A launcher that starts one process on purpose (`torchrun --nproc_per_node 1`) gets a 1-rank group, so FSDP and
+    # A launcher that starts one process on purpose (`torchrun --standalone --nproc_per_node 1`) gets a 1-rank group, so FSDP and
     # ZeRO run at world size 1 (one GPU with CPU offload); a plain `python` start stays without one.
     launched_alone = world_size == 1 and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if world_size > 1 or launched_alone:
@@ -172,7 +172,7 @@ def _check_not_silently_split(info: DistInfo) -> None:
             "such processes would train independent copies. Fix: launch with a config from accelerate_configs/ "
             "(e.g. `accelerate launch --config_file accelerate_configs/ddp.yaml ...`; on a CPU-only machine with "
             "ACCELERATE_USE_CPU=true in the environment, not `--cpu`, which starts one process), "
-            "or `torchrun --nproc_per_node N finetune/run.py ...`."
+            "or `torchrun --standalone --nproc_per_node N finetune/run.py ...`."
         )
 
 

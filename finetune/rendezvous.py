@@ -27,7 +27,7 @@ def missing_address(world_size: int) -> str:
                 f"this shell from another job? `{UNSET}` trains in one process.")
     return (f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set, so no process group can be formed."
             f"{leftover} Start a multi-process run with `accelerate launch --config_file accelerate_configs/<config>.yaml "
-            "finetune/run.py ...` or `torchrun --nproc_per_node N finetune/run.py ...`.")
+            "finetune/run.py ...` or `torchrun --standalone --nproc_per_node N finetune/run.py ...`.")
 
 
 @contextmanager

@@ -37,7 +37,7 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
             p.strategy != "auto" or plan.strategy == "layer_split"):
         problems.append(
             f"parallel.cpu_offload is true but the strategy is {plan.strategy}, which has no offload: FSDP and DeepSpeed "
-            "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: `torchrun --nproc_per_node 1 "
+            "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: `torchrun --standalone --nproc_per_node 1 "
             "finetune/run.py RECIPE.yaml`), or remove parallel.cpu_offload.")
     if plan.strategy == "single" and config_kind in ("fsdp", "deepspeed"):
         name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]

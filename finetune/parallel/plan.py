@@ -161,7 +161,7 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
         problems.append(
             f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
             f"(`accelerate launch --config_file accelerate_configs/{config}.yaml ...` or "
-            "`torchrun --nproc_per_node N ...`), or set parallel.strategy: single."
+            "`torchrun --standalone --nproc_per_node N ...`), or set parallel.strategy: single."
         )
     if asked in ("single", "layer_split") and world > 1:
         problems.append(
@@ -200,7 +200,7 @@ def _one_process(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[
         problems.append(
             f"{offload} asks for CPU offload, which FSDP or DeepSpeed does, over a process group, and this single process "
             "has none (accelerate launch starts one process without a group on a CPU-only machine, or under --cpu). "
-            "Fix: start it with `torchrun --nproc_per_node 1 finetune/run.py RECIPE.yaml` (FSDP over one process "
+            "Fix: start it with `torchrun --standalone --nproc_per_node 1 finetune/run.py RECIPE.yaml` (FSDP over one process "
             "offloads), or remove the offload.")
     return "single"
 

@@ -239,7 +239,7 @@ def test_one_process_with_cpu_offload_shards_over_its_group_or_is_refused(tiny_l
     assert (one.strategy, one.cpu_offload) == ("fsdp", True)
     config = parallel.launcher_settings({**FSDP2_ENV, "FSDP_OFFLOAD_PARAMS": "true"})
     assert parallel.resolve_plan(recipe(tiny_llama), grouped, load_config(r), launcher=config).cpu_offload is True
-    with pytest.raises(LaunchError, match=r"parallel.cpu_offload: true asks for CPU offload.*torchrun --nproc_per_node 1"):
+    with pytest.raises(LaunchError, match=r"parallel.cpu_offload: true asks for CPU offload.*torchrun --standalone --nproc_per_node 1"):
         plan(tiny_llama, world=1, cpu_offload=True)  # no process group (accelerate's one CPU process)
     with pytest.raises(LaunchError, match="fsdp_offload_params: true asks for CPU offload"):
         plan(tiny_llama, world=1, launcher=config)
