@@ -38,7 +38,9 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
         with held_signals.checks_every_rank_makes():
-            plan = parallel.resolve_plan(recipe, info, model.load_config(recipe))
+            config = model.load_config(recipe)
+            plan = parallel.resolve_plan(recipe, info, config)
+            data.check_packing_model(recipe, config)  # before any weight loads (verify_packing: the loaded model)
         if plan.strategy != "deepspeed":
             quiet.keep_deepspeed_out()
         parallel.report(plan)

@@ -83,8 +83,8 @@ def mark_trained(example: Example, tokenizer, *, color: bool = False) -> str:
     """The example's text with every run of trained tokens marked, so a wrong loss mask is visible at a glance."""
     opening, closing = (GREEN, RESET) if color else ("[[", "]]")
     pieces, run, run_trained = [], [], None
-    for token, label in zip(example.input_ids, example.labels):
-        trained = label != IGNORE_INDEX
+    for position, (token, label) in enumerate(zip(example.input_ids, example.labels)):
+        trained = label != IGNORE_INDEX and position > 0  # nothing predicts an example's first token
         if run and trained != run_trained:
             pieces.append(_decode(run, tokenizer, run_trained, opening, closing))
             run = []

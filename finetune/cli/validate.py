@@ -49,6 +49,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     if prequantized.check_local_checkpoint(recipe):
         lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
     check_lora_targets(recipe, config)  # as the run does before any weight loads
+    data.check_packing_model(recipe, config)  # as the run does
 
     launcher = None
     machines = 1

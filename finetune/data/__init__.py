@@ -58,9 +58,11 @@ from finetune.data.loader import (
 from finetune.data.packing import (
     PACKING_ATTENTION,
     batch_efficiency,
+    check_packing_model,
     concat_examples,
     pack_examples,
     pack_lengths,
+    packing_model_problem,
     packing_problem,
     verify_packing,
 )
@@ -114,6 +116,7 @@ __all__ = [
     "cache_key",
     "check_enough_rows",
     "check_local_files",
+    "check_packing_model",
     "check_row",
     "checked_steps_per_epoch",
     "collate",
@@ -130,6 +133,7 @@ __all__ = [
     "open_source",
     "pack_examples",
     "pack_lengths",
+    "packing_model_problem",
     "packing_problem",
     "prepare",
     "prompt_examples",

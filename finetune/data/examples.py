@@ -36,7 +36,8 @@ class Example:
 
     @property
     def num_trained(self) -> int:
-        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+        """Targets: a label past the first token (nothing predicts an example's first token, packed or not)."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
 
 
 @dataclass

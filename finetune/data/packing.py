@@ -35,6 +35,39 @@ def packing_problem(attn_implementation: str) -> str | None:
     return None
 
 
+# Layer kinds whose packed examples stay apart given restarting position_ids (measured per architecture against the
+# examples run apart: llama4's chunked attention included). Any other kind in a config's layer_types (the linear
+# attention of Qwen3-Next / Qwen3.5 / MiniMax / OLMo hybrid / LARA, DeepSeek-V4's compressed attention) carries state
+# or mixes tokens across the example boundary: transformers separates packed examples there only given cu_seq_lens.
+APART_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Model types whose own mask code ignores position_ids (examples packed together attend to each other).
+MASK_WITHOUT_POSITIONS = {"gpt_oss": "gpt-oss builds its attention masks without the position ids"}
+
+
+def packing_model_problem(config) -> str | None:
+    """Why packed examples would see each other in the model `config` describes (its layers, its mask code), read
+    before any weight loads; None where packing is exact. `verify_packing` checks the loaded model again."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", "?")
+    kinds = [*(getattr(text, "layer_types", None) or ()), *(getattr(text, "layers_block_type", None) or ())]
+    mixing = sorted({str(kind) for kind in kinds if str(kind) not in APART_LAYER_KINDS})
+    if mixing:
+        why = (f"its {', '.join(mixing)} layers carry state across the boundary between examples packed into one row "
+               "(transformers keeps them apart only with flash-attention sequence lengths, which finetune does not pass)")
+    elif model_type in MASK_WITHOUT_POSITIONS:
+        why = MASK_WITHOUT_POSITIONS[model_type]
+    else:
+        return None
+    return (f"data.packing: {model_type} cannot pack examples: {why}, so each example would be trained on the one "
+            "before it. Set data.packing: false (each example then has a row of its own).")
+
+
+def check_packing_model(recipe, config) -> None:
+    """Refuse data.packing for a model that would let packed examples see each other (`packing_model_problem`)."""
+    if recipe.data.packing and (problem := packing_model_problem(config)):
+        raise DataError(problem)
+
+
 def pack_examples(examples: list[Example], max_length: int) -> list[Example]:
     """Pack whole examples into rows of at most max_length tokens (pack_lengths decides which go together)."""
     rows = pack_lengths([len(e.input_ids) for e in examples], max_length)
@@ -159,9 +192,10 @@ def verify_packing(model, *, device: torch.device | str = "cpu") -> float:
     difference = float((together - apart).abs().mean() / apart.std().clamp_min(1e-6))
     if difference > 0.05:
         implementation = getattr(getattr(inner, "config", None), "_attn_implementation", "?")
+        sdpa = implementation == "eager" and getattr(inner, "_supports_sdpa", False)
         raise DataError(f"data.packing: this model's attention ({implementation}) lets packed examples see each other: "
                         f"two examples packed into one row give logits {difference:.2f} standard deviations away from "
-                        "the same examples run apart (numerical noise is below 0.05). The model's own attention code "
-                        "ignores restarting position_ids. Set data.packing: false, or model.attn_implementation: sdpa "
-                        "if the model supports it.")
+                        "the same examples run apart (numerical noise is below 0.05). The model's own code ignores "
+                        "restarting position_ids. Set data.packing: false"
+                        f"{', or model.attn_implementation: sdpa' if sdpa else ''}.")
     return difference

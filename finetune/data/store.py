@@ -27,7 +27,7 @@ import numpy as np
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.packing import concat_examples
 
-STORE_FORMAT = 4  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
+STORE_FORMAT = 5  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -90,7 +90,9 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
     trained = labels != IGNORE_INDEX
     lengths = np.fromiter((len(s.input_ids) for s in sequences), dtype=np.int64, count=len(sequences))
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    trained_counts = np.add.reduceat(trained.astype(np.int64), bounds[:-1]) if len(ids) else np.zeros(len(lengths), np.int64)
+    targets = trained.astype(np.int64)
+    targets[bounds[:-1][lengths > 0]] = 0  # an example's first token is never a target (nothing predicts it)
+    trained_counts = np.add.reduceat(targets, bounds[:-1]) if len(ids) else np.zeros(len(lengths), np.int64)
     arrays = {"ids": ids, "trained": trained, "lengths": lengths,
               "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
     if examples and examples[0].desirable is not None:

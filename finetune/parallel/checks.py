@@ -116,6 +116,14 @@ def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problem
             "units, whose gradients then miss FSDP1's mixed-precision handling. Fix: use FSDP2 (accelerate_configs/"
             "fsdp2.yaml, or parallel.fsdp_version: 2), or set lora.dora: false."
         )
+    if plan.fsdp_version == 1 and recipe.lora.bias != "none":
+        # The trainable bias sits in the frozen 4-bit layer: FSDP1 flattens a unit's tensors into one, and a flat
+        # tensor has one requires_grad ("Must flatten tensors with uniform requires_grad", after the whole load).
+        problems.append(
+            f"lora.bias: {recipe.lora.bias} under FSDP1: the trained biases sit beside the frozen 4-bit weights of "
+            "the same layers, and FSDP1 flattens a unit's tensors into one, trained or frozen. Fix: use FSDP2 "
+            "(accelerate_configs/fsdp2.yaml, or parallel.fsdp_version: 2) or DDP, or set lora.bias: none."
+        )
     policy = launcher.get("auto_wrap_policy")
     if policy and policy != "TRANSFORMER_BASED_WRAP":
         problems.append(

@@ -103,6 +103,19 @@ def test_dora_under_fsdp1_in_bf16_is_refused(tiny_llama):
     assert parallel.resolve_plan(r, dist(2), load_config(r), launcher=fsdp2).fsdp_version == 2
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_biases_under_fsdp1_are_refused_before_loading(tiny_llama, bias):
+    """Found by a bug bash of LoRA options: lora.bias all / lora_only under FSDP1 passed validate, loaded every weight
+    and died in the wrap ("Must flatten tensors with uniform requires_grad": the trained bias sits in the frozen 4-bit
+    layer's unit). DDP and FSDP2 train it (their adapters equal the single-process one)."""
+    launcher = parallel.launcher_settings({**FSDP2_ENV, "FSDP_VERSION": "1"})
+    r = validate_recipe({"model": {"name_or_path": str(tiny_llama), "dtype": "float32"}, "lora": {"bias": bias},
+                         "data": {"datasets": [{"path": "x.jsonl"}]}})
+    with pytest.raises(LaunchError, match=f"lora.bias: {bias} under FSDP1: .* Fix: use FSDP2"):
+        parallel.resolve_plan(r, dist(2), load_config(r), launcher=launcher)
+    assert parallel.resolve_plan(r, dist(2), load_config(r), launcher=parallel.launcher_settings(FSDP2_ENV))
+
+
 def test_all_problems_reported_together(tiny_llama):
     launcher = parallel.launcher_settings({**FSDP2_ENV, "ACCELERATE_MIXED_PRECISION": "bf16"})
     with pytest.raises(LaunchError) as err:
