@@ -37,13 +37,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
     info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
     with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
-        with held_signals.checks_every_rank_makes():
-            config = model.load_config(recipe)
-            plan = parallel.resolve_plan(recipe, info, config)
-            data.check_packing_model(recipe, config)  # before any weight loads (verify_packing: the loaded model)
-        if plan.strategy != "deepspeed":
-            quiet.keep_deepspeed_out()
-        parallel.report(plan)
+        plan = _checked_plan(recipe, info)  # the recipe against the model's config: no weight read yet
         tokenizer = model.load_tokenizer(recipe)
         streaming = recipe.data.streaming  # rows read, tokenized and packed while training (data/streaming.py)
         train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
@@ -91,6 +85,21 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter")}
     distributed.print0(f"[finetune] done: {summary}")
     return summary
+
+
+def _checked_plan(recipe, info):
+    """The parallel plan, reported, after the checks of the recipe against the model's config that every rank makes
+    alike before any weight loads (held signals: a rank that fails one first must not cut rank 0's paragraph short)."""
+    from finetune import data, model, parallel
+
+    with held_signals.checks_every_rank_makes():
+        config = model.load_config(recipe)
+        plan = parallel.resolve_plan(recipe, info, config)
+        data.check_packing_model(recipe, config)  # verify_packing checks the loaded model again
+    if plan.strategy != "deepspeed":
+        quiet.keep_deepspeed_out()
+    parallel.report(plan)
+    return plan
 
 
 def _checked_recipe(recipe_path: str, overrides: list[str]):

@@ -5,26 +5,35 @@
     finetune generate runs/quickstart                                 interactive chat (/reset, /exit)
     finetune generate runs/quickstart --step 20 --prompt "..."        a kept checkpoint's adapter (finetune checkpoints)
 
-The base is loaded exactly as in training (the run's recipe: 4-bit, GGUF conversion, dtype), prompts are rendered
-with the run's chat template and system prompt, and decoding is greedy, so the same prompt gives the same answer.
+The base is loaded exactly as in training (the run's recipe: 4-bit, GGUF conversion, dtype). A prompt is rendered as
+the run's rows rendered theirs in training (data.datasets[0]; finetune/data/prompts.py: dataset_prompt_ids, the code
+GRPO's prompts use): alpaca rows' template, the raw text of completion and text rows and of GRPO's text prompts, the
+chat template for chat rows (history kept in the interactive chat), each with the dataset's system prompt and tools
+where its rows had them; the first line says which. Decoding is greedy and stops at every end token the model lists,
+so the same prompt gives the same answer. A reward model's adapter (a score head) generates nothing: refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from finetune.data.prompts import prompt_ids
+from finetune.data.prompts import dataset_prompt_ids
+from finetune.data.templates import row_system, template_rendered
+from finetune.errors import FinetuneError
 from finetune.outputs.export import (
+    ExportError,
     Source,
     clean_adapter_tensors,
     load_tokenizer_for,
     open_source,
     write_clean_adapter,
 )
+from finetune.recipe import DatasetSpec, Recipe
 
 
 def load_for_generation(source: Source, *, no_adapter: bool):
@@ -48,14 +57,70 @@ def load_for_generation(source: Source, *, no_adapter: bool):
     return model, tokenizer
 
 
-def render(tokenizer, messages: list[dict], system_prompt: str | None) -> list[int]:
-    """Token ids of a conversation ready for the assistant's answer (plain text when there is no chat template)."""
-    if not getattr(tokenizer, "chat_template", None):  # the tokenizer's BOS first, as text rows trained and GRPO's
-        return prompt_ids(messages[-1]["content"], tokenizer, chat=False)  # text prompts (Llama 3's post-processor)
-    if system_prompt and not (messages and messages[0]["role"] == "system"):
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+@dataclass(frozen=True)
+class PromptStyle:
+    """How the run's rows rendered a prompt: the dataset they are copied from (keys in their normal form), the
+    recipe's data.system_prompt (the dataset's own wins), whether a prompt is a conversation (the chat template, the
+    history kept) or a text alone, and what the first line says of it."""
+
+    spec: DatasetSpec
+    system_prompt: str | None
+    conversation: bool
+    said: str
+
+
+def prompt_style(recipe: Recipe | None, tokenizer) -> PromptStyle:
+    """The rendering of the run's first dataset (data.datasets[0]); without a recipe, the tokenizer's chat template
+    when it has one, else the raw text."""
+    if recipe is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        said = "the tokenizer's chat template (no recipe)" if chat else "raw text (no recipe, no chat template)"
+        return PromptStyle(DatasetSpec(path="prompt", format="chat" if chat else "text"), None, chat, said)
+    given = recipe.data.datasets[0]
+    spec = given.model_copy(update={"columns": {}})  # typed prompts have our keys, not the data's columns
+    system = row_system({}, spec, recipe.data.system_prompt)
+    conversation, how = template_rendered(spec, tokenizer), ""
+    if spec.format == "prompt":  # GRPO: text prompts trained raw, chat prompts through the template
+        conversation, how = _chat_prompts(given, tokenizer)
+    said = f"data.datasets[0]'s {_rendering(spec.format, conversation, system=bool(system))}{how})"
+    others = [index for index, other in enumerate(recipe.data.datasets[1:], start=1)
+              if (other.format, other.system_prompt, other.tools) != (given.format, given.system_prompt, given.tools)]
+    if others:
+        said += f"; data.datasets[{others[0]}] rendered its rows otherwise"
+    return PromptStyle(spec, recipe.data.system_prompt, conversation, said)
+
+
+def _rendering(data_format: str, conversation: bool, *, system: bool) -> str:
+    """What the first line says of a rendering: `alpaca rows (the alpaca template, after the system prompt`."""
+    kind = {"prompt": "GRPO prompts", "unpaired_preference": "KTO rows", "preference": "preference pairs"}.get(
+        data_format, f"{data_format} rows")
+    uses_system = conversation or data_format in ("alpaca", "preference", "unpaired_preference")
+    how = "the chat template" if conversation else "the alpaca template" if data_format == "alpaca" else "the raw text"
+    return f"{kind} ({how}" + (", after the system prompt" if system and uses_system else "")
+
+
+def _chat_prompts(spec: DatasetSpec, tokenizer) -> tuple[bool, str]:
+    """(whether GRPO's prompts were chat messages, a note): read off the dataset's first row; where the data cannot
+    be read any more, the chat template when the tokenizer has one."""
+    from finetune.data.sources import load_rows
+
+    try:
+        rows = load_rows(spec.model_copy(update={"max_rows": 1}))
+    except (FinetuneError, OSError, ValueError):
+        rows = []
+    if rows and isinstance(rows[0], dict):
+        return isinstance(rows[0].get(spec.columns.get("prompt", "prompt")), list), ""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return chat, f"; {spec.path} could not be read to tell text prompts from chat ones"
+
+
+def render(tokenizer, messages: list[dict], system_prompt: str | None = None, *,
+           style: PromptStyle | None = None) -> list[int]:
+    """Token ids of a conversation ready for the model's answer, rendered as the run's rows (`style`; without one, the
+    tokenizer's chat template, else the raw text, and `system_prompt`). A text rendering asks the last message alone."""
+    style = style or replace(prompt_style(None, tokenizer), system_prompt=system_prompt)
+    prompt = messages if style.conversation else messages[-1]["content"]
+    return dataset_prompt_ids(prompt, style.spec, tokenizer, style.system_prompt)
 
 
 def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -> list[str]:
@@ -64,10 +129,12 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -
     return [text.strip() for text in generate_batch(model, tokenizer, prompts, max_new_tokens=max_new_tokens)]
 
 
-def chat(model, tokenizer, *, system_prompt: str | None, max_new_tokens: int) -> None:
-    """Read a line, answer it with the conversation so far; `/reset` forgets, `/exit` or an empty line quits."""
+def chat(model, tokenizer, *, style: PromptStyle, max_new_tokens: int) -> None:
+    """Read a line, answer it (with the conversation so far when the run's rows were conversations); `/reset`
+    forgets, `/exit` or an empty line quits."""
     history: list[dict] = []
-    print("[finetune] chat: type a message; /reset starts over, /exit (or an empty line) quits.")
+    alone = "" if style.conversation else " (each line is asked alone: the run's rows are not conversations)"
+    print(f"[finetune] chat: type a message; /reset starts over, /exit (or an empty line) quits{alone}.")
     while True:
         try:
             line = input("you> ").strip()
@@ -80,22 +147,37 @@ def chat(model, tokenizer, *, system_prompt: str | None, max_new_tokens: int) ->
             history = []
             continue
         history.append({"role": "user", "content": line})
-        reply = answer(model, tokenizer, [render(tokenizer, history, system_prompt)], max_new_tokens=max_new_tokens)[0]
-        history.append({"role": "assistant", "content": reply})
+        reply = answer(model, tokenizer, [render(tokenizer, history, style=style)], max_new_tokens=max_new_tokens)[0]
+        history = history + [{"role": "assistant", "content": reply}] if style.conversation else []
         print(f"model> {reply}")
+
+
+def refuse_reward_model(source: Source) -> None:
+    """A reward model's adapter (train.objective reward) is LoRA plus a score head on a sequence classifier: it scores,
+    it does not answer. The base as a causal LM with that LoRA and no head would print text no training made."""
+    if source.adapter_config.get("task_type") == "SEQ_CLS":
+        raise ExportError(
+            f"{source.origin}: a reward model's adapter (train.objective reward: LoRA plus a `score` head) scores a "
+            "prompt and its response with one number; it generates no text, and the base with this LoRA but without "
+            "its head would answer as no trained model does. Nothing was generated. Fix: score text with the adapter "
+            "on AutoModelForSequenceClassification, as docs/reward.md shows (The adapter), or pass --no-adapter to "
+            "see the base model alone.")
 
 
 def cli_generate(args: argparse.Namespace) -> int:
     """`finetune generate SOURCE [--step N] [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
     with open_source(args.source, step=getattr(args, "step", None)) as source:
+        if not args.no_adapter:
+            refuse_reward_model(source)
         model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
-    system_prompt = source.recipe.data.system_prompt if source.recipe is not None else None
+    style = prompt_style(source.recipe, tokenizer)
     what = "base model alone" if args.no_adapter else f"base + adapter {source.origin}"
-    print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens)")
+    print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens); prompts "
+          f"rendered as {style.said}")
     if not args.prompt:
-        chat(model, tokenizer, system_prompt=system_prompt, max_new_tokens=args.max_new_tokens)
+        chat(model, tokenizer, style=style, max_new_tokens=args.max_new_tokens)
         return 0
-    prompts = [render(tokenizer, [{"role": "user", "content": text}], system_prompt) for text in args.prompt]
+    prompts = [render(tokenizer, [{"role": "user", "content": text}], style=style) for text in args.prompt]
     for text, reply in zip(args.prompt, answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens)):
         print(f"> {text}\n{reply}\n")
     return 0

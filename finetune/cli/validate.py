@@ -42,14 +42,8 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     given = num_processes  # --num-processes overrides the accelerate config's num_processes, as `accelerate launch` does
     num_processes = num_processes or 1
 
-    config = model.load_config(recipe)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its language model
-    lines.append(f"  model: {recipe.model.name_or_path} ({getattr(config, 'model_type', '?')}, "
-                 f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
-    if prequantized.check_local_checkpoint(recipe):
-        lines[-1] += "; a 4-bit checkpoint quantized as the recipe says"
-    check_lora_targets(recipe, config)  # as the run does before any weight loads
-    data.check_packing_model(recipe, config)  # as the run does
+    config, line = _model_checked(recipe)
+    lines.append(line)
 
     launcher = None
     machines = 1
@@ -83,6 +77,19 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     if recipe.train.resume is not None:
         lines += _check_resume(recipe, plan, train_rows, fingerprint)
     return "\n".join(lines)
+
+
+def _model_checked(recipe):
+    """The model's config and its report line, after the checks the run makes on them before any weight loads."""
+    config = model.load_config(recipe)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its language model
+    line = (f"  model: {recipe.model.name_or_path} ({getattr(config, 'model_type', '?')}, "
+            f"{getattr(text, 'num_hidden_layers', '?')} layers) config read, no weights loaded")
+    if prequantized.check_local_checkpoint(recipe):
+        line += "; a 4-bit checkpoint quantized as the recipe says"
+    check_lora_targets(recipe, config)
+    data.check_packing_model(recipe, config)
+    return config, line
 
 
 def _launch_checked(recipe_path: str, accelerate_config: str | None, num_processes: int | None):

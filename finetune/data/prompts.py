@@ -6,15 +6,20 @@ trained in a prompt (the completions are sampled during training), so there is n
 are small and are read whole. A prompt longer than the budget (data.max_length - grpo.max_completion_length) is an
 error naming its row, or dropped and counted with data.overlong: drop; no eval rows are held out (the rewards of each
 step are GRPO's measure).
+
+`dataset_prompt_ids` renders a prompt as the rows of a dataset render theirs in training, whatever the format: the one
+code path of GRPO's prompts and of `finetune generate` (finetune/cli/generate.py), so a run is asked as it trained.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted
 from finetune.data.sources import load_rows
-from finetune.data.templates import row_system, row_tools
+from finetune.data.templates import render_segments, row_system, row_tools, template_rendered
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -56,6 +61,36 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
     # A chat template writes its own special tokens (BOS included); a text prompt gets the tokenizer's.
     return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+# A row of each format whose prompt is rendered by the training renderer (templates.render_segments) and whose answer
+# is a stand-in: the prompt's text is the rendering's untrained start, as the rows of that format trained.
+_ROW_OF_PROMPT = {"alpaca": ("instruction", {"output": "."}), "completion": ("prompt", {"completion": "."}),
+                  "preference": ("prompt", {"chosen": "a", "rejected": "b"}),
+                  "unpaired_preference": ("prompt", {"completion": ".", "label": True})}
+
+
+def dataset_prompt_ids(prompt, spec: DatasetSpec, tokenizer, system_prompt: str | None, *, row: dict | None = None,
+                       where: str = "prompt") -> list[int]:
+    """Token ids of `prompt` (text, or chat messages) rendered as the rows of `spec` render their prompts in training,
+    for the model to answer: GRPO's prompts and `finetune generate`'s. Chat messages, chat rows, and pair / KTO rows
+    on a tokenizer with a chat template go through the chat template (prompt_text: the system prompt and the tools
+    of `row`, else of the dataset); alpaca rows take ALPACA_PROMPT after the system prompt, and pair / KTO rows without
+    a template their prompt after it (the training renderer's own text); text, completion and GRPO text prompts are
+    the raw text. Text gets the tokenizer's BOS, as those rows trained with it."""
+    row = row if row is not None else {}
+    if isinstance(prompt, list) or template_rendered(spec, tokenizer):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        system, tools = row_system(row, spec, system_prompt), row_tools(row, spec, where)
+        return prompt_ids(prompt_text(messages, tokenizer, system, tools=tools, spec=spec, where=where), tokenizer,
+                          chat=True)
+    if spec.format in _ROW_OF_PROMPT:
+        field, answer = _ROW_OF_PROMPT[spec.format]
+        rendered = render_segments({**row, field: prompt, **answer}, spec.model_copy(update={"columns": {}}),
+                                   tokenizer, system_prompt, where)
+        segments = rendered[0] if isinstance(rendered, tuple) else rendered  # a pair's chosen, a KTO row's segments
+        prompt = "".join(text for text, _ in itertools.takewhile(lambda segment: not segment[1], segments))
+    return prompt_ids(prompt, tokenizer, chat=False)
 
 
 def _rows_of(spec: DatasetSpec, key: str) -> list[dict]:
@@ -107,18 +142,15 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                     continue
                 raise DataError(f"{key} ({spec.path}) row {line}: `prompt` is {prompt!r}; a prompt is text or a list of "
                                 "chat messages. Fix the row, or set data.bad_rows: skip.")
-            system = row_system(row, spec, recipe.data.system_prompt)
             where = f"{key} ({spec.path}) row {line}"
             try:
-                tools = row_tools(row, spec, where) if isinstance(prompt, list) else None
-                text = prompt_text(prompt, tokenizer, system, tools=tools, spec=spec, where=where)
+                ids = dataset_prompt_ids(prompt, spec, tokenizer, recipe.data.system_prompt, row=row, where=where)
             except DataError as exc:
                 if recipe.data.bad_rows != "skip":
                     raise
                 stats.skipped += 1
                 stats.skipped_reasons.append(str(exc))
                 continue
-            ids = prompt_ids(text, tokenizer, chat=isinstance(prompt, list))
             if len(ids) > budget:
                 if recipe.data.overlong == "drop":
                     stats.dropped += 1

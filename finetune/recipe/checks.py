@@ -1,5 +1,5 @@
-"""Recipe checks that span sections: the training dtypes, what a training objective needs of the data, what
-streaming cannot do, what train.keep_best needs.
+"""Recipe checks that span sections: the training dtypes, what a training objective needs of the data (and the
+generation eval of its eval rows), what streaming cannot do, what train.keep_best needs.
 
 A leaf: recipe.py calls these from its cross-field validator with the recipe being validated; each raises ValueError
 with the keys and the fix, which the schema turns into one paragraph naming the file.
@@ -60,6 +60,26 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
         raise ValueError(f"data.packing: preference rows are not packed (responses are scored as whole sequences). "
                          f"Fix: remove data.packing for train.objective: {objective}.")
     _check_sections(recipe)
+    check_generation_eval(recipe)
+
+
+def check_generation_eval(recipe) -> None:  # a finetune.recipe.Recipe
+    """eval.generation_rows asks held-out prompts and scores the answers against the rows' own: it needs eval rows
+    (data.eval_fraction or data.eval_datasets), and rows that hold a prompt (text rows train every token, so they ask
+    nothing). A fraction that rounds to no row is known only once the rows are counted: the run says so then."""
+    data, rows = recipe.data, recipe.eval.generation_rows
+    if not rows:
+        return
+    if data.eval_fraction == 0 and not data.eval_datasets:
+        raise ValueError(f"eval.generation_rows ({rows}): there are no eval rows to ask (data.eval_fraction is 0 and "
+                         "data.eval_datasets is empty), so the run would have no generation eval. Fix: set "
+                         "data.eval_fraction (e.g. 0.05) or data.eval_datasets, or remove eval.generation_rows.")
+    asked = [*data.eval_datasets, *(data.datasets if data.eval_fraction else [])]  # where the eval rows come from
+    if all(dataset.format == "text" for dataset in asked):
+        raise ValueError(f"eval.generation_rows ({rows}): the eval rows are text rows (format: text), which train every "
+                         "token, so there is no prompt to answer and no reference answer to score. Fix: remove "
+                         "eval.generation_rows (the eval loss measures text rows), or give eval rows with prompts "
+                         "(data.eval_datasets of completion, alpaca or chat rows).")
 
 
 def _changed(section) -> list[str]:

@@ -3,7 +3,10 @@
 A loss on held-out data says the model got less surprised; this says whether it now gives the right answer. Rows
 are either tokenized examples from finetune/data (the prompt is everything before the first trained token, the reference
 is the first trained span, e.g. the first assistant turn) or `{"prompt": text, "answer": text}` dicts whose prompt
-is already rendered (chat template applied). Generation is greedy, so the score is deterministic.
+is already rendered (chat template applied). Only rows with a question and an answer to give are asked: a KTO row's
+undesirable completion is no reference, and a text row (every token trained) has no prompt. Generation is greedy and
+stops at every end token (the tokenizer's EOS and the model's generation config's, as GRPO's), so the score is
+deterministic.
 
 Under FSDP/DDP every rank must call this with the same rows (each forward is a collective); with greedy decoding
 all ranks then take the same number of steps.
@@ -17,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from finetune.data import IGNORE_INDEX
+from finetune.distributed import print0
 
 Metric = Literal["exact_match", "contains", "prefix_match"]
 
@@ -30,6 +34,20 @@ METRICS: dict[str, Callable[[str, str], bool]] = {
     "contains": lambda generated, reference: _normalize(reference) in _normalize(generated),
     "prefix_match": lambda generated, reference: _normalize(generated).startswith(_normalize(reference)),
 }
+
+
+def answerable(row: Any, tokenizer) -> bool:
+    """Whether a held-out row can be asked and scored: a {prompt, answer} dict, or an Example with a prompt before its
+    first trained token (a lone BOS is none: a text row trains every token, so it has no question) whose reference is
+    an answer to give (not a KTO row's undesirable completion, which the run learns to avoid)."""
+    if isinstance(row, dict):
+        return True
+    if getattr(row, "desirable", None) is False:
+        return False
+    first = next((i for i, label in enumerate(row.labels) if label != IGNORE_INDEX), None)
+    if first is None:
+        return False
+    return first > (1 if tokenizer.bos_token_id is not None and row.input_ids[:1] == [tokenizer.bos_token_id] else 0)
 
 
 def prompt_and_reference(row: Any, tokenizer) -> tuple[list[int], str]:
@@ -64,8 +82,14 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
     `device`: where the inputs go, the rank's compute device in a run. Only a plain model (`finetune generate`) may
     leave it to the first parameter's device: under CPU offload that is the CPU while the forward runs on the GPU.
     """
+    from finetune.training.objectives.grpo.rollouts import eos_token_ids
+
     device = device or next(model.parameters()).device
+    # Every token that ends a turn stops an answer, as GRPO's completions: the tokenizer's EOS and the generation
+    # config's (a chat model's end-of-turn token, `<end_of_turn>`, or `<|im_end|>` of a chat template given to a base).
+    eos = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id if pad_id is not None else eos[0]
     batch = _left_padded(prompts, pad_id, device)
     output = model.generate(
         **batch,
@@ -73,7 +97,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
         do_sample=False,
         use_cache=True,
         pad_token_id=pad_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos,
         temperature=None,
         top_p=None,
         top_k=None,
@@ -137,16 +161,36 @@ def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recip
                            device: torch.device | None = None) -> dict | None:
     """The recipe's generation eval (`eval.generation_rows` held-out examples) as a metrics.jsonl record, or None if off.
 
+    The rows are the first held-out examples that can be asked and scored (`answerable`: KTO's desirable rows, never
+    a text row). With none, it says why in one line and returns None: the eval asked for is not silently absent.
     run.py calls it with phase "before" (after the model is built, before the first step) and "after" (after the last
     step) and writes the record with MetricsLog.write(**record).
     """
-    rows = list(eval_examples)[: recipe.eval.generation_rows]
+    if not recipe.eval.generation_rows:
+        return None
+    examples = list(eval_examples)
+    rows = [row for row in examples if answerable(row, tokenizer)][: recipe.eval.generation_rows]
     if not rows:
+        print0(f"[finetune] note: no generation eval {phase} training: {no_rows_reason(len(examples), recipe)}")
         return None
     result = generation_eval(
         model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric, device=device
     )
     return metrics_record(phase, result)
+
+
+def no_rows_reason(held_out: int, recipe) -> str:
+    """Why eval.generation_rows has no row to ask: no eval rows at all, or none with a prompt and an answer to give."""
+    data = recipe.data
+    if not held_out:
+        files = "its data.eval_datasets hold no rows" if data.eval_datasets else "there are no data.eval_datasets"
+        return (f"eval.generation_rows is {recipe.eval.generation_rows}, but the run has no eval rows (data.eval_fraction "
+                f"{data.eval_fraction:g} of the rows rounds to none, and {files}). Fix: raise data.eval_fraction, give "
+                "data.eval_datasets, or set eval.generation_rows: 0.")
+    return (f"eval.generation_rows is {recipe.eval.generation_rows}, but none of the {held_out} eval rows has a prompt "
+            "and an answer to give (text rows train every token, so they ask nothing; KTO's undesirable completions "
+            "are not answers). Fix: eval rows with prompts (data.eval_datasets of completion, alpaca or chat rows; "
+            "KTO rows with label: true), or eval.generation_rows: 0.")
 
 
 def metrics_record(phase: str, result: dict) -> dict:

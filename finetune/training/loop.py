@@ -311,7 +311,7 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
 
     The record is logged at the step of the model it scored: "before" at the step training starts from, "after" at
     the last step trained (the newest step `metrics` has written)."""
-    if tokenizer is None or not recipe.eval.generation_rows or not eval_examples:
+    if tokenizer is None or not recipe.eval.generation_rows:  # no eval rows: recipe_generation_eval says so
         return None
     from finetune.parallel import generation_model
     from finetune.training import evals
