@@ -173,3 +173,21 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
     stats.total_tokens, stats.train_examples, stats.train_sequences = int(lengths.sum()), len(examples), len(examples)
     stats.batch_efficiency = stats.unpacked_efficiency = 1.0
     return examples, [], stats
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
+    Gemma's <end_of_turn>): what a model trained on the template learns to stop with, which a base model's generation
+    config does not list when the recipe gives it a template (model.chat_template). None for a template that closes
+    no turn (the next turn's opener ends it) or a tokenizer without one."""
+    marker = "Z7Q_END_PROBE"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # no template, or one that needs more than a plain exchange (generation then stops at EOS)
+        return []
+    if not isinstance(text, str) or marker not in text:
+        return []
+    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    tail = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    return [next(i for i in tail if i in special)] if any(i in special for i in tail) else []

@@ -131,3 +131,21 @@ def test_generation_stops_at_every_end_token_the_model_lists():
     assert evals.generate_batch(model, Tokenizer(), [[10, 11]], max_new_tokens=4) == ["7"]
     stops = model.asked["eos_token_id"]
     assert sorted(stops if isinstance(stops, list) else [stops]) == [2, 3]
+
+
+def test_generation_stops_at_the_chat_templates_end_of_turn_where_the_model_lists_none(tiny_qwen2):
+    """Found by a bug bash of eval and generate: a base model given a chat template (model.chat_template: its
+    generation config lists only <|endoftext|>) generated past <|im_end|>, the end of turn it was trained to emit, in
+    the generation eval, `finetune generate` and GRPO's sampling (the same eos_token_ids), to max_new_tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.training.objectives.grpo.rollouts import eos_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    tokenizer.eos_token = "<|endoftext|>"  # a base model's: the template's end of turn is another token
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    ends = tokenizer.convert_ids_to_tokens(eos_token_ids(model, tokenizer))
+    assert sorted(ends) == ["<|endoftext|>", "<|im_end|>"], ends
+    tokenizer.chat_template = None  # no template: the configured ends alone
+    assert tokenizer.convert_ids_to_tokens(eos_token_ids(model, tokenizer)) == ["<|endoftext|>"]

@@ -38,9 +38,13 @@ def generation_gather(configured: str = "once") -> str:
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's (a chat model's
-    end-of-turn token)."""
+    """The tokens that end a completion: the tokenizer's EOS, the model's generation config's (a chat model's
+    end-of-turn token) and the token the chat template closes an assistant turn with (a base model given
+    model.chat_template lists none: it ran past its trained end of turn to max_completion_length)."""
+    from finetune.data.prompts import turn_end_ids
+
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    ids |= set(turn_end_ids(tokenizer))
     configured = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
     ids |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     return sorted(ids)
