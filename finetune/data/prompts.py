@@ -180,11 +180,13 @@ def turn_end_ids(tokenizer) -> list[int]:
     Gemma's <end_of_turn>): what a model trained on the template learns to stop with, which a base model's generation
     config does not list when the recipe gives it a template (model.chat_template). None for a template that closes
     no turn (the next turn's opener ends it) or a tokenizer without one."""
+    from jinja2 import TemplateError
+
     marker = "Z7Q_END_PROBE"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
                                              tokenize=False)
-    except Exception:  # no template, or one that needs more than a plain exchange (generation then stops at EOS)
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError):  # none, or one needing more than this
         return []
     if not isinstance(text, str) or marker not in text:
         return []
