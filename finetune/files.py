@@ -155,3 +155,10 @@ def as_trained(folder: Path) -> Path:
         if candidate is not None and (candidate / "adapter_config.json").is_file():
             return candidate
     return folder
+
+
+def same_place(before: Any, now: Any) -> bool:
+    """A relative path a run wrote (recipes kept relative paths before a4f6ddb; a stream's position names its datasets'
+    paths) and the absolute path it names from here: the same file, no change."""
+    return (isinstance(before, str) and isinstance(now, str) and not Path(before).is_absolute()
+            and Path(now).is_absolute() and Path(before).expanduser().resolve() == Path(now).resolve())

@@ -40,6 +40,7 @@ from finetune.data.readers import looks_local, reason
 from finetune.data.sources import local_files, local_rows
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
+from finetune.files import same_place
 from finetune.recipe import DatasetSpec, Recipe
 
 STREAM_CHUNK_ROWS = 64  # rows tokenized together: the Rust tokenizer's batch, and all a rank reads ahead
@@ -236,7 +237,11 @@ class StreamingBatches:
             raise DataError("resume: the checkpoint was written by a run without data.streaming, whose position counts "
                             "shuffled rows, not rows of the stream. Resume with data.streaming: false, or start a new run.")
         for key, mine in self.rows.fingerprint().items():
-            if state.get(key) != mine:
+            saved = state.get(key)
+            if key == "datasets" and isinstance(saved, list) and len(saved) == len(mine):
+                # a path a run before a4f6ddb saved relative, naming the same file as this run's absolute one
+                saved = [now if same_place(then, now) else then for then, now in zip(saved, mine)]
+            if saved != mine:
                 raise DataError(f"resume: the checkpoint's data stream had {key}={state.get(key)}, this run has {mine}: "
                                 "the data or data settings changed since the checkpoint, so the position in the stream "
                                 "cannot be restored. Resume with the same data and recipe, or start a new run.")

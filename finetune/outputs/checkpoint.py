@@ -13,7 +13,7 @@ Layout of output.dir:
         rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
         trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
         recipe.yaml             the resolved recipe of the run that wrote it
-        manifest.json           written last: every file with its size and sha256
+        manifest.json           written last: every file with its size and sha256, and the finetune that wrote it
     adapter/                    the standard PEFT adapter (the result)
 
 Only trainable state is saved, never the base weights. Every checkpoint is written into a hidden temporary folder,
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, free_mb, no_room, on_main
+from finetune.outputs.run_folder import finetune_version
 from finetune.outputs.step_folders import (
     CHECKPOINTS,
     MANIFEST,
@@ -301,7 +302,8 @@ def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:
     files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
              for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST}
     manifest = {"format": 1, "step": step, "world_size": trainer_state.get("world_size"),
-                "strategy": trainer_state.get("strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+                "strategy": trainer_state.get("strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "finetune": finetune_version(), "files": files}  # which finetune: a resume can name an upgrade
     _write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
     return sum(entry["bytes"] for entry in files.values())
 

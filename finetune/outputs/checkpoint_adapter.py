@@ -22,15 +22,18 @@ from finetune.recipe import Recipe
 
 
 def checkpoint_recipe(checkpoint: Path) -> Recipe:
-    """The resolved recipe the checkpoint was written with (its own recipe.yaml: the run's may have changed since)."""
+    """The resolved recipe the checkpoint was written with (its own recipe.yaml: the run's may have changed since),
+    read as a run's recipe (keys removed since it was written are dropped with a note: run_folder.saved_recipe)."""
     from finetune.errors import RecipeError
-    from finetune.recipe import load_recipe
+    from finetune.outputs.run_folder import saved_recipe
 
     try:
-        return load_recipe(checkpoint / "recipe.yaml")
-    except RecipeError as exc:
-        raise CheckpointError(f"checkpoint {checkpoint}: its recipe.yaml is not a valid recipe any more "
-                              f"({str(exc).splitlines()[0][:300]}); the LoRA layout cannot be known.") from None
+        return saved_recipe(checkpoint / "recipe.yaml")
+    except RecipeError as exc:  # the whole paragraph: every problem, each at its key (not only its first line)
+        raise CheckpointError(f"checkpoint {checkpoint}: its recipe.yaml is not a valid recipe for this finetune, so "
+                              f"the LoRA layout cannot be known. {exc}\nFix: correct those keys in "
+                              f"{checkpoint / 'recipe.yaml'} (the recipe the checkpoint was written with), then run the "
+                              "command again.") from None
 
 
 def meta_peft_model(recipe: Recipe):

@@ -94,8 +94,6 @@ def _checkpoint_of(folder: Path, step: int | None) -> Path | None:
 
 def resolve_source(path: str | Path) -> Source:
     """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter."""
-    from finetune.recipe import load_recipe
-
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ExportError(
@@ -116,11 +114,12 @@ def resolve_source(path: str | Path) -> Source:
     recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
     recipe = None
     if recipe_file is not None:
+        from finetune.outputs.run_folder import saved_recipe
+
         try:
-            recipe = load_recipe(recipe_file)
-        except RecipeError as exc:
-            print(
-                f"[finetune] note: {recipe_file} is not a valid recipe any more ({str(exc).splitlines()[0]}); "
-                "using the adapter's base_model_name_or_path"
-            )
+            recipe = saved_recipe(recipe_file)  # keys removed since the run are dropped, with a note
+        except RecipeError as exc:  # the whole paragraph: every problem at its key, not only the header line
+            print(f"[finetune] note: {recipe_file} is not a valid recipe for this finetune, so the base is the adapter's "
+                  "base_model_name_or_path and the run's data format, system prompt and quantization are not known "
+                  f"(fix those keys in {recipe_file} to use them). {exc}", flush=True)
     return Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))

@@ -18,8 +18,9 @@ from typing import Any
 
 from finetune import distributed
 from finetune.errors import CheckpointError
-from finetune.files import on_main
-from finetune.outputs.step_folders import TRAINER_STATE, checkpoint_problem, list_checkpoints
+from finetune.files import on_main, same_place
+from finetune.outputs.run_folder import finetune_version
+from finetune.outputs.step_folders import MANIFEST, TRAINER_STATE, checkpoint_problem, list_checkpoints
 
 # Changes that leave the checkpoint unusable by this run, and why; the fix is the checkpoint's value.
 REFUSED = {
@@ -77,7 +78,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
         recipe.train.num_epochs is not None) else ()
     for key, before, now in differences(saved, current):
-        if _under(key, unresolved) or _same_place(before, now):
+        if _under(key, unresolved) or same_place(before, now):
             continue
         if key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
             refused.append((key, before, now, REFUSED[key]))
@@ -89,8 +90,9 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     rows_then, rows_now = _rows_per_step(saved, state), _rows_per_step(current, None, plan.world_size)
     # train.num_epochs, once resolved, is null and max_steps set: the recipe keeps how (its resolved recipe.yaml's comment)
     by_epochs = getattr(recipe, "_length_origin", None) is not None
+    upgrade = _upgrade(source)  # the tokens or the row count changed: an upgrade may be why, not the user's data
     problems = [_described(*item) for item in refused]
-    problems += [p for p in (_strategy_problem(source, state, plan), _rows_problem(state, train_rows),
+    problems += [p for p in (_strategy_problem(source, state, plan), _rows_problem(state, train_rows, upgrade),
                              _epochs_problem(rows_then, rows_now, current, plan.world_size, by_epochs=by_epochs)) if p]
     if problems:
         raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]))
@@ -98,8 +100,8 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
         raise CheckpointError(length)
     saved_print = (state.get("data") or {}).get("fingerprint")
     if train_fingerprint and saved_print and saved_print != train_fingerprint and train_rows == state["data"].get("rows"):
-        noted.append("the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed); "
-                     "the saved data position is applied to these rows")
+        noted.append(f"the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed"
+                     f"{upgrade}); the saved data position is applied to these rows")
     if rows_then is not None and rows_then != rows_now:
         noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
                      "train.grad_accum)")
@@ -123,13 +125,6 @@ def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str,
             yield from differences(before, now, f"{path}[{index}]")
     elif saved != current:
         yield path, saved, current
-
-
-def _same_place(before: Any, now: Any) -> bool:
-    """A relative path in a checkpoint's recipe (written before recipes kept local paths absolute) and the absolute
-    path it names from here: the same file, no change."""
-    return (isinstance(before, str) and isinstance(now, str) and not Path(before).is_absolute()
-            and Path(now).is_absolute() and Path(before).expanduser().resolve() == Path(now).resolve())
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -203,14 +198,29 @@ def _strategy_problem(source: Path, state: dict, plan) -> str | None:
     return None
 
 
-def _rows_problem(state: dict, train_rows: int | None) -> str | None:
+def _rows_problem(state: dict, train_rows: int | None, upgrade: str = "") -> str | None:
     """The saved data position counts this many training rows; another count cannot place it."""
     data = state.get("data") or {}
     if train_rows is None or data.get("streaming") or "rows" not in data or data["rows"] == train_rows:
         return None
     return (f"the training rows are {train_rows} here, {data['rows']} in the checkpoint (the data or a data setting "
-            "changed: data.datasets, max_length, packing, the eval split...), so its data position cannot be placed; "
-            "resume it with the data and data settings of its recipe.yaml")
+            f"changed: data.datasets, max_length, packing, the eval split...{upgrade}), so its data position cannot be "
+            "placed; resume it with the data and data settings of its recipe.yaml")
+
+
+def _upgrade(source: Path) -> str:
+    """`; or ...` naming the finetune versions when another one wrote the checkpoint (its manifest's `finetune`;
+    none before versions were recorded), else "": how rows are rendered into tokens is finetune's code too."""
+    try:
+        written = json.loads((source / MANIFEST).read_text()).get("finetune")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    now = finetune_version()
+    if written == now:
+        return ""
+    then = f"finetune {written}" if written else "an older finetune (it recorded no version)"
+    return (f"; or this finetune's upgrade: the checkpoint was written by {then} and this is {now}, whose rendering of "
+            "the rows may differ")
 
 
 def _rows_per_step(recipe: dict, state: dict | None, world_size: int | None = None) -> int | None:

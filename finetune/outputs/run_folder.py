@@ -1,4 +1,5 @@
-"""The output-folder guard: one run per output.dir (a lock), what a fresh start clears, per-rank facts.
+"""The output-folder guard: one run per output.dir (a lock), what a fresh start clears, per-rank facts; which finetune
+wrote a run's files, and a run's recipe.yaml read back by a later finetune.
 
 claim_output_dir checks output.dir and the resume source before any weight loads; the files of a replaced run are
 cleared only when training is about to start (begin_outputs), so a run failing on its inputs changes nothing.
@@ -7,10 +8,13 @@ cleared only when training is about to start (begin_outputs), so a run failing o
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +29,41 @@ from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
 
 LOCK_FILE = ".finetune.lock"
+
+
+# ------------------------------------------------------------------------------------ what wrote a run folder
+@functools.cache
+def finetune_version() -> str:
+    """This finetune as a checkpoint's manifest records it: `0.1.0`, with the commit when it runs from a git checkout
+    (an editable install: `0.1.0 (git 89f920a0c1d2)`). A resume compares it with the checkpoint's, so that tokens
+    changed by an upgrade are not blamed on the user's data (resume_checks.py)."""
+    # finetune.__version__: the package is loaded before any of its modules (an import of it here would be a stage
+    # importing the top-level package, the CLI's room: tests/test_architecture.py)
+    __version__ = sys.modules["finetune"].__version__
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():  # an installed wheel: the version says it (and no enclosing repository is asked)
+        return __version__
+    try:
+        found = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                               text=True, timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    return f"{__version__} (git {found})" if found else __version__
+
+
+def saved_recipe(path: Path):
+    """A recipe.yaml a run wrote (a run folder's, a checkpoint's), read by this finetune. Keys a later finetune removed
+    (recipe/text.py REMOVED_KEYS) are dropped with a one-line note: the recipe was valid for the finetune that wrote
+    it. Anything else invalid is RecipeError, every problem listed, as for any recipe."""
+    from finetune.recipe import validate_recipe
+    from finetune.recipe.text import absolute_local_paths, drop_removed_keys, read_yaml
+
+    raw = read_yaml(path)
+    if dropped := drop_removed_keys(raw):
+        print(f"[finetune] note: {path} was written by an older finetune; read without {'; '.join(dropped)}",
+              flush=True)
+    absolute_local_paths(raw)  # as load_recipe does: its local paths named from here
+    return validate_recipe(raw, source=str(path))
 
 
 # ------------------------------------------------------------------------------------------- output folder

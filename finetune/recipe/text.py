@@ -185,6 +185,29 @@ def absolute_local_paths(raw: dict) -> None:
         output["dir"] = os.path.abspath(Path(output["dir"]).expanduser())
 
 
+# Keys a later finetune removed without a rename, and what removed them. A recipe a run wrote (its recipe.yaml, a
+# checkpoint's) is read back without them, with a note (`drop_removed_keys`): it was valid for the finetune that wrote
+# it. A recipe the user writes now that sets one is still refused as an unknown key.
+REMOVED_KEYS = {
+    "data.num_workers": "removed in e1c0ecd: rows are tokenized in data.num_proc processes",
+}
+
+
+def drop_removed_keys(raw: dict) -> list[str]:
+    """Remove from `raw` the keys of REMOVED_KEYS it sets; returns them, each with why (`data.num_workers (removed
+    in ...)`), for the note the caller prints."""
+    dropped = []
+    for dotted, why in REMOVED_KEYS.items():
+        *sections, key = dotted.split(".")
+        node = raw
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node:
+            del node[key]
+            dropped.append(f"{dotted} ({why})")
+    return dropped
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, but a key given twice in one mapping is an error where PyYAML keeps the last one
     silently (a second `train:` section would replace the whole first one)."""

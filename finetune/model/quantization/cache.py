@@ -3,7 +3,8 @@ every later start loads, reading a quarter of the bytes and quantizing nothing.
 
 An entry lives in $FINETUNE_CACHE/quantized/<key> (else ~/.cache/finetune/quantized, beside the GGUF conversions),
 keyed by where the base is (its resolved folder: a hub snapshot folder names its commit) and by everything that
-decides the bytes: the quantization settings, model.dtype, the bitsandbytes version and this writer's version. Its
+decides the bytes and their names: the quantization settings, model.dtype, the bitsandbytes and transformers versions
+(the tensors are written under transformers' renames) and this writer's version (CACHE_VERSION). Its
 manifest records the base's identity (size and modification time of config.json and of every weight file); an entry
 whose base changed since is rebuilt, with a printed note. The entry is written as `finetune quantize` writes (a
 plain transformers 4-bit folder) and published with one rename; one process builds it while the others of the node
@@ -29,7 +30,12 @@ from finetune.model.quantization.prequantized import is_prequantized
 from finetune.model.sources.files import checkpoint_index
 from finetune.recipe import Recipe
 
-CACHE_VERSION = 1  # bump when the written layout or the quantization path changes: old entries are then not read
+# Bump when the written layout or the quantization path changes: it is in the key, so old entries are never read (and
+# are named by a note when their replacement is built: nothing removes them, another finetune may still read them).
+# 1: the checkpoint's own tensor names, a mixture-of-experts model's experts left in bf16 (before 4e46171).
+# 2: the model's names (transformers' renames), experts split one 4-bit weight per expert projection (writer.py).
+CACHE_VERSION = 2
+_VERSION_SETTINGS = ("cache_version", "bitsandbytes", "transformers")  # an entry that differs only in these is orphaned
 MANIFEST = "finetune_quantized.json"
 
 
@@ -43,11 +49,12 @@ def cache_root() -> Path:
 def settings(recipe: Recipe) -> dict:
     """What decides the 4-bit bytes besides the base."""
     import bitsandbytes
+    import transformers
 
     quant = recipe.quantization
     return {"method": quant.method, "double_quant": quant.double_quant, "dtype": recipe.model.dtype,
             "quant_storage": quant.quant_storage or recipe.model.dtype, "bitsandbytes": bitsandbytes.__version__,
-            "cache_version": CACHE_VERSION}
+            "transformers": transformers.__version__, "cache_version": CACHE_VERSION}
 
 
 def base_identity(folder: Path) -> dict[str, list[int]]:
@@ -97,6 +104,11 @@ def _build(recipe: Recipe, base: Path, target: Path, identity: dict, reason: str
         return base
     print(f"[finetune] note: {reason}: quantizing {recipe.model.name_or_path} once into {target} "
           "(later starts load these 4-bit bytes)", flush=True)
+    if orphans := orphaned_entries(recipe, base):  # nothing removes them: say where they are
+        size = sum(path.stat().st_size for entry in orphans for path in entry.rglob("*") if path.is_file())
+        print(f"[finetune] note: older quantized cache entries of this base, written by another finetune, bitsandbytes "
+              f"or transformers version, are no longer read: {', '.join(map(str, orphans))} ({size / 1e6:,.0f} MB). "
+              "Delete them to free the space (unless another finetune install still uses this cache).", flush=True)
     manifest = {"base": str(Path(base).resolve()), "name_or_path": recipe.model.name_or_path,
                 "identity": identity, "settings": settings(recipe)}
 
@@ -136,6 +148,34 @@ def _stale_reason(target: Path, identity: dict) -> str | None:
     if not sizes or damaged:
         return f"the quantized cache entry is damaged ({', '.join(damaged[:3]) or 'no file sizes'}), so it is rebuilt"
     return None
+
+
+def orphaned_entries(recipe: Recipe, base: Path) -> list[Path]:
+    """Entries of `base` with this recipe's settings but another writer or library version: this finetune never reads
+    them again (the key differs). Entries of other settings (another dtype, double quant...) are not orphans."""
+    current, base_path = settings(recipe), str(Path(base).resolve())
+    orphans = []
+    for manifest_path in sorted(cache_root().glob(f"*/{MANIFEST}")):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError):
+            continue
+        written = manifest.get("settings") or {}
+        if manifest.get("base") != base_path or manifest_path.parent == entry_folder(recipe, base) or any(
+                written.get(key) != value for key, value in current.items() if key not in _VERSION_SETTINGS):
+            continue
+        orphans.append(manifest_path.parent)
+    return orphans
+
+
+def mismatch_fix(folder: Path) -> str | None:
+    """The fix to name when a checkpoint `folder` that is a quantized cache entry does not match the model (an entry
+    another writer wrote under the same key): the base and its config.json are fine, the entry is not."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() or folder.resolve().parent != cache_root().resolve():
+        return None
+    return (f"Fix: delete the quantized cache entry {folder} (the next start rebuilds it from the base), or set "
+            "model.quantized_cache: off.")
 
 
 def _existing_parent(path: Path) -> Path:
