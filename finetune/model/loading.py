@@ -89,8 +89,9 @@ def check_lora_targets(recipe: Recipe, config) -> None:
     split as the loaders split them (no weight read): for the loads through `from_pretrained` (layer split, DoRA,
     a checkpoint that is not safetensors), which attach LoRA only after every weight is loaded and quantized. PEFT
     drops a misspelled name beside good ones without a word (fewer LoRAs trained) and fails with a traceback when
-    no name matches."""
-    if recipe.model.adapter or recipe.lora.target_modules == "all-linear":
+    no name matches or a name is a block or a norm. With model.adapter, a list is compared with the adapter's own
+    targets (all-linear, the default, means those: nothing to check)."""
+    if recipe.lora.target_modules == "all-linear":
         return
     from finetune.model import base as model_stage
     from finetune.model.classes import from_config

@@ -1,5 +1,6 @@
 """Filling a meta skeleton one module at a time: base weights read from the checkpoint (quantized on the rank's device
-exactly as `from_pretrained` does), LoRA from its seed; tied weights built once for every owner."""
+exactly as `from_pretrained` does), LoRA from its seed (or model.adapter, with every trainable tensor it holds); tied
+weights built once for every owner."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class Materializer:
     aliases: dict[str, list[tuple[nn.Module, str]]]  # tied parameters: every (module, attribute) sharing one tensor
     lora_checksum: float = 0.0
     trace: bool = False
-    lora_start: dict | None = None  # model.adapter's tensors: LoRA starts from them instead of the seed
+    lora_start: dict | None = None  # model.adapter's tensors: every trainable tensor starts from them (`_from_start`)
     peak_alive_bytes: int = 0  # with trace: the most tensor bytes alive right after any unit was built
     trace_log: list[tuple[str, int]] = field(default_factory=list)
     shard: RankShard | None = None  # FSDP2: read and quantize only this rank's chunk (shard_reads.py)
@@ -101,7 +102,12 @@ class Materializer:
         owners = self.aliases.get(name, [(module, attr)])
         if not owners:
             return  # a tied alias (lm_head of tied embeddings): built with the tensor the checkpoint stores
-        new = self._lora(name, param) if is_lora_name(name) else self._base(name, param)
+        if is_lora_name(name):
+            new = self._lora(name, param)
+        elif self.lora_start is not None and param.requires_grad:
+            new = self._from_start(name, param)
+        else:
+            new = self._base(name, param)
         for owner, owner_attr in owners:
             owner._parameters[owner_attr] = new
 
@@ -122,6 +128,15 @@ class Materializer:
         if ".modules_to_save." in name:  # a trainable copy (fp32) of a module loaded in model.dtype, as PEFT copies it
             value = value.to(self.load_dtype)
         return nn.Parameter(value.to(device=self.device, dtype=param.dtype), requires_grad=param.requires_grad)
+
+    def _from_start(self, name: str, param: nn.Parameter) -> nn.Parameter:
+        """A trainable tensor that is no LoRA (a lora.bias bias, a modules_to_save router copy) from model.adapter, as
+        PeftModel.from_pretrained loads it: the checkpoint's value is what the adapter's run started from, not what it
+        trained. Whole on every rank (FSDP2 cuts it like a LoRA tensor)."""
+        from finetune.model.lora.init import start_value
+
+        value = start_value(self.lora_start, name, param.shape)
+        return nn.Parameter(value.to(device=self.device, dtype=param.dtype), requires_grad=True)
 
     def _lora(self, name: str, param: nn.Parameter) -> nn.Parameter:
         from finetune.model.lora.init import init_lora_tensor, lora_fingerprint

@@ -117,6 +117,12 @@ class LoraSection(_Section):
         if isinstance(value, str) and value != "all-linear":
             raise ValueError(f"a list of module names (e.g. [{value}], or [q_proj, k_proj, v_proj, o_proj]) or "
                              "`all-linear`")
+        if isinstance(value, list) and not value:  # PEFT would stop with a traceback (NoMatchingPeftModuleError)
+            raise ValueError("an empty list puts LoRA on no module, so nothing would train. Fix: list module names "
+                             "(e.g. [q_proj, k_proj, v_proj, o_proj]) or use `all-linear`")
+        if isinstance(value, list) and "all-linear" in value:
+            raise ValueError("`all-linear` is a keyword, not a module name. Fix: write it without brackets "
+                             "(`target_modules: all-linear`), or list module names only")
         return value
 
 
