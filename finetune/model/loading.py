@@ -130,10 +130,9 @@ def check_checkpoint(model: nn.Module, index: CheckpointIndex, packed: PackedLay
         shown = "\n".join(f"  - {p}" for p in problems[:8])
         if len(problems) > 8:
             shown += f"\n  - ... and {len(problems) - 8} more"
-        raise ModelLoadError(
-            f"the checkpoint in {index.folder} does not match the model's config.json:\n{shown}\n"
-            "Fix: use the config.json that came with these weights (or re-download the model)."
-        )
+        fix = (quantized_cache.mismatch_fix(index.folder)  # an entry another writer left under this key
+               or "Fix: use the config.json that came with these weights (or re-download the model).")
+        raise ModelLoadError(f"the checkpoint in {index.folder} does not match the model's config.json:\n{shown}\n{fix}")
 
 
 def _meta_tensors(model: nn.Module):
