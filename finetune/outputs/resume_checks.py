@@ -73,6 +73,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     `train_fingerprint`: data.rows_fingerprint of this run's training rows (None: not compared)."""
     saved, state = _saved(source)
     current = recipe.model_dump(mode="json")
+    _adapter_layout_as_resolved(saved, current)
     refused, noted, evaluation = [], [], []
     # train.num_epochs not yet resolved (`finetune validate` without the rows): the length is compared by the run
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
@@ -130,6 +131,22 @@ def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str,
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     """`key` is one of `prefixes` or inside one (a section, a list of sections)."""
     return any(key == p or key.startswith((f"{p}.", f"{p}[")) for p in prefixes)
+
+
+def _adapter_layout_as_resolved(saved: dict, current: dict) -> None:
+    """A run started from model.adapter before its lora keys were filled from the adapter (r, alpha, rslora, dora,
+    bias) saved the schema's defaults there, though it trained the adapter's layout: read as the adapter's (this run's
+    resolved values), not as a changed layout that refuses the resume."""
+    from finetune.model.lora.adapter import LAYOUT
+    from finetune.recipe.schema import LoraSection
+
+    adapter = (saved.get("model") or {}).get("adapter")
+    if not adapter or not same_place(adapter, (current.get("model") or {}).get("adapter")):
+        return
+    default, now, lora = LoraSection(), current.get("lora") or {}, saved.setdefault("lora", {})
+    for key in LAYOUT:
+        if lora.get(key, getattr(default, key)) == getattr(default, key) and key in now:
+            lora[key] = now[key]
 
 
 def _saved(source: Path) -> tuple[dict, dict]:

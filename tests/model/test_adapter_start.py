@@ -209,6 +209,24 @@ def test_lora_keys_left_at_their_defaults_take_the_adapters_and_the_resolved_rec
     assert "LoRA layout" not in capsys.readouterr().err  # nothing left to resolve, nothing said
 
 
+def test_a_run_started_from_an_adapter_before_the_layout_was_filled_still_resumes(plain_adapter, tiny_qwen2):
+    """A checkpoint of a run started from model.adapter before its lora keys were filled from the adapter saved the
+    schema's defaults (r 16, alpha 32) while it trained the adapter's r 8 / alpha 16: its resume would have been refused
+    as a changed layout. The saved defaults read as the adapter's; a layout the recipe really changed still differs."""
+    from finetune.outputs.resume_checks import _adapter_layout_as_resolved, differences
+
+    old = _recipe(tiny_qwen2, plain_adapter, "nf4").model_dump(mode="json")  # what such a run's recipe.yaml held
+    recipe = _recipe(tiny_qwen2, plain_adapter, "nf4")
+    model_stage.load_config(recipe)  # resolved: r 8, alpha 16
+    current = recipe.model_dump(mode="json")
+    assert {key for key, _, _ in differences(old, current) if key.startswith("lora.")} == {"lora.r", "lora.alpha"}
+    _adapter_layout_as_resolved(old, current)
+    assert not [key for key, _, _ in differences(old, current) if key.startswith("lora.")]
+    elsewhere = _recipe(tiny_qwen2, None, "nf4").model_dump(mode="json")  # no adapter: its defaults are its layout
+    _adapter_layout_as_resolved(elsewhere, current)
+    assert elsewhere["lora"]["r"] == 16
+
+
 @pytest.mark.parametrize("targets,refused", [(["q_proj", "v_proj"], True),
                                              (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"], False)])
