@@ -140,8 +140,8 @@ def _adapter_layout_as_resolved(saved: dict, current: dict) -> None:
     from finetune.model.lora.adapter import LAYOUT
     from finetune.recipe.schema import LoraSection
 
-    adapter = (saved.get("model") or {}).get("adapter")
-    if not adapter or not same_place(adapter, (current.get("model") or {}).get("adapter")):
+    adapter, now_adapter = (saved.get("model") or {}).get("adapter"), (current.get("model") or {}).get("adapter")
+    if not adapter or not (adapter == now_adapter or same_place(adapter, now_adapter)):
         return
     default, now, lora = LoraSection(), current.get("lora") or {}, saved.setdefault("lora", {})
     for key in LAYOUT:
