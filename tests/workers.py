@@ -27,7 +27,8 @@ SHARED_RUNS = {
         "tests/parallel/test_distributed.py", "tests/test_quiet.py", "tests/outputs/test_export.py",
         "tests/model/test_experts_gpt_oss.py"),
     "sft adapter": ("tests/training/test_preference.py", "tests/training/test_kto.py"),
-    "checkpointed runs": ("tests/outputs/test_checkpoint.py", "tests/outputs/test_export_step.py"),
+    "checkpointed runs": ("tests/outputs/test_checkpoint.py", "tests/outputs/test_export_step.py",
+                          "tests/outputs/test_upgraded_runs.py"),
 }
 UNIT_OF_FILE = {path: unit for unit, paths in SHARED_RUNS.items() for path in paths}
 

@@ -278,8 +278,8 @@ def _length_problem(source: Path, step: int, max_steps: int) -> str | None:
         return None
     run_dir = source.parent.parent
     earlier = [path for kept, path in list_checkpoints(run_dir) if kept <= max_steps and checkpoint_problem(path) is None]
-    back = (f"train.resume={earlier[-1]} (the newest kept checkpoint at or below step {max_steps}) to end at step "
-            f"{max_steps}, or " if earlier else "")
+    back = (f"train.resume={earlier[-1]} (the newest kept checkpoint at or below step {max_steps}) with another "
+            f"output.dir to end at step {max_steps} there (this run is kept), or " if earlier else "")
     return (f"train.resume: checkpoint {source} is of step {step}, past train.max_steps {max_steps} of this run: it "
             f"would train nothing and leave step {step}'s adapter under a recipe that says {max_steps} steps. Nothing "
             f"was loaded or written. Fix: {back}train.max_steps={step} or more to continue the run"

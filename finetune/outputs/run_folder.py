@@ -145,22 +145,67 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
             "with its process: a killed run never blocks its resume.)"
         )
     elsewhere = _resumes_elsewhere(out_dir, resume)
-    if overwrite or (resume is not None and not elsewhere):
+    finished = (out_dir / "adapter" / ADAPTER_WEIGHTS).exists()
+    if not overwrite and resume not in (None, "auto") and not elsewhere and finished:
+        return (f"output.dir {out_dir} holds a finished run (adapter/), and train.resume={resume} would continue it in "
+                "place from that checkpoint: the finished adapter and every later checkpoint would be removed. Nothing "
+                "was changed. Fix: keep this run and write the continued one elsewhere (the same train.resume with "
+                "another output.dir), or pass output.overwrite=true to replace it in place.")
+    if not overwrite and (resume is None or elsewhere):
+        # A new run, or one resumed from another folder's checkpoint: either would write over what this folder holds.
+        started = (f"train.resume starts from another folder's checkpoint ({resume}), and its steps would be written "
+                   "over this folder's. ") if elsewhere else ""
+        if finished:
+            return (f"output.dir {out_dir} already holds a finished run (adapter/). {started}Nothing was changed. Fix: "
+                    "choose another output.dir, pass output.overwrite=true to replace it, or train.resume=auto to "
+                    "continue it.")
+        if list_checkpoints(out_dir):
+            return (f"output.dir {out_dir} holds checkpoints of a run that did not finish. {started}Nothing was "
+                    "changed. Fix: pass train.resume=auto to continue it, output.overwrite=true to start over, or "
+                    "choose another output.dir.")
+    in_place = resume is not None and not elsewhere and bool(list_checkpoints(out_dir))  # nothing of it is cleared
+    return _not_a_run_folder(out_dir, clearing=not in_place)
+
+
+def _not_a_run_folder(out_dir: Path, *, clearing: bool) -> str | None:
+    """Why a run may not write the names a run writes in `out_dir`: one of them is there as a file where a run writes a
+    folder; or, for a run that clears them first (`clearing`: not a resume in place), they are there and no finetune run
+    wrote them (the folder's recipe.yaml is no run's resolved recipe for this folder: a project folder's own
+    `tensorboard/` or `adapter/`, the recipe being run itself)."""
+    names = [name for name in (*RUN_FOLDERS, *RUN_FILES, "recipe.yaml") if (out_dir / name).exists()]
+    files = [name for name in RUN_FOLDERS if (out_dir / name).exists() and not (out_dir / name).is_dir()]
+    if files:
+        return (f"output.dir {out_dir} holds {', '.join(files)} as a file, where a run writes a folder of that name "
+                "(it would fail at its first checkpoint). Nothing was changed. Fix: move the file away, or choose "
+                "another output.dir.")
+    if not clearing or not names or _written_by_a_run(out_dir):
         return None
-    # A new run, or one resumed from another folder's checkpoint: either would write over what this folder holds.
-    started = (f"train.resume starts from another folder's checkpoint ({resume}), and its steps would be written "
-               "over this folder's. ") if elsewhere else ""
-    if (out_dir / "adapter" / ADAPTER_WEIGHTS).exists():
-        return (
-            f"output.dir {out_dir} already holds a finished run (adapter/). {started}Nothing was changed. Fix: choose "
-            "another output.dir, pass output.overwrite=true to replace it, or train.resume=auto to continue it."
-        )
-    if list_checkpoints(out_dir):
-        return (
-            f"output.dir {out_dir} holds checkpoints of a run that did not finish. {started}Nothing was changed. Fix: "
-            "pass train.resume=auto to continue it, output.overwrite=true to start over, or choose another output.dir."
-        )
-    return None
+    shown = ", ".join(f"{name}/" if (out_dir / name).is_dir() else name for name in names)
+    why = ("its recipe.yaml is not the resolved recipe a run wrote for this folder" if "recipe.yaml" in names else
+           "it has no recipe.yaml, which a run writes first")
+    return (f"output.dir {out_dir} holds {shown}, which no finetune run wrote there ({why}), and a run clears and "
+            "writes entries of these names. Nothing was changed. Fix: choose another output.dir (a new folder, or one "
+            "that only this run writes).")
+
+
+def _written_by_a_run(out_dir: Path) -> bool:
+    """recipe.yaml is the resolved recipe a run wrote here: every section dumped, output.dir naming this folder
+    (absolute; before a4f6ddb as the recipe gave it, relative: its last parts)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((out_dir / "recipe.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    output = saved.get("output") if isinstance(saved, dict) else None
+    if not (isinstance(output, dict) and "overwrite" in output and isinstance(output.get("dir"), str)
+            and {"model", "lora", "data", "train"} <= saved.keys()):
+        return False
+    named, here = Path(output["dir"]).expanduser(), out_dir.resolve()
+    if named.is_absolute():
+        return named.resolve() == here
+    parts = [part for part in named.parts if part != "."]
+    return bool(parts) and list(here.parts[-len(parts):]) == parts
 
 
 def _resumes_elsewhere(out_dir: Path, resume: str | None) -> bool:
@@ -264,6 +309,10 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
     own = resume_from is not None and resume_from.resolve().is_relative_to(out_dir.resolve())
     if not own:  # a fresh start, or a start from another folder's checkpoint (output.overwrite replaces this one's)
         for name in RUN_FOLDERS:
+            if (out_dir / name).is_symlink():  # a link to scratch space: kept; the replaced run's checkpoints go
+                for step in list_checkpoints(out_dir) if name == CHECKPOINTS else ():
+                    shutil.rmtree(step[1], ignore_errors=True)
+                continue
             shutil.rmtree(out_dir / name, ignore_errors=True)
         for name in RUN_FILES:
             with contextlib.suppress(FileNotFoundError):

@@ -8,6 +8,7 @@ with the keys and the fix, which the schema turns into one paragraph naming the 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from finetune.recipe.objectives import OBJECTIVES, claimed_formats, objective_of, spec_of
 
@@ -154,6 +155,20 @@ def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
                         "have no eval loss. Fix: set train.eval_every to train.save_every or a divisor of it.")
     if problems:
         raise ValueError("train.keep_best: " + " ".join(problems))
+
+
+def check_output_apart_from_data(recipe) -> None:  # a finetune.recipe.Recipe
+    """output.dir inside a dataset's folder (a folder of data files is read whole): the run's metrics.jsonl and
+    recipe.yaml would be read as rows by the next launch, and its files mixed into the user's data."""
+    out = Path(recipe.output.dir).expanduser().resolve()
+    for key, specs in (("data.datasets", recipe.data.datasets), ("data.eval_datasets", recipe.data.eval_datasets)):
+        for index, spec in enumerate(specs):
+            folder = Path(spec.path).expanduser()
+            if folder.is_dir() and out.is_relative_to(folder.resolve()):
+                raise ValueError(f"output.dir {recipe.output.dir} is inside {key}[{index}]'s folder {spec.path}, "
+                                 "which is read whole as data: the run's own files (metrics.jsonl, recipe.yaml) would "
+                                 "be read as rows by the next launch. Fix: choose an output.dir outside the data "
+                                 "folder.")
 
 
 def check_one_of_each(train) -> None:  # a finetune.recipe.TrainSection

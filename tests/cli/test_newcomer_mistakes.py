@@ -43,12 +43,18 @@ def test_a_checkpoint_of_another_run_never_writes_over_a_finished_one(tmp_path, 
     (finished / "adapter").mkdir(parents=True)
     adapter = finished / "adapter" / outputs.ADAPTER_WEIGHTS
     adapter.write_bytes(b"the user's adapter")
+    from finetune.recipe import load_recipe, recipe_to_yaml
+
+    (finished / "recipe.yaml").write_text(recipe_to_yaml(load_recipe(str(recipe), [f"output.dir={finished}"])))
     (other / "checkpoints" / "step-00000002").mkdir(parents=True)
     foreign = str(other / "checkpoints" / "step-00000002")
     problem = outputs.output_dir_problem(finished, overwrite=False, resume=foreign)
     assert "already holds a finished run" in problem and "another folder's checkpoint" in problem
     assert outputs.output_dir_problem(finished, overwrite=False, resume="auto") is None  # its own run: continued
-    assert outputs.output_dir_problem(finished, overwrite=False, resume=str(finished / "checkpoints" / "x")) is None
+    # An earlier checkpoint of its own, explicitly (the Fix of a too-short max_steps): the finished adapter and later
+    # checkpoints would go. Found by a bug bash of destructive writes: it replaced them without a word.
+    in_place = outputs.output_dir_problem(finished, overwrite=False, resume=str(finished / "checkpoints" / "x"))
+    assert "would continue it in place" in in_place and "another output.dir" in in_place, in_place
     assert outputs.output_dir_problem(finished, overwrite=True, resume=foreign) is None
     before = hashlib.sha256(adapter.read_bytes()).hexdigest()
     assert "Nothing was changed" in refused(capsys, "train", str(recipe), f"train.resume={foreign}")
