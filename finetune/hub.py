@@ -14,6 +14,9 @@ import sys
 from urllib.parse import urlparse
 
 _TRUE = ("1", "true", "yes", "on")
+# Set beside HF_HUB_OFFLINE when finetune set that itself (the hub did not answer), for this process and the ones it
+# starts: a message about a model missing from the cache must not report the user's setting that was never made.
+UNREACHABLE_MARK = "FINETUNE_HUB_UNREACHABLE"
 
 
 def offline_requested() -> bool:
@@ -40,6 +43,8 @@ def use_cache_only_if_unreachable() -> bool:
     """Put huggingface_hub and datasets in offline mode when the hub cannot be reached; True if offline."""
     if hub_reachable():
         return False
+    if not offline_requested():
+        os.environ[UNREACHABLE_MARK] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     from huggingface_hub import constants
@@ -49,3 +54,23 @@ def use_cache_only_if_unreachable() -> bool:
     if datasets_config is not None:
         datasets_config.HF_HUB_OFFLINE = True
     return True
+
+
+def offline_because_unreachable() -> bool:
+    """Offline because the hub did not answer (use_cache_only_if_unreachable set HF_HUB_OFFLINE), not by the user."""
+    return os.environ.get(UNREACHABLE_MARK) == "1" and offline_requested()
+
+
+def unreachable_and_not_cached(name: str, *, revision: str | None = None) -> bool:
+    """Hub id `name` cannot load because the hub did not answer and the local hub cache lacks its config.json."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return offline_because_unreachable() and not isinstance(
+        try_to_load_from_cache(name, "config.json", revision=revision), str)
+
+
+def unreachable_fix(name: str) -> str:
+    """The sentence for a hub id that is neither reachable nor cached, when the hub did not answer (no user setting)."""
+    return (f"the hub is not reachable from this machine (only the local cache was read), and the cache does not hold "
+            f"`{name}`. Fix: download it where the hub is reachable (`hf download {name} --local-dir DIR`), bring DIR "
+            "here and set model.name_or_path to DIR; or run where the hub is reachable.")

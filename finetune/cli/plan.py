@@ -16,7 +16,6 @@ from finetune.cli.library import library_dir, resolve_recipe_path
 from finetune.errors import FinetuneError
 from finetune.planner.facts import GB, GiB, model_config_for
 from finetune.planner.fit import decide, parse_count, parse_size
-from finetune.planner.memory import STRATEGIES
 
 
 def cli_plan(args: argparse.Namespace) -> int:
@@ -41,7 +40,7 @@ def cli_plan(args: argparse.Namespace) -> int:
     else:
         print(decision.table)
         print()
-        if asked := recipe_strategy_line(recipe, decision.estimates, gpus * nodes):
+        if asked := recipe_strategy_line(recipe, decision.estimates, gpus_per_node=gpus, nodes=nodes):
             print(asked)
             print("parallel.strategy: auto would choose: " + decision.summary)
         else:
@@ -59,7 +58,7 @@ def _asked_key(parallel) -> str | None:
     return None if parallel.strategy == "auto" else parallel.strategy
 
 
-def recipe_strategy_line(recipe, estimates, gpus: int) -> str | None:
+def recipe_strategy_line(recipe, estimates, *, gpus_per_node: int, nodes: int) -> str | None:
     """What the recipe's own parallel.strategy needs here (the summary speaks of the planner's choice for auto: a recipe
     asking for FSDP read "DDP on 2 GPU(s) fits")."""
     from finetune.planner.facts import gib
@@ -67,13 +66,30 @@ def recipe_strategy_line(recipe, estimates, gpus: int) -> str | None:
     key = _asked_key(recipe.parallel)
     if key is None:
         return None
+    asked = f"the recipe's parallel.strategy {recipe.parallel.strategy}"
+    as_run = ""
+    if key == "hsdp" and nodes == 1:  # what a run does with it (parallel/plan.py _hybrid_replicas): one shard group
+        key, as_run = "fsdp", " (hybrid shard on one node runs as FSDP full shard: replicas need several nodes)"
     found = next((e for e in estimates if e.strategy == key), None)
     if found is None:
-        return (f"the recipe's parallel.strategy {recipe.parallel.strategy}: not planned on {gpus} GPU(s) (it needs "
-                f"{'1' if key == 'single' else '2 or more'}; --gpus and --nodes say how many there are).")
+        where = f"{gpus_per_node} GPU(s)" if nodes == 1 else f"{nodes} nodes of {gpus_per_node} GPU(s)"
+        return f"{asked}: not planned on {where}: {_not_planned_reason(key, gpus_per_node, nodes)}."
     verdict = "fits" if found.fits else f"does not fit ({gib(-found.margin_bytes)} short)"
-    return (f"the recipe's parallel.strategy {recipe.parallel.strategy}: {found.label} on {found.world_size} GPU(s) "
-            f"{verdict}, {gib(found.peak_bytes)} per GPU.")
+    return f"{asked}: {found.label} on {found.world_size} GPU(s){as_run} {verdict}, {found.needs()}."
+
+
+def _not_planned_reason(key: str, gpus_per_node: int, nodes: int) -> str:
+    """Why the planner has no row for strategy `key` on these GPUs (estimates_for's rules)."""
+    if key == "layer_split":
+        if gpus_per_node < 2:
+            return (f"layer split spreads one process's layers over the GPUs of one machine, so it needs 2 or more GPUs "
+                    f"per node, and --gpus says {gpus_per_node} (--nodes does not add to them)")
+        return ("an MXFP4 checkpoint is never layer split: a layer split loads through transformers' from_pretrained, "
+                "which cannot turn MXFP4 into NF4")
+    if key == "hsdp":
+        return (f"hybrid shard replicates across nodes, so it needs 2 or more GPUs on each of 2 or more nodes "
+                f"(--gpus {gpus_per_node} --nodes {nodes})")
+    return "it needs 2 or more GPUs (--gpus and --nodes say how many there are)"
 
 
 # -------------------------------------------------------------------------------------------- library table
@@ -119,15 +135,22 @@ def library_table() -> str:
         cells = []
         for _, gpus, memory in LIBRARY_HARDWARE:
             d = decide(recipe, config, gpus_per_node=gpus, gpu_memory_bytes=memory)
-            chosen = next(e for e in d.estimates if STRATEGIES[e.strategy] in d.summary) if d.fits else None
-            ram = f", {chosen.cpu_bytes_per_node / GiB:.0f} GiB RAM" if chosen and chosen.strategy == "fsdp_offload" else ""
-            cells.append(f"{chosen.label}, {chosen.peak_bytes / GiB:.1f} GiB{ram}, mb<={d.max_micro_batch}" if chosen
-                         else "does not fit")
+            chosen = next(e for e in d.estimates if e.strategy == d.chosen) if d.fits else None
+            cells.append(_library_cell(chosen, d.max_micro_batch) if chosen else "does not fit")
         lines.append(f"| {label} | {recipe.model.name_or_path} | " + " | ".join(cells) + " |")
     shape = "micro-batch 1 x 2048 tokens, LoRA r=16 all-linear, gradient checkpointing"
-    lines.append(f"\nPeak per GPU at the recipe's shape ({shape} for the typical recipe), loading included; with CPU "
-                 "offload, the CPU RAM the machine needs; mb<=N: largest micro-batch that fits.")
+    lines.append(f"\nPeak per GPU at the recipe's shape ({shape} for the typical recipe): the larger of the training "
+                 "peak and the load peak (marked `to load` where loading needs more); with CPU offload, the CPU RAM the "
+                 "machine needs; mb<=N: largest micro-batch that fits.")
     return "\n".join(lines)
+
+
+def _library_cell(chosen, max_micro_batch: int) -> str:
+    """One cell of the library table: the strategy, what a GPU must hold (loading included), offload's RAM, mb<=N."""
+    loading = chosen.load_peak_bytes > chosen.peak_bytes
+    peak = f"{max(chosen.peak_bytes, chosen.load_peak_bytes) / GiB:.1f} GiB{' to load' if loading else ''}"
+    ram = f", {chosen.cpu_bytes_per_node / GiB:.0f} GiB RAM" if chosen.strategy == "fsdp_offload" else ""
+    return f"{chosen.label}, {peak}{ram}, mb<={max_micro_batch}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
     launcher = launcher_settings() if launcher is None else launcher
     problems: list[str] = []
     gpus = gpus or detect_gpus(dist)
-    decision = _planner_decision(recipe, dist, model_config, gpus) if gpus else None
+    decision, planner_notes = _planner_decision(recipe, dist, model_config, gpus) if gpus else (None, [])
     strategy = _choose_strategy(recipe, dist, launcher, problems, decision)
     p = recipe.parallel
     plan = ParallelPlan(
@@ -52,6 +52,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
         param_dtype=torch_dtype(recipe.model.dtype),
     )
+    plan.notes += planner_notes
     plan.replicas = _hybrid_replicas(recipe, dist, launcher, plan, problems)
     if decision is not None:
         _apply_decision(recipe, plan, decision, launcher, problems)
@@ -130,11 +131,19 @@ def _hybrid_replicas(recipe: Recipe, dist: DistInfo, launcher: dict, plan: Paral
     return dist.num_nodes
 
 
-def _planner_decision(recipe: Recipe, dist: DistInfo, model_config, gpus: tuple[int, int]):
+def _planner_decision(recipe: Recipe, dist: DistInfo, model_config, gpus: tuple[int, int]) -> tuple[object, list[str]]:
+    """(the memory planner's decision on these GPUs, []), or (None, a one-line note) when it cannot make an estimate:
+    the plan is advice (auto's choice, a fit warning), and a config it cannot read must never stop a run that trains."""
     from finetune.planner import decide
 
     per_node, memory = gpus
-    return decide(recipe, model_config, gpus_per_node=per_node, gpu_memory_bytes=memory, nodes=dist.num_nodes)
+    try:
+        return decide(recipe, model_config, gpus_per_node=per_node, gpu_memory_bytes=memory, nodes=dist.num_nodes), []
+    except Exception as exc:  # noqa: BLE001  (any failure of the estimate: a note, never the run's end)
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        note = (f"no memory plan: the planner could not estimate this model ({type(exc).__name__}: {reason}); "
+                "the strategy is chosen without it, and no fit check was made")
+        return None, [note]
 
 
 def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[str], decision=None) -> Strategy:
@@ -224,13 +233,24 @@ def _apply_decision(recipe: Recipe, plan: ParallelPlan, decision, launcher: dict
     chosen = by_key.get(key)
     if chosen is None or chosen.fits:
         return
-    text = (f"the memory planner estimates {chosen.label} needs {chosen.peak_bytes / 2**30:.1f} GiB per GPU, more than "
-            f"fits ({-chosen.margin_bytes / 2**30:.1f} GiB short). {decision.summary}")
+    text = (f"the memory planner estimates {chosen.label} needs {chosen.needs()}, more than fits "
+            f"({-chosen.margin_bytes / 2**30:.1f} GiB short). {decision.summary}")
     if recipe.parallel.strict:
-        problems.append(text + " Fix: pick the strategy it recommends, lower the batch or sequence length, or set "
+        problems.append(f"{text} Fix: pick the strategy it recommends, {_smaller_need(chosen)}, or set "
                         "parallel.strict: false to try anyway.")
     else:
         plan.notes.append("WARNING: " + text)
+
+
+def _smaller_need(chosen) -> str:
+    """What lowers the figure that does not fit: the load peak (a batch or a sequence length does not change it) or
+    the training peak."""
+    if chosen.load_peak_bytes <= chosen.peak_bytes:
+        return "lower the batch or sequence length"
+    if chosen.sharded_load:
+        return "use more GPUs (each loads a smaller shard)"
+    return ("load a shard per GPU instead of a full copy (parallel.strategy: fsdp with parallel.sharded_loading: true, "
+            "the default; lora.dora turns it off)")
 
 
 def report(plan: ParallelPlan) -> None:

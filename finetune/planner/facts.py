@@ -157,10 +157,22 @@ def facts_from_config(config, recipe, *, name: str = "", fsdp_version: int = 2, 
         with torch.device("meta"):
             model = from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     except Exception as exc:  # noqa: BLE001  (any architecture transformers cannot build: estimate, never crash)
-        facts = generic_facts(config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
-        facts.notes.append(f"generic estimate: the architecture could not be built ({type(exc).__name__}: {str(exc)[:120]})")
-        return facts
-    return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+        return _generic_instead(config, recipe, exc, "could not be built", name=name, fsdp_version=fsdp_version,
+                                lora_bytes=lora_bytes)
+    try:
+        return _facts_from_model(model, config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+    except FinetuneError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (a config whose numbers this reader does not know: estimate, never crash)
+        return _generic_instead(config, recipe, exc, "was built, but its facts could not be read", name=name,
+                                fsdp_version=fsdp_version, lora_bytes=lora_bytes)
+
+
+def _generic_instead(config, recipe, exc: Exception, why: str, **kwargs) -> ModelFacts:
+    """The generic estimate, with a note saying why the built model's own facts are not used."""
+    facts = generic_facts(config, recipe, **kwargs)
+    facts.notes.append(f"generic estimate: the architecture {why} ({type(exc).__name__}: {str(exc)[:120]})")
+    return facts
 
 
 def _split_experts(model, quantized: bool) -> tuple[int, int]:
@@ -222,8 +234,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
     attn_impl = attention_for(recipe, config)  # auto (a stored config skips load_config): what the run will pick
     facts = ModelFacts(
         name=name or getattr(config, "name_or_path", "") or "model", model_type=getattr(config, "model_type", "?"),
-        generic=False, num_layers=num_layers, hidden=text.hidden_size,
-        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size), vocab=text.vocab_size,
+        generic=False, num_layers=num_layers, hidden=text.hidden_size, intermediate=_intermediate_size(text),
+        vocab=text.vocab_size,
         heads=heads, kv_dim=kv_dim, dtype_bytes=dtype_bytes, tensors=tensors, quant_state_bytes=qstate,
         lora_inputs=lora_inputs, lora_rank=recipe.lora.r, unit_load_bytes=max(unit_load.values(), default=0),
         checkpoint_dtype_bytes=_stored_dtype_bytes(config),
@@ -255,11 +267,33 @@ def _notes(facts: ModelFacts, layers_path: str) -> list[str]:
 def _text_shape(config) -> tuple[object, int, int]:
     """(text config, attention heads, key/value width). A multimodal checkpoint (Gemma 3 12B/27B: the language model in
     `text_config`, a vision tower beside it) is counted whole, tensor by tensor; its text numbers (the activations, the
-    logits) come from its text config."""
+    logits) come from its text config. Layers that differ (`_layer_configs`): the widest layer's, an upper bound."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", 1)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text, heads, (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    shapes = []
+    for layer in _layer_configs(text):
+        heads = getattr(layer, "num_attention_heads", None) or 1
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+        shapes.append((heads, (getattr(layer, "num_key_value_heads", None) or heads) * head_dim))
+    return text, max(heads for heads, _ in shapes), max(kv_dim for _, kv_dim in shapes)
+
+
+def _layer_configs(text) -> list:
+    """The config of each decoder layer. A heterogeneous config (transformers' `per_layer_config`: Gemma 4's
+    full-attention layers have a head_dim of 512, its sliding ones 256) raises on reading such a per-layer attribute
+    from the global config; each layer's own config answers it. Any other config: itself, for every layer."""
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)
+    return [text]
+
+
+def _intermediate_size(text) -> int:
+    """The MLP's inner width, the largest layer's. Unset or None means the model's default, 4 x hidden: GPT-Neo's
+    config ships `intermediate_size: None` (GPTNeoBlock: `4 * hidden_size` then), GPT-2's family says `n_inner`."""
+    for key in ("intermediate_size", "n_inner"):
+        sizes = [size for layer in _layer_configs(text) if (size := getattr(layer, key, None))]
+        if sizes:
+            return max(sizes)
+    return 4 * text.hidden_size
 
 
 def _trainable_router_copies(model) -> list[Tensor]:
@@ -318,8 +352,7 @@ def _stored_dtype_bytes(config) -> int:
 
 def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2, lora_bytes: int = 4) -> ModelFacts:
     """A Llama-shaped estimate from the config's sizes (attention q/k/v/o, gated MLP, two norms per layer)."""
-    get = (lambda key, default=None: config.get(key, default)) if isinstance(config, dict) else \
-        (lambda key, default=None: getattr(config, key, default))
+    get = _config_getter(config)
     hidden = get("hidden_size") or get("n_embd") or get("d_model")
     layers = get("num_hidden_layers") or get("n_layer") or get("num_layers")
     vocab = get("vocab_size")
@@ -342,6 +375,21 @@ def generic_facts(config, recipe, *, name: str = "", fsdp_version: int = 2, lora
     facts = _facts_from_model(model, fake_config, recipe, name=name, fsdp_version=fsdp_version, lora_bytes=lora_bytes)
     facts.generic = True
     return facts
+
+
+def _config_getter(config):
+    """get(key, default) of a config (a dict or an object): a multimodal one's text config (its language model's sizes);
+    a number that differs per layer (`_layer_configs`), the largest layer's."""
+    if isinstance(config, dict):
+        text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        return lambda key, default=None: text.get(key, default)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def get(key, default=None):
+        values = [value for layer in _layer_configs(text) if (value := getattr(layer, key, None)) is not None]
+        return max(values) if values else default
+
+    return get
 
 
 def _generic_meta_model(shapes: dict, layers: int, vocab: int, hidden: int, tied: bool):
@@ -378,11 +426,11 @@ def _generic_meta_model(shapes: dict, layers: int, vocab: int, hidden: int, tied
 
 def model_config_for(recipe):
     """The model's config: stored architecture numbers first (offline), else the local folder or the hub."""
+    from finetune import hub
+    from finetune import model as model_stage
     from finetune.model.architectures import stored_config, stored_names
 
     name = recipe.model.name_or_path
-    from finetune import model as model_stage
-
     if not model_stage.is_local(name):
         stored = stored_config(name)
         if stored is not None:
@@ -390,4 +438,9 @@ def model_config_for(recipe):
     try:
         return model_stage.load_config(recipe)
     except FinetuneError as exc:
-        raise PlanError(f"{exc} The planner also has stored numbers for: {', '.join(stored_names())}.") from None
+        # A hub id missing from the cache while the hub did not answer: finetune itself read the cache only
+        # (finetune/hub.py), so the loader's "HF_HUB_OFFLINE is set" is not why.
+        unreachable = not model_stage.is_local(name) and not recipe.model.gguf_file and hub.unreachable_and_not_cached(
+            name, revision=recipe.model.revision)
+        problem = f"model.name_or_path `{name}`: cannot load the config: {hub.unreachable_fix(name)}" if unreachable else exc
+        raise PlanError(f"{problem} The planner also has stored numbers for: {', '.join(stored_names())}.") from None

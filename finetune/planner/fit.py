@@ -6,7 +6,15 @@ import re
 from dataclasses import dataclass, field
 
 from finetune.planner.facts import GB, GiB, ModelFacts, PlanError, facts_from_config, gib
-from finetune.planner.memory import SAFETY_MARGIN, Estimate, Hardware, StrategyName, estimate, estimates_for
+from finetune.planner.memory import (
+    CUDA_CONTEXT_BYTES,
+    SAFETY_MARGIN,
+    Estimate,
+    Hardware,
+    StrategyName,
+    estimate,
+    estimates_for,
+)
 
 
 def format_table(estimates: list[Estimate], hw: Hardware) -> str:
@@ -46,6 +54,7 @@ class Decision:
     max_micro_batch: int = 0
     estimates: list[Estimate] = field(default_factory=list)
     generic: bool = False
+    chosen: str = ""  # the STRATEGIES key of the estimate chosen (or the closest when nothing fits)
 
 
 _PREFERENCE = ["ddp", "fsdp", "fsdp_offload", "layer_split"]  # the issue's order: DDP, else FSDP, else offload
@@ -97,7 +106,7 @@ def decide(recipe, model_config, *, gpus_per_node: int, gpu_memory_bytes: int, n
     decision = Decision(strategy=strategy, cpu_offload=chosen.strategy == "fsdp_offload",
                         reshard_after_forward=chosen.strategy != "fsdp_grad_op", fits=chosen.fits,
                         table=format_table(estimates, hw), summary="", max_micro_batch=max_batch, estimates=estimates,
-                        generic=facts.generic)
+                        generic=facts.generic, chosen=chosen.strategy)
     decision.summary = _summary(facts, recipe, chosen, max_batch, hw)
     return decision
 
@@ -106,21 +115,65 @@ def _summary(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Ha
     name = f"{facts.name} ({facts.model_type}{', GENERIC ESTIMATE: architecture not built' if facts.generic else ''})"
     shape = f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens"
     if chosen.fits:
-        text = (f"{name}: {chosen.label} on {chosen.world_size} GPU(s) fits, {gib(chosen.peak_bytes)} of "
-                f"{gib(hw.gpu_memory_bytes)} per GPU and {gib(chosen.cpu_bytes_per_node)} of CPU RAM per node at "
+        text = (f"{name}: {chosen.label} on {chosen.world_size} GPU(s) fits, {chosen.needs(f' of {gib(hw.gpu_memory_bytes)}')}"
+                f" and {gib(chosen.cpu_bytes_per_node)} of CPU RAM per node at "
                 f"{shape}; largest micro-batch that fits: {max_batch}.")
+    elif chosen.margin_bytes >= 0:  # the GPUs would hold it; the node's CPU RAM (--cpu-memory) does not
+        text = (f"{name}: nothing fits on {hw.total_gpus} x {gib(hw.gpu_memory_bytes)} at {shape}; closest is "
+                f"{chosen.label}, which fits the GPUs ({chosen.needs()}) but needs {gib(chosen.cpu_bytes_per_node)} of "
+                f"CPU RAM per node. Fix: a machine with more CPU RAM, or more GPUs.")
     else:
         text = (f"{name}: nothing fits on {hw.total_gpus} x {gib(hw.gpu_memory_bytes)} at {shape}; closest is "
-                f"{chosen.label} at {gib(chosen.peak_bytes)} per GPU ({gib(-chosen.margin_bytes)} short).")
-        if max_batch == 0:
-            text += " Fix: lower data.max_length or train.micro_batch_size, turn on train.gradient_checkpointing, or add GPUs."
+                f"{chosen.label} at {chosen.needs()}, {gib(-chosen.margin_bytes)} short."
+                + _fix_advice(facts, recipe, chosen, max_batch, hw))
     if chosen.reads is not None:
         reads = chosen.reads
         how = "its own shard" if reads.own_shard else "the whole checkpoint"
         how += {"checkpoint": " of the 4-bit checkpoint", "cache": " of the 4-bit cache entry"}.get(facts.stored_4bit, "")
         text += (f" Loading: each rank reads {how} ({gib(reads.rank_bytes)}), a node {gib(reads.node_bytes)}: "
                  f"~{reads.seconds:.0f} s at {hw.read_bytes_per_s / GB:g} GB/s.")
-    return text + "".join(f" Note: {n}." for n in chosen.notes + facts.notes)
+    said = chosen.load_peak_bytes > chosen.peak_bytes  # the load peak, with why, is in the text (Estimate.needs)
+    notes = [n for n in chosen.notes if not (said and n.startswith("loading needs"))] + facts.notes
+    return text + "".join(f" Note: {n}." for n in notes)
+
+
+def _fix_advice(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw: Hardware) -> str:
+    """What would make the closest strategy fit, only what can help: no shorter sequences when the base or its
+    loading is what does not fit, no checkpointing when it is on; the largest micro-batch when a smaller one fits."""
+    usable = int(hw.gpu_memory_bytes * (1 - SAFETY_MARGIN))
+    base = chosen.parts["base"] + chosen.parts["quant_state"] + CUDA_CONTEXT_BYTES
+    if base > usable:
+        return (f" The 4-bit base, its quant state and the CUDA context alone take {gib(base)} per GPU, so a shorter "
+                f"data.max_length or a smaller micro-batch cannot help. Fix: {_more_memory(facts, recipe, hw)}.")
+    if chosen.load_peak_bytes > usable:
+        loading = ("Loading is the limit" if chosen.load_peak_bytes > chosen.peak_bytes  # (said above, with why)
+                   else f"Loading alone needs {gib(chosen.load_peak_bytes)} per GPU ({chosen.load_how})")
+        return (f" {loading}, so a shorter data.max_length or a smaller micro-batch cannot help. Fix: "
+                f"{_more_memory(facts, recipe, hw)}.")
+    if max_batch:
+        return (f" Fix: lower train.micro_batch_size to {max_batch}, the largest that fits (raise "
+                "train.gradient_accumulation_steps to keep the batch size).")
+    fixes = ["lower data.max_length" + (" (micro-batch 1 does not fit either)" if recipe.train.micro_batch_size > 1 else "")]
+    if recipe.parallel.activation_checkpointing is False:
+        fixes.append("turn on parallel.activation_checkpointing")
+    elif recipe.parallel.activation_checkpointing is None and not recipe.train.gradient_checkpointing:
+        fixes.append("turn on train.gradient_checkpointing")
+    fixes.append("add GPUs (FSDP shards the base over them)")
+    return " Fix: " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."
+
+
+def _more_memory(facts: ModelFacts, recipe, hw: Hardware) -> str:
+    """The routes to more GPU memory for the base: more GPUs, or on one GPU FSDP + CPU offload over one process (which
+    parallel.strategy: auto takes only when asked: the base lives in CPU RAM and every step reads it over PCIe)."""
+    more = "add GPUs (FSDP shards the base over them and loads a shard per GPU; `finetune plan --gpus N` says how many)"
+    if hw.total_gpus > 1:
+        return more
+    offload = estimate(facts, recipe, "fsdp_offload", hw)
+    if not offload.fits:
+        return f"{more}; FSDP + CPU offload over this one GPU does not fit either ({offload.needs()})"
+    return (f"{more}, or on this one GPU FSDP + CPU offload, which fits ({offload.needs()}, "
+            f"{gib(offload.cpu_bytes_per_node)} of CPU RAM): set parallel.cpu_offload: true and start it with "
+            "`torchrun --standalone --nproc_per_node 1 finetune/run.py RECIPE.yaml`")
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

@@ -169,6 +169,7 @@ class Estimate:
     fits: bool = False
     margin_bytes: int = 0
     load_peak_bytes: int = 0
+    sharded_load: bool = False  # a rank loads its shard + one unit at a time, not a full copy of the base
     peak_moment: str = ""  # when in the step the peak is reached (`_step_terms`)
     gradient_bytes: int = 0  # of lora_grads_adamw: the gradients alive at the peak and DDP's buckets
     reads: CheckpointReads | None = None  # checkpoint bytes read at load per rank and per node, and the time
@@ -177,6 +178,19 @@ class Estimate:
     @property
     def peak_bytes(self) -> int:
         return sum(self.parts.values())
+
+    @property
+    def load_how(self) -> str:
+        return ("its shard + one layer being quantized + the quant state" if self.sharded_load
+                else "each rank quantizes a full copy of the base on its GPU")
+
+    def needs(self, of: str = "") -> str:
+        """What a GPU must hold, said whole: the training peak, or the load peak (named, with why) when it is larger;
+        `of`: words after the figure ("of 22.4 GiB")."""
+        if self.load_peak_bytes > self.peak_bytes:
+            return (f"{gib(self.load_peak_bytes)}{of} per GPU to load ({self.load_how}; the training peak is "
+                    f"{gib(self.peak_bytes)})")
+        return f"{gib(self.peak_bytes)}{of} per GPU"
 
 
 def _step_terms(facts: ModelFacts, recipe, *, micro_batch: int, checkpointing: bool, lora_path: str,
@@ -373,10 +387,9 @@ def _verdict(result: Estimate, recipe, hw: Hardware, *, sharded: bool) -> None:
     result.fits = result.margin_bytes >= 0
     if note := preference_note(recipe):
         result.notes.append(note)
+    result.sharded_load = sharded
     if result.load_peak_bytes > result.peak_bytes:
-        how = ("its shard + one layer being quantized + the quant state" if sharded
-               else "each rank quantizes a full copy of the base on its GPU")
-        result.notes.append(f"loading needs {gib(result.load_peak_bytes)} per GPU ({how})")
+        result.notes.append(f"loading needs {gib(result.load_peak_bytes)} per GPU ({result.load_how})")
     if hw.cpu_memory_bytes and result.cpu_bytes_per_node > hw.cpu_memory_bytes:
         result.fits = False
         result.notes.append(f"needs {gib(result.cpu_bytes_per_node)} CPU RAM per node, {gib(hw.cpu_memory_bytes)} available")
