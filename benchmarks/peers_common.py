@@ -43,7 +43,8 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report", random_
 
         hidden, layers = random_size or (128, 4)
         heads = {"num_attention_heads": max(1, hidden // 128), "num_key_value_heads": max(1, hidden // 512)} if random_size else {}
-        path = build_tiny_model(root / ("random" if random_size else "tiny"), hidden_size=hidden, num_layers=layers, **heads)
+        path = build_tiny_model(root / ("random" if random_size else "tiny"), hidden_size=hidden, num_layers=layers,
+                                force=True, **heads)  # --keep DIR reused: rebuilt whole
         model = {"name_or_path": str(path), "dtype": DTYPE}
     recipe = {
         "model": model,

@@ -158,12 +158,12 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
                                 f"config shrunk to {LAYERS} layers of hidden size {HIDDEN}, the sizes its other "
                                 "fields are shrunk to agree with. Fix: drop --layers/--hidden-size, or use --family "
                                 "(which takes them).")
-        print(f"tiny {args.arch} model + tokenizer written to {build_tiny_arch(args.arch, args.out)}")
+        print(f"tiny {args.arch} model + tokenizer written to {build_tiny_arch(args.arch, args.out, force=args.force)}")
         return 0
     from finetune.cli.tiny import build_tiny_model
 
     path = build_tiny_model(args.out, family=args.family, hidden_size=args.hidden_size or 64,
-                            num_layers=args.layers or 2)
+                            num_layers=args.layers or 2, force=args.force)
     print(f"tiny {args.family} model + tokenizer written to {path}")
     return 0
 
@@ -288,6 +288,7 @@ def _add_output_verbs(verbs) -> None:
                    "size 64 (--layers and --hidden-size apply to --family only)")
     p.add_argument("--hidden-size", type=positive_int, default=None, help="--family only (default 64)")
     p.add_argument("--layers", type=positive_int, default=None, help="--family only (default 2)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists (everything in it is removed)")
     p.set_defaults(func=cmd_tiny_model)
 
 

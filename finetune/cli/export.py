@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from finetune.outputs.export import check_out_free, export_adapter, export_merged, open_source
+from finetune.cli.library import destination_problem
+from finetune.outputs.export import ExportError, check_out_free, export_adapter, export_merged, open_source
 from finetune.outputs.publish import push_to_hub
 
 
@@ -14,6 +15,8 @@ def cli_export(args: argparse.Namespace) -> int:
     """`finetune export SOURCE OUT [--step N] [--merge] [--base B] [--push-to-hub REPO]`."""
     out = Path(args.out).expanduser()
     check_out_free(out)
+    if problem := destination_problem(out):  # before the work: the system's error came after it, as a traceback
+        raise ExportError(f"finetune export: {problem}; nothing was written. Fix: choose another output folder.")
     base = getattr(args, "base", None)
     with open_source(args.source, step=getattr(args, "step", None)) as source:
         if args.merge:

@@ -2,7 +2,8 @@
 
     finetune recipes                      one line per recipe: name, model, accelerate config, purpose
     finetune recipes show NAME            the recipe file as it is (comments included)
-    finetune recipes copy NAME DEST       copy it to DEST (a file or a folder) to edit; never overwrites
+    finetune recipes copy NAME DEST       copy it to DEST (a file, a folder, or `DIR/`: a new folder) to edit; never
+                                          overwrites
 
 Each recipe's first comment line names the accelerate config it expects (`# accelerate config: ...`), and its
 `description` key is the one-line purpose.
@@ -11,7 +12,8 @@ Where the files are: the repository keeps them at the top (recipes/, accelerate_
 package data inside the package (finetune/recipes/, finetune/accelerate_configs/, mapped in pyproject.toml), found
 through importlib.resources. A checkout (editable install, or PYTHONPATH) has no such folders inside the package, so
 the lookup falls back to the checkout's top-level folders. Recipe and config names resolve here, below the CLI and
-the stages, so any module may turn `quickstart` or `fsdp2` into a file.
+the stages, so any module may turn `quickstart` or `fsdp2` into a file. `destination_problem` is the check of a new
+file or folder's path that the verbs writing one share (recipes copy, quantize, tiny-model, quickstart, export).
 """
 
 from __future__ import annotations
@@ -151,18 +153,41 @@ def list_recipes() -> str:
     return "\n".join(lines)
 
 
+def destination_problem(path: Path) -> str | None:
+    """Why a new file or folder cannot be made at `path` (None when it can): a symbolic link there to nothing, a file
+    where a folder above it should be, a folder above it this user cannot write in. What already exists at `path` is
+    each verb's to judge (refused, or replaced when asked). The reasons are the one-paragraph errors of the verbs;
+    the system's own (FileExistsError, NotADirectoryError) were tracebacks."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    parent = path.absolute().parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is {'a link to nothing' if parent.is_symlink() else 'a file'}, not a folder, so {path} " \
+               "cannot be made under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by this user, so {path} cannot be made in it"
+    return None
+
+
 def copy_recipe(name: str | None, dest: str | None) -> Path:
-    """Copy a library recipe to `dest` (a file path, or an existing folder); refuse to overwrite anything."""
+    """Copy a library recipe to `dest` (a file path, an existing folder, or `DIR/`: a folder made for it); refuse to
+    overwrite anything."""
     source = _require(name)
     if not dest:
         raise LibraryError(f"copy needs a destination: `finetune recipes copy {source.stem} my-recipe.yaml`.")
     target = Path(dest).expanduser()
-    if target.is_dir():
-        target = target / source.name
-    if target.exists():
+    if target.is_dir() or (dest.endswith(("/", os.sep)) and not os.path.lexists(target)):
+        target = target / source.name  # `nd/`: a folder, as the slash says (not a file named nd)
+    if os.path.lexists(target):  # a link to nothing too: open(..., "x") would fail on it with a traceback
+        link = f" (a symbolic link to {os.readlink(target)})" if target.is_symlink() else ""
         raise LibraryError(
-            f"{target} already exists; nothing was overwritten. Choose another destination or remove it."
+            f"{target} already exists{link}; nothing was overwritten. Choose another destination or remove it."
         )
+    if problem := destination_problem(target):
+        raise LibraryError(f"recipes copy: {problem}; nothing was written. Fix: choose another destination.")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "x") as handle:  # "x": fails instead of overwriting a file created meanwhile
         handle.write(_copied(source, target))

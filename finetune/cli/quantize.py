@@ -8,6 +8,7 @@ with an index), or `--cache` straight into the quantized cache that recipes with
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -26,9 +27,8 @@ def cli_quantize(args: argparse.Namespace) -> int:
     if (out is None) == (not args.cache):
         raise FinetuneError("finetune quantize: give either OUT (a folder to write) or --cache (the quantized cache "
                             "that recipes with model.quantized_cache: auto read), not both and not neither.")
-    if out is not None and out.exists() and not args.force:
-        raise FinetuneError(f"finetune quantize: {out} already exists and is not replaced. Fix: choose another OUT, or "
-                            "add --force to replace it (the new folder takes its place in one rename).")
+    if out is not None:
+        _check_out(out, Path(recipe.model.name_or_path), force=args.force)
     if recipe.quantization.method == "none":
         raise FinetuneError("finetune quantize: quantization.method is none in the recipe: nothing to quantize. Fix: "
                             "set quantization.method: nf4 (or fp4).")
@@ -58,6 +58,33 @@ def cli_quantize(args: argparse.Namespace) -> int:
           f"double quant {str(recipe.quantization.double_quant).lower()}, storage "
           f"{recipe.quantization.quant_storage or recipe.model.dtype}) in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _check_out(out: Path, base: Path, *, force: bool) -> None:
+    """Every reason not to write OUT, before a byte of the base is read: OUT is the base, holds it or is inside it
+    (--force replaced the base with its own 4-bit copy); OUT exists (without --force), is a file or a link (--force
+    replaces folders only: a file was moved aside, a link replaced and its target kept), or is the current folder;
+    a folder above OUT is a file or not writable."""
+    from finetune.cli.library import destination_problem
+    from finetune.model.quantization.writer import overlap_problem
+
+    if base.expanduser().exists() and (problem := overlap_problem(base, out)):
+        raise FinetuneError(f"finetune quantize: {problem}")
+    if not os.path.lexists(out):
+        if problem := destination_problem(out):
+            raise FinetuneError(f"finetune quantize: {problem}; nothing was written. Fix: choose another OUT.")
+        return
+    if not force:
+        raise FinetuneError(f"finetune quantize: {out} already exists and is not replaced. Fix: choose another OUT, or "
+                            "add --force to replace it (the new folder takes its place in one rename).")
+    if out.is_symlink() or not out.is_dir():
+        what = f"a symbolic link (to {os.readlink(out)})" if out.is_symlink() else "a file"
+        raise FinetuneError(f"finetune quantize: {out} is {what}; --force replaces a folder, never a file or a link. "
+                            "Nothing was written. Fix: choose another OUT (or give the folder itself, not a link).")
+    if Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise FinetuneError(f"finetune quantize: {out} is the current folder or holds it; replacing it would remove "
+                            "the folder this command runs in. Nothing was written. Fix: choose another OUT, or run "
+                            "from outside it.")
 
 
 def _recipe(args: argparse.Namespace):

@@ -16,15 +16,20 @@ GRPO on held-out prompts.
 
 `--tiny` swaps in a tiny random model (finetune.cli.tiny) for a seconds-long smoke run of the same path (the tests use it;
 it shows no learning).
+
+`--out` is new, empty, or an earlier quickstart's (it holds the quickstart's data file); anything else (another run, a
+user's files) is refused before a file is written, and so is a folder whose run the run itself would refuse (a finished
+run without output.overwrite=true).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
-from finetune.errors import FinetuneError
+from finetune.errors import CheckpointError, FinetuneError
 
 TASK = "ledger_stamp"
 TRAIN_ROWS = 400
@@ -63,10 +68,41 @@ def prepare(out: Path, *, tiny: bool) -> list[str]:
         from finetune.cli.tiny import build_tiny_model
 
         model_dir = out / "tiny-model"
-        if not (model_dir / "config.json").exists():
-            build_tiny_model(model_dir, family="llama")
+        if not (model_dir / "config.json").exists():  # a build cut short is replaced: the quickstart's own folder
+            build_tiny_model(model_dir, family="llama", force=True)
         overrides += [f"model.name_or_path={model_dir}", *TINY_OVERRIDES]
     return overrides
+
+
+# A quickstart's own folder holds one of these (--dpo and --grpo: sft/ holds the SFT run, data/ their pairs or prompts).
+OWN_DATA = (f"data/{TASK}.jsonl", f"data/{TASK}_pairs.jsonl", f"data/{TASK}_prompts.jsonl", f"sft/data/{TASK}.jsonl")
+
+
+def check_out(out: Path, run_dirs: list[Path], overrides: list[str]) -> None:
+    """Refuse `--out` before anything is written there: a file or a path that cannot be made, a folder that holds
+    anything but an earlier quickstart (another run, a user's files: the quickstart writes data/, tiny-model/ and a
+    run there), or a run folder the run would refuse (its guard, asked with the user's overrides: its "Nothing was
+    changed" then holds; data/ and tiny-model/ were written before it ran)."""
+    from finetune.cli.library import destination_problem
+    from finetune.outputs import output_dir_problem
+    from finetune.recipe import announcements_muted, load_recipe
+
+    if not os.path.lexists(out):
+        if problem := destination_problem(out):
+            raise FinetuneError(f"quickstart --out: {problem}; nothing was written. Fix: choose another --out folder.")
+    elif not out.is_dir():
+        raise FinetuneError(f"quickstart --out {out}: not a folder; nothing was written. Fix: choose a new --out folder.")
+    elif (entries := sorted(path.name for path in out.iterdir())) and not any((out / n).is_file() for n in OWN_DATA):
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        raise FinetuneError(f"quickstart --out {out}: the folder holds {shown}, which no quickstart wrote (it writes "
+                            "its data, model and run there). Nothing was written. Fix: choose a new or empty --out "
+                            "folder.")
+    asked = [o for o in overrides if o.startswith(("output.overwrite=", "train.resume="))]  # what the guard reads
+    with announcements_muted():  # the run says them
+        recipe = load_recipe(quickstart_recipe(), asked)
+    for run_dir in run_dirs:
+        if problem := output_dir_problem(run_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume):
+            raise CheckpointError(problem)
 
 
 SFT_STEPS = 10
@@ -167,17 +203,19 @@ def cli_quickstart(args: argparse.Namespace) -> int:
             args.out = override.split("=", 1)[1]
             out = Path(args.out)
     args.overrides = [o for o in args.overrides or [] if not o.startswith("output.dir=")]
+    two_runs = getattr(args, "grpo", False) or getattr(args, "dpo", False)
+    if two_runs and args.out == "runs/quickstart":
+        out = Path("runs/quickstart-grpo" if getattr(args, "grpo", False) else "runs/quickstart-dpo")
+    check_out(out, [out / "sft", out] if two_runs else [out], list(args.overrides))
     if getattr(args, "grpo", False):
         from finetune.cli.quickstart_grpo import run_grpo_quickstart
 
-        out = out if args.out != "runs/quickstart" else Path("runs/quickstart-grpo")
         sft_steps = [] if args.tiny else [f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]
         return run_grpo_quickstart(out, recipe=quickstart_recipe(), sft_overrides=prepare(out / "sft", tiny=args.tiny)
                                    + sft_steps, sft_rows=64 if args.tiny else TRAIN_ROWS,
                                    sft_steps=4 if args.tiny else SFT_STEPS, tiny=args.tiny,
                                    extra=list(args.overrides or []))
     if getattr(args, "dpo", False):
-        out = out if args.out != "runs/quickstart" else Path("runs/quickstart-dpo")
         sft_out = out / "sft"
         sft_steps = [] if args.tiny else [f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]
         extra = list(args.overrides or [])

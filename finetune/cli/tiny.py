@@ -3,12 +3,18 @@
 No download: the tokenizer is a byte-level BPE trained in a second on a small built-in corpus, with ChatML
 special tokens and a ChatML chat template; the model is random-init from a config of a real architecture
 family (llama, qwen2, mistral, gemma, qwen3; mixtral, qwen3_moe, gpt_oss and llama4_text with experts), saved with `save_pretrained` so it
-loads like any hub model.
+loads like any hub model. The folder must be new or empty: one that holds anything (a real model at a mistyped path)
+is replaced only with `force` (`finetune tiny-model OUT --force`), whole, never written into.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
+
+from finetune.errors import FinetuneError
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,11 +70,55 @@ _FAMILY_KWARGS = {
 }
 
 
+def model_folder_problem(out_dir: Path, *, force: bool) -> str | None:
+    """Why a tiny model may not be saved at `out_dir` (None when it may): a file or a link there, a folder that holds
+    anything (without `force`; with it, one this command runs in), or a path that cannot be made."""
+    from finetune.cli.library import destination_problem
+
+    verb = "finetune tiny-model"
+    if not os.path.lexists(out_dir):
+        problem = destination_problem(out_dir)
+        return f"{verb}: {problem}; nothing was written. Fix: choose another folder." if problem else None
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        what = f"a symbolic link (to {os.readlink(out_dir)})" if out_dir.is_symlink() else "a file"
+        return (f"{verb}: {out_dir} is {what}, not a folder; nothing was written. Fix: choose a new folder for the "
+                "model (it writes config.json, the weights and the tokenizer files there).")
+    entries = sorted(path.name for path in out_dir.iterdir())
+    if entries and not force:
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        return (f"{verb}: {out_dir} already exists and holds {shown}; nothing was written (a random-init model would "
+                "overwrite its config.json and weights). Fix: choose a new folder, or add --force to replace this "
+                "one (everything in it is removed).")
+    if entries and Path.cwd().resolve().is_relative_to(out_dir.resolve()):
+        return (f"{verb}: {out_dir} is the current folder or holds it; --force would remove the folder this command "
+                "runs in. Nothing was written. Fix: choose another folder, or run from outside it.")
+    return None
+
+
+@contextlib.contextmanager
+def model_folder(out_dir: str | Path, *, force: bool = False) -> Iterator[Path]:
+    """The folder to save a tiny model into: `out_dir` itself when new or empty; with `force`, a temporary folder that
+    then replaces a non-empty `out_dir` whole (no mix of an old sharded model's files with the new ones).
+    FinetuneError (before anything is built) when model_folder_problem says so."""
+    from finetune.files import atomic_dir
+
+    out_dir = Path(out_dir)
+    if problem := model_folder_problem(out_dir, force=force):
+        raise FinetuneError(problem)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        with atomic_dir(out_dir, replace=True) as tmp:
+            yield tmp
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        yield out_dir
+
+
 def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
                      tie_word_embeddings: bool = False, max_shard_size: str | None = None,
                      intermediate_size: int | None = None, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                     llama4: dict | None = None):
-    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir`; return the path.
+                     llama4: dict | None = None, force: bool = False):
+    """Save a random-init causal LM of `family` plus the tokenizer into `out_dir` (new or empty; `force`: replaced);
+    return the path.
 
     `max_shard_size` (e.g. "100KB") writes a sharded checkpoint with an index file, as large models ship.
     `intermediate_size` (default 2 x hidden) and the head counts give odd shapes (FSDP2 chunk boundaries inside a
@@ -79,6 +129,8 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
     if family not in _FAMILY_KWARGS:
         raise ValueError(f"family must be one of {sorted(_FAMILY_KWARGS)}, got {family!r}")
     out_dir = Path(out_dir)
+    if problem := model_folder_problem(out_dir, force=force):  # before the seconds of building
+        raise FinetuneError(problem)
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model(
         family,
@@ -97,10 +149,10 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         **({"moe_intermediate_size": hidden_size * 2} if family == "qwen3_moe" else {}),
         **({"intermediate_size_mlp": hidden_size * 2, **(llama4 or {})} if family == "llama4_text" else {}),
     )
-    return _save(config, tokenizer, Path(out_dir), seed=seed, max_shard_size=max_shard_size)
+    return _save(config, tokenizer, out_dir, seed=seed, max_shard_size=max_shard_size, force=force)
 
 
-def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | None = None) -> Path:
+def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | None = None, force: bool) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -110,9 +162,9 @@ def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | 
     if getattr(config, "vision_config", None) is not None:
         from transformers import AutoModelForImageTextToText as AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    tokenizer.save_pretrained(out_dir)
+    with model_folder(out_dir, force=force) as folder:
+        model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        tokenizer.save_pretrained(folder)
     return out_dir
 
 
@@ -201,8 +253,10 @@ def _tiny_multimodal(fields: dict, *, vocab_size: int, **sizes):
 
 
 def build_tiny_model_like(name_or_path: str, out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2,
-                          seed: int = 0) -> Path:
+                          seed: int = 0, force: bool = False) -> Path:
     """Save a random-init, scaled-down model of `name_or_path`'s stored architecture plus the tiny tokenizer."""
+    if problem := model_folder_problem(Path(out_dir), force=force):
+        raise FinetuneError(problem)
     tokenizer = build_tokenizer()
     config = tiny_config_like(name_or_path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, hidden_size=hidden_size, num_layers=num_layers)
@@ -210,4 +264,4 @@ def build_tiny_model_like(name_or_path: str, out_dir: str | Path, *, hidden_size
         from finetune.model.architectures import stored_names
 
         raise ValueError(f"no stored architecture for {name_or_path!r}; stored: {', '.join(stored_names())}")
-    return _save(config, tokenizer, Path(out_dir), seed=seed)
+    return _save(config, tokenizer, Path(out_dir), seed=seed, force=force)

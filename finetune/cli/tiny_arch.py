@@ -186,20 +186,25 @@ def tiny_config(model_type: str, *, vocab_size: int, eos_token_id: int, pad_toke
     return CONFIG_MAPPING[model_type](**fields)
 
 
-def build_tiny_arch(model_type: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Save a random-init tiny `model_type` (in `dtype`, as hub checkpoints ship) plus the tiny tokenizer."""
+def build_tiny_arch(model_type: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16",
+                    force: bool = False) -> Path:
+    """Save a random-init tiny `model_type` (in `dtype`, as hub checkpoints ship) plus the tiny tokenizer into
+    `out_dir` (new or empty; `force`: replaced, finetune/cli/tiny.py model_folder)."""
     import torch
 
-    from finetune.cli.tiny import build_tokenizer
+    from finetune.cli.tiny import build_tokenizer, model_folder, model_folder_problem
+    from finetune.errors import FinetuneError
 
+    out_dir = Path(out_dir)
+    if problem := model_folder_problem(out_dir, force=force):  # before the seconds of building
+        raise FinetuneError(problem)
     tokenizer = build_tokenizer()
     config = tiny_config(model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = multimodal_class(config).from_config(config, dtype=getattr(torch, dtype))
     _hash_routes(model)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with model_folder(out_dir, force=force) as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     return out_dir

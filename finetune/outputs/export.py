@@ -260,9 +260,14 @@ def check_adapter_fits(tensors: dict[str, torch.Tensor], config, source: Source,
 
 
 def check_out_free(out: Path) -> None:
-    if out.exists():
+    """ExportError unless `out` is free: nothing there, not even a symbolic link to nothing (exists() is False for one,
+    and the final rename onto it failed with a traceback after all the work)."""
+    import os
+
+    if os.path.lexists(out):
+        link = f" (a symbolic link to {os.readlink(out)})" if out.is_symlink() else ""
         raise ExportError(
-            f"{out}: already exists; nothing was overwritten. Fix: choose a new output folder or remove it."
+            f"{out}: already exists{link}; nothing was overwritten. Fix: choose a new output folder or remove it."
         )
 
 

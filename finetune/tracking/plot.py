@@ -8,10 +8,15 @@ At the end of a run, run.py calls `plot_run(out_dir)`, which writes `<out_dir>/p
 finished run: on any plotting problem it prints one warning line, and without matplotlib (an optional extra:
 `pip install 'finetune[plot]'`) one line per process. matplotlib draws with its headless Agg canvas (no display on
 training machines).
+
+A plot is regenerated output, but `--out` may name a user's own image: `finetune plot` replaces a run's plot.png
+(the default) and any image it wrote itself (PNG, PDF, SVG, EPS and PS carry CREATOR in their metadata), and says so;
+any other existing file is refused (nothing overwritten), as the other writing verbs refuse an existing destination.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +25,8 @@ from finetune.tracking.metrics_file import read_records
 
 INSTALL_PLOT = "pip install 'finetune[plot]'"
 _said_missing = False  # the missing-matplotlib warning is said once per process (quickstart --dpo runs twice)
+CREATOR = "finetune plot"  # the image's Creator metadata: an image finetune wrote, which `finetune plot` may replace
+_MARKED = ("png", "pdf", "svg", "eps", "ps")  # the formats whose metadata matplotlib writes (and it is searchable)
 
 
 def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -88,8 +95,44 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     figure.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
+    marked = out.suffix.lower().lstrip(".") in _MARKED
+    figure.savefig(out, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
     return out
+
+
+def written_by_finetune(path: Path) -> bool:
+    """The image's metadata names CREATOR: written by `finetune plot` or a run's plot.png (the metadata sits near the
+    start of a PNG, SVG or EPS and at the end of a PDF: those parts are read, not the whole file)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(1 << 16)
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - (1 << 16)))
+            tail = handle.read()
+    except OSError:
+        return False
+    return CREATOR.encode() in head or CREATOR.encode() in tail
+
+
+def check_plot_out(out: Path, *, run_plot: bool) -> bool:
+    """FinetuneError unless `out` may be written; True when it replaces an image there. `run_plot`: the default
+    `<run>/plot.png`, the run's own file, always replaced. Before: a folder named x.png or a path under a file were
+    tracebacks, and any existing file was overwritten without a word."""
+    if not os.path.lexists(out):
+        parent = out.absolute().parent
+        while not os.path.lexists(parent) and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise FinetuneError(f"--out {out}: {parent} is a file, not a folder, so the image cannot be written "
+                                "under it. Nothing was written. Fix: choose another --out path.")
+        return False
+    if out.is_dir() or not out.exists():
+        what = "a folder" if out.is_dir() else f"a symbolic link to {os.readlink(out)}, which does not exist"
+        raise FinetuneError(f"--out {out}: is {what}, not an image file. Nothing was written. Fix: choose another "
+                            "--out path, e.g. --out loss.png.")
+    if run_plot or written_by_finetune(out):
+        return True
+    raise FinetuneError(f"--out {out}: already exists and is not an image finetune wrote (its metadata does not name "
+                        f"{CREATOR!r}); nothing was overwritten. Fix: choose another --out path, or remove it first.")
 
 
 def plot_run(out_dir: str | Path) -> Path | None:
@@ -111,7 +154,7 @@ def plot_run(out_dir: str | Path) -> Path | None:
 def cli_plot(args) -> int:
     """`finetune plot RUN_DIR [RUN_DIR ...] [--out PNG]`."""
     runs = list(args.runs)
-    out = args.out or (Path(runs[0]) / "plot.png" if len(runs) == 1 else Path("compare.png"))
+    out = Path(args.out or (Path(runs[0]) / "plot.png" if len(runs) == 1 else "compare.png")).expanduser()
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -120,9 +163,10 @@ def cli_plot(args) -> int:
     if Path(out).suffix.lower().lstrip(".") not in formats:
         raise FinetuneError(f"--out {out}: not an image file name matplotlib writes. Fix: end it with one of "
                             f"{', '.join('.' + name for name in sorted(formats))}, e.g. --out loss.png.")
+    replaces = check_plot_out(out, run_plot=not args.out and len(runs) == 1)
     try:
         path = plot_runs(runs, out)
     except ImportError:
         raise FinetuneError(f"`finetune plot` needs matplotlib, which is optional. Fix: {INSTALL_PLOT}.") from None
-    print(f"plot written to {path}")
+    print(f"plot written to {path}" + (" (it replaces the plot written there before)" if replaces else ""))
     return 0

@@ -14,6 +14,7 @@ checkpoint: `Trackers(..., resumed_step=N)`. MLflow (mlflow_store.py) in detail:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -44,17 +45,37 @@ def numeric_metrics(record: dict) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- backends
+EVENTS = "events.out.tfevents.*"
+
+
+def event_suffix(out_dir: Path) -> str:
+    """The end of the name of every event file a run writes (SummaryWriter's filename_suffix): `.ft-` and a short hash
+    of its resolved output.dir. In a shared train.tensorboard_dir it tells a run's own files from other runs'."""
+    return ".ft-" + hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:8]
+
+
 def tensorboard_log_dir(recipe: Recipe, out_dir: Path, run_name: str) -> Path:
     """output.dir/tensorboard, or train.tensorboard_dir/<run name>: a folder shared by runs shows each as its own
-    TensorBoard run (the run name as one folder name: `/` becomes `_`)."""
+    TensorBoard run (the run name as one folder name: `/` becomes `_`).
+
+    The default run name is output.dir's last name, which unrelated runs share (`final`, `v2`): when that folder
+    already holds another run's event files, this run takes `<name>-<hash of output.dir>` instead (and keeps it:
+    a resume finds it). A train.run_name the user set is used as it is."""
     if not recipe.train.tensorboard_dir:
         return out_dir / "tensorboard"
     name = run_name.replace("/", "_").replace("\\", "_")
-    return Path(recipe.train.tensorboard_dir) / (name if name.strip(".") else "run")
+    named = Path(recipe.train.tensorboard_dir) / (name if name.strip(".") else "run")
+    if recipe.train.run_name:
+        return named
+    suffix = event_suffix(out_dir)
+    own = named.with_name(f"{named.name}-{suffix.removeprefix('.ft-')}")
+    if own.is_dir() or any(not path.name.endswith(suffix) for path in named.glob(EVENTS)):
+        return own
+    return named
 
 
-def cut_event_files(log_dir: Path, last_step: int) -> None:
-    """Drop the events after `last_step` from the event files in `log_dir` (each rewritten only if it has any).
+def cut_event_files(paths: list[Path], last_step: int) -> None:
+    """Drop the events after `last_step` from the event files `paths` (each rewritten only if it has any).
 
     SummaryWriter's purge_step alone is not enough: only TensorBoard's legacy reader honours it; its data server and
     readers of single files (tbparse, scripts) would show the killed run's steps beside the retrained ones."""
@@ -62,7 +83,7 @@ def cut_event_files(log_dir: Path, last_step: int) -> None:
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+    for path in sorted(paths):
         records = list(RawEventFileLoader(str(path)).Load())
         kept = [raw for raw in records if Event.FromString(raw).step <= last_step]
         if len(kept) == len(records):
@@ -79,22 +100,32 @@ def cut_event_files(log_dir: Path, last_step: int) -> None:
 class TensorBoardTracker:
     """Scalars in TensorBoard event files under `log_dir` (torch's SummaryWriter, needs the `tensorboard` package).
 
-    A fresh start (`resumed_step` 0) removes the event files of an earlier run in `log_dir` (output.overwrite, or
-    the same run name in a shared train.tensorboard_dir); a resume cuts them to `resumed_step` (the steps a run
-    killed after its newest checkpoint logged are trained again) and writes on with SummaryWriter's purge_step, so
-    each step shows once."""
+    The run's own event files are those of its earlier starts: every one in output.dir/tensorboard (the run folder's),
+    and in a folder `shared` by runs (train.tensorboard_dir) those whose names end in `suffix` (event_suffix of its
+    output.dir). A fresh start (`resumed_step` 0) removes them (output.overwrite); a resume cuts them to
+    `resumed_step` (the steps a run killed after its newest checkpoint logged are trained again) and writes on with
+    SummaryWriter's purge_step, so each step shows once. Another run's files are never touched (a note says they
+    are there): the default run name, output.dir's last name, once made a run delete an unrelated run's history."""
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path, run_name: str, recipe_yaml: str, *, resumed_step: int = 0):
+    def __init__(self, log_dir: Path, run_name: str, recipe_yaml: str, *, resumed_step: int = 0, suffix: str = "",
+                 shared: bool = False):
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
 
+        found = list(log_dir.glob(EVENTS if shared else f"**/{EVENTS}"))
+        own = [path for path in found if not shared or path.name.endswith(suffix)]
         if not resumed_step:
-            for old in log_dir.glob("**/events.out.tfevents.*"):
+            for old in own:
                 old.unlink()
         else:
-            cut_event_files(log_dir, resumed_step)
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resumed_step + 1 if resumed_step else None)
+            cut_event_files([path for path in own if path.parent == log_dir], resumed_step)
+        if others := len(found) - len(own):
+            print(f"[finetune] note: {log_dir} also holds {others} event file(s) of another run, kept; TensorBoard "
+                  f"shows them as one run with this one's. Fix: set train.run_name to a name of this run's own.",
+                  flush=True)
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resumed_step + 1 if resumed_step else None,
+                                    filename_suffix=suffix)
         first = resumed_step + 1 if resumed_step else 0  # the recipe of this launch, from its first step
         self.writer.add_text("recipe", "```yaml\n" + recipe_yaml + "\n```", first)
         self.writer.add_text("run_name", run_name, first)
@@ -232,7 +263,8 @@ class Trackers:
         step = self.resumed_step
         if name == "tensorboard":
             return TensorBoardTracker(tensorboard_log_dir(recipe, self.out_dir, self.run_name), self.run_name,
-                                      recipe_to_yaml(recipe), resumed_step=step)
+                                      recipe_to_yaml(recipe), resumed_step=step, suffix=event_suffix(self.out_dir),
+                                      shared=bool(recipe.train.tensorboard_dir))
         if name == "mlflow":
             self.mlflow_uri = mlflow_uri(recipe, self.out_dir)
             return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name, flatten(config),

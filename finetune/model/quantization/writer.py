@@ -86,6 +86,32 @@ def _dequantized_tensors(name: str, value: torch.Tensor, settings: dict, *, dtyp
     return {name: bnb.functional.dequantize_4bit(param.data, param.quant_state).to(dtype).detach().cpu()}
 
 
+def overlap_problem(base: Path, out: Path) -> str | None:
+    """Why `out` may not be written for `base` (None when it may): it is the base folder itself, a folder holding it
+    (replacing it would delete the base), or a folder inside it. Symbolic links are followed on both sides."""
+    base_real, out_real = Path(base).expanduser().resolve(), Path(out).expanduser().resolve()
+    if out_real == base_real:
+        where = "is the base folder itself" + (f" ({out_real})" if Path(out).is_symlink() else "")
+    elif base_real.is_relative_to(out_real):
+        where = f"holds the base ({base_real}): replacing it would delete the base"
+    elif out_real.is_relative_to(base_real):
+        where = "is inside the base folder: the 4-bit files would be mixed into the base model's"
+    else:
+        return None
+    return (f"{out} {where}. The bf16 base is what the 4-bit folder is made from (and what a merge reads back, through "
+            f"{QUANTIZED_FROM}). Nothing was read or written. Fix: choose OUT outside {base}, e.g. "
+            f"{base_real.parent / (base_real.name + '-nf4')}.")
+
+
+def _check_base(base: Path, out: Path) -> None:
+    """ModelLoadError when `out` overlaps `base` (overlap_problem) or `base` is already 4-bit: before a byte is read."""
+    if problem := overlap_problem(base, out):
+        raise ModelLoadError(problem)
+    if stored_quantization(base) is not None:
+        raise ModelLoadError(f"{base}: already a 4-bit checkpoint (quantization_config in config.json); it is used as "
+                             "it is. Fix: point at the bf16 base to quantize it.")
+
+
 def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, device: torch.device,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, replace: bool = False,
                     finish: Callable[[Path], None] | None = None, progress: Callable[[str], None] | None = None,
@@ -101,9 +127,7 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
     from finetune.files import atomic_dir
 
     base, out = Path(base), Path(out)
-    if stored_quantization(base) is not None:
-        raise ModelLoadError(f"{base}: already a 4-bit checkpoint (quantization_config in config.json); it is used as "
-                             "it is. Fix: point at the bf16 base to quantize it.")
+    _check_base(base, out)
     index, names, settings = model_tensors(base, AutoConfig.from_pretrained(base), bnb_config, dtype)
     reader = TensorReader(index)
     weight_map, shard, shard_bytes, total, files = {}, {}, 0, 0, []
