@@ -12,9 +12,13 @@ def push_to_hub(out: Path, repo: str) -> str:
     """Upload the exported folder to a hub repo; ExportError (the export itself stays) when that is not possible."""
     import os
 
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+    from finetune.hub import offline_because_unreachable
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        why = ("the hub is not reachable from this machine" if offline_because_unreachable() else
+               "HF_HUB_OFFLINE is set")
         raise ExportError(
-            f"--push-to-hub {repo}: HF_HUB_OFFLINE is set, so nothing was uploaded. The export in {out} is "
+            f"--push-to-hub {repo}: {why}, so nothing was uploaded. The export in {out} is "
             f"complete; upload it later where the hub is reachable: `hf upload {repo} {out}`."
         )
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")

@@ -72,7 +72,8 @@ class ModelSection(_Section):
         "auto", description="auto: sdpa where the model class supports it, else eager (said in one line when the model "
         "config is read; gpt-oss has no sdpa). flash_attention_2 needs the flash-attn package and a CUDA device.")
     adapter: str | None = Field(None, description="A PEFT adapter folder (e.g. runs/sft/adapter) to start LoRA from instead of a fresh init: its "
-                                "own r, alpha and target modules are used. With train.objective: dpo it is also the reference.")
+                                "LoRA layout (r, alpha, rslora, dora, bias, targets, trained routers) is used; lora keys set to other values are "
+                                "refused (lora.dropout is the recipe's). With train.objective: dpo it is also the reference.")
     chat_template: str | None = Field(None, description="Chat rows' template instead of the tokenizer's (a base model "
                                       "has none): a name (finetune/templates/SOURCES.md), a .jinja file, or its text.")
     quantized_cache: Literal["auto", "off"] = Field(
@@ -229,7 +230,8 @@ class TrainSection(_Section):
     )
     run_name: str | None = Field(None, description="Run name shown by the trackers; default: the name of output.dir.")
     tensorboard_dir: str | None = Field(None, description="TensorBoard log folder, shared by runs: each logs into "
-                                        "<tensorboard_dir>/<run_name>; default: output.dir/tensorboard.")
+                                        "<tensorboard_dir>/<run_name> (a default run name another run already uses there: <run_name>-<hash of "
+                                        "output.dir>); default: output.dir/tensorboard.")
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI (sqlite:///..., http://server, file:...); default: $MLFLOW_TRACKING_URI, "
         "else a SQLite store in output.dir/mlflow.db."

@@ -166,3 +166,20 @@ def test_an_unreachable_hub_is_not_reported_as_the_users_hf_hub_offline(tmp_path
     monkeypatch.delenv("FINETUNE_HUB_UNREACHABLE")
     assert cli_main(["plan", str(recipe), "--gpus", "2", "--gpu-memory", "24GB"]) == 2
     assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err
+
+
+def test_a_run_and_a_push_on_an_unreachable_hub_do_not_blame_the_users_hf_hub_offline(monkeypatch, tmp_path):
+    """The same for a run's model load (model/sources/hub.py load_error) and `export --push-to-hub`, which named
+    "HF_HUB_OFFLINE is set" where finetune had set it itself after the hub did not answer."""
+    from finetune.model.sources.hub import load_error
+    from finetune.outputs.export import ExportError
+    from finetune.outputs.publish import push_to_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("FINETUNE_HUB_UNREACHABLE", "1")
+    said = str(load_error("config", "someorg/NotCached-7B", OSError("not in the cache")))
+    assert "HF_HUB_OFFLINE is set" not in said and "the hub is not reachable" in said, said
+    with pytest.raises(ExportError, match="the hub is not reachable from this machine, so nothing was uploaded"):
+        push_to_hub(tmp_path, "me/repo")
+    monkeypatch.delenv("FINETUNE_HUB_UNREACHABLE")  # the user's own setting is named as such
+    assert "HF_HUB_OFFLINE is set" in str(load_error("config", "someorg/NotCached-7B", OSError("not in the cache")))

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
+from finetune.hub import offline_because_unreachable, unreachable_fix
 from finetune.recipe import Recipe
 
 FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".pt", ".pth", ".yaml", ".yml", ".txt", ".model")
@@ -47,6 +48,8 @@ def load_error(what: str, name: str, exc: Exception) -> ModelLoadError:
     local = is_local(name) or looks_local(name)
     if local:
         fix = f"check that {name} is a saved transformers folder (config.json, weights, tokenizer files)."
+    elif offline_because_unreachable():  # finetune went offline itself: the user set nothing
+        return ModelLoadError(f"model.name_or_path `{name}`: cannot load the {what}: {unreachable_fix(name)}")
     else:
         fix = (
             "this looks like a hub id and it is neither in the local cache nor fetchable now (offline, gated or "
