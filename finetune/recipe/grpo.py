@@ -313,6 +313,14 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
     if problems:
         raise ValueError("train.objective grpo: " + " ".join(problems))
 
+def vllm_problems(recipe) -> list[str]:
+    """`_check_vllm`'s problems alone: asked again once model.adapter has filled the lora layout (a DoRA or bias
+    adapter with those keys left at their defaults passed the check at load)."""
+    problems: list[str] = []
+    _check_vllm(recipe, problems)
+    return problems
+
+
 def _check_vllm(recipe, problems: list[str]) -> None:
     """grpo.generation vllm: an adapter vLLM can serve, and a vLLM to start (unless a server is given by URL); the
     vllm_ keys without it."""

@@ -271,3 +271,18 @@ def test_an_empty_target_list_is_refused_by_the_schema(targets, said):
     with pytest.raises(RecipeError, match=f"lora.target_modules: .*{said}"):
         validate_recipe({"model": {"name_or_path": "unused"}, "lora": {"target_modules": targets},
                          "data": {"datasets": [{"path": "unused.jsonl"}]}})
+
+
+def test_a_grpo_vllm_run_from_an_adapter_vllm_cannot_serve_is_refused(bias_adapters, tiny_qwen2):
+    """Found by the fixer of the adapter start: grpo.generation vllm's check (no DoRA, bias or trained routers: vLLM
+    serves none) read the recipe's lora keys before model.adapter filled them, so a bias adapter with lora.bias left at
+    its default passed it and would have been served without its biases."""
+    folder, _ = bias_adapters["all"]
+    raw = _recipe(tiny_qwen2, folder, "nf4").model_dump(mode="json", exclude_defaults=True)
+    raw["data"]["datasets"][0]["format"] = "prompt"
+    raw["train"] = {"objective": "grpo", "micro_batch_size": 2}
+    raw["grpo"] = {"generation": "vllm", "vllm_server_base_url": "http://127.0.0.1:9", "num_generations": 2,
+                   "max_completion_length": 16, "reward_functions": ["finetune.rewards:exact_match"]}
+    recipe = validate_recipe(raw)
+    with pytest.raises(RecipeError, match=r"lora.bias none -> all\) is one vLLM cannot serve .*lora.bias: vLLM loads"):
+        model_stage.load_config(recipe)

@@ -84,7 +84,11 @@ def resolve_adapter_layout(recipe: Recipe, folder: Path) -> None:
             changed.append(f"lora.{key} {_shown(getattr(lora, key))} -> {_shown(saved[key])}")
             setattr(lora, key, saved[key])
     from finetune.recipe import announcing
+    from finetune.recipe.grpo import vllm_problems
 
+    if changed and recipe.train.objective == "grpo" and (problems := vllm_problems(recipe)):
+        raise RecipeError(f"model.adapter ({folder}): its LoRA layout ({', '.join(changed)}) is one vLLM cannot "
+                          f"serve with grpo.generation: vllm: {' '.join(problems)}")
     if changed and announcing():  # `finetune train`'s pre-flight is muted: the launched rank 0 says it, once
         from finetune.distributed import print0
 
