@@ -241,7 +241,8 @@ def _facts_from_model(model, config, recipe, *, name: str, fsdp_version: int, lo
         checkpoint_dtype_bytes=_stored_dtype_bytes(config),
         eager_attention=attn_impl == "eager" or (bool(getattr(text, "attn_logit_softcapping", None)) and attn_impl != "flash_attention_2"),
         extra_norms=2 if getattr(text, "model_type", "") in ("gemma2", "gemma3", "gemma3_text") else 0,
-        experts=experts, experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0,
+        experts=experts, experts_per_token=(getattr(text, "num_experts_per_tok", None)  # Gemma 4: top_k_experts
+                                            or getattr(text, "top_k_experts", None) or 0) if experts else 0,
         expert_intermediate=expert_intermediate, fsdp_version=fsdp_version,
         stored_4bit=_stored_4bit(config, recipe) if quantized else "", stored_quant_state_bytes=stored_qstate,
         mxfp4=bool(mxfp4),

@@ -54,6 +54,11 @@ def test_per_layer_head_dims_and_a_none_intermediate_size_read_as_the_model_buil
     assert not gemma4.generic and gemma4.kv_dim == 4 * 512 and gemma4.heads == 8
     neo = planner.facts_from_config(CONFIG_MAPPING["gpt_neo"](), recipe)
     assert not neo.generic and neo.intermediate == 4 * neo.hidden == 8192
+    moe = planner.facts_from_config(CONFIG_MAPPING["gemma4_text"](  # Gemma 4's MoE says top_k_experts
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, hidden_size=64,
+        num_hidden_layers=2, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=512), recipe)
+    assert moe.experts == 4 and moe.experts_per_token == 2, (moe.experts, moe.experts_per_token)
 
 
 @pytest.mark.slow
