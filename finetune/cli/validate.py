@@ -20,6 +20,7 @@ from finetune.errors import DataError, FinetuneError
 from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
 from finetune.recipe import load_recipe
+from finetune.recipe.checks import output_in_data_problem
 
 
 def validate(recipe_path: str, overrides: list[str], *, num_processes: int | None = None,
@@ -70,7 +71,7 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         lines.append("  data: " + line)
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
-    problem = problem or _unwritable(Path(recipe.output.dir))
+    problem = problem or _unwritable(Path(recipe.output.dir)) or output_in_data_problem(recipe)
     if problem:
         raise FinetuneError(problem)
     lines.append(f"  output: {recipe.output.dir} is usable")

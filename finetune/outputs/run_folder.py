@@ -27,6 +27,7 @@ from finetune.errors import CheckpointError
 from finetune.files import _write_text_atomic, on_main
 from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
+from finetune.recipe.checks import output_in_data_problem
 
 LOCK_FILE = ".finetune.lock"
 
@@ -189,8 +190,9 @@ def _not_a_run_folder(out_dir: Path, *, clearing: bool) -> str | None:
 
 
 def _written_by_a_run(out_dir: Path) -> bool:
-    """recipe.yaml is the resolved recipe a run wrote here: every section dumped, output.dir naming this folder
-    (absolute; before a4f6ddb as the recipe gave it, relative: its last parts)."""
+    """recipe.yaml is a resolved recipe a run wrote: every section dumped, output.overwrite included, which a recipe a
+    user writes rarely spells out. Where output.dir named it is not asked: a run folder copied or moved (another mount
+    of the same disk) is still a run's."""
     import yaml
 
     try:
@@ -198,14 +200,8 @@ def _written_by_a_run(out_dir: Path) -> bool:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     output = saved.get("output") if isinstance(saved, dict) else None
-    if not (isinstance(output, dict) and "overwrite" in output and isinstance(output.get("dir"), str)
-            and {"model", "lora", "data", "train"} <= saved.keys()):
-        return False
-    named, here = Path(output["dir"]).expanduser(), out_dir.resolve()
-    if named.is_absolute():
-        return named.resolve() == here
-    parts = [part for part in named.parts if part != "."]
-    return bool(parts) and list(here.parts[-len(parts):]) == parts
+    return (isinstance(output, dict) and {"dir", "overwrite"} <= output.keys()
+            and {"model", "quantization", "lora", "data", "train"} <= saved.keys())
 
 
 def _resumes_elsewhere(out_dir: Path, resume: str | None) -> bool:
@@ -275,7 +271,8 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
     out_dir = Path(recipe.output.dir)
 
     def decide() -> tuple[str | None, bool]:
-        problem = output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume)
+        problem = (output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume)
+                   or output_in_data_problem(recipe))
         if problem:
             raise CheckpointError(problem)
         source = resume_source(recipe)

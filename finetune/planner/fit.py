@@ -152,7 +152,7 @@ def _fix_advice(facts: ModelFacts, recipe, chosen: Estimate, max_batch: int, hw:
                 f"{_more_memory(facts, recipe, hw)}.")
     if max_batch:
         return (f" Fix: lower train.micro_batch_size to {max_batch}, the largest that fits (raise "
-                "train.gradient_accumulation_steps to keep the batch size).")
+                "train.grad_accum to keep the batch size).")
     fixes = ["lower data.max_length" + (" (micro-batch 1 does not fit either)" if recipe.train.micro_batch_size > 1 else "")]
     if recipe.parallel.activation_checkpointing is False:
         fixes.append("turn on parallel.activation_checkpointing")

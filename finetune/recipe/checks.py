@@ -157,18 +157,19 @@ def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
         raise ValueError("train.keep_best: " + " ".join(problems))
 
 
-def check_output_apart_from_data(recipe) -> None:  # a finetune.recipe.Recipe
+def output_in_data_problem(recipe) -> str | None:  # a finetune.recipe.Recipe
     """output.dir inside a dataset's folder (a folder of data files is read whole): the run's metrics.jsonl and
-    recipe.yaml would be read as rows by the next launch, and its files mixed into the user's data."""
+    recipe.yaml would be read as rows by the next launch, and its files mixed into the user's data. Asked of a run
+    about to write (and by validate), not of a recipe read back from a run folder: runs already there stay readable."""
     out = Path(recipe.output.dir).expanduser().resolve()
     for key, specs in (("data.datasets", recipe.data.datasets), ("data.eval_datasets", recipe.data.eval_datasets)):
         for index, spec in enumerate(specs):
             folder = Path(spec.path).expanduser()
             if folder.is_dir() and out.is_relative_to(folder.resolve()):
-                raise ValueError(f"output.dir {recipe.output.dir} is inside {key}[{index}]'s folder {spec.path}, "
-                                 "which is read whole as data: the run's own files (metrics.jsonl, recipe.yaml) would "
-                                 "be read as rows by the next launch. Fix: choose an output.dir outside the data "
-                                 "folder.")
+                return (f"output.dir {recipe.output.dir} is inside {key}[{index}]'s folder {spec.path}, which is read "
+                        "whole as data: the run's own files (metrics.jsonl, recipe.yaml) would be read as rows by the "
+                        "next launch. Nothing was changed. Fix: choose an output.dir outside the data folder.")
+    return None
 
 
 def check_one_of_each(train) -> None:  # a finetune.recipe.TrainSection

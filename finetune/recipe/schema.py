@@ -38,7 +38,6 @@ from finetune.recipe.checks import (
     check_keep_best,
     check_objective,
     check_one_of_each,
-    check_output_apart_from_data,
     check_streaming,
     clamped_warmup,
     steps_for_epochs,
@@ -332,7 +331,6 @@ class _RecipeCore(_Section):
         check_objective(self)
         check_streaming(self)
         check_keep_best(self)
-        check_output_apart_from_data(self)
         if self.train.num_epochs is None:  # with num_epochs, once the run knows its steps (resolve_num_epochs)
             self._fit_warmup()
         return self

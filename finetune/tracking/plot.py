@@ -129,10 +129,11 @@ def check_plot_out(out: Path, *, run_plot: bool) -> bool:
         what = "a folder" if out.is_dir() else f"a symbolic link to {os.readlink(out)}, which does not exist"
         raise FinetuneError(f"--out {out}: is {what}, not an image file. Nothing was written. Fix: choose another "
                             "--out path, e.g. --out loss.png.")
-    if run_plot or written_by_finetune(out):
-        return True
-    raise FinetuneError(f"--out {out}: already exists and is not an image finetune wrote (its metadata does not name "
-                        f"{CREATOR!r}); nothing was overwritten. Fix: choose another --out path, or remove it first.")
+    if run_plot or written_by_finetune(out) or out.suffix.lower().lstrip(".") not in _MARKED:
+        return True  # (a format that carries no mark, JPEG or WebP: replaced, and said, as finetune cannot tell)
+    raise FinetuneError(f"--out {out}: already exists and its metadata does not name {CREATOR!r} (another program's "
+                        "image, or one a finetune before 2026-12-06 wrote); nothing was overwritten. Fix: choose "
+                        "another --out path, or remove it first.")
 
 
 def plot_run(out_dir: str | Path) -> Path | None:

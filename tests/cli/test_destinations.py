@@ -190,13 +190,16 @@ def test_plot_replaces_only_images_it_wrote_and_says_so(tmp_path, capsys, monkey
     assert main(["plot", str(run), "--out", "adir.png"]) == 2
     refused(capsys, "--out adir.png: is a folder")
     assert main(["plot", str(run), "--out", "mine.png"]) == 2
-    refused(capsys, "--out mine.png: already exists and is not an image finetune wrote", "nothing was overwritten")
+    refused(capsys, "--out mine.png: already exists and its metadata does not name", "nothing was overwritten")
     assert main(["plot", str(run), str(run), "--out", "mine.png/x.png"]) == 2
     refused(capsys, "is a file, not a folder")
     assert tree(tmp_path) == before
     for said in ("", " (it replaces the plot written there before)"):
         assert main(["plot", str(run), str(run), "--out", "ours.svg"]) == 0
         assert capsys.readouterr().out.strip() == f"plot written to ours.svg{said}"
+    for said in ("", " (it replaces the plot written there before)"):  # JPEG carries no mark: replaced, and said
+        assert main(["plot", str(run), "--out", "loss.jpg"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.strip() == f"plot written to loss.jpg{said}"
     (run / "plot.png").write_bytes(b"an older finetune's plot")  # a run's own plot.png is always regenerated
     assert main(["plot", str(run)]) == 0
     assert "replaces" in capsys.readouterr().out and (run / "plot.png").read_bytes()[:4] == b"\x89PNG"

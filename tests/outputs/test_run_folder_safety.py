@@ -8,6 +8,7 @@ at once, not at the first checkpoint; a symlinked checkpoints/ no longer keeps a
 from __future__ import annotations
 
 import hashlib
+import shutil
 
 import pytest
 from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
@@ -70,6 +71,8 @@ def test_a_run_folder_of_a_run_that_stopped_early_starts_again(recipe, tmp_path)
     (run / "recipe.yaml").write_text(older)  # before a4f6ddb: output.dir as the recipe gave it, relative
     assert f"dir: {run.parent.name}/proj" in older
     assert outputs.output_dir_problem(run, overwrite=False, resume=None) is None
+    moved = shutil.copytree(run, tmp_path / "moved")  # copied or moved (another mount): still a run's folder
+    assert outputs.output_dir_problem(moved, overwrite=True, resume=None) is None
 
 
 @pytest.mark.parametrize("name", ["checkpoints", "adapter"])
@@ -106,3 +109,4 @@ def test_an_output_dir_inside_a_data_folder_is_refused(tiny_llama, tmp_path, cap
     said = " ".join(capsys.readouterr().err.split())
     assert "output.dir" in said and "is inside data.datasets[0]'s folder" in said, said
     assert sorted(p.name for p in data.iterdir()) == ["part-0.jsonl"]
+    assert load_recipe(str(recipe)).output.dir  # a run already there is still read back (export --step, generate)
