@@ -108,6 +108,7 @@ def test_a_hub_model_missing_offline_does_not_advise_the_setting_already_made(mo
     from finetune.model.sources.hub import load_error
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("FINETUNE_HUB_UNREACHABLE", raising=False)  # (set by an earlier test's unreachable hub)
     said = str(load_error("config", "meta-llama/Llama-3.1-8B", OSError("not cached")))
     assert "hf download meta-llama/Llama-3.1-8B --local-dir DIR" in said and "or set HF_HUB_OFFLINE=1" in said
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

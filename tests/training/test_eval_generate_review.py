@@ -149,3 +149,28 @@ def test_generation_stops_at_the_chat_templates_end_of_turn_where_the_model_list
     assert sorted(ends) == ["<|endoftext|>", "<|im_end|>"], ends
     tokenizer.chat_template = None  # no template: the configured ends alone
     assert tokenizer.convert_ids_to_tokens(eos_token_ids(model, tokenizer)) == ["<|endoftext|>"]
+
+
+def test_the_greedy_loop_of_fsdp1_and_zero3_takes_several_end_tokens_as_transformers_does(tiny_qwen2):
+    """Found by the session's CI rehearsal: the eval now passes every end token the model lists (a list), and the
+    greedy loop FSDP1 and ZeRO-3 generate through (parallel/engines/base.py GreedyThroughRoot) took one int: every
+    FSDP1 / ZeRO-3 run with a generation eval died in it ("full_like(): argument 'fill_value' must be Number, not
+    list"). Its answers equal transformers' greedy generate with the same end tokens, one or several."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.parallel.engines.base import GreedyThroughRoot
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    prompts = torch.tensor([[0, 5, 6, 7], [9, 10, 11, 12]])  # the first left-padded
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad():
+        free = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    ends = [int(free[0, 5]), int(free[1, 6])]  # tokens the greedy answers do produce: both rows stop early
+    for eos in (ends, ends[0]):
+        with torch.no_grad():
+            expected = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=0)
+        ours = GreedyThroughRoot(model).generate(prompts, mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(ours[:, : expected.shape[1]], expected), (eos, ours, expected)
+        assert (ours[:, expected.shape[1]:] == 0).all()  # after every row ended: padding only

@@ -138,16 +138,22 @@ class GreedyThroughRoot(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None, **_ignored) -> torch.Tensor:
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 **_ignored) -> torch.Tensor:
+        """`eos_token_id`: one end token or several (transformers' generate takes both: the eval passes every end
+        token the model lists)."""
+        ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []),
+                            dtype=input_ids.dtype, device=input_ids.device)
+        fill = pad_token_id if pad_token_id is not None else int(ends[0]) if len(ends) else 0
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
             logits = self.root(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                use_cache=False).logits
-            token = logits[:, -1].argmax(-1)
-            if eos_token_id is not None:
-                token = torch.where(finished, torch.full_like(token, pad_token_id or eos_token_id), token)
-                finished |= token == eos_token_id
+            token = torch.where(finished, torch.full_like(finished, fill, dtype=input_ids.dtype),
+                                logits[:, -1].argmax(-1))
+            ending = torch.isin(token, ends) & ~finished  # its end token is attended; what follows it is not
+            finished |= ending
             input_ids = torch.cat([input_ids, token[:, None]], dim=1)
-            attention_mask = torch.cat([attention_mask, (~finished | (token == eos_token_id))[:, None].long()], dim=1)
+            attention_mask = torch.cat([attention_mask, (~finished | ending)[:, None].long()], dim=1)
         return input_ids
