@@ -20,6 +20,26 @@ from finetune.errors import CheckpointError, FinetuneError
 
 
 # ------------------------------------------------------------------------------------------------ file helpers
+def destination_problem(path: Path) -> str | None:
+    """Why a new file or folder cannot be made at `path` (None when it can): a symbolic link there to nothing, a file
+    where a folder above it should be, a folder above it this user cannot write in. What already exists at `path` is
+    each verb's to judge (refused, or replaced when asked). The reasons are the one-paragraph errors of the verbs;
+    the system's own (FileExistsError, NotADirectoryError) were tracebacks. Shared by the verbs that write one (recipes
+    copy, quantize, tiny-model, quickstart, export, plot)."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    parent = path.absolute().parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is {'a link to nothing' if parent.is_symlink() else 'a file'}, not a folder, so {path} " \
+               "cannot be made under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by this user, so {path} cannot be made in it"
+    return None
+
+
 @contextlib.contextmanager
 def exclusive_lock(lock_path: Path) -> Iterator[None]:
     """Hold an OS lock (flock) on `lock_path`: of several processes building the same cache entry (the ranks of a

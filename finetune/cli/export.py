@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from finetune.cli.library import destination_problem
+from finetune.files import destination_problem
 from finetune.outputs.export import ExportError, check_out_free, export_adapter, export_merged, open_source
 from finetune.outputs.publish import push_to_hub
 

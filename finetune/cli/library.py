@@ -12,8 +12,7 @@ Where the files are: the repository keeps them at the top (recipes/, accelerate_
 package data inside the package (finetune/recipes/, finetune/accelerate_configs/, mapped in pyproject.toml), found
 through importlib.resources. A checkout (editable install, or PYTHONPATH) has no such folders inside the package, so
 the lookup falls back to the checkout's top-level folders. Recipe and config names resolve here, below the CLI and
-the stages, so any module may turn `quickstart` or `fsdp2` into a file. `destination_problem` is the check of a new
-file or folder's path that the verbs writing one share (recipes copy, quantize, tiny-model, quickstart, export).
+the stages, so any module may turn `quickstart` or `fsdp2` into a file.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.files import destination_problem
 
 _ACCELERATE_CONFIG = re.compile(r"accelerate_configs/[\w.\-]+\.ya?ml")
 
@@ -151,25 +151,6 @@ def list_recipes() -> str:
     if configs:
         lines.append(f"accelerate configs (finetune train NAME --accelerate-config CONFIG): {', '.join(configs)}")
     return "\n".join(lines)
-
-
-def destination_problem(path: Path) -> str | None:
-    """Why a new file or folder cannot be made at `path` (None when it can): a symbolic link there to nothing, a file
-    where a folder above it should be, a folder above it this user cannot write in. What already exists at `path` is
-    each verb's to judge (refused, or replaced when asked). The reasons are the one-paragraph errors of the verbs;
-    the system's own (FileExistsError, NotADirectoryError) were tracebacks."""
-    path = Path(path)
-    if path.is_symlink() and not path.exists():
-        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
-    parent = path.absolute().parent
-    while not os.path.lexists(parent) and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is {'a link to nothing' if parent.is_symlink() else 'a file'}, not a folder, so {path} " \
-               "cannot be made under it"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable by this user, so {path} cannot be made in it"
-    return None
 
 
 def copy_recipe(name: str | None, dest: str | None) -> Path:

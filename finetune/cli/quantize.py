@@ -65,7 +65,7 @@ def _check_out(out: Path, base: Path, *, force: bool) -> None:
     (--force replaced the base with its own 4-bit copy); OUT exists (without --force), is a file or a link (--force
     replaces folders only: a file was moved aside, a link replaced and its target kept), or is the current folder;
     a folder above OUT is a file or not writable."""
-    from finetune.cli.library import destination_problem
+    from finetune.files import destination_problem
     from finetune.model.quantization.writer import overlap_problem
 
     if base.expanduser().exists() and (problem := overlap_problem(base, out)):

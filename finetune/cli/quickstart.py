@@ -83,7 +83,7 @@ def check_out(out: Path, run_dirs: list[Path], overrides: list[str]) -> None:
     anything but an earlier quickstart (another run, a user's files: the quickstart writes data/, tiny-model/ and a
     run there), or a run folder the run would refuse (its guard, asked with the user's overrides: its "Nothing was
     changed" then holds; data/ and tiny-model/ were written before it ran)."""
-    from finetune.cli.library import destination_problem
+    from finetune.files import destination_problem
     from finetune.outputs import output_dir_problem
     from finetune.recipe import announcements_muted, load_recipe
 

@@ -73,7 +73,7 @@ _FAMILY_KWARGS = {
 def model_folder_problem(out_dir: Path, *, force: bool) -> str | None:
     """Why a tiny model may not be saved at `out_dir` (None when it may): a file or a link there, a folder that holds
     anything (without `force`; with it, one this command runs in), or a path that cannot be made."""
-    from finetune.cli.library import destination_problem
+    from finetune.files import destination_problem
 
     verb = "finetune tiny-model"
     if not os.path.lexists(out_dir):

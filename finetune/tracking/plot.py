@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.files import destination_problem
 from finetune.tracking.metrics_file import read_records
 
 INSTALL_PLOT = "pip install 'finetune[plot]'"
@@ -118,12 +119,8 @@ def check_plot_out(out: Path, *, run_plot: bool) -> bool:
     `<run>/plot.png`, the run's own file, always replaced. Before: a folder named x.png or a path under a file were
     tracebacks, and any existing file was overwritten without a word."""
     if not os.path.lexists(out):
-        parent = out.absolute().parent
-        while not os.path.lexists(parent) and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise FinetuneError(f"--out {out}: {parent} is a file, not a folder, so the image cannot be written "
-                                "under it. Nothing was written. Fix: choose another --out path.")
+        if problem := destination_problem(out):
+            raise FinetuneError(f"--out {out}: {problem}. Nothing was written. Fix: choose another --out path.")
         return False
     if out.is_dir() or not out.exists():
         what = "a folder" if out.is_dir() else f"a symbolic link to {os.readlink(out)}, which does not exist"
