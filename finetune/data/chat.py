@@ -181,7 +181,7 @@ def _common_prefix(a: str, b: str) -> int:
 _SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _special_tokens(tokenizer) -> list[str]:
+def special_tokens(tokenizer) -> list[str]:
     """The tokenizer's special tokens, longest first (kept per tokenizer: every turn of every row asks)."""
     if tokenizer not in _SPECIALS:
         _SPECIALS[tokenizer] = sorted(set(tokenizer.all_special_tokens) | {token.content for token in getattr(
@@ -193,7 +193,7 @@ def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: 
     """The token that ends turn `index` when its template writes no end-of-turn token (GLM's): the special token
     opening the message that follows (<|user|>, or <|observation|> after tool calls), which is where the model stops
     at inference. "" when the turn ends with a special token already, or nothing special follows."""
-    specials = _special_tokens(renderer.tokenizer)
+    specials = special_tokens(renderer.tokenizer)
     if not specials or any(through.endswith(token) for token in specials):
         return ""
     follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}

@@ -17,6 +17,7 @@ import itertools
 
 import numpy as np
 
+from finetune.data.chat import special_tokens
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted
 from finetune.data.sources import load_rows
 from finetune.data.templates import render_segments, row_system, row_tools, template_rendered
@@ -190,6 +191,6 @@ def turn_end_ids(tokenizer) -> list[int]:
         return []
     if not isinstance(text, str) or marker not in text:
         return []
-    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special = set(tokenizer.convert_tokens_to_ids(special_tokens(tokenizer)))
     tail = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
     return [next(i for i in tail if i in special)] if any(i in special for i in tail) else []

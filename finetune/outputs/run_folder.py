@@ -171,8 +171,8 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
 def _not_a_run_folder(out_dir: Path, *, clearing: bool) -> str | None:
     """Why a run may not write the names a run writes in `out_dir`: one of them is there as a file where a run writes a
     folder; or, for a run that clears them first (`clearing`: not a resume in place), they are there and no finetune run
-    wrote them (the folder's recipe.yaml is no run's resolved recipe for this folder: a project folder's own
-    `tensorboard/` or `adapter/`, the recipe being run itself)."""
+    wrote them (the folder's recipe.yaml is no run's resolved recipe: a project folder's own `tensorboard/` or
+    `adapter/`, the recipe being run itself)."""
     names = [name for name in (*RUN_FOLDERS, *RUN_FILES, "recipe.yaml") if (out_dir / name).exists()]
     files = [name for name in RUN_FOLDERS if (out_dir / name).exists() and not (out_dir / name).is_dir()]
     if files:
@@ -182,7 +182,7 @@ def _not_a_run_folder(out_dir: Path, *, clearing: bool) -> str | None:
     if not clearing or not names or _written_by_a_run(out_dir):
         return None
     shown = ", ".join(f"{name}/" if (out_dir / name).is_dir() else name for name in names)
-    why = ("its recipe.yaml is not the resolved recipe a run wrote for this folder" if "recipe.yaml" in names else
+    why = ("its recipe.yaml is not the resolved recipe a run writes" if "recipe.yaml" in names else
            "it has no recipe.yaml, which a run writes first")
     return (f"output.dir {out_dir} holds {shown}, which no finetune run wrote there ({why}), and a run clears and "
             "writes entries of these names. Nothing was changed. Fix: choose another output.dir (a new folder, or one "
