@@ -37,9 +37,9 @@ def packing_problem(attn_implementation: str) -> str | None:
 
 # Layer kinds whose packed examples stay apart given restarting position_ids (measured per architecture against the
 # examples run apart: llama4's chunked attention and the top-k indexed attention of DeepSeek-V3.2 / Mistral Large 4
-# included). Any other kind in a config's layer_types (the linear
-# attention of Qwen3-Next / Qwen3.5 / MiniMax / OLMo hybrid / LARA, DeepSeek-V4's compressed attention) carries state
-# or mixes tokens across the example boundary: transformers separates packed examples there only given cu_seq_lens.
+# included). Any other kind in a config's layer_types (the linear attention of Qwen3-Next / Qwen3.5 / MiniMax / OLMo
+# hybrid / LARA, DeepSeek-V4's compressed attention) carries state or mixes tokens across the example boundary:
+# transformers separates packed examples there only given cu_seq_lens.
 APART_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention", "attention")
 # Model types whose own mask code ignores position_ids (examples packed together attend to each other).
 MASK_WITHOUT_POSITIONS = {"gpt_oss": "gpt-oss builds its attention masks without the position ids"}

@@ -14,6 +14,7 @@ all ranks then take the same number of steps.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -168,10 +169,11 @@ def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recip
     """
     if not recipe.eval.generation_rows:
         return None
-    examples = list(eval_examples)
-    rows = [row for row in examples if answerable(row, tokenizer)][: recipe.eval.generation_rows]
+    # the first rows that can be asked: read one at a time, not the whole eval set (each row an Example built)
+    rows = list(itertools.islice((row for row in eval_examples if answerable(row, tokenizer)),
+                                 recipe.eval.generation_rows))
     if not rows:
-        print0(f"[finetune] note: no generation eval {phase} training: {no_rows_reason(len(examples), recipe)}")
+        print0(f"[finetune] note: no generation eval {phase} training: {no_rows_reason(len(eval_examples), recipe)}")
         return None
     result = generation_eval(
         model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric, device=device
