@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 
 import pytest
 import torch
@@ -449,18 +448,3 @@ def test_a_hub_tables_cache_identity_uses_datasets_public_api_only(tmp_path):
     in_memory = Source(DatasetSpec(path="org/name"), table=datasets.Dataset.from_list(addition_rows(4)))
     assert in_memory.fingerprint() is None  # no files behind it: not cached (never a stale hit)
 
-
-def test_preview_never_counts_or_marks_an_examples_first_token_as_trained(tmp_path, tiny_qwen2, capsys):
-    """Found by a bug bash of packing: `finetune data` on text rows with a tokenizer that adds no BOS marked each
-    example from its first token and said "1692 tokens, 1692 trained (100.0%)", though nothing predicts an example's
-    first token (training counted 1668 targets). Plain text trains every other token: tokens - examples targets."""
-    from finetune.cli.preview import cli_data
-
-    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"line {i} of the text"} for i in range(6)])
-    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": str(tiny_qwen2)}, "data": {
-        "datasets": [{"path": str(path), "format": "text"}], "max_length": 64, "eval_fraction": 0}})
-    assert cli_data(argparse.Namespace(recipe=str(recipe), overrides=[], rows=2)) == 0
-    out = capsys.readouterr().out
-    total, trained = (int(n) for n in re.search(r"; (\d+) tokens, (\d+) trained", out).groups())
-    assert trained == total - 6, out
-    assert "--- example 1 (" in out and "\n[[l" not in out and "(13 tokens, 12 trained)" in out, out

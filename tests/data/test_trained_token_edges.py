@@ -14,10 +14,13 @@ transformers' apply_chat_template(tokenize=True).
 
 from __future__ import annotations
 
+import argparse
+import re
 import types
 
 import pytest
 from chat_families import FAMILIES, family_tokenizer
+from conftest import write_jsonl, write_recipe
 
 from finetune.chat_templates import named_templates
 from finetune.cli.tiny import build_tokenizer
@@ -190,3 +193,19 @@ def test_finetune_generate_gives_a_text_prompt_the_bos_its_rows_trained_with():
     context = trained.input_ids[: next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)]
     assert render(tokenizer, [{"role": "user", "content": "Q: 2+2?\nA:"}], None) == context
     assert context[0] == tokenizer.bos_token_id
+
+
+def test_preview_never_counts_or_marks_an_examples_first_token_as_trained(tmp_path, tiny_qwen2, capsys):
+    """Found by a bug bash of packing: `finetune data` on text rows with a tokenizer that adds no BOS marked each
+    example from its first token and said "1692 tokens, 1692 trained (100.0%)", though nothing predicts an example's
+    first token (training counted 1668 targets). Plain text trains every other token: tokens - examples targets."""
+    from finetune.cli.preview import cli_data
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"line {i} of the text"} for i in range(6)])
+    recipe = write_recipe(tmp_path / "r.yaml", {"model": {"name_or_path": str(tiny_qwen2)}, "data": {
+        "datasets": [{"path": str(path), "format": "text"}], "max_length": 64, "eval_fraction": 0}})
+    assert cli_data(argparse.Namespace(recipe=str(recipe), overrides=[], rows=2)) == 0
+    out = capsys.readouterr().out
+    total, trained = (int(n) for n in re.search(r"; (\d+) tokens, (\d+) trained", out).groups())
+    assert trained == total - 6, out
+    assert "--- example 1 (" in out and "\n[[l" not in out and "(13 tokens, 12 trained)" in out, out
