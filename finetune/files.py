@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from finetune import distributed
 from finetune.errors import CheckpointError, FinetuneError
 
 
@@ -147,6 +146,8 @@ def on_main(function: Callable[[], Any]) -> Any:
 
     A rank-0 check that raised alone would leave the other ranks waiting in the next collective forever.
     """
+    from finetune import distributed  # here, not above: the CLI imports this module's path helpers before torch
+
     outcome: tuple[str, Any] | None = None
     if distributed.is_main():
         try:

@@ -69,3 +69,15 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(how, tmp_path):
     result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert result.returncode == 130, result.stderr[-2000:]
     assert result.stderr == ("" if rank == "1" else "finetune: interrupted\n"), result.stderr[-2000:]
+
+
+def test_the_command_line_imports_no_torch_before_its_handlers():
+    """The handlers above are installed by finetune/cli's entry, so everything imported before it runs must not import
+    torch: a module-level `from finetune import distributed` in finetune/files.py (whose path helpers the CLI reads)
+    brought torch in first, and a Ctrl-C during the launch's first seconds printed a traceback and exited -2 (CI,
+    stop 66). The fast tier's guard of the slow case above."""
+    probe = "import sys, finetune.cli, finetune.cli.command; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60,
+                            env=child_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
