@@ -143,7 +143,8 @@ def test_runs_started_together_on_one_machine_each_get_a_port(name, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os, torch.distributed as dist\n"
                      "dist.init_process_group('gloo'); dist.barrier()\n"
-                     "print('port', os.environ['MASTER_PORT'], flush=True); dist.destroy_process_group()\n")
+                     "if dist.get_rank() == 0: print('port', os.environ['MASTER_PORT'], flush=True)\n"
+                     "dist.destroy_process_group()\n")  # one rank prints: two ranks' unbuffered prints interleaved
     command = [sys.executable, "-m", "finetune.cli.accelerate_launch", "--config_file",
                str(CONFIG_DIR / f"{name}.yaml"), str(probe)]
     runs = [subprocess.Popen(command, env=child_env(**CPU_SWITCH), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
