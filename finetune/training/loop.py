@@ -245,6 +245,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     # Clip, step, zero the gradients; never step on a NaN/inf: every checkpoint and the adapter stay finite.
                     grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm,
                                                        allowed=math.isfinite(loss))
+                lr = scheduler.get_last_lr()[0]  # the rate this step trained at, as HF Trainer logs it (not the next one's)
                 if finite:
                     scheduler.step()
                     result.steps, result.tokens = step, result.tokens + int(global_seen)
@@ -255,7 +256,6 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                 elapsed = time.perf_counter() - step_start
                 result.step_seconds += elapsed
                 signals.timed(step, first_step, elapsed)  # a step longer than the launcher's grace after SIGTERM
-                lr = scheduler.get_last_lr()[0]
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
                     # HF Trainer's and TRL's names: num_tokens counts every step so far (a resume goes on counting)
                     metrics.write(step=step, epoch=stream.epoch_at(step), loss=round(loss, 6), learning_rate=lr,

@@ -6,6 +6,7 @@ with the uninterrupted run's adapter, bitwise; `finetune data` says the steps pe
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -152,7 +153,10 @@ def test_num_epochs_sets_the_run_length_the_schedule_and_the_saved_recipe(epoch_
     assert f"step {MAX_STEPS}/{MAX_STEPS} loss" in output  # the progress line counts to the resolved steps
     metrics = [m for m in read_metrics(ref) if "loss" in m]
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
-    assert metrics[-1]["learning_rate"] == pytest.approx(3e-3 * 0.1)  # the cosine schedule ends at the resolved last step
+    # the cosine schedule spans the resolved steps, each step logging the rate it trained at (docs/recipes.md; the log
+    # was one step ahead: step 1 showed step 2's rate and the last step the minimum, which no step trained at)
+    cosine = [3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / MAX_STEPS))) for s in range(MAX_STEPS)]
+    assert [m["learning_rate"] for m in metrics] == pytest.approx(cosine, rel=1e-9)
     assert [step for step, _ in step_folders.list_checkpoints(ref)] == [MAX_STEPS]  # the last step's checkpoint
     saved = (ref / "recipe.yaml").read_text()
     assert saved.startswith(f"# train.max_steps {MAX_STEPS} = ceil(train.num_epochs 2 x")
