@@ -130,6 +130,20 @@ def test_warmup_longer_than_the_run_is_clamped_with_a_note(tmp_path, capsys):
     assert yaml.safe_load(recipe_to_yaml(recipe))["train"]["warmup_steps"] == 2  # the resolved recipe says what ran
 
 
+def test_a_recipes_warmup_steps_give_way_to_a_ratio_and_hfs_no_clipping_is_taken(tmp_path):
+    """Found by a bug bash: on a recipe with warmup_steps, `train.warmup_ratio=0.1` was refused with a fix that unset
+    the ratio just asked for, and `train.warmup_steps=null` was "not a valid integer" (max_steps=null unsets); HF's
+    `max_grad_norm: 0` (no clipping) was refused as "should be greater than 0"."""
+    path = write(tmp_path, {**BASE, "train": {"warmup_steps": 30, "max_steps": 100}})
+    with pytest.raises(RecipeError, match=r"`train.warmup_steps=0` \(or `=null`\) keeps the ratio"):
+        load_recipe(path, ["train.warmup_ratio=0.1"])
+    for unset in ("train.warmup_steps=null", "train.warmup_steps=0"):
+        recipe = load_recipe(path, ["train.warmup_ratio=0.1", unset])
+        assert (recipe.train.warmup_steps, recipe.train.warmup_ratio) == (10, None)  # ceil(0.1 x 100), resolved
+    assert load_recipe(path, ["train.max_grad_norm=0"]).train.max_grad_norm is None
+    with pytest.raises(RecipeError, match="train.max_grad_norm: Input should be greater than 0"):
+        load_recipe(path, ["train.max_grad_norm=-1"])
+
 def test_data_parallel_is_refused_with_the_ddp_command(tmp_path):
     path = write(tmp_path, {**BASE, "parallel": {"strategy": "dp"}})
     with pytest.raises(RecipeError) as err:

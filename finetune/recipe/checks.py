@@ -182,7 +182,8 @@ def check_one_of_each(train) -> None:  # a finetune.recipe.TrainSection
     if train.warmup_ratio is not None and train.warmup_steps > 0:
         raise ValueError(
             f"warmup_steps ({train.warmup_steps}) and warmup_ratio ({train.warmup_ratio:g}) are both set; the warmup "
-            "is given by one of them. Fix: remove one (on the command line `train.warmup_ratio=null`).")
+            "is given by one of them. Fix: remove one from the recipe; on the command line `train.warmup_steps=0` (or "
+            "`=null`) keeps the ratio, `train.warmup_ratio=null` keeps the steps.")
 
 
 def clamped_warmup(train) -> str | None:  # a finetune.recipe.TrainSection

@@ -206,7 +206,7 @@ class TrainSection(_Section):
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient norm clip; null (or HF's 0): none.")
     seed: int = 42
     gradient_checkpointing: bool = True
     log_every: int = Field(1, gt=0)
@@ -240,11 +240,13 @@ class TrainSection(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_unsets_max_steps(cls, values: Any) -> Any:
-        # `train.max_steps=null` on the command line unsets a recipe's max_steps (every library recipe sets one), so
-        # that `train.num_epochs=2` can take its place.
-        if isinstance(values, dict) and "max_steps" in values and values["max_steps"] is None:
-            values = {key: value for key, value in values.items() if key != "max_steps"}
+    def _null_unsets(cls, values: Any) -> Any:
+        # `train.max_steps=null` / `warmup_steps=null` on the command line unset a library recipe's, for num_epochs /
+        # warmup_ratio to take their place. max_grad_norm 0 is HF's "no clipping" (null here; it was refused).
+        if isinstance(values, dict):
+            values = {key: value for key, value in values.items() if key not in ("max_steps", "warmup_steps") or value is not None}
+            if values.get("max_grad_norm") in (0, "0"):
+                values["max_grad_norm"] = None
         return values
 
     @model_validator(mode="after")
