@@ -8,6 +8,7 @@ guard (finetune/outputs/run_folder.py, which refuses to start over a run that di
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from finetune import distributed
@@ -35,9 +36,10 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def best_step(eval_losses: list, steps: set[int]) -> int | None:
-    """The step among `steps` with the lowest eval loss (the earliest of equals); None when none of them was evaluated.
+    """The step among `steps` with the lowest eval loss (the earliest of equals; a NaN / inf eval is never best: min()
+    kept a NaN seen first); None when none of them was evaluated.
     `eval_losses`: (step, eval loss) pairs, as a checkpoint's trainer state holds them."""
-    losses = {int(step): float(loss) for step, loss in eval_losses if int(step) in steps}
+    losses = {int(step): float(loss) for step, loss in eval_losses if int(step) in steps and math.isfinite(float(loss))}
     return min(losses, key=lambda step: (losses[step], step)) if losses else None
 
 

@@ -49,6 +49,26 @@ def read_run(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+_LOSS_LABELS = {"sft": "loss (per trained token)", "dpo": "DPO loss (mean over pairs)", "kto": "KTO loss (mean over rows)",
+                "reward": "reward-model loss (mean over pairs)", "grpo": "GRPO loss"}
+
+
+def _loss_label(folders: list[Path]) -> str:
+    """The loss axis's label, by the runs' train.objective (their recipe.yaml): DPO, KTO and reward losses are means
+    over pairs or rows, not per trained token (the label said so for every run)."""
+    import yaml
+
+    objectives = set()
+    for folder in folders:
+        try:
+            objectives.add(((yaml.safe_load((folder / "recipe.yaml").read_text()) or {}).get("train") or {}).get("objective", "sft"))
+        except (OSError, yaml.YAMLError, AttributeError):
+            objectives.add(None)
+    if len(objectives) == 1 and (only := objectives.pop()) in _LOSS_LABELS:
+        return _LOSS_LABELS[only]
+    return "loss (each run's objective)"
+
+
 def _figure(**options):
     """A matplotlib Figure drawn by the Agg canvas; ImportError when matplotlib is not installed.
 
@@ -85,7 +105,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             lr_axes.plot(*zip(*series["learning_rate"]), color=color, label=name)
         if series["reward"]:
             reward_axes.plot(*zip(*series["reward"]), color=color, linewidth=1.4, label=name)
-    loss_axes.set_ylabel("loss (per trained token)")
+    loss_axes.set_ylabel(_loss_label([folder for folder, _ in runs]))
     loss_axes.set_title("training runs" if len(runs) > 1 else runs[0][0].resolve().name)
     loss_axes.grid(alpha=0.3)
     loss_axes.legend(fontsize=8)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -302,7 +303,9 @@ class Trackers:
         if self.elapsed_offset and isinstance(record.get("elapsed_s"), (int, float)):
             record["elapsed_s"] = round(record["elapsed_s"] + self.elapsed_offset, 3)
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            # NaN / inf as the strings a skipped step writes ("nan"): a bare NaN is not JSON (JSON.parse and jq refuse it)
+            handle.write(json.dumps({key: str(value) if isinstance(value, float) and not math.isfinite(value) else value
+                                     for key, value in record.items()}) + "\n")
         metrics = numeric_metrics(record)
         if not metrics:
             return

@@ -8,6 +8,7 @@ import struct
 import sys
 
 import pytest
+import yaml
 
 from finetune.cli import main as cli_main
 from finetune.errors import FinetuneError
@@ -77,3 +78,32 @@ def test_no_matplotlib_is_one_warning(tmp_path, monkeypatch, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(lines) == 1 and "matplotlib is not installed" in lines[0]
     assert not (tmp_path / "run" / "plot.png").exists()
+
+
+def test_a_nan_eval_is_valid_json_in_metrics_jsonl_never_best_and_the_loss_axis_names_the_objective(tmp_path):
+    """Found by a bug bash of the numbers a run reports: a NaN eval loss was written as a bare NaN (not JSON: JSON.parse
+    and jq refuse it; a skipped step's was the string "nan"), min() picked a NaN seen first as the best eval (keep_best,
+    the summary's best step), and plot.png labelled DPO, KTO and reward losses "per trained token"."""
+    from finetune.outputs.step_folders import best_step
+    from finetune.recipe import validate_recipe
+    from finetune.tracking import Trackers
+
+    out = tmp_path / "run"
+    recipe = validate_recipe({"model": {"name_or_path": "m"}, "data": {"datasets": [{"path": "d.jsonl"}]},
+                              "output": {"dir": str(out)}})
+    trackers = Trackers(recipe, out, is_main=True, resumed_step=0)
+    trackers.write(step=1, loss=2.0, learning_rate=1e-4)
+    trackers.write(step=2, eval_loss=float("nan"))
+    trackers.close()
+    strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+              for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert strict[-1] == {"step": 2, "eval_loss": "nan"}
+    assert best_step([(2, float("nan")), (4, 5.0), (6, 4.0)], {2, 4, 6}) == 6
+    assert best_step([(2, float("nan"))], {2}) is None
+
+    for name, objective in (("dpo", "dpo"), ("sft", None), ("kto", "kto")):
+        fake_run(tmp_path / name)
+        (tmp_path / name / "recipe.yaml").write_text(yaml.safe_dump({"train": {"objective": objective} if objective else {}}))
+    assert plot._loss_label([tmp_path / "dpo"]) == "DPO loss (mean over pairs)"
+    assert plot._loss_label([tmp_path / "sft"]) == "loss (per trained token)"
+    assert plot._loss_label([tmp_path / "dpo", tmp_path / "kto"]) == "loss (each run's objective)"
