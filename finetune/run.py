@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet.defer_bitsandbytes_compiles()
     _attach_diagnostics()
     try:
-        run(argv[0], argv[1:])
+        from finetune.recipe_library import resolve_recipe_path  # a library name, as `finetune train` takes it
+
+        run(resolve_recipe_path(argv[0]), argv[1:])
         clean = True
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)

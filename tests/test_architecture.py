@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "finetune"
 # Leaves: anything may import them; they import only each other.
 LEAVES = ("recipe", "errors", "distributed", "devices", "files", "hub", "quiet", "host_memory", "precision", "rewards", "chat_templates",
-          "rank_errors", "held_signals", "rendezvous")
+          "rank_errors", "held_signals", "rendezvous", "recipe_library")
 # The stages in import order: a stage imports leaves and the stages before it, never one after it.
 # run.py (the spine) wires the stages; the CLI sits on top of everything.
 ORDER = ("model", "planner", "parallel", "data", "tracking", "outputs", "training", "run", "cli")

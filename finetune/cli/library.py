@@ -5,48 +5,31 @@
     finetune recipes copy NAME DEST       copy it to DEST (a file, a folder, or `DIR/`: a new folder) to edit; never
                                           overwrites
 
-Each recipe's first comment line names the accelerate config it expects (`# accelerate config: ...`), and its
-`description` key is the one-line purpose.
+Each recipe's first comment lines name its launch (`# accelerate config: ...`: the first config named, with the
+process count written for it; `named_launch`, read alike by validate and data), and its `description` key is the
+one-line purpose.
 
-Where the files are: the repository keeps them at the top (recipes/, accelerate_configs/); a wheel carries them as
-package data inside the package (finetune/recipes/, finetune/accelerate_configs/, mapped in pyproject.toml), found
-through importlib.resources. A checkout (editable install, or PYTHONPATH) has no such folders inside the package, so
-the lookup falls back to the checkout's top-level folders. Recipe and config names resolve here, below the CLI and
-the stages, so any module may turn `quickstart` or `fsdp2` into a file.
+Where the files are, and a recipe name -> its file: finetune/recipe_library.py (a leaf: finetune/run.py resolves
+names with it too). Accelerate config names resolve here, for the verbs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import FinetuneError
 from finetune.files import destination_problem
+from finetune.recipe_library import data_dir, library_dir, recipe_path, resolve_recipe_path  # noqa: F401 (the verbs')
 
 _ACCELERATE_CONFIG = re.compile(r"accelerate_configs/[\w.\-]+\.ya?ml")
 
 
 class LibraryError(FinetuneError):
     """A library recipe name or copy destination is wrong."""
-
-
-def data_dir(name: str) -> Path:
-    """The library folder `name` (recipes, accelerate_configs): package data in a wheel, else the checkout's folder."""
-    packaged = importlib.resources.files("finetune") / name
-    if packaged.is_dir():
-        # pip installs wheels unpacked, so the package data is a real folder (accelerate needs real file paths).
-        return Path(str(packaged))
-    return Path(__file__).resolve().parents[2] / name  # finetune/cli/library.py -> the checkout
-
-
-def library_dir() -> Path:
-    """The recipe library folder; $FINETUNE_RECIPES overrides it."""
-    if os.environ.get("FINETUNE_RECIPES"):
-        return Path(os.environ["FINETUNE_RECIPES"]).expanduser()
-    return data_dir("recipes")
 
 
 def accelerate_configs_dir() -> Path:
@@ -63,21 +46,6 @@ def recipe_names() -> list[str]:
     return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
-def recipe_path(name: str) -> Path | None:
-    """The library file of recipe `name` (`quickstart` or `quickstart.yaml`), or None when there is none."""
-    stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
-    path = library_dir() / f"{stem}.yaml"
-    return path if stem and path.is_file() else None
-
-
-def resolve_recipe_path(name: str) -> str:
-    """A path as given, or a library recipe by name (`quickstart` -> the library's quickstart.yaml)."""
-    if Path(name).exists() or name.endswith((".yaml", ".yml")):
-        return name
-    found = recipe_path(name)
-    return str(found) if found else name
-
-
 def resolve_accelerate_config(name: str) -> str:
     """An accelerate config file as given, or a library config by name (`fsdp2`, `fsdp2.yaml`,
     `accelerate_configs/fsdp2.yaml` from outside a checkout); unknown names raise with the list of known ones."""
@@ -92,40 +60,74 @@ def resolve_accelerate_config(name: str) -> str:
                        f"Give a file path or one of the library's configs: {known}.")
 
 
+@dataclass(frozen=True)
+class NamedLaunch:
+    """The launch a recipe's leading comment names: its first accelerate config, with the process count written for
+    that config (None: the config's own num_processes)."""
+
+    config: str  # as written: accelerate_configs/fsdp2.yaml
+    num_processes: int | None
+
+    def describe(self) -> str:
+        return f"{self.config}{f' with num_processes: {self.num_processes}' if self.num_processes else ''}"
+
+
+def named_launch(path: str | os.PathLike) -> NamedLaunch | None:
+    """The launch the recipe's leading comment lines name (`# accelerate config: accelerate_configs/fsdp2.yaml with
+    num_processes: 8`), else None. The first config named is the launch; a process count counts only when it is
+    written for that config, before the line names another config or a `;` starts another clause: in
+    `single_gpu.yaml (1x24 GB); fsdp2.yaml with num_processes: 2` the 2 is fsdp2's, and the launch is single_gpu's one
+    process. `finetune validate` and `finetune data` both take the launch from here."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(errors="replace")  # comments only: the recipe's own reader judges the rest
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if match := _ACCELERATE_CONFIG.search(line):
+            own = re.split(r";|\b[\w.\-]+\.ya?ml\b", line[match.end():], maxsplit=1)[0]
+            count = re.search(r"num_processes:?\s*(\d+)", own)
+            return NamedLaunch(match.group(0), int(count.group(1)) if count else None)
+    return None
+
+
 def expected_accelerate_config(path: Path) -> str | None:
     """The accelerate config named in the recipe's leading comment lines, e.g. accelerate_configs/fsdp2.yaml."""
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        match = _ACCELERATE_CONFIG.search(line)
-        if match:
-            return match.group(0)
-    return None
-
-
-def expected_num_processes(path: Path) -> int | None:
-    """The process count named beside the accelerate config in the recipe's leading comment (`fsdp2.yaml with
-    num_processes: 8`), else None (the config's own)."""
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        if _ACCELERATE_CONFIG.search(line) and (match := re.search(r"num_processes:? (\d+)", line)):
-            return int(match.group(1))
-    return None
+    launch = named_launch(path)
+    return launch.config if launch else None
 
 
 def describe(path: Path) -> dict:
-    """Name, model, accelerate config and one-line purpose of a library recipe (the file is only read, not validated)."""
+    """Name, model, accelerate config and one-line purpose of a library recipe (the file is only read, not validated).
+    A file that cannot be read as a recipe raises LibraryError naming it and its problem."""
     from finetune.recipe import read_yaml
 
-    raw = read_yaml(path)
-    model = raw.get("model") or {}
+    _text(path)  # unreadable or not UTF-8: one paragraph, not the reader's traceback
+    try:
+        raw = read_yaml(path)
+    except FinetuneError as exc:
+        raise LibraryError(str(exc)) from None
+    model = raw.get("model")
     return {
         "name": path.stem,
-        "model": str(model.get("name_or_path", "?")),
+        "model": str(model.get("name_or_path", "?")) if isinstance(model, dict) else "?",
         "accelerate": expected_accelerate_config(path),
         "description": str(raw.get("description", "")).strip(),
     }
+
+
+def _text(path: Path) -> str:
+    """The file's text; a file that cannot be read, or is not UTF-8, raises LibraryError naming it."""
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise LibraryError(f"{path}: cannot be read ({exc.strerror or exc}).") from None
+    except UnicodeDecodeError as exc:
+        raise LibraryError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8.") from None
 
 
 def _require(name: str | None) -> Path:
@@ -139,9 +141,16 @@ def _require(name: str | None) -> Path:
 
 
 def list_recipes() -> str:
-    rows = [describe(library_dir() / f"{name}.yaml") for name in recipe_names()]
+    """One line per recipe; a file of the library that is not a readable recipe (a `$FINETUNE_RECIPES` folder of the
+    user's) is named with its problem after the others, which are listed all the same."""
+    rows, broken = [], []
+    for name in recipe_names():
+        try:
+            rows.append(describe(library_dir() / f"{name}.yaml"))
+        except LibraryError as exc:
+            broken.append(f"not listed: {exc}")
     if not rows:
-        return f"no recipes found in {library_dir()}"
+        return "\n".join([f"no recipes found in {library_dir()}", *broken])
     width = max(len(row["name"]) for row in rows)
     lines = [f"{row['name']:<{width}}  {row['description']}" for row in rows]
     lines.append("")
@@ -150,7 +159,7 @@ def list_recipes() -> str:
     configs = accelerate_config_names()
     if configs:
         lines.append(f"accelerate configs (finetune train NAME --accelerate-config CONFIG): {', '.join(configs)}")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + broken if broken else []))
 
 
 def copy_recipe(name: str | None, dest: str | None) -> Path:
@@ -169,9 +178,10 @@ def copy_recipe(name: str | None, dest: str | None) -> Path:
         )
     if problem := destination_problem(target):
         raise LibraryError(f"recipes copy: {problem}; nothing was written. Fix: choose another destination.")
+    text = _copied(source, target)  # before anything is made: an unreadable source leaves nothing behind
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "x") as handle:  # "x": fails instead of overwriting a file created meanwhile
-        handle.write(_copied(source, target))
+        handle.write(text)
     return target
 
 
@@ -180,7 +190,7 @@ def _copied(source: Path, target: Path) -> str:
     recipes/NAME.yaml, accelerate_configs/X.yaml and finetune/run.py exist in the repository, not beside a copy of an
     installed package). The `# accelerate config:` line stays: validate reads it."""
     lines = []
-    for line in source.read_text().splitlines(keepends=True):
+    for line in _text(source).splitlines(keepends=True):
         if line.startswith("#"):
             line = line.replace(f"recipes/{source.name}", str(target))
         if line.startswith(("# Launch:", "#     or:")):
@@ -196,7 +206,7 @@ def cli_recipes(args: argparse.Namespace) -> int:
     if args.action == "list":
         print(list_recipes())
     elif args.action == "show":
-        print(_require(args.name).read_text(), end="")
+        print(_text(_require(args.name)), end="")
     else:
         target = copy_recipe(args.name, args.dest)
         print(f"copied {args.name} to {target}; edit it, then `finetune train {target}`")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from finetune.data import IGNORE_INDEX, Example, PreparedData, steps_per_epoch
 from finetune.data.build import eval_overlap
@@ -42,15 +41,16 @@ def cli_data(args: argparse.Namespace) -> int:
 def launch_processes(recipe_path: str, asked: int | None) -> tuple[int, str]:
     """The process count of the recipe's launch, and where it comes from: --num-processes, else the accelerate config
     the recipe names in its leading comments (as `finetune validate`), else one process."""
-    from finetune.cli.library import expected_accelerate_config, resolve_accelerate_config
+    from finetune.cli.library import named_launch, resolve_accelerate_config
     from finetune.parallel import accelerate_config_env
 
     if asked:
         return asked, "--num-processes"
-    named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
+    named = named_launch(recipe_path)  # validate's launch: the first config, with the count written for it
     if named:
-        env = accelerate_config_env(resolve_accelerate_config(named))
-        return int(env["ACCELERATE_NUM_PROCESSES"]), f"the launch the recipe names: {named}"
+        processes = named.num_processes or int(accelerate_config_env(resolve_accelerate_config(named.config))
+                                                ["ACCELERATE_NUM_PROCESSES"])
+        return processes, f"the launch the recipe names: {named.describe()}"
     return 1, "the recipe names no accelerate config; --num-processes N for another launch"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from finetune import data, model, outputs, parallel
-from finetune.cli.library import expected_accelerate_config, expected_num_processes, resolve_accelerate_config
+from finetune.cli.library import named_launch, resolve_accelerate_config
 from finetune.data.tokenize import check_mapped_columns
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
@@ -97,13 +97,11 @@ def _launch_checked(recipe_path: str, accelerate_config: str | None, num_process
     """(accelerate config, processes or None, how chosen): as given, else as the recipe's comment names them."""
     if num_processes is not None or accelerate_config is not None:
         return accelerate_config, num_processes, "as given"
-    named = expected_accelerate_config(Path(recipe_path)) if Path(recipe_path).is_file() else None
+    named = named_launch(recipe_path)  # the first config, with the count written for it ("fsdp2.yaml with num_processes: 8")
     if not named:
         return None, None, ("one process (the recipe names no accelerate config; --num-processes N or "
                             "--accelerate-config to check another)")
-    processes = expected_num_processes(Path(recipe_path))  # "fsdp2.yaml with num_processes: 8"
-    return (resolve_accelerate_config(named), processes,
-            f"as the recipe names it ({named}{f' with num_processes: {processes}' if processes else ''})")
+    return resolve_accelerate_config(named.config), named.num_processes, f"as the recipe names it ({named.describe()})"
 
 
 def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:
