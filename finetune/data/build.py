@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from finetune.data.cache import dataset_store
-from finetune.data.examples import DataStats, Example, PreparedData, weighted
+from finetune.data.examples import DataStats, Example, PreparedData, weighted_share
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
 from finetune.data.prompts import prompt_examples
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
@@ -98,22 +98,29 @@ def build_examples(recipe: Recipe, tokenizer) -> tuple[Sequence[Example], Sequen
 
 def _mix(train: list[int], origin: list[int], recipe: Recipe, stats: DataStats) -> list[int]:
     """Apply each dataset's weight to its train examples (indices): repeat (weight > 1) or subsample (weight < 1).
-    Each dataset's weighted count goes to its stats entry; a weight that leaves a dataset none is an error."""
-    weights = [spec.weight for spec in recipe.data.datasets]
-    if all(weight == 1.0 for weight in weights):
-        return train
+    Each dataset's train count (after the eval hold-out and its weight) goes to its stats entry, for `finetune data`.
+    A dataset left no training example, by its weight or by the eval hold-out, is an error: it would never train."""
+    ids, origins = np.asarray(train, dtype=np.int64), np.asarray(origin, dtype=np.int64)
     mixed = []
-    for index, weight in enumerate(weights):
-        own = [e for e, o in zip(train, origin) if o == index]
-        kept = weighted(own, weight, recipe.train.seed + index)
+    for index, spec in enumerate(recipe.data.datasets):
+        own = ids[origins == index].tolist()
+        where = f"data.datasets[{index}] ({spec.path})"
+        if not own:
+            raise DataError(_held_out_whole(where, stats.per_dataset[index]["examples"], len(train), recipe))
+        kept = weighted_share(own, spec.weight, recipe.train.seed + index, where=where)
         stats.per_dataset[index]["train_examples"] = len(kept)
-        if own and not kept:
-            raise DataError(
-                f"data.datasets[{index}] ({recipe.data.datasets[index].path}): weight {weight} of its {len(own)} "
-                f"training examples keeps round({weight} x {len(own)}) = 0, so it would not be trained on. Fix: a "
-                f"weight of at least {1 / len(own):.3g} (one example), or remove the dataset.")
         mixed += kept
     return mixed
+
+
+def _held_out_whole(where: str, examples: int, train: int, recipe: Recipe) -> str:
+    """The eval hold-out (drawn from every dataset's examples together) took all of one dataset's examples."""
+    data = recipe.data
+    return (f"{where}: the eval hold-out took all {examples} of its examples (data.eval_fraction {data.eval_fraction}, "
+            f"at most data.eval_max_rows {data.eval_max_rows}, drawn by train.seed {recipe.train.seed} from the examples "
+            f"of every dataset together; {train} left to train, none of them this dataset's), so it would never be "
+            "trained on. Fix: evaluate on a file of its own (data.eval_datasets: the hold-out is then 0 unless "
+            "data.eval_fraction is set too), set data.eval_fraction: 0, or give the dataset more rows.")
 
 
 def _eval_in_train(train: ExampleView, evaluation: ExampleView) -> int:
@@ -167,9 +174,13 @@ def split_eval_indices(count: int, recipe: Recipe) -> tuple[list[int], list[int]
     """Indices of train and eval examples: a seeded choice of eval_fraction (at most eval_max_rows), order kept."""
     order = list(range(count))
     random.Random(recipe.train.seed).shuffle(order)
-    n_eval = min(recipe.data.eval_max_rows, round(recipe.data.eval_fraction * count))
-    if count - n_eval < 1:
-        n_eval = 0
+    fraction = recipe.data.eval_fraction
+    n_eval = min(recipe.data.eval_max_rows, round(fraction * count))
+    if n_eval and n_eval >= count:  # the eval set asked for would take every example: refused, not silently none
+        raise DataError(f"data.eval_fraction {fraction} of the {count} training examples holds out round({fraction} x "
+                        f"{count}) = {n_eval}, every one, leaving none to train on. Fix: a lower data.eval_fraction "
+                        "(it holds out round(fraction x examples)), eval files in data.eval_datasets with "
+                        "data.eval_fraction: 0, or more rows.")
     eval_ids = set(order[:n_eval])
     return [i for i in range(count) if i not in eval_ids], sorted(eval_ids)
 

@@ -6,6 +6,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from finetune.errors import DataError
+
 IGNORE_INDEX = -100
 
 
@@ -84,3 +86,14 @@ def weighted(examples: list, weight: float, seed: int) -> list:
     rng = random.Random(seed)
     extra = rng.sample(examples, k=round(fraction * len(examples)))
     return examples * whole + extra
+
+
+def weighted_share(examples: list, weight: float, seed: int, *, where: str) -> list:
+    """`weighted`, and a weight that leaves a dataset none of its training examples refused (`where`: its recipe key
+    and path), naming the least weight that keeps one: SFT, preference and GRPO data alike."""
+    kept = weighted(examples, weight, seed)
+    if examples and not kept:
+        raise DataError(f"{where}: weight {weight} of its {len(examples)} training examples keeps round({weight} x "
+                        f"{len(examples)}) = 0, so it would not be trained on. Fix: a weight of at least "
+                        f"{1 / len(examples):.3g} (one example), or remove the dataset.")
+    return kept

@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 
 from finetune.data.chat import special_tokens
-from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted
+from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
 from finetune.data.templates import render_segments, row_system, row_tools, template_rendered
 from finetune.errors import DataError
@@ -124,8 +124,16 @@ def _rows_of(spec: DatasetSpec, key: str) -> list[dict]:
     return [{"prompt": row.get(column), **{k: v for k, v in row.items() if k != column}} for row in rows]
 
 
+_NO_EVAL_FILES = ("data.eval_datasets ({count} given): GRPO (train.objective: grpo) evaluates nothing, neither eval files "
+                  "nor held-out rows: the rewards of each step are its measure (docs/grpo.md), so the files would be "
+                  "read for nothing. Fix: remove data.eval_datasets (ask the trained adapter such prompts afterwards with "
+                  "`finetune generate RUN --prompt ...`).")
+
+
 def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Example], DataStats]:
     """(train prompts, no eval rows, stats) of every dataset, weighted and mixed as build.prepare mixes rows."""
+    if recipe.data.eval_datasets:
+        raise DataError(_NO_EVAL_FILES.format(count=len(recipe.data.eval_datasets)))
     budget = recipe.data.max_length - recipe.grpo.max_completion_length
     stats, examples, index = DataStats(), [], 0
     for number, spec in enumerate(recipe.data.datasets):
@@ -166,9 +174,10 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                                  place=f"prompt row {line} of {spec.path} ({key})"))
         if not found:
             raise DataError(f"{key} ({spec.path}): no usable prompt ({len(rows)} rows read).")
+        kept = weighted_share(found, spec.weight, recipe.train.seed + number, where=f"{key} ({spec.path})")  # as build
         stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": len(rows), "examples": len(found),
-                                  "weight": spec.weight, "cached": False})
-        examples += weighted(found, spec.weight, recipe.train.seed + number)  # as build.prepare mixes
+                                  "weight": spec.weight, "cached": False, "train_examples": len(kept)})
+        examples += kept
     lengths = np.array([len(e.input_ids) for e in examples])
     stats.tokens_min, stats.tokens_max, stats.tokens_median = int(lengths.min()), int(lengths.max()), float(np.median(lengths))
     stats.total_tokens, stats.train_examples, stats.train_sequences = int(lengths.sum()), len(examples), len(examples)

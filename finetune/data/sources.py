@@ -3,6 +3,7 @@ folders.py), save_to_disk folders, hub datasets; the pre-flight check of local f
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import json
@@ -67,14 +68,68 @@ def open_source(spec: DatasetSpec) -> Source:
     path and modification time, so a file edited in place (same mtime: a copy with `cp -p`, a restored backup, two
     writes in a second) gave the old rows, which the token cache then stored under the new bytes' hash."""
     path = Path(spec.path).expanduser()
+    if problem := split_problem(spec, path):
+        raise DataError(f"data.datasets path `{spec.path}`: {problem}")
     if path.is_file() or (path.is_dir() and not saved_folder(path)):
         files, folder = local_files(spec)
         return Source(spec, files=files, folder=folder)
     if path.is_dir():
         return Source(spec, table=_load_saved(path, spec))
     if looks_local(spec.path):
-        raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
+        raise DataError(not_found(f"data.datasets path `{spec.path}`", spec.path))
     return Source(spec, table=_load_hub(spec))
+
+
+def not_found(where: str, text: str) -> str:
+    """The paragraph of a local path that does not exist; a glob pattern is said to be one (paths are not expanded:
+    a folder is the way to name several files, and its bytes are what the token cache is keyed by)."""
+    if any(char in text for char in "*?["):
+        return (f"{where}: not found, and `{text}` looks like a glob pattern, which is not expanded: a path names one "
+                "file or one folder. Fix: point the path at the folder (every data file in it and its sub-folders is "
+                "read), or move the files you want into a folder of their own, or give each file its own entry.")
+    return f"{where}: file not found (relative paths are read from {Path.cwd()})."
+
+
+def hub_name_note(text: str) -> str:
+    """For a name that loaded neither as a local path nor from the hub: that no local file or folder has it, and a
+    near name in its parent folder when that folder exists here (a mistyped `data/splitz` is taken for a hub name)."""
+    path = Path(text).expanduser()
+    note = (f" No local file or folder `{text}` exists (relative paths are read from {Path.cwd()}), so it was taken "
+            "for a hub dataset name.")
+    if str(path.parent) not in ("", ".") and path.parent.is_dir():
+        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
+        near = difflib.get_close_matches(path.name, names, n=1)
+        note += (f" The folder {path.parent} exists here" + (f": did you mean {path.parent / near[0]}?" if near else
+                 f" and holds no `{path.name}`: fix the path if you meant a local folder."))
+    return note
+
+
+def split_problem(spec: DatasetSpec, path: Path) -> str | None:
+    """A split or subset set on a source that has none to pick (a folder checks its own: folders.py). A single file is
+    one split of one configuration (`load_dataset` names all its rows `train`), and so is a save_to_disk Dataset; a
+    saved DatasetDict has splits (`split` picks one) and no configurations. Ignored there, the whole source was read:
+    an eval file's `split: test` evaluated on every training row."""
+    saved = path.is_dir() and saved_folder(path)
+    if not (path.is_file() or saved):
+        return None
+    listing = path / "dataset_dict.json"
+    splits = json.loads(listing.read_text()).get("splits", []) if saved and listing.is_file() else None
+    if spec.split != "train" and splits is None:
+        if path.is_file():
+            what = "a single file"
+            own = ("the split's own file, or at a folder whose file names give the splits (train.jsonl, test.jsonl; "
+                   "`split` then picks one)")
+        else:
+            what, own = f"{path} is a save_to_disk folder of one Dataset, which", "a DatasetDict saved with its splits"
+        return (f"split `{spec.split}` is set, but {what} has no splits: the whole of it would be read as the `train` "
+                f"split. Fix: remove `split` (or set it to train), or point the path at {own}.")
+    if spec.subset is not None:
+        held = f" (its splits, which `split` picks: {', '.join(map(str, splits))})" if splits else ""
+        place = "a single file" if path.is_file() else "a save_to_disk folder"
+        return (f"subset `{spec.subset}` is set, but {place} has no subsets (configurations){held}: it would be "
+                "ignored and the whole of it read. Fix: remove `subset` (or set it to null), or point the path at the "
+                "subset's own file or folder.")
+    return None
 
 
 def local_files(spec: DatasetSpec) -> tuple[list[Path], Path | None]:
@@ -162,9 +217,14 @@ def _load_hub(spec: DatasetSpec):
     except Exception as exc:  # noqa: BLE001  datasets raises many types for offline / missing names
         raise DataError(
             f"data.datasets path `{spec.path}`: not a local file and could not be loaded as a `datasets` name "
-            f"({reason(exc)}). If you are offline, download it elsewhere "
+            f"({hub_reason(exc)}).{hub_name_note(spec.path)} If you are offline, download it elsewhere "
             "(`datasets.load_dataset(...).save_to_disk(DIR)`) and set the path to DIR."
         ) from None
+
+
+def hub_reason(exc: BaseException) -> str:
+    """`reason`, without `datasets`' offline "is not cached in None" (its cache folder when none is set)."""
+    return reason(exc).replace(" is not cached in None", " is not in the `datasets` cache")
 
 
 def check_local_files(recipe: Recipe) -> None:
@@ -177,8 +237,10 @@ def check_local_files(recipe: Recipe) -> None:
             where = f"{key}[{index}] path `{spec.path}`"
             if not path.exists():
                 if looks_local(spec.path):
-                    raise DataError(f"{where}: file not found (relative paths are read from {Path.cwd()}).")
+                    raise DataError(not_found(where, spec.path))
                 continue
+            if problem := split_problem(spec, path):
+                raise DataError(f"{where}: {problem}")
             if path.is_file() and file_suffix(path) is None:
                 raise DataError(f"{where}: {_unsupported(path)}")
             if path.is_file() and file_suffix(path) == ".jsonl":

@@ -36,8 +36,8 @@ from finetune.data.examples import DataStats, Example, PreparedData
 from finetune.data.folders import saved_folder
 from finetune.data.loader import BatchStream, collate
 from finetune.data.packing import concat_examples, packing_problem
-from finetune.data.readers import looks_local, reason
-from finetune.data.sources import local_files, local_rows
+from finetune.data.readers import looks_local
+from finetune.data.sources import hub_name_note, hub_reason, local_files, local_rows, not_found, split_problem
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.errors import DataError
 from finetune.files import same_place
@@ -72,8 +72,10 @@ def _iterable(spec: DatasetSpec, path: Path):
         use_cache_only_if_unreachable()
         return datasets.load_dataset(spec.path, spec.subset, split=spec.split, streaming=True)
     except Exception as exc:  # noqa: BLE001  datasets raises many types for names and folders it cannot stream
-        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({reason(exc)}). Streaming "
-                        "reads hub datasets from the hub itself: offline, save it to a local folder or files first.") from None
+        note = "" if path.is_dir() else hub_name_note(spec.path)
+        raise DataError(f"data.datasets path `{spec.path}`: could not be opened as a stream ({hub_reason(exc)}).{note} "
+                        "Streaming reads hub datasets from the hub itself: offline, save it to a local folder or files "
+                        "first.") from None
 
 
 def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, object, str]]:
@@ -86,7 +88,9 @@ def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, objec
     if limit is not None and start >= limit:
         return
     if not path.exists() and looks_local(spec.path):
-        raise DataError(f"data.datasets path `{spec.path}`: file not found (relative paths are read from {Path.cwd()}).")
+        raise DataError(not_found(f"data.datasets path `{spec.path}`", spec.path))
+    if problem := split_problem(spec, path):
+        raise DataError(f"data.datasets path `{spec.path}`: {problem}")
     if path.is_file() or (path.is_dir() and not saved_folder(path)):
         files, folder = local_files(spec)
         rows = ((start + i, item, place) for i, (item, place, _) in enumerate(local_rows(files, folder, start)))
@@ -128,8 +132,12 @@ def _tokenize_items(items: list, places: list[str], spec: DatasetSpec, recipe: R
 
 
 def _chunks(entries: Iterator, size: int) -> Iterator[list]:
-    while chunk := list(itertools.islice(entries, size)):
-        yield chunk
+    """Chunks of at most `size` (row, item, place) entries of one kind, JSON Lines text or row dicts: a folder can
+    hold both (f1.jsonl and sub/f2.csv), and a chunk is parsed as lines or not as a whole, so a new chunk starts where
+    the kind changes (as sources.row_chunks cuts the cached path's). Rows are tokenized alike in any chunk."""
+    for _, group in itertools.groupby(entries, key=lambda entry: isinstance(entry[1], str)):
+        while chunk := list(itertools.islice(group, size)):
+            yield chunk
 
 
 # ------------------------------------------------------------------------------------------------ the stream
@@ -282,17 +290,25 @@ def _opened(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], lis
     stats.eval_examples = len(files) + len(held)
     for spec in recipe.data.datasets:
         first = list(itertools.islice(dataset_rows(spec), STREAM_CHUNK_ROWS))
-        items, places = [item for _, item, _ in first], [place for _, _, place in first]
-        if items and isinstance(items[0], str):
-            items, _, _ = parse_lines(items, places, spec.path, bad_rows="skip")
+        items = []
+        for chunk in _chunks(iter(first), STREAM_CHUNK_ROWS):  # a folder's JSON Lines text and CSV rows apart
+            items += _parsed([item for _, item, _ in chunk], [place for _, _, place in chunk], spec)
         check_dataset(items, spec, tokenizer, spec.path,  # as the cached path: before any row's own problem
                       whole=len(first) < STREAM_CHUNK_ROWS)
-        _tokenized(first, spec, recipe, tokenizer)
+        for chunk in _chunks(iter(first), STREAM_CHUNK_ROWS):
+            _tokenized(chunk, spec, recipe, tokenizer)
     rows = StreamedRows(recipe, tokenizer, start)
     if next(rows.sequences(Position(0, *start)), None) is None:
         raise DataError(rows.empty_pass())
     rows.counts.clear()  # that look ahead is read again by training
     return rows, files, held, stats
+
+
+def _parsed(items: list, places: list[str], spec: DatasetSpec) -> list:
+    """A chunk's rows for the checks: JSON Lines text parsed (a broken line left out: it is the row's own problem)."""
+    if items and isinstance(items[0], str):
+        return parse_lines(items, places, spec.path, bad_rows="skip")[0]
+    return items
 
 
 def _held_out(recipe: Recipe, tokenizer) -> tuple[list[Example], tuple[int, int]]:

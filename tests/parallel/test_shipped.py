@@ -230,10 +230,13 @@ def _train_two_steps(path: Path, tmp_path: Path, config: str) -> None:
     kind = ROW_KINDS.get(path.stem, "plain")
     for index, spec in enumerate(recipe.data.datasets):
         data_file = write_jsonl(tmp_path / f"data{index}.jsonl", rows_for(spec, kind=kind))
-        overrides.append(f"data.datasets.{index}.path={data_file}")
+        # the hub dataset's split / subset name nothing in a local file (refused there): the file is the split
+        overrides += [f"data.datasets.{index}.path={data_file}", f"data.datasets.{index}.split=train",
+                      f"data.datasets.{index}.subset=null"]
     for index, spec in enumerate(recipe.data.eval_datasets):
         eval_file = write_jsonl(tmp_path / f"eval{index}.jsonl", rows_for(spec, count=8))
-        overrides.append(f"data.eval_datasets.{index}.path={eval_file}")
+        overrides += [f"data.eval_datasets.{index}.path={eval_file}", f"data.eval_datasets.{index}.split=train",
+                      f"data.eval_datasets.{index}.subset=null"]
     result = accelerate_launch(config, path, *overrides)
     _ok(result)
     logged = [m for m in read_metrics(run_dir) if "loss" in m]  # every train.log_every steps, and the last one
