@@ -126,7 +126,7 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
         source = "tokenization cache" if item["cached"] else "tokenized now"
         role = "eval dataset" if item.get("role") == "eval" else "dataset"
         weight = "" if item.get("role") == "eval" else f", weight {item['weight']}"
-        mixed = f", {item['train_examples']} train examples after weighting" if "train_examples" in item else ""
+        mixed = f", {item['train_examples']} train examples after the eval hold-out and weighting" if "train_examples" in item else ""
         lines.append(f"{role} {item['path']} ({item['format']}{weight}): {item['rows']} rows -> "
                      f"{item['examples']} examples{mixed} ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "

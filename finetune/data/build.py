@@ -199,5 +199,7 @@ def _fill_stats(stats: DataStats, stores: list[TokenStore], train: ExampleView, 
     stats.trained_tokens = int(sum(int(store.trained_counts().sum()) for store in stores))
     stats.train_examples, stats.eval_examples, stats.train_sequences = len(train), len(evaluation), len(sequences)
     batch, seed = recipe.train.micro_batch_size, recipe.train.seed
-    stats.batch_efficiency = batch_efficiency(sequence_lengths(sequences), micro_batch_size=batch, seed=seed)
-    stats.unpacked_efficiency = batch_efficiency(train.lengths(), micro_batch_size=batch, seed=seed)
+    rejected = train.rejected_lengths() if len(sequences) == len(train) else None  # pairs are never packed
+    stats.batch_efficiency = batch_efficiency(sequence_lengths(sequences), micro_batch_size=batch, seed=seed,
+                                              rejected=rejected)
+    stats.unpacked_efficiency = batch_efficiency(train.lengths(), micro_batch_size=batch, seed=seed, rejected=rejected)

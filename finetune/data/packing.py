@@ -151,20 +151,24 @@ def concat_examples(examples: list[Example]) -> Example:
     return Example(ids, labels, positions)
 
 
-def batch_efficiency(lengths, *, micro_batch_size: int, seed: int) -> float:
+def batch_efficiency(lengths, *, micro_batch_size: int, seed: int, rejected=None) -> float:
     """Non-pad tokens / all tokens over the micro-batches of epoch 0, in the order BatchStream takes them (`lengths`:
-    tokens per row, or the rows themselves)."""
+    tokens per row, or the rows themselves). Pairs (`rejected`: each pair's rejected tokens): a micro-batch pads its
+    chosen and rejected sequences alike, to the longest of both (the figure counted the chosen sequences alone)."""
     rows = len(lengths) and isinstance(lengths[0], Example)
     sizes = np.asarray([len(e.input_ids) for e in lengths] if rows else lengths, dtype=np.int64)
     if not len(sizes):
         return 0.0
-    ordered = sizes[np.asarray(epoch_permutation(len(sizes), seed, 0), dtype=np.int64)]
-    padded = len(ordered) - len(ordered) % micro_batch_size
-    whole = ordered[:padded].reshape(-1, micro_batch_size)
-    real, total = int(whole.sum()), int(whole.max(axis=1).sum()) * micro_batch_size
-    if padded < len(ordered):
-        tail = ordered[padded:]
-        real, total = real + int(tail.sum()), total + int(tail.max()) * len(tail)
+    order = np.asarray(epoch_permutation(len(sizes), seed, 0), dtype=np.int64)
+    real_sizes = sizes if rejected is None else sizes + np.asarray(rejected, dtype=np.int64)
+    widths = sizes if rejected is None else np.maximum(sizes, np.asarray(rejected, dtype=np.int64))
+    real_sizes, widths, per_row = real_sizes[order], widths[order], 1 if rejected is None else 2
+    padded = len(widths) - len(widths) % micro_batch_size
+    whole = widths[:padded].reshape(-1, micro_batch_size)
+    real, total = int(real_sizes[:padded].sum()), int(whole.max(axis=1).sum()) * micro_batch_size * per_row
+    if padded < len(widths):
+        tail = widths[padded:]
+        real, total = real + int(real_sizes[padded:].sum()), total + int(tail.max()) * len(tail) * per_row
     return real / total
 
 

@@ -161,6 +161,10 @@ class TokenStore:
         """Tokens per example (a pair: its chosen sequence, the row a batch is sized by, as before)."""
         return np.diff(self.bounds)[:: 2 if self.pairs else 1]
 
+    def rejected_lengths(self) -> np.ndarray | None:
+        """Tokens of each pair's rejected sequence (None when the store holds no pairs)."""
+        return np.diff(self.bounds)[1::2] if self.pairs else None
+
     def trained_counts(self) -> np.ndarray:
         """Trained tokens per example (a pair: of its chosen sequence), stored at build: the statistics of a warm
         start never read the token files."""
@@ -209,6 +213,11 @@ class ExampleView(Sequence):
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([s.lengths() for s in self.stores] or [np.zeros(0, np.int64)])[self.picks]
+
+    def rejected_lengths(self) -> np.ndarray | None:
+        """Tokens of each picked pair's rejected sequence; None unless every store holds pairs."""
+        parts = [s.rejected_lengths() for s in self.stores]
+        return np.concatenate(parts)[self.picks] if parts and all(p is not None for p in parts) else None
 
     def trained_counts(self) -> np.ndarray:
         return np.concatenate([s.trained_counts() for s in self.stores] or [np.zeros(0, np.int64)])[self.picks]

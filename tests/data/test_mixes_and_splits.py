@@ -198,3 +198,23 @@ def test_a_mistyped_local_folder_taken_for_a_hub_name_is_said_so(tmp_path, monke
         assert "in None" not in message, message
         assert "No local file or folder `data/splitz` exists" in message and "did you mean data/splits?" in message
     assert json.loads((tmp_path / "data" / "splits" / "train.jsonl").read_text().splitlines()[0])
+
+
+# ------------------------------------------------------------------------------ the batch efficiency of pairs
+def test_the_batch_efficiency_of_pairs_counts_the_rejected_sequences_the_batch_pads_alike(tmp_path, tokenizer):
+    """Found by a bug bash of the numbers a run reports: `finetune validate` and the run's data line gave DPO's batch
+    efficiency from the chosen sequences alone (91.3%), while the micro-batches the run builds pad chosen and rejected
+    sequences to the longest of both (79.6%). The oracle: the run's own collate over epoch 0's micro-batches."""
+    short, long = "yes", " ".join(["a long and rambling answer"] * 6)
+    rows = [{"prompt": f"Question {i}?", "chosen": short, "rejected": long} for i in range(12)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    recipe = make_recipe([{"path": str(path), "format": "preference"}], objective="dpo", eval_fraction=0.0)
+    prepared = data.prepare(recipe, tokenizer)
+    train = prepared.train
+    order = data.epoch_permutation(len(train), recipe.train.seed, 0)
+    real = total = 0
+    for start in range(0, len(order), 4):
+        batch = data.collate([train[int(i)] for i in order[start:start + 4]], pad_id=0)
+        real, total = real + int(batch["attention_mask"].sum()), total + batch["attention_mask"].numel()
+    assert prepared.stats.batch_efficiency == pytest.approx(real / total)
+    assert prepared.stats.batch_efficiency < 0.75  # each batch pads its short chosen halves to the long rejected ones
