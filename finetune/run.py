@@ -91,11 +91,13 @@ def _checked_plan(recipe, info):
     """The parallel plan, reported, after the checks of the recipe against the model's config that every rank makes
     alike before any weight loads (held signals: a rank that fails one first must not cut rank 0's paragraph short)."""
     from finetune import data, model, parallel
+    from finetune.recipe.router_aux import check_router_aux
 
     with held_signals.checks_every_rank_makes():
         config = model.load_config(recipe)
         plan = parallel.resolve_plan(recipe, info, config)
         data.check_packing_model(recipe, config)  # verify_packing checks the loaded model again
+        check_router_aux(recipe, config)  # the run asks again with the loaded model's class
     if plan.strategy != "deepspeed":
         quiet.keep_deepspeed_out()
     parallel.report(plan)

@@ -21,6 +21,7 @@ from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
 from finetune.recipe import load_recipe
 from finetune.recipe.checks import output_in_data_problem
+from finetune.recipe.router_aux import check_router_aux
 
 
 def validate(recipe_path: str, overrides: list[str], *, num_processes: int | None = None,
@@ -90,6 +91,7 @@ def _model_checked(recipe):
         line += "; a 4-bit checkpoint quantized as the recipe says"
     check_lora_targets(recipe, config)
     data.check_packing_model(recipe, config)
+    check_router_aux(recipe, config)
     return config, line
 
 

@@ -1,6 +1,7 @@
 """The recipe: a leaf below every stage (anything may import it; it imports only other leaves).
 
     schema.py  the closed, typed schema (pydantic): the sections, load_recipe / validate_recipe, recipe_to_yaml
+    data.py    the data: section (datasets, lengths, the held-out split, packing, streaming)
     text.py    reading recipe text: the YAML file, key.path=value overrides, errors as one paragraph, "did you mean"
     checks.py  checks spanning sections: what an objective needs of the data, what streaming cannot do, warmup
     objectives.py  the registry of train.objective: each objective's training class, section, data formats
@@ -8,16 +9,16 @@
                (kto:), grpo.py (grpo:, TRL's GRPOConfig names, and what a GRPO recipe needs of the other sections),
                reward.py (reward:, TRL's RewardConfig names)
     names.py   the names of HF's, TRL's, PEFT's and axolotl's settings -> the recipe key each means, or why none
+    router_aux.py  train.router_aux_loss_coef against the model's config: the coefficient, or why none applies
 """
 
 from finetune.recipe.checks import steps_for_epochs
+from finetune.recipe.data import DataSection, DatasetSpec
 from finetune.recipe.grpo import GRPOSection
 from finetune.recipe.kto import KTOSection
 from finetune.recipe.preference import PreferenceSection
 from finetune.recipe.reward import RewardSection
 from finetune.recipe.schema import (
-    DataSection,
-    DatasetSpec,
     DType,
     EvalSection,
     LoraSection,

@@ -37,7 +37,7 @@ def check_dtypes(recipe) -> None:
 def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
     """The data goes with its objective (recipe/objectives.py: the formats each trains on; the others are SFT's); the
     objective's section checks what it needs of the others; preference rows are not packed; the sections set are the
-    objective's."""
+    objective's; a load-balancing weight only where the objective adds that loss."""
     data, objective = recipe.data, recipe.train.objective
     spec = spec_of(objective)
     claimed = claimed_formats()
@@ -62,6 +62,10 @@ def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: 
                          f"Fix: remove data.packing for train.objective: {objective}.")
     _check_sections(recipe)
     check_generation_eval(recipe)
+    if recipe.train.router_aux_loss_coef and spec.no_router_aux:
+        raise ValueError(f"train.router_aux_loss_coef ({recipe.train.router_aux_loss_coef:g}) with train.objective "
+                         f"{objective}: {spec.no_router_aux}, so there is nothing to weight. Fix: remove "
+                         "train.router_aux_loss_coef.")
 
 
 def check_generation_eval(recipe) -> None:  # a finetune.recipe.Recipe

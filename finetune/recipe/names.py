@@ -144,8 +144,8 @@ MANAGED: frozenset[str] = frozenset({
     "prediction_loss_only", "remove_unused_columns", "restore_callback_states_from_checkpoint", "skip_memory_metrics",
     "torch_empty_cache_steps", "train_sampling_strategy", "use_cache",
     # TRL
-    "activation_offloading", "dataset_kwargs", "eos_token", "pad_token", "pad_to_multiple_of", "router_aux_loss_coef",
-    "shuffle_dataset", "truncation_mode", "disable_dropout", "discopop_tau", "ld_alpha", "loss_weights",
+    "activation_offloading", "dataset_kwargs", "eos_token", "pad_token", "pad_to_multiple_of", "shuffle_dataset",
+    "truncation_mode", "disable_dropout", "discopop_tau", "ld_alpha", "loss_weights",
     "precompute_ref_batch_size", "ref_model_mixup_alpha", "ref_model_sync_steps", "cache_implementation",
     "cast_lm_head_to_fp32", "chat_template_kwargs", "delta", "generation_batch_size", "generation_kwargs",
     "max_tool_calling_iterations", "min_p", "multi_objective_aggregation",

@@ -3,9 +3,10 @@
 An entry says where the objective's training code is (`module:Class` of its Objective subclass in
 training/objectives, imported when a run starts, so the recipe stays a leaf), where its recipe section is (`module:Class`,
 read from the recipe key of the objective's name), the data formats it trains on, what it reads of other objectives'
-sections, whether a row is a pair of sequences (the planner's activations) and which model head it puts in the LM
-head's place. The schema builds train.objective's choices and the Recipe's sections from it; the checks, the planner,
-the model and the loop ask it, never `objective == "..."`.
+sections, whether a row is a pair of sequences (the planner's activations), which model head it puts in the LM
+head's place and whether it adds a mixture-of-experts model's load-balancing loss. The schema builds
+train.objective's choices and the Recipe's sections from it; the checks, the planner, the model and the loop ask it,
+never `objective == "..."`.
 
 Adding an objective: its module in training/objectives/, its section module in recipe/ (a pydantic model; a
 `check_recipe(recipe)` method, if any, raises ValueError for what it needs of the other sections), and one entry here.
@@ -29,6 +30,9 @@ class ObjectiveSpec:
     reads_hint: str = ""  # the fix when other keys of those sections are set
     pairs: bool = False  # a row is two sequences in one forward (chosen and rejected): the planner's activations
     head: str | None = None  # a head in the LM head's place ("score": model/reward_head.py)
+    # Why it adds no mixture-of-experts load-balancing loss (train.router_aux_loss_coef); empty: it adds it to its
+    # policy's forward, as TRL's trainers do (training/router_aux.py)
+    no_router_aux: str = ""
 
 
 _PAIRS = "give rows with prompt/chosen/rejected and set its format: preference"
@@ -48,7 +52,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
                   "its format: prompt", reads=(("dpo", ("reference",)),),
                   reads_hint="its loss is set in grpo:; remove these keys."),
     ObjectiveSpec("reward", "finetune.training.objectives.reward:Reward", "finetune.recipe.reward:RewardSection",
-                  ("preference",), _PAIRS, pairs=True, head="score"),
+                  ("preference",), _PAIRS, pairs=True, head="score",
+                  no_router_aux="a reward model's score head sees no router logits, and TRL's RewardTrainer adds no "
+                                "load-balancing loss either"),
 )}
 
 

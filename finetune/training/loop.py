@@ -4,6 +4,8 @@ Loss normalization: the loss of an optimizer step is (sum of token losses over e
 divided by (number of trained tokens in that whole step). Each micro-batch backpropagates its token-loss sum
 times world_size / global_tokens, because DDP, FSDP and DeepSpeed average gradients over ranks. So a step gives the same
 gradient for 1 process x batch 4 as for 2 processes x batch 2, whatever the padding or the tokens per rank.
+A mixture-of-experts model's load-balancing loss is added as TRL adds it: coef x its mean over the step's forwards and
+ranks (training/router_aux.py); that mean depends on the micro-batches, as TRL's does.
 """
 
 from __future__ import annotations
@@ -196,6 +198,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                           kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None)
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe, tokenizer)  # DPO: the starting LoRA values, before a resume
+    router_aux = objective.router_aux  # a MoE model's load-balancing loss (train.router_aux_loss_coef), or off
+    router_aux.pad_id = pad_id  # packed rows' padding tails are no tokens of it
     first_step = 1
     if resume_from is not None:
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
@@ -207,6 +211,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     # DPO with dpo.reference precomputed: the reference log-probs before step 1 (or read back on resume).
     objective.prepare(model, train_examples, eval_examples, recipe, pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)
+    if line := router_aux.describe():
+        distributed.print0(line)
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
     metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags, resumed_step=first_step - 1)
     status = "FAILED"  # what the trackers record unless the run finishes or is preempted
@@ -229,19 +235,24 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     local_counts = objective.counts(model, micro_batches, info.device)
                     trained = objective.train_batches(micro_batches)  # GRPO: its rollouts' chunks
                     *totals, global_seen = distributed.all_reduce_sum([*local_counts, objective.seen_tokens(trained, pad_id)])
+                    router_aux.begin_step(len(trained))
                     # The step's loss stays on the device: one host sync per step (the all-reduce), none per batch.
                     step_loss, step_metrics = torch.zeros((), dtype=torch.float64, device=info.device), None
                     for index, batch in enumerate(trained):
                         with gradient_sync(model, enabled=index == len(trained) - 1):
                             to_backward, batch_loss, batch_metrics = objective.loss(model, batch, totals, info.device)
-                            backward(model, to_backward)  # SFT: token-loss sum x world size / global trained tokens
+                            # SFT: token-loss sum x world size / global trained tokens; + coef x aux / forwards
+                            backward(model, router_aux.added_to(to_backward))
                         step_loss += batch_loss.to(step_loss.device, torch.float64)
                         if batch_metrics is not None:
                             step_metrics = batch_metrics if step_metrics is None else step_metrics + batch_metrics
                     distributed.doing(f"step {step}'s all-reduces (loss, gradient norm, stop check) and optimizer step")
-                    summed = distributed.all_reduce_sum([step_loss, *([] if step_metrics is None else step_metrics)])
+                    aux_sums = router_aux.step_sums(info.device)  # [] without a load-balancing loss
+                    summed = distributed.all_reduce_sum([step_loss, *aux_sums,
+                                                         *([] if step_metrics is None else step_metrics)])
                     loss = objective.step_loss(summed[0], totals)  # identical on every rank
-                    extra = objective.metrics(summed[1:] if step_metrics is not None else None, totals)
+                    extra = objective.metrics(summed[1 + len(aux_sums):] if step_metrics is not None else None, totals)
+                    loss, extra = router_aux.logged(loss, extra, summed[1:1 + len(aux_sums)])  # + coef x aux_loss
                     # Clip, step, zero the gradients; never step on a NaN/inf: every checkpoint and the adapter stay finite.
                     grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm,
                                                        allowed=math.isfinite(loss))

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.planner.memory import CHUNK_LOGIT_ELEMENTS
+from finetune.training.router_aux import RouterAux
 
 IGNORE_INDEX = -100
 # CHUNK_LOGIT_ELEMENTS (defined in finetune/planner/memory.py, beside the memory model that counts it): fp32 logits
@@ -206,18 +207,19 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     return total, count
 
 
-def token_loss_and_correct(model: nn.Module, batch: dict[str, torch.Tensor],
-                           device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """`token_loss_sum`, plus how many of the trained tokens the model's argmax predicts (a device tensor; no sync)."""
+def token_loss_and_correct(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
+                           router_aux: RouterAux | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """`token_loss_sum`, plus how many of the trained tokens the model's argmax predicts (a device tensor; no sync).
+    `router_aux`: the forward also gives a mixture-of-experts model's load-balancing loss to it (training/router_aux.py)."""
     correct: list[torch.Tensor] = []
-    total, count, hits = _token_loss(model, batch, device, correct=correct)
+    total, count, hits = _token_loss(model, batch, device, correct=correct, router_aux=router_aux)
     if hits is None:
         hits = sum(correct, torch.zeros((), dtype=torch.int64, device=total.device))
     return total, count, hits
 
 
-def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
-                correct: list | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *, correct: list | None,
+                router_aux: RouterAux | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(loss sum, trained tokens, argmax hits of the plain path or None: the head appended them to `correct`)."""
     positions, wanted = trained_positions(batch["labels"])
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -231,33 +233,39 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
         hits = ((logits.detach().argmax(dim=-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return total, positions.numel(), hits
     where = (positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True))
-    total = _forward_with_targets(model, found, inputs, where, per_token=False, correct=correct)
+    total = _forward_with_targets(model, found, inputs, where, per_token=False, correct=correct, router_aux=router_aux,
+                                  labels=batch["labels"])
     return total.reshape(()), positions.numel(), None
 
 
 def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], inputs: dict,
                           where: tuple[torch.Tensor, torch.Tensor], *, per_token: bool,
-                          correct: list | None = None, temperature: float = 1.0,
-                          entropy: list | None = None) -> torch.Tensor:
+                          correct: list | None = None, temperature: float = 1.0, entropy: list | None = None,
+                          router_aux: RouterAux | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
     """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
-    patched forward returns."""
+    patched forward returns. With `router_aux`, the same forward returns the router load-balancing loss (of a
+    mixture-of-experts model) too, which it keeps (`labels`: the batch's, for packed rows' padding tails)."""
     lm, head = found
     softcap = getattr(lm.config, "final_logit_softcapping", None)
     head.__dict__[_TARGETS] = (*where, softcap, per_token, correct, temperature, entropy)
     if softcap is not None:
         lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
     try:
-        return model(**inputs, use_cache=False).logits
+        outputs = model(**inputs, use_cache=False, **(router_aux.forward_kwargs() if router_aux is not None else {}))
+        if router_aux is not None:
+            router_aux.collect(outputs, inputs, labels)
+        return outputs.logits
     finally:
         head.__dict__.pop(_TARGETS, None)
         if softcap is not None:
             lm.config.final_logit_softcapping = softcap
 
 
-def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
+                   router_aux: RouterAux | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of the batch: the sum of log-probabilities of its trained tokens (the response of a preference
     sequence) and their count, from one forward, without full-vocabulary logits (as `token_loss_sum`). Positions and
-    counts come from the host labels, so no host sync either."""
+    counts come from the host labels, so no host sync either. `router_aux`: as `token_loss_and_correct`'s."""
     labels = batch["labels"]
     positions, wanted = trained_positions(labels)
     rows = positions // labels.size(1)  # the row of every trained position, in the order the head returns their losses
@@ -271,18 +279,20 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
         token = F.cross_entropy(logits.reshape(-1, logits.size(-1)).index_select(0, positions).float(), wanted,
                                 reduction="none")
     else:
-        token = _forward_with_targets(model, found, inputs, (positions, wanted), per_token=True).reshape(-1)
+        token = _forward_with_targets(model, found, inputs, (positions, wanted), per_token=True,
+                                      router_aux=router_aux, labels=batch["labels"]).reshape(-1)
     logps = torch.zeros(labels.size(0), dtype=torch.float32, device=token.device).index_add(
         0, rows.to(token.device, non_blocking=True), -token)
     return logps, counts.to(token.device, non_blocking=True)
 
 
 def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
-                temperature: float = 1.0, entropy: list | None = None) -> torch.Tensor:
+                temperature: float = 1.0, entropy: list | None = None, router_aux: RouterAux | None = None) -> torch.Tensor:
     """The log-probability of every trained token of the batch (labels != -100), in row-major order, under the
     logits divided by `temperature` (GRPO's completions, scored as they were sampled, as TRL does), with the graph for
     backward; without full-vocabulary logits (the head computes them a chunk at a time, as `token_loss_sum`).
-    `entropy`: a list the summed entropy of those positions' distributions is appended to (in pieces; detached)."""
+    `entropy`: a list the summed entropy of those positions' distributions is appended to (in pieces; detached).
+    `router_aux`: as `token_loss_and_correct`'s."""
     positions, wanted = trained_positions(batch["labels"])
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()
               if k in ("input_ids", "attention_mask", "position_ids")}
@@ -295,5 +305,5 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
             logp = torch.log_softmax(flat.detach(), dim=-1)
             entropy.append(-(logp.exp() * logp).sum())
         return -F.cross_entropy(flat, wanted, reduction="none")
-    return -_forward_with_targets(model, found, inputs, (positions, wanted), per_token=True,
-                                  temperature=temperature, entropy=entropy).reshape(-1)
+    return -_forward_with_targets(model, found, inputs, (positions, wanted), per_token=True, temperature=temperature,
+                                  entropy=entropy, router_aux=router_aux).reshape(-1)

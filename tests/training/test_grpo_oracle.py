@@ -26,6 +26,7 @@ from finetune.training import objectives
 from finetune.training.objectives.grpo import loss as grpo
 from finetune.training.objectives.grpo import objective as grpo_objective
 from finetune.training.objectives.grpo import rewards as grpo_rewards
+from finetune.training.router_aux import RouterAux
 
 CPU = torch.device("cpu")
 ROWS, WIDTH = 6, 9
@@ -51,14 +52,14 @@ def scene(seed: int = 3, drift: float = 0.0):
 def ours(config: GRPOSection, policy, old, reference, advantages, mask, monkeypatch, is_ratio=None):
     """(micro-batch loss, logged metrics) as training computes them for one micro-batch that is the whole step.
     `is_ratio`: the vLLM sampler correction (then the old log-probs are kept, as TRL keeps them with vLLM)."""
-    def token_logps(model, batch, device, temperature, entropy):
+    def token_logps(model, batch, device, temperature, entropy, router_aux):
         entropy.append((ENTROPIES * mask).sum())  # the policy's per-token entropies, as TRL is handed them
         return policy[mask.bool()]
 
     monkeypatch.setattr(grpo_objective, "token_logps", token_logps)
     recipe = SimpleNamespace(grpo=config, train=SimpleNamespace(objective="grpo"))
     objective = object.__new__(objectives.GRPO)
-    vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0)
+    vars(objective).update(config=config, recipe=recipe, rollout_figures={}, position=0, router_aux=RouterAux())
     objective.rollouts = [grpo.Rollout(batch={}, mask=mask, rewards=torch.zeros(ROWS, 1), truncated=torch.zeros(ROWS),
                                        lengths=mask.sum(-1), advantages=advantages,
                                        old_logps=old * mask if config.num_iterations > 1 or is_ratio is not None

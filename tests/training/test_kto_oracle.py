@@ -63,11 +63,12 @@ def ours(config: KTOSection, policy, reference, mask, kl_policy, kl_reference, k
     filler = lambda values: torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
     scores = {"rows": ((policy * mask).sum(dim=1), mask.sum(dim=1)),
               "kl": ((kl_policy * kl_mask).sum(dim=1), kl_mask.sum(dim=1))}
-    monkeypatch.setattr(kto, "sequence_logps", lambda model, batch, device: tuple(map(filler, scores[batch["which"]])))
+    monkeypatch.setattr(kto, "sequence_logps", lambda model, batch, device, **_: tuple(map(filler, scores[batch["which"]])))
     labels = torch.where(filler(F.pad(mask, (1, 0))), 1, -100)
     batch = {"which": "rows", "labels": labels, "desirable": filler(DESIRABLE), "kl_which": "kl"}
     recipe = SimpleNamespace(kto=config, dpo=PreferenceSection(disable_dropout=False),
-                             model=SimpleNamespace(adapter=None), train=SimpleNamespace(objective="kto"))
+                             model=SimpleNamespace(adapter=None),
+                             train=SimpleNamespace(objective="kto", router_aux_loss_coef=None))
     objective = objectives.KTO(torch.nn.Module(), recipe)
     objective.reference = _Reference({"rows": filler(reference), "kl": filler(kl_reference)})
     totals = [float(v) for v in objective.counts(None, [batch], CPU)]

@@ -106,7 +106,7 @@ def test_each_loss_equals_the_plain_implementation(loss, tiny_llama, pairs_file,
     ours, grads, sums, counts = step(batch)
     plain_reference, _ = plain_logps(peft_model, batch, reference=True)
     with monkeypatch.context() as patch:
-        patch.setattr(preference, "sequence_logps", lambda *args: plain_logps(peft_model, batch, reference=False))
+        patch.setattr(preference, "sequence_logps", lambda *args, **_: plain_logps(peft_model, batch, reference=False))
         expected, expected_grads, expected_sums, _ = step({**batch, "reference_logps": plain_reference.double()})
     assert counts.tolist() == [4, float((batch["labels"][:4, 1:] != -100).sum())]
     assert float(ours) == pytest.approx(float(expected), abs=1e-5, rel=1e-5)

@@ -57,7 +57,7 @@ def ours(config: PreferenceSection, policy, reference_sums, mask, monkeypatch):
     """(step loss, per-pair metric means) of one micro-batch of PAIRS pairs + 1 filler pair, as training computes them."""
     add_filler = lambda values: torch.cat([values[:PAIRS], values.new_zeros(1), values[PAIRS:], values.new_zeros(1)])
     logps, counts = add_filler((policy * mask).sum(dim=1)), add_filler(mask.sum(dim=1))
-    monkeypatch.setattr(preference, "sequence_logps", lambda model, batch, device: (logps, counts))
+    monkeypatch.setattr(preference, "sequence_logps", lambda model, batch, device, **_: (logps, counts))
     batch = {"reference_logps": add_filler(reference_sums)}
     reference = preference.Reference(None, SimpleNamespace(dpo=config, model=SimpleNamespace(adapter=None)))
     loss_sum, nll_sum, metric_sums, totals = preference.micro_batch_terms(None, batch, config, reference, CPU)

@@ -13,6 +13,11 @@ The loop (training/loop.py) is one loop whatever is trained. Per step it asks th
 Before step 1 `prepare(...)` (preference: the precomputed reference log-probs); at eval `evaluate(...)`. Before the
 objective exists, the data stream asks its class `uses_kl_rows(recipe)` (KTO's mismatched rows).
 
+A mixture-of-experts model's load-balancing loss (train.router_aux_loss_coef) is the objective's `router_aux`: its
+`loss` passes it to the training forward (training/loss.py), and the loop adds coef x that forward's aux loss to the
+tensor `loss` returns (training/router_aux.py). `router_aux_by_default` says whether an unset coefficient takes the
+model config's (as the objective's TRL trainer does); an objective whose registry entry says `no_router_aux` has none.
+
 A new objective is a module (or a sub-package) in training/objectives/ with a subclass of Objective, its recipe
 section, and one line in OBJECTIVES (training/objectives/__init__.py): docs/architecture.md.
 """
@@ -24,6 +29,9 @@ from torch import nn
 
 from finetune.data import Example, real_token_count
 from finetune.recipe import Recipe
+from finetune.recipe.objectives import OBJECTIVES
+from finetune.training.loss import causal_lm
+from finetune.training.router_aux import RouterAux
 
 
 class Objective:
@@ -32,6 +40,17 @@ class Objective:
 
     def __init__(self, model: nn.Module, recipe: Recipe, tokenizer=None):
         self.recipe = recipe
+        if OBJECTIVES[recipe.train.objective].no_router_aux:  # (a weight for it is refused with the recipe)
+            self.router_aux = RouterAux()
+        else:
+            lm = causal_lm(model)
+            self.router_aux = RouterAux.for_model(lm, recipe, by_default=lm is not None and self.router_aux_by_default(
+                lm.config))
+
+    def router_aux_by_default(self, model_config) -> bool:
+        """Whether train.router_aux_loss_coef unset takes the model config's coefficient (TRL 1.16's SFT, DPO, KTO and
+        GRPO trainers add the load-balancing loss by default)."""
+        return True
 
     @classmethod
     def uses_kl_rows(cls, recipe: Recipe) -> bool:

@@ -31,6 +31,7 @@ from finetune.recipe import KTOSection, Recipe
 from finetune.training.loss import sequence_logps
 from finetune.training.objectives.base import Objective
 from finetune.training.objectives.preference import Reference, disable_dropout
+from finetune.training.router_aux import RouterAux
 
 # Summed per micro-batch, in this order; the logged metrics (`metric_means`) are TRL's KTOTrainer's names.
 SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected")
@@ -70,10 +71,12 @@ def kl_estimate(kl_sum: float, kl_count: float) -> float:
 
 
 def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: KTOSection, reference: Reference,
-                      kl: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      kl: float, device: torch.device, *, router_aux: RouterAux | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of the rows' weighted losses, metric sums (`SUMS`), [rows, desirable rows, undesirable rows]) of one
-    micro-batch; a row with no completion token (an eval filler) counts for nothing."""
-    logps, counts = sequence_logps(model, batch, device)
+    micro-batch; a row with no completion token (an eval filler) counts for nothing. `router_aux`: the policy's
+    forward also gives a mixture-of-experts model's load-balancing loss to it (not the KL rows', as TRL)."""
+    logps, counts = sequence_logps(model, batch, device, router_aux=router_aux)
     ref = reference.logps(model, batch, device).to(logps.device, logps.dtype)
     desirable = batch["desirable"].to(logps.device)
     weight = (counts > 0).to(logps.dtype)
@@ -132,7 +135,8 @@ class KTO(Objective):
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
         loss_sum, metric_sums, _ = micro_batch_terms(model, batch, self.config, self.reference,
-                                                     kl_estimate(totals[3], totals[4]), device)
+                                                     kl_estimate(totals[3], totals[4]), device,
+                                                     router_aux=self.router_aux)
         share = loss_sum / max(totals[0], 1)
         return share * distributed.info().world_size, share.detach(), metric_sums
 

@@ -33,8 +33,10 @@ from finetune import distributed, parallel
 from finetune.data import IGNORE_INDEX, Example, eval_batches, set_reference_logps
 from finetune.errors import CheckpointError
 from finetune.recipe import PreferenceSection, Recipe
+from finetune.recipe.router_aux import text_config
 from finetune.training.loss import sequence_logps
 from finetune.training.objectives.base import Objective
+from finetune.training.router_aux import RouterAux
 
 WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
 # TRL's names (DPOTrainer; ORPOTrainer adds nll_loss, log_odds_ratio, log_odds_chosen). Means over the pairs, but
@@ -99,15 +101,17 @@ def _split(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def micro_batch_terms(model: nn.Module, batch: dict[str, torch.Tensor], config: PreferenceSection, reference: Reference,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      device: torch.device, *, router_aux: RouterAux | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of pair losses, sum of chosen-token NLL, per-metric sums (`metric_names`), [pairs, chosen tokens]) of one
     micro-batch.
 
     Filler pairs (eval batches topped up for equal shares) have no scored token and count for nothing. logps/* are the
     scores the rewards come from: sums for the losses with a reference (TRL's DPOTrainer), the length-normalized
-    scores for orpo and simpo (TRL's ORPOTrainer and CPOTrainer).
+    scores for orpo and simpo (TRL's ORPOTrainer and CPOTrainer). `router_aux`: the policy's forward (of the chosen
+    and rejected sequences together, as TRL's) also gives a mixture-of-experts model's load-balancing loss to it.
     """
-    logps, counts = sequence_logps(model, batch, device)
+    logps, counts = sequence_logps(model, batch, device, router_aux=router_aux)
     valid = (counts[: counts.size(0) // 2] > 0) & (counts[counts.size(0) // 2 :] > 0)
     ref_logps = reference.logps(model, batch, device) if config.loss in WITH_REFERENCE else None
     scale = counts.clamp(min=1).to(logps.dtype) if config.normalized() else torch.ones_like(logps)
@@ -312,6 +316,12 @@ class Preference(Objective):
             disable_dropout(model)
         self.reference = Reference(model, recipe)  # before a resume loads newer LoRA values
 
+    def router_aux_by_default(self, model_config) -> bool:
+        """TRL 1.16's DPOTrainer adds the load-balancing loss by default; its ORPOTrainer and CPOTrainer (orpo, simpo)
+        only when the model config's output_router_logits is true (false in the hub's configs)."""
+        return self.recipe.dpo.loss not in ("orpo", "simpo") or bool(getattr(text_config(model_config),
+                                                                             "output_router_logits", False))
+
     def prepare(self, model: nn.Module, train: list[Example], evaluation: list[Example], recipe: Recipe, *, pad_id: int,
                 out_dir, resume_from) -> None:
         """dpo.reference precomputed: every pair's reference log-probs, computed now or read back on resume."""
@@ -328,7 +338,8 @@ class Preference(Objective):
         return [pairs, tokens]
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
-        loss_sum, nll_sum, metric_sums, _ = micro_batch_terms(model, batch, self.config, self.reference, device)
+        loss_sum, nll_sum, metric_sums, _ = micro_batch_terms(model, batch, self.config, self.reference, device,
+                                                              router_aux=self.router_aux)
         share = combine(loss_sum, nll_sum, totals, self.config)
         return share * distributed.info().world_size, share.detach(), metric_sums
 

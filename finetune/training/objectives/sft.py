@@ -21,7 +21,7 @@ class Supervised(Objective):
 
     def loss(self, model: nn.Module, batch: dict, totals: list[float], device: torch.device):
         """(tensor to backpropagate, this micro-batch's contribution to the logged sum, metric sums or None)."""
-        batch_loss, _, correct = token_loss_and_correct(model, batch, device)
+        batch_loss, _, correct = token_loss_and_correct(model, batch, device, router_aux=self.router_aux)
         return (batch_loss * distributed.info().world_size / max(totals[0], 1), batch_loss.detach(),
                 correct.reshape(1).double())
 

@@ -110,7 +110,7 @@ class GRPO(Objective):
         self.position += 1
         entropy: list[torch.Tensor] = []
         logps = loss.dense(token_logps(model, rollout.batch, device, temperature=self.config.temperature,
-                                       entropy=entropy), rollout.mask)
+                                       entropy=entropy, router_aux=self.router_aux), rollout.mask)
         mask = rollout.mask.to(logps.device)
         moved = lambda t: None if t is None else t.to(logps.device)
         per_token, coef, kl = loss.per_token_terms(logps, moved(rollout.old_logps), moved(rollout.ref_logps),
