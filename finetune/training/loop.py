@@ -68,7 +68,8 @@ class TrainResult:
     tokens: int = 0
     resumed_tokens: int = 0  # of the steps before the checkpoint this launch resumed from: not trained in `seconds`
     seconds: float = 0.0
-    step_seconds: float = 0.0  # of the optimizer steps alone (no eval, checkpoint or generation eval)
+    step_seconds: float = 0.0  # of the trained optimizer steps alone (no eval, checkpoint, generation eval, skipped step)
+    skipped_steps: int = 0  # nan_policy: skip: steps of this launch not applied (their loss or gradient not finite)
     generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
 
     @property
@@ -257,15 +258,17 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     grad_norm, finite = optimizer_step(model, optimizer, parameters, t.max_grad_norm,
                                                        allowed=math.isfinite(loss))
                 lr = scheduler.get_last_lr()[0]  # the rate this step trained at, as HF Trainer logs it (not the next one's)
+                result.steps = step  # the steps run, skipped ones included (nan_policy: skip)
                 if finite:
                     scheduler.step()
-                    result.steps, result.tokens = step, result.tokens + int(global_seen)
+                    result.tokens = result.tokens + int(global_seen)
                     result.losses.append(loss)
                 else:
+                    result.skipped_steps += 1
                     handle_numerical_fault(step, loss, grad_norm, recipe, out_dir, metrics)
 
                 elapsed = time.perf_counter() - step_start
-                result.step_seconds += elapsed
+                result.step_seconds += elapsed if finite else 0.0  # tokens/s: the trained steps' tokens over their time
                 signals.timed(step, first_step, elapsed)  # a step longer than the launcher's grace after SIGTERM
                 if finite and (step % t.log_every == 0 or step == t.max_steps):
                     # HF Trainer's and TRL's names: num_tokens counts every step so far (a resume goes on counting)

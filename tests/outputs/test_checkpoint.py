@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -258,3 +259,19 @@ def test_nan_loss_stops_with_a_message_and_writes_no_nan(base_recipe, tmp_path):
     checkpoints = step_folders.list_checkpoints(run)
     assert checkpoints and f"the newest checkpoint, {checkpoints[-1][1]} (step {checkpoints[-1][0]}), is intact" in output
     assert all(step_folders.checkpoint_problem(path) is None for _, path in checkpoints)
+
+
+def test_nan_policy_skip_goes_on_and_the_summary_counts_the_steps_run_and_skipped(base_recipe, tmp_path):
+    """Found by a bug bash of the numbers a run reports: with nan_policy: skip the summary said `steps` 1 (the last
+    good step's number) after every step ran, and tokens/s divided the good steps' tokens by every step's time."""
+    from conftest import read_metrics
+
+    run = tmp_path / "run"
+    code, output = finish(start(command(base_recipe, run, "single", "train.learning_rate=1e30", "train.nan_policy=skip",
+                                        "train.save_every=0"), tmp_path / "skip.log"), tmp_path / "skip.log")
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+    done = output.split("[finetune] done: ")[1].splitlines()[0]  # a dict's repr (its losses may read nan)
+    summary = {key: float(value) for key, value in re.findall(r"'(steps|skipped_steps|tokens_per_s)': ([\d.]+)", done)}
+    skipped = [r for r in read_metrics(run) if "skipped" in r]  # step 1 trains at lr 1e30; every later step is NaN
+    assert skipped and summary["steps"] == MAX_STEPS and summary["skipped_steps"] == len(skipped)
+    assert summary["tokens_per_s"] > 0
