@@ -16,24 +16,75 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 # -------------------------------------------------------------------------------------------------- adapter
-def adapter_key_map(peft_model) -> dict[str, str]:
+class AdapterKeys(dict):
+    """Model parameter name -> PEFT's on-disk key, for every trainable tensor; and `buffers`: on-disk key -> (module,
+    buffer name) of the frozen buffers PEFT saves beside a modules_to_save copy (a trained router's
+    `e_score_correction_bias`), which `save_adapter` writes from the module as it is then."""
+
+    buffers: dict[str, tuple[torch.nn.Module, str]]
+
+
+def adapter_key_map(peft_model) -> AdapterKeys:
     """Model parameter name -> PEFT's on-disk key, computed by PEFT itself on the unwrapped model.
 
     Call before the parallel wrap: PEFT finds adapter tensors by walking the module tree, and FSDP1 inserts
     `_fsdp_wrapped_module` levels into it, after which PEFT silently selects nothing (an empty adapter).
+    PEFT's state dict of a modules_to_save copy is the copy's whole state dict: with lora.train_router, the routers of
+    DeepSeek-V3, GLM-4.5 or Kimi K2.5 also hold a persistent buffer, the routing bias `e_score_correction_bias` (no
+    gradient moves it). PEFT's loader asks for it too (a KeyError without it), so it is saved (`AdapterKeys.buffers`);
+    a KeyError here stopped such runs before their first step.
     """
     from peft.utils import get_peft_model_state_dict
 
     trainable = {name: param for name, param in peft_model.named_parameters() if param.requires_grad}
-    tagged = {name: torch.tensor([index]) for index, name in enumerate(trainable)}
+    buffers = _copy_buffers(peft_model)
+    tagged = {name: torch.tensor([index]) for index, name in enumerate([*trainable, *buffers])}
     on_disk = get_peft_model_state_dict(peft_model, state_dict=tagged)
-    names = list(trainable)
-    keys = {names[int(value.item())]: key for key, value in on_disk.items()}
+    names = [*trainable, *buffers]
+    keys = AdapterKeys()
+    keys.buffers = {}
+    for key, value in on_disk.items():
+        name = names[int(value.item())]
+        if name in buffers:
+            keys.buffers[key] = buffers[name]
+        else:
+            keys[name] = key
     from finetune.model.reward_head import SCORE_KEY
 
     if SCORE_KEY in trainable:  # a reward model's head: saved under PEFT's key of a modules_to_save head
         keys[SCORE_KEY] = SCORE_KEY
     return keys
+
+
+def _copy_buffers(peft_model) -> dict[str, tuple[torch.nn.Module, str]]:
+    """The persistent buffers of PEFT's modules_to_save copies: model name -> (the copy, the buffer's name)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    found = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for adapter, copy in module.modules_to_save.items():
+                for owner_name, owner in copy.named_modules():
+                    for buffer in owner._buffers:
+                        if buffer not in owner._non_persistent_buffers_set:
+                            prefix = f"{name}.modules_to_save.{adapter}." + (f"{owner_name}." if owner_name else "")
+                            found[prefix + buffer] = (owner, buffer)
+    return found
+
+
+def _buffer_tensors(key_map: dict[str, str], out_dir: Path) -> dict[str, torch.Tensor]:
+    """`AdapterKeys.buffers`' values from their modules now (rank 0 holds every buffer whole: FSDP shards no buffer)."""
+    tensors = {}
+    for key, (module, name) in getattr(key_map, "buffers", {}).items():
+        value = module._buffers[name]
+        if value.is_meta:
+            raise CheckpointError(
+                f"the adapter was not written to {out_dir}: {key}, a buffer of a router that lora.train_router trains "
+                "(PEFT saves it with the router, and its loader needs it), has no value here: the model was built "
+                "without weights, as `finetune export` builds it for a checkpoint step. Fix: export the run folder "
+                "instead (its adapter/ holds the buffer), or train with lora.train_router: false.")
+        tensors[key] = value.detach().to("cpu").contiguous()
+    return tensors
 
 
 def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path, *,
@@ -48,6 +99,7 @@ def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str
             f"adapter gather is missing {len(missing)} of {len(key_map)} tensors (e.g. {missing[:2]}): refusing to write a partial adapter"
         )
     tensors = {key_map[name]: trainable_state[name].detach().to("cpu").contiguous() for name in key_map}
+    tensors.update(_buffer_tensors(key_map, out_dir))
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the adapter has NaN/inf values ({bad[0]} and {len(bad) - 1} more); not written over {out_dir}.")

@@ -41,11 +41,12 @@ def get_peft_model(model: nn.Module, config, *, train_router: bool = False, **kw
 
     On a MoE model, targets that cannot work are refused first (`check_expert_targets`), before any weight is read
     when the model is a meta skeleton; whatever else PEFT refuses becomes one paragraph naming lora.target_modules.
-    `train_router` (lora.train_router): the routers become PEFT's modules_to_save (`trainable_routers`)."""
+    `train_router` (lora.train_router): the routers become PEFT's modules_to_save (`routers_to_save`,
+    `trainable_routers`)."""
     from peft import get_peft_model as peft_get_peft_model
 
     if train_router:
-        config.modules_to_save = router_names(model)
+        config.modules_to_save = routers_to_save(model)
     excluded = _exclude_linear_routers(model, config)
     if not has_routed_experts(model):
         return _without_exclusion(peft_get_peft_model(model, config, **kwargs), excluded, kwargs)
@@ -80,15 +81,37 @@ def _is_router(child: nn.Module) -> bool:
             and not list(child.children()) and isinstance(getattr(child, "weight", None), torch.Tensor))
 
 
-def router_names(model: nn.Module) -> list[str]:
-    """The routers' module names (`gate`, `router`), one beside each layer's `RoutedExperts` (`_is_router`).
+def _router_paths(model: nn.Module) -> list[str]:
+    """The routers' full module names (`model.layers.1.mlp.gate`), one beside each layer's `RoutedExperts`.
     ModelLoadError when the model has none (lora.train_router on a dense model)."""
-    names = sorted({name for parent in model.modules() if any(isinstance(c, RoutedExperts) for c in parent.children())
-                    for name, child in parent.named_children() if _is_router(child)})
-    if not names:
-        raise ModelLoadError("lora.train_router: true, but this model has no mixture-of-experts router to train. Fix: "
-                             "remove lora.train_router (it applies to Mixtral- and Qwen-MoE-style models).")
-    return names
+    paths = [f"{parent_name}.{name}" if parent_name else name for parent_name, parent in model.named_modules()
+             if any(isinstance(child, RoutedExperts) for child in parent.children())
+             for name, child in parent.named_children() if _is_router(child)]
+    if not paths:
+        raise ModelLoadError("lora.train_router: true, but this model has no router finetune can train: it trains, in "
+                             "full, a router that is one module of its own beside each layer's experts split into "
+                             "per-expert Linears (Mixtral-, Qwen-MoE-, DeepSeek-V3-style models), and this model is "
+                             "dense, keeps its experts whole or routes in another way (DeepSeek-V4's routers hold a "
+                             "scoring module and hash tables). Fix: remove lora.train_router.")
+    return paths
+
+
+def router_names(model: nn.Module) -> list[str]:
+    """The routers' leaf names (`gate`, `router`), one beside each layer's `RoutedExperts` (`_is_router`).
+    ModelLoadError when the model has none (lora.train_router on a dense model)."""
+    return sorted({path.rsplit(".", 1)[-1] for path in _router_paths(model)})
+
+
+def routers_to_save(model: nn.Module) -> list[str]:
+    """lora.train_router's `modules_to_save`: names that select the routers and nothing else by PEFT's rule, which
+    takes every module whose name merely ends with one (no dot boundary: the bare `gate` also took Qwen-MoE's,
+    Qwen3-Next's and Qwen3.5-MoE's `shared_expert_gate`, a 4-bit Linear or a LoRA layer that PEFT then fails to copy).
+    Each router as its parent's name and its own (`mlp.gate`, `feed_forward.router`: short, and the same under a
+    multimodal model's prefix), or by its full name where those would take another module too."""
+    paths = _router_paths(model)
+    short = sorted({".".join(path.split(".")[-2:]) for path in paths})
+    taken = {name for name, _ in model.named_modules() if name.endswith(tuple(short))}
+    return short if taken == set(paths) else sorted(paths)
 
 
 def _own_forward_linear(child: nn.Module) -> bool:
