@@ -232,3 +232,19 @@ def test_a_router_buffer_without_a_value_is_refused_in_one_paragraph(tmp_path):
         save_adapter(peft_model.peft_config["default"], key_map, state, tmp_path / "adapter")
     assert "e_score_correction_bias" in str(error.value) and "Fix:" in str(error.value)
     assert not (tmp_path / "adapter").exists()
+
+
+def test_experts_take_the_fp32_input_a_trained_router_scales_for_bf16_weights():
+    """Found with a sweep of lora.train_router: Llama 4 multiplies the experts' input by the router's scores, and a
+    trained router (fp32) made that input fp32 for bf16 experts: `quantization: none` in bf16 stopped at the first
+    forward ("expected m1 and m2 to have the same dtype"). The experts now compute in their weights' dtype."""
+    from torch.nn import functional as F
+
+    from finetune.model.experts.routed import ExpertMLP, ExpertNames
+
+    torch.manual_seed(0)
+    expert = ExpertMLP(ExpertNames(("gate_proj", "up_proj"), ("down_proj",)), 8, 16, F.silu, dtype=torch.bfloat16)
+    x = torch.randn(3, 8)
+    out = expert(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expert(x.to(torch.bfloat16)))

@@ -31,6 +31,11 @@ class ExpertMLP(nn.Module):
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(getattr(self, self.names.gate_up[0]), "weight", None)
+        if weight is not None and weight.is_floating_point() and x.dtype != weight.dtype:
+            # Llama 4 scales the experts' input by the router's scores: a trained router (lora.train_router, kept in
+            # fp32) made it fp32 for bf16 experts (quantization none: "expected m1 and m2 to have the same dtype")
+            x = x.to(weight.dtype)
         gate, up = (getattr(self, name)(x) for name in self.names.gate_up)
         return getattr(self, self.names.down[0])(self.act_fn(gate) * up)
 
