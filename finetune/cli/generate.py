@@ -10,7 +10,9 @@ the run's rows rendered theirs in training (data.datasets[0]; finetune/data/prom
 GRPO's prompts use): alpaca rows' template, the raw text of completion and text rows and of GRPO's text prompts, the
 chat template for chat rows (history kept in the interactive chat), each with the dataset's system prompt and tools
 where its rows had them; the first line says which. Decoding is greedy and stops at every end token the model lists,
-so the same prompt gives the same answer. A reward model's adapter (a score head) generates nothing: refused.
+and at the chat template's end of turn where that is text to the tokenizer (ChatML's `<|im_end|>` on a Llama 2 base,
+trained as pieces: the answer is cut there), so the same prompt gives the same answer. A reward model's adapter (a
+score head) generates nothing: refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.data.prompts import dataset_prompt_ids
+from finetune.data.prompts import dataset_prompt_ids, turn_end_stops
 from finetune.data.templates import row_system, template_rendered
 from finetune.errors import FinetuneError
 from finetune.outputs.export import (
@@ -172,7 +174,9 @@ def cli_generate(args: argparse.Namespace) -> int:
         model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
     style = prompt_style(source.recipe, tokenizer)
     what = "base model alone" if args.no_adapter else f"base + adapter {source.origin}"
-    print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens); prompts "
+    stops = turn_end_stops(tokenizer)
+    until = f", ending at the template's `{stops[0]}` written as text" if stops else ""
+    print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens{until}); prompts "
           f"rendered as {style.said}")
     if not args.prompt:
         chat(model, tokenizer, style=style, max_new_tokens=args.max_new_tokens)

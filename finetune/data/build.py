@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from finetune.data.cache import dataset_store
+from finetune.data.chat import note_turn_end
 from finetune.data.examples import DataStats, Example, PreparedData, weighted_share
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
 from finetune.data.prompts import prompt_examples
@@ -45,6 +46,8 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
         train, evaluation, prompt_stats = prompt_examples(recipe, tokenizer)
         return PreparedData(train, train, evaluation, prompt_stats)
     stats, stores, origin = DataStats(), [], []
+    if any(spec.format == "chat" for spec in recipe.data.datasets):
+        note_turn_end(tokenizer)  # said here too: rows mapped from the cache are not rendered again
     for index, spec in enumerate(recipe.data.datasets):
         store, counts = dataset_store(spec, recipe, tokenizer)
         _count(stats, store, counts, spec, f"data.datasets[{index}]")

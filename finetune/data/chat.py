@@ -17,7 +17,10 @@ example, a three-turn Qwen3 conversation with reasoning is three. docs/data.md h
 A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>, <|return|>, <|call|>), trained: the model must
 learn to stop. A template that writes none (GLM's) ends the turn where the next message's special token opens
 (<|user|>, or <|observation|> after tool calls): that token is added after the turn and trained, as TRL's GLM
-training template does, since it is where the model stops at inference.
+training template does, since it is where the model stops at inference. A template whose end of turn is no token
+of the tokenizer (ChatML given to a Llama 2 or Mistral base: `<|im_end|>` is ten ordinary pieces) trains it as text:
+turn_end finds it, the first row rendered says so once (note_turn_end), and generation stops on that text
+(data/prompts.py: turn_end_stops).
 
 The proof, on every row: the span starts after the history (so no earlier message is trained), ends with W (so
 no later one is), and holds the turn's answer, each of its tool calls' names and, unless data.reasoning: drop, its
@@ -122,6 +125,7 @@ def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[di
                   trained_from: int = 0, reasoning: str = "train") -> list[list[tuple[str, bool]]]:
     """The examples of a conversation as (text, trained) segments: the assistant turns from message `trained_from`
     on trained, each in its inference context (module docstring); earlier turns are context."""
+    note_turn_end(tokenizer)  # a template whose end of turn is text to this tokenizer: said once
     renderer = _Renderer(tokenizer, messages, tools, reasoning, where)
     turns = [_locate(renderer, messages, index) for index, message in enumerate(messages)
              if message["role"] == "assistant" and index >= trained_from]
@@ -273,3 +277,79 @@ def _reasoning_at(renderer: _Renderer, messages: list[dict], turn: _Turn, text: 
                         "template's own text in its span, so data.reasoning: context cannot leave it untrained. Fix: "
                         "data.reasoning: train or drop, or set data.bad_rows: skip.")
     return found.end() - len(message["reasoning"].strip())
+
+
+# ------------------------------------------------------------------------------------ the end of a turn, generating
+_END_PROBE = "Z7Q_END_PROBE"  # an assistant answer rendered to read what the template writes after it
+_TURN_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NOTED: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """What the chat template writes right after an assistant answer to close the turn. `special_id`: the special
+    token it closes with (ChatML's <|im_end|> on a tokenizer that has it, Llama 3's <|eot_id|>), which generation
+    lists among its end tokens. `text`: the marker as text where the template closes with something that is no
+    special token of this tokenizer (ChatML given to a Llama 2 or Mistral base: `<|im_end|>` is 10 ordinary
+    pieces, `ids`), which the model learns to write as text and generation stops on as text (a stop string)."""
+
+    special_id: int | None
+    text: str
+    ids: tuple[int, ...]
+
+
+def turn_end(tokenizer) -> TurnEnd | None:
+    """The tokenizer's chat template's end of an assistant turn (kept per tokenizer and template), or None for a
+    template that closes no turn (GLM's: the next turn's opener ends it) or a tokenizer without a template."""
+    from jinja2 import TemplateError
+
+    template = chat_template_text(tokenizer)
+    known = _TURN_ENDS.get(tokenizer)
+    if known is not None and known[0] == template:
+        return known[1]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": _END_PROBE}], tokenize=False)
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError):  # none, or one needing more than this
+        text = ""
+    found = None
+    if isinstance(text, str) and _END_PROBE in text:
+        tail = text.split(_END_PROBE, 1)[1]
+        special = set(tokenizer.convert_tokens_to_ids(special_tokens(tokenizer)))
+        ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+        marker = next((line.strip() for line in tail.splitlines() if line.strip()), "")
+        if any(i in special for i in ids):
+            found = TurnEnd(next(i for i in ids if i in special), "", ())
+        elif marker:  # text: the model writes it piece by piece, decoding keeps it
+            found = TurnEnd(None, marker, tuple(tokenizer(marker, add_special_tokens=False)["input_ids"]))
+    _TURN_ENDS[tokenizer] = (template, found)
+    return found
+
+
+def turn_end_note(tokenizer) -> str | None:
+    """A note for a template whose end of turn is not one token of this tokenizer (None otherwise): what is trained,
+    where generation stops, and how to have one token instead."""
+    end = turn_end(tokenizer)
+    if end is None or end.special_id is not None or len(end.ids) < 2:
+        return None
+    pieces = " ".join(repr(piece) for piece in tokenizer.convert_ids_to_tokens(list(end.ids)))
+    eos = f" (its EOS {tokenizer.eos_token}: a .jinja template that closes each assistant turn with " \
+          "{{ eos_token }})" if tokenizer.eos_token else ""
+    return (f"the chat template closes each assistant turn with `{end.text}`, which is not a token of this tokenizer: "
+            f"it is trained as text, {len(end.ids)} pieces ({pieces}), and generation (the generation eval, `finetune "
+            "generate`, GRPO's sampling) stops once the model has written them, the marker cut from the answer. To "
+            f"have a one-token end of turn, use a template that closes turns with a token this tokenizer has{eos}, "
+            "or a base whose tokenizer has the template's tokens (Qwen's bases have <|im_end|>; Llama 3's have "
+            "<|eot_id|>: model.chat_template: llama-3.1); finetune does not add tokens to a vocabulary.")
+
+
+def note_turn_end(tokenizer) -> None:
+    """Print turn_end_note once per tokenizer (rank 0): the first row rendered, or GRPO's prompts read, says it."""
+    from finetune.distributed import print0
+
+    if tokenizer in _NOTED:
+        return
+    _NOTED.add(tokenizer)
+    note = turn_end_note(tokenizer)
+    if note:
+        print0(f"[finetune] note: {note}")

@@ -17,7 +17,7 @@ import itertools
 
 import numpy as np
 
-from finetune.data.chat import special_tokens
+from finetune.data.chat import note_turn_end, turn_end
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
 from finetune.data.templates import render_segments, row_system, row_tools, template_rendered
@@ -135,6 +135,7 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
     if recipe.data.eval_datasets:
         raise DataError(_NO_EVAL_FILES.format(count=len(recipe.data.eval_datasets)))
     budget = recipe.data.max_length - recipe.grpo.max_completion_length
+    note_turn_end(tokenizer)  # a template whose end of turn is text: the policy stops on it as text (chat.py)
     stats, examples, index = DataStats(), [], 0
     for number, spec in enumerate(recipe.data.datasets):
         key = f"data.datasets[{number}]"
@@ -189,17 +190,23 @@ def turn_end_ids(tokenizer) -> list[int]:
     """The special token the chat template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
     Gemma's <end_of_turn>): what a model trained on the template learns to stop with, which a base model's generation
     config does not list when the recipe gives it a template (model.chat_template). None for a template that closes
-    no turn (the next turn's opener ends it) or a tokenizer without one."""
-    from jinja2 import TemplateError
+    no turn (the next turn's opener ends it), one that closes it with text (turn_end_stops), or no template."""
+    end = turn_end(tokenizer)
+    return [end.special_id] if end is not None and end.special_id is not None else []
 
-    marker = "Z7Q_END_PROBE"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
-                                             tokenize=False)
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError):  # none, or one needing more than this
-        return []
-    if not isinstance(text, str) or marker not in text:
-        return []
-    special = set(tokenizer.convert_tokens_to_ids(special_tokens(tokenizer)))
-    tail = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
-    return [next(i for i in tail if i in special)] if any(i in special for i in tail) else []
+
+def turn_end_stops(tokenizer) -> list[str]:
+    """The stop strings of generation: the chat template's end of turn where it is text to this tokenizer, not a
+    special token (ChatML's `<|im_end|>` on a Llama 2 or Mistral base: trained as 10 pieces, chat.turn_end). A model
+    trained on that template writes the pieces and never the EOS, so generation stops once the text is written
+    (transformers' stop_strings, vLLM's stop), and the text is cut from the answer (cut_at_stops), as decoding
+    drops a special end token."""
+    end = turn_end(tokenizer)
+    return [end.text] if end is not None and end.text else []
+
+
+def cut_at_stops(text: str, stops: list[str]) -> str:
+    """`text` up to the first stop string in it (the answer without the end-of-turn marker nor what follows it)."""
+    for stop in stops:
+        text = text.split(stop, 1)[0]
+    return text

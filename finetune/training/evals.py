@@ -6,7 +6,10 @@ is the first trained span, e.g. the first assistant turn) or `{"prompt": text, "
 is already rendered (chat template applied). Only rows with a question and an answer to give are asked: a KTO row's
 undesirable completion is no reference, and a text row (every token trained) has no prompt. Generation is greedy and
 stops at every end token (the tokenizer's EOS and the model's generation config's, as GRPO's), so the score is
-deterministic.
+deterministic. Where the chat template's end of turn is text to the tokenizer (ChatML's `<|im_end|>` on a Llama 2 or
+Mistral base: trained as ordinary pieces, never followed by the EOS), generation also stops once that text is
+written (transformers' stop_strings) and the text is cut from the answer and from the reference, as a special end
+token is dropped in decoding: the score compares the answers.
 
 Under FSDP/DDP every rank must call this with the same rows (each forward is a collective); with greedy decoding
 all ranks then take the same number of steps.
@@ -21,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from finetune.data import IGNORE_INDEX
+from finetune.data.prompts import cut_at_stops, turn_end_stops
 from finetune.distributed import print0
 
 Metric = Literal["exact_match", "contains", "prefix_match"]
@@ -62,7 +66,7 @@ def prompt_and_reference(row: Any, tokenizer) -> tuple[list[int], str]:
         raise ValueError("an eval example has no trained token, so it has no reference answer")
     end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
     reference = tokenizer.decode(row.input_ids[first:end], skip_special_tokens=True)
-    return list(row.input_ids[:first]), reference
+    return list(row.input_ids[:first]), cut_at_stops(reference, turn_end_stops(tokenizer))
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -78,7 +82,8 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 @torch.no_grad()
 def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
                    device: torch.device | None = None) -> list[str]:
-    """Greedy continuations of token-id prompts (left-padded into one batch), decoded without special tokens.
+    """Greedy continuations of token-id prompts (left-padded into one batch), decoded without special tokens and
+    cut at the chat template's end of turn where that is text (prompts.turn_end_stops).
 
     `device`: where the inputs go, the rank's compute device in a run. Only a plain model (`finetune generate`) may
     leave it to the first parameter's device: under CPU offload that is the CPU while the forward runs on the GPU.
@@ -88,7 +93,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
     device = device or next(model.parameters()).device
     # Every token that ends a turn stops an answer, as GRPO's completions: the tokenizer's EOS and the generation
     # config's (a chat model's end-of-turn token, `<end_of_turn>`, or `<|im_end|>` of a chat template given to a base).
-    eos = eos_token_ids(model, tokenizer)
+    eos, stops = eos_token_ids(model, tokenizer), turn_end_stops(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad_id = pad_id if pad_id is not None else eos[0]
     batch = _left_padded(prompts, pad_id, device)
@@ -102,9 +107,12 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
         temperature=None,
         top_p=None,
         top_k=None,
+        # an end of turn written as text stops the row as transformers' StopStringCriteria finds it (a wrapper's
+        # greedy loop without stop strings runs on: the cut below makes the answer the same)
+        **({"stop_strings": stops, "tokenizer": tokenizer} if stops else {}),
     )
     new_tokens = output[:, batch["input_ids"].shape[1] :]
-    return [tokenizer.decode(row, skip_special_tokens=True) for row in new_tokens]
+    return [cut_at_stops(tokenizer.decode(row, skip_special_tokens=True), stops) for row in new_tokens]
 
 
 def generation_eval(

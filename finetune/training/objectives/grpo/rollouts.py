@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from finetune import distributed, host_memory
+from finetune.data import IGNORE_INDEX
+from finetune.data.prompts import cut_at_stops, turn_end_ids, turn_end_stops
 from finetune.errors import RewardError
 from finetune.parallel import unwrap
 from finetune.training.loss import token_logps
@@ -40,9 +42,8 @@ def generation_gather(configured: str = "once") -> str:
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
     """The tokens that end a completion: the tokenizer's EOS, the model's generation config's (a chat model's
     end-of-turn token) and the token the chat template closes an assistant turn with (a base model given
-    model.chat_template lists none: it ran past its trained end of turn to max_completion_length)."""
-    from finetune.data.prompts import turn_end_ids
-
+    model.chat_template lists none). Where that end of turn is text to the tokenizer (ChatML's `<|im_end|>` on a
+    Llama 2 base), generation stops on the text instead (prompts.turn_end_stops)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     ids |= set(turn_end_ids(tokenizer))
     configured = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
@@ -141,7 +142,8 @@ def _served(model: nn.Module, micro_batches: list[dict], objective) -> list[tupl
              for batch in micro_batches]
     completions, logps = objective.vllm.sample([p for group in prompts for p in group],
                                                [s for group in seeds for s in group],
-                                               eos_ids=eos_token_ids(model, objective.tokenizer))
+                                               eos_ids=eos_token_ids(model, objective.tokenizer),
+                                               stop=turn_end_stops(objective.tokenizer))
     served, start, g = [], 0, objective.config.num_generations
     for group in prompts:
         end = start + len(group) * g
@@ -160,7 +162,7 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     g = config.num_generations
     expanded = [p for p in prompts for _ in range(g)]
     seeds = [sampling_seed(recipe.train.seed, objective.step, index, j) for index in indices for j in range(g)]
-    eos = eos_token_ids(model, tokenizer)
+    eos, stops = eos_token_ids(model, tokenizer), turn_end_stops(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampler_logps = None
     if served is not None:
@@ -168,11 +170,13 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     else:
         completions = generate_completions(model, expanded, seeds, max_new_tokens=config.max_completion_length,
                                            temperature=config.temperature, top_p=config.top_p, eos_ids=eos,
-                                           pad_id=pad, device=device, gather=generation_gather(config.generation_gather))
-    inputs, mask, truncated = grpo.sequences(expanded, completions, pad_id=pad, eos_ids=eos,
-                                             mask_truncated=config.mask_truncated_completions)
+                                           pad_id=pad, device=device, gather=generation_gather(config.generation_gather),
+                                           stop_strings=stops, tokenizer=tokenizer)
+    written = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    inputs, mask, truncated = _sequences(expanded, completions, written, eos, stops, pad=pad,
+                                         mask_truncated=config.mask_truncated_completions)
     rows = [row for row in batch["rows"] for _ in range(g)]
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    texts = [cut_at_stops(text, stops) for text in written]  # the answer, as an EOS is skipped in decoding
     shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for t, r in zip(texts, rows)]
     columns = reward_columns(rows)
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
@@ -191,6 +195,20 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
                            shown=[{"prompt_index": index, "prompt": row["prompt"], "completion": text}
                                   for index, row, text in zip([i for i in indices for _ in range(g)], rows, texts)])
     return rollout, problem
+
+
+def _sequences(prompts: list[list[int]], completions: list[list[int]], written: list[str], eos: list[int],
+               stops: list[str], *, pad: int, mask_truncated: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """grpo.sequences, where a completion also ends (is not truncated) on a stop string it wrote (`written`: its
+    decoded text): the chat template's end of turn that is text to the tokenizer, ending the completion as an EOS
+    does (sampling stops on the first, so one in the text ends it)."""
+    inputs, mask, truncated = grpo.sequences(prompts, completions, pad_id=pad, eos_ids=eos, mask_truncated=False)
+    if stops:
+        truncated &= torch.tensor([not any(stop in text for stop in stops) for text in written])
+    if mask_truncated:
+        mask[truncated] = 0.0
+        inputs["labels"][truncated] = IGNORE_INDEX
+    return inputs, mask, truncated
 
 
 def sampler_figures(rollouts: list[grpo.Rollout], config) -> dict:

@@ -12,6 +12,8 @@ the sampling RNG state is a function of the checkpoint's step, nothing to save b
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -73,30 +75,40 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 @torch.no_grad()
 def generate_completions(model: nn.Module, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
                          temperature: float, top_p: float, eos_ids: list[int], pad_id: int, device: torch.device,
-                         gather: str = "once") -> list[list[int]]:
+                         gather: str = "once", stop_strings: list[str] | None = None,
+                         tokenizer=None) -> list[list[int]]:
     """The completion of every prompt row (each row its own seed; repeat a prompt G times for its group): token ids
-    up to and including the first EOS, or max_new_tokens of them. Every rank calls this together under FSDP and
-    ZeRO-3 (each forward is a collective); `gather`: how FSDP2 gathers (parallel.decoding_model).
+    up to and including the first EOS, or the token that completes a stop string (`stop_strings`, with the
+    `tokenizer`: a chat template's end of turn that is text to it, prompts.turn_end_stops), or max_new_tokens of
+    them. Every rank calls this together under FSDP and ZeRO-3 (each forward is a collective); `gather`: how FSDP2
+    gathers (parallel.decoding_model).
 
-    The model is in eval mode for the call (no dropout) and restored after."""
+    The model is in eval mode for the call and restored after."""
     was_training = model.training
     model.eval()
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     ids, mask = _left_padded(prompts, pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(eos_ids, device=device)
+    stops = _stop_criteria(tokenizer, stop_strings)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    lengths = torch.full((len(prompts),), max_new_tokens, dtype=torch.long, device=device)
     tokens, cache, current = [], None, ids
     try:
         with decoding_model(model, gather=gather) as (root, sharded):
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 out = root(input_ids=current, attention_mask=mask, position_ids=positions, use_cache=True,
                            logits_to_keep=1, **{KV_CACHE: cache})
                 cache = getattr(out, KV_CACHE)
                 token = sample_tokens(out.logits[:, -1].float(), generators, temperature=temperature, top_p=top_p)
                 token = torch.where(done, torch.full_like(token, pad_id), token)
                 tokens.append(token)
-                done = done | torch.isin(token, eos)
+                ending = torch.isin(token, eos)
+                if stops is not None:  # the window of the last tokens: a stop string ends in the newest one
+                    ending |= stops(torch.stack(tokens[-stops.maximum_token_len:], dim=1), None).to(device)
+                ending &= ~done
+                lengths = torch.where(ending, step + 1, lengths)
+                done = done | ending
                 running = not bool(done.all())
                 if not (distributed.any_rank(running) if sharded else running):  # every rank stops at the same step
                     break
@@ -107,8 +119,23 @@ def generate_completions(model: nn.Module, prompts: list[list[int]], seeds: list
     if not tokens:
         return [[] for _ in prompts]
     table = torch.stack(tokens, dim=1).tolist()
-    completions = []
-    for row in table:
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        completions.append(row[:end])
-    return completions
+    return [row[:end] for row, end in zip(table, lengths.tolist())]
+
+
+_STOP_CRITERIA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stop_criteria(tokenizer, stop_strings: list[str] | None):
+    """transformers' StopStringCriteria of the stop strings (what generate(stop_strings=...) stops with: the string
+    written in any split into tokens, ending in the newest token), or None without stop strings. Kept per tokenizer:
+    building one reads the whole vocabulary, and every GRPO step samples."""
+    if not stop_strings:
+        return None
+    if tokenizer is None:
+        raise ValueError("generate_completions: stop_strings need the tokenizer, to match them in the tokens")
+    from transformers import StopStringCriteria
+
+    known = _STOP_CRITERIA.get(tokenizer)
+    if known is None or known[0] != tuple(stop_strings):
+        known = _STOP_CRITERIA[tokenizer] = (tuple(stop_strings), StopStringCriteria(tokenizer, list(stop_strings)))
+    return known[1]

@@ -306,12 +306,16 @@ class VLLMGeneration:
         self.served, self.base = distributed.broadcast_object((self.served, self.base))
         self.synced_step = step
 
-    def sample(self, prompts: list[list[int]], seeds: list[int], *, eos_ids: list[int]) -> tuple[list, list]:
+    def sample(self, prompts: list[list[int]], seeds: list[int], *, eos_ids: list[int],
+               stop: list[str] | None = None) -> tuple[list, list]:
         """(completions, their tokens' sampler log-probs): grpo.num_generations per prompt, in the prompts' order,
-        each prompt's group drawn from its own seed."""
+        each prompt's group drawn from its own seed. `stop`: stop strings (a chat template's end of turn that is text
+        to the tokenizer, prompts.turn_end_stops), kept in the completion as an EOS is, the builtin sampler's way."""
         g = self.config
         sampling = {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_completion_length,
                     "stop_token_ids": eos_ids, "skip_special_tokens": False}
+        if stop:
+            sampling.update(stop=list(stop), include_stop_str_in_output=True)
         answers = sample_on_rank0(self.server, list(zip(prompts, seeds)), n=g.num_generations,
                                   model=self.served or self.base, sampling=sampling)
         completions = [ids for group in answers for ids, _ in group]
