@@ -131,3 +131,53 @@ def test_warmup_ratio_is_hfs_share_of_the_run_rounded_up(tmp_path):
         validate_recipe({**BASE, "train": {"warmup_steps": 3, "warmup_ratio": 0.1}})
     with pytest.raises(RecipeError, match="train.warmup_ratio"):
         validate_recipe({**BASE, "train": {"warmup_ratio": 1.5}})
+
+
+# ------------------------------------------------------------------------------------------------- bug bash bb9
+@pytest.mark.parametrize("section,key", [("dpo", "dpo.loss"), ("kto", "kto.loss")])
+def test_trls_loss_type_points_to_the_sections_loss(section, key):
+    """Found by a bug bash: `dpo.loss_type` / `kto.loss_type` / `reward.loss_type` were told to move to
+    `grpo.loss_type`, a GRPO setting a DPO run never reads (the recipe then refused for setting the grpo section)."""
+    with pytest.raises(RecipeError) as caught:
+        load_recipe_overrides([f"{section}.loss_type=ipo"])
+    assert f"`loss_type` is `{key}` here." in str(caught.value) and "grpo" not in str(caught.value)
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "reward": {"loss_type": "sigmoid"}})
+    assert "`reward.loss_type` has no counterpart here: a reward model trains with TRL RewardTrainer's" in str(caught.value)
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "dpo": {"temperature": 0.5}})
+    assert "`temperature` is `grpo.temperature` here, a setting of train.objective grpo; the dpo: section has no " \
+           "such key." in str(caught.value)
+
+
+@pytest.mark.parametrize("loss,objective", [("orpo", "dpo"), ("simpo", "dpo"), ("ipo", "dpo"), ("apo_zero_unpaired", "kto")])
+def test_a_loss_named_as_the_objective_gets_the_objective_and_its_loss(loss, objective):
+    """Found by a bug bash: `train.objective=orpo` got only pydantic's list of objectives, not that ORPO is
+    `dpo.loss: orpo` here."""
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "train": {"objective": loss}})
+    assert f"Fix: train.objective: {objective} and {objective}.loss: {loss}" in str(caught.value)
+
+
+@pytest.mark.parametrize("name,section", [("training", "train"), ("dataset", "data"), ("peft", "lora"),
+                                          ("LORA", "lora"), ("TRAIN", "train"), ("evaluation", "eval")])
+def test_a_mistyped_section_gets_the_section(name, section):
+    """Found by a bug bash: top-level typos got no suggestion (`training.`, `dataset.`, `peft.`, `LORA.`: difflib's
+    cutoff 0.8, case-sensitive), only the list of sections."""
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, name: {}})
+    text = str(caught.value)
+    assert f"`{name}` is the `{section}:` section here." in text or f"Did you mean `{section}`?" in text, text
+    with pytest.raises(RecipeError, match=f"`{name}` is not a recipe key.*`{section}"):
+        load_recipe_overrides([f"{name}.x=1"])
+
+
+def load_recipe_overrides(overrides: list[str]):
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "r.yaml"
+        path.write_text(yaml.safe_dump(BASE))
+        return load_recipe(path, overrides)

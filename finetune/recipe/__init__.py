@@ -2,7 +2,10 @@
 
     schema.py  the closed, typed schema (pydantic): the sections, load_recipe / validate_recipe, recipe_to_yaml
     data.py    the data: section (datasets, lengths, the held-out split, packing, streaming)
-    text.py    reading recipe text: the YAML file, key.path=value overrides, errors as one paragraph, "did you mean"
+    text.py    reading recipe text: the YAML file (encoding, one document, aliases as copies), errors as one
+               paragraph, "did you mean"
+    overrides.py  key.path=value from the command line: the key checked, the value taken as written
+    paths.py   path values as written: $VARIABLES (not expanded), relative paths beside the recipe but not here
     checks.py  checks spanning sections: what an objective needs of the data, what streaming cannot do, warmup
     objectives.py  the registry of train.objective: each objective's training class, section, data formats
     one module per objective's section, beside its checks: preference.py (dpo:, TRL's DPOConfig names), kto.py
@@ -16,6 +19,7 @@ from finetune.recipe.checks import steps_for_epochs
 from finetune.recipe.data import DataSection, DatasetSpec
 from finetune.recipe.grpo import GRPOSection
 from finetune.recipe.kto import KTOSection
+from finetune.recipe.overrides import parse_override
 from finetune.recipe.preference import PreferenceSection
 from finetune.recipe.reward import RewardSection
 from finetune.recipe.schema import (
@@ -34,7 +38,7 @@ from finetune.recipe.schema import (
     recipe_to_yaml,
     validate_recipe,
 )
-from finetune.recipe.text import parse_override, read_yaml
+from finetune.recipe.text import read_yaml
 
 __all__ = ["DType", "DataSection", "DatasetSpec", "EvalSection", "GRPOSection", "KTOSection", "LoraSection", "ModelSection",
            "OutputSection", "ParallelSection", "PreferenceSection", "QuantizationSection", "Recipe", "RewardSection", "TrainSection",

@@ -11,6 +11,8 @@ and LoraConfig, so a field they add, or a recipe key that moves, shows up there.
 
 from __future__ import annotations
 
+from finetune.recipe.objectives import OBJECTIVES
+
 # name -> the recipe key it means (with what differs, after a semicolon).
 MEANS: dict[str, str] = {
     # HF TrainingArguments
@@ -175,18 +177,55 @@ SECTION_MEANS: dict[str, dict[str, str]] = {
     "lora": {"rank": "r", "lora_r": "r", "lora_rank": "r", "target": "target_modules", "targets": "target_modules",
              "modules": "target_modules"},
     "data": {"dataset": "datasets", "max_len": "max_length", "seq_len": "max_length"},
+    # TRL's DPOConfig / KTOConfig `loss_type` (not GRPO's, a key of another objective)
+    "dpo": {"loss_type": "loss"},
+    "kto": {"loss_type": "loss"},
+}
+
+# section -> {name: why that section has no such key}: asked before the other sections' keys, like SECTION_MEANS.
+SECTION_NO_COUNTERPART: dict[str, dict[str, str]] = {
+    "reward": {"loss_type": "a reward model trains with TRL RewardTrainer's Bradley-Terry loss only "
+                            "(reward.center_rewards_coefficient adds its centering term); DPO's losses are "
+                            "train.objective: dpo with dpo.loss"},
+}
+
+# What people call a section at the top level of a recipe (HF's, PEFT's and bitsandbytes' names, plurals).
+TOP_LEVEL_MEANS: dict[str, str] = {
+    **dict.fromkeys(("training", "trainer", "training_args", "training_arguments", "trainer_args", "optimization"),
+                    "train"),
+    **dict.fromkeys(("dataset", "datas"), "data"),
+    **dict.fromkeys(("peft", "peft_config", "lora_config", "adapter_config"), "lora"),
+    **dict.fromkeys(("quant", "quantisation", "quantization_config", "bnb", "bnb_config", "bitsandbytes"),
+                    "quantization"),
+    **dict.fromkeys(("evaluation", "evaluate", "evals"), "eval"),
+    **dict.fromkeys(("distributed", "parallelism", "fsdp_config"), "parallel"),
+    **dict.fromkeys(("outputs", "out", "save"), "output"),
+    **dict.fromkeys(("models", "base"), "model"),
 }
 
 
-def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | None = None) -> str | None:
+def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | None = None, *,
+                 top_level: bool = False) -> str | None:
     """What to tell a user who wrote `name` where the recipe has no such key (in `section`, when it is one of the
-    recipe's sections): the key it means there, where it belongs (a key of another section), or why there is none.
-    None: not a name the table knows (the caller may guess)."""
+    recipe's sections; `top_level`: where the sections are): the key it means there, where it belongs (a key of
+    another section), or why there is none. None: not a name the table knows (the caller may guess)."""
+    if name != name.lower() and name.lower() not in (k for keys in schema_keys.values() for k in keys):
+        found = foreign_name(name.lower(), schema_keys, section, top_level=top_level)  # `LORA`, `Learning_Rate`
+        return found.replace(f"`{name.lower()}`", f"`{name}`", 1) if found else None
+    if top_level and name in TOP_LEVEL_MEANS:
+        return f"`{name}` is the `{TOP_LEVEL_MEANS[name]}:` section here."
     if name in SECTION_MEANS.get(section or "", {}):
         return f"`{name}` is `{section}.{SECTION_MEANS[section][name]}` here."
+    if name in SECTION_NO_COUNTERPART.get(section or "", {}):
+        return f"`{section}.{name}` has no counterpart here: {SECTION_NO_COUNTERPART[section][name]}."
     sections = [section for section, keys in schema_keys.items() if name in keys]
     if sections:
         where = " or ".join(f"`{section}.{name}`" for section in sections)
+        reads = dict(OBJECTIVES[section].reads) if section in OBJECTIVES else None
+        if reads is not None and all(other in OBJECTIVES and other not in reads for other in sections):
+            # `dpo.temperature`: GRPO's, which a DPO run never reads; moving it would not set anything for DPO
+            return (f"`{name}` is {where} here, a setting of train.objective {' or '.join(sections)}; the {section}: "
+                    "section has no such key.")
         return f"`{name}` is {where} here: move it to that section."
     if name in MEANS:
         key, _, note = MEANS[name].partition("; ")

@@ -10,7 +10,7 @@ class RewardSection(BaseModel):
     """A reward model (train.objective: reward): a scalar head (`score`, trained in full) on the last token of each
     response, LoRA on the base, the Bradley-Terry loss of TRL's RewardTrainer on preference pairs."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # 1e999, .inf refused
 
     center_rewards_coefficient: float | None = Field(
         None, ge=0, description="TRL's name: adds coefficient x mean((r_chosen + r_rejected)^2) to the loss, which "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -44,19 +45,16 @@ from finetune.recipe.checks import (
 )
 from finetune.recipe.data import DataSection
 from finetune.recipe.objectives import OBJECTIVES, sections
-from finetune.recipe.text import (  # read_yaml: also the CLI's
-    absolute_local_paths,
-    apply_override,
-    format_errors,
-    parse_override,
-    read_yaml,
-)
+from finetune.recipe.overrides import apply_override, parse_override
+from finetune.recipe.paths import beside_the_recipe, check_no_variables
+from finetune.recipe.text import absolute_local_paths, format_errors, read_yaml  # read_yaml: also the CLI's
 
 DType = Literal["bfloat16", "float16", "float32"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `1e999` and `.inf` are refused at their key ("finite number"), not an OverflowError later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
@@ -190,6 +188,18 @@ class TrainSection(_Section):
     mlflow_experiment: str = Field("finetune", description="MLflow experiment name.")
     wandb_project: str = Field("finetune", description="Weights & Biases project (offline mode without an API key).")
 
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _loss_named_as_objective(cls, value: Any) -> Any:
+        # `train.objective: orpo` (TRL has an ORPOTrainer): here ORPO, IPO, SimPO ... are losses of an objective
+        for name, section in sections().items():
+            loss = section.model_fields.get("loss")
+            if isinstance(value, str) and value not in OBJECTIVES and loss is not None and value in typing.get_args(
+                    loss.annotation):
+                raise ValueError(f"`{value}` is a loss of the {name} objective here. Fix: train.objective: {name} and "
+                                 f"{name}.loss: {value}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _null_unsets(cls, values: Any) -> Any:
@@ -262,12 +272,23 @@ class _RecipeCore(_Section):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_take_defaults(cls, values: Any) -> Any:
+        # A section header whose keys are all commented out (`quantization:` then `# method: nf4`) is null in YAML:
+        # it means the section's defaults, as leaving the section out does (it meant `quantization: none`: plain
+        # LoRA, silently). The command line's `quantization=null` is refused before (recipe/overrides.py).
+        if isinstance(values, dict):
+            optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
+            values = {key: value for key, value in values.items() if value is not None or key not in optional}
+        return values
+
     @field_validator("quantization", mode="before")
     @classmethod
     def _scalar_quantization(cls, value: Any) -> Any:
         # `quantization: none` (or `nf4`) is the short form of `quantization: {method: ...}`.
-        if isinstance(value, str) or value is None:
-            return {"method": value or "none"}
+        if isinstance(value, str):
+            return {"method": value}
         if value is False:
             return {"method": "none"}
         return value
@@ -354,10 +375,15 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     device model.dtype: auto is resolved for (this process's, or GPUs when planning for them)."""
     raw = read_yaml(path)
     for text in overrides:
-        parts, value = parse_override(text)
+        parts, value = parse_override(text, root=_SCHEMA_ROOT)
         apply_override(raw, parts, value, text, root=_SCHEMA_ROOT)
+    check_no_variables(raw, str(path))
+    beside = beside_the_recipe(raw, path)  # said once the recipe is valid
     absolute_local_paths(raw)  # recipe.yaml and the adapter then name the files trained, read from anywhere
-    return validate_recipe(raw, source=str(path), dtype_device=dtype_device)
+    recipe = validate_recipe(raw, source=str(path), dtype_device=dtype_device)
+    for warning in beside if _says_here() else ():
+        print(f"[finetune] warning: {warning}", file=sys.stderr, flush=True)
+    return recipe
 
 
 _ANNOUNCE = [True]  # False inside `announcements_muted()`
@@ -379,12 +405,16 @@ def announcing() -> bool:
     return _ANNOUNCE[0]
 
 
+def _says_here() -> bool:
+    return os.environ.get("RANK", "0") in ("", "0") and _ANNOUNCE[0]  # once per run, not once per rank
+
+
 def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     try:
         recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
     except ValidationError as exc:
         raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT)) from None
-    if os.environ.get("RANK", "0") in ("", "0") and _ANNOUNCE[0]:  # once per run, not once per rank
+    if _says_here():
         # stderr: `plan --json` stays JSON
         choice = recipe.dtype_choice
         if choice is not None and choice.requested == "auto":

@@ -1,4 +1,5 @@
-"""Reading recipe text: the YAML file, `key.path=value` overrides, and pydantic's errors as one paragraph.
+"""Reading recipe text: the YAML file (its encoding, one document, aliases as copies), pydantic's errors as one
+paragraph, and "did you mean" for an unknown key. Overrides (`key.path=value`) are finetune/recipe/overrides.py.
 
 The schema itself (finetune/recipe/schema.py) passes its root model in, so this leaf knows nothing of the sections: a key is
 checked against whatever schema the caller validates with, and an unknown one gets the nearest valid key suggested.
@@ -6,9 +7,10 @@ checked against whatever schema the caller validates with, and an unknown one ge
 
 from __future__ import annotations
 
+import codecs
+import datetime
 import difflib
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +57,40 @@ def section_keys(root: type[BaseModel]) -> dict[str, list[str]]:
     return sections
 
 
-def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None, section: str | None = None) -> str:
+def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None, section: str | None = None,
+            top_level: bool = False) -> str:
     """What to say of an unknown key: the key it means where it is another tool's name or belongs in another section
     (finetune/recipe/names.py), else a near spelling of a key here (close enough to be a typo, never a key of
-    another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`), else the keys here."""
-    known = foreign_name(key, section_keys(root), section) if root is not None else None
+    another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`; case aside: `LORA` is `lora`),
+    else the keys here. `top_level`: `key` is where the sections are (`training` is `train`)."""
+    known = foreign_name(key, section_keys(root), section, top_level=top_level) if root is not None else None
     if known:
         return f" {known}"
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
+    close = close or difflib.get_close_matches(key.lower(), candidates, n=1, cutoff=0.8)
     if close:
         return f" Did you mean `{close[0]}`?"
     return f" Valid keys here: {', '.join(candidates)}."
+
+
+def not_text(value: Any, key: str) -> str:
+    """What to say of a value YAML typed where text is expected (`output.dir: 2024-01-01` is a date, `12:30` the number
+    750 in YAML 1.1, `yes` true, `a: b` or `{...}` a mapping): how it was read, and to quote it."""
+    if isinstance(value, dict):
+        kind = f"a mapping ({value!r}): a `: ` or `{{...}}` inside a value starts one"
+    elif isinstance(value, list):
+        kind = f"a list ({value!r}): a value starting with `[` is one"
+    elif isinstance(value, bool):
+        kind = f"{str(value).lower()}: YAML reads yes/no, on/off and true/false as booleans"
+    elif isinstance(value, (datetime.date, datetime.datetime)):
+        kind = f"a date ({value})"
+    elif isinstance(value, (int, float)):
+        kind = f"the number {value!r} (YAML 1.1 reads 12:30 as 750, in base 60, and 0042 as octal 34)"
+    else:
+        kind = f"{type(value).__name__} {value!r}"
+    example = f"'{value}'" if isinstance(value, (datetime.date, datetime.datetime)) else "'...'"
+    return (f"expected text, but YAML read the value as {kind}. Fix: put the text in quotes, as written: "
+            f"`{key}: {example}`.")
 
 
 def format_errors(error: ValidationError, source: str, *, root: type[BaseModel]) -> str:
@@ -80,10 +105,13 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
         elif item["type"] == "extra_forbidden":
             parent = schema_at(root, loc[:-1])
             section = str(loc[0]) if len(loc) == 2 else None
-            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section) if parent else ""
+            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section,
+                           top_level=len(loc) == 1) if parent else ""
             lines.append(f"  {dotted}: unknown key.{hint}")
         elif item["type"] == "missing":
             lines.append(f"  {dotted}: required key is missing.")
+        elif item["type"] == "string_type" and asked is not None:
+            lines.append(f"  {dotted}: {not_text(asked, str(loc[-1]))}")
         else:
             got = item.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -91,60 +119,6 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
             lines.append(f"  {dotted}: {msg}{got_text}")
     plural = "s" if len(lines) > 1 else ""
     return f"{source}: {len(lines)} problem{plural} in the recipe:\n" + "\n".join(lines)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.max_steps=50` -> (["train", "max_steps"], 50); `data.datasets[0].path=x` or `data.datasets.0.path=x`
-    -> (["data", "datasets", "0", "path"], "x"); `datasets[-1]` is the last item. Values are parsed as YAML
-    scalars/lists."""
-    if "=" not in text:
-        raise RecipeError(f"override `{text}`: expected KEY.PATH=VALUE, for example train.max_steps=50.")
-    key, _, raw = text.partition("=")
-    parts = []
-    for part in (p for p in key.strip().split(".") if p):  # a list's item as `datasets.0` or `datasets[0]`
-        indexed = re.fullmatch(r"([^\[\]]+)((?:\[-?\d+\])+)", part)
-        parts += [indexed.group(1), *re.findall(r"-?\d+", indexed.group(2))] if indexed else [part]
-    if not parts:
-        raise RecipeError(f"override `{text}`: the key before `=` is empty; write e.g. output.dir=runs/x.")
-    try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else None  # (a SafeLoader)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"override `{text}`: the value is not valid YAML ({exc.problem}).") from None
-    return parts, value
-
-
-def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: type[BaseModel]) -> None:
-    """Set a dotted key in the raw recipe dict; the key must exist in the schema `root` (typos are caught here too)."""
-    node: Any = raw
-    schema: type[BaseModel] | None = root
-    for depth, part in enumerate(parts):
-        index = int(part) if re.fullmatch(r"-?\d+", part) else None
-        if schema is not None and part not in schema.model_fields and not isinstance(node, list):
-            where = ".".join(parts[:depth]) or "the top level"
-            hint = suggest(part, field_names(schema), root=root, section=parts[0] if depth == 1 else None)
-            raise RecipeError(
-                f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is not a recipe key.{hint} (keys under {where})")
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            if index is None or not -len(node) <= index < len(node):
-                items = f"0 to {len(node) - 1}, or -1 for the last" if node else "none"
-                raise RecipeError(f"override `{text}`: `{part}` is not an index of the list (it has {len(node)} items: "
-                                  f"{items}).")
-            if last:
-                node[index] = value
-                return
-            node = node[index]
-            schema = schema_at(root, tuple(p for p in parts[: depth + 1] if re.fullmatch(r"-?\d+", p) is None))
-            continue
-        if last:
-            node[part] = value
-            return
-        if not isinstance(node.get(part), (dict, list)):
-            node[part] = {} if node.get(part) is None else node[part]
-            if not isinstance(node[part], (dict, list)):
-                raise RecipeError(f"override `{text}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section.")
-        node = node[part]
-        schema = schema_at(root, tuple(p for p in parts[: depth + 1] if re.fullmatch(r"-?\d+", p) is None))
 
 
 def absolute_local_paths(raw: dict) -> None:
@@ -208,7 +182,7 @@ def drop_removed_keys(raw: dict) -> list[str]:
     return dropped
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, but a key given twice in one mapping is an error where PyYAML keeps the last one
     silently (a second `train:` section would replace the whole first one)."""
 
@@ -228,6 +202,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
+    """A YAML file (a recipe, an accelerate config) as a dict whose every mapping and list is its own: an item written
+    as an alias (`*cols`) is a copy of its anchor, so an override of one item never changes the other."""
     path = Path(path)
     if not path.is_file():
         hint = " (it is a folder)" if path.is_dir() else ""
@@ -236,12 +212,57 @@ def read_yaml(path: str | os.PathLike) -> dict:
             "`finetune recipes` lists the library."
         )
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # (a SafeLoader)
+        raw = yaml.load(decoded(path), Loader=UniqueKeyLoader)  # (a SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. Fix the YAML at that place.") from None
+        context = getattr(exc, "context", None)
+        fix = ("Fix the YAML at that place (text that starts with [, {, %, *, &, ! or @, or holds `: ` or ` #`, "
+               "goes in quotes: `key: '...'`).")
+        if context == "expected a single document in the stream":  # PyYAML's problem: "but found another document"
+            problem = "a second YAML document starts here (a `---` line after the first); a recipe is one document"
+            fix = "Fix: remove that `---` line, or keep one document per file."
+        elif context:
+            problem = f"{context}, {problem}"
+        raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. {fix}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {type(raw).__name__}.")
-    return raw
+    return unshared(raw, path)
+
+
+def decoded(path: Path) -> str:
+    """The file's text: UTF-8, or the Unicode encoding its byte-order mark names (UTF-16 is what Windows Notepad saves
+    as "Unicode"). Any other encoding is refused naming the line, never a UnicodeDecodeError traceback."""
+    data = path.read_bytes()
+    for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+                       (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+        if data.startswith(bom):
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError:
+                break
+    if b"\x00" in data:  # UTF-16 without a byte-order mark: every other byte of ASCII text is 0
+        raise RecipeError(f"{path}: the file is not UTF-8 text (it holds NUL bytes: UTF-16 without a byte-order mark?). "
+                          "Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        latin = data[exc.start:exc.start + 1].decode("latin-1")
+        raise RecipeError(
+            f"{path}: line {line}: the file is not UTF-8 text (byte 0x{data[exc.start]:02x}, `{latin}` in Latin-1 or "
+            "Windows-1252). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
+
+
+def unshared(node: Any, path: Path, _inside: tuple[int, ...] = ()) -> Any:
+    """`node` with every mapping and list copied: PyYAML builds an anchor and its aliases as one shared object."""
+    if not isinstance(node, (dict, list)):
+        return node
+    if id(node) in _inside:
+        raise RecipeError(f"{path}: a YAML alias refers to a mapping or list that holds it (`&name` ... `*name` "
+                          "inside it), which has no end. Fix: write the value out instead of the alias.")
+    inside = (*_inside, id(node))
+    if isinstance(node, dict):
+        return {key: unshared(value, path, inside) for key, value in node.items()}
+    return [unshared(value, path, inside) for value in node]
