@@ -117,6 +117,16 @@ def test_names_without_a_counterpart_say_why():
     assert "`dataloader_num_workers` is a setting of HF's Trainer" in text
 
 
+def test_peft_ways_to_train_embeddings_point_to_lora_on_them():
+    """Found by a bug bash: lora.modules_to_save / trainable_token_indices were called HF Trainer or TRL settings
+    that "have no use here"; they are PEFT LoraConfig's, and LoRA on the embeddings (target_modules) is the way here."""
+    with pytest.raises(RecipeError) as caught:
+        validate_recipe({**BASE, "lora": {"modules_to_save": ["embed_tokens"], "trainable_token_indices": [5]}})
+    text = str(caught.value)
+    assert "HF's Trainer" not in text and text.count("PEFT LoraConfig's") == 2
+    assert "lora.target_modules (`[..., embed_tokens, lm_head]`" in text and "lora.target_modules `[..., embed_tokens]`" in text
+
+
 # ------------------------------------------------------------------------------------------------- warmup_ratio
 def test_warmup_ratio_is_hfs_share_of_the_run_rounded_up(tmp_path):
     recipe = validate_recipe({**BASE, "train": {"max_steps": 95, "warmup_ratio": 0.1}})

@@ -120,6 +120,11 @@ NO_COUNTERPART: dict[str, str] = {
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, chosen per strategy",
     "adapter": "every run trains a LoRA adapter on a 4-bit base (QLoRA); quantization.method: none for plain LoRA",
     "special_tokens": "the tokenizer's own special tokens are used; new ones would need trained embeddings",
+    "modules_to_save": "PEFT LoraConfig's full trained copies of modules are not offered (routers: lora.train_router); "
+                       "to train the embeddings or the head, list them in lora.target_modules (`[..., embed_tokens, "
+                       "lm_head]`: LoRA on them)",
+    "trainable_token_indices": "PEFT LoraConfig's trained token rows are not offered (finetune adds no tokens); LoRA "
+                               "on the embeddings is lora.target_modules `[..., embed_tokens]`",
     "lr_scheduler_kwargs": "train.lr_schedule and train.min_lr_ratio are the schedule's settings",
     "adam_beta1": "AdamW's betas are torch's defaults (0.9, 0.999)",
     "adam_beta2": "AdamW's betas are torch's defaults (0.9, 0.999)",
@@ -156,9 +161,9 @@ MANAGED: frozenset[str] = frozenset({
     # PEFT LoraConfig (set by finetune from the lora section, or not used with QLoRA)
     "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
     "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode", "init_lora_weights", "kasa_config",
-    "layer_replication", "layers_pattern", "layers_to_transform", "loftq_config", "modules_to_save",
+    "layer_replication", "layers_pattern", "layers_to_transform", "loftq_config",
     "monteclora_config", "peft_type", "peft_version", "rank_pattern", "runtime_config", "target_parameters",
-    "task_type", "trainable_token_indices", "use_bdlora", "velora_config",
+    "task_type", "use_bdlora", "velora_config",
 })
 
 
