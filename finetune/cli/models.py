@@ -22,6 +22,9 @@ on every linear layer, gradient checkpointing, the default dtype), and its adapt
 accelerate_configs/fsdp2.yaml and fsdp1.yaml (2 processes). A refused architecture is refused before any weight
 loads, with the reason and the fix (also by `finetune validate`).
 
+Mixture-of-experts models train with their router load-balancing loss (train.router_aux_loss_coef; docs/recipes.md,
+Mixture-of-experts); DeepSeek-V3, GLM-4.5, Kimi K2.5 and Llama 4 compute none.
+
 Below those, every other model type of the installed transformers with a causal-LM or image-text-to-text class, as
 the models matrix last found it (`make models-matrix`: each trained tiny in a forked child, the record in
 finetune/model/matrix.json, with the transformers version it ran on): trained tiny (not checked by the suite), untried

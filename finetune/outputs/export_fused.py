@@ -105,7 +105,10 @@ def _fused_factors(tensors: dict, prefix: str, split, family, fused: str, parts:
 
 
 def _dtype(tensors: dict) -> torch.dtype:
-    return next(iter(tensors.values())).dtype
+    """The LoRA factors' dtype. Not the first tensor's: safetensors stores integer tensors first, and a router saved
+    with the adapter (lora.train_router) can carry one (DeepSeek-V4's `tid2eid`), in which the fused factors would be
+    truncated to integers (zeros)."""
+    return next(value.dtype for key, value in tensors.items() if ".lora_" in key and value.is_floating_point())
 
 
 def _pseudo_expert(names, b_parts: dict, total: int):

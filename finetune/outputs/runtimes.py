@@ -176,12 +176,12 @@ def check_peft_load(folder: Path, base_config) -> Verdict:
     with torch.device("meta"):
         model = build(base_config)
     peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)
-    _materialize_adapter(peft_model, written)
+    expected = _as_peft_converts(peft_model, written)
+    _materialize_adapter(peft_model, {**written, **expected})
     result = set_peft_model_state_dict(peft_model, written)
     unexpected = list(result.unexpected_keys)
     missing = [key for key in result.missing_keys if "lora_" in key or "modules_to_save" in key]
     loaded = get_peft_model_state_dict(peft_model)
-    expected = _as_peft_converts(peft_model, written)
     differ = [key for key, value in expected.items()
               if key not in loaded or loaded[key].is_meta or not torch.equal(loaded[key], value)]
     if unexpected or missing or differ:
@@ -208,14 +208,28 @@ def _as_peft_converts(peft_model, written: dict) -> dict:
     return written if converted.keys() == written.keys() else converted
 
 
-def _materialize_adapter(peft_model, written: dict) -> None:
-    """Give the adapter's own parameters (LoRA, DoRA magnitudes, modules_to_save copies, base layers saved with the
-    adapter) real CPU storage; the rest of the base stays on the meta device."""
-    for name, param in list(peft_model.named_parameters(remove_duplicate=False)):  # tied lm_head is a duplicate
-        if param.is_meta and ("lora_" in name or "modules_to_save" in name or name in written):
-            parent_name, _, leaf = name.rpartition(".")
-            parent = peft_model.get_submodule(parent_name)
-            setattr(parent, leaf, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=False))
+def _materialize_adapter(peft_model, tensors: dict) -> None:
+    """Give the adapter's own tensors (LoRA, DoRA magnitudes, modules_to_save copies with their buffers, base layers
+    saved with the adapter) real CPU storage, each in the dtype the file holds it in; the rest of the base stays on the
+    meta device. A router copy's buffer (DeepSeek-V3's `e_score_correction_bias`) left on the meta device would read as
+    different, and so would the file's fp32 router (lora.train_router trains it in fp32) rounded into a copy of a bf16
+    base's router: the check is whether PEFT puts each tensor of the file in its place, not the base's precision."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = peft_model.state_dict(keep_vars=True)  # the model's own tensors: their file keys, by identity
+    file_keys = {id(tensor): key for key, tensor in get_peft_model_state_dict(peft_model, state_dict=state).items()}
+    named = [*peft_model.named_parameters(remove_duplicate=False), *peft_model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:  # remove_duplicate=False: a tied lm_head is a duplicate
+        key = file_keys.get(id(tensor), name)
+        if not tensor.is_meta or not ("lora_" in name or "modules_to_save" in name or key in tensors):
+            continue
+        dtype = tensors[key].dtype if key in tensors else tensor.dtype
+        parent_name, _, leaf = name.rpartition(".")
+        parent = peft_model.get_submodule(parent_name)
+        if isinstance(tensor, torch.nn.Parameter):
+            setattr(parent, leaf, torch.nn.Parameter(torch.zeros(tensor.shape, dtype=dtype), requires_grad=False))
+        else:
+            parent._buffers[leaf] = torch.zeros(tensor.shape, dtype=dtype)  # keeps it persistent or not, as it was
 
 
 def expert_lora_verdicts(vllm: Verdict, llama_cpp: Verdict, tensor_names: list[str], *, fused: bool = False) -> None:
