@@ -17,7 +17,12 @@ What is filtered, each by its exact message, so that a new warning of the same l
     (validate, plan, train): Llama 4 Scout's llama3 rope has equal low and high frequency factors (the model's own
     values: "high_freq_factor field must be greater than low_freq_factor"), and gpt-oss's config.json states no
     dtype, so the planner's fallback from `config.dtype` to the older name `config.torch_dtype` (planner/facts.py)
-    reads transformers' deprecated alias ("`torch_dtype` is deprecated! Use `dtype` instead!").
+    reads transformers' deprecated alias ("`torch_dtype` is deprecated! Use `dtype` instead!");
+  * PEFT's UserWarning "Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`", said
+    by every run and export with LoRA on `embed_tokens` or `lm_head`. It says PEFT's own save would add the layers'
+    base weights; finetune never saves through it: a run asks PEFT only for the names of its trainable tensors
+    (outputs/adapter_files.py), so its adapter holds the LoRA tensors and no embedding weight, and export asks only
+    for the keys such an adapter may hold (outputs/export.py). The warning described a save that does not happen.
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
 """
 
@@ -46,6 +51,7 @@ _WARNINGS = (  # (category, start of the message as a regular expression)
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
     (UserWarning, r"FSDP is switching to use `NO_SHARD`"),
     (UserWarning, r"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned"),
+    (UserWarning, r"Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`"),
 )
 
 

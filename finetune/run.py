@@ -32,6 +32,7 @@ except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imp
 def run(recipe_path: str, overrides: list[str]) -> dict:
     """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
     from finetune import data, model, outputs, parallel, tracking, training
+    from finetune.data.vocab import check_token_ids
 
     recipe = _checked_recipe(recipe_path, overrides)
     info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
@@ -42,6 +43,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         streaming = recipe.data.streaming  # rows read, tokenized and packed while training (data/streaming.py)
         train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
         distributed.print0((data.streaming_line if streaming else data.data_line)(stats, recipe))
+        check_token_ids(recipe, tokenizer, train_examples, eval_examples)  # an id past the embedding: refused here
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
         # train.num_epochs -> max_steps (not for a stream); then the checkpoint of a resume fits this run, or one paragraph
         training.resolve_length(recipe, train_examples, plan, resume_from=folder.resume_from)

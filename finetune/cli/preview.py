@@ -13,6 +13,7 @@ import sys
 
 from finetune.data import IGNORE_INDEX, Example, PreparedData, steps_per_epoch
 from finetune.data.build import eval_overlap
+from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -33,6 +34,7 @@ def cli_data(args: argparse.Namespace) -> int:
         prepared = data.stream_preview(recipe, tokenizer, rows=args.rows)
     else:
         prepared = data.prepare(recipe, tokenizer)
+    check_token_ids(recipe, tokenizer, prepared.train, prepared.eval)  # as the run: every id has an embedding row
     print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty(), processes=processes,
                          launch=launch))
     return 0

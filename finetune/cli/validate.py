@@ -15,6 +15,7 @@ import torch
 from finetune import data, model, outputs, parallel
 from finetune.cli.library import named_launch, resolve_accelerate_config
 from finetune.data.tokenize import check_mapped_columns
+from finetune.data.vocab import check_token_ids
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
 from finetune.model.loading import check_lora_targets
@@ -191,8 +192,10 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
         tokenizer = model.load_tokenizer(recipe)
         if recipe.data.streaming:  # the first rows of each dataset only: a stream is never read whole
             _, _, stats = data.stream_examples(recipe, tokenizer)
+            check_token_ids(recipe, tokenizer)  # (a stream: against the tokenizer's size alone)
             return data.streaming_line(stats, recipe).removeprefix("[finetune] data: "), None, None
-        train, _, stats = data.build_examples(recipe, tokenizer)
+        train, evaluation, stats = data.build_examples(recipe, tokenizer)
+        check_token_ids(recipe, tokenizer, train, evaluation)  # every id has an embedding row, as the run checks
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
         t = recipe.train
         data.check_enough_rows(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,

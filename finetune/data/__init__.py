@@ -25,6 +25,7 @@ The stage is a package, one module per job, read in this order:
     cache.py      one dataset tokenized once per machine (data.num_proc processes) or mapped from the cache
     build.py      every dataset: weights, the eval set (held out and/or eval files), packing; prepare()
     packing.py    packing (on lengths) and its attention check
+    vocab.py      the data's token ids against the embedding's rows (a tokenizer larger than the model's vocabulary)
     loader.py     collate, BatchStream (per-rank sampler with exact resume), eval_batches
     prompts.py    GRPO's prompt rows (format: prompt): rendered, tokenized, the rows kept for the reward functions
     streaming.py  data.streaming: rows read, tokenized and packed on the fly, each rank's share, exact resume

@@ -6,7 +6,8 @@ The FSDP + 4-bit rules, enforced here rather than documented:
   * FSDP1 flattens each unit into one tensor: one dtype and one requires_grad per unit, so every LoRA leaf is its
     own unit (fp32 master weights) and the base stays in model.dtype (we never upcast norms, see model/base.py);
   * FSDP1 and FSDP2 compute in model.dtype (LoRA included) and reduce gradients in fp32; FSDP1 must cast every
-    unit's inputs for that (see `fsdp1_mixed_precision` in finetune/parallel/wrapping.py).
+    unit's inputs for that (see `fsdp1_mixed_precision` in finetune/parallel/wrapping.py);
+  * FSDP1 cannot wrap LoRA on an embedding layer (PEFT holds it in ParameterDicts): refused, FSDP2 and DDP train it.
 """
 
 from __future__ import annotations
@@ -124,9 +125,38 @@ def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problem
             "the same layers, and FSDP1 flattens a unit's tensors into one, trained or frozen. Fix: use FSDP2 "
             "(accelerate_configs/fsdp2.yaml, or parallel.fsdp_version: 2) or DDP, or set lora.bias: none."
         )
+    if plan.fsdp_version == 1 and (problem := _fsdp1_embedding_lora_problem(recipe)):
+        problems.append(problem)
     policy = launcher.get("auto_wrap_policy")
     if policy and policy != "TRANSFORMER_BASED_WRAP":
         problems.append(
             f"the accelerate config has fsdp_auto_wrap_policy: {policy}. With a frozen 4-bit base and trainable LoRA, FSDP units "
             "must follow decoder layers (and FSDP1 needs the LoRA leaves apart). Fix: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP."
         )
+
+
+def _fsdp1_embedding_lora_problem(recipe: Recipe) -> str | None:
+    """LoRA on an embedding layer under FSDP1, refused: PEFT keeps an embedding's LoRA A/B in ParameterDicts that its
+    forward indexes (`lora_embedding_A[name]`) without calling them. As units of their own (one dtype and one
+    requires_grad per flat parameter) FSDP1's wrapper hides the dict ("Index given to ParameterDict cannot be used as a
+    key" at the first step) and they would never be gathered; as part of the LoRA layer's unit, beside their frozen
+    base layer's own unit, they train as FSDP2 does, but FSDP1's checkpoints of LoRA units (parallel/engines/fsdp1.py)
+    read a unit's own tensors only, by plain names. The model's module names come from its config on the meta device."""
+    if recipe.lora.target_modules == "all-linear" and not recipe.model.adapter:
+        return None  # Linear layers only: PEFT's all-linear leaves embeddings (and the output head) out
+    from finetune.model import load_config
+    from finetune.model.lora.attach import embedding_targets
+    from finetune.parallel.layers import meta_model
+
+    model = meta_model(load_config(recipe), trust_remote_code=recipe.model.trust_remote_code)
+    named = embedding_targets(recipe, model)
+    if not named:
+        return None
+    whose = ("model.adapter's LoRA (its adapter_config.json targets)" if recipe.model.adapter
+             else "lora.target_modules")
+    drop = ("" if recipe.model.adapter else
+            f", or drop {', '.join(sorted({name.rsplit('.', 1)[-1] for name in named}))} from lora.target_modules")
+    return (f"{whose} puts LoRA on the embedding layer{'s' if len(named) > 1 else ''} {', '.join(named)} under FSDP1: "
+            "PEFT keeps an embedding's LoRA in ParameterDicts, which FSDP1 cannot wrap (the run would stop at its "
+            "first step: \"Index given to ParameterDict cannot be used as a key\"). Fix: use FSDP2 "
+            f"(accelerate_configs/fsdp2.yaml, or parallel.fsdp_version: 2) or DDP{drop}.")

@@ -13,7 +13,7 @@ from finetune.model.lora.adapter import adapter_start, adapter_targets_problem, 
 from finetune.model.lora.init import init_lora_weights
 from finetune.recipe import Recipe
 
-__all__ = ["adapter_start", "attach_lora", "check_adapter", "check_target_modules", "lora_config",
+__all__ = ["adapter_start", "attach_lora", "check_adapter", "check_target_modules", "embedding_targets", "lora_config",
            "target_modules_problem"]
 
 
@@ -80,6 +80,17 @@ def target_modules_problem(model: nn.Module, target_modules) -> str | None:
                     "(and embeddings, convolutions), not on the blocks that hold them nor on norms")
     return (f"lora.target_modules: {'; '.join(said)}. Its Linear layers: {', '.join(linear)}. Fix: "
             f"{'fix the names' if missing else 'name the Linear layers'}, or use `all-linear`.")
+
+
+def embedding_targets(recipe: Recipe, model: nn.Module) -> list[str]:
+    """The embedding layers (nn.Embedding) of `model` that the run puts LoRA on: lora.target_modules, or with
+    model.adapter the adapter's own targets, by PEFT's rule. PEFT keeps an embedding's LoRA in ParameterDicts
+    (`lora_embedding_A/B`), not in Linear modules as every other layer's. `model` may be on the meta device."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = lora_config(recipe)
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and check_target_module_exists(config, name)]
 
 
 def check_target_modules(recipe: Recipe, model: nn.Module) -> None:
