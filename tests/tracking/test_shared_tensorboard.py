@@ -30,7 +30,9 @@ def loss_steps(folder) -> list[int]:
 
     events = EventAccumulator(str(folder))
     events.Reload()
-    return [event.step for event in events.Scalars("loss")]
+    # sorted: the reader takes a folder's files in name order, and two writers of one process in one second are told
+    # apart by a per-process counter compared as text ("10" before "9": the resumed file read first, CI stop 67)
+    return sorted(event.step for event in events.Scalars("loss"))
 
 
 def test_two_runs_whose_output_dirs_share_a_last_name_keep_each_others_tensorboard_history(tmp_path, capsys):
