@@ -11,6 +11,7 @@ the same prompt. Every cut is counted (`prompt_truncated`, `response_truncated`)
 
 from __future__ import annotations
 
+from finetune.data.chat import Opener
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.templates import tokenize_many
 from finetune.recipe import Recipe
@@ -42,13 +43,17 @@ def fit_pair(chosen: Example, rejected: Example, *, max_length: int, max_prompt:
 
 
 def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: Recipe, counts: dict,
-                  reasons: list[str], *, bos: bool = True) -> list[Example]:
+                  reasons: list[str], unanswered: list[str], *, bos: bool = True) -> list[Example]:
     """Tokenize rendered pairs ((chosen segments, rejected segments) per row) and fit each to data.max_length.
 
     Counts cuts in `counts` (truncated pairs, prompt_truncated, response_truncated); a pair left with no response token
-    adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows). `bos`: as tokenize_many's.
+    adds its reason to `reasons` (the caller refuses or skips it, by data.bad_rows); a pair whose cut leaves a response
+    its reasoning opener and none of its answer (data.reasoning: context) is left out and its place added to
+    `unanswered` (the caller drops or refuses it, by data.overlong). `bos`: as tokenize_many's.
     """
-    sequences = tokenize_prompted([segments for pair in rendered for segments in pair], tokenizer, bos=bos)
+    segments = [segments for pair in rendered for segments in pair]
+    sequences = tokenize_prompted(segments, tokenizer, bos=bos)
+    answers = prompted_answer_starts(segments, tokenizer, bos=bos)
     limit, max_prompt = recipe.data.max_length, prompt_limit(recipe)
     examples = []
     for index, place in enumerate(places):
@@ -61,6 +66,9 @@ def pair_examples(rendered: list[tuple], places: list[str], tokenizer, recipe: R
             counts["dropped"] += 1
             continue
         chosen, rejected, prompt_cut, response_cut = fit_pair(chosen, rejected, max_length=limit, max_prompt=max_prompt)
+        if any(answer is not None and answer - prompt_cut >= limit for answer in answers[2 * index: 2 * index + 2]):
+            unanswered.append(place)  # a response cut inside its reasoning: its opener alone would be scored
+            continue
         if prompt_cut or response_cut:
             counts["truncated"] += 1
             counts["prompt_truncated"] += int(prompt_cut > 0)
@@ -78,9 +86,31 @@ def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer, *, 
     `\\n\\n` token), the prompt's tokens would differ between the two answers of a pair, and a prompt character would
     be scored in one answer only. Such a row is tokenized as TRL's preference trainers tokenize every row: the prompt
     alone, then the rest. `bos`: as tokenize_many's (False for a chat template's renderings)."""
+    return _tokenize_split(all_segments, [_first_trained(segments) for segments in all_segments], tokenizer, bos)
+
+
+def prompted_answer_starts(all_segments: list[list[tuple[str, bool]]], tokenizer, *, bos: bool = True
+                           ) -> list[int | None]:
+    """templates.answer_starts of tokenize_prompted's rows: the token each row's answer starts at where it has a
+    reasoning opener (trained, but no answer: chat.Opener), else None. The same text split at the same place gives
+    the same tokens, so the row is tokenized again with its openers untrained and split where the row was."""
+    opened = [i for i, segments in enumerate(all_segments) if any(isinstance(flag, Opener) for _, flag in segments)]
+    bare = _tokenize_split([[(text, bool(flag) and not isinstance(flag, Opener)) for text, flag in all_segments[i]]
+                            for i in opened], [_first_trained(all_segments[i]) for i in opened], tokenizer, bos)
+    starts: list[int | None] = [None] * len(all_segments)
+    for i, example in zip(opened, bare):
+        starts[i] = _prompt_length(example)
+    return starts
+
+
+def _first_trained(segments: list[tuple[str, bool]]) -> int:
+    return next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
+
+
+def _tokenize_split(all_segments: list[list[tuple[str, bool]]], split: list[int], tokenizer, bos: bool
+                    ) -> list[Example]:
+    """tokenize_prompted with each row's prompt given as its first `split` segments."""
     whole = tokenize_many(all_segments, tokenizer, bos=bos)
-    split = [next((i for i, (_, trained) in enumerate(segments) if trained), len(segments))
-             for segments in all_segments]
     prompts = tokenize_many([segments[:k] for segments, k in zip(all_segments, split)], tokenizer, bos=bos)
     merged = [i for i, (example, prompt) in enumerate(zip(whole, prompts))
               if example.input_ids[: len(prompt.input_ids)] != prompt.input_ids]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from finetune.data.chat import chat_template_text
 from finetune.data.conversations import renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
-from finetune.data.pairs import pair_examples, tokenize_prompted
+from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
 from finetune.data.templates import (
     FORMAT_FIELDS,
     _column,
@@ -174,10 +174,12 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if spec.format == "preference":
         _pairs(kept, spec, recipe, tokenizer, result, bos=bos)
     elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
-        tokenized = tokenize_prompted([segments for (segments, _), _ in kept], tokenizer, bos=bos)
-        for example, ((_, desirable), place) in zip(tokenized, kept):
+        all_segments = [segments for (segments, _), _ in kept]
+        tokenized = tokenize_prompted(all_segments, tokenizer, bos=bos)
+        answers = prompted_answer_starts(all_segments, tokenizer, bos=bos)
+        for example, answer, ((_, desirable), place) in zip(tokenized, answers, kept):
             example.desirable = desirable
-            _length_policy(example, spec, place, data, result)
+            _length_policy(example, spec, place, data, result, answer=answer)
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
         flat = [(segments, place) for examples, place in kept for segments in examples]
         all_segments = [segments for segments, _ in flat]
@@ -239,9 +241,18 @@ def _dropped(result: ChunkResult, where: str) -> None:
 
 
 def _pairs(kept: list, spec: DatasetSpec, recipe: Recipe, tokenizer, result: ChunkResult, *, bos: bool) -> None:
-    before = len(result.reasons)
+    before, unanswered = len(result.reasons), []
     result.examples = pair_examples([item for item, _ in kept], [f"{spec.path} {place}" for _, place in kept],
-                                    tokenizer, recipe, result.counts, result.reasons, bos=bos)
+                                    tokenizer, recipe, result.counts, result.reasons, unanswered, bos=bos)
+    for where in unanswered:
+        if recipe.data.overlong == "error":
+            result.fatal = result.fatal or (
+                f"{where}: a response's answer starts past data.max_length {recipe.data.max_length}, after its "
+                "untrained reasoning (data.reasoning: context), so truncation leaves nothing to learn from this pair "
+                "(its reasoning opener alone would be scored). Fix: raise data.max_length, or leave data.overlong at "
+                "its default (truncate), which drops such pairs with a count.")
+        else:
+            _dropped(result, where)
     if len(result.reasons) > before and recipe.data.bad_rows == "error":
         result.fatal = f"{result.reasons[before]} Fix the row or set data.bad_rows: skip to skip such pairs with a count."
 

@@ -182,6 +182,41 @@ def test_a_row_cut_inside_its_reasoning_under_context_has_nothing_to_learn(famil
     assert kept.counts["truncated"] == 1 and kept.examples[0].labels[answer] != IGNORE_INDEX
 
 
+def _answer(reasoning_words: int, answer: str) -> list[dict]:
+    return [{"role": "assistant", "content": answer, "reasoning_content": " ".join(map(str, range(reasoning_words)))}]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_a_pair_or_kto_row_cut_inside_its_reasoning_under_context_has_nothing_to_learn(family):
+    """Found by a bug bash (bb4), carried over until now: the SFT rule above did not cover DPO and KTO. A pair whose
+    chosen answer lay past max_length kept `<think>\n` alone as the chosen response against the rejected one's whole
+    answer (DPO preferred saying nothing), and a KTO row kept the opener alone as its desirable completion."""
+    tokenizer = family_tokenizer(family)
+    pair = {"prompt": COUNT["messages"][:1], "chosen": _answer(60, "Done."), "rejected": _answer(30, "No.")}
+    (whole,) = tokenized([pair], "preference", tokenizer, objective="dpo", reasoning="context",
+                         max_length=4096).examples
+    answer = max(i for i, label in enumerate(whole.labels) if label != IGNORE_INDEX)
+    while whole.labels[answer - 1] != IGNORE_INDEX:  # the last trained run: the answer after the reasoning
+        answer -= 1
+    limit = answer - next(i for i, label in enumerate(whole.labels) if label != IGNORE_INDEX)  # past the prompt's cut
+    cut = tokenized([pair], "preference", tokenizer, objective="dpo", reasoning="context", max_length=limit)
+    assert (cut.examples, cut.counts["dropped"], cut.counts["truncated"]) == ([], 1, 0)
+    assert cut.dropped_rows == ["rows.jsonl line 1"]
+    refused = tokenized([pair], "preference", tokenizer, objective="dpo", reasoning="context", max_length=limit,
+                        overlong="error")
+    assert refused.fatal is not None and "truncation leaves nothing to learn" in refused.fatal
+    kept = tokenized([pair], "preference", tokenizer, objective="dpo", reasoning="context", max_length=answer + 1)
+    assert kept.counts["truncated"] == 1 and len(kept.examples) == 1
+    row = {"prompt": COUNT["messages"][:1], "completion": _answer(60, "Done."), "label": True}
+    (kto,) = tokenized([row], "unpaired_preference", tokenizer, objective="kto", reasoning="context",
+                       max_length=4096).examples
+    assert kto.input_ids == whole.input_ids
+    cut = tokenized([row], "unpaired_preference", tokenizer, objective="kto", reasoning="context", max_length=limit)
+    assert (cut.examples, cut.counts["dropped"]) == ([], 1)
+    assert tokenized([row], "unpaired_preference", tokenizer, objective="kto", reasoning="context",
+                     max_length=answer + 1).counts["truncated"] == 1  # the KTO row is the pair's chosen sequence
+
+
 def test_finetune_generate_gives_a_text_prompt_the_bos_its_rows_trained_with():
     """`finetune generate` of a model without a chat template encoded the prompt without the tokenizer's BOS, while its
     text rows trained with it (and GRPO's text prompts have it): the model answered from a context it never saw."""
