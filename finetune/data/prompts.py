@@ -20,7 +20,7 @@ import numpy as np
 from finetune.data.chat import note_turn_end, turn_end
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
-from finetune.data.templates import render_segments, row_system, row_tools, template_rendered
+from finetune.data.templates import adds_bos, render_segments, row_system, row_tools, template_rendered
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -60,8 +60,13 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
 
 
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
-    # A chat template writes its own special tokens (BOS included); a text prompt gets the tokenizer's.
-    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+    """A chat template writes its own special tokens (BOS included); a text prompt gets the tokenizer's BOS where it
+    puts one first, as text rows trained (tokenize_many), and nothing else: a post-processor that also appends EOS
+    (`add_eos_token: true`) would end the prompt with the token that ends an answer."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if chat or not adds_bos(tokenizer) or ids[:1] == [tokenizer.bos_token_id]:
+        return ids
+    return [tokenizer.bos_token_id] + ids
 
 
 # A row of each format whose prompt is rendered by the training renderer (templates.render_segments) and whose answer

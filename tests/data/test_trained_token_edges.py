@@ -230,6 +230,28 @@ def test_finetune_generate_gives_a_text_prompt_the_bos_its_rows_trained_with():
     assert context[0] == tokenizer.bos_token_id
 
 
+def test_a_text_prompt_ends_where_its_rows_context_ends_when_the_tokenizer_also_appends_eos():
+    """Carried over from a bug bash (bb4): a tokenizer whose post-processor appends EOS too (`add_eos_token: true`,
+    Llama 2 fine-tunes) ended every text prompt of `finetune generate` and GRPO with EOS, a context its rows never
+    trained in (they are tokenized without special tokens, BOS put first), so the model answered after an end."""
+    from tokenizers import processors
+
+    from finetune.cli.generate import render
+
+    tokenizer = post_processed_llama()
+    bos, eos = tokenizer.bos_token, tokenizer.eos_token
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0 {eos}:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1 {eos}:1",
+        special_tokens=[(bos, tokenizer.bos_token_id), (eos, tokenizer.eos_token_id)])
+    tokenizer.chat_template = None
+    assert tokenizer("Q")["input_ids"][-1] == tokenizer.eos_token_id  # the premise
+    (trained,) = tokenized([{"prompt": "Q: 2+2?\nA:", "completion": " 4"}], "completion", tokenizer).examples
+    context = trained.input_ids[: next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)]
+    assert context[0] == tokenizer.bos_token_id and tokenizer.eos_token_id not in context
+    assert prompt_ids("Q: 2+2?\nA:", tokenizer, chat=False) == context
+    assert render(tokenizer, [{"role": "user", "content": "Q: 2+2?\nA:"}], None) == context
+
+
 def test_preview_never_counts_or_marks_an_examples_first_token_as_trained(tmp_path, tiny_qwen2, capsys):
     """Found by a bug bash of packing: `finetune data` on text rows with a tokenizer that adds no BOS marked each
     example from its first token and said "1692 tokens, 1692 trained (100.0%)", though nothing predicts an example's
