@@ -1,4 +1,6 @@
-"""Fail unless a built wheel holds every library recipe, accelerate config and module of the checkout.
+"""Fail unless a built wheel holds every library recipe, accelerate config and module of the checkout, and nothing
+of the package the checkout lacks (setuptools builds in a build/ folder it reuses: a module or recipe deleted since an
+earlier build would still ship, and `finetune recipes` would list it).
 
 The package-dir mapping in pyproject.toml puts recipes/ and accelerate_configs/ inside the package
 (finetune/recipes/, finetune/accelerate_configs/); a file left out of it breaks `finetune recipes` or a launch only
@@ -24,11 +26,25 @@ def expected_names() -> set[str]:
     return names
 
 
+def checkout_path(name: str) -> Path:
+    """The checkout's file a wheel entry of the package comes from (package-dir maps recipes and configs in)."""
+    for package, folder in (("finetune/recipes/", "recipes/"), ("finetune/accelerate_configs/", "accelerate_configs/")):
+        if name.startswith(package):
+            return REPO / folder / name[len(package):]
+    return REPO / name
+
+
 def main(wheel: str) -> int:
-    missing = sorted(expected_names() - set(zipfile.ZipFile(wheel).namelist()))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(expected_names() - names)
     if missing:
         print(f"{wheel} lacks {len(missing)} file(s) of the checkout: {', '.join(missing)}. Fix: map them in "
               "pyproject.toml ([tool.setuptools] package-dir / package-data).", file=sys.stderr)
+        return 1
+    stale = sorted(n for n in names if n.startswith("finetune/") and not n.endswith("/") and not checkout_path(n).is_file())
+    if stale:
+        print(f"{wheel} holds {len(stale)} file(s) the checkout lacks: {', '.join(stale)}. Fix: build from a clean "
+              "tree (rm -rf build, then build the wheel again).", file=sys.stderr)
         return 1
     print(f"{Path(wheel).name}: every recipe, accelerate config and module of the checkout is in it")
     return 0

@@ -46,6 +46,19 @@ def test_a_run_without_matplotlib_warns_once_and_writes_no_plot(tmp_path, monkey
     assert not (first / "plot.png").exists() and not (second / "plot.png").exists()
 
 
+def test_a_resumed_run_without_matplotlib_says_its_plot_is_from_before(tmp_path, monkeypatch, capsys):
+    """Found by a bug bash (the wheel): a run resumed where matplotlib is missing said "no plot.png" while the run
+    folder kept the first attempt's plot.png (steps 1-2 of 4), which looked current. It is named as stale (and kept)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # simulated: matplotlib not installed
+    monkeypatch.setattr(plot, "_said_missing", False)
+    run = metrics_run(tmp_path / "a")
+    (run / "plot.png").write_bytes(b"an earlier attempt's chart")
+    assert plot.plot_run(run) is None
+    err = capsys.readouterr().err
+    assert "plot.png was not updated and shows the run before this" in err and "no plot.png" not in err, err
+    assert (run / "plot.png").read_bytes() == b"an earlier attempt's chart"
+
+
 def test_finetune_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # simulated: matplotlib not installed
     assert main(["plot", str(metrics_run(tmp_path / "run"))]) == 2

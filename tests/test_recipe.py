@@ -207,3 +207,14 @@ def test_output_dir_is_kept_absolute_before_it_exists(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump({"model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d.jsonl"}]},
                                     "output": {"dir": "runs/rel"}}))
     assert load_recipe(path).output.dir == str(tmp_path / "runs/rel") and not (tmp_path / "runs").exists()
+
+
+def test_load_recipe_takes_a_library_name_as_the_command_line_does(tmp_path, monkeypatch):
+    """Found by a bug bash (the wheel, from Python): load_recipe("llama-3.1-8b") said "recipe file not found" and
+    pointed at recipes/..., a path a wheel user does not have, where `finetune validate llama-3.1-8b` works."""
+    from finetune.recipe_library import recipe_path
+
+    monkeypatch.chdir(tmp_path)  # no recipes/ folder here
+    recipe = load_recipe("llama-3.1-8b")
+    assert recipe == load_recipe(recipe_path("llama-3.1-8b"))
+    assert recipe.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"

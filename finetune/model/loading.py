@@ -225,12 +225,3 @@ def _whole_model(skeleton: nn.Module, builder: Materializer) -> None:
                 builder.tree(block)
     builder.tree(skeleton)
 
-
-if __name__ == "__main__":  # python -m finetune.model.loading convert FOLDER
-    import sys
-
-    if len(sys.argv) != 3 or sys.argv[1] != "convert":
-        print("usage: python -m finetune.model.loading convert FOLDER", file=sys.stderr)
-        sys.exit(2)
-    for path in convert_to_safetensors(Path(sys.argv[2])):
-        print(f"wrote {path}")

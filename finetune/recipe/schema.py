@@ -48,6 +48,7 @@ from finetune.recipe.objectives import OBJECTIVES, sections
 from finetune.recipe.overrides import apply_override, parse_override
 from finetune.recipe.paths import beside_the_recipe, check_no_variables
 from finetune.recipe.text import absolute_local_paths, format_errors, read_yaml  # read_yaml: also the CLI's
+from finetune.recipe_library import resolve_recipe_path
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -372,7 +373,9 @@ _SCHEMA_ROOT = Recipe
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
                 dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
     """Read, override and validate a recipe; raise RecipeError listing every problem at once. `dtype_device`: which
-    device model.dtype: auto is resolved for (this process's, or GPUs when planning for them)."""
+    device model.dtype: auto is resolved for (this process's, or GPUs when planning for them). `path` may name a
+    library recipe (`quickstart`), as on the command line."""
+    path = resolve_recipe_path(os.fspath(path))
     raw = read_yaml(path)
     for text in overrides:
         parts, value = parse_override(text, root=_SCHEMA_ROOT)

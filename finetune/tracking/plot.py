@@ -165,7 +165,10 @@ def plot_run(out_dir: str | Path) -> Path | None:
         reason = f"matplotlib is not installed, it is optional: {INSTALL_PLOT}"
     except Exception as exc:  # noqa: BLE001 - the run is finished and saved; a chart must not fail it
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    print(f"[finetune] warning: no plot.png ({reason}); metrics.jsonl has the numbers.", file=sys.stderr, flush=True)
+    old = Path(out_dir) / "plot.png"
+    what = (f"{old} was not updated and shows the run before this ({reason})" if old.is_file()  # a resumed run's
+            else f"no plot.png ({reason})")
+    print(f"[finetune] warning: {what}; metrics.jsonl has the numbers.", file=sys.stderr, flush=True)
     return None
 
 

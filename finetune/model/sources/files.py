@@ -52,7 +52,7 @@ class CheckpointIndex:
 
 
 def conversion_command(folder: Path) -> str:
-    return (f"python -m finetune.model.loading convert {folder}  (rewrites the pickle shards as model*.safetensors "
+    return (f"python -m finetune.model.convert {folder}  (rewrites the pickle shards as model*.safetensors "
             "beside them, reading them with torch's weights-only loader)")
 
 
