@@ -131,7 +131,7 @@ def add_parser(verbs, verb) -> None:
     p.add_argument("--cache", action="store_true", help="write into the quantized cache instead of OUT")
     p.add_argument("--method", default="nf4", choices=["nf4", "fp4"])
     p.add_argument("--no-double-quant", action="store_true", help="do not quantize the absmax values again")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="model.dtype: the storage of the packed weights and the dtype of the other tensors")
     p.add_argument("--device", help="where to quantize (default: the first GPU, else the CPU)")
     p.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")

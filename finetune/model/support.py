@@ -18,6 +18,7 @@ from finetune.distributed import print0
 from finetune.errors import ModelLoadError
 from finetune.model import matrix
 from finetune.model.classes import causal_lm_class
+from finetune.recipe.checks import checkpointing
 
 # model_type -> a name users know. Trained single-process by the matrix.
 TRAINED = {
@@ -194,8 +195,9 @@ def refusals(config, *, quantized: bool, attn_implementation: str, gradient_chec
         reasons.append(BF16_GAPS[config.model_type])
     if gradient_checkpointing and model_class is not None and not model_class.supports_gradient_checkpointing:
         reasons.append(f"{model_class.__name__} has no gradient checkpointing in transformers (train."
-                       "gradient_checkpointing: true would stop at the first step). Fix: set train.gradient_checkpointing: "
-                       "false (every layer's activations kept: `finetune plan` counts them)")
+                       "gradient_checkpointing: true, or parallel.activation_checkpointing: true, would stop at the "
+                       "first step). Fix: set train.gradient_checkpointing: false and leave parallel."
+                       "activation_checkpointing unset (every layer's activations kept: `finetune plan` counts them)")
     if config.model_type in PEFT_MAMBA_MODEL_TYPES:
         targeted = ["out_proj"] if lora_targets == "all-linear" else [t for t in lora_targets if t in PEFT_MAMBA_MODULES]
         if targeted:
@@ -207,6 +209,9 @@ def refusals(config, *, quantized: bool, attn_implementation: str, gradient_chec
         reasons.append(f"transformers refuses sdpa attention for {model_class.__name__} (what its layers compute, "
                        "such as logit soft-capping or learned sinks, sdpa cannot). Fix: set model.attn_implementation: "
                        "eager")
+    if attn_implementation == "flash_attention_2" and model_class is not None and not model_class._supports_flash_attn:
+        reasons.append(f"transformers has no flash attention for {model_class.__name__}. Fix: set "
+                       "model.attn_implementation: auto")
     if quantized and model_class is not None and _has_experts(config):
         reasons += _expert_refusals(config, model_class)
     return reasons
@@ -271,7 +276,7 @@ def check_supported(config, recipe) -> None:
     with the recipe's settings: before any weight is read."""
     reasons = refusals(config, quantized=recipe.quantization.method != "none",
                        attn_implementation=recipe.model.attn_implementation,
-                       gradient_checkpointing=recipe.train.gradient_checkpointing,
+                       gradient_checkpointing=checkpointing(recipe),
                        lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
     if not reasons and config.model_type not in _WARNED and (warning := matrix.failed_warning(config.model_type)):
         _WARNED.add(config.model_type)  # load_config runs this at every stage that reads the config: say it once

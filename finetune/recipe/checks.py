@@ -32,6 +32,43 @@ def check_dtypes(recipe) -> None:
                 "packed 4-bit weights as ordinary tensors of that dtype and mixed precision would cast them otherwise. "
                 f"Fix: remove quantization.quant_storage or set it to {recipe.model.dtype}."
             )
+    elif q.compute_dtype is not None and q.compute_dtype != recipe.model.dtype:
+        raise ValueError(
+            f"quantization.compute_dtype: {q.compute_dtype} is the dtype of the 4-bit matmuls, and quantization.method: "
+            f"none quantizes nothing: the base and the LoRA compute in model.dtype ({recipe.model.dtype}). Fix: set "
+            f"model.dtype: {q.compute_dtype} to compute in it, or remove quantization.compute_dtype.")
+
+
+def check_flash_attention(recipe, device_type: str) -> None:
+    """model.attn_implementation: flash_attention_2 computes on CUDA GPUs in bf16 / fp16 only (transformers otherwise
+    tries to fetch a kernel from the Hub, then stops with a traceback after the data is tokenized). `device_type`: the
+    device the run trains on ("cuda" when planning for GPUs)."""
+    if device_type != "cuda":
+        raise ValueError(
+            "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, and this machine trains on the CPU. "
+            "Fix: set model.attn_implementation: auto (sdpa where the model supports it, else eager).")
+    if recipe.model.dtype == "float32":
+        raise ValueError(
+            "model.attn_implementation: flash_attention_2 computes in bfloat16 or float16 only, and model.dtype is "
+            "float32. Fix: set model.dtype: bfloat16, or model.attn_implementation: auto.")
+
+
+def check_checkpointing(recipe) -> None:
+    """parallel.activation_checkpointing, where set, decides in every strategy (the loader reads it); written beside a
+    train.gradient_checkpointing that says the opposite, which of the two the user meant is not known."""
+    parallel, train = recipe.parallel.activation_checkpointing, recipe.train.gradient_checkpointing
+    if parallel is not None and parallel != train and "gradient_checkpointing" in recipe.train.model_fields_set:
+        raise ValueError(
+            f"train.gradient_checkpointing: {str(train).lower()} and parallel.activation_checkpointing: "
+            f"{str(parallel).lower()} disagree (they are one setting: parallel's is FSDP's name for it, and decides "
+            "where set). Fix: set one of them.")
+
+
+def checkpointing(recipe) -> bool:
+    """Whether the run recomputes activations: parallel.activation_checkpointing where set, else
+    train.gradient_checkpointing (parallel/plan.py resolves the same for the loader)."""
+    parallel = recipe.parallel.activation_checkpointing
+    return recipe.train.gradient_checkpointing if parallel is None else parallel
 
 
 def check_objective(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)

@@ -40,7 +40,7 @@ MEANS: dict[str, str] = {
     "fsdp_config": "parallel.strategy; fsdp, with the parallel section's keys and the accelerate config's fsdp_* keys",
     "ddp_timeout": "parallel.collective_timeout_s",
     "label_smoothing_factor": "dpo.label_smoothing; an SFT loss has none",
-    "activation_checkpointing": "train.gradient_checkpointing (parallel.activation_checkpointing under FSDP)",
+    "activation_checkpointing": "train.gradient_checkpointing (or parallel.activation_checkpointing, which decides where set)",
     # TRL
     "max_seq_length": "data.max_length",
     # (not `max_prompt_length`: TRL 1.16 has none. Its DPO keeps the start of prompt + response and drops a pair whose

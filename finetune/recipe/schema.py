@@ -33,9 +33,11 @@ from pydantic import (
 
 from finetune.chat_templates import checked_chat_template
 from finetune.errors import RecipeError
-from finetune.precision import DtypeChoice, choose_dtype
+from finetune.precision import DtypeChoice, choose_dtype, target_device
 from finetune.recipe.checks import (
+    check_checkpointing,
     check_dtypes,
+    check_flash_attention,
     check_keep_best,
     check_objective,
     check_one_of_each,
@@ -95,7 +97,8 @@ class QuantizationSection(_Section):
     double_quant: bool = True
     compute_dtype: DType | None = Field(None, description="4-bit matmul dtype; default model.dtype.")
     quant_storage: DType | None = Field(
-        None, description="dtype the packed 4-bit weights are stored in; must equal model.dtype for FSDP. Default model.dtype.")
+        None, description="dtype the packed 4-bit weights are stored in: model.dtype, its default, in every strategy (what FSDP "
+        "shards, and what a run's checkpoints move between strategies in); another value is refused.")
 
 
 class LoraSection(_Section):
@@ -240,7 +243,9 @@ class ParallelSection(_Section):
         "sizes, optimizer and clipping come from the recipe. Default: the accelerate config's deepspeed_config_file."
     )
     layer_class: str | None = Field(None, description="Decoder layer class to wrap; default from the model.")
-    activation_checkpointing: bool | None = Field(None, description="Default: train.gradient_checkpointing.")
+    activation_checkpointing: bool | None = Field(
+        None, description="Recompute each decoder layer's activations in the backward, in every strategy (FSDP's "
+        "name for train.gradient_checkpointing). Default: train.gradient_checkpointing; set, it decides.")
     strict: bool = Field(False, description="On GPUs: refuse (instead of warn) a strategy the planner says will not fit.")
     sharded_loading: bool = Field(True, description="FSDP: build, quantize and shard one decoder layer at a time, so no "
                                   "rank ever holds the whole base. False: every rank loads the full 4-bit base first (v1).")
@@ -304,6 +309,9 @@ class _RecipeCore(_Section):
             self._dtype_choice = choose_dtype(self.model.dtype, device=device)
             self.model.dtype = self._dtype_choice.dtype
         check_dtypes(self)
+        if self.model.attn_implementation == "flash_attention_2":
+            check_flash_attention(self, "cuda" if device == "gpu" else target_device()[0])
+        check_checkpointing(self)
         check_objective(self)
         check_streaming(self)
         check_keep_best(self)

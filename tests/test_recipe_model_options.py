@@ -1,0 +1,66 @@
+"""Options of the model and quantization sections that were accepted and then crashed, or were silently ignored.
+
+Found by a bug bash of the quantization and memory options (bb15), each reproduced on the code before: flash attention
+on a CPU passed validate and ended in a traceback after transformers tried to fetch a kernel from the Hub; the two
+checkpointing keys were read apart (the loader used parallel.activation_checkpointing, the architecture check
+train.gradient_checkpointing: a traceback on one combination, a wrong refusal on the other); a compute dtype under
+`quantization.method: none` was ignored; `finetune quantize --dtype float16` was offered and always refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import BloomConfig, CTRLConfig
+
+from finetune.errors import ModelLoadError, RecipeError
+from finetune.model.support import check_supported, refusals
+from finetune.recipe import validate_recipe
+
+BASE = {"model": {"name_or_path": "some/model", "dtype": "float32"}, "data": {"datasets": [{"path": "d.jsonl"}]}}
+
+
+def recipe(**sections):
+    raw = {**BASE, **{name: {**BASE.get(name, {}), **keys} for name, keys in sections.items()}}
+    return validate_recipe(raw)
+
+
+def test_flash_attention_on_a_cpu_is_refused_before_anything_loads():
+    with pytest.raises(RecipeError) as error:
+        recipe(model={"attn_implementation": "flash_attention_2"})
+    assert "flash_attention_2 runs on CUDA GPUs only" in str(error.value)
+    assert "model.attn_implementation: auto" in str(error.value)
+    with pytest.raises(RecipeError, match="computes in bfloat16 or float16 only"):  # planned for GPUs, in fp32
+        validate_recipe({**BASE, "model": {**BASE["model"], "attn_implementation": "flash_attention_2"}},
+                        dtype_device="gpu")
+    planned = validate_recipe({**BASE, "model": {"name_or_path": "x", "attn_implementation": "flash_attention_2"}},
+                              dtype_device="gpu")
+    assert planned.model.attn_implementation == "flash_attention_2"  # bf16 on GPUs: what `finetune plan` plans for
+    reasons = refusals(BloomConfig(), quantized=True, attn_implementation="flash_attention_2")
+    assert any("no flash attention for BloomForCausalLM" in reason for reason in reasons)
+
+
+def test_the_checkpointing_the_loader_uses_is_the_one_the_architecture_check_reads():
+    no_checkpointing = CTRLConfig(n_layer=1, n_embd=16, n_head=2)  # CTRL has no gradient checkpointing
+    off = recipe(parallel={"activation_checkpointing": False}, quantization={"method": "none"})
+    check_supported(no_checkpointing, off)  # refused before, though the run checkpoints nothing
+    on = recipe(parallel={"activation_checkpointing": True}, quantization={"method": "none"})
+    with pytest.raises(ModelLoadError, match="parallel.activation_checkpointing"):
+        check_supported(no_checkpointing, on)
+    for train, parallel in ((False, True), (True, False)):  # a traceback at load, or parallel's silently winning
+        with pytest.raises(RecipeError, match="disagree"):
+            recipe(train={"gradient_checkpointing": train}, parallel={"activation_checkpointing": parallel})
+
+
+def test_a_compute_dtype_without_quantization_is_refused_not_ignored():
+    with pytest.raises(RecipeError) as error:
+        recipe(quantization={"method": "none", "compute_dtype": "bfloat16"})
+    assert "set model.dtype: bfloat16" in str(error.value)
+    assert recipe(quantization={"method": "none", "compute_dtype": "float32", "double_quant": True})  # no effect
+
+
+def test_finetune_quantize_offers_no_dtype_it_refuses(capsys):
+    from finetune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["quantize", "base", "out", "--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
