@@ -64,3 +64,21 @@ def test_finetune_quantize_offers_no_dtype_it_refuses(capsys):
     with pytest.raises(SystemExit):
         main(["quantize", "base", "out", "--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_a_flash_attention_run_read_back_on_a_cpu_exports_with_sdpa(tmp_path, tiny_llama, capsys):
+    """The refusal above is for training here: a run trained with flash attention on a GPU is exported or generated
+    from on a CPU (its saved recipe read with trains=False, the base built with auto attention and a note)."""
+    import torch
+    import yaml
+
+    from finetune.model.base import load_base_model
+    from finetune.outputs.run_folder import saved_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": str(tiny_llama), "dtype": "bfloat16",
+                                              "attn_implementation": "flash_attention_2"},
+                                    "data": {"datasets": [{"path": str(tmp_path / "d.jsonl")}]}}))
+    saved = saved_recipe(path)
+    model = load_base_model(saved, device=torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa" and "flash_attention_2 runs on CUDA only" in capsys.readouterr().err

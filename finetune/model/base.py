@@ -10,10 +10,12 @@ parameter; FSDP computes with them in model.dtype, see finetune/parallel/checks.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
 
+from finetune.distributed import print0
 from finetune.model.attention import resolve_attention
 from finetune.model.classes import without_towers
 from finetune.model.lora.attach import attach_lora, check_adapter
@@ -94,6 +96,10 @@ def load_base_model(recipe: Recipe, *, device: torch.device, device_map: dict | 
     from finetune.model.classes import from_pretrained
 
     offline_guard(recipe.model.name_or_path)
+    if recipe.model.attn_implementation == "flash_attention_2" and device.type != "cuda":
+        print0("[finetune] note: model.attn_implementation: flash_attention_2 runs on CUDA only (the run trained on a "
+               "GPU); auto here", file=sys.stderr)
+        recipe.model.attn_implementation = "auto"
     if recipe.model.attn_implementation == "auto":
         load_config(recipe)  # resolves it for this model
     kwargs = dict(

@@ -64,7 +64,7 @@ def saved_recipe(path: Path):
         print(f"[finetune] note: {path} was written by an older finetune; read without {'; '.join(dropped)}",
               flush=True)
     absolute_local_paths(raw)  # as load_recipe does: its local paths named from here
-    return validate_recipe(raw, source=str(path))
+    return validate_recipe(raw, source=str(path), trains=False)
 
 
 # ------------------------------------------------------------------------------------------- output folder

@@ -309,7 +309,7 @@ class _RecipeCore(_Section):
             self._dtype_choice = choose_dtype(self.model.dtype, device=device)
             self.model.dtype = self._dtype_choice.dtype
         check_dtypes(self)
-        if self.model.attn_implementation == "flash_attention_2":
+        if self.model.attn_implementation == "flash_attention_2" and (info.context or {}).get("trains", True):
             check_flash_attention(self, "cuda" if device == "gpu" else target_device()[0])
         check_checkpointing(self)
         check_objective(self)
@@ -420,9 +420,12 @@ def _says_here() -> bool:
     return os.environ.get("RANK", "0") in ("", "0") and _ANNOUNCE[0]  # once per run, not once per rank
 
 
-def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here") -> Recipe:
+def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Literal["here", "gpu"] = "here",
+                    trains: bool = True) -> Recipe:
+    """`trains`: False for a recipe a run wrote, read to export or generate from it (no check of what only training
+    needs of this machine: flash attention trained on a GPU is sdpa on a CPU, finetune/model/base.py)."""
     try:
-        recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device})
+        recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device, "trains": trains})
     except ValidationError as exc:
         raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT)) from None
     if _says_here():
