@@ -218,3 +218,12 @@ def test_load_recipe_takes_a_library_name_as_the_command_line_does(tmp_path, mon
     recipe = load_recipe("llama-3.1-8b")
     assert recipe == load_recipe(recipe_path("llama-3.1-8b"))
     assert recipe.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**64 - 1, -1])
+def test_a_seed_torch_cannot_take_with_its_offsets_is_refused(seed):
+    """Found by a bug bash (determinism): train.seed 2**64 was a traceback in validate; 2**64-1 trained a whole epoch
+    and crashed at the next epoch's shuffle (seed + epoch), with nothing saved; rank 1 crashed at seed + rank."""
+    with pytest.raises(RecipeError, match="train.seed"):
+        validate_recipe({**BASE, "train": {"seed": seed}})
+    assert validate_recipe({**BASE, "train": {"seed": 2**63 - 1}}).train.seed == 2**63 - 1

@@ -81,7 +81,10 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     for key, before, now in differences(saved, current):
         if _under(key, unresolved) or same_place(before, now):
             continue
-        if key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
+        if key == "train.seed" and _streams(saved) and _streams(current):
+            noted.append(f"train.seed {_shown(before)} -> {_shown(now)} (a stream is read in its order, unshuffled: "
+                         "the LoRA weights and the dropout's random state continue from the checkpoint)")
+        elif key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
             refused.append((key, before, now, REFUSED[key]))
         elif _under(key, EVAL_ONLY):
             evaluation.append(f"{key} {_shown(before)} -> {_shown(now)}")
@@ -104,8 +107,10 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
         noted.append(f"the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed"
                      f"{upgrade}); the saved data position is applied to these rows")
     if rows_then is not None and rows_then != rows_now:
+        skipped = _rows_skipped(state, current, plan.world_size)
         noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
-                     "train.grad_accum)")
+                     "train.grad_accum)" + (f"; the data position moves on to the next whole micro-batch of the new "
+                                            f"size, so {skipped} row(s) of this epoch are not trained" if skipped else ""))
     said = [f"resuming {source} with {'; '.join(noted)}: the run will differ from an uninterrupted one"] if noted else []
     if evaluation:
         said.append(f"resuming {source} with {'; '.join(evaluation)}: the evaluation differs, the training does not")
@@ -238,6 +243,20 @@ def _upgrade(source: Path) -> str:
     then = f"finetune {written}" if written else "an older finetune (it recorded no version)"
     return (f"; or this finetune's upgrade: the checkpoint was written by {then} and this is {now}, whose rendering of "
             "the rows may differ")
+
+
+def _streams(recipe: dict) -> bool:
+    return bool((recipe.get("data") or {}).get("streaming"))
+
+
+def _rows_skipped(state: dict, current: dict, world_size: int) -> int:
+    """Rows of the current epoch a resume with another global micro-batch never trains: the saved position (global
+    micro-batches of the saving run) is rounded up to whole micro-batches of this run's (data/loader.py)."""
+    data = state.get("data") or {}
+    if data.get("streaming") or not {"cursor", "micro_batch_size", "world_size"} <= data.keys():
+        return 0
+    seen = data["cursor"] * data["micro_batch_size"] * data["world_size"]
+    return -seen % (_rows_per_step(current, None, world_size) // current["train"]["grad_accum"])
 
 
 def _rows_per_step(recipe: dict, state: dict | None, world_size: int | None = None) -> int | None:

@@ -161,7 +161,8 @@ class TrainSection(_Section):
         "load-balancing loss (transformers' aux_loss) added to the loss, as TRL's router_aux_loss_coef. null: the "
         "model config's own router_aux_loss_coef (Mixtral-8x7B 0.02); 0: off. Refused on a model whose forward "
         "returns no such loss, and with train.objective reward (docs/recipes.md, Mixture-of-experts).")
-    seed: int = 42
+    seed: int = Field(42, ge=0, lt=2**63, description="Seeds the shuffle, the eval hold-out, LoRA's init and dropout. "
+                      "Below 2**63: torch takes seeds below 2**64, and epochs and ranks are added to it.")
     gradient_checkpointing: bool = True
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end.")

@@ -204,6 +204,34 @@ def test_zero2_on_another_number_of_ranks_is_allowed(recipe_file):
     assert changes(source, recipe_file, "train.micro_batch_size=4", plan=one) == []
 
 
+def test_a_resume_onto_another_micro_batch_says_how_many_rows_of_the_epoch_it_skips(recipe_file):
+    """Found by a bug bash (determinism): 9 rows seen in micro-batches of 3, resumed with micro-batches of 2, went on
+    at row 11 (the position rounded up to whole micro-batches), and row 10 of the epoch was never trained, while
+    docs/data.md said the resume "continues at the next row" and the note said only that the run would differ."""
+    source = fake_checkpoint(load_recipe(recipe_file, ["train.micro_batch_size=3"]), 3, micro_batch_size=3)
+    [note] = changes(source, recipe_file)  # micro_batch_size 2
+    assert "rows per optimizer step 3 -> 2" in note and "so 1 row(s) of this epoch are not trained" in note, note
+    stream = BatchStream([Example([i, i + 1], [i, i + 1]) for i in range(40)], micro_batch_size=2, rank=0,
+                         world_size=1, seed=7, pad_id=0)
+    stream.load_state_dict({"epoch": 0, "cursor": 3, "world_size": 1, "micro_batch_size": 3, "rows": 40, "seed": 7})
+    assert stream.cursor * 2 - 3 * 3 == 1  # the loader's rounding, which the note counts
+    source = fake_checkpoint(load_recipe(recipe_file, ["train.micro_batch_size=1", "output.dir=" + str(recipe_file.parent / "b")]),
+                             3, world_size=2, micro_batch_size=1, strategy="DDP over 2 processes")  # 6 rows seen
+    [note] = changes(source, recipe_file, "train.micro_batch_size=4", "output.dir=" + str(recipe_file.parent / "b"))
+    assert "rows per optimizer step 2 -> 4" in note and "so 2 row(s) of this epoch are not trained" in note, note
+
+
+def test_a_stream_resumes_with_another_seed_which_shuffles_nothing_there(recipe_file, tmp_path):
+    """Found by a bug bash (determinism): a streaming run resumed with another train.seed was refused "the saved data
+    position is a place in the order train.seed shuffles the rows in", but a stream is never shuffled."""
+    streaming = load_recipe(recipe_file, ["data.streaming=true", "data.eval_fraction=0"])
+    source = fake_checkpoint(streaming, 3)
+    [note] = changes(source, recipe_file, "data.streaming=true", "data.eval_fraction=0", "train.seed=8", rows=None)
+    assert "train.seed 7 -> 8 (a stream is read in its order, unshuffled" in note, note
+    assert "train.seed is 8 here" in refusal(fake_checkpoint(load_recipe(recipe_file, ["output.dir=" + str(tmp_path / "o")]), 3),
+                                             recipe_file, "output.dir=" + str(tmp_path / "o"), "train.seed=8")
+
+
 def test_num_epochs_refuses_other_rows_per_step_and_names_the_grad_accum_that_matches(recipe_file):
     recipe = load_recipe(recipe_file)
     source = fake_checkpoint(recipe, 3, world_size=2, strategy="DDP over 2 processes")
