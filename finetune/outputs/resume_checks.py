@@ -209,14 +209,17 @@ def _strategy_problem(source: Path, state: dict, plan) -> str | None:
         want = _zero_stage(saved)
         return (f"it was written by {saved} in DeepSpeed's own format, which only DeepSpeed at ZeRO-{want} loads, and "
                 f"this run is {plan.describe()}; resume it with parallel.strategy=deepspeed parallel.zero_stage={want} "
-                f"(or accelerate_configs/deepspeed_zero{want}.yaml), any number of processes")
+                f"(both keys, also under accelerate_configs/deepspeed_zero{want}.yaml: one process of it trains without "
+                "DeepSpeed unless the recipe asks for it), any number of processes")
     if not written_by_deepspeed and plan.strategy == "deepspeed":
         return (f"it was written by {saved} (torch DCP, trainable/), which DeepSpeed does not load, and this run is "
                 f"{plan.describe()}; resume it with a strategy other than DeepSpeed (single, DDP, FSDP or layer "
                 "split: DCP reshards to any of them and any number of processes)")
     if written_by_deepspeed and stage != _zero_stage(saved):
         return (f"it was written by {saved} and this run is ZeRO-{stage}: DeepSpeed partitions the optimizer state per "
-                f"stage and loads only the stage that wrote it; resume it with parallel.zero_stage={_zero_stage(saved)}")
+                f"stage and loads only the stage that wrote it; resume it at ZeRO-{_zero_stage(saved)}: with "
+                f"accelerate_configs/deepspeed_zero{_zero_stage(saved)}.yaml, or parallel.zero_stage="
+                f"{_zero_stage(saved)} where the accelerate config names no stage")
     return None
 
 

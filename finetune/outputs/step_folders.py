@@ -81,7 +81,7 @@ def report_best_eval(out_dir: Path, eval_losses: list) -> int | None:
         return step
     loss = {int(s): float(value) for s, value in eval_losses}[step]
     kept = dict(list_checkpoints(out_dir)).get(step)
-    where = (f"its checkpoint {kept} is kept: `finetune export {out_dir} OUT --step {step}` exports it" if kept else
+    where = (f"its checkpoint {kept} is kept: {_export_hint(out_dir, kept, step)}" if kept else
              "its checkpoint is not kept (train.keep_best: true keeps it; a checkpoint is written every "
              "train.save_every steps)")
     distributed.print0(f"[finetune] best eval loss {loss:.4f} at step {step} of {len(eval_losses)} evaluations; {where}")
@@ -114,7 +114,17 @@ def checkpoints_table(run_dir: Path) -> str:
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
     example = best if best is not None else kept[-1][0]
     return (f"{table}\n`best`: the lowest eval loss among the kept checkpoints (- : no eval at that step). Export one: "
-            f"finetune export {run_dir} OUT --step {example}")
+            f"{_export_hint(run_dir, dict(kept)[example], example)}")
+
+
+def _export_hint(run_dir: Path, folder: Path, step: int) -> str:
+    """How to get step `step`'s adapter out of its checkpoint `folder`: `finetune export --step` reads DCP checkpoints
+    (trainable/); a DeepSpeed one (its own format) is resumed to that step into another folder instead."""
+    if (folder / "trainable").is_dir() or not (folder / "deepspeed").is_dir():
+        return f"`finetune export {run_dir} OUT --step {step}` exports it"
+    return (f"written by DeepSpeed (its own format, which `finetune export --step` cannot read), so resume the run "
+            f"from it into another folder (train.resume={folder} train.max_steps={step} output.dir=NEW) and export "
+            "NEW's adapter")
 
 
 def step_checkpoint(run_dir: Path, step: int) -> Path:

@@ -50,6 +50,10 @@ class ParallelPlan:
             return RankShard(rank % self.shard_size, self.shard_size)
         return None
 
+    @property
+    def _processes(self) -> str:
+        return f"{self.world_size} process{'es' if self.world_size != 1 else ''}"
+
     def describe(self) -> str:
         if self.strategy == "fsdp":
             shard = "full shard" if self.reshard_after_forward else "shard-grad-op"
@@ -59,12 +63,12 @@ class ParallelPlan:
             if self.replicas > 1:
                 shard = (f"hybrid shard: sharded over the {self.shard_size} processes of each node, replicated across "
                          f"{self.replicas} nodes, " + shard)
-            return (f"FSDP{self.fsdp_version} over {self.world_size} processes ({shard}{offload}{prefetch}), "
+            return (f"FSDP{self.fsdp_version} over {self._processes} ({shard}{offload}{prefetch}), "
                     f"unit = {self.layer_class}")
         if self.strategy == "ddp":
-            return f"DDP over {self.world_size} processes"
+            return f"DDP over {self._processes}"
         if self.strategy == "deepspeed":
-            return f"DeepSpeed {self.zero.describe()} over {self.world_size} processes"
+            return f"DeepSpeed {self.zero.describe()} over {self._processes}"
         if self.strategy == "layer_split":
             devices = sorted({str(d) for d in (self.device_map or {}).values()})
             return f"layer split over {', '.join(devices) or 'one device'} in one process"

@@ -173,7 +173,7 @@ class TrainSection(_Section):
     keep_best: bool = Field(
         False, description="Also keep the checkpoint of the lowest eval loss: keep_last never removes it (at most "
         "keep_last + 1 kept). Needs eval data and an eval at every checkpoint (save_every a multiple of eval_every); "
-        "`finetune export RUN OUT --step N` exports it.")
+        "`finetune export RUN OUT --step N` exports it (a DeepSpeed run's: resumed to step N into another folder).")
     resume: str | None = Field(
         None, description="`auto`: continue from the newest good checkpoint in output.dir, if any; or a checkpoint / run folder."
     )

@@ -189,12 +189,27 @@ def test_a_checkpoint_past_max_steps_names_the_newest_one_at_or_below_it(recipe_
     ("DeepSpeed ZeRO-2 over 2 processes", ParallelPlan(strategy="fsdp", world_size=2),
      "resume it with parallel.strategy=deepspeed parallel.zero_stage=2"),
     ("DeepSpeed ZeRO-2 over 2 processes", ParallelPlan(strategy="deepspeed", world_size=2, zero=zero.ZeroSettings(stage=3)),
-     "resume it with parallel.zero_stage=2"),
-])
+     "resume it at ZeRO-2: with accelerate_configs/deepspeed_zero2.yaml"),  # (zero_stage alone disagreed with the
+])                                                                          # ZeRO-3 config: refused again, bug bash)
 def test_a_strategy_that_cannot_read_the_checkpoint_is_refused(recipe_file, written, plan, said):
     source = fake_checkpoint(load_recipe(recipe_file), 3, world_size=2, strategy=written,
                              deepspeed=written.startswith("DeepSpeed"))
     assert said in refusal(source, recipe_file, "train.micro_batch_size=2", plan=plan)
+
+
+def test_a_deepspeed_runs_best_checkpoint_is_not_advised_to_an_export_that_refuses_it(recipe_file, capsys):
+    """Found by a bug bash (ZeRO): the end-of-run line and `finetune checkpoints` said `finetune export RUN OUT --step
+    N` exports the best checkpoint, which export always refuses for DeepSpeed's own format; the way out is named."""
+    from finetune.outputs import step_folders
+
+    recipe = load_recipe(recipe_file)
+    source = fake_checkpoint(recipe, 3, world_size=2, strategy="DeepSpeed ZeRO-3 over 2 processes", deepspeed=True)
+    run = Path(recipe.output.dir)
+    table = step_folders.checkpoints_table(run)
+    assert "--step 3" not in table and f"train.resume={source} train.max_steps=3 output.dir=NEW" in table, table
+    step_folders.report_best_eval(run, [(3, 1.0), (6, 2.0)])
+    said = capsys.readouterr().out
+    assert f"export {run} OUT --step" not in said and "train.max_steps=3 output.dir=NEW" in said, said
 
 
 def test_zero2_on_another_number_of_ranks_is_allowed(recipe_file):

@@ -309,7 +309,7 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     result = _ok(torchrun(recipe, f"output.dir={tmp_path / 'killed'}", "parallel.strategy=deepspeed", "train.resume=auto",
                           nproc=1))
     assert "written by 2 ranks, this run has 1: converted to DeepSpeed's universal checkpoint" in result.stdout
-    assert "now DeepSpeed ZeRO-3 over 1 processes: adapter and optimizer state resharded" in result.stdout
+    assert "now DeepSpeed ZeRO-3 over 1 process: adapter and optimizer state resharded" in result.stdout
     assert not list((tmp_path / "killed" / "checkpoints").glob(".*")), "the converted copy is removed"
     for reference in (runs["zero3"], runs["single"]):
         torch.testing.assert_close(adapter(tmp_path / "killed"), adapter(reference), rtol=1e-3, atol=5e-4)
