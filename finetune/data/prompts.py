@@ -24,7 +24,8 @@ from finetune.data.templates import adds_bos, render_segments, row_system, row_t
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
-REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids"}  # what a reward function is called with, by name
+REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"}  # a reward
+# function's call, by name (TRL 1.16's)
 TURN_KEYS = ("role", "content", "reasoning")  # data.datasets[].columns keys that name the keys of chat turns
 
 

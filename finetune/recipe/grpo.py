@@ -8,8 +8,10 @@ keys and the fix (the schema turns it into one paragraph naming the file).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -148,7 +150,6 @@ class GRPOSection(_Section):
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * scorers
 
 
-
 def _search_working_folder() -> None:
     """Modules beside where the command runs are found as `python -m` finds them: the `finetune` console script and
     `accelerate launch finetune/run.py` put their own folders first on sys.path, not the working folder. Appended, so
@@ -170,6 +171,8 @@ def import_reward_function(name: str):
     try:
         found: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001  (an ImportError, or anything the user's module raises on import)
+        if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:  # a file's path, not a module
+            raise ValueError(_file_not_module(name, module_name, attribute)) from None
         missing = isinstance(exc, ModuleNotFoundError) and module_name.startswith(str(exc.name))
         where = (f"that {module_name.replace('.', '/')}.py is in the folder you run from or on PYTHONPATH" if missing
                  else f"that {module_name} imports without error")
@@ -188,6 +191,17 @@ def import_reward_function(name: str):
         raise ValueError(f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "  # noqa: TRY004
                          "f(prompts, completions, **columns) -> list[float | None].")
     return found
+
+
+def _file_not_module(name: str, path: str, attribute: str) -> str:
+    """The paragraph for `myr.py:f`, `./myr.py:f` or `/abs/myr.py:f`: a file's path where the module's name is expected
+    (reward functions are imported by module name, on every rank, from PYTHONPATH or the folder run from)."""
+    file = Path(path.replace("\\", "/"))
+    module = file.name.removesuffix(".py")
+    where = (f"with {file.name} in the folder you run from or on PYTHONPATH" if str(file.parent) in ("", ".")
+             else f"with {file.parent} on PYTHONPATH, or run from {file.parent}")
+    return (f"`{name}` names a file, not a module. Fix: name the module, not the file: `{module}:{attribute}` "
+            f"({where}).")
 
 
 INSTALL = ("Fix: install vLLM in a venv of its own with `make vllm` (in a finetune checkout: .venv-vllm), or "
@@ -217,6 +231,47 @@ def vllm_command(configured: str | None) -> list[str]:
         raise VLLMNotFound(f"grpo.vllm_python: {python} does not exist. {INSTALL}")
     return [str(Path(python).absolute()), "-m", "vllm.entrypoints.openai.api_server"]
 
+
+# What finetune calls every reward function with, by name, as TRL 1.16's _calculate_rewards does, beside the rows'
+# columns: the prompts, the completions, their token ids, the trainer's state and TRL's two logging callbacks.
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def scorer_name(function) -> str:
+    """A reward function's name: the key of its logged figures (rewards/<name>/mean) and completions-log values."""
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def reward_model_name(path: str) -> str:
+    """A reward model's name, as a function's: its folder's (a run folder's for its adapter/)."""
+    folder = reward_model_folder(path)
+    return (folder.parent.name if folder.name == "adapter" else folder.name) or "reward_model"
+
+
+def signature_problem(function, columns=None) -> str | None:
+    """Why finetune's call (REWARD_KEYWORDS and the rows' `columns`, each by name) cannot bind to `function`; None when
+    it binds or its signature cannot be read. With `columns` None (the recipe check, before the rows are read), a
+    required parameter that is no argument of the call is taken for a column: only the call's own are checked."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin or an extension's callable: left to the call
+        return None
+    named = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    passed = [*REWARD_KEYWORDS, *(columns if columns is not None else [n for n in required if n in named])]
+    call = ("finetune calls every reward function by name, as TRL does: f(prompts=..., completions=..., "
+            "completion_ids=..., trainer_state=..., log_extra=..., log_metric=..., **columns)")
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters) and (unexpected := [n for n in passed if n not in named]):
+        return (f"has no parameter `{unexpected[0]}` and no **kwargs, so it cannot be called: {call}. Fix: accept "
+                "**kwargs (def f(prompts, completions, **kwargs)) to take what it does not read.")
+    if missing := [name for name in required if name not in passed or name not in named]:
+        if missing[0] not in named:
+            return (f"takes `{missing[0]}` by position only (before `/`): {call}. Fix: drop the `/`, and accept "
+                    "**kwargs.")
+        return (f"needs `{missing[0]}`, which is neither an argument of the call nor a column of the rows (columns: "
+                f"{', '.join(columns or []) or 'none'}; {call}). Fix: give `{missing[0]}` a default, add that column "
+                "to the rows (or map one to it with data.datasets[].columns), or take it from **kwargs.")
+    return None
 
 
 def reward_model_folder(path: str) -> Path:
@@ -251,7 +306,7 @@ def _not_a_classifier(folder: Path) -> str | None:
             if config.get("task_type") != "SEQ_CLS":
                 return (f"{folder} is an adapter of a {config.get('task_type') or 'causal LM'} (a fine-tuned "
                         f"generator, not a scorer): {RANDOM_HEAD}.")
-            return None
+            return _base_missing(folder, config.get("base_model_name_or_path"))
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         return f"{folder}: its config cannot be read ({exc}). Fix: point at a reward run or a sequence classifier."
@@ -266,6 +321,58 @@ def _not_a_classifier(folder: Path) -> str | None:
     return None
 
 
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # `gpt2`, `org/name`: a hub id where no such folder exists
+
+
+def _base_missing(folder: Path, base: str | None) -> str | None:
+    """Why the base of a reward model's adapter cannot load here, told without the network: a path that is no folder
+    on this machine, or (offline) a hub id the hub cache does not hold. None when it can load (or may, online)."""
+    if not base or Path(base).expanduser().is_dir():
+        return None
+    fix = (f"Fix: bring the base to this machine and set base_model_name_or_path in {folder / 'adapter_config.json'} "
+           "to its folder")
+    if not HUB_ID.fullmatch(base) or base.startswith("."):
+        return f"{folder} is an adapter of {base}, which is not a folder on this machine. {fix}."
+    from finetune.hub import offline_requested
+
+    if offline_requested():
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(base, "config.json"), str):
+            return (f"{folder} is an adapter of `{base}`, which is neither a folder here nor in the hub cache, and the "
+                    f"hub is offline (HF_HUB_OFFLINE). {fix}, or download it (`hf download {base}`) where the hub is "
+                    "reachable.")
+    return None
+
+
+def _reward_problems(g) -> list[str]:
+    """grpo.reward_functions and reward_models: each importable (or a scorer folder), callable as finetune calls it,
+    and each name (the key of its logged figures) used once."""
+    problems, entries = [], {}
+    for index, path in enumerate(g.reward_models):
+        why = reward_model_problem(path)
+        if why:
+            problems.append(f"grpo.reward_models[{index}]: {why}")
+        else:
+            entries.setdefault(reward_model_name(path), []).append(f"grpo.reward_models[{index}] ({path})")
+    for index, name in enumerate(g.reward_functions):
+        try:
+            function = import_reward_function(name)
+        except ValueError as exc:
+            problems.append(f"grpo.reward_functions[{index}]: {exc}")
+            continue
+        if why := signature_problem(function):
+            problems.append(f"grpo.reward_functions[{index}]: `{name}` {why}")
+        entries.setdefault(scorer_name(function), []).append(f"grpo.reward_functions[{index}] (`{name}`)")
+    for name, same in entries.items():
+        if len(same) > 1:
+            problems.append(f"{' and '.join(same)} are both named `{name}`, the key of their logged figures "
+                            f"(rewards/{name}/mean and /std) and of their values in the completions log, so one would "
+                            f"hide the other. Fix: rename a function (or wrap it: def {name}_2(**kwargs): return "
+                            f"{name}(**kwargs)); a reward model is named after its folder: point at it through a "
+                            "folder or symlink of another name.")
+    return problems
+
+
 def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recipe.py imports this)
     """What train.objective: grpo needs of the other sections, every problem named at once."""
     g, t, data = recipe.grpo, recipe.train, recipe.data
@@ -274,15 +381,7 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
         problems.append("grpo.reward_functions: empty (and no grpo.reward_models), so no completion can be scored. "
                         "Fix: name at least one, e.g. [finetune.rewards:exact_match] (scores against the rows' `answer` "
                         "column), or a reward model in grpo.reward_models.")
-    for index, path in enumerate(g.reward_models):
-        why = reward_model_problem(path)
-        if why:
-            problems.append(f"grpo.reward_models[{index}]: {why}")
-    for index, name in enumerate(g.reward_functions):
-        try:
-            import_reward_function(name)
-        except ValueError as exc:
-            problems.append(f"grpo.reward_functions[{index}]: {exc}")
+    problems += _reward_problems(g)
     scorers = len(g.reward_functions) + len(g.reward_models)
     if g.reward_weights is not None and len(g.reward_weights) != scorers:
         problems.append(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_functions)} reward "

@@ -125,12 +125,13 @@ def test_text_and_chat_prompts_keep_their_columns_for_the_rewards(tiny_llama, tm
 def test_every_rows_columns_reach_the_rewards_and_a_column_named_as_an_argument_is_refused(tiny_llama, tmp_path):
     """A column only later rows have reaches the reward functions (None where a row lacks it: the first row's keys
     were all that was passed); a column named `completions` (or `prompts`, `completion_ids`) would collide with the
-    call's own argument, and is refused when the data is read, naming it."""
+    call's own argument, and is refused when the data is read, naming it (the last three: TRL 1.16's extra arguments,
+    which finetune passes too: a column of their name was replaced silently)."""
     from finetune.training.objectives.grpo.rollouts import reward_columns
 
     rows = [{"prompt": "a", "answer": "5"}, {"prompt": "b", "answer": "2", "level": 1}]
     assert reward_columns(rows) == {"answer": ["5", "2"], "level": [None, 1]}
-    for name in ("completions", "prompts", "completion_ids"):
+    for name in ("completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"):
         with pytest.raises(DataError, match=f"a column named `{name}`, which the reward functions receive as their own "
                                             "argument.*Fix: rename the column"):
             _prompts(tiny_llama, [{"prompt": "a", "answer": "5"}, {"prompt": "b", name: "x"}], tmp_path)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 
 import torch
@@ -20,9 +21,12 @@ from torch import nn
 
 from finetune import distributed, host_memory
 from finetune.data import IGNORE_INDEX
+from finetune.data.conversations import convert_turns
 from finetune.data.prompts import cut_at_stops, turn_end_ids, turn_end_stops
+from finetune.data.templates import row_system
 from finetune.errors import RewardError
 from finetune.parallel import unwrap
+from finetune.recipe import DatasetSpec
 from finetune.training.loss import token_logps
 from finetune.training.objectives.grpo import loss as grpo
 from finetune.training.objectives.grpo import rewards as reward_table
@@ -56,10 +60,10 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     reward functions and reference); sets `objective.rollout_figures`."""
     config = objective.config
     started = time.perf_counter()
-    rollouts, failure = [], None
+    rollouts, failure, log = [], None, reward_table.RewardLog()
     served = _served(model, micro_batches, objective) if objective.vllm is not None else [None] * len(micro_batches)
     for batch, sampled in zip(micro_batches, served):
-        rollout, problem = sample_and_score(model, batch, objective, device, sampled)
+        rollout, problem = sample_and_score(model, batch, objective, device, sampled, log=log)
         rollouts.append(rollout)
         failure = failure or problem
     # Decoding frees many small KV-cache and logits tensors that glibc keeps in the heap; handed back to the OS before
@@ -67,12 +71,12 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     # SmolLM2, docs/benchmarks.md). Host memory only: CUDA's cache is left alone (emptying it would cost speed).
     host_memory.release_freed_memory()
     if distributed.any_rank(failure is not None):  # every rank stops after the same step
-        raise failure or RewardError("grpo.reward_functions: a reward function failed on another rank (its message "
-                                     "is in that rank's output); the run stopped before this step's update.")
+        raise failure or RewardError("grpo.reward_functions: a reward function or model failed on another rank (its "
+                                     "message is in that rank's output); the run stopped before this step's update.")
     seconds = time.perf_counter() - started
     weights = config.weights()
     weighted = [reward_table.weighted_rewards(r.rewards, weights) for r in rollouts]
-    figures = _figures(rollouts, weighted, objective)
+    figures = {**_figures(rollouts, weighted, objective), **logged_metrics(log)}
     batch_std = figures["reward_std"] if config.scale_rewards == "batch" else None
     for rollout, rewards in zip(rollouts, weighted):
         rollout.advantages, rollout.zero_std = grpo.advantages(rewards, config.num_generations, config.scale_rewards,
@@ -98,23 +102,50 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     objective.rollout_figures = figures
     objective.completion_rows = completion_rows(objective.step, rollouts, weighted, objective.functions)
     if objective.completions_log is not None:
-        with open(objective.completions_log, "a") as out:
-            out.writelines(json.dumps(record) + "\n" for record in objective.completion_rows)
+        with open(objective.completions_log, "a") as out:  # plain JSON: no NaN / Infinity token (json_safe)
+            out.writelines(json.dumps(record, default=str) + "\n" for record in objective.completion_rows)
     return rollouts
+
+
+def json_safe(value):
+    """`value` with every float that is not finite as its text ("inf", "nan"), as metrics.jsonl writes them: JSON has
+    no such numbers (JSON.parse and jq refuse Python's `Infinity` / `NaN`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def logged_metrics(log: reward_table.RewardLog) -> dict[str, float]:
+    """The metrics the reward functions logged with TRL's `log_metric` in this generation, each the mean of its values
+    over the calls of every rank (TRL's: the sum over ranks / the count over ranks); the names are gathered first, as
+    a rank may log a name another does not."""
+    names = sorted({name for names in distributed.gather_objects(sorted(log.metrics)) for name in names})
+    if not names:
+        return {}
+    sums = distributed.all_reduce_sum([x for name in names for x in (sum(log.metrics.get(name, [])),
+                                                                      len(log.metrics.get(name, [])))])
+    return {name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}
 
 
 def completion_rows(step: int, rollouts: list[grpo.Rollout], weighted: list[torch.Tensor], functions) -> list[dict]:
     """One record per completion sampled at `step` (this rank's), as TRL logs them: the prompt, the completion, each
-    reward function's value (None: not scored), the weighted reward and the advantage: the completions log's lines
-    and the trackers' table."""
+    reward function's value (None: not scored), the weighted reward, the advantage and, when the functions logged
+    columns with log_extra, `extra` ({column: value}): the completions log's lines and the trackers' table, in plain
+    JSON's numbers (json_safe)."""
     names = [reward_table.reward_name(f) for f in functions]
     number = lambda value: None if math.isnan(value) else round(value, 6)
     records = []
     for rollout, rewards in zip(rollouts, weighted):
         for row, shown in enumerate(rollout.shown):
             scores = {name: number(float(v)) for name, v in zip(names, rollout.rewards[row].tolist())}
-            records.append({"step": step, **shown, "rewards": scores, "reward": number(float(rewards[row])),
-                            "advantage": round(float(rollout.advantages[row]), 6)})
+            shown = dict(shown)
+            extra = {"extra": shown.pop("extra")} if "extra" in shown else {}  # log_extra's columns: last
+            records.append(json_safe({"step": step, **shown, "rewards": scores, "reward": number(float(rewards[row])),
+                                      "advantage": round(float(rollout.advantages[row]), 6), **extra}))
     return records
 
 
@@ -153,9 +184,11 @@ def _served(model: nn.Module, micro_batches: list[dict], objective) -> list[tupl
 
 
 def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.device,
-                     served: tuple[list, list] | None = None) -> tuple[grpo.Rollout, RewardError | None]:
+                     served: tuple[list, list] | None = None, *,
+                     log: reward_table.RewardLog | None = None) -> tuple[grpo.Rollout, RewardError | None]:
     """G completions of every prompt of a micro-batch (sampled here, or `served`: (completions, sampler log-probs)
-    from the vLLM server), and their rewards (or the reward error, raised by the caller once every rank knows)."""
+    from the vLLM server), and their rewards (or the reward error, raised by the caller once every rank knows);
+    `log` collects what the reward functions log (TRL's log_metric, log_extra)."""
     config, tokenizer, recipe = objective.config, objective.tokenizer, objective.recipe
     prompts = _prompts(batch)
     indices = batch["prompt_index"].tolist()
@@ -178,13 +211,20 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     rows = [row for row in batch["rows"] for _ in range(g)]
     texts = [cut_at_stops(text, stops) for text in written]  # the answer, as an EOS is skipped in decoding
     shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for t, r in zip(texts, rows)]
-    columns = reward_columns(rows)
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
+    # A prompt named by its row in its file (from 1) and its prompt_index in the completions log (from 0)
+    places = [f"{place}, prompt_index {index} in the completions log" for place, index in zip(batch["places"], indices)
+              for _ in range(g)]
+    seen = [p for p in policy_prompts(batch["rows"], batch["places"], recipe) for _ in range(g)] \
+        if any(getattr(f, "is_reward_model", False) for f in objective.functions) else None
+    log = log if log is not None else reward_table.RewardLog()
     try:
-        table = reward_table.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown, columns,
-                                          [p for p in batch["places"] for _ in range(g)], completion_ids=completions)
+        table = reward_table.rewards_per_function(objective.functions, [r["prompt"] for r in rows], shown,
+                                                  reward_columns(rows), places, model_prompts=seen, log=log,
+                                                  completion_ids=completions, trainer_state=trainer_state(objective))
     except RewardError as exc:
         problem = exc
+    extra = [{column: values[row] for column, values in log.columns.items()} for row in range(len(rows))]
     if sampler_logps is not None:
         dense = torch.zeros(mask.shape, dtype=torch.float32)
         for row, values in enumerate(sampler_logps):
@@ -192,9 +232,42 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
         sampler_logps = dense
     rollout = grpo.Rollout(batch=inputs, mask=mask, rewards=table, truncated=truncated, sampling_logps=sampler_logps,
                            lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64),
-                           shown=[{"prompt_index": index, "prompt": row["prompt"], "completion": text}
-                                  for index, row, text in zip([i for i in indices for _ in range(g)], rows, texts)])
+                           shown=[{"prompt_index": index, "prompt": row["prompt"], "completion": text,
+                                   **({"extra": columns} if columns else {})}
+                                  for index, row, text, columns in zip([i for i in indices for _ in range(g)], rows,
+                                                                       texts, extra)])
     return rollout, problem
+
+
+def trainer_state(objective) -> reward_table.TrainerState:
+    """TRL's `trainer_state` as the reward functions get it at the generation of `objective.step`: the optimizer steps
+    done so far (global_step: that step minus 1, as TRL's state at generation), max_steps and the process flags."""
+    info, train = distributed.info(), objective.recipe.train
+    return reward_table.TrainerState(global_step=objective.step - 1, max_steps=train.max_steps,
+                                     num_train_epochs=train.num_epochs or 0, is_local_process_zero=info.local_rank == 0,
+                                     is_world_process_zero=info.rank == 0)
+
+
+DATASET_KEY = re.compile(r"\(data\.datasets\[(\d+)\]\)")  # in a prompt's place (data/prompts.py): its dataset
+
+
+def policy_prompts(rows: list[dict], places: list[str], recipe) -> list:
+    """The prompts as the policy saw them, which the reward models score (reward functions get the rows' own, as
+    TRL passes them): chat messages in the normal form of data/conversations.py (ShareGPT's, text parts, the dataset's
+    role/content keys) with the system turn the policy's prompt got (the row's `system` column, else the dataset's
+    or data.system_prompt, when the messages have none: data/prompts.py); a text prompt as it is."""
+    seen = []
+    for row, place in zip(rows, places):
+        if not isinstance(row["prompt"], list):
+            seen.append(row["prompt"])
+            continue
+        found = DATASET_KEY.search(place or "")
+        spec = recipe.data.datasets[int(found.group(1))] if found else DatasetSpec(path=str(place), format="prompt")
+        messages = convert_turns(row["prompt"], spec, str(place))
+        system = row_system(row, spec, recipe.data.system_prompt)
+        seen.append([{"role": "system", "content": system}, *messages] if system and messages[0]["role"] != "system"
+                    else messages)
+    return seen
 
 
 def _sequences(prompts: list[list[int]], completions: list[list[int]], written: list[str], eos: list[int],
