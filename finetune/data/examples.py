@@ -20,7 +20,8 @@ class Example:
     row (KTO) is one sequence whose `desirable` says whether its completion is desirable (its label). A GRPO prompt
     (format: prompt) is its prompt's ids, nothing trained, with `row`: the dataset row ({"prompt": text or messages,
     the other columns}) its reward functions read, `prompt_index`: its place among the rows of data.datasets read in
-    order, from 0, kept or not (the sampling seed of its completions), and `place`: its file and line, for messages.
+    order, from 0, kept or not (the sampling seed of its completions), `copy`: which repeat of it a dataset's weight
+    made (0: the first; its completions are drawn from seeds of their own), and `place`: its file and line.
     A KTO row cut to data.max_length keeps the completion tokens the cut removed in `completion_tail` (as many as a
     mismatched row can hold): the KL row that borrows its completion takes the whole of it, as TRL's does.
     """
@@ -33,6 +34,7 @@ class Example:
     desirable: bool | None = None
     row: dict | None = None
     prompt_index: int | None = None
+    copy: int = 0
     place: str | None = None
     completion_tail: Example | None = None
 

@@ -34,6 +34,7 @@ def collate(examples: list[Example], pad_id: int, *, kl_partners: list[Example] 
         batch = _collate_rows(examples, pad_id)
         batch["rows"] = [e.row for e in examples]
         batch["prompt_index"] = torch.tensor([e.prompt_index for e in examples], dtype=torch.long)
+        batch["prompt_copy"] = torch.tensor([e.copy for e in examples], dtype=torch.long)
         batch["places"] = [e.place for e in examples]
         return batch
     if examples and examples[0].desirable is not None:

@@ -13,6 +13,7 @@ code path of GRPO's prompts and of `finetune generate` (finetune/cli/generate.py
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -181,7 +182,8 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
                                  place=f"prompt row {line} of {spec.path} ({key})"))
         if not found:
             raise DataError(f"{key} ({spec.path}): no usable prompt ({len(rows)} rows read).")
-        kept = weighted_share(found, spec.weight, recipe.train.seed + number, where=f"{key} ({spec.path})")  # as build
+        kept = _numbered_copies(weighted_share(found, spec.weight, recipe.train.seed + number,
+                                               where=f"{key} ({spec.path})"))  # as build
         stats.per_dataset.append({"path": spec.path, "format": spec.format, "rows": len(rows), "examples": len(found),
                                   "weight": spec.weight, "cached": False, "train_examples": len(kept)})
         examples += kept
@@ -190,6 +192,18 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
     stats.total_tokens, stats.train_examples, stats.train_sequences = int(lengths.sum()), len(examples), len(examples)
     stats.batch_efficiency = stats.unpacked_efficiency = 1.0
     return examples, [], stats
+
+
+def _numbered_copies(examples: list[Example]) -> list[Example]:
+    """The repeats a dataset's weight made of one prompt, numbered (Example.copy): two copies in one step would draw
+    the same completions from the same seeds, a doubled gradient of the same samples (TRL samples each afresh)."""
+    seen: dict[int, int] = {}
+    numbered = []
+    for example in examples:
+        copy = seen.get(id(example), 0)
+        seen[id(example)] = copy + 1
+        numbered.append(dataclasses.replace(example, copy=copy) if copy else example)
+    return numbered
 
 
 def turn_end_ids(tokenizer) -> list[int]:

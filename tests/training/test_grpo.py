@@ -455,3 +455,20 @@ def test_sequences_mask_the_completion_tokens_and_cut_completions():
     assert inputs["position_ids"][1].tolist()[1:4] == [0, 1, 2]
     assert truncated.tolist() == [False, True] and mask.tolist() == [[1, 1, 1], [0, 0, 0]]  # the cut one: no loss
     assert inputs["labels"].tolist() == [[-100, -100, 1, 2, 9], [-100] * 5]
+
+
+def test_a_prompt_repeated_by_its_weight_draws_completions_of_its_own(tiny_llama, tmp_path):
+    """Found by a bug bash (determinism): a dataset at weight 2 repeated each prompt as the same example, whose
+    completions were drawn from the same seeds: two copies in one step gave identical completions (a doubled gradient
+    of the same samples, where TRL samples each copy afresh). Copies are numbered, and draw seeds of their own."""
+    from finetune.training.objectives.grpo.rollouts import completion_seeds
+    from finetune.training.objectives.grpo.sampling import sampling_seed
+
+    rows = [{"prompt": "What is 2 plus 3?"}, {"prompt": "What is 1 plus 1?"}]
+    (train, _, _), _ = _prompts(tiny_llama, rows, tmp_path, datasets=[
+        {"path": str(tmp_path / "rows.jsonl"), "format": "prompt", "weight": 2}])
+    assert sorted((e.prompt_index, e.copy) for e in train) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    batch = data.collate(sorted(train, key=lambda e: (e.prompt_index, e.copy)), pad_id=0)
+    seeds = completion_seeds(7, 3, batch, 2)
+    assert len(set(seeds)) == 8  # 2 prompts x 2 copies x G=2, all different
+    assert seeds[:2] == [sampling_seed(7, 3, 0, 0), sampling_seed(7, 3, 0, 1)]  # a first copy's: as before

@@ -165,12 +165,26 @@ def _prompts(batch: dict) -> list[list[int]]:
     return [ids[:n] for ids, n in zip(batch["input_ids"].tolist(), lengths)]
 
 
+def _copies(batch: dict) -> list[int]:
+    """Which weighted repeat each prompt of the micro-batch is (Example.copy; 0 in batches collated before it)."""
+    copies = batch.get("prompt_copy")
+    return copies.tolist() if copies is not None else [0] * len(batch["prompt_index"])
+
+
+def completion_seeds(seed: int, step: int, batch: dict, g: int) -> list[int]:
+    """The seed of each of the G completions of every prompt of a micro-batch, in order: (train.seed, step, the
+    prompt's row, its number in the group); a weighted repeat of a prompt (copy c) takes numbers c*G to c*G+G-1."""
+    return [sampling_seed(seed, step, index, copy * g + j)
+            for index, copy in zip(batch["prompt_index"].tolist(), _copies(batch)) for j in range(g)]
+
+
 def _served(model: nn.Module, micro_batches: list[dict], objective) -> list[tuple[list, list]]:
     """grpo.generation vllm: the step's completions and their sampler log-probs for every micro-batch, asked of the
     server in one round (it batches them all), each prompt's group drawn with the prompt's seed."""
     prompts = [_prompts(batch) for batch in micro_batches]
-    seeds = [[sampling_seed(objective.recipe.train.seed, objective.step, index, 0) for index in batch["prompt_index"].tolist()]
-             for batch in micro_batches]
+    g = objective.config.num_generations  # a weighted repeat of a prompt (copy c) draws generations c*G.. of its seeds
+    seeds = [[sampling_seed(objective.recipe.train.seed, objective.step, index, copy * g)
+              for index, copy in zip(batch["prompt_index"].tolist(), _copies(batch))] for batch in micro_batches]
     completions, logps = objective.vllm.sample([p for group in prompts for p in group],
                                                [s for group in seeds for s in group],
                                                eos_ids=eos_token_ids(model, objective.tokenizer),
@@ -194,7 +208,7 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     indices = batch["prompt_index"].tolist()
     g = config.num_generations
     expanded = [p for p in prompts for _ in range(g)]
-    seeds = [sampling_seed(recipe.train.seed, objective.step, index, j) for index in indices for j in range(g)]
+    seeds = completion_seeds(recipe.train.seed, objective.step, batch, g)
     eos, stops = eos_token_ids(model, tokenizer), turn_end_stops(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampler_logps = None
