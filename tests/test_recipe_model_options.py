@@ -40,7 +40,7 @@ def test_flash_attention_on_a_cpu_is_refused_before_anything_loads():
 
 
 def test_the_checkpointing_the_loader_uses_is_the_one_the_architecture_check_reads():
-    no_checkpointing = CTRLConfig(n_layer=1, n_embd=16, n_head=2)  # CTRL has no gradient checkpointing
+    no_checkpointing = CTRLConfig(n_layer=1, n_embd=16, n_head=2, n_positions=512)  # no gradient checkpointing
     off = recipe(parallel={"activation_checkpointing": False}, quantization={"method": "none"})
     check_supported(no_checkpointing, off)  # refused before, though the run checkpoints nothing
     on = recipe(parallel={"activation_checkpointing": True}, quantization={"method": "none"})
@@ -82,3 +82,34 @@ def test_a_flash_attention_run_read_back_on_a_cpu_exports_with_sdpa(tmp_path, ti
     saved = saved_recipe(path)
     model = load_base_model(saved, device=torch.device("cpu"))
     assert model.config._attn_implementation == "sdpa" and "flash_attention_2 runs on CUDA only" in capsys.readouterr().err
+
+
+def test_a_max_length_past_a_fixed_position_table_is_refused_before_loading():
+    """Found by a bug bash (positions): GPT-2 / OPT / GPT-Neo with data.max_length above their position table passed
+    validate and died at step 1 with an IndexError in the position embedding (GPT-Neo also when packed rows restart
+    their positions; the generation eval at prompt + max_new_tokens). RoPE models have no table: not refused."""
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    long = recipe(data={"max_length": 64}, quantization={"method": "none"})
+    with pytest.raises(ModelLoadError, match=r"a table of 32 \(config.json's n_positions\).*data.max_length to 32"):
+        check_supported(GPT2Config(n_positions=32, n_layer=1, n_embd=16, n_head=2), long)
+    with pytest.raises(ModelLoadError, match=r"max_position_embeddings.*max_new_tokens 32.*data.max_length to 32 or"):
+        check_supported(OPTConfig(max_position_embeddings=64, num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                  ffn_dim=32), recipe(data={"max_length": 64}, eval={"generation_rows": 2}))
+    check_supported(OPTConfig(max_position_embeddings=64, num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                              ffn_dim=32), long)
+    check_supported(LlamaConfig(max_position_embeddings=32, num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                intermediate_size=32), long)
+
+
+def test_a_max_length_past_a_rotary_models_context_is_warned(capsys):
+    """Found by the same bug bash: Llama with data.max_length above max_position_embeddings and no RoPE scaling
+    trained without a word at positions the base never saw (no crash: rotary positions have no table)."""
+    from transformers import LlamaConfig
+
+    small = dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32)
+    check_supported(LlamaConfig(max_position_embeddings=48, **small), recipe(data={"max_length": 64}))
+    assert "data.max_length 64 is past the model's context of 48 tokens" in capsys.readouterr().err
+    scaled = LlamaConfig(max_position_embeddings=48, rope_scaling={"rope_type": "linear", "factor": 2.0}, **small)
+    check_supported(scaled, recipe(data={"max_length": 96}))
+    assert "past the model's context" not in capsys.readouterr().err

@@ -160,8 +160,11 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
         more = f" (and {stats.dropped - len(stats.dropped_rows)} more)" if stats.dropped > len(stats.dropped_rows) else ""
-        lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; data.overlong: error stops on such rows, "
-                     "a larger data.max_length keeps them")
+        fix = ("data.overlong: truncate (the default) keeps them cut to max_length, a larger data.max_length whole"
+               if recipe.data.overlong == "drop" else
+               "their answers lie past max_length; data.overlong: error stops on such rows, a larger data.max_length "
+               "keeps them")
+        lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; {fix}")
     return "\n".join(lines)
 
 

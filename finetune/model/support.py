@@ -181,6 +181,9 @@ UNREADABLE = {
                   "Fix: none in finetune yet; use a model `finetune models` lists as trained",
 }
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# Architectures whose positions index a fixed table (learned, or CTRL's sinusoids computed once): a longer sequence is an
+# IndexError at the first forward (GPT-Neo's causal-bias buffer too, even with packing's restarted positions).
+FIXED_POSITIONS = ("gpt2", "gpt_neo", "opt", "gpt_bigcode", "biogpt", "ctrl")
 
 
 def refusals(config, *, quantized: bool, attn_implementation: str, gradient_checkpointing: bool = False,
@@ -281,10 +284,48 @@ def check_supported(config, recipe) -> None:
     if not reasons and config.model_type not in _WARNED and (warning := matrix.failed_warning(config.model_type)):
         _WARNED.add(config.model_type)  # load_config runs this at every stage that reads the config: say it once
         print0(f"[finetune] warning: {warning}", file=sys.stderr)
+    reasons += _position_problems(config, recipe)
+    if not reasons and (note := _beyond_context(config, recipe)) and note not in _WARNED:
+        _WARNED.add(note)
+        print0(f"[finetune] warning: {note}", file=sys.stderr)
     if reasons:
         raise ModelLoadError(
             f"model.name_or_path `{recipe.model.name_or_path}` is a {config.model_type} model, which finetune cannot "
             f"train with these settings: {'; '.join(reasons)}. (`finetune models` lists the architectures checked.)")
+
+
+def _position_problems(config, recipe) -> list[str]:
+    """A sequence longer than the position table of a FIXED_POSITIONS model: data.max_length (a packed row is that long
+    too), and a generation eval's prompt (up to max_length) plus its answer."""
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if config.model_type not in FIXED_POSITIONS or not limit:
+        return []
+    longest, what = recipe.data.max_length, "data.max_length"
+    if recipe.eval.generation_rows:
+        longest += recipe.eval.max_new_tokens
+        what = (f"data.max_length {recipe.data.max_length} + eval.max_new_tokens {recipe.eval.max_new_tokens} (the "
+                "generation eval's prompt and answer)")
+    if longest <= limit:
+        return []
+    key = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
+    room = limit - (recipe.eval.max_new_tokens if recipe.eval.generation_rows else 0)
+    reason = (f"its positions are a table of {limit} (config.json's {key}), and {what} is {longest}: a longer "
+              f"sequence fails at the first step. Fix: set data.max_length to {room} or less")
+    return [reason]
+
+
+def _beyond_context(config, recipe) -> str | None:
+    """data.max_length past the context a rotary model was trained for, with no RoPE scaling in its config: it trains
+    (rotary positions have no table), at positions the base never saw. A warning, as TRL gives none."""
+    context = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if config.model_type in FIXED_POSITIONS or not context or not rope or recipe.data.max_length <= context:
+        return None
+    if rope.get("rope_type", "default") != "default":
+        return None
+    return (f"data.max_length {recipe.data.max_length} is past the model's context of {context} tokens "
+            "(config.json's max_position_embeddings) and the config has no RoPE scaling: rows that long train at "
+            "positions the base never saw. Lower data.max_length, or start from a config with rope_scaling")
 
 
 def support_rows() -> list[tuple[str, str, str]]:

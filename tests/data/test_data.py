@@ -416,7 +416,10 @@ def test_a_row_truncated_away_is_dropped_and_named_and_overlong_error_refuses_it
     assert main(["validate", str(recipe)]) == 0
     assert f"1 dropped (past max_length: {path} line 31)" in capsys.readouterr().out
     assert main(["data", str(recipe)]) == 0
-    assert f"dropped for length: {path} line 31;" in capsys.readouterr().out
+    assert f"dropped for length: {path} line 31; their answers lie past max_length" in capsys.readouterr().out
+    assert main(["data", str(recipe), "data.overlong=drop"]) == 0  # (bug bash: it said `error` stops on such rows,
+    said = capsys.readouterr().out  # which error truncates and keeps)
+    assert "data.overlong: truncate (the default) keeps them cut to max_length" in said and "error stops" not in said
 
     def data_line(*overrides: str) -> str:
         capsys.readouterr()
