@@ -107,7 +107,7 @@ def test_a_max_length_past_a_rotary_models_context_is_warned(capsys):
     trained without a word at positions the base never saw (no crash: rotary positions have no table)."""
     from transformers import LlamaConfig
 
-    small = dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32)
+    small = {"num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32}
     check_supported(LlamaConfig(max_position_embeddings=48, **small), recipe(data={"max_length": 64}))
     assert "data.max_length 64 is past the model's context of 48 tokens" in capsys.readouterr().err
     scaled = LlamaConfig(max_position_embeddings=48, rope_scaling={"rope_type": "linear", "factor": 2.0}, **small)
