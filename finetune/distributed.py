@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from finetune import rendezvous
 from finetune.devices import check_torch_sees_the_gpus, local_gpu_index, shared_gpu_refused
-from finetune.errors import FinetuneError, LaunchError
+from finetune.errors import FinetuneError, LaunchError, accelerate_launch_line, torchrun_line
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,10 @@ def _check_not_silently_split(info: DistInfo) -> None:
         raise LaunchError(
             f"the launcher was asked for {asked} processes but this process sees no process group (WORLD_SIZE unset): "
             "accelerate without a multi-process config starts a single process on a CPU-only machine, and several "
-            "such processes would train independent copies. Fix: launch with a config from accelerate_configs/ "
-            "(e.g. `accelerate launch --config_file accelerate_configs/ddp.yaml ...`; on a CPU-only machine with "
+            "such processes would train independent copies. Fix: launch with a multi-process accelerate config "
+            f"(e.g. `{accelerate_launch_line('ddp', 'RECIPE.yaml', processes=asked)}`; on a CPU-only machine with "
             "ACCELERATE_USE_CPU=true in the environment, not `--cpu`, which starts one process), "
-            "or `torchrun --standalone --nproc_per_node N finetune/run.py ...`."
+            f"or `{torchrun_line('RECIPE.yaml', asked)}`."
         )
 
 

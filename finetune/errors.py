@@ -2,10 +2,14 @@
 
 Anything the user can fix (a recipe, a data file, a launcher setting, a folder) raises a subclass of
 `FinetuneError`. The entry points (`run.py`, `finetune` CLI) print its message as one paragraph and exit
-with code 2, without a traceback. Programming errors stay ordinary exceptions with tracebacks.
+with code 2, without a traceback. Programming errors stay ordinary exceptions with tracebacks. A message that says how
+to launch a run words it with the helpers below (`run_script`, `accelerate_launch_line`, `train_launch_fix`), in the
+form that works from where it runs: a checkout's finetune/run.py, or the installed module.
 """
 
 from __future__ import annotations
+
+import os
 
 EXIT_USER_ERROR = 2
 # Where a launched rank writes its exit code for `finetune train` (accelerate's launcher exits 1 whatever a rank's).
@@ -44,6 +48,46 @@ class RewardError(FinetuneError):
     """A GRPO reward function raised or returned something unusable; the run stops before the step's update."""
 
 
+# ------------------------------------------------------------------------------------ launch lines in messages
+# A fix that says how to launch a run must work from where the user is: a checkout has finetune/run.py, recipes/ and
+# accelerate_configs/ beside it; a pip-installed wheel has none of them (its recipes and configs are package data,
+# which `finetune train NAME --accelerate-config CONFIG` finds by name, and its run script is the module finetune.run).
+def in_checkout() -> bool:
+    """Whether the current folder is a checkout of finetune (its finetune/run.py is there, relative to here)."""
+    return os.path.isfile(os.path.join("finetune", "run.py"))
+
+
+def run_script(launcher: str = "accelerate") -> str:
+    """finetune's run script as `launcher` (accelerate, torchrun or deepspeed) takes it from here: finetune/run.py in a
+    checkout, else the installed module (`-m finetune.run`; DeepSpeed's launcher spells it `--module finetune.run`)."""
+    if in_checkout():
+        return "finetune/run.py"
+    return "--module finetune.run" if launcher == "deepspeed" else "-m finetune.run"
+
+
+def accelerate_launch_line(config: str, recipe: str = "RECIPE.yaml", *, processes: int | str | None = None) -> str:
+    """The launch of `recipe` under the library accelerate config `config` (a name: fsdp2, ddp, ...): `accelerate launch`
+    with the checkout's file in a checkout, else `finetune train` with the config by name (what it runs)."""
+    if in_checkout():
+        count = f" --num_processes {processes}" if processes is not None else ""
+        return f"accelerate launch --config_file accelerate_configs/{config}.yaml{count} finetune/run.py {recipe}"
+    count = f" --num-processes {processes}" if processes is not None else ""
+    return f"finetune train {recipe} --accelerate-config {config}{count}"
+
+
+def torchrun_line(recipe: str = "RECIPE.yaml", processes: int | str = "N") -> str:
+    return f"torchrun --standalone --nproc_per_node {processes} {run_script('torchrun')} {recipe}"
+
+
+def train_launch_fix(config: str, recipe: str = "RECIPE.yaml", processes: int | str = "N") -> str:
+    """A fix that starts `recipe` as `processes` processes under the library config `config`: `finetune train` (a
+    checkout or a wheel alike), or the launchers themselves from here (accelerate's from a checkout, torchrun)."""
+    others = [accelerate_launch_line(config, recipe, processes=processes)] if in_checkout() else []
+    others.append(torchrun_line(recipe, processes))
+    return (f"`finetune train {recipe} --accelerate-config {config} --num-processes {processes}` (or "
+            + ", ".join(f"`{line}`" for line in others) + ")")
+
+
 # ------------------------------------------------------------------ refusals the recipe schema words itself
 DATA_PARALLEL_NAMES = ("dp", "data_parallel", "data-parallel", "dataparallel")
 
@@ -60,7 +104,7 @@ def data_parallel_refusal(source: str, asked: str = "dp") -> str:
         "out of memory first); the model, 4-bit base included, is replicated to every GPU again on every step; and it "
         "cannot span machines. DDP does the same job with one process per GPU and none of these costs. Fix: remove "
         "parallel.strategy (or set it to ddp) and run "
-        f"`accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {count} finetune/run.py {recipe}`"
+        f"`{accelerate_launch_line('ddp', recipe, processes=count)}`"
         f"{where}."
     )
 

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from finetune.errors import LaunchError
+from finetune.errors import LaunchError, accelerate_launch_line, torchrun_line
 
 LAUNCHER_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE")  # torch elastic (torchrun, accelerate launch); DeepSpeed's
 UNSET = "unset WORLD_SIZE RANK LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT"
@@ -26,8 +26,8 @@ def missing_address(world_size: int) -> str:
     leftover = ("" if launched() else f" This process was not started by a launcher: are WORLD_SIZE/RANK left over in "
                 f"this shell from another job? `{UNSET}` trains in one process.")
     return (f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set, so no process group can be formed."
-            f"{leftover} Start a multi-process run with `accelerate launch --config_file accelerate_configs/<config>.yaml "
-            "finetune/run.py ...` or `torchrun --standalone --nproc_per_node N finetune/run.py ...`.")
+            f"{leftover} Start a multi-process run with `{accelerate_launch_line('<config>', 'RECIPE.yaml')}` or "
+            f"`{torchrun_line()}`.")
 
 
 @contextmanager

@@ -4,6 +4,9 @@
     torchrun --standalone --nproc_per_node 2 finetune/run.py RECIPE.yaml ...
     deepspeed --num_gpus 2 finetune/run.py RECIPE.yaml parallel.strategy=deepspeed ...
     finetune train RECIPE.yaml ...          (same function, one process)
+
+From an installed package (no checkout): the module, `accelerate launch -m finetune.run`, `torchrun ... -m
+finetune.run`, `deepspeed ... --module finetune.run`; `--help` prints the form that works from where it runs.
 """
 
 from __future__ import annotations
@@ -141,12 +144,28 @@ def _attach_diagnostics() -> None:
         tensor_bytes.attach()
 
 
+def usage() -> str:
+    """How to launch a run, in the form that works from here: the checkout's files, or the installed module and the
+    library's accelerate configs by name (errors.run_script)."""
+    from finetune.errors import in_checkout, run_script, torchrun_line
+
+    config = "accelerate_configs/fsdp2.yaml" if in_checkout() else "CONFIG.yaml"
+    return "\n".join([
+        "The spine of a run: recipe -> model (4-bit base + LoRA) -> parallel wrap -> data -> train -> adapter.", "",
+        f"    accelerate launch [--config_file {config}] {run_script()} RECIPE.yaml [key.path=value ...]",
+        f"    {torchrun_line('RECIPE.yaml', 2)} ...",
+        f"    deepspeed --num_gpus 2 {run_script('deepspeed')} RECIPE.yaml parallel.strategy=deepspeed ...",
+        "    finetune train RECIPE.yaml [--accelerate-config NAME --num-processes N] ...",
+        "        (a library accelerate config by name; one process without them, unless the recipe names several)",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The `deepspeed` launcher passes --local_rank=N to its workers; the rank comes from the environment (LOCAL_RANK).
     argv = [arg for arg in argv if not arg.startswith(("--local_rank=", "--local-rank="))]
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(usage())
         return 0 if argv else EXIT_USER_ERROR
     clean = False
     quiet.install()

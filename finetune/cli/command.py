@@ -16,7 +16,7 @@ from pathlib import Path
 
 from finetune import quiet
 from finetune.cli import quantize
-from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path
+from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path, train_launch
 from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 
 
@@ -44,22 +44,26 @@ def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------------------- verbs
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = resolve_recipe_path(args.recipe)
-    if args.accelerate_config:
-        args.accelerate_config = resolve_accelerate_config(args.accelerate_config)
-    if args.accelerate_config or (args.num_processes or 1) > 1:
+    # The launch: the flags', else the one the recipe's comment names when it has several processes (validate checks
+    # that same launch: cli/library.train_launch), else this process.
+    launch = train_launch(recipe, args.accelerate_config, args.num_processes)
+    if launch.launches:
+        if launch.how != "as given":
+            count = f"{launch.num_processes} processes" if launch.num_processes else "the config's processes"
+            print(f"[finetune] launch: {count}, {launch.how}; --num-processes 1 to run in this process", flush=True)
         # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
         # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
         from finetune.cli.validate import validate
         from finetune.recipe import announcements_muted
 
         with announcements_muted():  # the launched rank 0 says them, once
-            validate(recipe, list(args.overrides), num_processes=args.num_processes,
-                     accelerate_config=args.accelerate_config, check_data=False, launching=True)
+            validate(recipe, list(args.overrides), num_processes=launch.num_processes,
+                     accelerate_config=launch.config, check_data=False, launching=True)
         command = [sys.executable, "-m", "finetune.cli.accelerate_launch"]  # accelerate launch, minus its traceback
-        if args.accelerate_config:
-            command += ["--config_file", args.accelerate_config]
-        if args.num_processes:
-            command += ["--num_processes", str(args.num_processes)]
+        if launch.config:
+            command += ["--config_file", launch.config]
+        if launch.num_processes:
+            command += ["--num_processes", str(launch.num_processes)]
         script = Path(__file__).resolve().parent.parent / "run.py"
         command += [str(script)]
         command += [recipe, *args.overrides]
@@ -173,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="QLoRA fine-tuning sharded by FSDP.")
     parser.add_argument("-v", "--verbose", action="store_true", help="also show the libraries' warnings and progress "
                         "bars (anywhere on the line; or FINETUNE_VERBOSE=1)")
+    parser.add_argument("--version", action="store_true", help="print the versions of finetune and of the libraries "
+                        "it trains with, one a line, and exit")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     _add_run_verbs(verbs)
     _add_look_verbs(verbs)
@@ -292,6 +298,22 @@ def _add_output_verbs(verbs) -> None:
     p.set_defaults(func=cmd_tiny_model)
 
 
+def versions() -> str:
+    """finetune's version and the installed versions of the libraries a run's results depend on, one a line (read
+    from their metadata: nothing heavy is imported)."""
+    from importlib import metadata
+
+    import finetune
+
+    lines = [f"finetune {finetune.__version__}"]
+    for name in ("torch", "transformers", "peft", "bitsandbytes"):
+        try:
+            lines.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: one paragraph and exit 2 for a user's mistake, 130 and one line for Ctrl-C, whenever it comes
     (while torch is still importing too)."""
@@ -322,6 +344,9 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    if args.version:
+        print(versions())
+        return 0
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USER_ERROR

@@ -6,8 +6,9 @@
                                           overwrites
 
 Each recipe's first comment lines name its launch (`# accelerate config: ...`: the first config named, with the
-process count written for it; `named_launch`, read alike by validate and data), and its `description` key is the
-one-line purpose.
+process count written for it; `named_launch`, read alike by validate and data; `train_launch`: the launch `finetune
+train` makes from it, which validate checks), and its `description` key is the one-line purpose. `recipes show` prints
+a recipe's launch lines by library name where the checkout's paths it names are not there (an installed wheel).
 
 Where the files are, and a recipe name -> its file: finetune/recipe_library.py (a leaf: finetune/run.py resolves
 names with it too). Accelerate config names resolve here, for the verbs.
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, in_checkout
 from finetune.files import destination_problem
 from finetune.recipe_library import data_dir, library_dir, recipe_path, resolve_recipe_path  # noqa: F401 (the verbs')
 
@@ -93,6 +94,49 @@ def named_launch(path: str | os.PathLike) -> NamedLaunch | None:
             count = re.search(r"num_processes:?\s*(\d+)", own)
             return NamedLaunch(match.group(0), int(count.group(1)) if count else None)
     return None
+
+
+@dataclass(frozen=True)
+class TrainLaunch:
+    """The launch `finetune train` makes and `finetune validate` checks: accelerate's launcher with `config` (a file;
+    `num_processes` None: the config's own count), or, with neither, one process: the run in this process."""
+
+    config: str | None
+    num_processes: int | None
+    how: str  # how it was chosen, for the report: "as given", "as the recipe names it (...)", "one process (...)"
+
+    @property
+    def launches(self) -> bool:
+        return self.config is not None or (self.num_processes or 1) > 1
+
+
+def train_launch(recipe: str, accelerate_config: str | None, num_processes: int | None) -> TrainLaunch:
+    """The launch as given (either flag: an explicit flag always wins), else the one the recipe's leading comment names
+    when it has more than one process (`fsdp2.yaml with num_processes: 2`), else one process in this process: a
+    named launch of one process (single_gpu.yaml) runs here too, as `finetune quickstart` runs its recipe."""
+    if accelerate_config is not None or num_processes is not None:
+        config = resolve_accelerate_config(accelerate_config) if accelerate_config else None
+        return TrainLaunch(config, num_processes, "as given")
+    named = named_launch(recipe)
+    if not named:
+        return TrainLaunch(None, None, "one process (the recipe names no accelerate config; --num-processes N or "
+                                       "--accelerate-config to check another)")
+    config = resolve_accelerate_config(named.config)
+    count = named.num_processes or _config_processes(config)
+    if count is None or count > 1:  # (a config whose count cannot be read: its own checks say why, at the launch)
+        return TrainLaunch(config, count, f"as the recipe names it ({named.describe()})")
+    return TrainLaunch(None, None, f"as the recipe names it ({named.describe()}: one process, run in this process)")
+
+
+def _config_processes(path: str) -> int | None:
+    """An accelerate config's num_processes (1 where it has none), or None where the file cannot be read as one."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+        return int(config.get("num_processes", 1) or 1)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return None
 
 
 def expected_accelerate_config(path: Path) -> str | None:
@@ -185,14 +229,17 @@ def copy_recipe(name: str | None, dest: str | None) -> Path:
     return target
 
 
-def _copied(source: Path, target: Path) -> str:
+def _copied(source: Path, target: Path | str, *, library_names: bool = False) -> str:
     """The recipe's text with its comments naming the copy, and `# Launch:` the accelerate config by name (the paths
     recipes/NAME.yaml, accelerate_configs/X.yaml and finetune/run.py exist in the repository, not beside a copy of an
-    installed package). The `# accelerate config:` line stays: validate reads it."""
+    installed package). The `# accelerate config:` line stays: validate reads it. `library_names`: every other library
+    recipe a comment names by its path (recipes/gpt-oss-20b.yaml) is named by its library name too."""
     lines = []
     for line in _text(source).splitlines(keepends=True):
         if line.startswith("#"):
             line = line.replace(f"recipes/{source.name}", str(target))
+            if library_names:
+                line = _LIBRARY_PATH.sub(lambda m: m.group(1) if recipe_path(m.group(1)) else m.group(0), line)
         if line.startswith(("# Launch:", "#     or:")):
             config = re.search(r"accelerate_configs/([\w.<>-]+?)\.ya?ml", line)
             line = f"# Launch: finetune train {target} --accelerate-config {config.group(1)}\n" if config else line
@@ -202,11 +249,26 @@ def _copied(source: Path, target: Path) -> str:
     return "".join(lines)
 
 
+_LIBRARY_PATH = re.compile(r"\brecipes/([\w.\-]+?)\.ya?ml\b")
+
+
+def shown(name: str | None) -> str:
+    """`finetune recipes show NAME`: the file as it is where its paths work from here (the current folder is the
+    checkout that holds it: recipes/NAME.yaml, accelerate_configs/, finetune/run.py), else with the launch lines and
+    recipe paths of its comments by library name, as `recipes copy` writes them (`finetune train NAME
+    --accelerate-config fsdp2`): an installed package has none of those paths."""
+    source = _require(name)
+    beside = Path("recipes") / source.name
+    if in_checkout() and beside.is_file() and beside.resolve() == source.resolve():
+        return _text(source)
+    return _copied(source, source.stem, library_names=True)
+
+
 def cli_recipes(args: argparse.Namespace) -> int:
     if args.action == "list":
         print(list_recipes())
     elif args.action == "show":
-        print(_text(_require(args.name)), end="")
+        print(shown(args.name), end="")
     else:
         target = copy_recipe(args.name, args.dest)
         print(f"copied {args.name} to {target}; edit it, then `finetune train {target}`")

@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from finetune import data, model, outputs, parallel
-from finetune.cli.library import named_launch, resolve_accelerate_config
+from finetune.cli.library import train_launch
 from finetune.data.tokenize import check_mapped_columns
 from finetune.data.vocab import check_token_ids
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
 from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
+from finetune.parallel.launcher import accelerate_launch_forms_group
 from finetune.recipe import load_recipe
 from finetune.recipe.checks import output_in_data_problem
 from finetune.recipe.router_aux import check_router_aux
@@ -30,9 +31,9 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     """Raise FinetuneError on the first failing stage; return a short report of what was checked. `launching`: the
     check before `finetune train` launches (a multi-machine config that cannot start here is refused, not noted).
 
-    The launch checked is the one given (`num_processes`, `accelerate_config`), else the one the recipe names in its
-    leading comments (`# accelerate config: accelerate_configs/fsdp2.yaml`, as every library recipe does), else one
-    process; the report says which.
+    The launch checked is the one `finetune train` makes: the one given (`num_processes`, `accelerate_config`), else
+    the one the recipe names in its leading comments (`# accelerate config: accelerate_configs/fsdp2.yaml`, as every
+    library recipe does) when it has several processes, else one process; the report says which.
     """
     recipe = load_recipe(recipe_path, overrides)
     try:
@@ -61,8 +62,11 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
     # A multi-machine config's processes per machine (what LOCAL_WORLD_SIZE will be): hybrid shard's node count.
     per_machine = num_processes // machines if num_processes % machines == 0 else num_processes
+    # The launched processes' group, as they will have it: several, or one that an FSDP / DeepSpeed / DDP config's
+    # launcher starts (a group of 1 rank, which FSDP + CPU offload runs over); none for a run in this process.
+    grouped = num_processes > 1 or bool(accelerate_config and accelerate_launch_forms_group(accelerate_config))
     info = DistInfo(rank=0, world_size=num_processes, local_rank=0, local_world_size=per_machine,
-                    device=torch.device("cpu"), backend=None)
+                    device=torch.device("cpu"), backend="gloo" if grouped else None)
     plan = parallel.resolve_plan(recipe, info, config, launcher=launcher, config_file=accelerate_config)
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
@@ -97,14 +101,10 @@ def _model_checked(recipe):
 
 
 def _launch_checked(recipe_path: str, accelerate_config: str | None, num_processes: int | None):
-    """(accelerate config, processes or None, how chosen): as given, else as the recipe's comment names them."""
-    if num_processes is not None or accelerate_config is not None:
-        return accelerate_config, num_processes, "as given"
-    named = named_launch(recipe_path)  # the first config, with the count written for it ("fsdp2.yaml with num_processes: 8")
-    if not named:
-        return None, None, ("one process (the recipe names no accelerate config; --num-processes N or "
-                            "--accelerate-config to check another)")
-    return resolve_accelerate_config(named.config), named.num_processes, f"as the recipe names it ({named.describe()})"
+    """(accelerate config, processes or None, how chosen): the launch `finetune train` makes with these flags (as
+    given, else the recipe comment's launch of several processes, else this process alone: cli/library.train_launch)."""
+    launch = train_launch(recipe_path, accelerate_config, num_processes)
+    return launch.config, launch.num_processes, launch.how
 
 
 def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:

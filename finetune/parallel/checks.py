@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from finetune.errors import train_launch_fix
 from finetune.parallel.decision import ParallelPlan
 from finetune.recipe import Recipe
+
+_LIBRARY_CONFIG = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3", "single": "single_gpu",
+                   "layer_split": "single_gpu"}  # the library's accelerate config of each strategy
 
 
 def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
@@ -26,7 +30,8 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
         name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
         problems.append(
             f"parallel.strategy is `{p.strategy}` but the accelerate config is {name} config. Fix: use the accelerate config "
-            f"of that strategy (accelerate_configs/), or set parallel.strategy: {config_kind} (or auto)."
+            f"of that strategy (the library's by name: `--accelerate-config {_LIBRARY_CONFIG.get(p.strategy, 'NAME')}`), "
+            f"or set parallel.strategy: {config_kind} (or auto)."
         )
     if plan.strategy != "deepspeed" and (p.zero_stage is not None or p.deepspeed_config):
         problems.append(
@@ -38,8 +43,8 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
             p.strategy != "auto" or plan.strategy == "layer_split"):
         problems.append(
             f"parallel.cpu_offload is true but the strategy is {plan.strategy}, which has no offload: FSDP and DeepSpeed "
-            "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: `torchrun --standalone --nproc_per_node 1 "
-            "finetune/run.py RECIPE.yaml`), or remove parallel.cpu_offload.")
+            "offload. Fix: set parallel.strategy: fsdp (over one process for one GPU: "
+            f"{train_launch_fix('fsdp2', processes=1)}), or remove parallel.cpu_offload.")
     if plan.strategy == "single" and config_kind in ("fsdp", "deepspeed"):
         name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
         plan.notes.append(f"the accelerate config is {name} config, but 1 process was started: with nothing to shard "

@@ -18,7 +18,8 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         with open(path) as handle:
             config = yaml.safe_load(handle) or {}
     except FileNotFoundError:
-        raise LaunchError(f"accelerate config {path}: file not found (the library's configs are in accelerate_configs/).") from None
+        raise LaunchError(f"accelerate config {path}: file not found. Fix: give the path of an accelerate config file, "
+                          f"or to `finetune train`/`validate` a library config by name: {library_config_names()}.") from None
     except yaml.YAMLError as exc:
         raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
     if not isinstance(config, dict) or not {"distributed_type", "compute_environment"} & set(config):
@@ -40,6 +41,29 @@ def accelerate_config_env(path: str) -> dict[str, str]:
     if config.get("distributed_type") == "DEEPSPEED":
         env.update(zero.accelerate_config_env(config))
     return env
+
+
+def library_config_names() -> str:
+    """The library's accelerate configs, as `--accelerate-config` takes them by name (fsdp2, ddp, ...)."""
+    from finetune.recipe_library import data_dir
+
+    return ", ".join(sorted(path.stem for path in data_dir("accelerate_configs").glob("*.yaml"))) or "none found"
+
+
+# accelerate's launch_command (accelerate/commands/launch.py) starts a config whose distributed_type is FSDP, DEEPSPEED,
+# MEGATRON_LM or MULTI_* (MULTI_GPU: ddp.yaml) through torch's elastic launcher (multi_gpu_launcher, deepspeed_launcher)
+# whatever num_processes says: WORLD_SIZE and MASTER_ADDR are set, so even one process forms a group, of one rank
+# (finetune/distributed.py), and FSDP or ZeRO with CPU offload runs over it (the one-GPU offload route). Only a config
+# of distributed_type NO (single_gpu.yaml), or the `--cpu` flag (which `finetune train` never passes; the config's
+# use_cpu and ACCELERATE_USE_CPU do not count), takes the simple launcher: one process, without a group.
+def accelerate_launch_forms_group(path: str) -> bool:
+    """Whether `accelerate launch --config_file PATH`, as `finetune train` runs it, gives its processes a group."""
+    import yaml
+
+    with open(path) as handle:
+        config = yaml.safe_load(handle) or {}
+    kind = str(config.get("distributed_type", "NO") if isinstance(config, dict) else "NO").upper()
+    return kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM") or kind.startswith("MULTI_")
 
 
 # accelerate's FSDP1 sharding strategies (its constants.FSDP_SHARDING_STRATEGY; the number is the name's place + 1). The

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from finetune.distributed import DistInfo, print0
-from finetune.errors import LaunchError
+from finetune.errors import LaunchError, train_launch_fix
 from finetune.parallel import accelerate_keys, zero
 from finetune.parallel.checks import check_agreement, check_fsdp_rules
 from finetune.parallel.decision import ParallelPlan, Strategy
@@ -166,17 +166,17 @@ def _choose_strategy(recipe: Recipe, dist: DistInfo, launcher: dict, problems: l
         ddp = next((e for e in decision.estimates if e.strategy == "ddp"), None)
         return "ddp" if ddp is not None and ddp.fits else "fsdp"  # DDP when it fits (faster), else shard
     if asked in ("ddp", "fsdp", "deepspeed") and world == 1 and dist.backend is None:
+        # (with a group, one process is a run of world size 1: `--accelerate-config fsdp2 --num-processes 1`)
         config = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3"}[asked]
         problems.append(
-            f"parallel.strategy is `{asked}` but only 1 process was started. Fix: launch N processes "
-            f"(`accelerate launch --config_file accelerate_configs/{config}.yaml ...` or "
-            "`torchrun --standalone --nproc_per_node N ...`), or set parallel.strategy: single."
+            f"parallel.strategy is `{asked}` but only 1 process was started, without a process group. Fix: launch N "
+            f"processes, {train_launch_fix(config)}, or set parallel.strategy: single."
         )
     if asked in ("single", "layer_split") and world > 1:
         problems.append(
             f"parallel.strategy is `{asked}` but {world} processes were started: each would train its own copy. Fix: launch one "
-            "process (`accelerate launch --config_file accelerate_configs/single_gpu.yaml`), or set parallel.strategy: ddp, "
-            "fsdp or deepspeed."
+            "process (`finetune train RECIPE.yaml --num-processes 1`), or set parallel.strategy: ddp, fsdp or "
+            "deepspeed."
         )
     return asked
 
@@ -208,9 +208,9 @@ def _one_process(recipe: Recipe, dist: DistInfo, launcher: dict, problems: list[
     if offload:
         problems.append(
             f"{offload} asks for CPU offload, which FSDP or DeepSpeed does, over a process group, and this single process "
-            "has none (accelerate launch starts one process without a group on a CPU-only machine, or under --cpu). "
-            "Fix: start it with `torchrun --standalone --nproc_per_node 1 finetune/run.py RECIPE.yaml` (FSDP over one process "
-            "offloads), or remove the offload.")
+            "has none (a run in this process, or accelerate's single_gpu config or --cpu, starts one without a group; "
+            "an FSDP or DeepSpeed config forms one at any process count). Fix: start it as one process with a group, "
+            f"over which FSDP offloads: {train_launch_fix('fsdp2', processes=1)}; or remove the offload.")
     return "single"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from finetune.errors import train_launch_fix
 from finetune.planner.facts import GB, GiB, ModelFacts, PlanError, facts_from_config, gib
 from finetune.planner.memory import (
     CUDA_CONTEXT_BYTES,
@@ -172,8 +173,8 @@ def _more_memory(facts: ModelFacts, recipe, hw: Hardware) -> str:
     if not offload.fits:
         return f"{more}; FSDP + CPU offload over this one GPU does not fit either ({offload.needs()})"
     return (f"{more}, or on this one GPU FSDP + CPU offload, which fits ({offload.needs()}, "
-            f"{gib(offload.cpu_bytes_per_node)} of CPU RAM): set parallel.cpu_offload: true and start it with "
-            "`torchrun --standalone --nproc_per_node 1 finetune/run.py RECIPE.yaml`")
+            f"{gib(offload.cpu_bytes_per_node)} of CPU RAM): set parallel.cpu_offload: true and start it as one process "
+            f"with a process group, {train_launch_fix('fsdp2', processes=1)}")
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

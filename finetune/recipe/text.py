@@ -208,8 +208,9 @@ def read_yaml(path: str | os.PathLike) -> dict:
     if not path.is_file():
         hint = " (it is a folder)" if path.is_dir() else ""
         raise RecipeError(
-            f"{path}: recipe file not found{hint}. Pass the path of a YAML recipe, e.g. recipes/quickstart.yaml; "
-            "`finetune recipes` lists the library."
+            f"{path}: recipe file not found{hint}. Pass the path of a YAML recipe, or to the `finetune` verbs the name "
+            "of a library recipe (e.g. quickstart): `finetune recipes` lists the library, and `finetune recipes copy "
+            "NAME my.yaml` writes one out to edit."
         )
     try:
         raw = yaml.load(decoded(path), Loader=UniqueKeyLoader)  # (a SafeLoader)
