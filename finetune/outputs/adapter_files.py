@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from finetune.errors import CheckpointError
 from finetune.files import AS_TRAINED, as_trained, atomic_dir, free_mb, no_room  # noqa: F401 (AS_TRAINED, as_trained: re-exported)
+
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -87,10 +91,27 @@ def _buffer_tensors(key_map: dict[str, str], out_dir: Path) -> dict[str, torch.T
     return tensors
 
 
+def _config_to_write(peft_config, recipe: Recipe | None = None):
+    """The adapter_config.json of a run's adapter: PEFT's config in inference mode, and with the run's `recipe` the base
+    it trained on: base_model_name_or_path is model.name_or_path (as the recipe resolved it: a local folder absolute),
+    revision model.revision. PEFT takes the name from the model's config (`_name_or_path`), which a text model built
+    from a multimodal config (Llama 4) does not carry: the adapter said null, and AutoPeftModel, TRL and `finetune
+    export` of the adapter alone had no base (a hub base pinned by model.revision was reloaded at main). A GGUF base
+    (model.gguf_file) keeps PEFT's name: PEFT cannot load a GGUF file as the base."""
+    config = copy.deepcopy(peft_config)
+    config.inference_mode = True
+    if recipe is not None:
+        if not recipe.model.gguf_file:
+            config.base_model_name_or_path = recipe.model.name_or_path
+        config.revision = recipe.model.revision
+    return config
+
+
 def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str, torch.Tensor], out_dir: Path, *,
-                 tokenizer=None) -> dict:
+                 tokenizer=None, recipe: Recipe | None = None) -> dict:
     """Write a standard PEFT adapter folder atomically (with the tokenizer, when given: a folder is published whole or
-    not at all), read it back and compare. Rank 0 only."""
+    not at all), read it back and compare. Rank 0 only. With the run's `recipe`, adapter_config.json names its base
+    (`_config_to_write`)."""
     from safetensors.torch import load_file, save_file
 
     missing = [name for name in key_map if name not in trainable_state]
@@ -103,8 +124,7 @@ def save_adapter(peft_config, key_map: dict[str, str], trainable_state: dict[str
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the adapter has NaN/inf values ({bad[0]} and {len(bad) - 1} more); not written over {out_dir}.")
-    config = copy.deepcopy(peft_config)
-    config.inference_mode = True
+    config = _config_to_write(peft_config, recipe)
     try:
         with atomic_dir(out_dir) as tmp:
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})

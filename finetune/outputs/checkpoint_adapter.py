@@ -63,7 +63,7 @@ def write_checkpoint_adapter(checkpoint: Path, folder: Path) -> Recipe:
             "The checkpoint or its recipe.yaml was changed; export another kept step.")
     from finetune.model import adapter_config
 
-    save_adapter(adapter_config(peft_model, recipe), key_map, tensors, folder)
+    save_adapter(adapter_config(peft_model, recipe), key_map, tensors, folder, recipe=recipe)
     _copy_tokenizer(checkpoint, recipe, folder)
     return recipe
 

@@ -27,7 +27,7 @@ def save_run_adapter(peft_config, key_map: dict[str, str], state: dict[str, torc
     target = out_dir / (AS_TRAINED if _peft_form_differs(peft_config, key_map) else "adapter")
     if target.name == AS_TRAINED:
         shutil.rmtree(out_dir / "adapter", ignore_errors=True)
-    save_adapter(peft_config, key_map, state, target, tokenizer=tokenizer)
+    save_adapter(peft_config, key_map, state, target, tokenizer=tokenizer, recipe=recipe)
     if target.name == "adapter" and any(".experts." in key for key in key_map.values()):
         why = "DoRA on experts" if peft_config.use_dora else "a reward model's experts"
         print(f"[finetune] note: adapter/ holds the experts' LoRA per expert (plain PEFT has no form for {why}; "

@@ -1,7 +1,8 @@
-"""model.adapter, the adapter a run starts from: its folder checked, its LoRA layout (adapter_config.json) resolved into
-the recipe's lora section or a conflicting recipe key refused (both before any weight loads), a lora.target_modules
-list compared with its targets on the model's module names, and its tensors read, keyed as `init.adapter_key` keys a
-PeftModel's parameters."""
+"""model.adapter, the adapter a run starts from: its folder checked (a config field finetune would not apply as PEFT
+loads it refused), its LoRA layout (adapter_config.json) resolved into the recipe's lora section or a conflicting
+recipe key refused (all before any weight loads), a lora.target_modules list compared with its targets on the model's
+module names, and its tensors read (safetensors, or PEFT's older .bin), keyed as `init.adapter_key` keys a PeftModel's
+parameters."""
 
 from __future__ import annotations
 
@@ -21,31 +22,97 @@ from finetune.recipe import Recipe
 LAYOUT = {"r": ("r", 8), "alpha": ("lora_alpha", 8), "rslora": ("use_rslora", False), "dora": ("use_dora", False),
           "bias": ("bias", "none")}
 
+# The adapter's weights: PEFT's file, or the pickle PEFT wrote before 0.6 (and with safe_serialization=False), read
+# as plain tensors only (torch.load weights_only).
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+# init_lora_weights values whose saved adapter is W + BA on the base as its checkpoint holds it: PEFT's init at load
+# touches only A and B (then overwritten by the saved ones) or nothing. A save that PEFT converted to plain LoRA
+# (save_pretrained's path_initial_model_for_weight_conversion) says true: that is how PEFT marks it.
+INIT_APPLIED = (None, True, False, "gaussian", "orthogonal", "eva")
+_RESIDUAL = ("PEFT turns each targeted base weight into its residual whenever it loads the adapter, while finetune "
+             "starts from the weights the checkpoint holds, so the part split off into the adapter would count twice. "
+             "Convert it to plain LoRA first: PEFT's save_pretrained(..., path_initial_model_for_weight_conversion="
+             "<the adapter as initialized, saved with init_lora_weights true>) writes one (its r doubles)")
+# init_lora_weights values (prefixes) that PEFT applies to the base weights or the training itself, and why.
+INIT_REWRITES_BASE = {
+    "pissa": f"PiSSA: {_RESIDUAL}", "olora": f"OLoRA: {_RESIDUAL}", "corda": f"CorDA: {_RESIDUAL}",
+    "lora_ga": f"LoRA-GA: {_RESIDUAL}",
+    "loftq": ("LoftQ: PEFT replaces each targeted base weight with its LoftQ-quantized form when it loads the adapter, "
+              "so the adapter pairs with the base LoftQ wrote; set model.name_or_path to that base and "
+              "init_lora_weights to true in adapter_config.json, as PEFT's LoftQ guide saves it"),
+    "mica": "MiCA, a LoRA variant that keeps B frozen and trains A alone; finetune trains both",
+}
+_VARIANT = "a LoRA variant finetune does not train (it trains LoRA and DoRA)"
+# adapter_config.json fields of PEFT 0.21's LoraConfig that finetune does not apply (a value other than None/false/
+# empty is refused before any weight loads): they passed `validate`, then training ended in an error blaming the base
+# checkpoint, or started from another model than PEFT loads.
+UNAPPLIED = {
+    "trainable_token_indices": "PEFT's trainable token rows (TrainableTokens), which finetune neither loads nor "
+                               "trains (its loaders took their tensors for base tensors missing from the checkpoint)",
+    "layer_replication": "layers PEFT stacks anew from the base's, which finetune's loaders do not build",
+    "alora_invocation_tokens": f"Activated LoRA, {_VARIANT}", "velora_config": f"VeLoRA, {_VARIANT}",
+    "monteclora_config": f"MonteCLoRA, {_VARIANT}", "use_bdlora": f"BD-LoRA, {_VARIANT}",
+    "arrow_config": f"Arrow routing, {_VARIANT}", "kasa_config": f"KaSA, {_VARIANT}",
+    "megatron_config": "Megatron's parallel layers, which finetune does not build",
+}
+
 
 def check_adapter(recipe: Recipe) -> Path | None:
-    """model.adapter's folder, checked before any weight loads (a PEFT adapter: config + safetensors), with the recipe's
-    lora section resolved to its layout (`resolve_adapter_layout`)."""
+    """model.adapter's folder, checked before any weight loads (a PEFT LoRA adapter: config + weights, every config
+    field one finetune applies), with the recipe's lora section resolved to its layout (`resolve_adapter_layout`)."""
     if not recipe.model.adapter:
         return None
     from finetune.files import as_trained
 
     folder = as_trained(Path(recipe.model.adapter).expanduser())  # a MoE run's adapter/: its as-trained twin
-    missing = [name for name in ("adapter_config.json", "adapter_model.safetensors") if not (folder / name).is_file()]
+    missing = [name for name in ("adapter_config.json",) if not (folder / name).is_file()]
+    if not any((folder / name).is_file() for name in WEIGHTS):
+        missing.append(f"{WEIGHTS[0]} (or PEFT's older {WEIGHTS[1]})")
     if missing:
         raise ModelLoadError(
             f"model.adapter ({folder}): {', '.join(missing)} not found, so it is not a PEFT adapter folder. Fix: point it "
             "at the adapter/ folder of a finished run (e.g. runs/sft/adapter), or at an adapter exported by PEFT.")
+    if problems := unapplied_fields(_saved_config(folder)):
+        raise ModelLoadError(
+            f"model.adapter ({folder}): its adapter_config.json {'; '.join(problems)}. A run starts from an adapter only "
+            "where finetune builds the model PeftModel.from_pretrained loads from it. Fix: start from a plain LoRA or "
+            "DoRA adapter, or merge this one into its base with PEFT (PeftModel.from_pretrained(base, adapter)"
+            ".merge_and_unload(), then save_pretrained) and set model.name_or_path to the merged model, without "
+            "model.adapter.")
     resolve_adapter_layout(recipe, folder)
     return folder
 
 
-def _saved_layout(folder: Path) -> dict:
-    """The adapter's value of each LAYOUT key, and train_router: whether it trained modules in full (modules_to_save)."""
+def unapplied_fields(config: dict) -> list[str]:
+    """What in an adapter_config.json finetune does not apply as PEFT 0.21's PeftModel.from_pretrained does: another
+    adapter type than LoRA, an init that PEFT redoes on the base at load (INIT_REWRITES_BASE), a field of UNAPPLIED.
+    Each is said with its value and why (one clause each); empty when finetune starts from the model PEFT loads."""
+    said = []
+    if str(config.get("peft_type") or "LORA").upper() != "LORA":
+        said.append(f"says peft_type: {config['peft_type']}, and finetune trains and reads LoRA adapters only")
+    init = config.get("init_lora_weights")  # absent or null: no init at all (as false)
+    if init not in INIT_APPLIED:
+        family = next((name for name in INIT_REWRITES_BASE if str(init).lower().startswith(name)), None)
+        said.append(f"says init_lora_weights: {json.dumps(init)}, "
+                    + (INIT_REWRITES_BASE[family] if family else "an initialization finetune does not apply"))
+    for field, why in UNAPPLIED.items():
+        if config.get(field):
+            said.append(f"sets {field} ({json.dumps(config[field])[:80]}): {why}")
+    return said
+
+
+def _saved_config(folder: Path) -> dict:
     try:
-        config = json.loads((folder / "adapter_config.json").read_text())
+        return json.loads((folder / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.adapter ({folder}): adapter_config.json is unreadable ({exc}). Fix: point "
                              "model.adapter at the adapter/ folder of a finished run.") from None
+
+
+def _saved_layout(folder: Path) -> dict:
+    """The adapter's value of each LAYOUT key, and train_router: whether it trained modules in full (modules_to_save)."""
+    config = _saved_config(folder)
     saved = {key: default if config.get(field) is None else config[field] for key, (field, default) in LAYOUT.items()}
     saved["alpha"] = float(saved["alpha"])
     saved["train_router"] = bool(config.get("modules_to_save"))
@@ -135,15 +202,32 @@ def adapter_start(recipe: Recipe, model: nn.Module | None = None) -> dict[str, t
     folder = check_adapter(recipe)
     if folder is None:
         return None
-    from safetensors.torch import load_file
-
     from finetune.model.experts.routed import has_routed_experts
     from finetune.model.lora.init import lora_tensor_name
     from finetune.model.sources.conversions import model_names
 
-    tensors = {lora_tensor_name(key): value
-               for key, value in load_file(str(folder / "adapter_model.safetensors")).items()}
+    tensors = {lora_tensor_name(key): value for key, value in _saved_tensors(folder).items()}
     if model is None or not has_routed_experts(model):
         return tensors
     names = model_names(model, list(tensors))
     return {names[key]: value for key, value in tensors.items()}
+
+
+def _saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as saved: adapter_model.safetensors, else PEFT's older adapter_model.bin, unpickled as
+    plain tensors only (torch.load weights_only: no code in the file runs)."""
+    if (folder / WEIGHTS[0]).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / WEIGHTS[0]))
+    try:
+        tensors = torch.load(folder / WEIGHTS[1], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (pickle's, zipfile's and torch's own errors: all say the same to the user)
+        tensors = exc
+    if not isinstance(tensors, dict) or not all(isinstance(value, torch.Tensor) for value in tensors.values()):
+        why = f"{type(tensors).__name__}: {str(tensors)[:200]}" if isinstance(tensors, Exception) else "not a dict of tensors"
+        raise ModelLoadError(
+            f"model.adapter ({folder}): {WEIGHTS[1]} cannot be read as plain tensors ({why}); finetune reads a .bin "
+            f"adapter only that way. Fix: re-save the adapter with PEFT as safetensors (PeftModel.from_pretrained(base, "
+            f"folder).save_pretrained(new_folder), safe_serialization on, PEFT's default), and point model.adapter there.")
+    return tensors

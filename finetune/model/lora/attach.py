@@ -18,13 +18,21 @@ __all__ = ["adapter_start", "attach_lora", "check_adapter", "check_target_module
 
 
 def lora_config(recipe: Recipe):
-    """The LoRA layout: the recipe's lora section, or model.adapter's own (r, alpha, targets) with the recipe's dropout."""
+    """The LoRA layout: the recipe's lora section, or model.adapter's own (r, alpha, targets) with the recipe's dropout.
+
+    init_lora_weights is finetune's own init, PEFT's default (true), also for model.adapter: the run starts from the
+    adapter's tensors (`init_lora_weights` in init.py), and the adapter it writes is W + BA on the base as its
+    checkpoint holds it. An adapter's own init written back (`pissa`, `olora`) made PEFT rewrite the base into a
+    residual when it loaded the run's adapter: a model finetune never trained (check_adapter refuses those inits)."""
     from peft import LoraConfig
 
     lora = recipe.lora
     if recipe.model.adapter:
         config = LoraConfig.from_pretrained(str(check_adapter(recipe)))
         config.lora_dropout, config.inference_mode = lora.dropout, False
+        config.init_lora_weights = True
+        config.eva_config = config.corda_config = config.lora_ga_config = None  # (PEFT warns of them beside true)
+        config.loftq_config = {}
         return config
     return LoraConfig(
         r=lora.r,
