@@ -268,3 +268,61 @@ def template_messages(messages: list[dict], template: str, *, reasoning: str = "
                 call["function"]["arguments"], ensure_ascii=False)}} for call in message["tool_calls"]]
         converted.append(message)
     return converted
+
+
+# ---------------------------------------------------------------------------------- TRL's prompt-completion rows
+def is_turns(value, spec: DatasetSpec) -> bool:
+    """Whether `value` is chat messages: a non-empty list of turns (or one turn), each an object with a role (or the
+    key data.datasets[].columns.role names) or ShareGPT's from/value. ["red", "blue"] is not: it is a list of text."""
+    turns = [value] if isinstance(value, dict) else value
+    role_key = spec.columns.get("role", "role")
+    return isinstance(turns, list) and bool(turns) and all(
+        isinstance(turn, dict) and (role_key in turn or "role" in turn or ("from" in turn and "value" in turn))
+        for turn in turns)
+
+
+def refuse_turns_as_text(value, spec: DatasetSpec, what: str) -> None:
+    """A text field (format completion's `prompt` or `completion`, `what` naming the row and field) holding chat
+    messages: TRL's conversational prompt-completion row, which format chat trains. Said here, not as field_text's
+    "write the value as its JSON text", which would train the model to write JSON."""
+    if is_turns(value, spec):
+        raise DataError(f"{what} is a list of chat messages: a conversational prompt-completion row (TRL's form), which "
+                        "format `completion` (text, trained raw, without the chat template) does not train. Fix: set "
+                        "the dataset's format: chat, which trains such rows as TRL's SFTTrainer does (the prompt's "
+                        "turns, then the completion's, through the chat template; the completion's assistant turns "
+                        "trained). A file that mixes text rows with message rows holds two kinds of rows: split it "
+                        "into two datasets (format completion and format chat), or set data.bad_rows: skip.")
+
+
+def prompt_completion_turns(prompt, completion, spec: DatasetSpec, where: str, *,
+                            names: tuple[str, str] = ("prompt", "completion")) -> tuple[list[dict], int]:
+    """TRL's conversational prompt-completion row (format chat: `prompt` and `completion` message lists, no
+    `messages`) -> (its conversation in the normal form, checked as a chat row's; the index of the completion's first
+    message). The prompt (system, history, the user's turn) is context; the completion's assistant turns are trained,
+    as TRL's completion mask has it. A completion may also be one assistant message, or its text. `names`: the
+    row's columns for prompt and completion."""
+    if not is_turns(prompt, spec):
+        kind = "text" if isinstance(prompt, str) else "a list of values that are not messages" if isinstance(
+            prompt, list) else f"a {type(prompt).__name__}"
+        raise DataError(
+            f"{where}: `{names[0]}` is {kind}, not chat messages. Format chat reads a row with `{names[0]}` and "
+            f"`{names[1]}` (and no `messages`) as a conversational prompt-completion row (TRL's form): the prompt a list "
+            'of messages ([{"role": "user", "content": ...}]), the completion the assistant\'s. A text prompt-completion '
+            "row is format completion's (trained raw, without the chat template), so a file that mixes the two kinds "
+            "holds two datasets. Fix: write the prompt as messages, split the file (format completion for the text "
+            "rows), or set data.bad_rows: skip.")
+    if completion in (None, [], {}) or isinstance(completion, str) and not completion.strip():
+        raise DataError(f"{where}: `{names[1]}` is missing or empty (absent, null or only whitespace): the answer to "
+                        "the prompt is what a prompt-completion row trains. Fix the row or set data.bad_rows: skip.")
+    if not isinstance(completion, (str, dict, list)):
+        raise DataError(f"{where}: `{names[1]}` is {completion!r}; a completion is a list of messages (the assistant's "
+                        "turns), one assistant message, or its text. Fix the row or set data.bad_rows: skip.")
+    turns = convert_turns(prompt, spec, where)
+    reply = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else \
+        [completion] if isinstance(completion, dict) else completion
+    messages = turns + convert_turns(reply, spec, f"{where} `{names[1]}`")
+    check_order(messages, f"{where} (`{names[0]}`'s messages, then `{names[1]}`'s)")
+    if not any(message["role"] == "assistant" for message in messages[len(turns):]):
+        raise DataError(f"{where}: `{names[1]}` has no assistant turn, so nothing would be trained (the prompt is "
+                        "context). Fix the row (the completion is the assistant's answer) or set data.bad_rows: skip.")
+    return messages, len(turns)

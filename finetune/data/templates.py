@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from finetune.data.chat import Opener, chat_examples
-from finetune.data.conversations import ROLE_ALIASES, check_order, convert_turns, field_text, normalize_tools
+from finetune.data.conversations import (
+    ROLE_ALIASES,
+    check_order,
+    convert_turns,
+    field_text,
+    normalize_tools,
+    prompt_completion_turns,
+    refuse_turns_as_text,
+)
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
@@ -22,7 +30,7 @@ __all__ = ["ROLE_ALIASES"]  # re-exported: the speaker names live with the conve
 # Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names).
 FORMAT_FIELDS = {
     "alpaca": (("instruction", "output"), ("input", "system")),
-    "chat": (("messages",), ("system", "tools")),
+    "chat": (("messages",), ("system", "tools", "prompt", "completion")),  # or TRL's conversational prompt-completion
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "preference": (("chosen", "rejected"), ("prompt", "system", "tools")),  # prompt optional: the implicit-prompt form has none
@@ -38,11 +46,15 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # --------------------------------------------------------------------------------------------------- rendering
 def _column(spec: DatasetSpec, name: str, row: dict | None = None) -> str:
-    """The data column holding field `name` (chat data may use ShareGPT's `conversations` unmapped)."""
+    """The data column holding field `name`. Chat data without `messages` may use ShareGPT's `conversations`
+    unmapped, or be TRL's conversational prompt-completion rows: their messages start in the `prompt` column."""
     if name in spec.columns:
         return spec.columns[name]
-    if name == "messages" and row is not None and "messages" not in row and "conversations" in row:
-        return "conversations"
+    if name == "messages" and row is not None and "messages" not in row:
+        if "conversations" in row:
+            return "conversations"
+        if _column(spec, "prompt") in row and _column(spec, "completion") in row:
+            return _column(spec, "prompt")
     return name
 
 
@@ -74,9 +86,11 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
             "with data.datasets[].columns, or set data.bad_rows: skip."
         )
     for name in TEXT_FIELDS.get(spec.format, ()):
+        if spec.format == "completion":  # a message list: format chat's row, not JSON text to train
+            refuse_turns_as_text(_field(row, spec, name), spec, f"{where}: `{_column(spec, name)}`")
         field_text(_field(row, spec, name), f"{where}: `{_column(spec, name)}`")
     broken = next((found for name in (*required, *FORMAT_FIELDS[spec.format][1])  # what is rendered, nothing else
-                   if (found := _surrogate(_field(row, spec, name), _column(spec, name))) is not None), None)
+                   if (found := _surrogate(_field(row, spec, name), _column(spec, name, row))) is not None), None)
     if broken is not None:
         path, text = broken
         raise DataError(
@@ -84,7 +98,7 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
             "two), which is not text a tokenizer can encode. Fix the row (write the whole character, or delete the "
             "half), or set data.bad_rows: skip.")
     if spec.format == "chat":
-        normalize_messages(_field(row, spec, "messages"), spec, where)
+        chat_messages(row, spec, where)
         row_tools(row, spec, where)
 
 
@@ -112,6 +126,16 @@ def _surrogate(value, path: str = "") -> tuple[str, str] | None:
         if (found := _surrogate(item, inner)) is not None:
             return found
     return None
+
+
+def chat_messages(row: dict, spec: DatasetSpec, where: str) -> tuple[list[dict], int]:
+    """A chat row's conversation in the normal form and the index of its first trained message: every assistant turn
+    of a `messages` row is trained (0); of TRL's conversational prompt-completion row, the completion's."""
+    column = _column(spec, "messages", row)
+    if "messages" in spec.columns or column != _column(spec, "prompt"):
+        return normalize_messages(row.get(column), spec, where), 0
+    return prompt_completion_turns(row[column], _field(row, spec, "completion"), spec, where,
+                                   names=(column, _column(spec, "completion")))
 
 
 def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
@@ -158,10 +182,11 @@ def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
         return [render_segments(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)]
     check_row(row, spec, where)
     system_prompt = row_system(row, spec, system_prompt)
-    messages = normalize_messages(_field(row, spec, "messages"), spec, where)
+    messages, trained_from = chat_messages(row, spec, where)
     if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    return chat_examples(messages, tokenizer, where, tools=row_tools(row, spec, where), reasoning=reasoning)
+        messages, trained_from = [{"role": "system", "content": system_prompt}] + messages, trained_from + 1
+    return chat_examples(messages, tokenizer, where, tools=row_tools(row, spec, where), trained_from=trained_from,
+                         reasoning=reasoning)
 
 
 def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
