@@ -40,7 +40,7 @@ def cli_quantize(args: argparse.Namespace) -> int:
         out = quantized_cache.cached_checkpoint(recipe, base, device=device)
         if out == base:
             raise FinetuneError(f"finetune quantize: {base} was not written into the quantized cache (see the note "
-                                "above). Fix: set FINETUNE_CACHE to a folder with room.")
+                                "above). Fix: set FINETUNE_CACHE to a writable folder with room.")
     else:
         count = 0
 

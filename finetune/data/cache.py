@@ -6,14 +6,17 @@ code (the source of the modules that read and render rows, _RENDERING_CODE, plus
 stale hit; an entry written by older code (another format, or the .npz files of v1-v3) is never read.
 
 The first process to want an entry builds it while the others (the ranks of this node, other runs) wait on a file
-lock, then all map it. The builder streams the rows in chunks through data.num_proc processes, so neither it nor
-anyone else holds the dataset's tokens in Python lists. With data.cache off (or an unwritable cache folder) each
-process builds into a private temporary folder, removed once mapped.
+lock, saying after a few seconds whom they wait for, then all map it. A whole entry is mapped without the lock (a
+read-only cache filled in advance is used). The builder streams the rows in chunks through data.num_proc processes, so
+neither it nor anyone else holds the dataset's tokens in Python lists; a process that dies (the OOM killer) stops the
+build with an error, never a hang. With data.cache off (or an unwritable cache folder, then with a note) each process
+builds into a private temporary folder, removed once mapped.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -29,8 +32,8 @@ from finetune.data.pairs import prompt_limit
 from finetune.data.sources import Source, open_source, row_chunks
 from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore, chunk_arrays
 from finetune.data.tokenize import check_dataset, merge_counts, parse_lines, tokenize_chunk
+from finetune.distributed import print0
 from finetune.errors import DataError
-from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
 # The code that reads and renders rows (the layout is STORE_FORMAT): editing any invalidates every entry.
@@ -51,9 +54,13 @@ CACHE_VERSION = _rendering_code_version()
 
 # ---------------------------------------------------------------------------------------------------- the key
 def cache_dir() -> Path:
-    """Where tokenized datasets are kept: $FINETUNE_CACHE, else ~/.cache/finetune (a `data` folder inside)."""
-    root = os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune"
-    return Path(root) / "data"
+    """Where tokenized datasets are kept: a `data` folder beside the GGUF conversions and the quantized cache, by the one
+    rule of every finetune cache (gguf.cache_root: $FINETUNE_CACHE with `~` expanded, else $XDG_CACHE_HOME/finetune,
+    else ~/.cache/finetune). Before, this cache alone took a literal `~/x` as a folder `~` in the working folder and
+    ignored XDG_CACHE_HOME (bb20)."""
+    from finetune.model.sources.gguf import cache_root
+
+    return cache_root().parent / "data"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -112,17 +119,24 @@ def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenSt
     key = cache_key(spec, source, recipe, tokenizer) if recipe.data.cache else None
     if key is not None:
         target = cache_dir() / key
+        store = _mapped_entry(target, remove_bad=False)  # whole entries are published by a rename: no lock needed
+        if store is not None:
+            return store, dict(store.counts, cached=True)
         try:
-            with exclusive_lock(cache_dir() / f"{key}.lock"):  # one process of the node builds; the rest wait here
+            with _entry_lock(cache_dir() / f"{key}.lock"):  # one process of the node builds; the rest wait here
                 store = _mapped_entry(target)
                 if store is not None:
                     return store, dict(store.counts, cached=True)
+                _remove_stale_temporaries(target)
                 _build_into(target, source, recipe, tokenizer)
             store = _mapped_entry(target)
             if store is not None:
                 return store, dict(store.counts, cached=False)
-        except OSError:
-            pass  # a read-only or full cache disk must not stop a run: build privately below
+        except OSError as exc:  # a read-only or full cache disk must not stop a run: build privately below
+            if not exc.filename or str(exc.filename).startswith(str(cache_dir())):  # (else the rows' build names it)
+                print0(f"[finetune] note: the tokenization cache {cache_dir()} cannot be written ({exc.strerror or exc})"
+                       f": tokenizing {spec.path} for this run only, again at every start (set FINETUNE_CACHE to a "
+                       "writable folder with room, or data.cache: false).", file=sys.stderr)
     folder = Path(tempfile.mkdtemp(prefix="finetune-data-"))
     try:
         _build_into(folder / "entry", source, recipe, tokenizer)
@@ -132,14 +146,93 @@ def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenSt
     return store, dict(store.counts, cached=False)
 
 
-def _mapped_entry(target: Path) -> TokenStore | None:
-    """The entry at `target` if it is whole and of this format; anything else (absent, older, damaged) is None."""
+WAIT_NOTE_S = 5.0  # a wait on another process's build longer than this is said, once
+
+
+@contextlib.contextmanager
+def _entry_lock(lock_path: Path):
+    """flock on `<key>.lock` (files.exclusive_lock's lock) whose holder writes its pid into the file, so that a process
+    that waits longer than WAIT_NOTE_S says once whom it waits for: a builder that is stopped (Ctrl-Z, a scheduler's
+    suspend) or slow was a silent hang (bb20). The file is opened without truncating: its pid is the holder's."""
+    import fcntl
+    import socket
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for(handle, lock_path)
+        try:
+            handle.truncate(0)
+            handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _wait_for(handle, lock_path: Path) -> None:
+    """Take the lock another process holds: polled for WAIT_NOTE_S, then one line naming the holder, then waited on."""
+    import fcntl
+
+    deadline = time.monotonic() + WAIT_NOTE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+    try:
+        pid, host = (lock_path.read_text().split() + ["?", "?"])[:2]
+    except OSError:
+        pid, host = "?", "?"
+    print0(f"[finetune] data: waiting for another run building the same data cache entry: PID {pid} on {host} "
+           f"(lock {lock_path}). This run goes on once that one has tokenized the data; if that process is stopped "
+           "(Ctrl-Z) or hung, resume or end it.", file=sys.stderr)
+    fcntl.flock(handle, fcntl.LOCK_EX)
+
+
+STALE_AFTER_S = 24 * 3600
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Remove the half-written `.<key>.tmp-<pid>` folders a killed build left (SIGKILL, a power cut: nothing could
+    clean up), each as big as the entry: those whose pid is gone, or untouched for a day (a pid reused since). Called
+    while holding the entry's lock, so no live build of this key on this machine writes one."""
+    for folder in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        try:
+            touched = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+        except OSError:
+            continue
+        if not pid.isdigit() or not _alive(int(pid)) or time.time() - touched > STALE_AFTER_S:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process's own leftover: it is rebuilding now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists (another user's process)
+    return True
+
+
+def _mapped_entry(target: Path, *, remove_bad: bool = True) -> TokenStore | None:
+    """The entry at `target` if it is whole and of this format; anything else (absent, older, damaged) is None, and
+    removed when `remove_bad` (only under the lock: another process may be replacing it)."""
     if not (target / "meta.json").is_file():
         return None
     try:
         return TokenStore(target)
     except (OSError, ValueError, KeyError):
-        shutil.rmtree(target, ignore_errors=True)  # older format or damaged: rebuilt, never misread
+        if remove_bad:
+            shutil.rmtree(target, ignore_errors=True)  # older format or damaged: rebuilt, never misread
         return None
 
 
@@ -164,6 +257,9 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
         counts["pairs"] = spec.format == "preference"
         counts["unpaired"] = spec.format == "unpaired_preference"
         writer.finish(counts, pairs=counts["pairs"])
+        # Which entry is which, for a person cleaning the cache (the key is a hash): read by nothing else.
+        (temporary / "source.json").write_text(json.dumps({"path": str(spec.path), "rows": counts["rows"],
+                                                           "built": time.strftime("%Y-%m-%d %H:%M:%S")}))
         if target.exists():
             shutil.rmtree(target)
         os.replace(temporary, target)
@@ -203,7 +299,12 @@ def _chunk_results(source: Source, recipe: Recipe, tokenizer):
 
 
 def _pooled(chunks, processes: int, context: tuple):
+    """The chunks' results through `processes` forked workers. A ProcessPoolExecutor, not multiprocessing.Pool: a Pool
+    replaces a worker that dies (the OOM killer's SIGKILL) and waits forever for the chunk it held, holding the
+    entry's lock, so every run on that data hung (bb20); the executor raises BrokenProcessPool instead."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     global _WORKER_CONTEXT
     _WORKER_CONTEXT = context  # inherited by the forked workers, not pickled per chunk
@@ -211,25 +312,42 @@ def _pooled(chunks, processes: int, context: tuple):
     # tokenizer's thread pool was used before forking.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     pending: collections.deque = collections.deque()
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_default_signals)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start,
+                               initargs=(os.getpid(),))
     try:
         for chunk in chunks:
-            pending.append(pool.apply_async(_worker, (chunk,)))
+            pending.append(pool.submit(_worker, chunk))
             if len(pending) >= 2 * processes:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
-        pool.close()  # the workers finish and exit on their own
+            yield pending.popleft().result()
+    except (BrokenProcessPool, MemoryError):
+        spec = context[0]
+        raise DataError(
+            f"data.num_proc: a tokenizing process (one of the {processes} that data.num_proc starts) died while "
+            f"tokenizing {spec.path}: it was killed, most likely by the out-of-memory killer (or a signal sent to it). "
+            "Nothing was cached. Fix: lower data.num_proc (each process holds a tokenizer and 1,000 rows at a time; 1 "
+            "tokenizes in the run's own process), or free memory on this machine, then run again.") from None
     finally:
-        pool.terminate()  # a problem row (or Ctrl-C) ended the build early: stop the workers
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)  # a problem row (or Ctrl-C) ended the build early
 
 
-def _default_signals() -> None:
-    """A forked worker keeps its parent's signal handlers; a run's SIGTERM handler only sets a flag, so the pool's
-    terminate() would wait forever for the worker to exit."""
+def _worker_start(parent: int) -> None:
+    """Run in each forked worker before its first chunk. A run's SIGTERM/SIGINT handlers only set a flag, so the worker
+    puts the default action back (the pool could not be shut down otherwise), except where the parent ignores the
+    signal: a run started in the background of a script ignores SIGINT (POSIX), and the Ctrl-C meant for the script
+    killed the workers and hung the build (bb20). The worker also dies with its parent (prctl PR_SET_PDEATHSIG, Linux):
+    a killed run leaves no worker waiting for chunks, or writing tracebacks into a closed pipe."""
     for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, signal.SIG_DFL)
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
 
 
 _WORKER_CONTEXT: tuple | None = None

@@ -50,7 +50,8 @@ class DataSection(_Section):
                                                            "template renders it, context (not trained), or drop.")
     num_proc: int | None = Field(
         None, gt=0, description="Processes tokenizing a dataset that is not cached yet (once per machine); default: the CPU cores.")
-    cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE or ~/.cache/finetune.")
+    cache: bool = Field(True, description="Keep tokenized datasets in $FINETUNE_CACHE, else $XDG_CACHE_HOME/finetune, "
+                        "else ~/.cache/finetune (docs/data.md).")
     streaming: bool = Field(
         False, description="Read the datasets lazily (larger than memory or disk): tokenized and packed on the fly, in "
         "the datasets' order (no shuffle), pass after pass; needs train.max_steps. eval_fraction > 0 holds out the "

@@ -36,10 +36,15 @@ CHATML_TEMPLATE = (
 
 
 def cache_root() -> Path:
-    """Where converted folders live: $FINETUNE_CACHE/gguf, else ~/.cache/finetune/gguf (XDG_CACHE_HOME honoured)."""
+    """Where converted folders live: $FINETUNE_CACHE/gguf, else $XDG_CACHE_HOME/finetune/gguf, else
+    ~/.cache/finetune/gguf. The one rule of every finetune cache: the tokenized data (data/cache.py) and the quantized
+    cache are this folder's siblings. A `~` is expanded (a quoted `export FINETUNE_CACHE="~/x"`, a .env file or a
+    systemd unit passes it as is) and the path made absolute; a relative XDG_CACHE_HOME is ignored, as the XDG spec
+    says."""
     if os.environ.get("FINETUNE_CACHE"):
-        return Path(os.environ["FINETUNE_CACHE"]).expanduser() / "gguf"
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return Path(os.environ["FINETUNE_CACHE"]).expanduser().absolute() / "gguf"
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+    base = xdg if xdg.is_absolute() else Path.home() / ".cache"
     return base / "finetune" / "gguf"
 
 
