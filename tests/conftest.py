@@ -165,6 +165,21 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny tokenizer, built once per module (the data tests')."""
+    from finetune.cli.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """This test's own token cache (FINETUNE_CACHE), so that no entry comes from another test: a module asks for it
+    with `pytestmark = pytest.mark.usefixtures("private_cache")`."""
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "data" / "train.jsonl", addition_rows())

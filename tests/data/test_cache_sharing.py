@@ -19,18 +19,9 @@ from conftest import addition_rows, write_jsonl
 from test_data import make_recipe
 
 from finetune import data
-from finetune.cli.tiny import build_tokenizer
 from finetune.errors import DataError
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 class Hung(Exception):

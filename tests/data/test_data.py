@@ -17,6 +17,8 @@ from finetune.data import IGNORE_INDEX, BatchStream, Example, collate, eval_batc
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, validate_recipe
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 LLAMA3_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}{% for m in messages %}"
     "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
@@ -48,16 +50,6 @@ CONVERSATION = [
     {"role": "user", "content": "Reverse the word: model"},
     {"role": "assistant", "content": "ledom"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
 
 
 def make_recipe(*datasets: dict, **data_keys):

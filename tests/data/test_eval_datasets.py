@@ -14,12 +14,9 @@ from finetune.cli import main
 from finetune.cli.tiny import build_tokenizer
 from finetune.recipe import load_recipe, validate_recipe
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 EVAL_ROWS = [{"instruction": "Subtract the numbers.", "input": f"{a} minus {a - 1}", "output": "1"} for a in range(10, 16)]
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
 
 
 def recipe_with(tmp_path, **data_section):

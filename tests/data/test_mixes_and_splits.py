@@ -11,23 +11,14 @@ import pytest
 from conftest import addition_rows, write_jsonl
 
 from finetune import data
-from finetune.cli.tiny import build_tokenizer
 from finetune.data.sources import check_local_files
 from finetune.data.streaming import STREAM_CHUNK_ROWS
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, validate_recipe
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 GRPO = {"num_generations": 4, "max_completion_length": 8, "reward_functions": ["finetune.rewards:exact_match"]}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
 
 
 def make_recipe(datasets: list[dict], *, objective: str = "sft", seed: int = 42, **data_keys):

@@ -10,24 +10,15 @@ import pytest
 from conftest import write_jsonl
 
 from finetune import data
-from finetune.cli.tiny import build_tokenizer
 from finetune.data.tokenize import parse_lines
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, validate_recipe
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 CHAT = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
         for i in range(4)]
 ALPACA = [{"instruction": f"Add {i} and {i}.", "context": f"{i} {i}", "output": str(2 * i)} for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
 
 
 def make_recipe(*datasets: dict, **data_keys):

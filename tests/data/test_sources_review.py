@@ -11,17 +11,11 @@ import pytest
 from conftest import addition_rows, write_jsonl
 
 from finetune import data
-from finetune.cli.tiny import build_tokenizer
 from finetune.data import IGNORE_INDEX
 from finetune.data.sources import check_local_files
 from finetune.data.streaming import dataset_rows
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, validate_recipe
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 @pytest.fixture(autouse=True)

@@ -20,23 +20,14 @@ from conftest import RUN_PY, addition_rows, free_port, read_metrics, recipe_dict
 from processes import finish, outline, start, worker_pids
 
 from finetune import data
-from finetune.cli.tiny import build_tokenizer
 from finetune.data import BatchStream, StreamingBatches, collate, concat_examples, real_token_count
 from finetune.errors import DataError, RecipeError
 from finetune.outputs import step_folders
 from finetune.recipe import validate_recipe
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 MAX_LENGTH = 64
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
 
 
 def varied_rows(n: int, seed: int) -> list[dict]:

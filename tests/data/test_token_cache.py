@@ -14,15 +14,7 @@ from test_data import make_recipe
 from finetune import data
 from finetune.cli.tiny import build_tokenizer
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def _examples(sequence) -> list[tuple[list[int], list[int]]]:
