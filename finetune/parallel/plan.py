@@ -17,6 +17,7 @@ from finetune.parallel.decision import ParallelPlan, Strategy
 from finetune.parallel.launcher import launcher_config_file, launcher_settings
 from finetune.parallel.layers import decoder_layer_class, layer_split_device_map, meta_model
 from finetune.recipe import Recipe
+from finetune.recipe.checks import checkpointing
 
 
 def detect_gpus(dist: DistInfo) -> tuple[int, int] | None:
@@ -49,7 +50,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         fsdp_version=p.fsdp_version or launcher.get("fsdp_version", 2),
         reshard_after_forward=p.reshard_after_forward if p.reshard_after_forward is not None else launcher.get("reshard_after_forward", True),
         cpu_offload=bool(p.cpu_offload if p.cpu_offload is not None else launcher.get("cpu_offload", False)),
-        activation_checkpointing=p.activation_checkpointing if p.activation_checkpointing is not None else recipe.train.gradient_checkpointing,
+        activation_checkpointing=checkpointing(recipe),  # the setting the architecture check reads too
         param_dtype=torch_dtype(recipe.model.dtype),
     )
     plan.notes += planner_notes

@@ -66,7 +66,7 @@ def check_checkpointing(recipe) -> None:
 
 def checkpointing(recipe) -> bool:
     """Whether the run recomputes activations: parallel.activation_checkpointing where set, else
-    train.gradient_checkpointing (parallel/plan.py resolves the same for the loader)."""
+    train.gradient_checkpointing (the loader's, through parallel/plan.py, and the architecture check's)."""
     parallel = recipe.parallel.activation_checkpointing
     return recipe.train.gradient_checkpointing if parallel is None else parallel
 
