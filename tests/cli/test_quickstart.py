@@ -209,3 +209,21 @@ def test_the_gguf_cache_key_follows_the_converters_code_and_versions(tmp_path, m
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: "99.0.0" if name == "transformers" else real(name))
     assert gguf.cache_key(weights) != key
+
+
+def test_a_gguf_file_replaced_with_the_same_size_and_mtime_is_converted_again(tmp_path):
+    """Found by a carried-over bash note (bb20): the converted folder was keyed by the GGUF file's path, size and
+    mtime, so another fine-tune of the same size copied over it with `cp -p` trained the old weights. The key now
+    holds a sample of the file's bytes (its first and last MiB)."""
+    import os
+
+    from finetune.model.sources import gguf
+
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF" + bytes(3 << 20))
+    stat = weights.stat()
+    key = gguf.cache_key(weights)
+    weights.write_bytes(b"GGUF" + bytes((3 << 20) - 1) + b"\x01")  # the last tensor's last byte
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size
+    assert gguf.cache_key(weights) != key

@@ -23,14 +23,13 @@ import contextlib
 import errno
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from finetune import distributed
-from finetune.files import exclusive_lock
+from finetune.files import content_sample, exclusive_lock
 from finetune.model.quantization.prequantized import is_prequantized
 from finetune.model.sources.files import checkpoint_index
 from finetune.recipe import Recipe
@@ -75,48 +74,6 @@ def base_identity(folder: Path) -> dict[str, list]:
         stat = path.resolve().stat()
         identity[path.name] = [stat.st_size, stat.st_mtime_ns, content_sample(path)]
     return identity
-
-
-_SAMPLE_BYTES = 4096  # of each tensor's start and end
-_WHOLE_BELOW = 1 << 20  # config.json, a tiny shard: hashed whole
-
-
-def content_sample(path: Path) -> str:
-    """A hash of a safetensors file's header and of the first and last 4 KiB of every tensor in it (a small file:
-    all of it). Any fine-tune or merge rewrites whole tensors, so one of them differs; new rows of an embedding are at
-    its end. Cost: two page reads per tensor (a 70B base: ~1,500), not the whole file. Measured on a 1.07 GB shard of
-    256 bf16 tensors (2-core test machine, 2026): hashing it whole took 1.7 s (sha256; blake2b 2.6 s) from the page
-    cache and 2.7-5.3 s from disk (caches dropped), minutes per start for a 70B base; this sample took 0.003-0.012 s
-    from the page cache and 0.07 s from disk."""
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size <= _WHOLE_BELOW:
-            digest.update(handle.read())
-            return digest.hexdigest()
-        for start, stop in _sampled_ranges(handle, size):
-            handle.seek(start)
-            digest.update(handle.read(stop - start))
-    return digest.hexdigest()
-
-
-def _sampled_ranges(handle, size: int) -> list[tuple[int, int]]:
-    """The header and each tensor's first and last bytes, in file order; a file that is not safetensors: its first and
-    last MiB."""
-    fallback = [(0, _WHOLE_BELOW), (size - _WHOLE_BELOW, size)]
-    header_size = int.from_bytes(handle.read(8), "little")
-    if not 0 < header_size <= size - 8:
-        return fallback
-    try:
-        header = json.loads(handle.read(header_size))
-    except ValueError:
-        return fallback
-    data, ranges = 8 + header_size, {(0, 8 + header_size)}
-    for entry in header.values() if isinstance(header, dict) else []:
-        if isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2:
-            begin, end = (data + offset for offset in entry["data_offsets"])
-            ranges |= {(begin, min(end, begin + _SAMPLE_BYTES)), (max(begin, end - _SAMPLE_BYTES), end)}
-    return sorted(ranges)
 
 
 def entry_folder(recipe: Recipe, base: Path) -> Path:

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
-from finetune.files import exclusive_lock
+from finetune.files import content_sample, exclusive_lock
 
 PACKAGE_PREFIX = "pkg:"
 DONE_MARKER = "finetune_gguf.json"
@@ -100,9 +100,12 @@ def converter_fingerprint() -> str:
 
 
 def cache_key(gguf_path: Path) -> str:
-    """Hash of what determines the converted folder: the file (path, size, mtime) and the converter's fingerprint."""
+    """Hash of what determines the converted folder: the file (path, size, mtime, a sample of its bytes: another file
+    of the same size put in place with the old mtime by `cp -p` or `rsync -a` was converted from the old one's entry,
+    as the quantized cache did, bb20) and the converter's fingerprint."""
     stat = gguf_path.stat()
-    text = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, converter_fingerprint()])
+    identity = [str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, content_sample(gguf_path)]
+    text = json.dumps([*identity, converter_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
