@@ -41,18 +41,53 @@ def destination_problem(path: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path, waiting: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold an OS lock (flock) on `lock_path`: of several processes building the same cache entry (the ranks of a
-    node), one builds while the others wait here, then find it built."""
+    node, or several runs), one builds while the others wait here, then find it built. The holder writes its pid and
+    host into the file (opened without truncating: the pid is the holder's), so that a process that waits longer than
+    WAIT_NOTE_S calls `waiting` once with the holder ("PID 123 on host (lock PATH)"): a builder that is stopped
+    (Ctrl-Z, a scheduler's suspend) or slow was a silent hang (bb20)."""
     import fcntl
+    import socket
 
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(lock_path, "a+") as handle:
         try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for(handle, lock_path, waiting)
+        try:
+            handle.truncate(0)
+            handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+            handle.flush()
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+WAIT_NOTE_S = 5.0  # a wait on another process's lock longer than this is said, once
+
+
+def _wait_for(handle, lock_path: Path, waiting: Callable[[str], None] | None) -> None:
+    """Take the lock another process holds: polled for WAIT_NOTE_S, then `waiting` told the holder, then waited on."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + WAIT_NOTE_S
+    while waiting is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+    if waiting is not None:
+        try:
+            pid, host = (lock_path.read_text().split() + ["?", "?"])[:2]
+        except OSError:
+            pid, host = "?", "?"
+        waiting(f"PID {pid} on {host} (lock {lock_path})")
+    fcntl.flock(handle, fcntl.LOCK_EX)
 
 
 _NO_ROOM = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}

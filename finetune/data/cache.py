@@ -34,6 +34,7 @@ from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore, chunk_arr
 from finetune.data.tokenize import check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.distributed import print0
 from finetune.errors import DataError
+from finetune.files import exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
 # The code that reads and renders rows (the layout is STORE_FORMAT): editing any invalidates every entry.
@@ -146,52 +147,12 @@ def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenSt
     return store, dict(store.counts, cached=False)
 
 
-WAIT_NOTE_S = 5.0  # a wait on another process's build longer than this is said, once
-
-
-@contextlib.contextmanager
 def _entry_lock(lock_path: Path):
-    """flock on `<key>.lock` (files.exclusive_lock's lock) whose holder writes its pid into the file, so that a process
-    that waits longer than WAIT_NOTE_S says once whom it waits for: a builder that is stopped (Ctrl-Z, a scheduler's
-    suspend) or slow was a silent hang (bb20). The file is opened without truncating: its pid is the holder's."""
-    import fcntl
-    import socket
-
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _wait_for(handle, lock_path)
-        try:
-            handle.truncate(0)
-            handle.write(f"{os.getpid()} {socket.gethostname()}\n")
-            handle.flush()
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _wait_for(handle, lock_path: Path) -> None:
-    """Take the lock another process holds: polled for WAIT_NOTE_S, then one line naming the holder, then waited on."""
-    import fcntl
-
-    deadline = time.monotonic() + WAIT_NOTE_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-    try:
-        pid, host = (lock_path.read_text().split() + ["?", "?"])[:2]
-    except OSError:
-        pid, host = "?", "?"
-    print0(f"[finetune] data: waiting for another run building the same data cache entry: PID {pid} on {host} "
-           f"(lock {lock_path}). This run goes on once that one has tokenized the data; if that process is stopped "
-           "(Ctrl-Z) or hung, resume or end it.", file=sys.stderr)
-    fcntl.flock(handle, fcntl.LOCK_EX)
+    """The entry's lock (files.exclusive_lock), saying once whom a run that waits long waits for."""
+    return exclusive_lock(lock_path, lambda holder: print0(
+        f"[finetune] data: waiting for another run building the same data cache entry: {holder}. This run goes on "
+        "once that one has tokenized the data; if that process is stopped (Ctrl-Z) or hung, resume or end it.",
+        file=sys.stderr))
 
 
 STALE_AFTER_S = 24 * 3600

@@ -227,3 +227,39 @@ def test_a_gguf_file_replaced_with_the_same_size_and_mtime_is_converted_again(tm
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert weights.stat().st_size == stat.st_size
     assert gguf.cache_key(weights) != key
+
+
+def test_a_run_waiting_on_another_gguf_conversion_says_whom_it_waits_for(tmp_path, monkeypatch, capsys):
+    """Found by a carried-over bash note (bb20): a run waiting for another process's conversion of the same GGUF file
+    (stopped with Ctrl-Z, or slow: minutes for a 7B) printed nothing however long it waited, where the data cache's
+    wait names the holder. The lock is one function now (files.exclusive_lock), which names it for every cache."""
+    import fcntl
+    import threading
+
+    import finetune.files
+    from finetune.model.sources import gguf
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(finetune.files, "WAIT_NOTE_S", 0.2)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(60))
+    target = gguf.cache_root() / gguf.cache_key(tmp_path / "m.gguf")
+    target.parent.mkdir(parents=True)
+    with open(target.with_suffix(".lock"), "w") as holder:  # another run's: its own open file excludes this one
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        holder.write("424242 otherhost\n")
+        holder.flush()
+
+        def finish():  # the other run's conversion ends
+            target.mkdir()
+            (target / gguf.DONE_MARKER).write_text("{}")
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        releaser = threading.Timer(0.6, finish)
+        releaser.start()
+        try:
+            assert gguf.converted_folder(str(tmp_path), "m.gguf") == target
+        finally:
+            releaser.join()
+    err = capsys.readouterr().err
+    assert "waiting for another process converting the same GGUF file: PID 424242 on otherhost" in err, err
+    assert err.count("waiting for") == 1

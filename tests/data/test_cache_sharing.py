@@ -18,6 +18,7 @@ import pytest
 from conftest import addition_rows, write_jsonl
 from test_data import make_recipe
 
+import finetune.files
 from finetune import data
 from finetune.errors import DataError
 
@@ -104,7 +105,7 @@ def test_a_run_waiting_on_another_build_says_whom_it_waits_for(tmp_path, tokeniz
     recipe = make_recipe({"path": str(write_jsonl(tmp_path / "a.jsonl", addition_rows(30)))})
     lock = data.cache_dir() / f"{_key_of(recipe, tokenizer)}.lock"
     lock.parent.mkdir(parents=True)
-    monkeypatch.setattr(data.cache, "WAIT_NOTE_S", 0.2, raising=False)
+    monkeypatch.setattr(finetune.files, "WAIT_NOTE_S", 0.2)
     with open(lock, "w") as holder:  # another run's: its own open file, so its flock excludes this process's
         fcntl.flock(holder, fcntl.LOCK_EX)
         holder.write("424242 otherhost\n")

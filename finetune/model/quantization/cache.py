@@ -24,6 +24,7 @@ import errno
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -76,6 +77,12 @@ def base_identity(folder: Path) -> dict[str, list]:
     return identity
 
 
+def _say_waiting(holder: str) -> None:
+    distributed.print0(f"[finetune] model: waiting for another run writing the same 4-bit cache entry: {holder}. This "
+                       "run goes on once that one has quantized the base; if that process is stopped (Ctrl-Z) or hung, "
+                       "resume or end it.", file=sys.stderr)
+
+
 def entry_folder(recipe: Recipe, base: Path) -> Path:
     text = json.dumps([str(Path(base).resolve()), settings(recipe)], sort_keys=True)
     return cache_root() / hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -93,7 +100,7 @@ def cached_checkpoint(recipe: Recipe, base: Path, *, device: torch.device) -> Pa
         return target
     with contextlib.ExitStack() as held:
         try:  # one process builds; the others wait, then read it
-            held.enter_context(exclusive_lock(target.with_name(target.name + ".lock")))
+            held.enter_context(exclusive_lock(target.with_name(target.name + ".lock"), _say_waiting))
         except OSError as exc:  # read-only, a file where the folder should be, no permission: as without the cache
             _say_unwritable(target, exc)
             return base

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 from finetune.errors import ModelLoadError
@@ -109,13 +110,21 @@ def cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def _say_waiting(holder: str) -> None:
+    from finetune.distributed import print0  # rank 0 only: the other ranks of a run wait on rank 0's conversion
+
+    print0(f"[finetune] model: waiting for another process converting the same GGUF file: {holder}. This run goes on "
+           "once that one has written the converted folder; if that process is stopped (Ctrl-Z) or hung, resume or "
+           "end it.", file=sys.stderr)
+
+
 def converted_folder(name_or_path: str, gguf_file: str) -> Path:
     """The transformers folder for this GGUF file, converting it first if the cache does not hold it yet."""
     gguf_path = resolve_gguf_path(name_or_path, gguf_file)
     target = cache_root() / cache_key(gguf_path)
     if (target / DONE_MARKER).exists():
         return target
-    with exclusive_lock(target.with_suffix(".lock")):  # several ranks may start at once: one converts, the rest wait
+    with exclusive_lock(target.with_suffix(".lock"), _say_waiting):  # ranks (or runs) start at once: one converts
         if not (target / DONE_MARKER).exists():
             _convert(gguf_path, target)
     return target
