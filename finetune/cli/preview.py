@@ -82,24 +82,39 @@ def render_preview(prepared: PreparedData, tokenizer, recipe: Recipe, *, rows: i
 
 
 def mark_trained(example: Example, tokenizer, *, color: bool = False) -> str:
-    """The example's text with every run of trained tokens marked, so a wrong loss mask is visible at a glance."""
+    """The example's text with every run of trained tokens marked, so a wrong loss mask is visible at a glance.
+
+    Each run is the text it adds to the decoded sequence so far, not the run decoded alone: a decoder that strips a
+    leading space (Llama 2's, Mistral's: `▁yes` alone decodes to `yes`) would hide the space a run's first token
+    holds, and a space the row does not have (a pair scored as `Answer:  yes`) would not be seen."""
     opening, closing = (GREEN, RESET) if color else ("[[", "]]")
-    pieces, run, run_trained = [], [], None
-    for position, (token, label) in enumerate(zip(example.input_ids, example.labels)):
+    pieces, start, shown, run_trained = [], 0, "", None
+    ids = list(example.input_ids)
+    for position, label in enumerate(example.labels):
         trained = label != IGNORE_INDEX and position > 0  # nothing predicts an example's first token
-        if run and trained != run_trained:
-            pieces.append(_decode(run, tokenizer, run_trained, opening, closing))
-            run = []
-        run.append(token)
+        if position and trained != run_trained:
+            text, shown = _run_text(ids, start, position, shown, tokenizer)
+            pieces.append(f"{opening}{text}{closing}" if run_trained else text)
+            start = position
         run_trained = trained
-    if run:
-        pieces.append(_decode(run, tokenizer, run_trained, opening, closing))
+    if ids:
+        text, shown = _run_text(ids, start, len(ids), shown, tokenizer)
+        pieces.append(f"{opening}{text}{closing}" if run_trained else text)
     return "".join(pieces)
 
 
-def _decode(ids: list[int], tokenizer, trained: bool, opening: str, closing: str) -> str:
-    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return f"{opening}{text}{closing}" if trained else text
+def _run_text(ids: list[int], start: int, end: int, shown: str, tokenizer) -> tuple[str, str]:
+    """(the text tokens [start, end) add after the decoded `shown` of the tokens before them, the decoded [0, end)).
+    Where the longer decoding does not continue the shorter (a run that ends inside a character's bytes), the run
+    decoded alone."""
+    decoded = _decode(ids[:end], tokenizer)
+    if decoded.startswith(shown):
+        return decoded[len(shown):], decoded
+    return _decode(ids[start:end], tokenizer), decoded
+
+
+def _decode(ids: list[int], tokenizer) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def streaming_stats(prepared: PreparedData, recipe: Recipe) -> str:
@@ -133,6 +148,7 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                      f"{item['examples']} examples{mixed} ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
+    lines += closing_tag_lines(prepared)
     if recipe.train.objective == "dpo":
         from finetune.data.pairs import prompt_limit
 
@@ -166,6 +182,24 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                "keeps them")
         lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; {fix}")
     return "\n".join(lines)
+
+
+def closing_tag_lines(prepared: PreparedData) -> list[str]:
+    """A line for the rows whose assistant answer was read as reasoning closed by a `</think>` line (DeepSeek-R1's
+    shape, conversations._INLINE_THINK): data that merely talks about the tags is rewritten by that rule, so it is said
+    (the counts are kept with each dataset's tokenized rows: a cached run says it too)."""
+    counts = [store.counts for store in getattr(prepared.examples, "stores", ())]
+    rows = sum(int(count.get("closing_tag_rows", 0)) for count in counts)
+    if not rows:
+        return []
+    first = next((count["first_closing_tag_row"] for count in counts if count.get("first_closing_tag_row")), "?")
+    many = rows > 1
+    line = (f"reasoning: {rows} row{'s' if many else ''} (the first: {first}) {'hold' if many else 'holds'} an "
+            "assistant answer with a `</think>` line and no `<think>` before it, read as DeepSeek-R1 writes its output: "
+            "the text before that line is the turn's reasoning (data.reasoning applies to it), the rest its answer. "
+            "Where it is the answer's own text, rewrite that tag in the rows (e.g. `&lt;/think&gt;`); docs/data.md, "
+            "Reasoning")
+    return [line]
 
 
 def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micro_batch: int | None = None) -> list[str]:

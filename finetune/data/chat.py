@@ -219,6 +219,15 @@ def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
     """The span holds the turn's own text: its answer, its tool calls' names, its reasoning (unless dropped)."""
     where, number = renderer.where, index + 1
     answer = message["content"].strip()
+    if answer and answer not in span and "</think>" in answer and "</think>" in renderer.template:
+        raise DataError(f"{where}: message {number}'s answer holds the text `</think>`, which this chat template reads "
+                        "as the end of the turn's reasoning (Qwen3's, Qwen3.5's, GLM's and DeepSeek-R1's split an "
+                        "assistant's content there: the text before it becomes reasoning or is dropped), so the answer "
+                        f"cannot be trained as written (the span: {span[:80]!r}). Fix: rewrite the tag in the answer "
+                        "(e.g. `&lt;/think&gt;`); if the text before it is the turn's reasoning, give it in the row's "
+                        "`reasoning_content` (or as a leading `<think>...</think>` block); for a Qwen model, "
+                        "model.chat_template: chatml (Qwen's turns without their reasoning handling); or set "
+                        "data.bad_rows: skip.")
     if answer and answer not in span:
         raise DataError(f"{where}: message {number}'s answer is not whole in the span the chat template gives that "
                         f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. Fix: {NAMED_FIX}.")

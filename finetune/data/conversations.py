@@ -15,10 +15,12 @@ template that concatenates them as strings (DeepSeek's).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
 import re
+from pathlib import Path
 
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
@@ -32,8 +34,14 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformer
 # template prefills the opening tag) where that tag stands at a line's edge, as R1 writes it ("...\n</think>\n\n").
 # A `</think>` inside a line of text ("write the closing tag </think> after ...") is the answer's own text: it does
 # not make what comes before it reasoning (a template that splits there anyway fails the span's proof, chat.py).
-_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|\A(.*?)(?:(?<=\n)</think>|</think>(?=[ \t\r]*(?:\n|\Z)))\s*",
-                           re.DOTALL)
+# Nor does one that closes a `<think>` the content wrote after some text of its own (an answer quoting a prompt
+# format, an XML example): R1's shape has no opening tag, so such a content is the answer as written.
+_INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|"
+                           r"\A((?:(?!<think>).)*?)(?:(?<=\n)</think>|</think>(?=[ \t\r]*(?:\n|\Z)))\s*", re.DOTALL)
+# Assistant turns read by the `</think>`-line rule in this process (the group-2 shape above): the data builder counts
+# the rows whose rendering read one (tokenize.py), and `finetune data` says how many and names the first.
+_CLOSING_TAG_READS = [0]
+_INVISIBLE = re.compile("[\u00ad\u200b-\u200d\u2060\ufeff]")
 
 
 # ------------------------------------------------------------------------------------------------ normal form
@@ -125,6 +133,12 @@ def field_text(value, what: str) -> str:
                     f"({_clip(spelled)}). Fix the row: write the value as text ({fix}), or set data.bad_rows: skip.")
 
 
+def visible(text: str) -> str:
+    """`text` without whitespace and invisible characters (zero-width spaces and joiners, word joiners, a byte-order
+    mark, soft hyphens: what str.strip() keeps): empty for an answer that teaches nothing but its end token."""
+    return _INVISIBLE.sub("", text).strip()
+
+
 def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
@@ -139,6 +153,7 @@ def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -
         if reasoning is not None:
             raise DataError(f"{where} has reasoning twice: in a field and as an inline <think> block. Keep one.")
         thought = inline.group(1) if inline.group(1) is not None else inline.group(2)
+        _CLOSING_TAG_READS[0] += int(inline.group(1) is None)
         reasoning, message["content"] = thought, message["content"][inline.end():]
     elif message["content"].lstrip().startswith("<think>"):
         raise DataError(f"{where}: its content has an unbalanced <think> block (a reasoning block opens the answer as "
@@ -146,6 +161,11 @@ def _split_reasoning(message: dict, turn: dict, spec: DatasetSpec, where: str) -
                         "data.bad_rows: skip.")
     if reasoning is not None and reasoning.strip():
         message["reasoning"] = reasoning.strip("\n")
+
+
+def closing_tag_reads() -> int:
+    """How many assistant turns this process has read as reasoning closed by a `</think>` line (no opening tag)."""
+    return _CLOSING_TAG_READS[0]
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
@@ -197,6 +217,27 @@ def normalize_tools(tools, where: str) -> list[dict] | None:
     return normal
 
 
+def dataset_tools(spec: DatasetSpec):
+    """data.datasets[].tools: a list of function schemas, or the path of a JSON file holding one."""
+    if not isinstance(spec.tools, str):
+        return spec.tools
+    try:  # read once per version of the file: an edited file is read again, in this process too
+        stamp = Path(spec.tools).expanduser().stat()
+        version = (stamp.st_mtime_ns, stamp.st_size, stamp.st_ino)
+    except OSError:
+        version = None
+    return _tools_file(spec.tools, version)
+
+
+@functools.lru_cache(maxsize=16)
+def _tools_file(path: str, version: tuple | None):
+    try:
+        return json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"data.datasets[].tools: {path} is not a readable JSON file of function schemas ({exc}). Fix "
+                        "the path, or give the schemas inline as a list.") from None
+
+
 # ------------------------------------------------------------------------------------------------ turn order
 def check_order(messages: list[dict], where: str) -> None:
     """System turns first; then a user turn; a user is answered by the assistant; an assistant that calls tools is
@@ -213,7 +254,7 @@ def check_order(messages: list[dict], where: str) -> None:
                 "expected: after optional system messages, a user turn; the assistant answers each user turn; an "
                 "assistant turn with tool_calls is followed by the tool results (role tool), then the assistant again. "
                 "Fix the row (merge consecutive turns of one speaker) or set data.bad_rows: skip.")
-        if role == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
+        if role == "assistant" and not visible(message["content"]) and not message.get("tool_calls"):
             raise DataError(f"{where}: message {number} is an empty assistant turn (no answer, no tool calls): only "
                             "its end-of-turn token would be trained, teaching the model to stop at once. Fix the row "
                             "or set data.bad_rows: skip.")
@@ -292,6 +333,18 @@ def refuse_turns_as_text(value, spec: DatasetSpec, what: str) -> None:
                         "turns, then the completion's, through the chat template; the completion's assistant turns "
                         "trained). A file that mixes text rows with message rows holds two kinds of rows: split it "
                         "into two datasets (format completion and format chat), or set data.bad_rows: skip.")
+
+
+def refuse_empty_answer(text: str, eos: str, what: str) -> str:
+    """`text`, a completion's or alpaca output's answer (`what` naming the row and field), refused where nothing
+    visible is left once the end token `eos` and invisible characters are set aside (`<|im_end|>` alone, a zero-width
+    space): the row would teach the model to stop at once, as an empty chat answer would (check_order)."""
+    if visible(text.replace(eos, "") if eos else text):
+        return text
+    left = f"its end token {eos} and " if eos and eos in text else ""
+    raise DataError(f"{what} is no answer ({text!r}: nothing is left once {left}invisible characters are set aside): "
+                    f"only {'its end token' if eos else 'those characters'} would be trained, teaching the model to "
+                    "stop at once. Fix the row or set data.bad_rows: skip.")
 
 
 def prompt_completion_turns(prompt, completion, spec: DatasetSpec, where: str, *,

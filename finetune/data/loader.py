@@ -54,6 +54,10 @@ def collate(examples: list[Example], pad_id: int, *, kl_partners: list[Example] 
 
 
 def _collate_rows(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    if pad_id is None:  # data preparation refuses such a tokenizer (tokenize.check_end_tokens); a library caller's
+        raise DataError("the tokenizer has neither a pad token nor an EOS token, so the batch cannot be padded. Fix: "
+                        "set its `pad_token` (and `eos_token`) in its tokenizer_config.json, or set model.tokenizer "
+                        "to a tokenizer that has them.")
     width = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)

@@ -85,7 +85,11 @@ def tokenize_prompted(all_segments: list[list[tuple[str, bool]]], tokenizer, *, 
     into the answer's first token (Qwen's BPE: the `\\n` a generation prompt ends with, and an answer's `\\n`, are one
     `\\n\\n` token), the prompt's tokens would differ between the two answers of a pair, and a prompt character would
     be scored in one answer only. Such a row is tokenized as TRL's preference trainers tokenize every row: the prompt
-    alone, then the rest. `bos`: as tokenize_many's (False for a chat template's renderings)."""
+    alone, then the rest, provided the two spell the row's text. A tokenizer whose normalizer prepends `▁` to what it
+    encodes (Llama 2's and Mistral v0.1's tokenizer.json) writes the rest alone with a space the row does not have
+    (`Answer: ` + `yes` scored as `Answer:  yes`); such a row keeps its joint tokens, its answer's first token the
+    one that holds the prompt's last space (`▁yes`), as TRL 1.16 scores it (the joint ids after their common prefix
+    with the prompt's). `bos`: as tokenize_many's (False for a chat template's renderings)."""
     return _tokenize_split(all_segments, [_first_trained(segments) for segments in all_segments], tokenizer, bos)
 
 
@@ -116,5 +120,11 @@ def _tokenize_split(all_segments: list[list[tuple[str, bool]]], split: list[int]
               if example.input_ids[: len(prompt.input_ids)] != prompt.input_ids]
     rests = tokenize_many([all_segments[i][split[i]:] for i in merged], tokenizer, bos=False)
     for i, rest in zip(merged, rests):
-        whole[i] = Example(prompts[i].input_ids + rest.input_ids, prompts[i].labels + rest.labels)
+        ids = prompts[i].input_ids + rest.input_ids
+        if _spelled(ids, tokenizer) == _spelled(whole[i].input_ids, tokenizer):  # else: the joint tokens (docstring)
+            whole[i] = Example(ids, prompts[i].labels + rest.labels)
     return whole
+
+
+def _spelled(ids: list[int], tokenizer) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -4,6 +4,7 @@ files, each yielding (item, place, raw) rows from row `skip` on; the suffixes th
 from __future__ import annotations
 
 import bz2
+import codecs
 import gzip
 import json
 import lzma
@@ -23,8 +24,13 @@ FOLDER_SUFFIXES = (*LOCAL_SUFFIXES, ".txt", ".arrow")
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 FILE_TYPES = ".jsonl, .json, .csv, .tsv or .parquet (JSON Lines, JSON, CSV and TSV also compressed: .gz, .bz2, .xz)"
 
-RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8 IN > OUT`, naming its real encoding), "
-          "or remove the line.")
+RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f cp1252 -t utf-8 IN > OUT`, naming its real encoding: "
+          "`-f UTF-16` for a file starting with the bytes ff fe or fe ff, what Windows saves as \"Unicode\"), or remove "
+          "the line. (data.bad_rows: skip does not skip it: bytes that are not UTF-8 say the file is in another "
+          "encoding, whose other non-ASCII text would be read wrong, so the file is converted, not a row skipped.)")
+# Byte-order marks of the encodings Windows saves as "Unicode": a file starting with one is no UTF-8 with a bad line
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+              (codecs.BOM_UTF16_BE, "UTF-16"))
 
 
 def data_suffix(path: Path) -> str | None:
@@ -190,8 +196,21 @@ def text_lines(path: Path) -> Iterator[str]:
         with opened(path, "rt", encoding="utf-8-sig") as handle:
             yield from handle
     except UnicodeDecodeError:
-        number, column, byte = first_undecodable(path)
-        raise DataError(f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}") from None
+        raise DataError(not_utf8(path)) from None
+
+
+def not_utf8(path: Path) -> str:
+    """Why a data file is not UTF-8 text, and the fix: UTF-16 or UTF-32 where its byte-order mark says so (Windows'
+    "Unicode"; `iconv -f latin1` would turn it into garbage), else the first line and byte that are not UTF-8."""
+    with opened(path, "rb") as handle:
+        head = handle.read(4)
+    encoding = next((name for bom, name in _WIDE_BOMS if head.startswith(bom)), None)
+    if encoding is not None:
+        return (f"{path}: {encoding} text (it starts with the {encoding} byte-order mark {head[:2].hex(' ')}, as Windows "
+                f'saves "Unicode" text), not UTF-8. Fix: convert the file to UTF-8, e.g. `iconv -f {encoding} -t UTF-8 '
+                f"IN > OUT` (the mark is dropped), and point data.datasets[].path at the result.")
+    number, column, byte = first_undecodable(path)
+    return f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}"
 
 
 def first_undecodable(path: Path) -> tuple[int, int, int]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 
@@ -16,9 +14,11 @@ from finetune.data.conversations import (
     ROLE_ALIASES,
     check_order,
     convert_turns,
+    dataset_tools,
     field_text,
     normalize_tools,
     prompt_completion_turns,
+    refuse_empty_answer,
     refuse_turns_as_text,
 )
 from finetune.data.examples import IGNORE_INDEX, Example
@@ -153,27 +153,6 @@ def row_tools(row: dict, spec: DatasetSpec, where: str) -> list[dict] | None:
     return normalize_tools(value, where)
 
 
-def dataset_tools(spec: DatasetSpec):
-    """data.datasets[].tools: a list of function schemas, or the path of a JSON file holding one."""
-    if not isinstance(spec.tools, str):
-        return spec.tools
-    try:  # read once per version of the file: an edited file is read again, in this process too
-        stamp = Path(spec.tools).expanduser().stat()
-        version = (stamp.st_mtime_ns, stamp.st_size, stamp.st_ino)
-    except OSError:
-        version = None
-    return _tools_file(spec.tools, version)
-
-
-@functools.lru_cache(maxsize=16)
-def _tools_file(path: str, version: tuple | None):
-    try:
-        return json.loads(Path(path).expanduser().read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"data.datasets[].tools: {path} is not a readable JSON file of function schemas ({exc}). Fix "
-                        "the path, or give the schemas inline as a list.") from None
-
-
 def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
                     reasoning: str = "train") -> list[list[tuple[str, bool]]]:
     """Row -> its examples as [(text, trained)] segments: one, except a conversation whose chat template rewrites
@@ -202,7 +181,7 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     if spec.format == "text":
         return [(_ended(text("text"), eos), True)]
     if spec.format == "completion":
-        return [(text("prompt"), False), (_ended(text("completion"), eos), True)]
+        return [(text("prompt"), False), (_ended(_answer(row, spec, "completion", eos, where), eos), True)]
     if spec.format == "preference":
         return render_pair(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     if spec.format == "unpaired_preference":
@@ -213,7 +192,7 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     system = row_system(row, spec, system_prompt)
     if system:
         prompt = f"{system}\n\n{prompt}"
-    return [(prompt, False), (_ended(text("output"), eos), True)]
+    return [(prompt, False), (_ended(_answer(row, spec, "output", eos, where), eos), True)]
 
 
 def _ended(text: str, eos: str) -> str:
@@ -233,6 +212,11 @@ def template_rendered(spec: DatasetSpec, tokenizer) -> bool:
 def _text(row: dict, spec: DatasetSpec, name: str, *, where: str) -> str:
     """Field `name` of a row as the text it trains (check_row refused what is not text)."""
     return field_text(_field(row, spec, name), f"{where}: `{_column(spec, name)}`")
+
+
+def _answer(row: dict, spec: DatasetSpec, name: str, eos: str, where: str) -> str:
+    """A completion's or alpaca output's text, unless it is no answer (conversations.refuse_empty_answer)."""
+    return refuse_empty_answer(_text(row, spec, name, where=where), eos, f"{where}: `{_column(spec, name)}`")
 
 
 # ------------------------------------------------------------------------------------------- preference pairs
@@ -423,13 +407,20 @@ def answer_starts(all_segments: list[list[tuple[str, bool]]], tokenizer, *, bos:
 
 
 def _labels_from_encoding(encoding, segments: list[tuple[str, bool]]) -> list[int]:
-    """`_labels` in O(trained spans): the tokens holding a span's first and last characters bound its tokens."""
+    """`_labels` in O(trained spans): the tokens holding a span's first and last characters bound its tokens.
+
+    char_to_token gives the *first* token of a character; one written as several tokens (an emoji or most CJK in
+    byte-level BPE, a combining accent, any byte-fallback character) has the others after it, covering the same
+    character, and they are trained too (before, a span ending in `🙂` trained its first byte only)."""
     ids, labels, position = encoding.ids, [IGNORE_INDEX] * len(encoding.ids), 0
     for text, trained in segments:
         if trained and text:
-            first, last = encoding.char_to_token(position), encoding.char_to_token(position + len(text) - 1)
+            end = position + len(text)
+            first, last = encoding.char_to_token(position), encoding.char_to_token(end - 1)
             if first is None or last is None:  # a character no token covers (a normalizer dropped it): the slow way
                 return _labels(ids, encoding.offsets, segments)
+            while last + 1 < len(ids) and (span := encoding.token_to_chars(last + 1)) is not None and span[0] < end:
+                last += 1  # the next token starts inside the span: the rest of its last character (or of the span)
             labels[first : last + 1] = ids[first : last + 1]
         position += len(text)
     return labels

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 
 from finetune.data.chat import chat_template_text
-from finetune.data.conversations import renders_tools
+from finetune.data.conversations import closing_tag_reads, renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
 from finetune.data.templates import (
@@ -33,9 +34,11 @@ from finetune.data.templates import (
     template_rendered,
     tokenize_many,
 )
+from finetune.distributed import print0
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
+_NO_EOS_NOTED: weakref.WeakSet = weakref.WeakSet()  # tokenizers without an EOS whose note was printed
 KEPT_REASONS = 20  # skipped rows whose reasons are kept (every skip is counted)
 NAMED_DROPS = 5  # rows dropped for length that the data line names
 # The fields whose value may be a list of chat turns (whose keys data.datasets[].columns role/content/reasoning name).
@@ -52,12 +55,15 @@ class ChunkResult:
 
     examples: list[Example] = field(default_factory=list)
     counts: dict = field(default_factory=lambda: {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0,
-                                                  "prompt_truncated": 0, "response_truncated": 0})
+                                                  "prompt_truncated": 0, "response_truncated": 0,
+                                                  "closing_tag_rows": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
     arrays: dict | None = None  # the examples as the store's arrays (store.chunk_arrays), made by the cache builder
     origins: list[str] = field(default_factory=list)  # each example's row, by its place (`row 7`, `line 7`)
+    # the first row whose answer was read as reasoning closed by a `</think>` line (conversations._INLINE_THINK)
+    first_closing_tag_row: str | None = None
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
@@ -80,6 +86,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whol
     """Problems of a whole dataset that skipping rows cannot fix: a column absent everywhere, no chat template.
     `rows`: the dataset's first rows; `whole`: they are all of it (a mapped optional column none has is then refused,
     else warned about: a later row may have it)."""
+    check_end_tokens(spec, tokenizer, source)
     whole = whole and len(rows) <= 1000
     dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
     required, _ = FORMAT_FIELDS[spec.format]
@@ -103,6 +110,31 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whol
         )
     if spec.format in ("chat", "preference", "unpaired_preference", "prompt"):
         _check_tools(dict_rows, spec, tokenizer, source)
+
+
+def check_end_tokens(spec: DatasetSpec, tokenizer, source: str) -> None:
+    """A tokenizer with neither a pad nor an EOS token is refused here, before any weight loads: batches are padded
+    with its pad token (model.load_tokenizer takes the EOS where it has none), so the run stopped at its first batch
+    (`torch.full(..., None)`). One with a pad but no EOS trains text-like rows (text, completion, alpaca; preference
+    and KTO rows without a chat template) without an end token: said once per tokenizer."""
+    if tokenizer.eos_token is not None or spec.format == "prompt":
+        return
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if tokenizer.pad_token_id is None:
+        raise DataError(
+            f"{source}: the tokenizer ({name}) has neither a pad token nor an EOS token, so no batch can be padded "
+            "(finetune pads with the pad token, else with the EOS) and no row can end with an end token: training "
+            "would stop at its first batch. Fix: give the tokenizer its tokens (in its tokenizer_config.json, "
+            "`eos_token`: the token that ends the model's answers, the one its config.json's eos_token_id names, and "
+            'a `pad_token`, e.g. "<|endoftext|>"; tokens of its vocabulary), or set model.tokenizer to a tokenizer '
+            "that has them (the model's instruct or base tokenizer).")
+    if template_rendered(spec, tokenizer) or tokenizer in _NO_EOS_NOTED:
+        return
+    _NO_EOS_NOTED.add(tokenizer)
+    print0(f"[finetune] note: {source}: the tokenizer ({name}) has no EOS token, so its `{spec.format}` rows train "
+           "without an end token and the model does not learn to stop (generation runs to its token limit). Fix: "
+           "set `eos_token` in its tokenizer_config.json (the token its config.json's eos_token_id names), or set "
+           "model.tokenizer to a tokenizer that has one.")
 
 
 def check_mapped_columns(rows: list[dict], spec: DatasetSpec, source: str, *, whole: bool = True) -> None:
@@ -166,8 +198,14 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     data, result = recipe.data, ChunkResult()
     result.counts["rows"] = len(rows) + len(broken)
     result.reasons += broken
-    rendered = [_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
-                                  reasoning=data.reasoning) for row, place in zip(rows, places)]
+    rendered = []
+    for row, place in zip(rows, places):
+        read_before = closing_tag_reads()
+        rendered.append(_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
+                                          reasoning=data.reasoning))
+        if closing_tag_reads() > read_before and not isinstance(rendered[-1], str):  # kept, and rewritten so
+            result.counts["closing_tag_rows"] += 1
+            result.first_closing_tag_row = result.first_closing_tag_row or f"{spec.path} {place}"
     result.reasons += [item for item in rendered if isinstance(item, str)]
     kept = [(item, place) for item, place in zip(rendered, places) if not isinstance(item, str)]
     bos = not template_rendered(spec, tokenizer)  # a chat template writes BOS itself where the model has one
@@ -263,3 +301,4 @@ def merge_counts(total: dict, result: ChunkResult) -> None:
         total[name] = total.get(name, 0) + value
     total["skipped_reasons"] = (total.get("skipped_reasons", []) + result.reasons)[:KEPT_REASONS]
     total["dropped_rows"] = (total.get("dropped_rows", []) + result.dropped_rows)[:NAMED_DROPS]
+    total["first_closing_tag_row"] = total.get("first_closing_tag_row") or result.first_closing_tag_row
