@@ -214,6 +214,13 @@ def read_yaml(path: str | os.PathLike) -> dict:
         )
     try:
         raw = yaml.load(decoded(path), Loader=UniqueKeyLoader)  # (a SafeLoader)
+        if isinstance(raw, dict):
+            check_expanded_size(raw, path)
+            raw = unshared(raw, path)
+    except RecursionError:  # PyYAML's composer (and the copies) recurse per level: about 1,000 levels of `[` do it
+        raise RecipeError(f"{path}: nested too deeply: a value holds lists or mappings inside each other about a "
+                          "thousand levels deep or more, further than a recipe needs or the YAML reader follows. Fix: "
+                          "write that value flat (a recipe's sections nest a few levels).") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -229,7 +236,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
         raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. {fix}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {type(raw).__name__}.")
-    return unshared(raw, path)
+    return raw
 
 
 def decoded(path: Path) -> str:
@@ -254,6 +261,38 @@ def decoded(path: Path) -> str:
         raise RecipeError(
             f"{path}: line {line}: the file is not UTF-8 text (byte 0x{data[exc.start]:02x}, `{latin}` in Latin-1 or "
             "Windows-1252). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
+
+
+# Values a recipe may hold once its aliases are written out (each alias a copy: `unshared`). A recipe needs a few
+# hundred; nested aliases multiply (`a1: [*a0 x10]`, `a2: [*a1 x10]` ...: 700 bytes are 10**9 values), so a file from
+# elsewhere could take every byte of memory before any key is checked. A file without aliases is never refused.
+MAX_EXPANDED_VALUES = 100_000
+
+
+def check_expanded_size(raw: dict, path: Path) -> None:
+    """Refuse a recipe whose aliases, written out, hold more than MAX_EXPANDED_VALUES values. Counted with each
+    shared mapping or list measured once (time linear in the file); an alias inside its own anchor is refused here."""
+    sizes: dict[int, int] = {}
+    aliased = [False]
+
+    def size(node: Any, inside: frozenset[int]) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in inside:
+            raise RecipeError(f"{path}: a YAML alias refers to a mapping or list that holds it (`&name` ... `*name` "
+                              "inside it), which has no end. Fix: write the value out instead of the alias.")
+        if id(node) in sizes:
+            aliased[0] = True
+            return sizes[id(node)]
+        inner = inside | {id(node)}
+        sizes[id(node)] = 1 + sum(size(value, inner) for value in (node.values() if isinstance(node, dict) else node))
+        return sizes[id(node)]
+
+    total = size(raw, frozenset())
+    if aliased[0] and total > MAX_EXPANDED_VALUES:
+        raise RecipeError(f"{path}: its YAML aliases (`*name`), each read as a copy of its anchor, make {total:,} "
+                          f"values, more than the {MAX_EXPANDED_VALUES:,} a recipe may hold (aliases nested in "
+                          "aliases multiply). Fix: write the values out, or use fewer levels of aliases.")
 
 
 def unshared(node: Any, path: Path, _inside: tuple[int, ...] = ()) -> Any:

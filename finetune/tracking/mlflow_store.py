@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -25,6 +27,68 @@ STATE_FILE = "trackers.json"  # run ids of the trackers, so a resumed run contin
 def warn(message: str) -> None:
     """One line on stderr (rank 0 is the only caller)."""
     print(f"[finetune] warning: {message}", file=sys.stderr, flush=True)
+
+
+# The user and password of a URI (`http://user:pw@host`, `postgresql://user:pw@host/db`): MLflow's REST client and
+# SQLAlchemy take them from the URI, so the run logs with them, but nothing finetune prints, writes in the run folder or
+# sends to a tracker holds them (docs/tracking.md: MLFLOW_TRACKING_USERNAME / _PASSWORD keep them out of the URI).
+USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s\"'<>]+@")
+
+
+def redacted(text: str) -> str:
+    """`text` with the user and password of every URI in it left out: `http://***@host:5000`."""
+    return USERINFO.sub(r"\1***@", text)
+
+
+def redacted_tree(tree: Any) -> Any:
+    """A recipe dump (dicts, lists, scalars) with `redacted` text: the params, config and recipe sent to trackers."""
+    if isinstance(tree, dict):
+        return {key: redacted_tree(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [redacted_tree(value) for value in tree]
+    return redacted(tree) if isinstance(tree, str) else tree
+
+
+def stored_uri(saved: str, out_dir: Path) -> str:
+    """The URI a run folder's trackers.json stands for. It holds the URI `redacted`; the one to log with is the
+    environment's MLFLOW_TRACKING_URI or the run's recipe.yaml train.mlflow_tracking_uri, whichever reads the same
+    once redacted (the recipe's first, as in `mlflow_uri`). Neither matching: `saved` as it is (the store then
+    answers that it wants credentials)."""
+    if redacted(saved) != saved or "***@" not in saved:
+        return saved
+    candidates = [_recipe_uri(out_dir / "recipe.yaml"), os.environ.get("MLFLOW_TRACKING_URI")]
+    return next((uri for uri in candidates if uri and redacted(uri) == saved), saved)
+
+
+def _recipe_uri(path: Path) -> str | None:
+    """train.mlflow_tracking_uri of a run's recipe.yaml (None when there is none or it cannot be read)."""
+    from finetune.recipe import read_yaml
+
+    try:
+        uri = (read_yaml(path).get("train") or {}).get("mlflow_tracking_uri") if path.is_file() else None
+    except Exception:  # noqa: BLE001 - a recipe.yaml that does not read names no store
+        return None
+    return uri if isinstance(uri, str) else None
+
+
+# The database driver SQLAlchemy imports for a store URI's scheme (postgresql -> psycopg, mysql -> MySQLdb,
+# mysql+pymysql -> pymysql ...) -> the package that installs it. mlflow and finetune[trackers] bring none of them.
+DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+                   "pymysql": "pymysql", "mysql": "mysql-connector-python", "pg8000": "pg8000", "pyodbc": "pyodbc",
+                   "pymssql": "pymssql", "oracledb": "oracledb", "cx_Oracle": "cx_Oracle"}
+DATABASES = ("postgresql", "postgres", "mysql", "mariadb", "mssql", "oracle")
+
+
+def missing_driver(uri: str, module: str) -> str | None:
+    """What to say when the database store of `uri` cannot import `module`, its driver (None: not a database store,
+    or the missing module is MLflow's own or SQLAlchemy's, which `pip install 'finetune[trackers]'` brings)."""
+    scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+    module = module.split(".")[0]
+    if scheme.split("+")[0] not in DATABASES or module in ("mlflow", "sqlalchemy", "alembic"):
+        return None
+    package = DRIVER_PACKAGES.get(module, module)
+    return (f"the MLflow store at {redacted(uri)} needs the database driver {module}, which is not installed "
+            f"(SQLAlchemy imports it for `{scheme}://` URIs). Fix: `pip install {package}`")
 
 
 def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
@@ -67,6 +131,8 @@ def prepare_mlflow_env(uri: str) -> None:
     """Environment and logging for MLflow's client: fast failure on a dead server, the file store allowed when asked."""
     import logging
 
+    if redacted(uri) != uri:  # MLflow prints "View run ... at: <the URI, password and all>" when a run ends
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if uri.startswith("file:") or "://" not in uri:
         # mlflow 3.x refuses the file store unless told it is wanted; the user's URI asked for exactly that.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -155,7 +221,8 @@ class MlflowTracker:
         try:
             return self.client.get_run(run_id)
         except Exception:  # noqa: BLE001 - MlflowException (unknown id): another store than the first start used
-            warn(f"MLflow run {run_id} (trackers.json) is not in {self.uri}; the resumed run starts a new MLflow run.")
+            warn(f"MLflow run {run_id} (trackers.json) is not in {redacted(self.uri)}; the resumed run starts a new "
+                 "MLflow run.")
             return None
 
     def _steps_after(self, run, resumed_step: int) -> list[int]:
@@ -219,7 +286,8 @@ class MlflowTracker:
 
 
 def ui_line(uri: str) -> str:
-    return f"[finetune] MLflow: mlflow ui --backend-store-uri {uri}   (the UI needs the full `pip install mlflow`)"
+    return (f"[finetune] MLflow: mlflow ui --backend-store-uri {redacted(uri)}   (the UI needs the full "
+            "`pip install mlflow`)")
 
 
 # ------------------------------------------------------------------------------------------ after the training
@@ -235,7 +303,7 @@ def log_run_artifacts(out_dir: str | Path) -> None:
         return
     if "mlflow" not in saved or "mlflow_uri" not in saved:
         return
-    uri, run_id = saved["mlflow_uri"], saved["mlflow"]
+    uri, run_id = stored_uri(saved["mlflow_uri"], out_dir), saved["mlflow"]
     try:
         prepare_mlflow_env(uri)
         check_reachable(uri)
@@ -244,12 +312,16 @@ def log_run_artifacts(out_dir: str | Path) -> None:
         client = MlflowClient(tracking_uri=uri)
         if (out_dir / "adapter").is_dir():
             client.log_artifacts(run_id, str(out_dir / "adapter"), artifact_path="adapter")
-        for name in ("recipe.yaml", "plot.png"):
-            if (out_dir / name).is_file():
-                client.log_artifact(run_id, str(out_dir / name))
+        if (out_dir / "recipe.yaml").is_file():  # a copy without the passwords of URIs (train.mlflow_tracking_uri)
+            with tempfile.TemporaryDirectory() as folder:
+                shown = Path(folder) / "recipe.yaml"
+                shown.write_text(redacted((out_dir / "recipe.yaml").read_text()))
+                client.log_artifact(run_id, str(shown))
+        if (out_dir / "plot.png").is_file():
+            client.log_artifact(run_id, str(out_dir / "plot.png"))
     except Exception as exc:  # noqa: BLE001 - the run is done and its files are on disk; the tracker is a convenience
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warn(f"train.trackers: mlflow (tracking URI {uri}) failed to store the artifacts ({type(exc).__name__}: "
-             f"{reason}); they are in {out_dir}.")
+        reason = redacted((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
+        warn(f"train.trackers: mlflow (tracking URI {redacted(uri)}) failed to store the artifacts "
+             f"({type(exc).__name__}: {reason}); they are in {out_dir}.")
         return
     print(ui_line(uri), flush=True)

@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 from finetune.errors import FinetuneError
-from finetune.tracking.mlflow_store import STATE_FILE, check_reachable, prepare_mlflow_env, ui_line
+from finetune.tracking.mlflow_store import (
+    STATE_FILE,
+    check_reachable,
+    missing_driver,
+    prepare_mlflow_env,
+    redacted,
+    stored_uri,
+    ui_line,
+)
 
 
 class RunsError(FinetuneError):
@@ -24,13 +32,14 @@ class RunsError(FinetuneError):
 
 
 def folder_store(folder: Path) -> str | None:
-    """The MLflow store of a run folder: the URI its run used (trackers.json), else its own mlflow.db."""
+    """The MLflow store of a run folder: the URI its run used (trackers.json, with the password the environment or
+    its recipe.yaml gives: mlflow_store.stored_uri), else its own mlflow.db."""
     try:
         uri = json.loads((folder / STATE_FILE).read_text()).get("mlflow_uri")
     except (OSError, ValueError):
         uri = None
-    if uri:
-        return uri
+    if isinstance(uri, str) and uri:
+        return stored_uri(uri, folder)
     database = folder / "mlflow.db"
     return f"sqlite:///{database.resolve()}" if database.is_file() else None
 
@@ -87,7 +96,7 @@ def cli_runs(args: argparse.Namespace) -> int:
     places = args.where or [os.environ.get("MLFLOW_TRACKING_URI") or "runs"]
     stores = list(dict.fromkeys(uri for where in places for uri in find_stores(where)))
     if not stores:
-        raise RunsError(f"no MLflow store in {', '.join(places)}: a run writes one when its recipe has "
+        raise RunsError(f"no MLflow store in {redacted(', '.join(places))}: a run writes one when its recipe has "
                         "`train.trackers: [mlflow]` (default store: output.dir/mlflow.db). Pass a run folder, a folder "
                         "of run folders, or a tracking URI (sqlite:///path/mlflow.db, http://host:5000).")
     if importlib.util.find_spec("mlflow") is None:
@@ -96,10 +105,11 @@ def cli_runs(args: argparse.Namespace) -> int:
         try:
             rows = store_rows(uri)
         except Exception as exc:  # noqa: BLE001 - one line per unreadable store, the others are still listed
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            print(f"{uri}: cannot be read ({type(exc).__name__}: {reason})")
+            driver = missing_driver(uri, str(exc.name)) if isinstance(exc, ImportError) and exc.name else None
+            reason = redacted((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
+            print(f"{redacted(uri)}: cannot be read ({driver or f'{type(exc).__name__}: {reason}'})")
             continue
-        print(("\n" if index else "") + f"{uri}: {len(rows)} run{'s' if len(rows) != 1 else ''}")
+        print(("\n" if index else "") + f"{redacted(uri)}: {len(rows)} run{'s' if len(rows) != 1 else ''}")
         if rows:
             print(format_rows(rows))
     if len(stores) == 1:

@@ -24,7 +24,16 @@ from typing import Any
 
 from finetune.recipe import Recipe
 from finetune.tracking.metrics_file import read_records
-from finetune.tracking.mlflow_store import STATE_FILE, MlflowTracker, mlflow_uri, ui_line, warn
+from finetune.tracking.mlflow_store import (
+    STATE_FILE,
+    MlflowTracker,
+    missing_driver,
+    mlflow_uri,
+    redacted,
+    redacted_tree,
+    ui_line,
+    warn,
+)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -101,12 +110,14 @@ def cut_event_files(paths: list[Path], last_step: int) -> None:
 class TensorBoardTracker:
     """Scalars in TensorBoard event files under `log_dir` (torch's SummaryWriter, needs the `tensorboard` package).
 
-    The run's own event files are those of its earlier starts: every one in output.dir/tensorboard (the run folder's),
-    and in a folder `shared` by runs (train.tensorboard_dir) those whose names end in `suffix` (event_suffix of its
-    output.dir). A fresh start (`resumed_step` 0) removes them (output.overwrite); a resume cuts them to
-    `resumed_step` (the steps a run killed after its newest checkpoint logged are trained again) and writes on with
-    SummaryWriter's purge_step, so each step shows once. Another run's files are never touched (a note says they
-    are there): the default run name, output.dir's last name, once made a run delete an unrelated run's history."""
+    The run's own event files are those of its earlier starts, at the top of `log_dir` (a subfolder is another
+    TensorBoard run, or a link to one): every one in output.dir/tensorboard (the run folder's), and in a folder
+    `shared` by runs (train.tensorboard_dir) or an output.dir/tensorboard that is a symbolic link (into a shared
+    logdir, kept by begin_outputs) those whose names end in `suffix` (event_suffix of its output.dir). A fresh start
+    (`resumed_step` 0) removes them (output.overwrite); a resume cuts them to `resumed_step` (the steps a run killed
+    after its newest checkpoint logged are trained again) and writes on with SummaryWriter's purge_step, so each step
+    shows once. Another run's files are never touched (a note says they are there): the default run name, output.dir's
+    last name, once made a run delete an unrelated run's history, and a linked tensorboard/ every run's under it."""
 
     name = "tensorboard"
 
@@ -114,17 +125,19 @@ class TensorBoardTracker:
                  shared: bool = False):
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
 
-        found = list(log_dir.glob(EVENTS if shared else f"**/{EVENTS}"))
-        own = [path for path in found if not shared or path.name.endswith(suffix)]
+        linked = log_dir.is_symlink()
+        found = list(log_dir.glob(EVENTS))  # never `**`: it followed a linked folder into every run's files there
+        own = [path for path in found if not (shared or linked) or path.name.endswith(suffix)]
         if not resumed_step:
             for old in own:
                 old.unlink()
         else:
-            cut_event_files([path for path in own if path.parent == log_dir], resumed_step)
+            cut_event_files(own, resumed_step)
         if others := len(found) - len(own):
+            fix = (f"it links to {log_dir.resolve()}: link this run's own folder there instead" if linked else
+                   "set train.run_name to a name of this run's own")
             print(f"[finetune] note: {log_dir} also holds {others} event file(s) of another run, kept; TensorBoard "
-                  f"shows them as one run with this one's. Fix: set train.run_name to a name of this run's own.",
-                  flush=True)
+                  f"shows them as one run with this one's. Fix: {fix}.", flush=True)
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resumed_step + 1 if resumed_step else None,
                                     filename_suffix=suffix)
         first = resumed_step + 1 if resumed_step else 0  # the recipe of this launch, from its first step
@@ -246,7 +259,9 @@ class Trackers:
                 self.backends.append(backend)
         ids = {b.name: b.run_id for b in self.backends if getattr(b, "run_id", None)}
         if "mlflow" in ids:
-            ids["mlflow_uri"] = self.mlflow_uri  # for the artifacts after training and for `finetune runs`
+            # for the artifacts after training and for `finetune runs`; without a password, which they take from the
+            # environment or recipe.yaml again (mlflow_store.stored_uri): the run folder is shared, copied, tarred
+            ids["mlflow_uri"] = redacted(self.mlflow_uri)
         if ids:
             (self.out_dir / STATE_FILE).write_text(json.dumps(ids))
 
@@ -260,12 +275,12 @@ class Trackers:
     def _start(self, name: str, recipe: Recipe, run_id: str | None):
         from finetune.recipe import recipe_to_yaml
 
-        config = recipe.model_dump(mode="json")
+        config = redacted_tree(recipe.model_dump(mode="json"))  # what a tracker shows: no password of a URI
         step = self.resumed_step
         if name == "tensorboard":
             return TensorBoardTracker(tensorboard_log_dir(recipe, self.out_dir, self.run_name), self.run_name,
-                                      recipe_to_yaml(recipe), resumed_step=step, suffix=event_suffix(self.out_dir),
-                                      shared=bool(recipe.train.tensorboard_dir))
+                                      redacted(recipe_to_yaml(recipe)), resumed_step=step,
+                                      suffix=event_suffix(self.out_dir), shared=bool(recipe.train.tensorboard_dir))
         if name == "mlflow":
             self.mlflow_uri = mlflow_uri(recipe, self.out_dir)
             return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name, flatten(config),
@@ -281,13 +296,15 @@ class Trackers:
             return call()
         except ImportError as exc:
             package = {"tensorboard": "tensorboard", "mlflow": "'finetune[trackers]'"}.get(name, name)
-            missing = exc.name or exc
+            missing = str(exc.name or exc)
             needs = " (the SQLite store needs sqlalchemy and alembic)" if missing in ("sqlalchemy", "alembic") else ""
-            warn(f"train.trackers: {name} is not installed ({missing}){needs}; `pip install {package}` to use it. "
+            driver = missing_driver(self.mlflow_uri or "", missing) if name == "mlflow" else None
+            warn(f"train.trackers: {driver}. Training goes on; metrics.jsonl has every metric." if driver else
+                 f"train.trackers: {name} is not installed ({missing}){needs}; `pip install {package}` to use it. "
                  "Training goes on; metrics.jsonl has every metric.")
         except Exception as exc:  # noqa: BLE001 - a tracker must never stop a run
-            where = f" (tracking URI {self.mlflow_uri})" if name == "mlflow" else ""
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            where = f" (tracking URI {redacted(self.mlflow_uri or '')})" if name == "mlflow" else ""
+            reason = redacted((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
             warn(f"train.trackers: {name}{where} failed to {action} ({type(exc).__name__}: {reason}); it is switched off "
                  "for this run. Training goes on; metrics.jsonl has every metric.")
         self.backends = [b for b in self.backends if b.name != name]
