@@ -199,6 +199,23 @@ def test_local_paths_are_kept_absolute_so_the_run_names_the_files_it_trained(tmp
     assert load_recipe(path).model.chat_template == "chatml"
 
 
+def test_a_tilde_path_is_expanded_for_the_libraries_and_the_saved_recipe(tmp_path, monkeypatch):
+    """Found by a bug bash (bb25 #3): `model.name_or_path: ~/tiny` (or model.tokenizer) was checked with ~ expanded
+    but passed on as written, so transformers took `~/tiny` for a hub id and the run was refused ("check that ~/tiny
+    is a saved transformers folder"), and a `~/t.jsonl` data path stayed `~` in the run's recipe.yaml (a resume under
+    another HOME read another file)."""
+    home = tmp_path / "home"
+    (home / "tiny").mkdir(parents=True)
+    (home / "t.jsonl").write_text('{"prompt": "q", "completion": "a"}\n')
+    monkeypatch.setenv("HOME", str(home))
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "~/tiny", "tokenizer": "~/tiny"},
+                                    "data": {"datasets": [{"path": "~/t.jsonl"}, {"path": "~/missing.jsonl"}]}}))
+    recipe = load_recipe(path)
+    assert recipe.model.name_or_path == recipe.model.tokenizer == str(home / "tiny")
+    assert [spec.path for spec in recipe.data.datasets] == [str(home / "t.jsonl"), "~/missing.jsonl"]
+
+
 def test_output_dir_is_kept_absolute_before_it_exists(tmp_path, monkeypatch):
     """A review of the paths fix: output.dir stayed relative, so `finetune train runs/rel/recipe.yaml
     train.resume=auto` from another folder started a new run there, without a word. It is absolute from the start."""

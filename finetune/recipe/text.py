@@ -132,8 +132,8 @@ def absolute_local_paths(raw: dict) -> None:
     def absolute(value, *, files_only: bool = False):
         if not isinstance(value, str) or not value or "\n" in value or "{" in value:
             return value
-        path = Path(value).expanduser()
-        if path.is_absolute() or not (path.is_file() if files_only else path.exists()):
+        path = Path(value).expanduser()  # `~/x`: expanded here, or transformers took it for a hub id (bb25)
+        if not (path.is_file() if files_only else path.exists()) or Path(value).is_absolute():
             return value
         return os.path.abspath(path)  # symbolic links kept as the user named them
 
