@@ -121,6 +121,21 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
     return f"{source}: {len(lines)} problem{plural} in the recipe:\n" + "\n".join(lines)
 
 
+def absolute_store_uri(uri: str) -> str:
+    """A local store's URI with its path made absolute from here: `sqlite:///rel.db`, `file:mlruns`, a plain path.
+    Kept relative, trackers.json and the run's recipe named another database from any other folder: `finetune runs
+    RUN` there found 0 runs (and MLflow created an empty database), a resume there started a second MLflow run in a
+    second database (bb25). Other URIs, absolute paths and in-memory databases: as given."""
+    if uri.startswith("sqlite:///") and uri not in ("sqlite:///", "sqlite:///:memory:"):
+        path = uri.removeprefix("sqlite:///")
+        return uri if path.startswith("/") else f"sqlite:///{os.path.abspath(Path(path).expanduser())}"
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return f"file:{os.path.abspath(Path(uri.removeprefix('file:')).expanduser())}"
+    if "://" not in uri and not uri.startswith(("file:", "databricks", "uc:")) and uri not in ("", ":memory:"):
+        return os.path.abspath(Path(uri).expanduser())  # MLflow reads a bare path as a file store
+    return uri
+
+
 def absolute_local_paths(raw: dict) -> None:
     """The recipe's local paths as absolute ones, where they name something that exists from here (the folder the
     command runs in, as the libraries read them): the model and tokenizer folders, model.adapter, a chat template
@@ -153,6 +168,9 @@ def absolute_local_paths(raw: dict) -> None:
             fix(spec, "tools", files_only=True)
     if isinstance(grpo, dict) and isinstance(grpo.get("reward_models"), list):
         grpo["reward_models"] = [absolute(entry) for entry in grpo["reward_models"]]
+    train = raw.get("train") if isinstance(raw, dict) else None
+    if isinstance(train, dict) and isinstance(train.get("mlflow_tracking_uri"), str) and train["mlflow_tracking_uri"]:
+        train["mlflow_tracking_uri"] = absolute_store_uri(train["mlflow_tracking_uri"])
     output = raw.get("output") if isinstance(raw, dict) else None
     if isinstance(output, dict) and isinstance(output.get("dir"), str) and output["dir"]:
         # made before it exists: a resume from the run's recipe.yaml, launched elsewhere, finds this run's checkpoints

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from finetune.recipe.text import absolute_store_uri
+
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
@@ -97,7 +99,7 @@ def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
     MLflow 3 keeps the plain-file store (`file:...`) only in maintenance mode; it still works when asked for by URI.
     """
     uri = recipe.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+    return absolute_store_uri(uri) if uri else f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
 
 
 def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:

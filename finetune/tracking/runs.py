@@ -22,6 +22,7 @@ from finetune.tracking.mlflow_store import (
     missing_driver,
     prepare_mlflow_env,
     redacted,
+    sqlite_file,
     stored_uri,
     ui_line,
 )
@@ -46,6 +47,10 @@ def folder_store(folder: Path) -> str | None:
 
 def find_stores(where: str) -> list[str]:
     """URIs of the MLflow stores `where` names: a URI, a .db file, a run folder, or a folder of run folders."""
+    database = sqlite_file(where) if "://" in where else None
+    if database is not None and not database.is_file():  # MLflow would create an empty one and list 0 runs
+        raise RunsError(f"{where}: no such database (looked for {database.resolve()}). Fix: name the run folder or "
+                        "the mlflow.db file, or the URI with the database's absolute path (sqlite:////abs/mlflow.db).")
     if "://" in where or where.startswith("file:"):
         return [where]
     path = Path(where).expanduser()
