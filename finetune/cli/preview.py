@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from finetune.data import IGNORE_INDEX, Example, PreparedData, steps_per_epoch
+from finetune.data import IGNORE_INDEX, Example, PreparedData, rows_left_note, steps_per_epoch
 from finetune.data.build import eval_overlap
 from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
@@ -214,7 +214,8 @@ def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micr
     steps, at = per_epoch(processes), f"at {processes} process{'es' if processes > 1 else ''}"
     lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // (micro_batch_size {batch} x "
               f"{processes} x grad_accum {train.grad_accum}); {per_epoch(2 * processes)} at {2 * processes} processes; "
-              f"in general rows // (micro_batch_size x processes x grad_accum)")]
+              "in general rows // (micro_batch_size x processes x grad_accum)"
+              f"{rows_left_note(rows, micro_batch_size=batch, world_size=processes, grad_accum=train.grad_accum)}")]
     if steps == 0 and train.num_epochs is not None:
         lines.append(f"train.num_epochs: a run {at} stops at its start, an epoch holds no whole optimizer step (add "
                      "data, lower train.micro_batch_size or train.grad_accum, or set train.max_steps)")

@@ -54,6 +54,7 @@ from finetune.data.loader import (
     kl_sequence,
     real_token_count,
     rows_fingerprint,
+    rows_left_note,
     steps_per_epoch,
 )
 from finetune.data.packing import (
@@ -144,6 +145,7 @@ __all__ = [
     "render_examples",
     "render_segments",
     "rows_fingerprint",
+    "rows_left_note",
     "sequence_lengths",
     "set_reference_logps",
     "split_eval",

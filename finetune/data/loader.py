@@ -113,6 +113,18 @@ def steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_a
     return rows // (micro_batch_size * world_size) // grad_accum
 
 
+def rows_left_note(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> str:
+    """"" or the words for the rows past an epoch's last whole step, which that epoch leaves out (a different few each
+    epoch, as the order changes). Only docs/data.md said so: a 16-row epoch of 6-row steps left 4 rows, 39% of its
+    tokens, with "0 dropped" printed and `epoch: 1.0` logged (bb23)."""
+    steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum)
+    left = rows - steps * micro_batch_size * world_size * grad_accum
+    if steps == 0 or left == 0:
+        return ""
+    return (f"; {left} of the {rows} rows left out of each epoch (past its last whole step of "
+            f"{micro_batch_size * world_size * grad_accum} rows; a different {left} each epoch)")
+
+
 def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> int:
     """steps_per_epoch for train.num_epochs, which needs at least one whole step per epoch (DataError otherwise)."""
     steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum)

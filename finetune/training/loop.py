@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from finetune import distributed, held_signals, outputs
-from finetune.data import BatchStream, Example, batch_stream, checked_steps_per_epoch, rows_fingerprint, steps_per_epoch
+from finetune.data import (
+    BatchStream,
+    Example,
+    batch_stream,
+    checked_steps_per_epoch,
+    rows_fingerprint,
+    rows_left_note,
+    steps_per_epoch,
+)
 from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
@@ -116,7 +124,8 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
         told = (f"train.max_steps {t.max_steps} = {t.max_steps / per_epoch:.2f} epochs of {per_epoch} steps ({launch})"
                 if per_epoch else f"train.max_steps {t.max_steps}; fewer rows than one step takes ({launch}): each "
                 "step takes rows of more than one epoch")
-    distributed.print0(f"[finetune] length: {told}")
+    left = rows_left_note(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum)
+    distributed.print0(f"[finetune] length: {told}{left}")
     for note in recipe.notes[known:]:  # a warmup longer than the resolved run
         distributed.print0(f"[finetune] note: {note}")
 

@@ -1,0 +1,28 @@
+"""The rows an epoch leaves out past its last whole step are said where the run's length is (bb23)."""
+from __future__ import annotations
+
+from finetune.cli.preview import length_lines
+from finetune.recipe import Recipe
+from finetune.training.loop import resolve_max_steps
+
+
+def _recipe(tmp_path, **train) -> Recipe:
+    return Recipe.model_validate({"model": {"name_or_path": "tiny"}, "train": {"micro_batch_size": 3, **train},
+                                  "data": {"datasets": [{"path": str(tmp_path / "a.jsonl"), "format": "alpaca"}]}})
+
+
+def test_the_rows_past_an_epochs_last_whole_step_are_counted_at_the_start(tmp_path, capsys):
+    """Found by a bug bash (bb23): 16 rows in steps of 6 (micro_batch_size 3 x grad_accum 2) trained 2 steps an epoch
+    and never rows 1, 4, 11 and 13 (39% of the tokens), while validate said "0 dropped", the length line "16 rows //
+    (...)" and the metrics `epoch: 1.0`; only docs/data.md said it. The length line, `finetune data` and validate now
+    count them; a whole number of steps adds nothing."""
+    resolve_max_steps(_recipe(tmp_path, grad_accum=2, num_epochs=1), 16, 1)
+    out = capsys.readouterr().out
+    assert "train.max_steps 2 = ceil(train.num_epochs 1 x 2 steps per epoch" in out
+    assert "; 4 of the 16 rows left out of each epoch (past its last whole step of 6 rows; a different 4 each epoch)" in out
+    resolve_max_steps(_recipe(tmp_path, grad_accum=2, max_steps=5), 16, 2)  # steps of 12 rows
+    assert "4 of the 16 rows left out" in capsys.readouterr().out
+    resolve_max_steps(_recipe(tmp_path, grad_accum=2, num_epochs=1), 12, 1)
+    assert "left out" not in capsys.readouterr().out
+    [steps, _] = length_lines(16, _recipe(tmp_path, grad_accum=2, num_epochs=1).train, processes=1, launch="as given")
+    assert steps.startswith("steps per epoch: 2 at 1 process") and steps.endswith("a different 4 each epoch)")
