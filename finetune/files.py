@@ -1,7 +1,8 @@
 """Crash-safe writes shared by the run folder, checkpoints, the adapter and exports; rank-0 decisions.
 
 Temporary folder + fsync + rename, so a reader sees a whole folder or none; on_main runs a decision on rank 0 and
-gives every rank its answer (or its error).
+gives every rank its answer (or its error). Nothing is written through a symbolic link that a folder holds where a file
+or folder is replaced: the link itself is replaced or removed, never what it points at (bb26).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -132,8 +135,12 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps what it held. A symbolic link at `path` is replaced by the file, never written
+    through (a run folder's recipe.yaml linked to the user's own recipe was overwritten); the temporary file is made
+    anew (`x`: a link planted at its name is not followed either)."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
+    remove_path(tmp)
+    with open(tmp, "x") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -142,16 +149,63 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def _replace_dir(source: Path, target: Path) -> None:
-    """Move `source` to `target` in one rename; an existing `target` is moved aside first and removed after."""
-    if target.exists():
+    """Move `source` to `target` in one rename; an existing `target` is moved aside first and removed after. A symbolic
+    link at `target` (a run's adapter/ linked to where a server reads it) is replaced by the folder, and said: the
+    link's folder keeps what it held. Before, rmtree refused the link without a word, which stayed in the run folder as
+    `.adapter.old-<pid>` (bb26). The files written follow the umask (`follow_umask`)."""
+    follow_umask(source)
+    if os.path.lexists(target):
         old = target.parent / f".{target.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
+        linked = os.readlink(target) if target.is_symlink() else None
         os.replace(target, old)
         os.replace(source, target)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
+        if linked is not None:
+            print(f"[finetune] note: {target} was a symbolic link to {linked}; it is now a folder of its own with the "
+                  f"new files, and {linked} keeps what it held (nothing is written through a link)", flush=True)
     else:
         os.replace(source, target)
     _fsync_dir(target.parent)
+
+
+def remove_path(path: Path) -> str | None:
+    """Remove `path`: a symbolic link itself (never what it points at), a folder with all it holds, a file. None when
+    it is gone (or was never there), else why not. shutil.rmtree refuses a link, and with ignore_errors did so without a
+    word: a linked `.step-N.tmp` was written into, and a linked step-N was never pruned (bb26)."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
+    return None
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc; elsewhere set and restored at once)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Give every file under `folder` the read and write bits an open() of this process gives (0666 less the umask),
+    keeping any other bit. safetensors' save_file creates its file 0600 whatever the umask, so a run's
+    adapter_model.safetensors and a merged export's weights were the only files of their folder a group could not read
+    (bb26); under umask 077 everything stays 0600."""
+    allowed = 0o666 & ~current_umask()
+    for path in [folder, *folder.rglob("*")] if folder.is_dir() else [folder]:
+        with contextlib.suppress(OSError):
+            mode = path.lstat().st_mode
+            if stat.S_ISREG(mode) and stat.S_IMODE(mode) | allowed != stat.S_IMODE(mode):
+                os.chmod(path, stat.S_IMODE(mode) | allowed)
 
 
 @contextlib.contextmanager
@@ -160,16 +214,16 @@ def atomic_dir(target: Path, *, replace: bool = True) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_path(tmp)
     tmp.mkdir()
     try:
         yield tmp
         _fsync_tree(tmp)
-        if target.exists() and not replace:
+        if os.path.lexists(target) and not replace:
             raise CheckpointError(f"{target} already exists; choose another folder or remove it first.")
         _replace_dir(tmp, target)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
 
 
 def _sha256(path: Path) -> str:
@@ -261,3 +315,22 @@ def _sampled_ranges(handle, size: int) -> list[tuple[int, int]]:
             begin, end = (data + offset for offset in entry["data_offsets"])
             ranges |= {(begin, min(end, begin + _SAMPLE_BYTES)), (max(begin, end - _SAMPLE_BYTES), end)}
     return sorted(ranges)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def refused_pickle(exc: BaseException) -> str:
+    """What a refused `torch.load(weights_only=True)` met, in a few words for a one-paragraph error: `it asks for the
+    global eval (Python code, not tensors)` from torch's WeightsUnpickler line; another error's first sentence. torch's
+    whole text is a page of advice with terminal escapes (to load it anyway), which was cut mid-word into the
+    paragraph (bb26)."""
+    text = _ANSI.sub("", str(exc))
+    if found := re.search(r"Unsupported global: GLOBAL (\S+) was not an allowed global", text):
+        return f"it asks for the global {found.group(1)} (Python code, not tensors)"
+    line = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    first = (line.group(1) if line else next((part.strip() for part in text.splitlines() if part.strip()), ""))
+    sentence = re.split(r"(?<=\.)\s", first, maxsplit=1)[0]
+    if len(sentence) > 200:
+        sentence = sentence[:200].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {sentence}" if sentence else type(exc).__name__

@@ -5,9 +5,9 @@
                       resume_source; the checkpoint of `--step N`; the best eval of a run
     resume_checks.py  check_resume: whether a checkpoint can continue this run (recipe key by key, strategy, step,
                       rows), before any weight loads; refused or noted
-    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state),
+    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`),
                       read_trainable_tensors (a checkpoint's LoRA tensors whole, in one process)
-    checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter
     run_adapter.py    save_run_adapter: a run's adapter/ (a MoE run: the form PEFT loads, and adapter-as-trained/)
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing

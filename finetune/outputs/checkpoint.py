@@ -20,7 +20,8 @@ Only trainable state is saved, never the base weights. Every checkpoint is writt
 flushed, renamed into place, and only then given its manifest: a folder without a valid manifest (killed mid-save,
 truncated, tampered) is detected, reported, and skipped in favour of the newest good one.
 
-This module saves and loads the training checkpoints; finding them and choosing the one a resume takes is
+This module saves and loads the training checkpoints (a checkpoint's LoRA tensors alone, for `--step`:
+finetune/outputs/checkpoint_adapter.py read_trainable_tensors); finding them and choosing the one a resume takes is
 finetune/outputs/step_folders.py, the output-folder guard finetune/outputs/run_folder.py, the adapter files
 finetune/outputs/adapter_files.py, crash-safe writes finetune/files.py.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -45,7 +47,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune import distributed
 from finetune.errors import CheckpointError
-from finetune.files import _fsync_tree, _replace_dir, _sha256, _write_text_atomic, free_mb, no_room, on_main
+from finetune.files import (
+    _fsync_tree,
+    _replace_dir,
+    _sha256,
+    _write_text_atomic,
+    free_mb,
+    no_room,
+    on_main,
+    refused_pickle,
+    remove_path,
+)
 from finetune.outputs.run_folder import finetune_version
 from finetune.outputs.step_folders import (
     CHECKPOINTS,
@@ -53,8 +65,10 @@ from finetune.outputs.step_folders import (
     STEP_PREFIX,
     TRAINER_STATE,
     best_step,
+    dcp_reader,
     list_checkpoints,
     newest_kept,
+    untrusted_checkpoint,
 )
 from finetune.parallel import zero_checkpoint
 from finetune.parallel.engines import engine_of
@@ -98,26 +112,40 @@ def _quiet_torch_distributed() -> Iterator[None]:
 
 
 def _dcp(operation: Callable, state: dict, path: Path) -> None:
-    """dcp.save / dcp.load on `path`, in this process alone when there is no process group."""
+    """dcp.save / dcp.load on `path`, in this process alone when there is no process group. A load runs no code of
+    the checkpoint's: its metadata through `dcp_reader`, its saved values through `_load_planner`."""
     import torch.distributed.checkpoint as dcp
 
-    options = {"planner": _load_planner()} if operation is dcp.load else {}
+    options = {"planner": _load_planner(path), "storage_reader": dcp_reader(path)} if operation is dcp.load else {}
     with _quiet_torch_distributed():
         operation(state, checkpoint_id=path, no_dist=_single(), **options)
 
 
-def _load_planner():
+def _load_planner(path: Path):
     """DCP's default load planner without its fallback to checkpoints of torch < 2.4: where the checkpoint has keys
     this rank's state does not, that fallback flattens the state again the pre-2.4 way (`optim.param_groups` one key),
     which no checkpoint written here has ("Missing key in checkpoint state_dict: optim.param_groups"). Under FSDP1 a
     rank holds no shard of a tensor with fewer rows than ranks (a reward model's score head [1, hidden], lora.r below
     the process count), so its state lacks that key: every such run died at its first checkpoint's read-back. Every
-    checkpoint here is written by torch >= 2.4 (the declared floor), so the fallback is never the right reading."""
+    checkpoint here is written by torch >= 2.4 (the declared floor), so the fallback is never the right reading.
+    Its saved values that are not tensors (the optimizer's param_groups: numbers, names, flags) DCP reads with
+    torch.load(weights_only=False), which runs a crafted checkpoint's code (bb26): read as plain data here first."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 
     class LoadPlanner(DefaultLoadPlanner):
         def create_local_plan(self):
             return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                plain = torch.load(value, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 (pickle's and torch's own errors: all mean "not plain data")
+                what = f"trainable/ (the saved {read_item.dest_index.fqn})"
+                raise CheckpointError(untrusted_checkpoint(path.parent, what, refused_pickle(exc))) from None
+            checked = io.BytesIO()
+            torch.save(plain, checked)  # plain data only: DCP's own reading of it runs nothing
+            checked.seek(0)
+            super().load_bytes(read_item, checked)
 
     return LoadPlanner()
 
@@ -198,7 +226,8 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
     started = time.perf_counter()
 
     def make_tmp() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if reason := remove_path(tmp):  # a link there: removed, never written through (bb26)
+            raise OSError(f"{tmp} cannot be removed ({reason})")
         (tmp / "rng").mkdir(parents=True)
 
     on_main(_as_checkpoint_error(make_tmp, f"cannot create {tmp}"))
@@ -316,18 +345,18 @@ def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int,
     `eval_losses` ((step, eval loss) of the run so far; train.keep_best): the kept checkpoint whose step has the lowest
     eval loss is never removed, so the run keeps at most keep_last + 1 checkpoints."""
     root = Path(out_dir) / CHECKPOINTS
-    for leftover in root.glob(f".{STEP_PREFIX}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    doomed = list(root.glob(f".{STEP_PREFIX}*"))
     checkpoints = list_checkpoints(out_dir)
     for step, path in checkpoints:
         if step > newest:
             distributed.print0(f"[finetune] removing {path}: it is after the step this run resumed from")
-            shutil.rmtree(path, ignore_errors=True)
+            doomed.append(path)
     kept = [(step, path) for step, path in checkpoints if step <= newest]
     best = best_step(eval_losses or [], {step for step, _ in kept})
-    for step, path in kept[:-keep_last]:
-        if step != best:
-            shutil.rmtree(path, ignore_errors=True)
+    doomed += [path for step, path in kept[:-keep_last] if step != best]
+    for path in doomed:  # a symbolic link: the link goes, what it points at stays (bb26: it was kept, silently)
+        if reason := remove_path(path):
+            distributed.print0(f"[finetune] warning: could not remove {path} ({reason}); remove it by hand")
 
 
 def verify_readback(path: Path, saved: dict) -> None:
@@ -385,6 +414,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     try:
         _dcp(dcp.load, state, path / "trainable")
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP wraps per-rank failures
+        _raise_refusal(exc)
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"train.resume: checkpoint {path} does not fit this model ({reason}).") from None
     _set_trainable_state(model, optimizer, state)
@@ -392,42 +422,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return trainer_state
 
 
-def read_trainable_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The whole LoRA tensors of checkpoint `path`, keyed by the model's parameter names, read in this process alone.
-
-    DCP stores every tensor with its global shape, whichever ranks wrote shards of it (FSDP2's DTensors, FSDP1's
-    ShardedTensors) or the whole of it (single process, DDP, layer split), and a load into full-size plain tensors
-    reshards to one process: no process group, no model, no optimizer state read. DeepSpeed's own format is refused.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    folder = path / "trainable"
-    if not folder.is_dir():
-        strategy = _strategy_of(path)
-        raise CheckpointError(f"checkpoint {path} holds no trainable/ folder{f' (written by {strategy})' if strategy else ''}: "
-                              "an adapter is read from the DCP checkpoints of single-process, DDP, FSDP and layer-split "
-                              "runs; DeepSpeed writes its own format. Fix: export the finished run's adapter/, or resume "
-                              "the run with train.max_steps set to this step to get its adapter.")
-    with _quiet_torch_distributed():
-        metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    model = {key.removeprefix("model."): torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
-             for key, entry in metadata.items()
-             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-    if not model:
-        raise CheckpointError(f"checkpoint {path}: trainable/ holds no model tensors; the checkpoint is damaged.")
-    state = {"model": model}
-    with _quiet_torch_distributed():  # no_dist: this process reads every tensor whole, process group or not
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
-    return state["model"]
-
-
-def _strategy_of(path: Path) -> str | None:
-    try:
-        return json.loads((path / TRAINER_STATE).read_text()).get("strategy")
-    except (OSError, ValueError):
-        return None
+def _raise_refusal(exc: BaseException) -> None:
+    """The refusal of a checkpoint file that holds code (`dcp_reader`, `_load_planner`), which DCP wrapped into its
+    CheckpointException of every rank's failure: raised as it is."""
+    for failure in getattr(exc, "failures", {}).values():
+        if isinstance(failure, tuple) and isinstance(failure[0], CheckpointError):
+            raise failure[0] from None
 
 
 def _set_trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -2,22 +2,24 @@
 be had the run ended at that step, so `finetune export RUN OUT --step N` and `finetune generate RUN --step N` work on
 any kept step without resuming.
 
-The LoRA tensors are read whole from the checkpoint's DCP files (every rank's shard under FSDP; checkpoint.py
-read_trainable_tensors), named on disk as training names them (PEFT's own mapping, computed on the base built on the
-meta device from the checkpoint's recipe: adapter_files.adapter_key_map), and written by the same `save_adapter` that
-writes adapter/ at the end of a run (read back and compared). The export that follows checks the result against the
-base as it checks a finished run's adapter.
+The LoRA tensors are read whole from the checkpoint's DCP files (every rank's shard under FSDP; read_trainable_tensors,
+which runs no code from the files: step_folders.dcp_reader), named on disk as training names them (PEFT's own mapping,
+computed on the base built on the meta device from the checkpoint's recipe: adapter_files.adapter_key_map), and
+written by the same `save_adapter` that writes adapter/ at the end of a run (read back and compared). The export that
+follows checks the result against the base as it checks a finished run's adapter.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from finetune.errors import CheckpointError
 from finetune.outputs.adapter_files import adapter_key_map, save_adapter
-from finetune.outputs.checkpoint import read_trainable_tensors
+from finetune.outputs.checkpoint import _quiet_torch_distributed
+from finetune.outputs.step_folders import TRAINER_STATE, dcp_reader
 from finetune.recipe import Recipe
 
 
@@ -36,6 +38,44 @@ def checkpoint_recipe(checkpoint: Path) -> Recipe:
                               "command again.") from None
 
 
+def read_trainable_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The whole LoRA tensors of checkpoint `path`, keyed by the model's parameter names, read in this process alone.
+
+    DCP stores every tensor with its global shape, whichever ranks wrote shards of it (FSDP2's DTensors, FSDP1's
+    ShardedTensors) or the whole of it (single process, DDP, layer split), and a load into full-size plain tensors
+    reshards to one process: no process group, no model, no optimizer state read. DeepSpeed's own format is refused.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = path / "trainable"
+    if not folder.is_dir():
+        strategy = _strategy_of(path)
+        raise CheckpointError(f"checkpoint {path} holds no trainable/ folder{f' (written by {strategy})' if strategy else ''}: "
+                              "an adapter is read from the DCP checkpoints of single-process, DDP, FSDP and layer-split "
+                              "runs; DeepSpeed writes its own format. Fix: export the finished run's adapter/, or resume "
+                              "the run with train.max_steps set to this step to get its adapter.")
+    reader = dcp_reader(folder)  # no code of the checkpoint runs (CheckpointError where its metadata holds some)
+    with _quiet_torch_distributed():
+        metadata = reader.read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
+             for key, entry in metadata.items()
+             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"checkpoint {path}: trainable/ holds no model tensors; the checkpoint is damaged.")
+    state = {"model": model}
+    with _quiet_torch_distributed():  # no_dist: this process reads every tensor whole, process group or not
+        dcp.load(state, checkpoint_id=folder, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+def _strategy_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / TRAINER_STATE).read_text()).get("strategy")
+    except (OSError, ValueError):
+        return None
+
+
 def meta_peft_model(recipe: Recipe):
     """The PeftModel of the recipe on the meta device (no weights): the parameter names and the PEFT config training had."""
     from finetune.model import load_config, with_score_head
@@ -43,7 +83,15 @@ def meta_peft_model(recipe: Recipe):
     from finetune.model.lora.attach import lora_config
     from finetune.outputs.export_experts import split_meta_model
 
-    model = split_meta_model(load_config(recipe))  # MoE experts split as training split them
+    config = load_config(recipe)
+    try:
+        model = split_meta_model(config)  # MoE experts split as training split them
+    except ValueError as exc:  # transformers' AutoModelForCausalLM knows no model of this config class (a traceback)
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"model.name_or_path `{recipe.model.name_or_path}` of the checkpoint's recipe.yaml: "
+                              f"transformers builds no causal language model from its config ({reason}), so the LoRA "
+                              "layout cannot be known. Nothing was written. Fix: set model.name_or_path in that "
+                              "recipe.yaml to the base the run trained on.") from None
     with torch.device("meta"):
         peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
     return with_score_head(peft_model, recipe, torch.device("meta"))  # a reward model's head

@@ -301,7 +301,14 @@ def _checked_tensors(source: Source, config, base: str | None, tokenizer=None) -
 
     tensors = clean_adapter_tensors(source.adapter_dir)
     check_base_matches(source, config, base, tokenizer)
-    if not export_experts.is_moe(config):
+    try:
+        moe = export_experts.is_moe(config)  # builds the base on the meta device
+    except ValueError as exc:  # transformers' AutoModelForCausalLM knows no model of this config class: a traceback
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"base {base or source.base_name}: transformers builds no causal language model from its "
+                          f"config ({reason}). Nothing was written. Fix: pass --base with the base the run trained on "
+                          "(a folder or hub id that AutoModelForCausalLM loads).") from None
+    if not moe:
         return tensors, (tensors, {}), check_adapter_fits(tensors, config, source, base), ""
     tensors = export_experts.in_model_names(tensors, config)
     fits = check_adapter_fits(tensors, config, source, base)

@@ -24,7 +24,7 @@ import torch
 
 from finetune import distributed
 from finetune.errors import CheckpointError
-from finetune.files import _write_text_atomic, on_main
+from finetune.files import _write_text_atomic, on_main, remove_path
 from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
 from finetune.recipe.checks import output_in_data_problem
@@ -64,7 +64,13 @@ def saved_recipe(path: Path):
         print(f"[finetune] note: {path} was written by an older finetune; read without {'; '.join(dropped)}",
               flush=True)
     absolute_local_paths(raw)  # as load_recipe does: its local paths named from here
-    return validate_recipe(raw, source=str(path), trains=False)
+    recipe = validate_recipe(raw, source=str(path), trains=False)
+    if recipe.model.trust_remote_code:  # export and generate inherit it: said before any of that code runs (bb26)
+        print(f"[finetune] note: {path} sets model.trust_remote_code: true, so loading its base "
+              f"{recipe.model.name_or_path} runs the Python files of that model folder or hub repo here, as the run "
+              "did (use a run folder from elsewhere only as you would run its code; set model.trust_remote_code: "
+              f"false in {path} to load the base without them)", flush=True)
+    return recipe
 
 
 # ------------------------------------------------------------------------------------------- output folder
@@ -119,7 +125,7 @@ def _lock_owner(out_dir: Path) -> dict | None:
     if out_dir in _HELD or not lock.exists():
         return None
     try:
-        fd = os.open(lock, os.O_RDWR)  # NFS maps flock to a write lock: it needs a writable descriptor
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)  # NFS maps flock to a write lock: a writable descriptor
     except OSError:
         return None
     try:
@@ -138,6 +144,8 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         return f"output.dir {out_dir} is a file, not a folder. Fix: choose another output.dir."
+    if (out_dir / LOCK_FILE).is_symlink():
+        return _linked_lock(out_dir)
     owner = _lock_owner(out_dir)
     if owner:
         return (
@@ -166,6 +174,15 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
                     "choose another output.dir.")
     in_place = resume is not None and not elsewhere and bool(list_checkpoints(out_dir))  # nothing of it is cleared
     return _not_a_run_folder(out_dir, clearing=not in_place)
+
+
+def _linked_lock(out_dir: Path) -> str:
+    """A symbolic link where the run's lock file goes (a run folder from a tarball): refused, not followed. The run
+    writes its pid into its lock: through the link it overwrote the file linked to (bb26)."""
+    lock = out_dir / LOCK_FILE
+    return (f"output.dir {out_dir}: {LOCK_FILE} is a symbolic link (to {os.readlink(lock)}), where a run keeps its lock "
+            "file, which it writes its pid into; finetune writes no file through a link, so nothing was changed. No run "
+            f"makes such a link. Fix: remove it (`rm {lock}`), then run the same command again.")
 
 
 def _not_a_run_folder(out_dir: Path, *, clearing: bool) -> str | None:
@@ -220,7 +237,7 @@ def take_output_dir(out_dir: Path) -> bool:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)  # never through a link (bb26)
             taken = _try_lock(fd)
             if taken is False:
                 os.close(fd)
@@ -235,6 +252,8 @@ def take_output_dir(out_dir: Path) -> bool:
                     break
             os.close(fd)
     except OSError as exc:
+        if lock.is_symlink():  # made after output_dir_problem looked (O_NOFOLLOW: ELOOP)
+            raise CheckpointError(_linked_lock(out_dir)) from None
         raise CheckpointError(f"output.dir {out_dir}: cannot write there ({exc.strerror}). Fix: choose a writable folder.") from None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
@@ -308,17 +327,38 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
         for name in RUN_FOLDERS:
             if (out_dir / name).is_symlink():  # a link to scratch space: kept; the replaced run's checkpoints go
                 for step in list_checkpoints(out_dir) if name == CHECKPOINTS else ():
-                    shutil.rmtree(step[1], ignore_errors=True)
+                    remove_path(step[1])  # a linked step: the link alone
                 continue
             shutil.rmtree(out_dir / name, ignore_errors=True)
         for name in RUN_FILES:
             with contextlib.suppress(FileNotFoundError):
                 (out_dir / name).unlink()
+        _unlink_links(out_dir, ("recipe.yaml",))
     else:  # the records of steps after the checkpoint go: those steps run again
+        _unlink_links(out_dir, (*RUN_FILES, "recipe.yaml"))
         resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
         for log in [out_dir / "metrics.jsonl", *sorted((out_dir / "completions").glob("rank*.jsonl"))]:
             _trim_metrics(log, resumed_step)
-    (out_dir / "recipe.yaml").write_text(recipe_yaml)
+    _write_text_atomic(out_dir / "recipe.yaml", recipe_yaml)  # a link there is replaced, not written through (bb26)
+
+
+def _unlink_links(out_dir: Path, names: tuple[str, ...]) -> None:
+    """Each of the run's files `names` that is a symbolic link becomes a file of its own, with a copy of what the link
+    led to when that is a file and the run reads it on (metrics.jsonl, trackers.json of a run resumed in place), and
+    says so. The run writes recipe.yaml, appends to metrics.jsonl and saves plot.png: through a link they overwrote a
+    file outside the folder (bb26)."""
+    for name in names:
+        path = out_dir / name
+        if not path.is_symlink():
+            continue
+        target = os.readlink(path)
+        kept = path.read_bytes() if name not in ("plot.png", "recipe.yaml") and path.is_file() else None  # anew
+        path.unlink()
+        if kept is not None:
+            path.write_bytes(kept)
+        print(f"[finetune] note: {path} was a symbolic link to {target}; it is now a file of this run's own "
+              f"({'a copy of what the link led to' if kept is not None else 'written anew'}; {target} is left as it "
+              "is)", flush=True)
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -365,4 +405,4 @@ def write_rank_stats(out_dir: Path, stats: dict, trainable_state: dict) -> None:
                  lora_checksum=float(sum(t.double().sum() for t in trainable_state.values())))
     stats.update(gpu_memory_peaks())
     (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
-    (out_dir / "ranks" / f"rank{stats['rank']}.json").write_text(json.dumps(stats))
+    _write_text_atomic(out_dir / "ranks" / f"rank{stats['rank']}.json", json.dumps(stats))

@@ -2,13 +2,16 @@
 the one an export of `--step N` takes, and each one's eval loss (`finetune checkpoints`, train.keep_best).
 
 Below both the training checkpoints (finetune/outputs/checkpoint.py, which write these folders) and the output-folder
-guard (finetune/outputs/run_folder.py, which refuses to start over a run that did not finish).
+guard (finetune/outputs/run_folder.py, which refuses to start over a run that did not finish). Also here: a
+checkpoint's DCP metadata read without running code (`dcp_reader`), for every DCP read finetune makes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import pickle
 from pathlib import Path
 
 from finetune import distributed
@@ -235,3 +238,79 @@ def _explicit_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"train.resume: {path} is not a checkpoint (no {MANIFEST}) nor a run folder "
                           f"(no {CHECKPOINTS}/). Fix: give …/{CHECKPOINTS}/{STEP_PREFIX}N, a run folder, or `auto`.")
 
+
+
+# ------------------------------------------------------------------------------------ reading DCP metadata
+# torch's FileSystemReader unpickles trainable/.metadata with plain pickle.load: a checkpoint changed by someone else
+# (and its manifest's checksums recomputed) ran its code on `export --step`, `generate --step` and every resume (bb26).
+# What DCP writes there, checked on 800 checkpoints of this suite (single, DDP, FSDP1/2, layer split): these classes of
+# torch.distributed.checkpoint, torch.Size, dtypes and layouts (by name), the checkpoint's path. Nothing else is let in.
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # torch.strided and the like, looked up by their name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # Python 3.13
+    "builtins": {"set", "frozenset"},
+    "collections": {"OrderedDict"},
+}
+UNTRUSTED = "holds code"  # in every refusal: a DCP error that wraps one is recognised by it
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch
+
+        plain = module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        if plain or name in _DCP_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks for the global {module}.{name}")
+
+
+def untrusted_checkpoint(path: Path, file: str, why: str) -> str:
+    """The paragraph for a checkpoint file that would run code when read."""
+    return (f"checkpoint {path}: {file} {UNTRUSTED} ({why}), where a checkpoint holds only tensors and facts about "
+            "them. finetune never writes that: the file was made or changed elsewhere (its manifest's checksums say "
+            "nothing of who computed them). finetune reads a checkpoint without running anything in it, so nothing was "
+            "loaded from it. Fix: use a checkpoint of a run you made (one from elsewhere is as safe as running its "
+            "code), or the run's finished adapter/ (safetensors: tensors only).")
+
+
+def read_dcp_metadata(folder: Path, name: str = ".metadata"):
+    """DCP's metadata of `folder` (a checkpoint's trainable/), unpickled through `_MetadataUnpickler`: CheckpointError
+    when it asks for anything else."""
+    with open(folder / name, "rb") as handle:
+        try:
+            return _MetadataUnpickler(handle).load()
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(untrusted_checkpoint(folder.parent, f"{folder.name}/{name}", str(exc))) from None
+
+
+@functools.cache
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        """FileSystemReader whose metadata (global, or a rank's own) is read by `read_dcp_metadata`."""
+
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            metadata = read_dcp_metadata(Path(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return CheckedReader
+
+
+def dcp_reader(folder: Path):
+    """A DCP storage reader of `folder` that runs no code from its metadata; the metadata is read once here first, so
+    that a refusal is its own paragraph (inside dcp.load DCP wraps every error into its CheckpointException)."""
+    if (folder / ".metadata").is_file():
+        read_dcp_metadata(folder)
+    return _reader_class()(str(folder))

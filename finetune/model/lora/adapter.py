@@ -225,7 +225,9 @@ def _saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # noqa: BLE001 (pickle's, zipfile's and torch's own errors: all say the same to the user)
         tensors = exc
     if not isinstance(tensors, dict) or not all(isinstance(value, torch.Tensor) for value in tensors.values()):
-        why = f"{type(tensors).__name__}: {str(tensors)[:200]}" if isinstance(tensors, Exception) else "not a dict of tensors"
+        from finetune.files import refused_pickle  # the global torch refused, not its page of advice (bb26)
+
+        why = refused_pickle(tensors) if isinstance(tensors, Exception) else "not a dict of tensors"
         raise ModelLoadError(
             f"model.adapter ({folder}): {WEIGHTS[1]} cannot be read as plain tensors ({why}); finetune reads a .bin "
             f"adapter only that way. Fix: re-save the adapter with PEFT as safetensors (PeftModel.from_pretrained(base, "
