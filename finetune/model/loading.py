@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from finetune import held_signals
+from finetune.distributed import print0
 from finetune.errors import ModelLoadError
 from finetune.model.experts.split import fused_expert_views
 from finetune.model.lora.attach import adapter_start, check_target_modules, lora_config
@@ -41,6 +42,7 @@ from finetune.model.materialize import (  # noqa: F401
     materializer,
     place_buffers,
     tied_groups,
+    untie_stored_apart,
 )
 from finetune.model.quantization import cache as quantized_cache
 from finetune.model.quantization import prequantized
@@ -67,8 +69,9 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
     from finetune.model import base as model_stage
     from finetune.model.experts.lora import get_peft_model
 
+    # A 4-bit checkpoint's llm_int8_skip_modules stay unquantized, as transformers reloads such a checkpoint.
     base = meta_base_model(config, dtype=model_stage.torch_dtype(recipe.model.dtype),
-                           bnb_config=model_stage.quantization_config(recipe),
+                           bnb_config=prequantized.skeleton_quantization(recipe, config),
                            attn_implementation=recipe.model.attn_implementation,
                            trust_remote_code=recipe.model.trust_remote_code)
     with held_signals.checks_every_rank_makes():  # a misspelled target: refused before any weight is read
@@ -126,13 +129,31 @@ def check_checkpoint(model: nn.Module, index: CheckpointIndex, packed: PackedLay
         elif index.shapes[key] != tuple(tensor.shape):
             problems.append(f"{key} in {index.files[key].name}: shape {list(index.shapes[key])}, the config needs "
                             f"{list(tensor.shape)}")
+        elif index.dtypes.get(key, "").startswith("float8"):  # quantized values; their scales are other tensors
+            problems.append(f"{key} in {index.files[key].name}: stored as {index.dtypes[key]}, quantized values that "
+                            "are other numbers than the weight without their scales")
     if problems:
         shown = "\n".join(f"  - {p}" for p in problems[:8])
         if len(problems) > 8:
             shown += f"\n  - ... and {len(problems) - 8} more"
-        fix = (quantized_cache.mismatch_fix(index.folder)  # an entry another writer left under this key
-               or "Fix: use the config.json that came with these weights (or re-download the model).")
-        raise ModelLoadError(f"the checkpoint in {index.folder} does not match the model's config.json:\n{shown}\n{fix}")
+        raise ModelLoadError(f"the checkpoint in {index.folder} does not match the model's config.json:\n{shown}\n"
+                             f"{_mismatch_fix(index)}")
+
+
+# Tensors that only quantized checkpoints hold (GPTQ / AWQ codes and scales, fp8 and compressed-tensors scales).
+QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale", ".weight_scale_inv",
+                      ".weight_zero_point", ".weight_shape")
+
+
+def _mismatch_fix(index: CheckpointIndex) -> str:
+    quantized = sorted(name for name in index.shapes if name.endswith(QUANTIZED_SUFFIXES))
+    if quantized:
+        return (f"Fix: these weights are stored quantized ({quantized[0]} and {len(quantized) - 1} more such tensors), "
+                "in a format finetune does not read (config.json names no quantization it reads). Point "
+                "model.name_or_path at the model's 16-bit (bf16) checkpoint, which finetune quantizes to 4 bits "
+                "itself, or dequantize these weights to bf16 with the tool that made them.")
+    return (quantized_cache.mismatch_fix(index.folder)  # an entry another writer left under this key
+            or "Fix: use the config.json that came with these weights (or re-download the model).")
 
 
 def _meta_tensors(model: nn.Module):
@@ -171,6 +192,8 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
     from finetune.model import base as model_stage
 
     config = model_stage.load_config(recipe)
+    # fp8, GPTQ, AWQ, compressed-tensors, bitsandbytes 8-bit: refused before a file is fetched or a weight read.
+    prequantized.refuse_unread_quantization(config, f"model.name_or_path `{recipe.model.name_or_path}`")
     folder = checkpoint_folder(recipe) if sharded else _per_tensor_folder(recipe, device_map)
     if folder is not None and converted_at_load(config):
         folder = None  # a layout transformers splits, concatenates or transposes at load: its from_pretrained reads it
@@ -186,7 +209,10 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         checksum = lora_checksum(peft_model)
         return LoadedModel(peft_model, None, lambda: checksum)
     skeleton = build_skeleton(recipe, config, gradient_checkpointing=gradient_checkpointing)
-    folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
+    with held_signals.checks_every_rank_makes():
+        untied = _untie_stored_heads(recipe, skeleton, folder)
+    if not untied:  # the cache is written from the tied model (one tensor for both): read the base itself
+        folder = quantized_cache.cached_checkpoint(recipe, folder, device=device)  # model.quantized_cache: auto
     with held_signals.checks_every_rank_makes():  # headers only, alike on every rank (see run.py's other checks)
         index = checkpoint_index(folder)
         convert_index(index, skeleton)  # transformers' key renames
@@ -202,6 +228,22 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         _whole_model(skeleton, builder)
         return LoadedModel(skeleton, None, lambda: builder.lora_checksum, builder)
     return LoadedModel(skeleton, builder.tree, lambda: builder.lora_checksum, builder)
+
+
+def _untie_stored_heads(recipe: Recipe, skeleton: nn.Module, folder: Path) -> list[tuple[str, str]]:
+    """Tied weights that the checkpoint stores apart with other values, untied in the skeleton as from_pretrained
+    unties them (materialize.untie_stored_apart), with a note; headers only where the model ties nothing."""
+    if all(len(group) == 1 for group in tied_groups(skeleton).values()):
+        return []
+    index = checkpoint_index(folder)
+    convert_index(index, skeleton)  # transformers' key renames
+    untied = untie_stored_apart(skeleton, index)
+    for name, tied_to in untied:
+        print0(f"[finetune] note: config.json ties {name} to {tied_to} (tie_word_embeddings), but the checkpoint stores "
+               f"both with other values: {name} is loaded from its own tensor, untied, as transformers loads it (set "
+               "tie_word_embeddings: false in config.json to say so)"
+               + ("; the quantized cache is not used for this base" if recipe.model.quantized_cache == "auto" else ""))
+    return untied
 
 
 def _per_tensor_folder(recipe: Recipe, device_map: dict | None) -> Path | None:

@@ -40,6 +40,53 @@ def is_lora_name(name: str) -> bool:
     return ".lora_" in name
 
 
+def untie_stored_apart(model: nn.Module, index: CheckpointIndex) -> list[tuple[str, str]]:
+    """Untie, in the meta skeleton, each tied weight the checkpoint stores a second time with other values, as
+    transformers' `from_pretrained` does: config.json says tie_word_embeddings, the files hold a `lm_head.weight` of
+    their own, and transformers loads both and leaves them apart (with a warning). The tied skeleton would use the
+    embeddings as the head and never read the stored one: another model than the one export and generate load.
+    Both tensors are compared in the dtype the model holds them in (as transformers compares the loaded
+    parameters), a block of rows at a time; equal ones stay tied. Returns (untied name, the name it was tied to)
+    in checkpoint names."""
+    untied = []
+    reader = TensorReader(index)
+    try:
+        for group in tied_groups(model).values():
+            stored = [name for name in group if checkpoint_name(name) in index.shapes]
+            for name in stored[1:]:
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                param = module._parameters[attr]
+                if _same_values(reader, checkpoint_name(stored[0]), checkpoint_name(name), param.dtype):
+                    continue
+                module._parameters[attr] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                        requires_grad=param.requires_grad)
+                untied.append((checkpoint_name(name), checkpoint_name(stored[0])))
+    finally:
+        reader.close()
+    for module in model.modules():  # transformers' record of what is tied (read by save_pretrained), as it updates it
+        tied_keys = getattr(module, "all_tied_weights_keys", None)
+        if isinstance(tied_keys, dict):
+            for name, _ in untied:
+                tied_keys.pop(name, None)
+    return untied
+
+
+def _same_values(reader: TensorReader, first: str, second: str, dtype: torch.dtype) -> bool:
+    shape = reader.index.shapes[first]
+    if shape != reader.index.shapes[second]:
+        return False
+    if not shape:
+        return torch.equal(reader.get(first).to(dtype), reader.get(second).to(dtype))
+    rows, width = shape[0], torch.Size(shape[1:]).numel()
+    step = max(1, (16 << 20) // width)  # 16M values (~64 MiB in fp32) a block of each tensor
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(reader.get_rows(first, start, stop).to(dtype), reader.get_rows(second, start, stop).to(dtype)):
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------- materialising
 @dataclass
 class Materializer:

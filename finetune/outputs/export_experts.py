@@ -25,33 +25,55 @@ import torch
 from torch import nn
 
 
-def split_meta_model(config) -> nn.Module:
-    """The base on the meta device (no weights, any size), its experts split as training split them."""
+def split_meta_model(config, *, trust_remote_code: bool | None = None) -> nn.Module:
+    """The base on the meta device (no weights, any size), its experts split as training split them.
+
+    `trust_remote_code`: the run's model.trust_remote_code. None: what the config says of itself, True when its own
+    class is the model folder's code (it was loaded with the opt-in, `remote_code_config`), else False. Never asked
+    on stdin: transformers would prompt, then fail with a traceback, when its model code is the folder's own."""
     from finetune.model.classes import from_config
     from finetune.model.experts import split_experts
 
+    trusted = remote_code_config(config) if trust_remote_code is None else trust_remote_code
     with torch.device("meta"):
-        model = from_config(config)
+        try:
+            model = from_config(config, trust_remote_code=trusted)
+        except ValueError as exc:
+            if "custom code" not in str(exc):
+                raise
+            from finetune.errors import ModelLoadError
+
+            raise ModelLoadError(
+                f"the base model ({getattr(config, '_name_or_path', '') or config.model_type}) is built by its own code "
+                "(auto_map in config.json), which finetune runs only with the opt-in. Fix: set model.trust_remote_code: "
+                "true in the run's recipe.yaml (only if you trust that code).") from None
     split_experts(model, dtype=torch.float32, quantized=False)  # a no-op on a model without fused experts
     return model
 
 
-def is_moe(config) -> bool:
+def remote_code_config(config) -> bool:
+    """The config's class is the model folder's own code (transformers loaded it with trust_remote_code: true): the
+    model of that folder is built by its code too, with the same opt-in."""
+    return type(config).__module__.startswith("transformers_modules")
+
+
+def is_moe(config, *, trust_remote_code: bool | None = None) -> bool:
     from finetune.model.experts import has_routed_experts
 
-    return has_routed_experts(split_meta_model(config))
+    return has_routed_experts(split_meta_model(config, trust_remote_code=trust_remote_code))
 
 
-def in_model_names(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def in_model_names(tensors: dict[str, torch.Tensor], config, *, trust_remote_code: bool | None = None
+                   ) -> dict[str, torch.Tensor]:
     """Adapter tensors under the model's names (an adapter exported by finetune names them as the checkpoint does)."""
     from finetune.model.sources.conversions import model_names
 
-    names = model_names(split_meta_model(config), list(tensors))
+    names = model_names(split_meta_model(config, trust_remote_code=trust_remote_code), list(tensors))
     return {names[key]: value for key, value in tensors.items()}
 
 
-def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
-                 ) -> tuple[dict[str, torch.Tensor], dict]:
+def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict, *,
+                 trust_remote_code: bool | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(the written MoE adapter's tensors, adapter_config.json updates): per-expert tensors under the checkpoint's
     names where PEFT converts them onto transformers 5's fused experts itself, else PEFT's fused-expert form
     (export_fused.py), which it loads as written."""
@@ -60,12 +82,14 @@ def for_runtimes(tensors: dict[str, torch.Tensor], config, adapter_config: dict
 
     on_experts = any(".experts." in key for key in tensors)
     dropout = {"lora_dropout": 0.0} if on_experts else {}
-    fused = fused_adapter(tensors, split_meta_model(config), config, adapter_config) if on_experts else None
+    fused = (fused_adapter(tensors, split_meta_model(config, trust_remote_code=trust_remote_code), config,
+                           adapter_config) if on_experts else None)
     if fused is not None:
         return fused[0], {**fused[1], **dropout}
     # LoRA only: a trained router (lora.train_router, PEFT's modules_to_save) stays under the model's name, which PEFT
     # maps onto its copy without converting it (vLLM and llama.cpp refuse modules_to_save whatever its name).
-    names = checkpoint_names(split_meta_model(config), [key for key in tensors if ".lora_" in key])
+    names = checkpoint_names(split_meta_model(config, trust_remote_code=trust_remote_code),
+                             [key for key in tensors if ".lora_" in key])
     renamed = {names.get(key, key): value for key, value in tensors.items()}
     if len(renamed) != len(tensors):
         raise RuntimeError("two adapter tensors map onto one checkpoint name")

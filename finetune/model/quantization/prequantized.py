@@ -49,17 +49,94 @@ class PackedLayout:
         return [f"{key}.{part}" for part in parts] + [f"{key}.{PACKED_STATE}{self.quant_type}"]
 
 
+# The quantization_config methods finetune reads: bitsandbytes 4-bit (this module) and MXFP4 (gpt-oss's experts,
+# dequantized at load by their family's reader, finetune/model/experts/families/gpt_oss.py).
+READ_METHODS = ("bitsandbytes", "mxfp4")
+# What each stored format is, and the transformers setting that dequantizes it at load (with its requirement).
+_FORMATS = {
+    "fp8": ("8-bit floats, each block scaled by a `weight_scale_inv` tensor", "FineGrainedFP8Config(dequantize=True)",
+            ""),
+    "compressed-tensors": ("values cast or packed by llm-compressor, scaled by `weight_scale` tensors",
+                           "CompressedTensorsConfig(dequantize=True)", " (with `pip install compressed-tensors`)"),
+}
+
+
+def quantization_dict(config) -> dict | None:
+    """A config's `quantization_config` as a dict (config.json holds a dict; a config object may hold a class)."""
+    quantization = getattr(config, "quantization_config", None) if not isinstance(config, dict) else \
+        config.get("quantization_config")
+    if hasattr(quantization, "to_dict"):
+        quantization = quantization.to_dict()
+    return quantization if isinstance(quantization, dict) and quantization else None
+
+
+def unread_quantization(quantization: dict | None, where: str) -> str | None:
+    """Why finetune cannot train on weights stored with this `quantization_config` (one paragraph with the fix), or
+    None where it reads them (none, bitsandbytes 4-bit, gpt-oss's MXFP4). Read as plain weights, quantized values are
+    other numbers (an fp8 weight without its scale, GPTQ's packed int32 codes): nothing may load them as weights."""
+    if quantization is None:
+        return None
+    method = str(quantization.get("quant_method", "?")).lower()
+    base_fix = ("point model.name_or_path at the model's 16-bit (bf16) checkpoint: finetune quantizes it to 4 bits "
+                "itself, as the recipe's quantization section says")
+    if method == "bitsandbytes":
+        if quantization.get("load_in_8bit") or quantization.get("_load_in_8bit"):
+            return (f"{where} is an 8-bit bitsandbytes checkpoint (config.json quantization_config: load_in_8bit), and "
+                    "finetune trains on 16-bit or 4-bit bases only: its int8 weights cannot be read as 4-bit ones, and "
+                    f"no quantization setting of the recipe changes that. Fix: {base_fix}.")
+        if quantization.get("load_in_4bit", quantization.get("_load_in_4bit")):
+            return None
+        return (f"{where}: config.json's bitsandbytes quantization_config says neither load_in_4bit nor load_in_8bit, "
+                f"so how its weights are stored is unknown. Fix: {base_fix}.")
+    if method in READ_METHODS:
+        return None
+    stored, dequantize, needs = _FORMATS.get(method, ("packed low-bit codes with their scales", None, ""))
+    fmt = quantization.get("format")
+    how = (f"dequantize this one to bf16 once{needs}: `AutoModelForCausalLM.from_pretrained(FOLDER, quantization_config="
+           f"{dequantize}, dtype=torch.bfloat16).save_pretrained(NEW_FOLDER)`, copy the tokenizer files beside it and "
+           "train from NEW_FOLDER" if dequantize else "dequantize it to bf16 with the tool that made it")
+    return (f"{where}: config.json says its weights are stored quantized (quantization_config.quant_method: {method}"
+            f"{f', format: {fmt}' if fmt else ''}: {stored}), which finetune does not read: taken as plain weights "
+            "they would be other numbers than the model's, so nothing is loaded. finetune trains on 16-bit checkpoints "
+            f"and on bitsandbytes 4-bit ones. Fix: {base_fix}; or {how}.")
+
+
+def refuse_unread_quantization(config, where: str) -> None:
+    """ModelLoadError (unread_quantization's paragraph) for a config whose weights finetune cannot read."""
+    if problem := unread_quantization(quantization_dict(config), where):
+        raise ModelLoadError(problem)
+
+
 def stored_quantization(folder: Path) -> dict | None:
-    """config.json's bitsandbytes `quantization_config` of a checkpoint folder, or None for an unquantized one."""
+    """config.json's bitsandbytes 4-bit `quantization_config` of a checkpoint folder, or None for an unquantized one
+    (or gpt-oss's MXFP4, read by its experts' reader). Any other quantization (fp8, GPTQ, AWQ, compressed-tensors,
+    bitsandbytes 8-bit) is refused here with its fix (unread_quantization): every reader of a base folder asks this
+    first, and none may take such weights for 16-bit ones."""
     config_path = Path(folder) / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError):
         return None
-    quantization = config.get("quantization_config")
-    if not isinstance(quantization, dict) or quantization.get("quant_method") != "bitsandbytes":
+    if not isinstance(config, dict):
+        return None
+    quantization = quantization_dict(config)
+    refuse_unread_quantization(config, f"`{folder}`")
+    if quantization is None or quantization.get("quant_method") != "bitsandbytes":
         return None
     return quantization
+
+
+def skeleton_quantization(recipe: Recipe, config):
+    """The BitsAndBytesConfig the skeleton is built with: the recipe's, plus, for a bitsandbytes 4-bit checkpoint, its
+    `llm_int8_skip_modules` (modules it stores unquantized, as Unsloth's "dynamic" 4-bit repositories do), which
+    transformers' quantizer keeps as plain Linear layers when it reloads such a checkpoint."""
+    from finetune.model.settings import quantization_config
+
+    bnb_config = quantization_config(recipe)
+    stored = quantization_dict(config) or {}
+    if bnb_config is not None and stored.get("quant_method") == "bitsandbytes" and stored.get("llm_int8_skip_modules"):
+        bnb_config.llm_int8_skip_modules = list(stored["llm_int8_skip_modules"])
+    return bnb_config
 
 
 def is_prequantized(folder: Path) -> bool:
@@ -83,15 +160,13 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
     (config.json and the quant states against `quantization.*`); None for an unquantized checkpoint."""
     from finetune.model.settings import torch_dtype
 
-    stored = stored_quantization(folder)
+    stored = _stored_for(recipe, folder)  # 8-bit, fp8, GPTQ...: refused here (unread_quantization)
     if stored is None:
         return None
     model_dtype = torch_dtype(recipe.model.dtype)
     quant = recipe.quantization
     config_path = Path(folder) / "config.json"
     problems = []
-    if stored.get("load_in_8bit") or not stored.get("load_in_4bit", stored.get("_load_in_4bit")):
-        problems.append("it is an 8-bit checkpoint (load_in_8bit), and finetune trains on 4-bit bases only")
     stored_type = stored.get("bnb_4bit_quant_type", "fp4")
     stored_double = bool(stored.get("bnb_4bit_use_double_quant", False))
     if quant.method == "none":
@@ -116,20 +191,39 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
     return layout
 
 
+def _stored_for(recipe: Recipe, folder: Path) -> dict | None:
+    """stored_quantization, its refusal naming model.name_or_path (the recipe's base folder or hub snapshot)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    refuse_unread_quantization(config if isinstance(config, dict) else {},
+                               f"model.name_or_path `{recipe.model.name_or_path}`")
+    return stored_quantization(folder)
+
+
 def check_local_checkpoint(recipe: Recipe) -> bool:
-    """`finetune validate` and the loads through `from_pretrained`: a local safetensors checkpoint's files (every shard
-    its index names is there and readable: headers only, ModelLoadError naming the shard as the sharded loader does),
-    and a local 4-bit checkpoint's settings against the recipe's (headers and quant-state JSON only). True when
-    model.name_or_path is such a checkpoint and they agree; a mismatch raises as at load."""
+    """`finetune validate` and the loads through `from_pretrained`: a local folder's weights are there (no weight file
+    at all is refused as the load would refuse it), its quantization is one finetune reads (unread_quantization; of a
+    hub id, its cached config.json's), a local safetensors checkpoint's files (every shard its index names is there
+    and readable: headers only, ModelLoadError naming the shard as the sharded loader does), and a local 4-bit
+    checkpoint's settings against the recipe's (headers and quant-state JSON only). True when model.name_or_path is
+    such a checkpoint and they agree; a mismatch raises as at load."""
     from finetune.model.sources.files import INDEX_FILE, SINGLE_FILE, checkpoint_index
-    from finetune.model.sources.hub import is_local
+    from finetune.model.sources.hub import cached_hub_config, is_local, missing_weights_error
 
     folder = Path(recipe.model.name_or_path).expanduser()
-    if recipe.model.gguf_file or not is_local(recipe.model.name_or_path):
+    if recipe.model.gguf_file:
         return False
+    if not is_local(recipe.model.name_or_path):
+        refuse_unread_quantization(cached_hub_config(recipe) or {}, f"model.name_or_path `{recipe.model.name_or_path}`")
+        return False
+    if error := missing_weights_error(recipe.model.name_or_path):
+        raise error
+    stored = _stored_for(recipe, folder)
     safetensors = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
     index = checkpoint_index(folder) if safetensors else None  # pickle weights: from_pretrained reads them
-    if not is_prequantized(folder):
+    if stored is None:
         return False
     packed_layout(recipe, folder, index or checkpoint_index(folder))
     return True
@@ -178,11 +272,18 @@ def checkpoint_problems(layout: PackedLayout, key: str, tensor: torch.Tensor, in
     problems = [f"{name}: missing (part of {key}'s quant state)" for name in layout.state_names(key)
                 if name not in index.shapes]
     stored = index.shapes[key]
-    stored_bytes = int(torch.Size(stored).numel()) * torch.empty(0, dtype=layout.stored_dtype).element_size()
+    stored_dtype = index.dtypes.get(key, str(layout.stored_dtype).removeprefix("torch."))
+    itemsize = index.itemsize(key) or torch.empty(0, dtype=layout.stored_dtype).element_size()
+    stored_bytes = int(torch.Size(stored).numel()) * itemsize
     wanted = packed_bytes(tensor.numel(), layout.storage_dtype)
+    if tuple(stored) == tuple(tensor.shape) and len(stored) > 1:  # the whole weight, not its packed codes
+        unquantized = (f"{key} in {index.files[key].name}: stored unquantized ({list(stored)} {stored_dtype}), "
+                       "though config.json's quantization_config does not list it in llm_int8_skip_modules (the "
+                       "modules a 4-bit checkpoint keeps unquantized)")
+        return [unquantized]
     if stored_bytes != wanted:
         problems.append(f"{key} in {index.files[key].name}: {stored_bytes} packed bytes ({list(stored)} "
-                        f"{str(layout.stored_dtype).removeprefix('torch.')}), a 4-bit {list(tensor.shape)} weight "
+                        f"{stored_dtype}), a 4-bit {list(tensor.shape)} weight "
                         f"stored as {str(layout.storage_dtype).removeprefix('torch.')} needs {wanted}")
     state_shape = layout.states.get(key, {}).get("shape")
     if state_shape is not None and tuple(state_shape) != tuple(tensor.shape):

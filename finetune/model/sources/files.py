@@ -18,6 +18,10 @@ from finetune.recipe import Recipe
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# safetensors' dtype names -> (torch's name, bytes per element)
+_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+           "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+           "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,12 @@ class CheckpointIndex:
     views: dict[str, tuple[str, int | None, int, int] | DerivedView] = field(default_factory=dict)
     # Views of an expert stored (in, out) (Llama 4's fused experts): the part is a block of columns, read transposed.
     transposed: set[str] = field(default_factory=set)
+    # The stored dtype of each tensor in the files (headers only), torch's name: bfloat16, uint8, float8_e4m3fn...
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    def itemsize(self, name: str) -> int | None:
+        """Bytes per stored element of `name` (None: not known, e.g. a view)."""
+        return next((size for torch_name, size in _DTYPES.values() if torch_name == self.dtypes.get(name)), None)
 
     def add_view(self, name: str, view: tuple[str, int | None, int, int] | DerivedView, shape: tuple[int, ...]) -> None:
         """`name` is read through `view` (the stored tensor's name, expert index or None, part, parts; or derived)."""
@@ -57,12 +67,19 @@ def conversion_command(folder: Path) -> str:
 
 
 def checkpoint_index(folder: Path) -> CheckpointIndex:
-    """Read the safetensors headers of a checkpoint folder (sharded with an index file, or one file)."""
+    """Read the safetensors headers of a checkpoint folder (one file, or sharded with an index file).
+
+    A folder holding both model.safetensors and an index is read as transformers' `from_pretrained` reads it: the
+    single file, the index ignored. transformers' own `save_pretrained` leaves such a folder (a sharded save, then a
+    single-file save into the same folder deletes the old shards but not their index), and a run must train on the
+    weights that export and generate (transformers) load later."""
     from safetensors import safe_open
 
     folder = Path(folder)
     index_path = folder / INDEX_FILE
-    if index_path.exists():
+    if (folder / SINGLE_FILE).exists():
+        names_by_file = {SINGLE_FILE: []}
+    elif index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (ValueError, KeyError) as exc:
@@ -70,8 +87,6 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
         names_by_file: dict[str, list[str]] = {}
         for name, file_name in weight_map.items():
             names_by_file.setdefault(file_name, []).append(name)
-    elif (folder / SINGLE_FILE).exists():
-        names_by_file = {SINGLE_FILE: []}
     else:
         pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
         if pickles:
@@ -98,8 +113,10 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
                 "interrupted copy leaves such a file. Fix: download or copy that shard (or the whole model) again."
             ) from None
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            stored = handle.get_slice(name)
             index.files[name] = path
-            index.shapes[name] = tuple(handle.get_slice(name).get_shape())
+            index.shapes[name] = tuple(stored.get_shape())
+            index.dtypes[name] = _DTYPES.get(stored.get_dtype(), (stored.get_dtype().lower(), None))[0]
     return index
 
 
