@@ -104,6 +104,11 @@ def base_config(source: Source, base: str | None):
         ) from None
 
 
+def _remote_code(source: Source) -> bool:
+    """The run's model.trust_remote_code (said when its recipe was read): a merge of a custom-code base reloads it."""
+    return bool(source.recipe is not None and source.recipe.model.trust_remote_code)
+
+
 def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.dtype = torch.float32):
     """The base with every weight in `dtype` (no 4-bit): what a merge needs so that W + BA is exact."""
     from finetune.model import load_base_model
@@ -118,7 +123,7 @@ def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.d
         return model.to(dtype)
     name = base or source.adapter_config["base_model_name_or_path"]
     try:
-        return from_pretrained(name, dtype=dtype)
+        return from_pretrained(name, dtype=dtype, trust_remote_code=_remote_code(source))
     except (OSError, ValueError) as exc:
         raise ExportError(
             f"base `{name}`: cannot load it ({str(exc).splitlines()[0][:200]}). Fix: pass --base."
@@ -402,7 +407,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         rounded = _logits(_cast_parameters(merged, torch.float32), ids)  # the bf16 weights, exactly, computed in fp32
-        reloaded = _logits(from_pretrained(tmp, dtype=torch.float32), ids)  # plain transformers
+        reloaded = _logits(from_pretrained(tmp, dtype=torch.float32, trust_remote_code=_remote_code(source)), ids)
         saved = compare_logits("saved model (reloaded) vs the merged model in bf16", reloaded, rounded)
         _require_close(saved, relative=1e-4)
         storage = compare_logits("bf16 storage vs base + adapter", reloaded, reference)

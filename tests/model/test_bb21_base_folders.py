@@ -382,3 +382,6 @@ def test_export_of_a_run_trained_with_trust_remote_code_builds_its_base_without_
     assert "Do you wish to run the custom code" not in exported.stdout + exported.stderr
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    merged = finetune("export", str(run), str(tmp_path / "merged"), "--merge")  # the merge reloads the saved folder
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert (tmp_path / "merged" / "modeling_custom.py").is_file()
