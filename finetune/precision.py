@@ -99,9 +99,28 @@ def native_bf16(device_type: str, index: int = 0) -> tuple[bool, str]:
     return False, f"this {platform.machine()} CPU has no bf16 arithmetic oneDNN uses"
 
 
+# What `accelerate launch` writes for every process it starts, whatever its config (accelerate/utils/launch.py): its
+# simple and torch elastic launchers the dynamo settings, its DeepSpeed launcher ACCELERATE_CONFIG_DS_FIELDS. A shell
+# that exports ACCELERATE_MIXED_PRECISION (or another of its settings) has neither.
+LAUNCH_MARKERS = ("ACCELERATE_DYNAMO_USE_FULLGRAPH", "ACCELERATE_CONFIG_DS_FIELDS")
+
+
+def started_by_accelerate(env=None) -> bool:
+    """Whether this process (or `env`) was started by `accelerate launch`: its ACCELERATE_* / FSDP_* variables are then
+    its config's. Outside a launch (`finetune train` in this process, `finetune validate`, `python run.py`, torchrun)
+    they are the shell's, which a launch would have replaced with its config's (accelerate always writes
+    mixed_precision and the dynamo settings): finetune ignores them there too, so that one shell trains the same run
+    with and without a launcher, and names them (parallel/launcher.py, ignored_environment_note)."""
+    env = os.environ if env is None else env
+    return any(name in env for name in LAUNCH_MARKERS)
+
+
 def launcher_mixed_precision() -> str | None:
     """bf16/fp16/fp8 when `accelerate launch` was given a config that states it (its workers' environment); else None
-    ("no" is what accelerate writes when the config says nothing)."""
+    ("no" is what accelerate writes when the config says nothing; outside a launch the variable is the shell's and
+    ignored: started_by_accelerate)."""
+    if not started_by_accelerate():
+        return None
     value = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
     return value if value and value != "no" else None
 

@@ -23,6 +23,10 @@ What is filtered, each by its exact message, so that a new warning of the same l
     base weights; finetune never saves through it: a run asks PEFT only for the names of its trainable tensors
     (outputs/adapter_files.py), so its adapter holds the LoRA tensors and no embedding weight, and export asks only
     for the keys such an adapter may hold (outputs/export.py). The warning described a save that does not happen.
+  * matplotlib's lines when its config or cache folder cannot be written (a read-only HOME or XDG_CACHE_HOME: "mkdir
+    -p failed for path ...", "... is not a writable directory", "Matplotlib created a temporary cache directory at
+    ..."), logged when the end of a run (or `finetune plot`) imports it: it draws in the temporary folder instead and
+    the plot is written all the same.
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
 """
 
@@ -32,6 +36,7 @@ import functools
 import importlib.abc
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -44,6 +49,11 @@ _LOGGED = {
     "torch.distributed.run": "\n*****************************************\nSetting OMP_NUM_THREADS",
     "transformers.modeling_rope_utils": "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor",
     "transformers.configuration_utils": "`torch_dtype` is deprecated! Use `dtype` instead!",
+}
+# Logged messages matched as a whole (a regular expression), where the variable part comes first: matplotlib's.
+_LOGGED_MATCHING = {
+    "matplotlib": r"mkdir -p failed for path |.* is not a writable directory$|Matplotlib created a temporary cache "
+                  r"directory at ",
 }
 _WARNINGS = (  # (category, start of the message as a regular expression)
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
@@ -60,12 +70,14 @@ def verbose() -> bool:
 
 
 class _DropMessage(logging.Filter):
-    def __init__(self, start: str):
+    def __init__(self, start: str, *, pattern: str | None = None):
         super().__init__()
         self.start = start
+        self.pattern = re.compile(pattern, re.DOTALL) if pattern else None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(self.start)
+        message = str(record.getMessage())
+        return not (self.pattern.match(message) if self.pattern else message.startswith(self.start))
 
 
 def install() -> None:
@@ -74,10 +86,12 @@ def install() -> None:
         return
     for category, message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
-    for name, start in _LOGGED.items():
+    filters = [(name, _DropMessage(start)) for name, start in _LOGGED.items()]
+    filters += [(name, _DropMessage("", pattern=pattern)) for name, pattern in _LOGGED_MATCHING.items()]
+    for name, drop in filters:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):
-            logger.addFilter(_DropMessage(start))
+            logger.addFilter(drop)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub and transformers at import
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging

@@ -61,6 +61,8 @@ def test_an_explicit_bf16_without_native_bf16_warns_once_with_the_fix(tmp_path, 
 def test_a_config_that_says_bf16_decides_auto_and_fp16_stays_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv(precision.NATIVE_BF16_ENV, "0")
+    # accelerate launch's environment (the variable alone is a shell's, ignored: tests/cli/test_bb25_user_environment.py)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "False")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     recipe = load_recipe(_recipe(tmp_path))
     assert recipe.model.dtype == "bfloat16" and "mixed_precision: bf16" in recipe.dtype_choice.reason

@@ -8,7 +8,10 @@ ends a user's mistake (exit 2, its paragraph already printed) or a Ctrl-C (130).
 itself (Ctrl-C reaches it with the ranks) is its exit code, 128 + the signal. Otherwise the process exits 1, as
 the launcher would; `finetune train` reads the ranks' own code.
 
-    python -m finetune.cli.accelerate_launch [accelerate launch arguments] finetune/run.py RECIPE ...
+    python .../finetune/cli/accelerate_launch.py [accelerate launch arguments] .../finetune/run.py RECIPE ...
+
+`finetune train` starts it by its file (as the launcher starts run.py), not with `-m`: `python -m` puts the working
+folder first on sys.path, and a user's own `finetune.py` there was imported (and run) instead of the package.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    # Started as a script: the folder holding the package this file belongs to (not finetune/cli/) comes first on the
+    # path, so `finetune` is that package, whatever the working folder holds.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 QUIET_CODES = (2, 130)  # finetune's exit for a user's mistake, and a Ctrl-C after its checkpoint
 

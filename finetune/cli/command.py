@@ -48,9 +48,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # that same launch: cli/library.train_launch), else this process.
     launch = train_launch(recipe, args.accelerate_config, args.num_processes)
     if launch.launches:
-        if launch.how != "as given":
+        if launch.how != "as given":  # a launch the flags did not spell out: the recipe's, or ddp.yaml for N alone
             count = f"{launch.num_processes} processes" if launch.num_processes else "the config's processes"
-            print(f"[finetune] launch: {count}, {launch.how}; --num-processes 1 to run in this process", flush=True)
+            alone = "" if launch.how.startswith("as given") else "; --num-processes 1 to run in this process"
+            print(f"[finetune] launch: {count}, {launch.how}{alone}", flush=True)
         # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
         # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
         from finetune.cli.validate import validate
@@ -59,7 +60,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         with announcements_muted():  # the launched rank 0 says them, once
             validate(recipe, list(args.overrides), num_processes=launch.num_processes,
                      accelerate_config=launch.config, check_data=False, launching=True)
-        command = [sys.executable, "-m", "finetune.cli.accelerate_launch"]  # accelerate launch, minus its traceback
+        # accelerate launch, minus its traceback; started by its file, as the ranks' run.py is: `-m` would put the
+        # working folder first on sys.path, where a user's own finetune.py would be imported (and run) instead.
+        command = [sys.executable, str(Path(__file__).resolve().parent / "accelerate_launch.py")]
         if launch.config:
             command += ["--config_file", launch.config]
         if launch.num_processes:

@@ -27,6 +27,7 @@ from finetune.files import destination_problem
 from finetune.recipe_library import data_dir, library_dir, recipe_path, resolve_recipe_path  # noqa: F401 (the verbs')
 
 _ACCELERATE_CONFIG = re.compile(r"accelerate_configs/[\w.\-]+\.ya?ml")
+DEFAULT_LAUNCH_CONFIG = "ddp"  # the library config of `finetune train --num-processes N` without --accelerate-config
 
 
 class LibraryError(FinetuneError):
@@ -111,9 +112,18 @@ class TrainLaunch:
 
 
 def train_launch(recipe: str, accelerate_config: str | None, num_processes: int | None) -> TrainLaunch:
-    """The launch as given (either flag: an explicit flag always wins), else the one the recipe's leading comment names
+    """The launch as given (either flag: an explicit flag always wins; `--num-processes N` alone is the library's
+    ddp.yaml with N processes), else the one the recipe's leading comment names
     when it has more than one process (`fsdp2.yaml with num_processes: 2`), else one process in this process: a
     named launch of one process (single_gpu.yaml) runs here too, as `finetune quickstart` runs its recipe."""
+    if accelerate_config is None and (num_processes or 1) > 1:
+        # Never accelerate's own default config (~/.cache/huggingface/accelerate/default_config.yaml, which `accelerate
+        # launch` reads when given no --config_file): an FSDP one there trained FSDP2 where this check said DDP, and a
+        # machine without one (CPU) started N processes without a group. The library's ddp.yaml is the launch checked.
+        return TrainLaunch(resolve_accelerate_config(DEFAULT_LAUNCH_CONFIG), num_processes,
+                           f"as given, with the library's {DEFAULT_LAUNCH_CONFIG} config (--num-processes without "
+                           "--accelerate-config: accelerate's default config is not read; --accelerate-config NAME "
+                           "for another)")
     if accelerate_config is not None or num_processes is not None:
         config = resolve_accelerate_config(accelerate_config) if accelerate_config else None
         return TrainLaunch(config, num_processes, "as given")

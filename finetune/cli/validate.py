@@ -20,7 +20,7 @@ from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError
 from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
-from finetune.parallel.launcher import accelerate_launch_forms_group
+from finetune.parallel.launcher import accelerate_launch_forms_group, ignored_environment_note
 from finetune.recipe import load_recipe
 from finetune.recipe.checks import output_in_data_problem
 from finetune.recipe.router_aux import check_router_aux
@@ -70,6 +70,8 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     plan = parallel.resolve_plan(recipe, info, config, launcher=launcher, config_file=accelerate_config)
     lines.append(f"  launch: {num_processes} process{'es' if num_processes > 1 else ''}, {launch}")
     lines.append(f"  parallel: {plan.describe()}")
+    if not accelerate_config and (note := ignored_environment_note()):  # a run in this process: the shell's
+        lines.append(f"  note: {note}")
 
     train_rows = fingerprint = None
     if check_data:

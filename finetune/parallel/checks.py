@@ -16,6 +16,7 @@ import torch
 
 from finetune.errors import train_launch_fix
 from finetune.parallel.decision import ParallelPlan
+from finetune.parallel.launcher import ignored_environment_note
 from finetune.recipe import Recipe
 
 _LIBRARY_CONFIG = {"fsdp": "fsdp2", "ddp": "ddp", "deepspeed": "deepspeed_zero3", "single": "single_gpu",
@@ -84,6 +85,8 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
 
 
 def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    if note := ignored_environment_note():  # the shell's ACCELERATE_MIXED_PRECISION (...), not a launch's: said once
+        plan.notes.append(note)
     mixed = launcher.get("mixed_precision")
     if mixed:
         mixed_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, mixed)

@@ -7,6 +7,7 @@ import os
 
 from finetune.errors import LaunchError
 from finetune.parallel import accelerate_keys, zero
+from finetune.precision import started_by_accelerate
 
 
 # ---------------------------------------------------------------------------------------- launcher settings
@@ -137,9 +138,51 @@ def launcher_config_file() -> str | None:
     return default_config_file if os.path.isfile(default_config_file) else None
 
 
+# The variables launcher_settings reads (one of these that changes nothing it reads is not named as ignored).
+_SETTING_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+
+
+def ignored_environment(env=None) -> list[str]:
+    """`NAME=value` of each variable launcher_settings would read as an accelerate config's setting, set in an
+    environment that no `accelerate launch` made (precision.started_by_accelerate), so ignored; empty in a launch."""
+    env = dict(os.environ if env is None else env)
+    if started_by_accelerate(env):
+        return []
+
+    def read(variables: dict) -> dict | str:
+        try:
+            return launcher_settings(variables)
+        except (ValueError, TypeError) as exc:  # (a value no launch writes, e.g. FSDP_VERSION=x)
+            return str(exc)
+
+    settings = read(env)
+    if not settings:
+        return []
+    named = [name for name in sorted(env) if name.startswith(_SETTING_PREFIXES)
+             and read({k: v for k, v in env.items() if k != name}) != settings]
+    return [f"{name}={env[name]}" for name in named]
+
+
+def ignored_environment_note(env=None) -> str | None:
+    """The one line that names the ignored variables (ignored_environment) and the fix, or None."""
+    ignored = ignored_environment(env)
+    if not ignored:
+        return None
+    names = " ".join(item.split("=", 1)[0] for item in ignored)
+    return (f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set in the environment, but no accelerate "
+            "launch started this process: ignored (accelerate launch replaces these with its config's settings; the "
+            f"recipe, or an accelerate config given to the launch, decides). Fix: unset {names} (a launch's settings "
+            "belong in its accelerate config: `finetune train R.yaml --accelerate-config FILE`).")
+
+
 def launcher_settings(env: dict[str, str] | None = None) -> dict:
-    """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python."""
-    env = os.environ if env is None else env
+    """What the accelerate config (via `accelerate launch`'s environment) asks for; empty under torchrun/python, and
+    for this process's own environment where no accelerate launch made it (started_by_accelerate). `env`: the
+    environment of a launch (accelerate_config_env's, or a test's), read as it is."""
+    if env is None:
+        if not started_by_accelerate():
+            return {}
+        env = os.environ
 
     def _env_bool(name: str) -> bool | None:
         value = env.get(name)
