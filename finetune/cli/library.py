@@ -112,10 +112,16 @@ class TrainLaunch:
 
 
 def train_launch(recipe: str, accelerate_config: str | None, num_processes: int | None) -> TrainLaunch:
-    """The launch as given (either flag: an explicit flag always wins; `--num-processes N` alone is the library's
-    ddp.yaml with N processes), else the one the recipe's leading comment names
-    when it has more than one process (`fsdp2.yaml with num_processes: 2`), else one process in this process: a
-    named launch of one process (single_gpu.yaml) runs here too, as `finetune quickstart` runs its recipe."""
+    """The launch as given (either flag: an explicit flag always wins; `--num-processes N` alone is the config the
+    recipe's leading comment names for several processes, else the library's ddp.yaml, with N processes), else the
+    one the recipe's leading comment names when it has more than one process (`fsdp2.yaml with num_processes: 2`),
+    else one process in this process: a named launch of one process (single_gpu.yaml) runs here too, as `finetune
+    quickstart` runs its recipe."""
+    named = named_launch(recipe)
+    if accelerate_config is None and (num_processes or 1) > 1 and named and _several(named):
+        return TrainLaunch(resolve_accelerate_config(named.config), num_processes,
+                           f"as given, with the config the recipe names ({named.config}; --accelerate-config NAME for "
+                           "another)")  # a multi-process launch of the recipe's own config, at another count
     if accelerate_config is None and (num_processes or 1) > 1:
         # Never accelerate's own default config (~/.cache/huggingface/accelerate/default_config.yaml, which `accelerate
         # launch` reads when given no --config_file): an FSDP one there trained FSDP2 where this check said DDP, and a
@@ -127,7 +133,6 @@ def train_launch(recipe: str, accelerate_config: str | None, num_processes: int 
     if accelerate_config is not None or num_processes is not None:
         config = resolve_accelerate_config(accelerate_config) if accelerate_config else None
         return TrainLaunch(config, num_processes, "as given")
-    named = named_launch(recipe)
     if not named:
         return TrainLaunch(None, None, "one process (the recipe names no accelerate config; --num-processes N or "
                                        "--accelerate-config to check another)")
@@ -136,6 +141,11 @@ def train_launch(recipe: str, accelerate_config: str | None, num_processes: int 
     if count is None or count > 1:  # (a config whose count cannot be read: its own checks say why, at the launch)
         return TrainLaunch(config, count, f"as the recipe names it ({named.describe()})")
     return TrainLaunch(None, None, f"as the recipe names it ({named.describe()}: one process, run in this process)")
+
+
+def _several(named: NamedLaunch) -> bool:
+    """The recipe names a launch of several processes (a config for one, single_gpu.yaml, cannot take N)."""
+    return (named.num_processes or _config_processes(resolve_accelerate_config(named.config)) or 1) > 1
 
 
 def _config_processes(path: str) -> int | None:

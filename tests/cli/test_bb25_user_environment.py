@@ -83,6 +83,12 @@ def test_num_processes_alone_launches_the_library_ddp_config_that_validate_check
     assert cli.main(["train", str(recipe), "--num-processes", "1"]) == 0 and len(launches["in_process"]) == 1
     assert cli.main(["train", str(recipe), "--accelerate-config", "fsdp2", "--num-processes", "2"]) == 0
     assert launches["launched"][-1][launches["launched"][-1].index("--config_file") + 1].endswith("fsdp2.yaml")
+    # a recipe that names a launch of several processes keeps its config at another count (not ddp.yaml)
+    recipe.write_text("# accelerate config: accelerate_configs/fsdp2.yaml with num_processes: 2\n" + recipe.read_text())
+    assert cli.main(["train", str(recipe), "--num-processes", "4"]) == 0
+    assert "as given, with the config the recipe names (accelerate_configs/fsdp2.yaml" in capsys.readouterr().out
+    assert launches["launched"][-1][launches["launched"][-1].index("--config_file") + 1].endswith("fsdp2.yaml")
+    assert launches["launched"][-1][launches["launched"][-1].index("--num_processes") + 1] == "4"
 
 
 # ------------------------------------------------------------------------------ 2: a finetune.py in the working folder
