@@ -60,8 +60,14 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
         launcher = parallel.launcher_settings(env)
         num_processes = given or int(env["ACCELERATE_NUM_PROCESSES"])
         machines = max(1, int(env["ACCELERATE_NUM_MACHINES"]))
-    # A multi-machine config's processes per machine (what LOCAL_WORLD_SIZE will be): hybrid shard's node count.
-    per_machine = num_processes // machines if num_processes % machines == 0 else num_processes
+    if num_processes % machines:  # accelerate starts num_processes // num_machines on each: another run than checked
+        raise FinetuneError(
+            f"{num_processes} processes do not split over the {machines} machines of {accelerate_config} "
+            f"(num_machines: {machines}): accelerate launch starts {num_processes} // {machines} = "
+            f"{num_processes // machines} on each machine, {num_processes // machines * machines} in all, another run "
+            f"than the one checked. Fix: --num-processes (or the config's num_processes) a multiple of {machines}: the "
+            "processes of all the machines together.")
+    per_machine = num_processes // machines  # what LOCAL_WORLD_SIZE will be: hybrid shard's node size
     # The launched processes' group, as they will have it: several, or one that an FSDP / DeepSpeed / DDP config's
     # launcher starts (a group of 1 rank, which FSDP + CPU offload runs over); none for a run in this process.
     grouped = num_processes > 1 or bool(accelerate_config and accelerate_launch_forms_group(accelerate_config))
@@ -207,9 +213,11 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
                           grad_accum=t.grad_accum)
         if t.num_epochs is not None:  # the run's max_steps, which a resume compares with its checkpoint's step
             recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
+        left = data.rows_left_note(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
+                                   world_size=num_processes, grad_accum=t.grad_accum)
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
-                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch"), stats.train_sequences, \
+                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch{left}"), stats.train_sequences, \
             data.rows_fingerprint(train)
     total, hub = 0, []
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:

@@ -148,3 +148,20 @@ def test_validate_the_multi_node_template_with_its_hybrid_shard_line(tmp_path, c
     hybrid.write_text(shipped.replace("  # fsdp_sharding_strategy: HYBRID_SHARD\n", "  fsdp_sharding_strategy: HYBRID_SHARD\n"))
     assert cli_main(["validate", "llama-3.1-8b", "--accelerate-config", str(hybrid)]) == 0
     assert "hybrid shard: sharded over the 8 processes of each node, replicated across 2 nodes" in capsys.readouterr().out
+
+
+def test_a_process_count_that_does_not_split_over_the_machines_is_refused(tmp_path, capsys):
+    """Found by a bug bash (bb22 #4): `--num-processes 3` with a 2-machine config: validate planned 3 processes (and,
+    with hybrid shard asked for, dropped it for a full shard without a word) while accelerate launched 3 // 2 = 1 per
+    machine, 2 in all, with other steps per epoch. Refused now, naming the count that splits."""
+    from pathlib import Path
+
+    shipped = (Path(__file__).resolve().parents[2] / "accelerate_configs" / "multi_node.yaml").read_text()
+    hybrid = tmp_path / "multi_node_hybrid.yaml"
+    hybrid.write_text(shipped.replace("  # fsdp_sharding_strategy: HYBRID_SHARD\n", "  fsdp_sharding_strategy: HYBRID_SHARD\n"))
+    assert cli_main(["validate", "llama-3.1-8b", "--accelerate-config", str(hybrid), "--num-processes", "3"]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "3 processes do not split over the 2 machines" in said and "1 on each machine, 2 in all" in said, said
+    assert "a multiple of 2" in said
+    assert cli_main(["validate", "llama-3.1-8b", "--accelerate-config", str(hybrid), "--num-processes", "4"]) == 0
+    assert "replicated across 2 nodes" in capsys.readouterr().out

@@ -26,3 +26,18 @@ def test_the_rows_past_an_epochs_last_whole_step_are_counted_at_the_start(tmp_pa
     assert "left out" not in capsys.readouterr().out
     [steps, _] = length_lines(16, _recipe(tmp_path, grad_accum=2, num_epochs=1).train, processes=1, launch="as given")
     assert steps.startswith("steps per epoch: 2 at 1 process") and steps.endswith("a different 4 each epoch)")
+
+
+def test_validate_counts_the_rows_an_epoch_leaves_out(tiny_llama, tmp_path, capsys):
+    """The same count in `finetune validate`'s data line (bb23): it said "0 dropped; ...; 2 steps per epoch" alone."""
+    from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
+
+    from finetune.cli import main
+
+    data = write_jsonl(tmp_path / "a.jsonl", addition_rows(16))
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, data, tmp_path / "run", data={"eval_fraction": 0},
+                                                           train={"micro_batch_size": 3, "grad_accum": 2, "num_epochs": 1,
+                                                                  "max_steps": None}))
+    assert main(["validate", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "2 steps per epoch; 4 of the 16 rows left out of each epoch" in out, out
