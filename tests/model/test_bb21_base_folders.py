@@ -385,3 +385,21 @@ def test_export_of_a_run_trained_with_trust_remote_code_builds_its_base_without_
     merged = finetune("export", str(run), str(tmp_path / "merged"), "--merge")  # the merge reloads the saved folder
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert (tmp_path / "merged" / "modeling_custom.py").is_file()
+
+
+def test_the_vllm_servers_weight_names_read_model_safetensors_before_a_leftover_index(tmp_path):
+    """Found by a bug bash (bb21 #3, the vLLM side): the GRPO vLLM server's check of a base's tensor names read a
+    leftover index first (names of deleted or stale shards), where transformers and vLLM read model.safetensors."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from finetune.training.objectives.grpo.vllm_server import _weight_names
+
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)},
+              str(tmp_path / "model-00001-of-00001.safetensors"))  # a stale shard beside it
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.mlp.experts.0.up_proj.weight": "model-00001-of-00001.safetensors"}}))
+    assert _weight_names(tmp_path) == ["model.layers.0.mlp.up_proj.weight"]

@@ -189,13 +189,15 @@ def sample_on_rank0(server: Server | None, requests: list[tuple[list[int], int]]
 
 
 def _weight_names(folder: Path) -> list[str]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
+    """The tensor names of a base folder, read as transformers (and vLLM) read it: model.safetensors before an index
+    beside it (a re-save as one file leaves the old index, whose shards may be gone or stale: bb21)."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.exists() and not single.is_file():
         return list(json.loads(index.read_text())["weight_map"])
     from safetensors import safe_open
 
     names = []
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in [single] if single.is_file() else sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             names += list(handle.keys())
     return names
