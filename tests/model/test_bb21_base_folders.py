@@ -152,6 +152,21 @@ def test_a_tied_config_with_its_own_stored_head_loads_untied_as_transformers_doe
     assert "lm_head.weight is loaded from its own tensor, untied" in capsys.readouterr().out
 
 
+def test_finetune_quantize_writes_a_head_stored_apart_under_a_tied_config(tied_apart, tmp_path):
+    """Found by a bug bash (bb21 #2, `finetune quantize`): the writer built a tied skeleton, so the 4-bit folder of a
+    base whose config ties the head while its files store another one had no lm_head.weight: loaded, it was tied to
+    the embeddings again, another model than the base. It is written apart, as the loader now loads it."""
+    from finetune.cli import main
+
+    out = tmp_path / "q4"
+    assert main(["quantize", str(tied_apart), str(out), "--dtype", "float32"]) == 0
+    written = {}
+    for path in out.glob("*.safetensors"):
+        written.update(load_file(str(path)))
+    stored = load_file(str(tied_apart / "model.safetensors"))["lm_head.weight"]
+    assert "lm_head.weight" in written and torch.equal(written["lm_head.weight"].to(stored.dtype), stored)
+
+
 def test_a_tied_head_stored_twice_with_equal_values_stays_tied(tied_apart):
     """As transformers: both names stored with equal values (a .bin conversion writes both) is no reason to untie."""
     from finetune.model import load_config, loading

@@ -45,6 +45,7 @@ def model_tensors(base: Path, config, bnb_config, dtype: torch.dtype) -> tuple[C
     4-bit weight. The checkpoint's own names would leave every expert in bf16, or fused where bitsandbytes cannot go,
     in a folder whose config.json says 4-bit."""
     from finetune.model.experts.split import fused_expert_views
+    from finetune.model.materialize import untie_stored_apart
     from finetune.model.skeleton import meta_base_model
     from finetune.model.sources.conversions import convert_index
 
@@ -52,6 +53,7 @@ def model_tensors(base: Path, config, bnb_config, dtype: torch.dtype) -> tuple[C
     index = checkpoint_index(base)
     convert_index(index, skeleton)  # transformers' key renames, as the loader applies them
     fused_expert_views(index, skeleton)  # per-expert views of experts stored fused
+    untie_stored_apart(skeleton, index)  # a tied config with its own stored head: written apart, as it loads (bb21)
     names, missing = [], []
     for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]:
         if tensor.is_meta:
