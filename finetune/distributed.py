@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from finetune import rendezvous
 from finetune.devices import check_torch_sees_the_gpus, local_gpu_index, shared_gpu_refused
-from finetune.errors import FinetuneError, LaunchError, accelerate_launch_line, torchrun_line
+from finetune.errors import FinetuneError, LaunchError
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DistInfo:
 
 
 _INFO: DistInfo | None = None
-_PEERS: list[tuple[str, int]] = []  # (host, pid) of every rank, exchanged when the group forms
+_PEERS: list[tuple] = []  # every rank's rendezvous.this_rank() (host, pid, machine, finetune), from the group's forming
 _DOING = "starting"  # what this rank is doing, for the message when a collective fails (set by `doing`)
 _TIMEOUT_S = 600
 
@@ -93,7 +93,9 @@ def init_distributed(*, timeout_s: int = 600) -> DistInfo:
         global _PEERS, _TIMEOUT_S
         _PEERS, _TIMEOUT_S = [None] * world_size, timeout_s
         with shared_gpu_refused(local_world, visible):  # (NCCL's first collective, where its init is lazy)
-            dist.all_gather_object(_PEERS, (socket.gethostname(), os.getpid()))  # so a failure can name the rank lost
+            dist.all_gather_object(_PEERS, rendezvous.this_rank())  # names a lost rank; the same finetune everywhere
+        if problem := rendezvous.code_differs(_PEERS, gather_objects):  # before any other collective (rendezvous.py)
+            raise _said_on_every_machine(LaunchError(problem))
     _INFO = DistInfo(rank, world_size, local_rank, local_world, device, backend)
     _check_not_silently_split(_INFO)
     return _INFO
@@ -141,39 +143,11 @@ def process_group_backend(*, cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def _launcher_asked_processes() -> int:
-    """How many processes the parent `accelerate launch` / torchrun command line asked for (0 if unknown).
-
-    accelerate without a multi-process config on a CPU-only machine quietly starts ONE process for
-    `--num_processes 2` and sets no RANK/WORLD_SIZE; only the parent's command line still says what was asked.
-    """
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return 0
-    if not any("accelerate" in part or "torch.distributed.run" in part or "torchrun" in part for part in argv[:3]):
-        return 0
-    for index, part in enumerate(argv):
-        for flag in ("--num_processes", "--num-processes", "--nproc_per_node", "--nproc-per-node"):
-            if part == flag and index + 1 < len(argv) and argv[index + 1].isdigit():
-                return int(argv[index + 1])
-            if part.startswith(flag + "=") and part.split("=", 1)[1].isdigit():
-                return int(part.split("=", 1)[1])
-    return 0
-
-
 def _check_not_silently_split(info: DistInfo) -> None:
     """Refuse processes that do not form the group the launcher was asked for (the accelerate-on-CPU traps)."""
-    asked = _env_int("FINETUNE_EXPECT_WORLD_SIZE", 0) or _launcher_asked_processes()
+    asked = _env_int("FINETUNE_EXPECT_WORLD_SIZE", 0) or rendezvous.launcher_asked_processes()
     if asked > 1 and info.world_size == 1:
-        raise LaunchError(
-            f"the launcher was asked for {asked} processes but this process sees no process group (WORLD_SIZE unset): "
-            "accelerate without a multi-process config starts a single process on a CPU-only machine, and several "
-            "such processes would train independent copies. Fix: launch with a multi-process accelerate config "
-            f"(e.g. `{accelerate_launch_line('ddp', 'RECIPE.yaml', processes=asked)}`; on a CPU-only machine with "
-            "ACCELERATE_USE_CPU=true in the environment, not `--cpu`, which starts one process), "
-            f"or `{torchrun_line('RECIPE.yaml', asked)}`."
-        )
+        raise LaunchError(rendezvous.silently_split(asked))
 
 
 def info() -> DistInfo:
@@ -290,13 +264,43 @@ def rank_max(value: int) -> int:
 
 
 def check_same_on_all_ranks(value: float, what: str) -> None:
-    """Raise if `value` differs between ranks (e.g. a checksum of the LoRA start: ranks that start apart diverge)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, float(value))
+    """Refuse a `value` that differs between ranks (the LoRA start's checksum: ranks that start apart diverge)."""
+    values = gather_objects(float(value))
     if any(v != values[0] for v in values):
-        raise RuntimeError(f"{what} differ between ranks: {values}")
+        raise _said_on_every_machine(LaunchError(rendezvous.start_differs(what, values, _hosts())))
+
+
+def check_same_run(facts: dict[str, dict[str, str]]) -> None:
+    """Refuse ranks that do not run the same thing: `facts` (group -> key -> value: the recipe, the training rows;
+    rendezvous.py), one digest per group gathered, then a differing group's keys, to name them (exit 2)."""
+    sums = gather_objects(rendezvous.digests(facts))
+    if differing := [name for name in facts if any(other[name] != sums[0][name] for other in sums)]:
+        gathered = gather_objects({name: facts[name] for name in differing})
+        raise _said_on_every_machine(LaunchError(rendezvous.runs_differ(gathered, _hosts())))
+
+
+def check_same_folder(folder: Path, key: str) -> None:
+    """Refuse a `folder` (the recipe's `key`: output.dir) that is not one folder for every rank, as a node-local path:
+    rank 0 writes a token there, every rank reads it back (it failed at the first checkpoint, hiding why)."""
+    if world_size() < 2:
+        return
+    marker = Path(folder) / rendezvous.SHARED_CHECK_FILE
+    token = broadcast_object(rendezvous.write_token(marker) if is_main() else None)
+    seen = gather_objects((token is None or rendezvous.reads_back(marker, token), str(folder)))
+    if is_main():
+        marker.unlink(missing_ok=True)
+    if unseen := [rank for rank, (found, _) in enumerate(seen) if not found]:
+        raise _said_on_every_machine(LaunchError(rendezvous.folder_not_shared(key, [f for _, f in seen], unseen, _hosts())))
+
+
+def _said_on_every_machine(error: FinetuneError) -> FinetuneError:
+    """Raised alike by every rank after a gather: printed by rank 0 and each other machine's first rank (run.py main)."""
+    error.alike_on_every_rank = error.said_on_every_machine = True
+    return error
+
+
+def _hosts() -> list[str]:
+    return [peer[0] for peer in _PEERS] or ["?"] * world_size()
 
 
 def seed_everything(seed: int) -> None:
@@ -355,17 +359,33 @@ def is_communication_failure(exc: BaseException) -> bool:
 
 
 def _a_local_peer_is_down() -> bool:
-    me = info().rank if _INFO is not None else -1
-    return any(peer_state(host, pid) != "alive" for rank, (host, pid) in enumerate(_PEERS)
-               if rank != me and host == socket.gethostname())
+    return any(peer_state(host, pid) != "alive" for _, host, pid in _local_peers(_INFO.rank if _INFO else -1))
+
+
+def _local_peers(me: int) -> list[tuple[int, str, int]]:
+    """(rank, host, pid) of the other ranks this host's /proc shows: the same host name, and the same kernel and PID
+    namespace where the rank said its own (rendezvous.machine_id; a (host, pid) pair is compared by the name)."""
+    return [(rank, peer[0], peer[1]) for rank, peer in enumerate(_PEERS) if rank != me
+            and peer[0] == socket.gethostname() and (len(peer) < 3 or rendezvous.same_machine(peer[2]))]
+
+
+def _here_alive(me: int) -> str:
+    return "every other rank on this host is still alive" if _local_peers(me) else "no other rank runs on this host"
+
+
+def _elsewhere(me: int) -> list[str]:
+    """The hosts of the other ranks this host cannot check; one of this host's name is another machine or container."""
+    local = {rank for rank, _, _ in _local_peers(me)} | {me}
+    return sorted({f"{peer[0]} (another machine or container of this host's name: not checked from here)"
+                   if peer[0] == socket.gethostname() else peer[0] for rank, peer in enumerate(_PEERS) if rank not in local})
 
 
 _PF_EXITING = 0x4  # linux/sched.h: set on a task as it starts to exit (/proc/PID/stat, field 9)
 
 
-def peer_state(host: str, pid: int) -> str:
-    """What became of a rank's process, seen from this host: alive, stopped, a zombie, gone, or not checkable."""
-    if host != socket.gethostname():
+def peer_state(host: str, pid: int, machine: str | None = None) -> str:
+    """Alive, stopped, a zombie, gone or not checkable: a rank's process seen from here (`machine`: its machine_id)."""
+    if host != socket.gethostname() or not (machine is None or rendezvous.same_machine(machine)):
         return f"on host {host}, not checked from here"
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -385,12 +405,11 @@ def _lost_peers(me: int, *, wait_s: float) -> list[str]:
     """The ranks on this host that are dead, gone or stopped. A broken connection with every local peer alive is
     looked at again for up to `wait_s`: a process being killed can break its connections a moment before it is seen
     to die."""
-    deadline = time.monotonic() + wait_s
+    deadline, local = time.monotonic() + wait_s, _local_peers(me)
     while True:
-        states = [(rank, host, pid, peer_state(host, pid)) for rank, (host, pid) in enumerate(_PEERS) if rank != me]
-        lost = [f"rank {rank} (pid {pid} on {host}) is {state}" for rank, host, pid, state in states
-                if state != "alive" and host == socket.gethostname()]
-        if lost or time.monotonic() >= deadline or not any(host == socket.gethostname() for _, host, _, _ in states):
+        states = [(rank, host, pid, peer_state(host, pid)) for rank, host, pid in local]
+        lost = [f"rank {rank} (pid {pid} on {host}) is {state}" for rank, host, pid, state in states if state != "alive"]
+        if lost or time.monotonic() >= deadline or not local:
             return lost
         time.sleep(0.1)
 
@@ -398,11 +417,9 @@ def _lost_peers(me: int, *, wait_s: float) -> list[str]:
 def _slow_peer(me: int, checkpoints: str, error: str) -> str:
     """A collective that timed out with every rank on this host alive: a peer busy for longer than the timeout (a slow
     reward function, work on rank 0 alone) is as likely as a failure, and only the timeout knob helps it."""
-    here = socket.gethostname()
-    remote = sorted({host for rank, (host, _) in enumerate(_PEERS) if rank != me and host != here})
-    where = (f"every other rank is alive on this host ({here}), so one of them is still busy or hung"
-             if not remote else f"every other rank on this host is alive; a rank on {', '.join(remote)} may be busy, "
-             "hung or gone, or the network failed")
+    here, remote = socket.gethostname(), _elsewhere(me)
+    where = (f"every other rank is alive on this host ({here}), so one of them is still busy or hung" if not remote
+             else f"{_here_alive(me)}; a rank on {', '.join(remote)} may be busy, hung or gone, or the network failed")
     return (f"rank {me} waited for its peers during {_DOING} longer than parallel.collective_timeout_s = {_TIMEOUT_S} s: "
             f"{where}. A step that is slower on one rank than this (a reward function or reward model, work on rank 0 "
             "alone, data loading, a long generation) stops the run the same way as a hung rank. The job cannot "
@@ -422,7 +439,9 @@ def peer_failure(exc: BaseException, *, checkpoints: str) -> PeerLost:
               else "the connection to a peer broke")
     if timed_out and not lost:
         return PeerLost(_slow_peer(me, checkpoints, f"{type(exc).__name__}: {text}"))
-    who = "; ".join(lost) if lost else "every other rank on this host is still alive (a rank on another host, or the network, failed)"
+    remote = ", ".join(_elsewhere(me))
+    who = "; ".join(lost) or _here_alive(me) + (f"; a rank on {remote} failed, or the network did" if remote else
+                                                 ", yet a connection broke (the network, or a rank closing its own)")
     return PeerLost(
         f"rank {me} lost a peer during {_DOING} ({waited}): {who}. The job cannot continue without every rank and stops "
         f"(the launcher ends the other ranks); {checkpoints} Once the cause is gone (a dead node, an out-of-memory "

@@ -9,6 +9,7 @@ cache's lock (CI printed only "(rank 1) the checkpoint in ..."; a recipe typo un
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -37,6 +38,13 @@ def rank0_printed(*, peers_waiting: bool = False, linger_s: float = 3.0) -> None
             time.sleep(0.05)
     except Exception:  # noqa: BLE001, S110 - the store may be gone with the peers; nothing waits then
         pass
+
+
+def says_it_too(exc: BaseException) -> bool:
+    """Whether this rank, not rank 0, prints an error every rank found alike: the first rank of each machine does, for
+    an error each machine's own log must show (its ranks run another recipe or finetune, output.dir is not shared:
+    distributed.check_same_run), so that a machine's log does not end without a word."""
+    return bool(getattr(exc, "said_on_every_machine", False)) and os.environ.get("LOCAL_RANK", "0") in ("", "0")
 
 
 def wait_for_rank0_paragraph(timeout_s: float = 30.0, *, before_group_s: float = 120.0) -> bool:

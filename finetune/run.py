@@ -22,7 +22,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 try:
-    from finetune import distributed, held_signals, host_memory, quiet, rank_errors
+    from finetune import distributed, held_signals, host_memory, quiet, rank_errors, rendezvous
     from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imports: no traceback from any rank
     if __name__ != "__main__":
@@ -39,13 +39,13 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
 
     recipe = _checked_recipe(recipe_path, overrides)
     info = distributed.init_distributed(timeout_s=recipe.parallel.collective_timeout_s)
+    _same_run_on_every_rank(recipe, info)  # every machine has the same recipe: a stale one trained apart
     with outputs.claim_output_dir(recipe) as folder, _lost_peers_named(folder.path):  # checked before anything loads
         out_dir = folder.path
+        distributed.check_same_folder(out_dir, "output.dir")  # one folder every machine sees, not a node-local path
         plan = _checked_plan(recipe, info)  # the recipe against the model's config: no weight read yet
         tokenizer = model.load_tokenizer(recipe)
-        streaming = recipe.data.streaming  # rows read, tokenized and packed while training (data/streaming.py)
-        train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
-        distributed.print0((data.streaming_line if streaming else data.data_line)(stats, recipe))
+        train_examples, eval_examples = _built_data(recipe, tokenizer, info)  # the same rows on every rank
         check_token_ids(recipe, tokenizer, train_examples, eval_examples)  # an id past the embedding: refused here
         host_memory.bound_heap_growth_for(plan.strategy, info.device)  # FSDP on CPU: freed tensors leave the process
         # train.num_epochs -> max_steps (not for a stream); then the checkpoint of a resume fits this run, or one paragraph
@@ -91,6 +91,45 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                **({"skipped_steps": result.skipped_steps} if result.skipped_steps else {})}
     distributed.print0(f"[finetune] done: {summary}")
     return summary
+
+
+def _same_run_on_every_rank(recipe, info) -> None:
+    """The resolved recipe, compared over the ranks before anything loads (the finetune code was, as the group formed:
+    rendezvous.py): each machine of a run has its own recipe file and command line, and one stale machine trained
+    its own way, silently or until a misleading error."""
+    if info.world_size > 1:
+        distributed.check_same_run({"recipe": rendezvous.recipe_facts(recipe.model_dump(mode="json"))})
+
+
+def _built_data(recipe, tokenizer, info):
+    """The training and eval examples and their stats, the same rows on every rank (each machine of a run reads its
+    own copy of the files), and the run's line about them. A stream's rows are read, tokenized and packed while
+    training (data/streaming.py)."""
+    from finetune import data
+
+    streaming = recipe.data.streaming
+    train_examples, eval_examples, stats = (data.stream_examples if streaming else data.build_examples)(recipe, tokenizer)
+    if info.world_size > 1:
+        distributed.check_same_run({"data": _data_facts(train_examples, eval_examples, stats, streaming=streaming)})
+    distributed.print0((data.streaming_line if streaming else data.data_line)(stats, recipe))
+    return train_examples, eval_examples
+
+
+def _data_facts(train_examples, eval_examples, stats, *, streaming: bool) -> dict[str, str]:
+    """What every rank must share of its data (rendezvous.runs_differ names what differs): each file's rows and
+    examples, and the tokens of the eval rows and of the training rows (a stream's are read while training)."""
+    from finetune.data import rows_fingerprint
+
+    facts = {"eval rows": rendezvous.DIGEST + rows_fingerprint(list(eval_examples))}  # few: not the stores they are in
+    if not streaming:
+        facts["training rows"] = rendezvous.DIGEST + rows_fingerprint(train_examples)
+    counted = {"train": 0, "eval": 0}
+    for entry in stats.per_dataset:
+        role = "eval" if entry.get("role") == "eval" else "train"
+        facts[f"data.{'eval_' * (role == 'eval')}datasets[{counted[role]}]"] = (f"{entry.get('rows')} rows, "
+                                                                                f"{entry.get('examples')} examples")
+        counted[role] += 1
+    return facts
 
 
 def _checked_plan(recipe, info):
@@ -183,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         # others stay silent until it has (or print it whole themselves if it never does). A lost peer is named by
         # every rank that saw it (rank 0 may be the one that died); another rank's own problem by that rank, whole.
         alike = getattr(exc, "alike_on_every_rank", False) and not isinstance(exc, distributed.PeerLost)
-        if rank != 0 and alike and rank_errors.wait_for_rank0_paragraph():
+        if rank != 0 and alike and not rank_errors.says_it_too(exc) and rank_errors.wait_for_rank0_paragraph():
             return code
         text = str(exc) if rank == 0 or isinstance(exc, distributed.PeerLost) else f"(rank {rank}) {exc}"
         kind = "error: " if getattr(exc, "is_error", True) else ""  # Preempted (exit 128 + signal) is no error
