@@ -7,7 +7,7 @@ import csv
 import re
 from pathlib import Path
 
-from finetune.data.readers import RECODE, batch_rows, data_suffix, first_undecodable, opened, reason
+from finetune.data.readers import batch_rows, data_suffix, not_utf8, opened, reason
 from finetune.errors import DataError
 
 # Arrow's refusal of a row whose cell count is not the header's; such a file is read again by the csv module
@@ -48,9 +48,9 @@ def csv_rows(path: Path, prefix: str, skip: int):
     except pyarrow.ArrowException as exc:
         if RAGGED.search(str(exc)):
             return (yield from _short_rows(path, names, prefix, skip, done))
-        number, column, byte = first_undecodable(path) if "UTF8" in str(exc) else (0, 0, 0)
-        fix = f"Line {number}: byte {byte:#04x} at column {column} is not UTF-8. {RECODE}" if number else "Fix the file."
-        raise DataError(f"{path}: cannot read it as {_kind(path)} ({reason(exc)}). {fix}") from None
+        if "UTF8" in str(exc):  # the line and byte, or a UTF-16 file (Excel's "Unicode text") named as such
+            raise DataError(f"cannot read it as {_kind(path)}: {not_utf8(path)}") from None
+        raise DataError(f"{path}: cannot read it as {_kind(path)} ({reason(exc)}). Fix the file.") from None
 
 
 def _separator(path: Path) -> str:
@@ -82,8 +82,7 @@ def _short_rows(path: Path, names: list[str], prefix: str, skip: int, done: int)
                     row = dict(zip(names, [cell or None for cell in cells] + [None] * (len(names) - len(cells))))
                     yield row, f"{prefix}row {number}", False
     except UnicodeDecodeError:
-        line, column, byte = first_undecodable(path)
-        raise DataError(f"{path} line {line}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}") from None
+        raise DataError(not_utf8(path)) from None  # a UTF-16 file (Excel's "Unicode text") named as such
     finally:
         csv.field_size_limit(limit)
     return min(skip, number)

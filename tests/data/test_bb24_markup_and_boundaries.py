@@ -228,3 +228,15 @@ def test_an_undecodable_line_says_why_bad_rows_skip_does_not_skip_it(tmp_path, t
     with pytest.raises(DataError, match=r"(?s)line 2: not UTF-8 text \(byte 0xe9 at column 21\).*data\.bad_rows: skip "
                                         r"does not skip it"):
         data.prepare(recipe_for(path, "alpaca", bad_rows="skip"), tokenizer)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_a_utf16_csv_is_named_utf16_with_its_iconv_fix(tmp_path, tokenizer, suffix):
+    """Excel's "Unicode text" export is UTF-16 (BOM FF FE): a CSV/TSV of it was told `not UTF-8 ... iconv -f latin1`
+    (or cp1252), as the .jsonl was before (bb24 #7, the CSV reader)."""
+    separator = "," if suffix == ".csv" else "\t"
+    path = tmp_path / f"rows{suffix}"
+    text = f"instruction{separator}output\nhi{separator}yo\n"
+    path.write_bytes(codecs.BOM_UTF16_LE + text.encode("utf-16-le"))
+    with pytest.raises(DataError, match=r"UTF-16 text .*byte-order mark ff fe.*`iconv -f UTF-16 -t UTF-8 IN > OUT`"):
+        data.prepare(recipe_for(path, "alpaca"), tokenizer)
