@@ -70,13 +70,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         script = Path(__file__).resolve().parent.parent / "run.py"
         command += [str(script)]
         command += [recipe, *args.overrides]
-        return _launch(command)
+        return _launch(command, drop=_stray_launch_settings())
     from finetune.run import main as run_main  # the launched ranks' own main: one path for errors and a full disk
 
     return run_main([recipe, *args.overrides])
 
 
-def _launch(command: list[str]) -> int:
+def _stray_launch_settings() -> list[str]:
+    """The names of the shell's ACCELERATE_* / FSDP_* settings that no launch made (parallel.launcher's
+    ignored_environment), said in one note and kept from the launch: accelerate writes only the variables of its
+    config's kind, so ACCELERATE_USE_FSDP=true left in a shell reached every rank of a ddp.yaml launch, which ran
+    another strategy than the one `validate` checked (bb25)."""
+    from finetune.parallel.launcher import ignored_environment, ignored_environment_note
+
+    stray = [item.split("=", 1)[0] for item in ignored_environment()]
+    if stray:
+        print(f"[finetune] note: {ignored_environment_note()}", file=sys.stderr, flush=True)
+    return stray
+
+
+def _launch(command: list[str], drop: list[str] = ()) -> int:
     """accelerate's launcher, and the ranks' own exit code: it exits 1 whatever a rank's was, so each rank writes its
     code (2: a user error, 130: stopped by Ctrl-C after its checkpoint) where this process reads it. Ctrl-C reaches the
     launcher and every rank too (one process group): this process waits for them to save and stop, never kills them.
@@ -107,7 +120,8 @@ def _launch(command: list[str]) -> int:
                     previous[signum] = signal.signal(signum, forward)
         interrupted = False
         try:
-            process = subprocess.Popen(command, env=dict(os.environ, **{EXIT_CODE_FILE: str(relay)}),
+            env = {name: value for name, value in os.environ.items() if name not in drop}
+            process = subprocess.Popen(command, env=dict(env, **{EXIT_CODE_FILE: str(relay)}),
                                        preexec_fn=parent_death_signal())  # noqa: PLW1509 (calls prctl alone)
             launched.append(process)
             while True:
