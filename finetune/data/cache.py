@@ -31,7 +31,7 @@ from pathlib import Path
 from finetune.data.pairs import prompt_limit
 from finetune.data.sources import Source, open_source, row_chunks
 from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore, chunk_arrays
-from finetune.data.tokenize import check_dataset, merge_counts, parse_lines, tokenize_chunk
+from finetune.data.tokenize import check_dataset, check_end_tokens, merge_counts, parse_lines, tokenize_chunk
 from finetune.distributed import print0
 from finetune.errors import DataError
 from finetune.files import exclusive_lock
@@ -117,6 +117,7 @@ def cache_key(spec: DatasetSpec, source: Source, recipe: Recipe, tokenizer) -> s
 def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenStore, dict]:
     """One dataset's tokenized store and counts: mapped from the cache, else built once (the others wait) and mapped."""
     source = open_source(spec)
+    check_end_tokens(spec, tokenizer, spec.path)  # a cached entry too: its run is told its rows have no end token
     key = cache_key(spec, source, recipe, tokenizer) if recipe.data.cache else None
     if key is not None:
         target = cache_dir() / key

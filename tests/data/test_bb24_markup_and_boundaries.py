@@ -181,6 +181,19 @@ def test_a_tokenizer_without_eos_is_noted_once(no_end_tokenizer, capsys):
     assert "EOS" not in capsys.readouterr().out
 
 
+def test_a_run_reading_its_rows_from_the_cache_is_told_they_have_no_end_token(tmp_path, capsys):
+    """The no-EOS note came from tokenizing only: a run whose rows came from the token cache (every run after the
+    first on the same data) trained without an end token without a word (bb24 #4, the fixer's note)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(8)])
+    for expected_cached in (0, 1):
+        tokenizer = build_tokenizer()  # a fresh one each time: the note is said once per tokenizer (per run)
+        tokenizer.eos_token = None
+        tokenizer.pad_token = "<|endoftext|>"
+        prepared = data.prepare(recipe_for(path, "completion"), tokenizer)
+        assert prepared.stats.cached_datasets == expected_cached
+        assert "has no EOS token" in capsys.readouterr().out
+
+
 # -------------------------------------------------------------------------- 5. `</think>` under Qwen3
 def test_a_literal_closing_tag_under_qwen3_is_named_with_a_fix_that_works():
     """The refusal named no cause and advised the named templates, qwen3 and qwen3.5 included, which fail alike."""
