@@ -117,7 +117,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     marked = out.suffix.lower().lstrip(".") in _MARKED
-    figure.savefig(out, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
+    partial = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")  # (the suffix names the format)
+    try:  # written beside it and renamed over it: a link there is replaced, never written through (bb26)
+        figure.savefig(partial, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return out
 
 

@@ -107,3 +107,17 @@ def test_a_nan_eval_is_valid_json_in_metrics_jsonl_never_best_and_the_loss_axis_
     assert plot._loss_label([tmp_path / "dpo"]) == "DPO loss (mean over pairs)"
     assert plot._loss_label([tmp_path / "sft"]) == "loss (per trained token)"
     assert plot._loss_label([tmp_path / "dpo", tmp_path / "kto"]) == "loss (each run's objective)"
+
+
+def test_a_linked_plot_png_is_replaced_never_written_through(tmp_path):
+    """Found by a bug bash (bb26 #2): a run's plot.png that is a symbolic link (a run folder from a tarball, or linked
+    into a shared report folder) was written through by savefig: the file it pointed at became the run's plot. The
+    image is written beside it and renamed over the link."""
+    run = fake_run(tmp_path / "run")
+    target = tmp_path / "precious.png"
+    target.write_bytes(b"not the run's plot")
+    (run / "plot.png").symlink_to(target)
+    plot.plot_run(run)
+    assert target.read_bytes() == b"not the run's plot"
+    assert not (run / "plot.png").is_symlink() and (run / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []  # no partial file left
