@@ -33,12 +33,16 @@ def main() -> int:
 
     quiet.install()  # the launcher's own noise too (DeepSpeed's accelerator line, torchrun's threads banner)
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(sys.argv[1:])
     try:
         launch_command(args)
+    except DistError as exc:  # the launcher's rendezvous, before any rank ran: a machine that never joined
+        print(_not_joined(args, exc), file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()  # the root cause: the others were stopped because of it (SIGTERM)
         if first.exitcode not in QUIET_CODES:
@@ -51,6 +55,20 @@ def main() -> int:
     except KeyboardInterrupt:  # the simple launcher's Ctrl-C: its one rank got it too and is saving; wait for it
         return _rank_exit()
     return 0
+
+
+def _not_joined(args, exc: Exception) -> str:
+    """The paragraph for a rendezvous that timed out or lost its main machine (torch's traceback, after 900 s of
+    silence by default, named neither the machines nor the way to shorten the wait: bb22)."""
+    machines = getattr(args, "num_machines", None) or 1
+    where = f"{getattr(args, 'main_process_ip', None) or '?'}:{getattr(args, 'main_process_port', None) or '?'}"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return (f"finetune: error: the launch's machines did not all meet: this is machine {getattr(args, 'machine_rank', 0)} "
+            f"of {machines}, meeting at {where}, and the launcher's rendezvous ended before every machine joined "
+            f"({first}). Nothing was trained. Fix: start the same command on every machine (each with its own "
+            "machine_rank, the same main_process_ip and main_process_port, and that port open from the others); "
+            "the launcher waits 900 s by default: `--rdzv_conf timeout=N` on every machine's command shortens it "
+            "(docs/distributed.md, several machines).")
 
 
 def _rank_exit() -> int:

@@ -154,3 +154,24 @@ def test_runs_started_together_on_one_machine_each_get_a_port(name, tmp_path):
     ports = [{line.split()[1] for line in output.splitlines() if line.startswith("port ")} for output in outputs]
     assert all(len(port) == 1 for port in ports) and ports[0] != ports[1] and {"29500"} not in ports, ports
 
+
+
+@pytest.mark.slow
+def test_a_machine_that_never_joins_is_one_paragraph_naming_the_meeting_point(tmp_path):
+    """Found by a bug bash (bb22 #2): machine 0 of a 2-machine launch whose other machine never started waited 900 s
+    without a word, then printed torch's DistStoreError traceback. The wait is the launcher's (before any rank runs):
+    here shortened with the launcher's own `--rdzv_conf timeout=3`, as docs/distributed.md says; its end is now one
+    paragraph naming this machine, the address and port, and the way to shorten the wait."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("print('a rank ran')\n")
+    port = free_port()
+    command = [sys.executable, str(RUN_PY.parent / "cli" / "accelerate_launch.py"), "--multi_gpu", "--num_machines", "2",
+               "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--rdzv_conf", "timeout=3",
+               str(probe)]
+    result = subprocess.run(command, env=child_env(**CPU_SWITCH), capture_output=True, text=True, timeout=120,
+                            check=False)
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 1 and "a rank ran" not in result.stdout
+    assert f"this is machine 0 of 2, meeting at 127.0.0.1:{port}" in said and "--rdzv_conf timeout=N" in said, said
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
