@@ -44,12 +44,13 @@ def destination_problem(path: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_path: Path, waiting: Callable[[str], None] | None = None) -> Iterator[None]:
+def exclusive_lock(lock_path: Path, waiting: Callable[[str, bool], None] | None = None) -> Iterator[None]:
     """Hold an OS lock (flock) on `lock_path`: of several processes building the same cache entry (the ranks of a
-    node, or several runs), one builds while the others wait here, then find it built. The holder writes its pid and
-    host into the file (opened without truncating: the pid is the holder's), so that a process that waits longer than
-    WAIT_NOTE_S calls `waiting` once with the holder ("PID 123 on host (lock PATH)"): a builder that is stopped
-    (Ctrl-Z, a scheduler's suspend) or slow was a silent hang (bb20)."""
+    node, or several runs), one builds while the others wait here, then find it built. The holder writes its pid,
+    host, launch and rank into the file (opened without truncating: the pid is the holder's), so that a process that
+    waits longer than WAIT_NOTE_S calls `waiting` once with the holder ("PID 123 on host (lock PATH)") and whether it
+    is a rank of this same launch: a builder that is stopped (Ctrl-Z, a scheduler's suspend) or slow was a silent hang
+    (bb20), and a sibling rank was named "another run" (bb27)."""
     import fcntl
     import socket
 
@@ -61,7 +62,7 @@ def exclusive_lock(lock_path: Path, waiting: Callable[[str], None] | None = None
             _wait_for(handle, lock_path, waiting)
         try:
             handle.truncate(0)
-            handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+            handle.write(f"{os.getpid()} {socket.gethostname()} {_launch_id()} {os.environ.get('RANK', '-')}\n")
             handle.flush()
             yield
         finally:
@@ -71,7 +72,13 @@ def exclusive_lock(lock_path: Path, waiting: Callable[[str], None] | None = None
 WAIT_NOTE_S = 5.0  # a wait on another process's lock longer than this is said, once
 
 
-def _wait_for(handle, lock_path: Path, waiting: Callable[[str], None] | None) -> None:
+def _launch_id() -> str:
+    """What the ranks of one launch share and two launches on a machine do not: their rendezvous address and port."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{address}:{port}" if address and port else "-"
+
+
+def _wait_for(handle, lock_path: Path, waiting: Callable[[str, bool], None] | None) -> None:
     """Take the lock another process holds: polled for WAIT_NOTE_S, then `waiting` told the holder, then waited on."""
     import fcntl
     import time
@@ -85,11 +92,15 @@ def _wait_for(handle, lock_path: Path, waiting: Callable[[str], None] | None) ->
         except BlockingIOError:
             pass
     if waiting is not None:
+        import socket
+
         try:
-            pid, host = (lock_path.read_text().split() + ["?", "?"])[:2]
+            pid, host, launch, rank = (lock_path.read_text().split() + ["?"] * 4)[:4]
         except OSError:
-            pid, host = "?", "?"
-        waiting(f"PID {pid} on {host} (lock {lock_path})")
+            pid, host, launch, rank = "?", "?", "-", "-"
+        sibling = launch not in ("-", "?") and launch == _launch_id() and host == socket.gethostname()
+        waiting(f"rank {rank} of this launch (PID {pid})" if sibling else f"PID {pid} on {host} (lock {lock_path})",
+                sibling)
     fcntl.flock(handle, fcntl.LOCK_EX)
 
 

@@ -150,10 +150,17 @@ def dataset_store(spec: DatasetSpec, recipe: Recipe, tokenizer) -> tuple[TokenSt
 
 def _entry_lock(lock_path: Path):
     """The entry's lock (files.exclusive_lock), saying once whom a run that waits long waits for."""
-    return exclusive_lock(lock_path, lambda holder: print0(
-        f"[finetune] data: waiting for another run building the same data cache entry: {holder}. This run goes on "
-        "once that one has tokenized the data; if that process is stopped (Ctrl-Z) or hung, resume or end it.",
-        file=sys.stderr))
+    return exclusive_lock(lock_path, _say_waiting)
+
+
+def _say_waiting(holder: str, sibling: bool) -> None:
+    if sibling:  # the ranks of one launch: one tokenizes, the others map what it wrote (bb27: "another run")
+        print0(f"[finetune] data: {holder} is tokenizing the data into the cache; this rank maps it once written.",
+               file=sys.stderr)
+        return
+    print0(f"[finetune] data: waiting for another run building the same data cache entry: {holder}. This run goes on "
+           "once that one has tokenized the data; if that process is stopped (Ctrl-Z) or hung, resume or end it.",
+           file=sys.stderr)
 
 
 STALE_AFTER_S = 24 * 3600

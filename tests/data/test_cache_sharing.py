@@ -122,6 +122,34 @@ def test_a_run_waiting_on_another_build_says_whom_it_waits_for(tmp_path, tokeniz
     assert err.count("waiting for another run") == 1 and stats.cached_datasets == 0 and len(train) > 0
 
 
+def test_a_rank_waiting_on_its_own_launchs_build_is_not_told_of_another_run(tmp_path, tokenizer, monkeypatch, capsys):
+    """Found by a bug bash (bb27 #1): on a cold 2-process start, rank 0 waiting while rank 1 of the same launch built
+    the entry said "waiting for another run ... if that process is stopped (Ctrl-Z) or hung, resume or end it", naming
+    its own sibling. The holder writes its launch (rendezvous address and port) and rank: a sibling is named as one."""
+    import socket
+
+    recipe = make_recipe({"path": str(write_jsonl(tmp_path / "a.jsonl", addition_rows(30)))})
+    lock = data.cache_dir() / f"{_key_of(recipe, tokenizer)}.lock"
+    lock.parent.mkdir(parents=True)
+    monkeypatch.setattr(finetune.files, "WAIT_NOTE_S", 0.2)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    with open(lock, "w") as holder:  # rank 1 of this launch holds it
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        holder.write(f"424242 {socket.gethostname()} 127.0.0.1:29555 1\n")
+        holder.flush()
+        releaser = threading.Timer(0.6, lambda: fcntl.flock(holder, fcntl.LOCK_UN))
+        releaser.start()
+        try:
+            with hang_guard(30):
+                data.build_examples(recipe, tokenizer)
+        finally:
+            releaser.cancel()
+    err = capsys.readouterr().err
+    assert "rank 1 of this launch (PID 424242) is tokenizing the data" in err, err
+    assert "another run" not in err
+
+
 def test_an_unwritable_cache_is_said_and_a_read_only_one_is_read(tmp_path, tokenizer, monkeypatch, capsys):
     """Found by a bug bash (bb20 #5): a read-only cache that already held the entry (filled in advance by an admin)
     was never read: the lock file was opened for writing first, which failed, and the data was tokenized again at

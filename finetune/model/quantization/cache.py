@@ -77,7 +77,11 @@ def base_identity(folder: Path) -> dict[str, list]:
     return identity
 
 
-def _say_waiting(holder: str) -> None:
+def _say_waiting(holder: str, sibling: bool) -> None:
+    if sibling:  # the ranks of one launch: one quantizes, the others read what it wrote
+        distributed.print0(f"[finetune] model: {holder} is writing the 4-bit cache; this rank reads it once written.",
+                           file=sys.stderr)
+        return
     distributed.print0(f"[finetune] model: waiting for another run writing the same 4-bit cache entry: {holder}. This "
                        "run goes on once that one has quantized the base; if that process is stopped (Ctrl-Z) or hung, "
                        "resume or end it.", file=sys.stderr)

@@ -110,9 +110,13 @@ def cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _say_waiting(holder: str) -> None:
+def _say_waiting(holder: str, sibling: bool) -> None:
     from finetune.distributed import print0  # rank 0 only: the other ranks of a run wait on rank 0's conversion
 
+    if sibling:  # the ranks of one launch: one converts, the others read what it wrote
+        print0(f"[finetune] model: {holder} is converting the GGUF file; this rank reads it once written.",
+               file=sys.stderr)
+        return
     print0(f"[finetune] model: waiting for another process converting the same GGUF file: {holder}. This run goes on "
            "once that one has written the converted folder; if that process is stopped (Ctrl-Z) or hung, resume or "
            "end it.", file=sys.stderr)
