@@ -63,6 +63,7 @@ def _key_of(recipe, tokenizer) -> str:
     return data.cache_key(spec, data.open_source(spec), recipe, tokenizer)
 
 
+@pytest.mark.slow  # its forked tokenizing workers: over the fast tier's 1.5 s of child CPU on a loaded machine
 def test_a_killed_tokenizing_worker_stops_the_build_with_an_error_and_frees_the_entry(tmp_path, tokenizer, monkeypatch):
     """Found by a bug bash (bb20 #1): a data.num_proc worker killed during a build (the OOM killer's SIGKILL) was
     replaced by multiprocessing.Pool, the chunk it held never came back, and the run waited forever holding the
