@@ -108,12 +108,15 @@ def test_machines_that_differ_are_refused_at_the_start_naming_what_differs(tiny_
             script = other_checkout / "finetune" / "run.py" if node and other_checkout else RUN_PY
             env = child_env(PYTHONPATH=str(other_checkout)) if node and other_checkout else child_env()
             args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", str(script),
-                    str(recipe), "parallel.strategy=fsdp", *(overrides if node else [])]
+                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", "--rdzv-conf=timeout=150",
+                    str(script), str(recipe), "parallel.strategy=fsdp", "parallel.collective_timeout_s=150",
+                    *(overrides if node else [])]
             log = tmp_path / f"{case}.node{node}.log"
-            runs.append((start(args, log, env=env, warm=not (node and other_checkout)), log))
+            # Cold, as two machines start (a CI run with the warm servers once timed out a case at 240 s, not seen
+            # since); a machine that never meets the other, or a collective that never ends, stops within 150 s.
+            runs.append((start(args, log, env=env, warm=False), log))
         for node, (process, log) in enumerate(runs):
-            code, text = finish(process, log, timeout=240)
+            code, text = finish(process, log, timeout=420)
             paragraph = [line for line in text.splitlines() if line.startswith("finetune: error:")]
             assert code != 0 and len(paragraph) == 1, f"{case}, node {node}:\n{text[-3000:]}"
             assert all(words in paragraph[0] for words in said), f"{case}, node {node}:\n{paragraph[0]}"
