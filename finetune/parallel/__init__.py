@@ -10,6 +10,8 @@ Strategies: single process, DDP, FSDP (2 or 1) with the transformer auto-wrap po
     steps.py       gradient_sync, backward, optimizer_step, generation_model (through the model's engine)
     generation.py  decoding_model: GRPO's sampling model per strategy (FSDP2 unsharded once per generate call)
     state_dict.py  trainable_state_dict, normalize_key, local_parameter_bytes
+    zero_json.py   a user's DeepSpeed JSON read and checked (shapes, unknown sections, "auto" values)
+    config_keys.py the "did you mean" and "found ..." wording of config-key refusals
 """
 
 from finetune.parallel.decision import ParallelPlan

@@ -27,6 +27,13 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
     """The recipe and the accelerate config must not contradict each other (neither silently wins)."""
     p = recipe.parallel
     config_kind = launcher.get("strategy")
+    if launcher.get("fsdp_version") not in (None, 1, 2):
+        # (accelerate's own FullyShardedDataParallelPlugin refuses it too; finetune builds the wrap itself, and took
+        # any value but 2 for FSDP1 while FSDP1's refusals, which ask for version 1, let it through)
+        problems.append(
+            f"the accelerate config has fsdp_version: {launcher['fsdp_version']}: FSDP has two versions, 1 "
+            "(FullyShardedDataParallel) and 2 (fully_shard), and no other. Fix: set fsdp_version: 2 (the default, "
+            "as accelerate_configs/fsdp2.yaml) or 1 in its fsdp_config.")
     if config_kind in ("fsdp", "deepspeed") and p.strategy not in ("auto", config_kind):
         name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
         problems.append(
@@ -50,8 +57,13 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
         name = {"fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}[config_kind]
         plan.notes.append(f"the accelerate config is {name} config, but 1 process was started: with nothing to shard "
                           "over, it trains as a single process (launch N processes to shard)")
-    if plan.strategy != "fsdp":
-        return
+    if plan.strategy == "fsdp":
+        _check_fsdp_agreement(recipe, launcher, plan, problems)
+
+
+def _check_fsdp_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:
+    """The FSDP keys set both in the recipe and in the accelerate config must be equal."""
+    p = recipe.parallel
     pairs = [
         ("fsdp_version", p.fsdp_version, "fsdp_version"),
         ("reshard_after_forward", p.reshard_after_forward, "fsdp_reshard_after_forward"),
@@ -60,6 +72,10 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
     ]
     for key, recipe_value, config_key in pairs:
         config_value = launcher.get(key)
+        if key == "fsdp_version" and config_value not in (None, 1, 2):
+            continue  # refused above
+        if key == "layer_class" and recipe_value in layer_class_names(config_value):
+            continue  # one of the config's comma-separated classes: the recipe picks it as the unit
         if recipe_value is not None and config_value is not None and recipe_value != config_value:
             problems.append(
                 f"parallel.{key} is {recipe_value!r} in the recipe but the accelerate config has {config_key}: {config_value!r}. "
@@ -82,6 +98,13 @@ def check_agreement(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems
             f"set {key}: {str(config_ckpt).lower()} in the recipe, or "
             f"fsdp_activation_checkpointing: {str(plan.activation_checkpointing).lower()} in the accelerate config."
         )
+
+
+def layer_class_names(value: str | None) -> list[str]:
+    """The class names of fsdp_transformer_layer_cls_to_wrap: accelerate takes a comma-separated list (and the
+    string of a YAML list, as its launcher writes one, is read the same way)."""
+    names = [name.strip().strip("[]'\" ") for name in (value or "").split(",")]
+    return list(dict.fromkeys(name for name in names if name))
 
 
 def check_fsdp_rules(recipe: Recipe, launcher: dict, plan: ParallelPlan, problems: list[str]) -> None:

@@ -3,16 +3,49 @@ torchrun and the deepspeed launcher (ranks only)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from finetune.errors import LaunchError
 from finetune.parallel import accelerate_keys, zero
+from finetune.parallel.config_keys import did_you_mean, found
 from finetune.precision import started_by_accelerate
 
 
 # ---------------------------------------------------------------------------------------- launcher settings
 def accelerate_config_env(path: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file PATH` would give its workers (the parts we read)."""
+    """The environment `accelerate launch --config_file PATH` gives its workers (the variables finetune reads, named
+    and written as accelerate/utils/launch.py writes them, accelerate's defaults included), after the file's keys are
+    checked: one it does not know, or a section of the wrong shape, is refused here (accelerate would refuse the first
+    kind after the launch, with a traceback, and drop the second without a word)."""
+    config = _read_accelerate_config(path)
+    if problems := accelerate_config_problems(config):
+        raise LaunchError(f"accelerate config {path}: {problems[0]}" if len(problems) == 1 else
+                          f"accelerate config {path} cannot be used:\n" + "\n".join(f"  - {p}" for p in problems))
+    kind = config.get("distributed_type")
+    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1)),
+           "ACCELERATE_NUM_MACHINES": str(config.get("num_machines", 1))}  # ours: accelerate gives workers LOCAL_WORLD_SIZE
+    if config.get("mixed_precision"):
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"]).lower()  # as accelerate's PrecisionType
+    if kind != "DEEPSPEED":  # accelerate's multi-GPU and simple launchers write it; its DeepSpeed launcher does not
+        env["ACCELERATE_DYNAMO_BACKEND"] = _dynamo_backend(config)
+    if kind == "FSDP":
+        env.update(_fsdp_env(config.get("fsdp_config") or {}))
+    if kind == "DEEPSPEED":
+        env.update(zero.accelerate_config_env(config))
+    # accelerate's multi-GPU and DeepSpeed launchers (not the simple one, which MULTI_CPU takes) add these
+    # (prepare_extend_env_parallelism_config)
+    if config.get("parallelism_config") and (kind in ("FSDP", "DEEPSPEED") or (
+            str(kind).startswith("MULTI_") and kind != "MULTI_CPU")):
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        defaults = _launch_defaults()
+        for size in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+            key = f"parallelism_config_{size}_size"
+            env[key.upper()] = str(config["parallelism_config"].get(key, defaults.get(key)))
+    return env
+
+
+def _read_accelerate_config(path: str) -> dict:
     import yaml
 
     try:
@@ -28,19 +61,120 @@ def accelerate_config_env(path: str) -> dict[str, str]:
         raise LaunchError(f"accelerate config {path}: not an accelerate config (it has no distributed_type"
                           f"{'; it looks like a recipe' if recipe else ''}). Fix: pass a library config by name (fsdp2, "
                           "fsdp1, ddp, single_gpu, deepspeed_zero2, deepspeed_zero3) or a file `accelerate config` wrote.")
-    env = {"ACCELERATE_NUM_PROCESSES": str(config.get("num_processes", 1)),
-           "ACCELERATE_NUM_MACHINES": str(config.get("num_machines", 1))}  # ours: accelerate gives workers LOCAL_WORLD_SIZE
-    if config.get("mixed_precision"):
-        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
-    if config.get("distributed_type") == "FSDP":
-        env["ACCELERATE_USE_FSDP"] = "true"
-        fsdp = config.get("fsdp_config") or {}
-        env["FSDP_VERSION"] = str(fsdp.get("fsdp_version", 1))
-        for key, value in fsdp.items():
-            if key != "fsdp_version" and key.startswith("fsdp_"):
-                env[key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
-    if config.get("distributed_type") == "DEEPSPEED":
-        env.update(zero.accelerate_config_env(config))
+    return config
+
+
+# accelerate launch copies a section's keys onto its own arguments (commands/launch.py, _validate_launch_command): an
+# fsdp_config key without the `fsdp` prefix gets `fsdp_`, a dynamo_config key without `dynamo_` gets `dynamo_`; the
+# other sections' keys are taken as they are. A key that matches none of its arguments is dropped without a word.
+_SECTION_PREFIX = {"fsdp_config": ("fsdp", "fsdp_"), "dynamo_config": ("dynamo_", "dynamo_"),
+                   "deepspeed_config": None, "parallelism_config": None}
+_SECTION_EXAMPLE = {"fsdp_config": "fsdp_version: 2", "dynamo_config": "dynamo_backend: 'NO'",
+                    "deepspeed_config": "zero_stage: 3", "parallelism_config": "parallelism_config_dp_shard_size: 2"}
+# Sections whose contents finetune never reads (their kinds of run are not finetune's): only their shape is checked.
+_OTHER_SECTIONS = ("fp8_config", "megatron_lm_config", "mpirun_config")
+# Read by accelerate's launcher from its arguments without being a command-line flag (utils/launch.py, getattr).
+_SECTION_EXTRA_KEYS = {"fsdp_config": {"fsdp_ignored_modules"}}
+
+
+def _section_key(section: str, key) -> str:
+    """The argument of accelerate launch a section's key becomes (see _SECTION_PREFIX)."""
+    rule = _SECTION_PREFIX.get(section)
+    key = str(key)
+    return key if rule is None or key.startswith(rule[0]) else rule[1] + key
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_defaults() -> dict:
+    """accelerate launch's arguments with their defaults, from the installed accelerate's own parser."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return vars(launch_command_parser().parse_args(["finetune"]))
+
+
+def _top_level_keys(config: dict) -> set[str]:
+    """The keys accelerate's config file takes: its config class's fields (the class `accelerate config` writes and
+    `accelerate launch` loads, refusing any other key), and the two old keys it converts (fp16, dynamo_backend)."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
+
+    kind = SageMakerConfig if config.get("compute_environment") == "AMAZON_SAGEMAKER" else ClusterConfig
+    return {field.name for field in dataclasses.fields(kind)} | {"fp16", "dynamo_backend"}
+
+
+def accelerate_config_problems(config: dict) -> list[str]:
+    """Every key accelerate does not know (with the known one it is closest to), and every section that is not a
+    mapping; empty for any file `accelerate config` writes."""
+    problems = []
+    known = _top_level_keys(config)
+    for key in config:
+        if key not in known:
+            problems.append(f"{key} is not a key of an accelerate config{did_you_mean(key, known)}: accelerate launch "
+                            "refuses the file (\"had unknown keys\") after finetune's checks, and nothing it holds is "
+                            "used. Fix: correct the key's name, or remove it.")
+    arguments = set(_launch_defaults())
+    for section in (*_SECTION_PREFIX, *_OTHER_SECTIONS):
+        value = config.get(section)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            example = _SECTION_EXAMPLE.get(section, "key: value")
+            problems.append(f"{section} must be a mapping of keys, each on its own indented line (e.g. `{example}`), "
+                            f"found {found(value)}: accelerate would ignore it and launch with its defaults. Fix: write "
+                            f"the section as `{section}:` followed by its keys indented below it (as the library's "
+                            "accelerate_configs/*.yaml do), or remove it.")
+            continue
+        if section in _OTHER_SECTIONS:
+            continue
+        names = {name for name in arguments if name.startswith(_section_key(section, ""))} if _SECTION_PREFIX[section] \
+            else arguments
+        names |= _SECTION_EXTRA_KEYS.get(section, set())
+        for key in value:
+            if _section_key(section, key) not in names:
+                hint = did_you_mean(_section_key(section, key), names)
+                problems.append(f"{section}.{key} is not a key accelerate knows{hint}: accelerate launch drops it "
+                                "without a word, so the run would go on without what it asks for. Fix: correct the "
+                                "key's name, or remove it.")
+    return problems
+
+
+def _dynamo_backend(config: dict) -> str:
+    """ACCELERATE_DYNAMO_BACKEND as accelerate launch writes it: dynamo_config's backend (or the old top-level
+    dynamo_backend key), upper-case; NO where neither is set. YAML reads a bare `no` as false: that is NO too."""
+    section = {_section_key("dynamo_config", key): value for key, value in (config.get("dynamo_config") or {}).items()}
+    value = section.get("dynamo_backend", config.get("dynamo_backend"))
+    return "NO" if value in (None, False, "") else str(value).upper()
+
+
+# accelerate launch's FSDP variables (utils/launch.py, prepare_multi_gpu_env): the config key, its variable, and
+# whether the value is lower-cased. The first group is written whatever the file says (accelerate's default when it
+# has no such key); the second only when the file sets the key. fsdp_transformer_layer_cls_to_wrap is the one whose
+# variable is not its key upper-cased: FSDP_TRANSFORMER_CLS_TO_WRAP.
+_FSDP_ALWAYS = {"fsdp_sharding_strategy": ("FSDP_SHARDING_STRATEGY", False),
+                "fsdp_reshard_after_forward": ("FSDP_RESHARD_AFTER_FORWARD", True),
+                "fsdp_offload_params": ("FSDP_OFFLOAD_PARAMS", True), "fsdp_min_num_params": ("FSDP_MIN_NUM_PARAMS", False),
+                "fsdp_forward_prefetch": ("FSDP_FORWARD_PREFETCH", True),
+                "fsdp_use_orig_params": ("FSDP_USE_ORIG_PARAMS", True),
+                "fsdp_cpu_ram_efficient_loading": ("FSDP_CPU_RAM_EFFICIENT_LOADING", True),
+                "fsdp_sync_module_states": ("FSDP_SYNC_MODULE_STATES", True),
+                "fsdp_activation_checkpointing": ("FSDP_ACTIVATION_CHECKPOINTING", True),
+                "fsdp_activation_checkpointing_offload": ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", True)}
+_FSDP_WHEN_SET = {"fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+                  "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+                  "fsdp_backward_prefetch": "FSDP_BACKWARD_PREFETCH", "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
+                  "fsdp_ignored_modules": "FSDP_IGNORED_MODULES"}
+
+
+def _fsdp_env(fsdp: dict) -> dict[str, str]:
+    """The FSDP variables of accelerate launch for this fsdp_config (keys without the `fsdp` prefix get `fsdp_`)."""
+    values = {**_launch_defaults(), **{_section_key("fsdp_config", key): value for key, value in fsdp.items()}}
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": str(values.get("fsdp_version", 1))}
+    for key, (name, lower) in _FSDP_ALWAYS.items():
+        env[name] = str(values.get(key)).lower() if lower else str(values.get(key))
+    for key, name in _FSDP_WHEN_SET.items():
+        if values.get(key) is not None:
+            env[name] = str(values[key])
     return env
 
 
@@ -193,7 +327,10 @@ def launcher_settings(env: dict[str, str] | None = None) -> dict:
     settings: dict = {}
     if _env_bool("ACCELERATE_USE_FSDP"):
         settings["strategy"] = "fsdp"
-        settings["fsdp_version"] = int(env.get("FSDP_VERSION", "1") or 1)
+        version = str(env.get("FSDP_VERSION") or "1").strip()
+        # 1 and 2 are FSDP's versions; any other value stays as written, for checks.py to refuse (it was read as a
+        # number and trained as FSDP1 without FSDP1's checks).
+        settings["fsdp_version"] = int(version) if version in ("1", "2") else version
         settings.update(sharding_settings(env.get("FSDP_SHARDING_STRATEGY"), env.get("FSDP_RESHARD_AFTER_FORWARD")))
         # accelerate writes these two as "false" even when the config file does not mention them, so only an
         # explicit "true" is a statement of the config that the recipe may contradict.

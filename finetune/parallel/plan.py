@@ -12,7 +12,7 @@ import torch
 from finetune.distributed import DistInfo, print0
 from finetune.errors import LaunchError, train_launch_fix
 from finetune.parallel import accelerate_keys, zero
-from finetune.parallel.checks import check_agreement, check_fsdp_rules
+from finetune.parallel.checks import check_agreement, check_fsdp_rules, layer_class_names
 from finetune.parallel.decision import ParallelPlan, Strategy
 from finetune.parallel.launcher import launcher_config_file, launcher_settings
 from finetune.parallel.layers import decoder_layer_class, layer_split_device_map, meta_model
@@ -68,7 +68,7 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         raise _refusal(problems, config_file or (launcher_config_file() if launcher else None))
     if strategy in ("fsdp", "layer_split") or p.layer_class:
         meta = meta_model(model_config, trust_remote_code=recipe.model.trust_remote_code)
-        layer_cls = decoder_layer_class(meta, p.layer_class or launcher.get("layer_class"))
+        layer_cls = _unit_class(meta, p.layer_class, launcher.get("layer_class"), plan, config_file)
         plan.layer_class = layer_cls.__name__
         if strategy == "layer_split":
             count = torch.cuda.device_count() if dist.device.type == "cuda" else 0
@@ -88,6 +88,32 @@ def resolve_plan(recipe: Recipe, dist: DistInfo, model_config, *, launcher: dict
         why = "lora.dora: DoRA's magnitudes come from the full weights" if recipe.lora.dora else "parallel.sharded_loading: false"
         plan.notes.append(f"{why}: every rank loads and quantizes the full base before FSDP shards it")
     return plan
+
+
+def _unit_class(meta, recipe_class: str | None, config_classes: str | None, plan: ParallelPlan,
+                config_file: str | None) -> type:
+    """The FSDP unit (layer split's layer): parallel.layer_class, else the accelerate config's
+    fsdp_transformer_layer_cls_to_wrap, else the model's decoder layer. The config's key is a comma-separated list in
+    accelerate (a multimodal model's decoder and vision blocks): each name must be a class of the model (refused
+    naming the file otherwise); the unit is the model's decoder layer where the list holds it, else the first name.
+    finetune wraps one class, so the others are sharded with the unit that holds them, which a note says."""
+    names = [] if recipe_class else layer_class_names(config_classes)
+    if not names:
+        return decoder_layer_class(meta, recipe_class)
+    try:
+        classes = list(dict.fromkeys(decoder_layer_class(meta, name) for name in names))
+    except LaunchError as exc:
+        raise _refusal([str(exc)], config_file or launcher_config_file()) from None
+    default = decoder_layer_class(meta)
+    unit = default if default in classes else classes[0]
+    if len(classes) > 1:
+        others = [cls.__name__ for cls in classes if cls is not unit]
+        why = " (the model's decoder layer)" if unit is default else ""
+        plan.notes.append(f"fsdp_transformer_layer_cls_to_wrap lists {', '.join(names)}: the FSDP unit is "
+                          f"{unit.__name__}{why}; finetune wraps one class, so {', '.join(others)} "
+                          f"{'is' if len(others) == 1 else 'are'} sharded with the unit that holds "
+                          f"{'it' if len(others) == 1 else 'them'} (a decoder layer, or the root)")
+    return unit
 
 
 def _hybrid_replicas(recipe: Recipe, dist: DistInfo, launcher: dict, plan: ParallelPlan, problems: list[str]) -> int:

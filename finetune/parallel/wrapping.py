@@ -33,8 +33,10 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
     doing(f"the wrap of the model ({plan.describe()})")  # named if a peer is lost meanwhile
     if plan.strategy == "fsdp" and plan.fsdp_version == 2:
         return _wrap_fsdp2(model, plan, dist, materialize)
-    if plan.strategy == "fsdp":
+    if plan.strategy == "fsdp" and plan.fsdp_version == 1:
         return _wrap_fsdp1(model, plan, dist, materialize)
+    if plan.strategy == "fsdp":  # the checks refuse it first; never FSDP1's wrap without FSDP1's checks (bb28)
+        raise ValueError(f"FSDP version {plan.fsdp_version!r} is neither 1 nor 2")
     if materialize is not None:
         raise ValueError("a meta-device skeleton can only be built by the FSDP wrap")
     if plan.strategy == "ddp":

@@ -24,7 +24,6 @@ Facts measured on CPU (gloo) that this module turns into code (docs/distributed.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -33,18 +32,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from finetune.errors import LaunchError
+from finetune.parallel import zero_json
 from finetune.planner.memory import BUCKET_ELEMENTS
 
 INSTALL_HINT = "pip install 'finetune[deepspeed]' (or pip install deepspeed==0.19.8)"
 # BUCKET_ELEMENTS (defined in finetune/planner/memory.py, beside the memory model that counts it): gradient reduce,
 # all-gather and ZeRO-3 prefetch buckets, in elements (DeepSpeed's default 5e8 would allocate gigabytes
-# for a LoRA's few million gradients). The planner counts them.
-# Keys of a DeepSpeed JSON that the recipe owns (value must agree or be "auto") and sections it refuses.
-BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size", "gradient_accumulation_steps": "train.grad_accum",
-              "gradient_clipping": "train.max_grad_norm", "train_batch_size": "train.micro_batch_size x train.grad_accum x processes"}
-OWNED_SECTIONS = {"optimizer": "train.optimizer / train.learning_rate / train.weight_decay",
-                  "scheduler": "train.lr_schedule / train.warmup_steps"}
+# for a LoRA's few million gradients). The planner counts them. A user's DeepSpeed JSON is read and judged key by
+# key in zero_json.py.
 
 
 @dataclass
@@ -119,23 +114,6 @@ def launcher_settings(env) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ pre-flight checks
-def read_config_file(path: str, where: str) -> dict:
-    """A DeepSpeed JSON config (as DeepSpeed reads it: plain JSON); refusals name the file and the fix."""
-    try:
-        text = Path(path).expanduser().read_text()
-    except OSError as exc:
-        raise LaunchError(f"{where}: DeepSpeed config {path} cannot be read ({exc.strerror or exc}). Fix: give the path of "
-                          "a DeepSpeed JSON file, relative to the folder the run starts in, or remove it.") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LaunchError(f"{where}: DeepSpeed config {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                          f"{exc.msg}). Fix: correct the file (DeepSpeed reads plain JSON: no comments, no trailing commas).") from None
-    if not isinstance(config, dict):
-        raise LaunchError(f"{where}: DeepSpeed config {path} must hold a JSON object, found {type(config).__name__}.")
-    return config
-
-
 def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, problems: list[str], notes: list[str]) -> ZeroSettings:
     """Every DeepSpeed setting, from the recipe, the accelerate config and the DeepSpeed JSON; refusals go to `problems`."""
     p, t = recipe.parallel, recipe.train
@@ -153,15 +131,12 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
         # accelerate's own Accelerator would quietly run plain CPU DDP here; finetune builds the engine itself.
         notes.append("ACCELERATE_USE_CPU: DeepSpeed runs on the CPU over gloo (not accelerate's fallback to CPU DDP)")
     config_file, where = _config_file(p, launcher, problems)
-    user = read_config_file(config_file, where) if config_file else {}
-    zero_section = dict(user.get("zero_optimization") or {})
+    user = zero_json.read_config_file(config_file, where) if config_file else {}
+    zero_section = zero_json.zero_section(user, config_file, problems)
     stage = _stage(p, launcher, zero_section, config_file, problems)
     offload_optimizer, offload_params = _offload(recipe, launcher, zero_section, stage, config_file, problems)
-    _check_owned_keys(recipe, user, launcher, config_file, world_size, problems, notes)
-    for key in ("fp16", "bf16", "amp"):
-        if (user.get(key) or {}).get("enabled") in (True, "true"):
-            problems.append(f"{config_file}: `{key}.enabled: true` would cast the model, the packed 4-bit storage included. "
-                            f"The dtype is the recipe's model.dtype (LoRA masters stay fp32). Fix: remove the `{key}` section.")
+    zero_json.check_owned_keys(recipe, user, launcher, config_file, world_size, problems)
+    zero_json.check_top_level_keys(user, config_file, problems, notes)
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if zero_section.get(key) in (True, "true"):
             # ZeRO++'s int8 quantizer works on float tensors: the packed NF4 bytes (stored as bf16/fp32 words) would be
@@ -205,7 +180,7 @@ def _stage(p, launcher: dict, zero_section: dict, config_file: str | None, probl
                   (f"{config_file}: zero_optimization.stage", zero_section.get("stage"))]
     given = []
     for where, value in candidates:
-        if value is None:
+        if value is None or value == "auto":  # "auto": the trainer decides (HF's meaning), here the other places or 3
             continue
         try:
             stage = int(value)
@@ -251,34 +226,6 @@ def _offload(recipe, launcher: dict, zero_section: dict, stage: int, config_file
     return optimizer, params
 
 
-def _check_owned_keys(recipe, user: dict, launcher: dict, config_file: str | None, world_size: int,
-                      problems: list[str], notes: list[str]) -> None:
-    """Batch sizes, accumulation, clipping, optimizer and schedule are the recipe's: a config that says otherwise is refused."""
-    t = recipe.train
-    wanted = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
-              "gradient_clipping": t.max_grad_norm or 0.0, "train_batch_size": t.micro_batch_size * t.grad_accum * world_size}
-    sources = [(f"{config_file}: {key}", key, user.get(key)) for key in BATCH_KEYS]
-    sources += [("the accelerate config's gradient_accumulation_steps", "gradient_accumulation_steps",
-                 launcher.get("gradient_accumulation_steps")),
-                ("the accelerate config's gradient_clipping", "gradient_clipping", launcher.get("gradient_clipping"))]
-    for where, key, value in sources:
-        if value is None or value == "auto":
-            continue
-        try:
-            same = float(value) == float(wanted[key])
-        except (TypeError, ValueError):
-            same = False
-        if not same:
-            problems.append(f"{where} is {value!r} but the recipe gives {wanted[key]!r} ({BATCH_KEYS[key]}). The recipe sets "
-                            f"batch sizes, accumulation and clipping for every strategy. Fix: set it to {wanted[key]!r} or "
-                            "\"auto\", or remove it.")
-    for section, owner in OWNED_SECTIONS.items():
-        if section in user:
-            problems.append(f"{config_file}: the `{section}` section is not used: the recipe's {owner} drive every strategy "
-                            "(a torch AdamW wrapped by DeepSpeed; DeepSpeed's own Adam would compile FusedAdam/CPUAdam first). "
-                            f"Fix: remove the `{section}` section.")
-
-
 def engine_config(recipe, settings: ZeroSettings, *, world_size: int) -> dict:
     """The config deepspeed.initialize gets: the recipe's batch and clipping, the ZeRO section, quiet logging."""
     t = recipe.train
@@ -290,7 +237,12 @@ def engine_config(recipe, settings: ZeroSettings, *, world_size: int) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if settings.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    zero.update(settings.zero_section)  # the user's tuning (persistence thresholds, buckets, overlap) wins
+    # The user's tuning (persistence thresholds, buckets, overlap) wins, but "auto" is not a value: it means "the
+    # trainer decides" (HF Trainer fills it in), so finetune's own value stays. Where finetune has none it is passed
+    # on, and DeepSpeed's schema drops it for its own default (deepspeed/runtime/config_utils.py).
+    # Before, an "auto" bucket (LLaMA-Factory's ZeRO-3 JSON) replaced the 5e7 buckets with DeepSpeed's 5e8: 2 GB of
+    # fp32 gradient buffer per GPU that the planner did not count.
+    zero.update({key: value for key, value in settings.zero_section.items() if not (value == "auto" and key in zero)})
     return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
             "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
             "gradient_clipping": t.max_grad_norm or 0.0, "zero_optimization": zero,

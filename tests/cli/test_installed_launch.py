@@ -31,7 +31,7 @@ def launches(monkeypatch):
     import finetune.run
 
     started: dict[str, list] = {"launched": [], "in_process": []}
-    monkeypatch.setattr(command, "_launch", lambda argv: started["launched"].append(argv) or 0)
+    monkeypatch.setattr(command, "_launch", lambda argv, drop=(): started["launched"].append(argv) or 0)
     monkeypatch.setattr(finetune.run, "main", lambda argv: started["in_process"].append(argv) or 0)
     return started
 
