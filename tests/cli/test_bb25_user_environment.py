@@ -14,7 +14,6 @@ import pytest
 from conftest import REPO, addition_rows, child_env, recipe_dict, write_jsonl, write_recipe
 
 from finetune import cli, precision, quiet
-from finetune.cli import command
 from finetune.distributed import DistInfo
 
 # What `accelerate launch` always writes for its processes (finetune.precision.LAUNCH_MARKERS): a launch's environment.
@@ -49,17 +48,6 @@ def shell(monkeypatch, tmp_path):
     for name in [name for name in os.environ if name.startswith(("ACCELERATE_", "FSDP_"))]:
         monkeypatch.delenv(name)
     return monkeypatch
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """What `finetune train` starts, without starting it: the launcher's command line, or the run in this process."""
-    import finetune.run
-
-    started: dict[str, list] = {"launched": [], "in_process": []}
-    monkeypatch.setattr(command, "_launch", lambda argv, drop=(): started["launched"].append(argv) or 0)
-    monkeypatch.setattr(finetune.run, "main", lambda argv: started["in_process"].append(argv) or 0)
-    return started
 
 
 # ------------------------------------------------------------------------------ 1: --num-processes N without a config

@@ -12,7 +12,6 @@ from conftest import REPO, addition_rows, recipe_dict, write_jsonl, write_recipe
 
 import finetune
 from finetune import cli, errors, quiet, rendezvous
-from finetune.cli import command
 
 MULTI = "# accelerate config: accelerate_configs/fsdp2.yaml (num_processes: 2, 2x24 GB); single_gpu.yaml on one GPU\n"
 CHECKOUT_ONLY = ("finetune/run.py", "--config_file accelerate_configs/", "recipes/quickstart.yaml")
@@ -23,17 +22,6 @@ def recipe(tiny_llama, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", addition_rows(16))
     return write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_llama, data, tmp_path / "out",
                                                          parallel={"strategy": "fsdp"}))
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """What `finetune train` starts, without starting it: accelerate's command line, or the run in this process."""
-    import finetune.run
-
-    started: dict[str, list] = {"launched": [], "in_process": []}
-    monkeypatch.setattr(command, "_launch", lambda argv, drop=(): started["launched"].append(argv) or 0)
-    monkeypatch.setattr(finetune.run, "main", lambda argv: started["in_process"].append(argv) or 0)
-    return started
 
 
 def _announced(text: str) -> str:
