@@ -109,7 +109,6 @@ def launcher_asked_processes() -> int:
     return 0
 
 
-
 def silently_split(asked: int) -> str:
     """The launcher asked for `asked` processes, and this one has no process group: the paragraph."""
     return (f"the launcher was asked for {asked} processes but this process sees no process group (WORLD_SIZE unset): "
@@ -118,6 +117,7 @@ def silently_split(asked: int) -> str:
             f"(e.g. `{accelerate_launch_line('ddp', 'RECIPE.yaml', processes=asked)}`; on a CPU-only machine with "
             "ACCELERATE_USE_CPU=true in the environment, not `--cpu`, which starts one process), "
             f"or `{torchrun_line('RECIPE.yaml', asked)}`.")
+
 
 # ------------------------------------------------------------------------------------------- where a rank runs
 UNKNOWN_MACHINE = "unknown"

@@ -277,6 +277,9 @@ def rows_fingerprint(examples: Sequence[Example]) -> str:
     """A hash of the training rows' tokens and labels in their order before the shuffle (what a saved data position
     indexes): a resume onto other rows of the same count is said (outputs/resume_checks.py). Tokenized stores are
     hashed from their mapped arrays (about 1 s per GB); a list (GRPO prompts, a library caller's) example by example."""
+    known = getattr(examples, "_rows_fingerprint", None)  # a view's rows never change: hashed once per run
+    if known is not None:
+        return known
     digest = hashlib.blake2b(digest_size=16)
     view = getattr(examples, "base", examples)  # store.PackedView's examples (store imports this module)
     if hasattr(view, "stores"):  # a store.ExampleView: the stores its rows come from (not the eval files' after them)
@@ -289,7 +292,8 @@ def rows_fingerprint(examples: Sequence[Example]) -> str:
         digest.update(view.picks.tobytes())
         if view is not examples:
             digest.update(examples.members.tobytes() + examples.row_bounds.tobytes())
-        return digest.hexdigest()
+        examples._rows_fingerprint = digest.hexdigest()  # the start's cross-rank check, a resume's, the first save's
+        return examples._rows_fingerprint
     for example in examples:
         for sequence in (example, example.rejected):
             if sequence is not None:
