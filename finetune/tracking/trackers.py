@@ -235,7 +235,7 @@ class Trackers:
     """
 
     def __init__(self, recipe: Recipe, out_dir: str | Path, *, is_main: bool, tags: dict[str, str] | None = None,
-                 resumed_step: int = 0):
+                 resumed_step: int = 0, elapsed_before: float | None = None):
         self.out_dir = Path(out_dir)
         self.tags = tags or {}
         self.path = self.out_dir / "metrics.jsonl" if is_main else None
@@ -249,9 +249,10 @@ class Trackers:
         self.run_name = recipe.train.run_name or self.out_dir.resolve().name
         kept = read_records(self.path) if resumed_step and self.path.is_file() else []
         self.history = [(int(r.get("step", 0)), numeric_metrics(r)) for r in kept if numeric_metrics(r)]
-        # seconds trained before the checkpoint: the last elapsed_s kept (log_every > 1: up to log_every - 1 steps early)
-        self.elapsed_offset = next((float(r["elapsed_s"]) for r in reversed(kept)
-                                    if isinstance(r.get("elapsed_s"), (int, float))), 0.0)
+        # seconds trained before the checkpoint: the checkpoint's own (a resume into another output.dir has no
+        # metrics.jsonl), else the last elapsed_s kept (log_every > 1: up to log_every - 1 steps early)
+        self.elapsed_offset = elapsed_before if elapsed_before is not None else next(
+            (float(r["elapsed_s"]) for r in reversed(kept) if isinstance(r.get("elapsed_s"), (int, float))), 0.0)
         saved = self._saved_ids()
         for name in dict.fromkeys(recipe.train.trackers):  # in order, each once
             backend = self._guard(name, "start", lambda name=name: self._start(name, recipe, saved.get(name)))

@@ -79,6 +79,7 @@ class TrainResult:
     step_seconds: float = 0.0  # of the trained optimizer steps alone (no eval, checkpoint, generation eval, skipped step)
     skipped_steps: int = 0  # nan_policy: skip: steps of this launch not applied (their loss or gradient not finite)
     generation: dict | None = None  # the "after" generation eval record, when the recipe asks for one
+    elapsed_before: float | None = None  # elapsed_s at the checkpoint resumed from (None: none, or one without it)
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,7 +225,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if line := router_aux.describe():
         distributed.print0(line)
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
-    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags, resumed_step=first_step - 1)
+    metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags, resumed_step=first_step - 1,
+                       elapsed_before=result.elapsed_before)
     status = "FAILED"  # what the trackers record unless the run finishes or is preempted
     try:  # trackers are closed however the run ends (done, preempted, numerical fault)
         if first_step == 1:
@@ -308,7 +310,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                     stop = signals.postpone(objective.stop_note(step))
                 if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
                     distributed.doing(f"the checkpoint of step {step}")
-                    state = trainer_state(step, scheduler, stream, result, info.world_size, parallel)
+                    state = trainer_state(step, scheduler, stream, result, info.world_size, parallel,
+                                          elapsed_s=metrics.elapsed_offset + time.perf_counter() - started)
                     saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
                                                        keep_last=t.keep_last, keep_best=t.keep_best,
                                                        verify=verify_next_save)
@@ -363,11 +366,13 @@ def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Rec
                        "(train.nan_policy: skip)")
 
 
-def trainer_state(step: int, scheduler, stream: BatchStream, result: TrainResult, world_size: int, parallel: str) -> dict:
-    """Everything besides tensors that an exact resume needs (JSON)."""
+def trainer_state(step: int, scheduler, stream: BatchStream, result: TrainResult, world_size: int, parallel: str, *,
+                  elapsed_s: float = 0.0) -> dict:
+    """Everything besides tensors that an exact resume needs (JSON). `elapsed_s`: the run's seconds so far, which a
+    resume counts on from (also into another output.dir, whose metrics.jsonl has none)."""
     return {"step": step, "epoch": stream.epochs_done(step), "scheduler": scheduler.state_dict(),
             "data": stream.state_dict(), "losses": result.losses, "eval_losses": result.eval_losses,
-            "tokens": result.tokens, "world_size": world_size, "strategy": parallel}
+            "tokens": result.tokens, "world_size": world_size, "strategy": parallel, "elapsed_s": round(elapsed_s, 3)}
 
 
 def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStream, names: set[str], result: TrainResult,
@@ -382,6 +387,7 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
     stream.load_state_dict({**state["data"], "step": state["step"], "logged_epoch": state.get("epoch")})
     result.steps, result.tokens = state["step"], state["tokens"]
     result.resumed_tokens = state["tokens"]
+    result.elapsed_before = state.get("elapsed_s")  # absent from checkpoints of finetune before 2026-12
     result.losses = list(state["losses"])
     result.eval_losses = [tuple(item) for item in state["eval_losses"]]
     message = f"[finetune] resumed from {path} at step {state['step']}"

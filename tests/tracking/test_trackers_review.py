@@ -159,6 +159,35 @@ def test_elapsed_s_counts_on_across_a_resume(tmp_path):
     assert elapsed == [*range(1, 11), 10.5, 11.0]
 
 
+def test_elapsed_s_counts_on_from_the_checkpoint_into_another_output_dir(tmp_path):
+    """Found by a bug bash: a resume into another output.dir (the route finetune suggests for resuming a finished run
+    from an earlier checkpoint) logged elapsed_s from 0 again, while num_tokens and epoch went on: the new folder has
+    no metrics.jsonl to read the offset from. The checkpoint's own elapsed_s is the offset now (and wins over a
+    metrics.jsonl's last logged value, which log_every > 1 leaves early)."""
+    from finetune.training.loop import TrainResult, trainer_state
+
+    recipe = make_recipe(tmp_path)
+    resumed = Trackers(recipe, tmp_path / "elsewhere", is_main=True, resumed_step=50, elapsed_before=81.25)
+    resumed.write(step=51, loss=1.0, elapsed_s=1.5)
+    resumed.close()
+    record = json.loads((tmp_path / "elsewhere" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["elapsed_s"] == 82.75
+
+    class Scheduler:
+        def state_dict(self):
+            return {}
+
+    class Stream:
+        def epochs_done(self, step):
+            return 0
+
+        def state_dict(self):
+            return {}
+
+    state = trainer_state(50, Scheduler(), Stream(), TrainResult(), 1, "single", elapsed_s=81.2504)
+    assert state["elapsed_s"] == 81.25
+
+
 def test_generation_eval_sits_at_its_step_and_a_resume_drops_the_old_after(tmp_path, monkeypatch):
     """"before" at the step training starts from, "after" at the last step; an extended run (resumed from its last
     checkpoint with a higher max_steps) ends with one "after" record, its own."""
