@@ -12,7 +12,9 @@ from finetune.errors import RecipeError
 def named_templates() -> dict[str, str]:
     """name -> template text of the templates finetune ships (finetune/templates/SOURCES.md says whose)."""
     folder = resources.files("finetune") / "templates"
-    return {entry.name.removesuffix(".jinja"): entry.read_text() for entry in folder.iterdir()
+    # UTF-8 whatever the locale: deepseek-r1's and gpt-oss's tokens are not ASCII (`<｜User｜>`), and were read as
+    # mojibake (ISO-8859-x) or a UnicodeDecodeError (C) where the locale's encoding is another
+    return {entry.name.removesuffix(".jinja"): entry.read_text(encoding="utf-8") for entry in folder.iterdir()
             if entry.name.endswith(".jinja")}
 
 
@@ -25,10 +27,19 @@ def resolve_chat_template(value: str, *, key: str = "model.chat_template") -> st
     if value in named:
         return named[value]
     path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
+    if path.is_file():  # UTF-8, a byte-order mark dropped (Windows editors write one: U+FEFF began every example)
+        return _template_file(path, key)
     raise RecipeError(f"{key}: `{value}` is not a named template, a file, or template text. Named templates: "
                       f"{', '.join(sorted(named))}; or give the path of a .jinja file, or the Jinja text itself.")
+
+
+def _template_file(path: Path, key: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{key}: `{path}` is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at byte "
+                          f"{exc.start}). Fix: save the template as UTF-8 (in most editors: Save As, encoding "
+                          "UTF-8).") from None
 
 
 def checked_chat_template(value: str | None) -> str | None:

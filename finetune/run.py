@@ -206,13 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else EXIT_USER_ERROR
+    for stream in (sys.stdout, sys.stderr):  # as cli/command.printable_streams: a character the locale cannot print
+        if hasattr(stream, "reconfigure"):  # is an escape (`\\u4f60`), not a UnicodeEncodeError that ends the run
+            stream.reconfigure(errors="backslashreplace")
     clean = False
     quiet.install()
     quiet.defer_bitsandbytes_compiles()
     _attach_diagnostics()
     try:
+        from finetune.recipe.text import undecodable_argument
         from finetune.recipe_library import resolve_recipe_path  # a library name, as `finetune train` takes it
 
+        if problem := undecodable_argument(argv):  # an override typed in UTF-8 under LC_ALL=C: refused, not misread
+            raise FinetuneError(problem)
         run(resolve_recipe_path(argv[0]), argv[1:])
         clean = True
     except FinetuneError as exc:

@@ -80,16 +80,12 @@ def named_launch(path: str | os.PathLike) -> NamedLaunch | None:
     written for that config, before the line names another config or a `;` starts another clause: in
     `single_gpu.yaml (1x24 GB); fsdp2.yaml with num_processes: 2` the 2 is fsdp2's, and the launch is single_gpu's one
     process. `finetune validate` and `finetune data` both take the launch from here."""
+    from finetune.recipe.text import leading_comments  # (as the loader decodes it: a BOM, UTF-16; not at import)
+
     path = Path(path)
     if not path.is_file():
         return None
-    try:
-        text = path.read_text(errors="replace")  # comments only: the recipe's own reader judges the rest
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
+    for line in leading_comments(path):  # comments only: the recipe's own reader judges the rest
         if match := _ACCELERATE_CONFIG.search(line):
             own = re.split(r";|\b[\w.\-]+\.ya?ml\b", line[match.end():], maxsplit=1)[0]
             count = re.search(r"num_processes:?\s*(\d+)", own)
@@ -153,9 +149,9 @@ def _config_processes(path: str) -> int | None:
     import yaml
 
     try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) or {}
         return int(config.get("num_processes", 1) or 1)
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # (UnicodeDecodeError: a ValueError)
         return None
 
 
@@ -185,13 +181,21 @@ def describe(path: Path) -> dict:
 
 
 def _text(path: Path) -> str:
-    """The file's text; a file that cannot be read, or is not UTF-8, raises LibraryError naming it."""
+    """The file's text, decoded as the recipe loader decodes it (UTF-8 whatever the locale; a byte-order mark dropped,
+    UTF-16 read as such); a file that cannot be read, or is in another encoding, raises LibraryError naming it."""
+    from finetune.recipe.text import decoded
+
     try:
-        return path.read_text()
+        return decoded(path)
     except OSError as exc:
         raise LibraryError(f"{path}: cannot be read ({exc.strerror or exc}).") from None
-    except UnicodeDecodeError as exc:
-        raise LibraryError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8.") from None
+    except FinetuneError:  # another encoding (the recipe loader's own paragraph names the line)
+        try:
+            path.read_bytes().decode("utf-8")
+            why = "NUL bytes: UTF-16 without a byte-order mark?"
+        except UnicodeDecodeError as exc:
+            why = f"{exc.reason} at byte {exc.start}"
+        raise LibraryError(f"{path}: not UTF-8 text ({why}); save it as UTF-8.") from None
 
 
 def _require(name: str | None) -> Path:
@@ -244,7 +248,7 @@ def copy_recipe(name: str | None, dest: str | None) -> Path:
         raise LibraryError(f"recipes copy: {problem}; nothing was written. Fix: choose another destination.")
     text = _copied(source, target)  # before anything is made: an unreadable source leaves nothing behind
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "x") as handle:  # "x": fails instead of overwriting a file created meanwhile
+    with open(target, "x", encoding="utf-8") as handle:  # "x": fails instead of overwriting a file created meanwhile
         handle.write(text)
     return target
 

@@ -24,6 +24,7 @@ from finetune.parallel.launcher import accelerate_launch_forms_group, ignored_en
 from finetune.recipe import load_recipe
 from finetune.recipe.checks import output_in_data_problem
 from finetune.recipe.router_aux import check_router_aux
+from finetune.recipe.text import leading_comments
 
 
 def validate(recipe_path: str, overrides: list[str], *, num_processes: int | None = None,
@@ -130,7 +131,7 @@ def _main_machine_problem(config_file: str, *, launching: bool) -> str | None:
 
     import yaml
 
-    config = yaml.safe_load(Path(config_file).read_text()) or {}
+    config = yaml.safe_load(Path(config_file).read_text(encoding="utf-8-sig")) or {}
     if int(config.get("num_machines", 1) or 1) < 2:
         return None
     if str(config.get("main_process_port")) == "0":
@@ -187,11 +188,7 @@ def _check_resume(recipe, plan, train_rows: int | None, fingerprint: str | None)
 
 def _data_origin(recipe_path: Path) -> str | None:
     """What a recipe's leading comments say about where its data file comes from ("The data file is written by ...")."""
-    if not recipe_path.is_file():
-        return None
-    for line in recipe_path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
+    for line in leading_comments(recipe_path):  # decoded as the loader decodes it (UTF-8 whatever the locale, a BOM)
         if "data file is written by" in line:
             return f"This recipe says: {line.lstrip('# ').strip()} Run that first, or point the path at your own file."
     return None

@@ -231,11 +231,19 @@ def dataset_tools(spec: DatasetSpec):
 
 @functools.lru_cache(maxsize=16)
 def _tools_file(path: str, version: tuple | None):
+    # UTF-8 whatever the locale (read in an ISO-8859-x locale, `für` became `fÃ¼r`, and the token cache, keyed by the
+    # file's bytes, handed it on to runs in any locale); a byte-order mark dropped, as Windows editors write one
     try:
-        return json.loads(Path(path).expanduser().read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return json.loads(Path(path).expanduser().read_text(encoding="utf-8-sig"))
+    except OSError as exc:
         raise DataError(f"data.datasets[].tools: {path} is not a readable JSON file of function schemas ({exc}). Fix "
                         "the path, or give the schemas inline as a list.") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data.datasets[].tools: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at byte "
+                        f"{exc.start}). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"data.datasets[].tools: {path} is not valid JSON ({exc}). Fix the file (a JSON list of "
+                        "function schemas), or give the schemas inline as a list.") from None
 
 
 # ------------------------------------------------------------------------------------------------ turn order

@@ -7,6 +7,7 @@ import difflib
 import hashlib
 import itertools
 import json
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from finetune.data.readers import (
 from finetune.data.templates import FORMAT_FIELDS, _column
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
+from finetune.recipe.text import locale_path_problem
 
 
 @dataclass
@@ -75,9 +77,15 @@ def open_source(spec: DatasetSpec) -> Source:
         return Source(spec, files=files, folder=folder)
     if path.is_dir():
         return Source(spec, table=_load_saved(path, spec))
-    if looks_local(spec.path):
+    if local_looking(spec.path):
         raise DataError(not_found(f"data.datasets path `{spec.path}`", spec.path))
     return Source(spec, table=_load_hub(spec))
+
+
+def local_looking(text: str) -> bool:
+    """A path that names no hub dataset: a local-looking one (readers.looks_local), one with a Windows `\\` (no hub
+    name has one: `data\\chats` was looked up on the hub), or one this locale cannot name."""
+    return looks_local(text) or "\\" in text or locale_path_problem(text) is not None
 
 
 def not_found(where: str, text: str) -> str:
@@ -87,7 +95,34 @@ def not_found(where: str, text: str) -> str:
         return (f"{where}: not found, and `{text}` looks like a glob pattern, which is not expanded: a path names one "
                 "file or one folder. Fix: point the path at the folder (every data file in it and its sub-folders is "
                 "read), or move the files you want into a folder of their own, or give each file its own entry.")
-    return f"{where}: file not found (relative paths are read from {Path.cwd()})."
+    if problem := locale_path_problem(text):  # the file may well exist: this process cannot name it
+        return f"{where}: {problem}"
+    said = f"{where}: file not found (relative paths are read from {Path.cwd()})."
+    if "\\" in text:
+        posix = text.replace("\\", "/")
+        there = f" `{posix}` exists here." if Path(posix).expanduser().exists() else ""
+        return (f"{said} The path holds `\\`, which separates folders on Windows; here `/` does, and `\\` is a "
+                f"character of the name.{there} Fix: write the path with `/`: `{posix}`.")
+    return said + near_name(Path(text).expanduser())
+
+
+def near_name(path: Path) -> str:
+    """What to say of a file or folder in `path`'s folder whose name is near `path`'s: one that differs only in Unicode
+    normalization first (macOS writes `é` as e + U+0301, NFD; a recipe typed elsewhere holds é, NFC: the two print
+    alike, and the file was "not found"), else a near spelling. "" where there is none."""
+    folder = path.parent
+    try:
+        names = [entry.name for entry in itertools.islice(folder.iterdir(), 10_000) if not entry.name.startswith(".")]
+    except OSError:
+        return ""
+    same = [name for name in names if unicodedata.normalize("NFC", name) == unicodedata.normalize("NFC", path.name)]
+    if same:
+        return (f" {folder / same[0]} exists: the names differ only in Unicode normalization (the same letters as "
+                "other code points: macOS writes names decomposed, NFD; most editors compose them, NFC), and a file "
+                "name is its code points. Fix: rename the file to the name the path writes (`mv`, typing the name), or "
+                "copy its name from `ls` into the path.")
+    near = difflib.get_close_matches(path.name, names, n=1)
+    return f" Did you mean {folder / near[0]}?" if near else ""
 
 
 def hub_name_note(text: str) -> str:
@@ -113,7 +148,7 @@ def split_problem(spec: DatasetSpec, path: Path) -> str | None:
     if not (path.is_file() or saved):
         return None
     listing = path / "dataset_dict.json"
-    splits = json.loads(listing.read_text()).get("splits", []) if saved and listing.is_file() else None
+    splits = json.loads(listing.read_text(encoding="utf-8")).get("splits", []) if saved and listing.is_file() else None
     if spec.split != "train" and splits is None:
         if path.is_file():
             what = "a single file"
@@ -236,7 +271,7 @@ def check_local_files(recipe: Recipe) -> None:
             path = Path(spec.path).expanduser()
             where = f"{key}[{index}] path `{spec.path}`"
             if not path.exists():
-                if looks_local(spec.path):
+                if local_looking(spec.path):
                     raise DataError(not_found(where, spec.path))
                 continue
             if problem := split_problem(spec, path):
@@ -274,7 +309,9 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line.removesuffix("\n")))  # the newline would move the column to the next line
+            # (the newline would move the column to the next line; a byte-order mark starts a line where two files
+            # saved on Windows were joined with `cat`: no part of the row, dropped as at the file's start)
+            rows.append(json.loads(line.removesuffix("\n").removeprefix("\ufeff")))
         except json.JSONDecodeError as exc:
             if bad_rows == "error":
                 raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); a "

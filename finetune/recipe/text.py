@@ -1,5 +1,6 @@
-"""Reading recipe text: the YAML file (its encoding, one document, aliases as copies), pydantic's errors as one
-paragraph, and "did you mean" for an unknown key. Overrides (`key.path=value`) are finetune/recipe/overrides.py.
+"""Reading recipe text: the YAML file (its encoding, one document, aliases as copies, its leading comments), pydantic's
+errors as one paragraph, "did you mean" for an unknown key, and paths or arguments a locale that is not UTF-8 cannot
+name. Overrides (`key.path=value`) are finetune/recipe/overrides.py.
 
 The schema itself (finetune/recipe/schema.py) passes its root model in, so this leaf knows nothing of the sections: a key is
 checked against whatever schema the caller validates with, and an unknown one gets the nearest valid key suggested.
@@ -11,6 +12,7 @@ import codecs
 import datetime
 import difflib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,37 +146,93 @@ def absolute_local_paths(raw: dict) -> None:
     `export` and a resume from another folder took the relative names for hub ids, or read another folder's files.
     Hub ids, template names and paths not found are left as written (their own checks name them). output.dir, which
     a first run creates, is made absolute whether it exists or not."""
-    def absolute(value, *, files_only: bool = False):
+    unnamed = []  # paths this locale cannot name: one paragraph for all of them
+
+    def absolute(value, key: str, *, files_only: bool = False):
         if not isinstance(value, str) or not value or "\n" in value or "{" in value:
+            return value
+        if problem := locale_path_problem(value):
+            unnamed.append(f"{key} `{value}`: {problem}")
             return value
         path = Path(value).expanduser()  # `~/x`: expanded here, or transformers took it for a hub id (bb25)
         if not (path.is_file() if files_only else path.exists()) or Path(value).is_absolute():
             return value
         return os.path.abspath(path)  # symbolic links kept as the user named them
 
-    def fix(section, key, **options):
+    def fix(section, key, where: str, **options):
         if isinstance(section, dict) and key in section:
-            section[key] = absolute(section[key], **options)
+            section[key] = absolute(section[key], f"{where}.{key}", **options)
 
     model, data, grpo = (raw.get(name) if isinstance(raw, dict) else None for name in ("model", "data", "grpo"))
     for key in ("name_or_path", "tokenizer", "adapter"):
-        fix(model, key)
+        fix(model, key, "model")
     template = model.get("chat_template") if isinstance(model, dict) else None
     if isinstance(template, str) and template not in named_templates():
-        fix(model, "chat_template", files_only=True)  # a named template wins over a file of its name
+        fix(model, "chat_template", "model", files_only=True)  # a named template wins over a file of its name
     for key in ("datasets", "eval_datasets"):
-        for spec in (data.get(key) or []) if isinstance(data, dict) and isinstance(data.get(key), list) else []:
-            fix(spec, "path")
-            fix(spec, "tools", files_only=True)
+        for index, spec in enumerate((data.get(key) or []) if isinstance(data, dict) and isinstance(data.get(key),
+                                                                                                   list) else []):
+            fix(spec, "path", f"data.{key}[{index}]")
+            fix(spec, "tools", f"data.{key}[{index}]", files_only=True)
     if isinstance(grpo, dict) and isinstance(grpo.get("reward_models"), list):
-        grpo["reward_models"] = [absolute(entry) for entry in grpo["reward_models"]]
+        grpo["reward_models"] = [absolute(entry, f"grpo.reward_models[{index}]")
+                                 for index, entry in enumerate(grpo["reward_models"])]
     train = raw.get("train") if isinstance(raw, dict) else None
     if isinstance(train, dict) and isinstance(train.get("mlflow_tracking_uri"), str) and train["mlflow_tracking_uri"]:
         train["mlflow_tracking_uri"] = absolute_store_uri(train["mlflow_tracking_uri"])
     output = raw.get("output") if isinstance(raw, dict) else None
     if isinstance(output, dict) and isinstance(output.get("dir"), str) and output["dir"]:
+        if problem := locale_path_problem(output["dir"]):
+            unnamed.append(f"output.dir `{output['dir']}`: {problem}")
         # made before it exists: a resume from the run's recipe.yaml, launched elsewhere, finds this run's checkpoints
         output["dir"] = os.path.abspath(Path(output["dir"]).expanduser())
+    if unnamed:
+        raise RecipeError("\n".join(unnamed))
+
+
+# The fix for text this process's locale cannot hold (an ISO-8859-x or C locale with Python's UTF-8 mode off)
+UTF8_LOCALE_FIX = "Fix: run finetune in a UTF-8 locale (e.g. `export LC_ALL=C.UTF-8`) or with `PYTHONUTF8=1`."
+
+
+def locale_name() -> str:
+    """This process's file-name encoding with the locale setting it comes from: `ascii, LC_ALL=C`."""
+    setting = next(((name, os.environ[name]) for name in ("LC_ALL", "LC_CTYPE", "LANG") if os.environ.get(name)), None)
+    return sys.getfilesystemencoding() + (f", {setting[0]}={setting[1]}" if setting else "")
+
+
+def undecodable_argument(argv: list[str]) -> str | None:
+    """The paragraph refusing the first command-line argument that holds bytes this locale's encoding could not decode
+    (Python keeps them as lone surrogates: `--prompt 你好` typed in a UTF-8 terminal under LC_ALL=C), unless it is
+    the path of something that exists (the same bytes name it). Taken on, such text reached the tokenizer as a
+    TypeError traceback, or a recipe value as other text than was typed. None: every argument is text."""
+    for item in argv:
+        if any("\udc80" <= char <= "\udcff" for char in item) and not os.path.lexists(item):
+            shown = item.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")  # the bytes, as UTF-8
+            return (f"the argument `{shown}` holds bytes that this locale's encoding ({locale_name()}) cannot decode "
+                    "(text typed in a UTF-8 terminal?), so it would be read as other text than was typed. "
+                    f"{UTF8_LOCALE_FIX}")
+    return None
+
+
+def locale_path_problem(value: str) -> str | None:
+    """Why the path `value` (text of a recipe, which is UTF-8) names no file here when the locale's encoding is not
+    UTF-8, else None: a character that encoding cannot hold (no file of that name can be opened: the run said "file
+    not found" of a file `ls` shows, or crashed with a UnicodeEncodeError), or a file that exists under the name's
+    UTF-8 bytes, which this locale writes as other bytes (`ü` in ISO-8859-1)."""
+    encoding = sys.getfilesystemencoding()
+    if value.isascii() or codecs.lookup(encoding).name == "utf-8":
+        return None
+    where = f"this locale's encoding ({locale_name()})"
+    name = os.path.expanduser(value)
+    try:
+        local = name.encode(encoding, sys.getfilesystemencodeerrors())  # as os.fsencode names it to the system
+    except UnicodeEncodeError:
+        return f"the name cannot be written in {where}, so no file of that name can be opened. {UTF8_LOCALE_FIX}"
+    utf8 = name.encode("utf-8", "surrogateescape")
+    if utf8 != local and os.path.lexists(utf8) and not os.path.lexists(local):
+        return (f"a file of that name exists in UTF-8, but {where} writes the name as other bytes, so it is not found. "
+                f"{UTF8_LOCALE_FIX}")
+    return None
 
 
 # Keys a later finetune removed without a rename, and what removed them. A recipe a run wrote (its recipe.yaml, a
@@ -246,7 +304,10 @@ def read_yaml(path: str | os.PathLike) -> dict:
         context = getattr(exc, "context", None)
         fix = ("Fix the YAML at that place (text that starts with [, {, %, *, &, ! or @, or holds `: ` or ` #`, "
                "goes in quotes: `key: '...'`).")
-        if context == "expected a single document in the stream":  # PyYAML's problem: "but found another document"
+        if "'\\t'" in problem or "tab character" in problem:  # a tab indents a line or ends one: quotes do not help
+            problem = "a tab character, which YAML does not take for indentation or between tokens"
+            fix = "Fix: replace the tab with spaces (an editor's \"convert tabs to spaces\" does every line)."
+        elif context == "expected a single document in the stream":  # PyYAML's problem: "but found another document"
             problem = "a second YAML document starts here (a `---` line after the first); a recipe is one document"
             fix = "Fix: remove that `---` line, or keep one document per file."
         elif context:
@@ -257,9 +318,10 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
-def decoded(path: Path) -> str:
+def decoded(path: Path, *, strict: bool = True) -> str:
     """The file's text: UTF-8, or the Unicode encoding its byte-order mark names (UTF-16 is what Windows Notepad saves
-    as "Unicode"). Any other encoding is refused naming the line, never a UnicodeDecodeError traceback."""
+    as "Unicode"). Any other encoding is refused naming the line, never a UnicodeDecodeError traceback; not `strict`:
+    read as UTF-8 with the bytes that are not replaced (for a look at the comments: the loader refuses the file)."""
     data = path.read_bytes()
     for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
                        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
@@ -268,6 +330,8 @@ def decoded(path: Path) -> str:
                 return data.decode(codec)
             except UnicodeDecodeError:
                 break
+    if not strict:
+        return data.decode("utf-8", errors="replace")
     if b"\x00" in data:  # UTF-16 without a byte-order mark: every other byte of ASCII text is 0
         raise RecipeError(f"{path}: the file is not UTF-8 text (it holds NUL bytes: UTF-16 without a byte-order mark?). "
                           "Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).")
@@ -279,6 +343,22 @@ def decoded(path: Path) -> str:
         raise RecipeError(
             f"{path}: line {line}: the file is not UTF-8 text (byte 0x{data[exc.start]:02x}, `{latin}` in Latin-1 or "
             "Windows-1252). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
+
+
+def leading_comments(path: str | os.PathLike) -> list[str]:
+    """The comment lines a recipe starts with (`# accelerate config: ...`, what writes its data file), from its text
+    decoded as the recipe loader decodes it. Read raw before, a byte-order mark hid the first comment and UTF-16 every
+    line: a recipe saved by a Windows editor lost its named launch and ran one process. [] where it cannot be read."""
+    try:
+        text = decoded(Path(path), strict=False)
+    except OSError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
 
 
 # Values a recipe may hold once its aliases are written out (each alias a copy: `unshared`). A recipe needs a few

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from finetune.errors import FinetuneError
@@ -61,8 +62,9 @@ def _loss_label(folders: list[Path]) -> str:
     objectives = set()
     for folder in folders:
         try:
-            objectives.add(((yaml.safe_load((folder / "recipe.yaml").read_text()) or {}).get("train") or {}).get("objective", "sft"))
-        except (OSError, yaml.YAMLError, AttributeError):
+            text = (folder / "recipe.yaml").read_text(encoding="utf-8")  # as a run writes it, whatever the locale
+            objectives.add(((yaml.safe_load(text) or {}).get("train") or {}).get("objective", "sft"))
+        except (OSError, ValueError, yaml.YAMLError, AttributeError):  # (ValueError: a UnicodeDecodeError)
             objectives.add(None)
     if len(objectives) == 1 and (only := objectives.pop()) in _LOSS_LABELS:
         return _LOSS_LABELS[only]
@@ -113,16 +115,21 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     lr_axes.set_xlabel("optimizer step")
     lr_axes.grid(alpha=0.3)
     lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    figure.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     marked = out.suffix.lower().lstrip(".") in _MARKED
     partial = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")  # (the suffix names the format)
-    try:  # written beside it and renamed over it: a link there is replaced, never written through (bb26)
-        figure.savefig(partial, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
-        os.replace(partial, out)
-    finally:
-        partial.unlink(missing_ok=True)
+    with warnings.catch_warnings():
+        # A run named in CJK or with an emoji (its folder is the title and the legend) is drawn with boxes for the
+        # characters the font lacks, and matplotlib warned once per character and drawing: 6 UserWarnings in the
+        # log of a run that went well. The boxes stay; the numbers are what the chart is for.
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from (current )?font", category=UserWarning)
+        figure.tight_layout()
+        try:  # written beside it and renamed over it: a link there is replaced, never written through (bb26)
+            figure.savefig(partial, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
     return out
 
 
