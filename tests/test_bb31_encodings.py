@@ -110,7 +110,7 @@ def test_the_preflight_check_reads_past_a_bom_where_two_windows_files_were_joine
         "datasets": [{"path": str(joined), "format": "chat"}], "bad_rows": "error"}}))
 
 
-@pytest.mark.parametrize("text", ["model:\n  name_or_path: x\n\tdtype: auto\n", "model:\n  name_or_path: x\t\n"])
+@pytest.mark.parametrize("text", ["model:\n  name_or_path: x\n\tdtype: auto\n", "model:\n  name_or_path: x\t\n"], ids=["indenting", "trailing"])
 def test_a_tab_in_a_recipe_is_said_to_be_replaced_by_spaces(tmp_path, text):
     """Found by a bug bash: a tab indenting a line, or left after a value, was refused with the fix for text that
     needs quotes ("text that starts with [, {, ... goes in quotes"), which does not apply: the fix is spaces."""
