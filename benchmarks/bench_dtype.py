@@ -6,7 +6,8 @@ On a CPU without AVX512-BF16/AMX, torch runs bf16 matmuls through its reference 
 model.dtype: auto measured 3,250 ms (bf16) against 113 ms (fp32) for the GEMM below, and the bf16 quickstart at 6
 tokens/s. Every figure here comes from this one invocation, so the ratios compare; absolute numbers do not carry
 across machines. The quickstart rows run the shipped recipe (SmolLM2-135M, 4-bit, LoRA; `make quickstart`'s model
-and data) for a few steps at each dtype, generation evals off, and read tokens/s from its metrics.jsonl.
+and data) for a few steps at each dtype, generation evals off: tokens/s is the tokens of steps 2..N over their time,
+from its metrics.jsonl (step 1 is warm-up). A SIGTERM (a timeout) ends the run in progress too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +25,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import group_run
 
 from finetune import precision
 
@@ -42,30 +45,39 @@ def gemm_ms(dtype: torch.dtype, repeats: int) -> float:
     return statistics.median(times)
 
 
+def run_tokens_per_s(rows: list[dict]) -> float:
+    """Tokens/s of steps 2..N of a run from its metrics.jsonl rows (logged every step): the tokens trained after step 1
+    over the seconds they took (step 1 is warm-up), as bench_peers counts; one step's own rate for a 1-step run."""
+    steps = [row for row in rows if "tokens_per_s" in row]
+    if len(steps) < 2:
+        return steps[-1]["tokens_per_s"]
+    return (steps[-1]["num_tokens"] - steps[0]["num_tokens"]) / (steps[-1]["elapsed_s"] - steps[0]["elapsed_s"])
+
+
 def quickstart_tokens_per_s(dtype: str, steps: int, root: Path) -> tuple[float, float]:
-    """(tokens/s over the run's steps, wall seconds) of the shipped quickstart recipe at `dtype`."""
+    """(tokens/s over the run's steps 2..N, wall seconds) of the shipped quickstart recipe at `dtype`."""
     from finetune.cli.quickstart import prepare, quickstart_recipe
 
     out = root / dtype
     overrides = prepare(out, tiny=False) + [f"model.dtype={dtype}", f"train.max_steps={steps}", "train.warmup_steps=1",
                                             "train.log_every=1", "eval.generation_rows=0", "output.overwrite=true"]
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, str(REPO / "finetune" / "run.py"), str(quickstart_recipe()), *overrides],
-                            capture_output=True, text=True, cwd=root, check=False)
+    result = group_run.run([sys.executable, str(REPO / "finetune" / "run.py"), str(quickstart_recipe()), *overrides],
+                           capture_output=True, text=True, cwd=root)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"quickstart at {dtype} failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    speeds = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
-    return speeds[-1], wall
+    return run_tokens_per_s(rows), wall
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="quickstart steps per dtype (default 6)")
+    parser.add_argument("--steps", type=int, default=6, help="quickstart steps per dtype (default 6; tokens/s: 2..N)")
     parser.add_argument("--repeats", type=int, default=5, help="timed GEMMs per dtype (default 5)")
     parser.add_argument("--skip-quickstart", action="store_true", help="the GEMM and the choice only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    group_run.stop_on_sigterm()  # a timeout's SIGTERM ends the quickstart run too, and removes the temporary folder
 
     native, _ = precision.native_bf16(*precision.target_device())
     choice = precision.choose_dtype("auto")

@@ -14,6 +14,7 @@ curve within the spread of the seeds, the ratio near 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -25,12 +26,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import group_run
 
 
 def finetune(*args: str, log: Path) -> None:
+    """`python -m finetune ARGS` run from the checkout (where `make vllm` put .venv-vllm); every path in ARGS is
+    absolute (main() resolves --out), so the caller's folder does not matter."""
     with open(log, "w") as out:
-        code = subprocess.call([sys.executable, "-m", "finetune", *args], stdout=out, stderr=subprocess.STDOUT,
-                               cwd=REPO)
+        code = group_run.run([sys.executable, "-m", "finetune", *args], stdout=out, stderr=subprocess.STDOUT,
+                             cwd=REPO).returncode
     if code:
         raise SystemExit(f"{' '.join(args)} failed ({code}); see {log}")
 
@@ -58,17 +64,37 @@ def summary(runs: list[Path]) -> dict:
     return out
 
 
-def main() -> None:
+def vllm_problem() -> str | None:
+    """Why the vLLM runs would fail, found before the SFT and built-in runs take their minutes (None: vLLM is there).
+    Asked from the checkout, where the runs start (.venv-vllm is looked for in the folder run from)."""
+    from finetune.recipe.grpo import VLLMNotFound, vllm_command
+
+    with contextlib.chdir(REPO):
+        try:
+            vllm_command(None)
+        except VLLMNotFound as exc:
+            return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
     from finetune.cli.quickstart import SFT_STEPS, TRAIN_ROWS, prepare, quickstart_recipe
     from finetune.cli.quickstart_grpo import GRPO_OVERRIDES, write_prompt_sets
     from finetune.precision import cpu_summary
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="needs `make vllm` (.venv-vllm in the checkout, or FINETUNE_VLLM_PYTHON)")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench-grpo-vllm-"))
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (relative: to the folder you run "
+                        "from; default: a new temporary folder, kept)")
+    args = parser.parse_args(argv)
+    problem = vllm_problem()
+    if problem:
+        raise SystemExit(f"bench_grpo_vllm: {problem}")
+    group_run.stop_on_sigterm()  # a timeout's SIGTERM ends the running `finetune train` too
+    # The runs start in the checkout (cwd=REPO): a relative --out is the caller's, so it is made absolute here.
+    out = (args.out or Path(tempfile.mkdtemp(prefix="bench-grpo-vllm-"))).resolve()
     recipe = str(quickstart_recipe())
     sft = out / "sft"
     overrides = [*prepare(sft, tiny=False), f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]

@@ -30,6 +30,7 @@ benchmarks/memory_breakdown.py's per-part peak of `ours` in each mode, with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -51,6 +52,7 @@ from peers_common import (  # noqa: F401
     SYSTEM_PROMPT,
     cpu_seconds,
     device,
+    names,
     peak_rss_mb,
     run_measured,
     synced,
@@ -97,34 +99,58 @@ def held_out_loss(model, examples, pad_id: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- runners
-def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
-    """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries and
-    noting the peak RSS before and after the final evaluation and the checkpoint (which phase sets the peak)."""
-    from finetune import data, run, training
-    from finetune.outputs import checkpoint
+# What the loop calls at the end of a run (finetune/training/loop.py: `evaluate_figures(...)` and
+# `checkpoint.save_checkpoint(...)`, looked up at each call): the peak RSS is read before and after each, so the
+# table shows which phase set it. tests/test_bench_peers.py checks that the loop still calls these names.
+PHASE_CALLS = {"eval": ("finetune.training.loop", "evaluate_figures"),
+               "checkpoint": ("finetune.outputs.checkpoint", "save_checkpoint")}
 
-    tokens: list[int] = []
-    phases: dict[str, float] = {}
-    original_iter = data.BatchStream.__iter__
 
-    def counting_iter(stream):
-        for batch in original_iter(stream):
+@contextlib.contextmanager
+def measured_run(tokens: list[int], phases: dict[str, float]):
+    """While open: the non-pad tokens of every micro-batch go into `tokens`, each optimizer step's clock stops after
+    the GPU's work, and `phases` gets the peak RSS before and after the last call of each of PHASE_CALLS."""
+    import importlib
+
+    from finetune import data, training
+
+    def counting_iter(stream, _iter=data.BatchStream.__iter__):
+        for batch in _iter(stream):
             tokens.append(data.real_token_count(batch, stream.pad_id))
             yield batch
 
     def noting(name: str, function):
         def wrapper(*args, **kwargs):
-            phases.setdefault(f"before_{name}", peak_rss_mb())
+            phases[f"before_{name}"] = peak_rss_mb()  # the last call's: the final eval, after the last step
             value = function(*args, **kwargs)
             phases[f"after_{name}"] = peak_rss_mb()
             return value
         return wrapper
 
-    data.BatchStream.__iter__ = counting_iter
-    training.loop.optimizer_step = synced(training.loop.optimizer_step)  # the step's clock stops after the GPU's work
-    training.loop.evaluate = noting("eval", training.loop.evaluate)
-    checkpoint.save_checkpoint = noting("checkpoint", checkpoint.save_checkpoint)
-    code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
+    patches = [(data.BatchStream, "__iter__", counting_iter),
+               (training.loop, "optimizer_step", synced(training.loop.optimizer_step))]
+    for name, (module, attribute) in PHASE_CALLS.items():
+        owner = importlib.import_module(module)
+        patches.append((owner, attribute, noting(name, getattr(owner, attribute))))
+    originals = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in patches]
+    try:
+        for owner, attribute, replacement in patches:
+            setattr(owner, attribute, replacement)
+        yield
+    finally:
+        for owner, attribute, original in originals:
+            setattr(owner, attribute, original)
+
+
+def worker_ours(recipe_path: Path, out: Path, overrides: list[str]) -> None:
+    """finetune/run.py's main() in this process (one rank), counting the non-pad tokens each micro-batch carries and
+    noting the peak RSS before and after the final evaluation and the checkpoint (which phase sets the peak)."""
+    from finetune import run
+
+    tokens: list[int] = []
+    phases: dict[str, float] = {}
+    with measured_run(tokens, phases):
+        code = run.main([str(recipe_path), f"output.dir={out / 'run'}", *overrides])
     if code != 0:
         raise SystemExit(code)
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -272,33 +298,39 @@ def combine(results: list[dict]) -> list[dict]:
     return combined
 
 
+def ratio(value: float, base: dict | None, key: str) -> str:
+    """`value` against the `ours` row's figure, or n/a when no `ours` ran in that mode (never a row against itself)."""
+    return f"{value / base[key]:.2f}x" if base and base.get(key) else "n/a"
+
+
 def table(results: list[dict]) -> str:
     """Markdown table of the combined rows; ratios against `ours` (1 process) in the same mode."""
     rows = combine(results)
     lines = [("| runner | mode | processes | tokens/s, median step (range) | tokens/s, mean | peak RSS MB (range) | "
               "eval loss | other CPU | tokens/s vs ours | RSS vs ours |"), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = next((b for b in rows if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), r)
+        base = next((b for b in rows if b["runner"] == "ours" and b["mode"] == r["mode"] and b["procs"] == 1), None)
         procs = "1" if r["procs"] == 1 else f"{r['procs']} ({r['strategy'].upper()})"
         low, high = r["median_tokens_per_s_range"]
         rss_low, rss_high = r["peak_rss_mb_range"]
         lines.append(f"| {r['runner']} | {r['mode']} | {procs} | {r['median_tokens_per_s']:.0f} ({low:.0f}-{high:.0f}) | "
                      f"{r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} ({rss_low:.0f}-{rss_high:.0f}) | "
                      f"{r['eval_loss']:.4f} | {r['other_cpu']:.0%} | "
-                     f"{r['median_tokens_per_s'] / base['median_tokens_per_s']:.2f}x | "
-                     f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
+                     f"{ratio(r['median_tokens_per_s'], base, 'median_tokens_per_s')} | "
+                     f"{ratio(r['peak_rss_mb'], base, 'peak_rss_mb')} |")
     return "\n".join(lines)
 
 
 def phase_table(results: list[dict]) -> str:
-    """Which phase of `ours` sets its peak RSS: training, the final evaluation, or the checkpoint."""
+    """Which phase of `ours` sets its peak RSS: training, the final evaluation, or the checkpoint (- : not seen)."""
     lines = ["| runner | mode | peak RSS after training (MB) | after the final eval | after the checkpoint |",
              "|---|---|---:|---:|---:|"]
     for r in combine([r for r in results if r.get("phases")]):
         runs = [x for x in results if x["runner"] == r["runner"] and x["mode"] == r["mode"] and x["procs"] == r["procs"]]
         phases = runs[0]["phases"]
-        lines.append(f"| {r['runner']} | {r['mode']} | {phases.get('before_eval', 0):.0f} | {phases.get('after_eval', 0):.0f} | "
-                     f"{phases.get('after_checkpoint', 0):.0f} |")
+        figures = [phases.get(key) for key in ("before_eval", "after_eval", "after_checkpoint")]
+        lines.append(f"| {r['runner']} | {r['mode']} | "
+                     + " | ".join("-" if figure is None else f"{figure:.0f}" for figure in figures) + " |")
     return "\n".join(lines)
 
 
@@ -321,17 +353,11 @@ def report(results: list[dict], breakdowns: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def main() -> None:
-    if "--dpo" in sys.argv:  # preference tuning against TRL's DPOTrainer: benchmarks/bench_peers_dpo.py
-        from bench_peers_dpo import main as dpo_main
+MODES = ("unpacked", "packed")
 
-        dpo_main([arg for arg in sys.argv[1:] if arg != "--dpo"])
-        return
-    if "--grpo" in sys.argv:  # online RL against TRL's GRPOTrainer: benchmarks/bench_peers_grpo.py
-        from bench_peers_grpo import main as grpo_main
 
-        grpo_main([arg for arg in sys.argv[1:] if arg != "--grpo"])
-        return
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked before anything runs: --steps, and every --only / --modes name spelled as listed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
     parser.add_argument("--random", metavar="HIDDEN,LAYERS", help="a random model of this size instead of SmolLM2-135M "
@@ -339,22 +365,40 @@ def main() -> None:
     parser.add_argument("--task", default="ledger_report", choices=sorted(ROWS), help="the data (finetune/cli/tasks.py)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run, the same for every runner")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
-    parser.add_argument("--only", default=",".join(RUNNERS), help="comma-separated runners")
-    parser.add_argument("--modes", default="unpacked,packed", help="comma-separated: unpacked, packed")
+    parser.add_argument("--only", default=",".join(RUNNERS), help=f"comma-separated runners: {', '.join(RUNNERS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     parser.add_argument("--distributed", action="store_true", help="also 2-process DDP and FSDP2 runs of ours")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-part memory breakdown")
     parser.add_argument("--json", help="write every run's figures here as JSON")
     parser.add_argument("--keep", help="keep run folders under this path")
     parser.add_argument("--summarize", help="print the tables of an earlier --json file, run nothing")
-    args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    args = parser.parse_args(argv)
+    if not args.summarize:
+        if args.steps < 3:
+            parser.error("--steps must be at least 3 (step 1 is warm-up)")
+        args.only = names(parser, "--only", args.only, RUNNERS)
+        args.modes = names(parser, "--modes", args.modes, MODES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--dpo" in argv:  # preference tuning against TRL's DPOTrainer: benchmarks/bench_peers_dpo.py
+        from bench_peers_dpo import main as dpo_main
+
+        dpo_main([arg for arg in argv if arg != "--dpo"])
+        return
+    if "--grpo" in argv:  # online RL against TRL's GRPOTrainer: benchmarks/bench_peers_grpo.py
+        from bench_peers_grpo import main as grpo_main
+
+        grpo_main([arg for arg in argv if arg != "--grpo"])
+        return
+    args = arguments(argv)
     if args.summarize:
         saved = json.loads(Path(args.summarize).read_text())
         print(report(saved["runs"], saved["breakdowns"]))
         return
-    if args.steps < 3:
-        parser.error("--steps must be at least 3 (step 1 is warm-up)")
-    only, modes = args.only.split(","), args.modes.split(",")
+    only, modes = args.only, args.modes
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
         size = tuple(int(n) for n in args.random.split(",")) if args.random else None
@@ -379,10 +423,10 @@ def main() -> None:
 
 def worker_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", required=True)
+    parser.add_argument("--worker", required=True, choices=RUNNERS)
     parser.add_argument("--recipe", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", required=True)
+    parser.add_argument("--mode", required=True, choices=MODES)
     args, overrides = parser.parse_known_args(argv)
     if args.worker.startswith("ours"):
         worker_ours(args.recipe, args.out, overrides)

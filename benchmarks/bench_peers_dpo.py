@@ -36,7 +36,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from peers_common import BF16, SYSTEM_PROMPT, device, peak_rss_mb, run_measured, throughput, worker_env, write_report
+from peers_common import (
+    BF16,
+    SYSTEM_PROMPT,
+    device,
+    names,
+    peak_rss_mb,
+    run_measured,
+    throughput,
+    worker_env,
+    write_report,
+)
 
 RUNNERS = ("ours", "ours-precomputed", "trl")
 PAIRS = 200
@@ -202,7 +212,8 @@ def table(results: list[dict]) -> str:
         rss = statistics.median(r["peak_rss_mb"] for r in items)
         each = ", ".join(f"{r['tokens_per_s']:.0f}" for r in items)
         lines.append(f"{runner:<17} {speed:>10.1f} ({each:<12})"
-                     f"  {speed / ours if ours else 0:>6.2f}  {rss:>12.0f}  {rss / ours_rss if ours_rss else 0:>7.2f}"
+                     f"  {f'{speed / ours:.2f}' if ours else 'n/a':>6}  {rss:>12.0f}"
+                     f"  {f'{rss / ours_rss:.2f}' if ours_rss else 'n/a':>7}"
                      f"  {statistics.median(r['first_loss'] for r in items):>11.4f}"
                      f"  {statistics.median(r['reward_accuracy'] for r in items):>20.0%}"
                      f"  {max(r['other_cpu'] for r in items):>9.0%}")
@@ -212,12 +223,14 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2-135M (smoke test)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run, the same for every runner")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default=",".join(RUNNERS))
+    parser.add_argument("--only", default=",".join(RUNNERS), help=f"comma-separated runners: {', '.join(RUNNERS)}")
     parser.add_argument("--json", help="write every run's figures here as JSON")
     args = parser.parse_args(argv)
-    only = [r for r in args.only.split(",") if r]
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (step 1 is warm-up)")
+    only = names(parser, "--only", args.only, RUNNERS)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def worker_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", required=True)
+    parser.add_argument("--worker", required=True, choices=RUNNERS)
     parser.add_argument("--recipe", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args, overrides = parser.parse_known_args(argv)

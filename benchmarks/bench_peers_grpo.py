@@ -53,6 +53,7 @@ from peers_common import (
     QUICKSTART_MODEL,
     SYSTEM_PROMPT,
     device,
+    names,
     peak_rss_mb,
     run_measured,
     throughput,
@@ -312,10 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-seed", type=int, default=42, help="the first of the --seeds (default 42)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="gradient checkpointing off for both (default: on, each tool's default)")
-    parser.add_argument("--only", default=",".join(RUNNERS))
+    parser.add_argument("--only", default=",".join(RUNNERS), help=f"comma-separated runners: {', '.join(RUNNERS)}")
     parser.add_argument("--json", help="write every run's figures here as JSON")
     args = parser.parse_args(argv)
-    only = [r for r in args.only.split(",") if r]
+    only = names(parser, "--only", args.only, RUNNERS)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -151,16 +151,26 @@ def parts_text(results: dict, recipe_path: Path) -> str:
             + parts_table(measured, {name: planned_parts(recipe, name) for name in measured}))
 
 
-def main() -> None:
+def env_setting(text: str) -> tuple[str, str]:
+    """`--env NAME=VALUE` as (NAME, VALUE); anything else is argparse's error (`--env NAME` alone sets nothing)."""
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. FINETUNE_CPU_ALLOCATOR=default; an empty "
+                                         "value: NAME=)")
+    return name, value
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", default="fsdp2,fsdp1,ddp")
-    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
+    parser.add_argument("--env", action="append", default=[], type=env_setting, metavar="NAME=VALUE",
+                        help="a variable for the runs (repeat for more)")
     parser.add_argument("--parts", action="store_true", help="measure step 2 tensor by tensor, against the planner")
-    args = parser.parse_args()
-    env = dict(item.split("=", 1) for item in args.env)
+    args = parser.parse_args(argv)
+    env = dict(args.env)
     if args.parts:
         env["FINETUNE_MEASURE_STEP"] = "2"
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,9 +13,11 @@ servers' one-time start (the imports, once per pytest process) is printed apart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import group_run
 
 WORKER = """
 import os, sys, time
@@ -54,7 +59,9 @@ def launch(argv: list[str], env: dict, folder: Path, servers: list[int]) -> tupl
         old.unlink()
     before_children, before_servers = children_cpu(), sum(process_cpu(pid) for pid in servers)
     started = time.perf_counter()
-    subprocess.run(argv, env=env, check=True, capture_output=True)
+    result = group_run.run(argv, env=env, capture_output=True)
+    if result.returncode:
+        raise subprocess.CalledProcessError(result.returncode, argv, result.stdout, result.stderr)
     wall = time.perf_counter() - started
     cpu = children_cpu() - before_children
     if servers:  # the ranks are the servers' children, not ours: their own figures, and the servers' fork work
@@ -63,17 +70,40 @@ def launch(argv: list[str], env: dict, folder: Path, servers: list[int]) -> tupl
     return wall, cpu
 
 
-def main() -> None:
+@contextlib.contextmanager
+def scratch():
+    """A temporary folder for the worker script and the ranks' files, removed at exit with the folder that
+    tests/conftest.py makes at import (its FINETUNE_CACHE, which only a pytest session's end removes) when this
+    script imported it; inside pytest (conftest already imported) the session's own folder is left to pytest."""
+    ours = "conftest" not in sys.modules
+    import conftest
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-warm-") as folder:
+            yield Path(folder)
+    finally:
+        if ours:
+            (conftest.TEST_CACHE / "gguf").unlink(missing_ok=True)  # a link to the machine's GGUF conversions: kept
+            shutil.rmtree(conftest.TEST_CACHE, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    group_run.stop_on_sigterm()  # a timeout's SIGTERM ends the launch and removes the folders too
+    with scratch() as folder:
+        measure(args, folder)
+
+
+def measure(args: argparse.Namespace, folder: Path) -> None:
+    """Cold and warm launches of the worker, --repeats each; prints the medians (exits non-zero if a warm one ran cold)."""
     import warm
     from conftest import child_env, free_port
 
     from finetune.precision import cpu_summary
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-warm-"))
     script = folder / "worker.py"
     script.write_text(WORKER)
 
@@ -82,17 +112,19 @@ def main() -> None:
                 f"--master_port={free_port()}", str(script), str(folder)]
 
     started = time.perf_counter()
-    warm.command(["true"])  # starts the servers: their imports, once per pytest process
-    servers = [process.pid for process in warm._servers.processes]
-    server_start = time.perf_counter() - started
-    server_cpu = sum(process_cpu(pid) for pid in servers)
-    env = child_env()
-    figures = {mode: [launch(warm.command(argv()) if mode == "warm" else argv(), env, folder,
-                             servers if mode == "warm" else []) for _ in range(args.repeats)]
-               for mode in ("cold", "warm")}
-    cold_log = Path(os.environ["FINETUNE_WARM_DIR"]) / "cold.log"
-    ran_cold = cold_log.read_text() if cold_log.exists() else ""
-    warm.stop()
+    try:
+        warm.command(["true"])  # starts the servers: their imports, once per pytest process
+        servers = [process.pid for process in warm._servers.processes]
+        server_start = time.perf_counter() - started
+        server_cpu = sum(process_cpu(pid) for pid in servers)
+        env = child_env()
+        figures = {mode: [launch(warm.command(argv()) if mode == "warm" else argv(), env, folder,
+                                 servers if mode == "warm" else []) for _ in range(args.repeats)]
+                   for mode in ("cold", "warm")}
+        cold_log = Path(os.environ["FINETUNE_WARM_DIR"]) / "cold.log"
+        ran_cold = cold_log.read_text() if cold_log.exists() else ""
+    finally:
+        warm.stop()  # the servers and their folder, whatever stopped the launches
     median = {mode: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
               for mode, runs in figures.items()}
     print(f"machine: {cpu_summary()}; {args.ranks} ranks, median of {args.repeats}")

@@ -22,7 +22,8 @@ Cold: empty caches ($FINETUNE_CACHE for ours, the `datasets` cache folder for ma
 Warm: the same command again with the caches the cold run left. The data file itself is in the page cache in both.
 
 Per rank: the phase's wall time (after imports and, at 2 ranks, after the process group formed; the process's
-whole wall time is printed too), ru_maxrss of the rank process, and, sampled from a thread while the phase runs,
+whole wall time is printed too), the rank process's own peak RSS (VmHWM: not ru_maxrss, which a 1-rank run started by
+the harness inherits from it), and, sampled from a thread while the phase runs,
 the peak RSS, anonymous RSS and PSS of the rank with its worker processes (datasets' num_proc workers, our render
 workers). PSS counts a page shared by k processes as 1/k: the memory-mapped Arrow files that ranks share count once.
 RSS and anonymous RSS are sampled every 0.1 s, PSS every second (reading smaps costs time on a large process).
@@ -127,12 +128,20 @@ def _maxrss_mb(who: int) -> float:
     return round(resource.getrusage(who).ru_maxrss / 1024, 1)  # KiB on Linux
 
 
-def _current_rss_mb() -> float:
-    """This process's RSS now (the imports' and the runtime's, before the phase adds anything)."""
+def _status_mb(field: str) -> float:
+    """A figure of /proc/self/status in MB: VmRSS, this process's RSS now (the imports' and the runtime's, before the
+    phase adds anything); VmHWM, its peak."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0
+
+
+def own_peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: Linux carries that across exec from the process that
+    started this one, so a 1-rank run started by a large harness (one that converted a GGUF file) reported the
+    harness's peak; VmHWM belongs to the address space of this program."""
+    return _status_mb("VmHWM")
 
 
 def _cpu_s() -> float:
@@ -251,7 +260,7 @@ def worker(settings: dict) -> None:
         distributed.init_distributed()
     rank = int(os.environ.get("RANK", "0"))
     side = {"ours": _ours_side, "map": _map_side}[settings["side"]]
-    rss_start = _current_rss_mb()  # both sides' imports are in it: the phase's own memory is what it adds
+    rss_start = _status_mb("VmRSS")  # both sides' imports are in it: the phase's own memory is what it adds
     with TreeMemory() as memory:
         started, cpu = time.perf_counter(), _cpu_s()
         if distributed and settings["side"] == "map" and rank != 0:
@@ -266,7 +275,7 @@ def worker(settings: dict) -> None:
     result["stages"] = {**({"wait_s": round(waited, 2)} if waited > 0.01 else {}), "tokenizer_s": round(loaded, 2),
                         **result["stages"]}
     result.update(rank=rank, phase_s=round(phase, 2), cpu_s=round(cpu, 2), imports_s=round(imports, 2),
-                  rss_self_mb=_maxrss_mb(resource.RUSAGE_SELF), rss_children_mb=_maxrss_mb(resource.RUSAGE_CHILDREN),
+                  rss_self_mb=own_peak_rss_mb(), rss_children_mb=_maxrss_mb(resource.RUSAGE_CHILDREN),
                   **memory.peak)
     result.update(rss_start_mb=rss_start, growth_mb=round(max(result["rss_tree_mb"] - rss_start, 0.0), 1))
     Path(settings["out"], f"rank{rank}.json").write_text(json.dumps(result))
@@ -329,7 +338,7 @@ def goals(records: list[dict], found: dict, rows: int) -> list[str]:
         cold = found.get(f"w{world}-cold", {})
         if cold:
             lines.append(f"per-rank peak RSS of the data phase <= {GOAL_RSS}x datasets.map's ({world} rank(s), cold): "
-                         f"{cold['rss_self_mb']:.2f}x (ru_maxrss of the rank), {cold['rss_tree_mb']:.2f}x (with its "
+                         f"{cold['rss_self_mb']:.2f}x (the rank's own peak RSS, VmHWM), {cold['rss_tree_mb']:.2f}x (with its "
                          f"workers), {cold['pss_tree_mb']:.2f}x (PSS), {cold['growth_mb']:.2f}x (growth: the peak with its workers "
                          "less the rank's RSS when the phase began, i.e. without the imports both sides carry)")
     for side in ("ours", "map"):

@@ -221,6 +221,14 @@ def _shard_line(result: dict) -> str:
             f"{bf16['bitwise']}")
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="ask the questions of the CPU (the smoke's dry run)")
+    args = parser.parse_args(argv)
+    print(json.dumps(probe(cpu=args.cpu)))
+
+
 if __name__ == "__main__":
-    result = probe(cpu="--cpu" in sys.argv)
-    print(json.dumps(result))
+    main()

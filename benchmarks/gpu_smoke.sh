@@ -9,7 +9,22 @@
 # preinstalled and no network: pass WHEELS=DIR with the wheels of what it lacks, made where the registries are by
 # `bash benchmarks/gpu_wheels.sh DIR`: bitsandbytes, datasets, pydantic, gguf, and DeepSpeed + hjson for the ZeRO-3 run).
 # With none of them but an NVIDIA driver present, `make install` sets up .venv with the CUDA build first.
+# A relative path given (--json FILE, GPU_SMOKE_JSON, WHEELS, PY) is the caller's: resolved against the folder it was
+# run from before the script moves to the checkout.
 set -euo pipefail
+CALLER=$PWD
+absolute() { case "$1" in /* | "") printf '%s' "$1" ;; *) printf '%s/%s' "$CALLER" "$1" ;; esac; }
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --json) args+=("$1"); shift; [ $# -gt 0 ] && { args+=("$(absolute "$1")"); shift; } ;;
+    --json=*) args+=("--json=$(absolute "${1#--json=}")"); shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+if [ -n "${GPU_SMOKE_JSON:-}" ]; then GPU_SMOKE_JSON=$(absolute "$GPU_SMOKE_JSON"); export GPU_SMOKE_JSON; fi
+WHEELS=$(absolute "${WHEELS:-}")
+case "${PY:-}" in */*) PY=$(absolute "$PY") ;; esac  # a bare name (python3.11) is looked up on PATH
 cd "$(dirname "$0")/.."
 
 has_cuda() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
@@ -51,5 +66,5 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # finetune from this checkout, whichever Python runs it
 # Not `exec`: the EXIT trap above must still remove $WORK (the runs' folders, the wheels) when Python ends.
 status=0
-"$PYTHON" benchmarks/gpu_smoke.py --work "$WORK" "$@" || status=$?
+"$PYTHON" benchmarks/gpu_smoke.py --work "$WORK" ${args[@]+"${args[@]}"} || status=$?
 exit "$status"

@@ -62,8 +62,24 @@ def write_inputs(root: Path, *, tiny: bool, task: str = "ledger_report", random_
     return path
 
 
+def names(parser, option: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    """The comma-separated names of `option`, each one of `allowed` spelled as there (lower case); else argparse's
+    error before anything runs (a typo would otherwise run under its own label, or not at all)."""
+    given = [name for name in value.split(",") if name]
+    unknown = [name for name in given if name not in allowed]
+    if unknown or not given:
+        parser.error(f"{option}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'no name given'}; "
+                     f"choose from {', '.join(allowed)} (comma-separated, spelled as here)")
+    return given
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak RSS, MB: VmHWM. Not ru_maxrss, which Linux carries across exec from the process that
+    started this one: a worker smaller than its harness (a tiny model) would report the harness's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no /proc field: the kernel's figure
 
 
 def device():

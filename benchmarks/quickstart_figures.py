@@ -21,6 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import group_run
 
 # The lines of the quickstart's reports (finetune/cli/quickstart.py: report, dpo_report) that hold the figures.
 SFT_SCORES = re.compile(r"exact match on (\d+) held-out prompts: before (\d+)% \((\d+)/\d+\) -> after (\d+)% \((\d+)/\d+\)")
@@ -44,8 +47,8 @@ def run_quickstart(args: list[str], log: Path) -> tuple[str, float]:
     """(printed output, wall seconds) of `python -m finetune quickstart ARGS`; exits with its log's tail if it fails."""
     start = time.perf_counter()
     with open(log, "w") as handle:
-        code = subprocess.run([sys.executable, "-m", "finetune", "quickstart", *args], cwd=REPO, stdout=handle,
-                              stderr=subprocess.STDOUT, check=False).returncode
+        code = group_run.run([sys.executable, "-m", "finetune", "quickstart", *args], cwd=REPO, stdout=handle,
+                             stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     text = log.read_text()
     if code != 0:
@@ -102,6 +105,7 @@ def main() -> int:
     parser.add_argument("--only", choices=["sft", "dpo", "grpo"], help="one of the three runs")
     parser.add_argument("--out", type=Path, help="keep the run folders and logs here (default: a temporary folder)")
     args = parser.parse_args()
+    group_run.stop_on_sigterm()  # a timeout's SIGTERM ends the running quickstart too, and removes the temporary folder
     print(f"[quickstart-figures] machine: {machine()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="quickstart-figures-") as scratch:
         root = (args.out or Path(scratch)).resolve()
