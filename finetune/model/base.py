@@ -84,6 +84,10 @@ def load_tokenizer(recipe: Recipe):
         from finetune.chat_templates import resolve_chat_template
 
         tokenizer.chat_template = resolve_chat_template(recipe.model.chat_template)
+    if recipe.model.adapter:  # the template the adapter was trained with, where the recipe sets none (lora/kept.py)
+        from finetune.model.lora.kept import use_start_template
+
+        use_start_template(recipe, tokenizer)
     if tokenizer.pad_token_id is None:
         # Padding positions never reach the loss (labels -100, attention mask 0), so eos is a safe pad.
         tokenizer.pad_token = tokenizer.eos_token

@@ -140,8 +140,8 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def _adapter_layout_as_resolved(saved: dict, current: dict) -> None:
     """A run started from model.adapter before its lora keys were filled from the adapter (r, alpha, rslora, dora,
-    bias) saved the schema's defaults there, though it trained the adapter's layout: read as the adapter's (this run's
-    resolved values), not as a changed layout that refuses the resume."""
+    bias; target_modules, which said all-linear) saved the schema's defaults there, though it trained the adapter's
+    layout: read as the adapter's (this run's resolved values), not as a changed layout that refuses the resume."""
     from finetune.model.lora.adapter import LAYOUT
     from finetune.recipe.schema import LoraSection
 
@@ -149,7 +149,7 @@ def _adapter_layout_as_resolved(saved: dict, current: dict) -> None:
     if not adapter or not (adapter == now_adapter or same_place(adapter, now_adapter)):
         return
     default, now, lora = LoraSection(), current.get("lora") or {}, saved.setdefault("lora", {})
-    for key in LAYOUT:
+    for key in (*LAYOUT, "target_modules"):
         if lora.get(key, getattr(default, key)) == getattr(default, key) and key in now:
             lora[key] = now[key]
 

@@ -25,6 +25,7 @@ import torch
 from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import _write_text_atomic, on_main, remove_path
+from finetune.model.lora.kept import keep_start, use_kept
 from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
 from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
 from finetune.recipe.checks import output_in_data_problem
@@ -65,6 +66,7 @@ def saved_recipe(path: Path):
               flush=True)
     absolute_local_paths(raw)  # as load_recipe does: its local paths named from here
     recipe = validate_recipe(raw, source=str(path), trains=False)
+    use_kept(recipe, *Path(path).resolve().parents[:3])  # the start adapter its run kept (beside, or a checkpoint's run's)
     if recipe.model.trust_remote_code:  # export and generate inherit it: said before any of that code runs (bb26)
         print(f"[finetune] note: {path} sets model.trust_remote_code: true, so loading its base "
               f"{recipe.model.name_or_path} runs the Python files of that model folder or hub repo here, as the run "
@@ -137,6 +139,12 @@ def _lock_owner(out_dir: Path) -> dict | None:
         same_host = owner.get("host") == socket.gethostname()
         return owner if same_host and _pid_alive(int(owner.get("pid", -1))) else None
     return None if taken else (owner or {"pid": "?", "host": "?"})
+
+
+def running_owner(out_dir: Path) -> str | None:
+    """`PID 123 on host` of the run in progress that holds `out_dir`'s lock; None when no run holds it."""
+    owner = _lock_owner(out_dir)
+    return None if owner is None else f"PID {owner.get('pid', '?')} on {owner.get('host', '?')}"
 
 
 def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) -> str | None:
@@ -334,6 +342,7 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
             with contextlib.suppress(FileNotFoundError):
                 (out_dir / name).unlink()
         _unlink_links(out_dir, ("recipe.yaml",))
+        keep_start(out_dir, recipe_yaml)  # model.adapter's files, kept for this run's resume, export and generate
     else:  # the records of steps after the checkpoint go: those steps run again
         _unlink_links(out_dir, (*RUN_FILES, "recipe.yaml"))
         resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]

@@ -219,7 +219,8 @@ def test_a_run_started_from_an_adapter_before_the_layout_was_filled_still_resume
     recipe = _recipe(tiny_qwen2, plain_adapter, "nf4")
     model_stage.load_config(recipe)  # resolved: r 8, alpha 16
     current = recipe.model_dump(mode="json")
-    assert {key for key, _, _ in differences(old, current) if key.startswith("lora.")} == {"lora.r", "lora.alpha"}
+    assert {key for key, _, _ in differences(old, current) if key.startswith("lora.")} == \
+        {"lora.r", "lora.alpha", "lora.target_modules"}
     _adapter_layout_as_resolved(old, current)
     assert not [key for key, _, _ in differences(old, current) if key.startswith("lora.")]
     elsewhere = _recipe(tiny_qwen2, None, "nf4").model_dump(mode="json")  # no adapter: its defaults are its layout

@@ -349,7 +349,7 @@ def test_every_shipped_config_trains_the_same_kto_curve_from_an_sft_adapter(tiny
     curves, kls = {}, {}
     for config in SHIPPED:
         processes = ACCELERATE_CONFIG_RUNS[f"{config}.yaml"].processes
-        values = kto_recipe(tiny_llama, rows, tmp_path / config, lora=LIBRARY_LORA, kto={"beta": 0.5},
+        values = kto_recipe(tiny_llama, rows, tmp_path / config, lora={**LIBRARY_LORA, "r": 8, "alpha": 16}, kto={"beta": 0.5},
                             model={"dtype": recipe_dtype(f"{config}.yaml"), "adapter": str(sft_adapter)},
                             train={"max_steps": 6, "micro_batch_size": 8 // processes, "learning_rate": 2e-2})
         result = accelerate_launch(config, write_recipe(tmp_path / f"{config}.yaml", values))

@@ -330,7 +330,7 @@ def test_every_shipped_config_trains_the_same_dpo_curve_from_an_sft_adapter(tiny
     runs += [(f"{config}-shard-grad-op", config, flags) for config, flags in SHARD_GRAD_OP.items()]
     for name, config, flags in runs:
         processes = ACCELERATE_CONFIG_RUNS[f"{config}.yaml"].processes
-        values = dpo_recipe(tiny_llama, pairs_file, tmp_path / name, lora=LIBRARY_LORA,
+        values = dpo_recipe(tiny_llama, pairs_file, tmp_path / name, lora={**LIBRARY_LORA, "r": 8, "alpha": 16},
                             model={"dtype": recipe_dtype(f"{config}.yaml"), "adapter": str(sft_adapter)},
                             train={"max_steps": 6, "micro_batch_size": 4 // processes, "learning_rate": 1e-2})
         result = accelerate_launch(config, write_recipe(tmp_path / f"{name}.yaml", values), flags=flags)

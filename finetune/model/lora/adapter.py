@@ -2,7 +2,7 @@
 loads it refused), its LoRA layout (adapter_config.json) resolved into the recipe's lora section or a conflicting
 recipe key refused (all before any weight loads), a lora.target_modules list compared with its targets on the model's
 module names, and its tensors read (safetensors, or PEFT's older .bin), keyed as `init.adapter_key` keys a PeftModel's
-parameters."""
+parameters. A resume, export or generate of a run reads the copy the run kept of it (kept.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from finetune.errors import ModelLoadError, RecipeError
+from finetune.model.lora.kept import WEIGHTS, start_folder
 from finetune.recipe import Recipe
 
 # The lora keys a saved adapter fixes, with the adapter_config.json field and the PEFT default of each. A run that
@@ -22,9 +23,10 @@ from finetune.recipe import Recipe
 LAYOUT = {"r": ("r", 8), "alpha": ("lora_alpha", 8), "rslora": ("use_rslora", False), "dora": ("use_dora", False),
           "bias": ("bias", "none")}
 
-# The adapter's weights: PEFT's file, or the pickle PEFT wrote before 0.6 (and with safe_serialization=False), read
-# as plain tensors only (torch.load weights_only).
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# WEIGHTS (kept.py): PEFT's file, or its older pickle, read as plain tensors only (torch.load weights_only).
+# adapter_config.json fields that narrow target_modules to some of the modules it names: with any of them set, the
+# recipe's lora.target_modules stays all-linear ("the adapter's targets"), as a list of names would select more.
+NARROWING = ("exclude_modules", "layers_to_transform", "layers_pattern", "target_parameters")
 
 # init_lora_weights values whose saved adapter is W + BA on the base as its checkpoint holds it: PEFT's init at load
 # touches only A and B (then overwritten by the saved ones) or nothing. A save that PEFT converted to plain LoRA
@@ -63,9 +65,7 @@ def check_adapter(recipe: Recipe) -> Path | None:
     field one finetune applies), with the recipe's lora section resolved to its layout (`resolve_adapter_layout`)."""
     if not recipe.model.adapter:
         return None
-    from finetune.files import as_trained
-
-    folder = as_trained(Path(recipe.model.adapter).expanduser())  # a MoE run's adapter/: its as-trained twin
+    folder = start_folder(recipe)  # the run's kept copy (a resume, an export), or the folder (MoE: as trained)
     missing = [name for name in ("adapter_config.json",) if not (folder / name).is_file()]
     if not any((folder / name).is_file() for name in WEIGHTS):
         missing.append(f"{WEIGHTS[0]} (or PEFT's older {WEIGHTS[1]})")
@@ -111,40 +111,42 @@ def _saved_config(folder: Path) -> dict:
 
 
 def _saved_layout(folder: Path) -> dict:
-    """The adapter's value of each LAYOUT key, and train_router: whether it trained modules in full (modules_to_save)."""
+    """The adapter's value of each LAYOUT key, train_router (whether it trained modules in full: modules_to_save), and
+    target_modules: its list of module names, sorted, or None where a name list cannot say them (a regex, or a field
+    of NARROWING set): the recipe then keeps all-linear, which with model.adapter means the adapter's targets."""
     config = _saved_config(folder)
     saved = {key: default if config.get(field) is None else config[field] for key, (field, default) in LAYOUT.items()}
     saved["alpha"] = float(saved["alpha"])
     saved["train_router"] = bool(config.get("modules_to_save"))
+    names = config.get("target_modules")
+    listed = isinstance(names, list) and names and all(isinstance(name, str) for name in names)
+    plain = listed and "all-linear" not in names and all(config.get(field) in (None, [], "", {}) for field in NARROWING)
+    saved["target_modules"] = sorted(set(names)) if plain else None
     return saved
 
 
 def _shown(value) -> str:
+    if isinstance(value, list):  # target_modules: PEFT's all-linear saves every module's full name
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in value})
+        return f"[{', '.join(value)}]" if len(value) <= 8 else f"{len(value)} modules ({', '.join(leaves)})"
     return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def resolve_adapter_layout(recipe: Recipe, folder: Path) -> None:
-    """The recipe's lora layout keys (LAYOUT) from model.adapter's adapter_config.json, as model.attn_implementation:
-    auto is resolved on the recipe: the plan (DoRA's loader), the resume checks and the run's recipe.yaml then say what
-    the run trains. A key the recipe leaves at its default takes the adapter's value (said once, as a note); a key set
-    to another value than the adapter's is refused in one paragraph, as a resume refuses a changed layout
-    (outputs/resume_checks.py): silently ignored, `dora: true` trained no DoRA. lora.train_router: true is refused for
-    an adapter without trained routers; false (the default) keeps the adapter's own modules_to_save."""
+    """The recipe's lora layout keys (LAYOUT) and targets from model.adapter's adapter_config.json, as
+    model.attn_implementation: auto is resolved on the recipe: the plan (DoRA's loader), the resume checks and the run's
+    recipe.yaml then say what the run trains. A key the recipe does not set takes the adapter's value (said once, as a
+    note), and so does target_modules: all-linear (the adapter's targets, as a list where one says them); a key the
+    recipe sets to another value than the adapter's is refused in one paragraph, as a resume refuses a changed layout
+    (outputs/resume_checks.py): silently ignored, `dora: true` trained no DoRA, and a set `r: 16` (the default) was
+    replaced as if not set. lora.train_router: true is refused for an adapter without trained routers; false (the
+    default) keeps the adapter's own modules_to_save. A target_modules list is compared by `adapter_targets_problem`."""
     saved, lora = _saved_layout(folder), recipe.lora
-    default = type(lora)()
-    conflicts = [(key, getattr(lora, key), value) for key, value in saved.items()
-                 if getattr(lora, key) != getattr(default, key) and getattr(lora, key) != value]
+    given = lora.model_fields_set  # the keys the recipe (or an override, or a run's recipe.yaml) sets
+    conflicts = [(key, getattr(lora, key), saved[key]) for key in (*LAYOUT, "train_router")
+                 if (key in given if key != "train_router" else lora.train_router) and getattr(lora, key) != saved[key]]
     if conflicts:
-        keys = [f"lora.{key}" for key, _, _ in conflicts]
-        raise RecipeError(
-            f"model.adapter ({folder}): the recipe's {', '.join(f'{k} {_shown(now)}' for k, (_, now, _) in zip(keys, conflicts))} "
-            f"differ{'s' if len(conflicts) == 1 else ''} from the adapter's adapter_config.json "
-            f"({', '.join(f'{k} {_shown(value)}' for k, (_, _, value) in zip(keys, conflicts))}). A run that starts from "
-            "an adapter keeps its LoRA layout (r fixes the shapes of its tensors, alpha and rslora their scaling, dora "
-            "its magnitude vectors, bias and train_router the biases and routers it trained), so it starts from the "
-            f"model the adapter computes. Fix: remove {' and '.join(keys)} from the recipe (the adapter's values are "
-            "then used), or set them to the adapter's values; for another layout, train a new adapter without "
-            "model.adapter.")
+        raise RecipeError(_conflict(folder, conflicts))
     changed = []
     for key in LAYOUT:
         if getattr(lora, key) != saved[key]:
@@ -156,11 +158,28 @@ def resolve_adapter_layout(recipe: Recipe, folder: Path) -> None:
     if changed and recipe.train.objective == "grpo" and (problems := vllm_problems(recipe)):
         raise RecipeError(f"model.adapter ({folder}): its LoRA layout ({', '.join(changed)}) is one vLLM cannot "
                           f"serve with grpo.generation: vllm: {' '.join(problems)}")
+    if lora.target_modules == "all-linear" and saved["target_modules"] is not None:
+        changed.append(f"lora.target_modules all-linear -> {_shown(saved['target_modules'])}")
+        lora.target_modules = saved["target_modules"]
     if changed and announcing():  # `finetune train`'s pre-flight is muted: the launched rank 0 says it, once
         from finetune.distributed import print0
 
         print0(f"[finetune] note: model.adapter: its LoRA layout is used ({folder / 'adapter_config.json'}): "
                f"{', '.join(changed)}", file=sys.stderr)
+
+
+def _conflict(folder: Path, conflicts: list[tuple]) -> str:
+    """The paragraph refusing lora keys the recipe sets to other values than the adapter's: both values, the fix."""
+    keys = [f"lora.{key}" for key, _, _ in conflicts]
+    return (f"model.adapter ({folder}): the recipe's {', '.join(f'{k} {_shown(now)}' for k, (_, now, _) in zip(keys, conflicts))} "
+            f"differ{'s' if len(conflicts) == 1 else ''} from the adapter's adapter_config.json "
+            f"({', '.join(f'{k} {_shown(value)}' for k, (_, _, value) in zip(keys, conflicts))}). A run that starts from "
+            "an adapter keeps its LoRA layout (r fixes the shapes of its tensors, alpha and rslora their scaling, dora "
+            "its magnitude vectors, bias and train_router the biases and routers it trained), so it starts from the "
+            f"model the adapter computes. Fix: remove {' and '.join(keys)} from the recipe (the adapter's values are "
+            "then used), or set them to the adapter's values (on the command line: "
+            f"{' '.join(f'{k}={_shown(value).lower()}' for k, (_, _, value) in zip(keys, conflicts))}); for another "
+            "layout, train a new adapter without model.adapter.")
 
 
 def adapter_targets_problem(recipe: Recipe, model: nn.Module) -> str | None:

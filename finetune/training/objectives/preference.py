@@ -9,7 +9,9 @@ model (dpo.reference):
     FSDP1's flat parameters and ZeRO-3's partitions are left alone, where PEFT's `disable_adapter()` changes
     requires_grad). Started from model.adapter (SFT -> DPO), the reference is base + that adapter, never the bare
     base: the adapter's starting values (a copy of this rank's LoRA shard, kept before training and before a resume
-    loads newer ones) are swapped into the trained parameters for the reference pass and swapped back.
+    loads newer ones) are swapped into the trained parameters for the reference pass and swapped back. A resume reads
+    them from the copy of model.adapter its run kept when it started (model/lora/kept.py): the same reference as the
+    first steps, whatever that folder holds by then.
   * precomputed: the reference log-probs of every train and eval pair, computed once before step 1 with the starting
     weights (= the reference) and written to the run folder (reference_logps.json), which a resume reads back: each
     step then runs the policy only.
