@@ -388,7 +388,7 @@ def peer_state(host: str, pid: int, machine: str | None = None) -> str:
     if host != socket.gethostname() or not (machine is None or rendezvous.same_machine(machine)):
         return f"on host {host}, not checked from here"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
         state, flags = fields[0], int(fields[6])
     except (OSError, IndexError, ValueError):
         return "gone (the process died)"

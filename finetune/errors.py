@@ -146,7 +146,7 @@ def exit_process(code: int) -> None:
     relay = os.environ.get(EXIT_CODE_FILE)
     if relay and code not in (0, None):  # `finetune train` launched this rank: the launcher itself exits 1 for any code
         try:
-            with open(relay, "w") as handle:
+            with open(relay, "w", encoding="utf-8") as handle:
                 handle.write(str(code))
         except OSError:
             pass

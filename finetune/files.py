@@ -55,7 +55,7 @@ def exclusive_lock(lock_path: Path, waiting: Callable[[str, bool], None] | None 
     import socket
 
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as handle:
+    with open(lock_path, "a+", encoding="utf-8") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,7 +95,7 @@ def _wait_for(handle, lock_path: Path, waiting: Callable[[str, bool], None] | No
         import socket
 
         try:
-            pid, host, launch, rank = (lock_path.read_text().split() + ["?"] * 4)[:4]
+            pid, host, launch, rank = (lock_path.read_text(encoding="utf-8", errors="replace").split() + ["?"] * 4)[:4]
         except OSError:
             pid, host, launch, rank = "?", "?", "-", "-"
         sibling = launch not in ("-", "?") and launch == _launch_id() and host == socket.gethostname()
@@ -151,7 +151,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
     anew (`x`: a link planted at its name is not followed either)."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     remove_path(tmp)
-    with open(tmp, "x") as handle:
+    with open(tmp, "x", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -199,7 +199,7 @@ def remove_path(path: Path) -> str | None:
 def current_umask() -> int:
     """This process's umask, read without changing it (Linux: /proc; elsewhere set and restored at once)."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        status = Path("/proc/self/status").read_text().splitlines()
+        status = Path("/proc/self/status").read_text(encoding="utf-8", errors="replace").splitlines()
         return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)

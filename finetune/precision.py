@@ -42,7 +42,7 @@ def target_device() -> tuple[str, int]:
 def cpu_bf16_flags() -> list[str]:
     """The bf16 arithmetic flags this x86 CPU reports (amx_bf16, avx512_bf16); empty elsewhere or unreadable."""
     try:
-        with open("/proc/cpuinfo") as handle:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
@@ -60,7 +60,7 @@ def cpu_summary() -> str:
 
     name, units = platform.processor() or platform.machine(), ""
     try:
-        with open("/proc/cpuinfo") as handle:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
             found = re.search(r"model name\s*:\s*(.*)", handle.read())
         name = found.group(1).strip() if found else name
     except OSError:

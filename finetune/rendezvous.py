@@ -130,7 +130,7 @@ def machine_id() -> str:
     the same one is seen in this host's /proc under its pid (one in another namespace named a kworker's pid here).
     UNKNOWN_MACHINE where it cannot be read (no /proc): then no peer is checked from here."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
         return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return UNKNOWN_MACHINE
@@ -284,7 +284,7 @@ def write_token(marker: Path) -> str | None:
     copy); None when it cannot be written (claim_output_dir said so, or the first write will)."""
     token = os.urandom(12).hex()
     try:
-        with open(marker, "w") as handle:
+        with open(marker, "w", encoding="utf-8") as handle:
             handle.write(token)
             handle.flush()
             os.fsync(handle.fileno())
@@ -300,7 +300,7 @@ def reads_back(marker: Path, token: str, wait_s: float = 5.0) -> bool:
     while True:
         try:
             os.listdir(marker.parent)  # the folder's entries read again, not only a cached lookup
-            if marker.read_text() == token:
+            if marker.read_text(encoding="utf-8") == token:
                 return True
         except OSError:
             pass

@@ -62,7 +62,7 @@ def write_prompt_sets(folder: Path, *, sft_rows: int, tiny: bool) -> tuple[Path,
     prompts = stamp_prompts(32 if tiny else GRPO_PROMPTS, seed=1, exclude=used)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "ledger_stamp_prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    path.write_text("".join(json.dumps(row) + "\n" for row in prompts), encoding="utf-8")
     return path, held_out
 
 
@@ -82,7 +82,7 @@ def exact_match(run_dir: Path, held_out: list[dict]) -> dict:
 
 
 def reward_curve(run_dir: Path) -> list[float]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     return [m["reward"] for m in metrics if "reward" in m]
 
 

@@ -107,5 +107,5 @@ def write_task(name: str, path: str | Path, n: int, *, seed: int = 0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = task_rows(name, n, seed=seed)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path

@@ -31,7 +31,7 @@ def record() -> dict:
     rows when the file is absent."""
     if not RECORD.is_file():
         return {"transformers": None, "rows": {}}
-    return json.loads(RECORD.read_text())
+    return json.loads(RECORD.read_text(encoding="utf-8"))
 
 
 def status(model_type: str) -> str | None:

@@ -159,8 +159,8 @@ def _saved(source: Path) -> tuple[dict, dict]:
     import yaml
 
     try:
-        saved = yaml.safe_load((source / "recipe.yaml").read_text()) or {}
-        state = json.loads((source / TRAINER_STATE).read_text())
+        saved = yaml.safe_load((source / "recipe.yaml").read_text(encoding="utf-8")) or {}
+        state = json.loads((source / TRAINER_STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise CheckpointError(f"train.resume: checkpoint {source} is unreadable ({exc}). Fix: point train.resume at "
                               "another checkpoint, or use `auto` to take the newest good one.") from None
@@ -237,7 +237,7 @@ def _upgrade(source: Path) -> str:
     """`; or ...` naming the finetune versions when another one wrote the checkpoint (its manifest's `finetune`;
     none before versions were recorded), else "": how rows are rendered into tokens is finetune's code too."""
     try:
-        written = json.loads((source / MANIFEST).read_text()).get("finetune")
+        written = json.loads((source / MANIFEST).read_text(encoding="utf-8")).get("finetune")
     except (OSError, ValueError, AttributeError):
         return ""
     now = finetune_version()

@@ -52,7 +52,8 @@ def finish_run_adapter(out_dir: Path, recipe) -> None:
     staged = out_dir / ".adapter.peft"
     shutil.rmtree(staged, ignore_errors=True)
     try:
-        export_adapter(Source(trained, recipe, json.loads((trained / ADAPTER_CONFIG).read_text())), staged)
+        config = json.loads((trained / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        export_adapter(Source(trained, recipe, config), staged)
     except Exception as exc:  # noqa: BLE001 (any failure: the adapter as trained is kept, and said why)
         shutil.rmtree(staged, ignore_errors=True)
         shutil.copytree(trained, staged)

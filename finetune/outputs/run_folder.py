@@ -89,7 +89,7 @@ _HELD: dict[Path, int] = {}  # output.dir -> the descriptor holding its lock, fo
 
 def _read_owner(path: Path) -> dict:
     try:
-        owner = json.loads(path.read_text())
+        owner = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, ValueError):
         return {}
     return owner if isinstance(owner, dict) else {}
@@ -221,7 +221,7 @@ def _written_by_a_run(out_dir: Path) -> bool:
     import yaml
 
     try:
-        saved = yaml.safe_load((out_dir / "recipe.yaml").read_text())
+        saved = yaml.safe_load((out_dir / "recipe.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     output = saved.get("output") if isinstance(saved, dict) else None
@@ -345,7 +345,7 @@ def begin_outputs(out_dir: Path, recipe_yaml: str, resume_from: Path | None) -> 
         keep_start(out_dir, recipe_yaml)  # model.adapter's files, kept for this run's resume, export and generate
     else:  # the records of steps after the checkpoint go: those steps run again
         _unlink_links(out_dir, (*RUN_FILES, "recipe.yaml"))
-        resumed_step = json.loads((resume_from / MANIFEST).read_text())["step"]
+        resumed_step = json.loads((resume_from / MANIFEST).read_text(encoding="utf-8"))["step"]
         for log in [out_dir / "metrics.jsonl", *sorted((out_dir / "completions").glob("rank*.jsonl"))]:
             _trim_metrics(log, resumed_step)
     _write_text_atomic(out_dir / "recipe.yaml", recipe_yaml)  # a link there is replaced, not written through (bb26)
@@ -377,7 +377,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         with contextlib.suppress(json.JSONDecodeError, AttributeError):
             record = json.loads(line)
             if record.get("step", 0) <= last_step and record.get("phase") != "after":
@@ -388,7 +388,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 def current_rss_bytes() -> int:
     """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(Path("/proc/self/statm").read_text(encoding="utf-8").split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
 

@@ -48,14 +48,17 @@ def accelerate_config_env(path: str) -> dict[str, str]:
 def _read_accelerate_config(path: str) -> dict:
     import yaml
 
-    try:
-        with open(path) as handle:
+    try:  # UTF-8 as accelerate reads it, whatever the locale (a comment with `ü`: a UnicodeDecodeError under LC_ALL=C)
+        with open(path, encoding="utf-8-sig") as handle:
             config = yaml.safe_load(handle) or {}
     except FileNotFoundError:
         raise LaunchError(f"accelerate config {path}: file not found. Fix: give the path of an accelerate config file, "
                           f"or to `finetune train`/`validate` a library config by name: {library_config_names()}.") from None
     except yaml.YAMLError as exc:
         raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
+    except UnicodeDecodeError as exc:
+        raise LaunchError(f"accelerate config {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at byte "
+                          f"{exc.start}). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
     if not isinstance(config, dict) or not {"distributed_type", "compute_environment"} & set(config):
         recipe = isinstance(config, dict) and {"model", "data"} <= set(config)
         raise LaunchError(f"accelerate config {path}: not an accelerate config (it has no distributed_type"
@@ -195,7 +198,7 @@ def accelerate_launch_forms_group(path: str) -> bool:
     """Whether `accelerate launch --config_file PATH`, as `finetune train` runs it, gives its processes a group."""
     import yaml
 
-    with open(path) as handle:
+    with open(path, encoding="utf-8-sig") as handle:  # read by accelerate_config_env first, which refuses other text
         config = yaml.safe_load(handle) or {}
     kind = str(config.get("distributed_type", "NO") if isinstance(config, dict) else "NO").upper()
     return kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM") or kind.startswith("MULTI_")

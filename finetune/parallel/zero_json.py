@@ -50,7 +50,10 @@ KNOWN = {"zero_optimization", *BATCH_KEYS, *OWNED_SECTIONS, *PRECISION_SECTIONS,
 def read_config_file(path: str, where: str) -> dict:
     """A DeepSpeed JSON config (as DeepSpeed reads it: plain JSON); refusals name the file and the fix."""
     try:
-        text = Path(path).expanduser().read_text()
+        text = Path(path).expanduser().read_text(encoding="utf-8-sig")  # UTF-8 whatever the locale; a BOM dropped
+    except UnicodeDecodeError as exc:
+        raise LaunchError(f"{where}: DeepSpeed config {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                          f"byte {exc.start}). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None
     except OSError as exc:
         raise LaunchError(f"{where}: DeepSpeed config {path} cannot be read ({exc.strerror or exc}). Fix: give the path of "
                           "a DeepSpeed JSON file, relative to the folder the run starts in, or remove it.") from None

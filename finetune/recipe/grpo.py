@@ -222,7 +222,7 @@ def vllm_command(configured: str | None) -> list[str]:
     if python is None and Path(".venv-vllm/bin/python").exists():
         python = ".venv-vllm/bin/python"
     if python is None and shutil.which("vllm") is not None:
-        shebang = Path(shutil.which("vllm")).read_text(errors="replace").splitlines()[0]
+        shebang = Path(shutil.which("vllm")).read_text(encoding="utf-8", errors="replace").splitlines()[0]
         python = shebang[2:].strip() if shebang.startswith("#!") and "python" in shebang else None
     if python is None:
         raise VLLMNotFound(f"grpo.generation: vllm, but no vLLM was found (no grpo.vllm_python, no "
@@ -302,12 +302,12 @@ def _not_a_classifier(folder: Path) -> str | None:
     checkpoint, or a classifier of several labels (its first logit is no reward). None when it can score."""
     try:
         if (folder / "adapter_config.json").is_file():
-            config = json.loads((folder / "adapter_config.json").read_text())
+            config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
             if config.get("task_type") != "SEQ_CLS":
                 return (f"{folder} is an adapter of a {config.get('task_type') or 'causal LM'} (a fine-tuned "
                         f"generator, not a scorer): {RANDOM_HEAD}.")
             return _base_missing(folder, config.get("base_model_name_or_path"))
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         return f"{folder}: its config cannot be read ({exc}). Fix: point at a reward run or a sequence classifier."
     architectures = config.get("architectures") or []

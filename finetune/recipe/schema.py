@@ -443,5 +443,8 @@ def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Litera
 
 def recipe_to_yaml(recipe: Recipe) -> str:
     # A max_steps resolved from num_epochs says so in a comment (the keys say max_steps only: the file must reload).
-    origin = f"# {recipe._length_origin}\n" if recipe._length_origin else ""
-    return origin + yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    # Text as written (`Grüße`, not "Gr\xFC\xDFe": its readers decode UTF-8), unless a NEL (U+0085) is in it: PyYAML
+    # writes that one raw, which reads back as a line break.
+    origin, values = (f"# {recipe._length_origin}\n" if recipe._length_origin else ""), recipe.model_dump(mode="json")
+    text = yaml.safe_dump(values, sort_keys=False, allow_unicode=True)
+    return origin + (yaml.safe_dump(values, sort_keys=False) if "\x85" in text else text)

@@ -18,7 +18,7 @@ def read_records(path: str | Path) -> list[dict]:
     an old run become `num_tokens` when every step up to the line was logged, the only case where they add up to it).
     A partial last line (a run killed while writing) is skipped."""
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except ValueError:

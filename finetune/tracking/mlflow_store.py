@@ -300,7 +300,7 @@ def log_run_artifacts(out_dir: str | Path) -> None:
     """
     out_dir = Path(out_dir)
     try:
-        saved = json.loads((out_dir / STATE_FILE).read_text())
+        saved = json.loads((out_dir / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
     if "mlflow" not in saved or "mlflow_uri" not in saved:
@@ -317,7 +317,7 @@ def log_run_artifacts(out_dir: str | Path) -> None:
         if (out_dir / "recipe.yaml").is_file():  # a copy without the passwords of URIs (train.mlflow_tracking_uri)
             with tempfile.TemporaryDirectory() as folder:
                 shown = Path(folder) / "recipe.yaml"
-                shown.write_text(redacted((out_dir / "recipe.yaml").read_text()))
+                shown.write_text(redacted((out_dir / "recipe.yaml").read_text(encoding="utf-8")), encoding="utf-8")
                 client.log_artifact(run_id, str(shown))
         if (out_dir / "plot.png").is_file():
             client.log_artifact(run_id, str(out_dir / "plot.png"))

@@ -36,7 +36,7 @@ def folder_store(folder: Path) -> str | None:
     """The MLflow store of a run folder: the URI its run used (trackers.json, with the password the environment or
     its recipe.yaml gives: mlflow_store.stored_uri), else its own mlflow.db."""
     try:
-        uri = json.loads((folder / STATE_FILE).read_text()).get("mlflow_uri")
+        uri = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("mlflow_uri")
     except (OSError, ValueError):
         uri = None
     if isinstance(uri, str) and uri:

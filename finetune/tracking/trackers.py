@@ -264,12 +264,12 @@ class Trackers:
             # environment or recipe.yaml again (mlflow_store.stored_uri): the run folder is shared, copied, tarred
             ids["mlflow_uri"] = redacted(self.mlflow_uri)
         if ids:
-            (self.out_dir / STATE_FILE).write_text(json.dumps(ids))
+            (self.out_dir / STATE_FILE).write_text(json.dumps(ids), encoding="utf-8")
 
     def _saved_ids(self) -> dict[str, str]:
         """Tracker run ids of an earlier start in this folder (a resumed run logs into the same tracker run)."""
         try:
-            return json.loads((self.out_dir / STATE_FILE).read_text())
+            return json.loads((self.out_dir / STATE_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
 
@@ -320,7 +320,7 @@ class Trackers:
             return
         if self.elapsed_offset and isinstance(record.get("elapsed_s"), (int, float)):
             record["elapsed_s"] = round(record["elapsed_s"] + self.elapsed_offset, 3)
-        with open(self.path, "a") as handle:
+        with open(self.path, "a", encoding="utf-8") as handle:
             # NaN / inf as the strings a skipped step writes ("nan"): a bare NaN is not JSON (JSON.parse and jq refuse it)
             handle.write(json.dumps({key: str(value) if isinstance(value, float) and not math.isfinite(value) else value
                                      for key, value in record.items()}) + "\n")

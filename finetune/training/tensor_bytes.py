@@ -286,7 +286,7 @@ def measured_step(step: int, out_dir: Path, rank: int):
                       gpu_peak_allocated_before_step_bytes=run_peak_so_far)
     folder = Path(out_dir) / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}.step{step}.tensor_bytes.json").write_text(json.dumps(record, indent=1))
+    (folder / f"rank{rank}.step{step}.tensor_bytes.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------- against the planner

@@ -32,7 +32,7 @@ def stored_config_dict(name_or_path: str) -> dict | None:
     path = stored_file(name_or_path)
     if path is None:
         return None
-    raw = json.loads(path.read_text())
+    raw = json.loads(path.read_text(encoding="utf-8"))
     return {key: value for key, value in raw.items() if not key.startswith("_")}
 
 

@@ -104,7 +104,7 @@ def unapplied_fields(config: dict) -> list[str]:
 
 def _saved_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "adapter_config.json").read_text())
+        return json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.adapter ({folder}): adapter_config.json is unreadable ({exc}). Fix: point "
                              "model.adapter at the adapter/ folder of a finished run.") from None

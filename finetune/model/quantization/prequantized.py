@@ -114,7 +114,7 @@ def stored_quantization(folder: Path) -> dict | None:
     first, and none may take such weights for 16-bit ones."""
     config_path = Path(folder) / "config.json"
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict):
@@ -150,7 +150,7 @@ def quantized_from(folder: Path) -> str | None:
     """The 16-bit folder a 4-bit checkpoint was written from by `finetune quantize` (writer.py records it), or None
     (not recorded: quantized elsewhere, or by an older finetune)."""
     try:
-        return json.loads((Path(folder) / QUANTIZED_FROM).read_text())["quantized_from"]
+        return json.loads((Path(folder) / QUANTIZED_FROM).read_text(encoding="utf-8"))["quantized_from"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -194,7 +194,7 @@ def packed_layout(recipe: Recipe, folder: Path, index: CheckpointIndex) -> Packe
 def _stored_for(recipe: Recipe, folder: Path) -> dict | None:
     """stored_quantization, its refusal naming model.name_or_path (the recipe's base folder or hub snapshot)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         config = {}
     refuse_unread_quantization(config if isinstance(config, dict) else {},

@@ -165,10 +165,11 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
             (tmp / temporary).rename(tmp / final)
             weight_map.update(dict.fromkeys(names, final))
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2, sort_keys=True))
+                                                 indent=2, sort_keys=True), encoding="utf-8")
         _copy_side_files(base, tmp, None if dequantize else bnb_config, dtype)
         if not dequantize:  # where the 16-bit weights are: what a merge of an adapter trained on this folder needs
-            (tmp / QUANTIZED_FROM).write_text(json.dumps({"quantized_from": str(base.resolve())}, indent=2) + "\n")
+            (tmp / QUANTIZED_FROM).write_text(json.dumps({"quantized_from": str(base.resolve())}, indent=2) + "\n",
+                                              encoding="utf-8")
         if finish is not None:
             finish(tmp)
     return out
@@ -180,8 +181,8 @@ def _copy_side_files(base: Path, target: Path, bnb_config, dtype: torch.dtype) -
         if path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES) \
                 and "index.json" not in path.name and path.name not in ("config.json", QUANTIZED_FROM):
             shutil.copy2(path, target / path.name)
-    config = json.loads((base / "config.json").read_text())
+    config = json.loads((base / "config.json").read_text(encoding="utf-8"))
     if bnb_config is not None:
         config["quantization_config"] = bnb_config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -81,7 +81,7 @@ def checkpoint_index(folder: Path) -> CheckpointIndex:
         names_by_file = {SINGLE_FILE: []}
     elif index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError) as exc:
             raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc}). Fix: re-download the model.") from None
         names_by_file: dict[str, list[str]] = {}
@@ -266,6 +266,6 @@ def convert_to_safetensors(folder: Path) -> list[Path]:
         written.append(target)
     if len(written) > 1:
         tmp = folder / (INDEX_FILE + ".tmp")
-        tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2), encoding="utf-8")
         tmp.replace(folder / INDEX_FILE)
     return written

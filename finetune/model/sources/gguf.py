@@ -212,7 +212,8 @@ def _convert(gguf_path: Path, target: Path) -> None:
         GenerationConfig(
             bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=config.pad_token_id
         ).save_pretrained(tmp)
-        (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter": converter_fingerprint()}))
+        (tmp / DONE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "converter": converter_fingerprint()}),
+                                       encoding="utf-8")
 
 
 def build_tokenizer(reader):

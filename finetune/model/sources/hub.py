@@ -81,7 +81,7 @@ def _known_fix(what: str, name: str, text: str) -> str | None:
     adapter = next((f for f in (folder, folder / "adapter") if (f / ADAPTER_CONFIG).is_file()), None)
     if adapter is not None and not (folder / "config.json").is_file():
         try:
-            base = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+            base = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
         except (OSError, ValueError, AttributeError):
             base = None
         what_it_is = (f"a LoRA adapter ({adapter / ADAPTER_CONFIG})" if adapter == folder else
@@ -130,7 +130,7 @@ def cached_hub_config(recipe: Recipe) -> dict | None:
 
     try:
         path = try_to_load_from_cache(recipe.model.name_or_path, "config.json", revision=recipe.model.revision)
-        config = json.loads(Path(path).read_text()) if isinstance(path, str) else None
+        config = json.loads(Path(path).read_text(encoding="utf-8")) if isinstance(path, str) else None
     except Exception:  # noqa: BLE001 - an id the hub library refuses, an unreadable file: nothing cached to check
         return None
     return config if isinstance(config, dict) else None

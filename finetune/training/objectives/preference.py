@@ -297,7 +297,7 @@ def _read_stored(resume_from: Path, fingerprint: dict) -> dict:
     for folder in (resume_from, *resume_from.parents[:3]):
         path = folder / REFERENCE_FILE
         if path.is_file():
-            stored = json.loads(path.read_text())
+            stored = json.loads(path.read_text(encoding="utf-8"))
             if stored.get("fingerprint") != fingerprint:
                 break
             return stored

@@ -143,7 +143,7 @@ class Server:
     def _error(self, what: str, *, fix: str | None = None) -> GenerationError:
         tail = ""
         if self.log is not None and self.log.exists():  # the root cause vLLM logged, else the log's last lines
-            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+            lines = [line for line in self.log.read_text(errors="replace", encoding="utf-8").splitlines() if line.strip()]
             causes = [line for line in lines if re.search(r"\b[A-Z]\w*(Error|Exception): ", line)
                       and " WARNING " not in line]
             shown = causes[:1] if causes else lines[-4:]
@@ -193,7 +193,7 @@ def _weight_names(folder: Path) -> list[str]:
     beside it (a re-save as one file leaves the old index, whose shards may be gone or stale: bb21)."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
     if index.exists() and not single.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
+        return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
     from safetensors import safe_open
 
     names = []
