@@ -27,18 +27,25 @@ What is filtered, each by its exact message, so that a new warning of the same l
     -p failed for path ...", "... is not a writable directory", "Matplotlib created a temporary cache directory at
     ..."), logged when the end of a run (or `finetune plot`) imports it: it draws in the temporary folder instead and
     the plot is written all the same.
-And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`).
+And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`). Two things of a process's start that
+scripts meet: a reader of stdout that stops early (`| head`, `| grep -q`) is left to go (`drop_output_nobody_reads`),
+and a Ctrl-C while the libraries import is acted on once they have (`ctrl_c_after_imports`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.abc
+import io
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 VERBOSE_ENV = "FINETUNE_VERBOSE"
 _LOGGED = {
@@ -81,7 +88,10 @@ class _DropMessage(logging.Filter):
 
 
 def install() -> None:
-    """Filter the noise above in this process (and, through the environment, in the processes it launches)."""
+    """Filter the noise above in this process (and, through the environment, in the processes it launches); and lines
+    written to a stdout or stderr whose reader has gone are dropped (`drop_output_nobody_reads`), in every process that
+    installs this: the `finetune` command and each rank of a run."""
+    drop_output_nobody_reads()
     if verbose():
         return
     for category, message in _WARNINGS:
@@ -189,3 +199,90 @@ class _DeferringLoader(importlib.abc.Loader):
             self.loader.exec_module(module)
         finally:
             torch.compile = real
+
+
+# ------------------------------------------------------------------------------------ a reader that stops early
+class _UnreadFile(io.FileIO):
+    """A standard stream's file descriptor (1, 2) whose reader may go away: the write that finds the pipe closed points
+    the descriptor at os.devnull, so that write and every later one are dropped (Python's own advice, the "Note on
+    SIGPIPE" of its signal module) instead of raising BrokenPipeError."""
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.fileno())  # (the launched processes that share the pipe find it closed themselves)
+            os.close(devnull)
+            return memoryview(data).nbytes
+
+
+def drop_output_nobody_reads() -> None:
+    """The process's stdout and stderr, as they are (encoding, errors, buffering), over `_UnreadFile`: once their reader
+    has stopped (`finetune recipes list | grep -q NAME`, `finetune --version | head -1`, `finetune train r.yaml |
+    head -2`), what is still written there is dropped. Every verb died with a BrokenPipeError traceback and exit 1
+    (under `set -o pipefail` the grep that found its match failed the script), and a run stopped at its next log line
+    (bb29). A stream that is not the process's own (a test's capture, a wrapper) is left as it is."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not getattr(sys, f"__{name}__") or type(stream) is not io.TextIOWrapper:
+            continue
+        try:
+            descriptor = stream.fileno()
+        except (OSError, ValueError):  # closed, or no descriptor
+            continue
+        stream.flush()
+        raw = _UnreadFile(descriptor, "wb", closefd=False)
+        buffered = isinstance(stream.buffer, io.BufferedWriter)  # not under `python -u` (PYTHONUNBUFFERED): as it was
+        setattr(sys, name, io.TextIOWrapper(io.BufferedWriter(raw) if buffered else raw, encoding=stream.encoding,
+                                            errors=stream.errors, line_buffering=stream.line_buffering,
+                                            write_through=stream.write_through))
+
+
+# ---------------------------------------------------------------------------------- a Ctrl-C while libraries import
+@contextmanager
+def ctrl_c_after_imports() -> Iterator[None]:
+    """SIGINT held (signal.pthread_sigmask) over the libraries' imports, and acted on as they end: a Ctrl-C that came
+    meanwhile raises KeyboardInterrupt there, in place of anything the imports raised.
+
+    torch imports numpy from its C module and swallows a KeyboardInterrupt raised meanwhile, leaving numpy half
+    imported: then accelerate's `np.dtypes` recursed until a RecursionError traceback, the verb's own import failed
+    ("not available in this build"), or the command ran to its end as if no Ctrl-C had come (bb29, 0.5-1 s after the
+    start). Held, the signal waits for the imports to end whole; `finetune: interrupted` and 130 follow."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        # Unblocked, a pending SIGINT runs its handler here (pthread_sigmask checks for signals before it returns):
+        # Python's raises KeyboardInterrupt, which replaces an ImportError the half-imported library caused.
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def import_libraries(*, deepspeed_out: bool) -> None:
+    """torch imported whole (Ctrl-C held over it: `ctrl_c_after_imports`), and DeepSpeed kept out when the process will
+    not use it (`keep_deepspeed_out`, which imports accelerate)."""
+    with ctrl_c_after_imports():
+        try:
+            import torch  # noqa: F401
+        except ImportError:  # the verb that needs it says so
+            pass
+        if deepspeed_out:
+            keep_deepspeed_out()
+
+
+def printable_streams() -> None:
+    """stdout and stderr write a character their encoding cannot hold as an escape (`\\u4f60`) instead of raising:
+    under a locale that is not UTF-8 (LC_ALL=C with PYTHONUTF8=0, ISO-8859-x) or PYTHONIOENCODING=ascii, printing a
+    CJK row (`finetune data`), a template's token (`<｜end▁of▁sentence｜>`) or a path was a UnicodeEncodeError
+    traceback, in a training run before its first step. A UTF-8 stream holds every character: left as it is (so is a
+    stream that says it seeks and cannot, a test server's, whose reconfigure raised "Illegal seek")."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):  # (a wrapper without it: left as it is)
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):
+                pass

@@ -11,6 +11,7 @@ finetune.run`, `deepspeed ... --module finetune.run`; `--help` prints the form t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -22,8 +23,11 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 try:
-    from finetune import distributed, held_signals, host_memory, quiet, rank_errors, rendezvous
-    from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
+    from finetune import quiet
+
+    with quiet.ctrl_c_after_imports():  # torch swallowed a Ctrl-C while importing numpy, leaving it half imported (bb29)
+        from finetune import distributed, held_signals, host_memory, rank_errors, rendezvous
+        from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imports: no traceback from any rank
     if __name__ != "__main__":
         raise
@@ -89,7 +93,7 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None, "best_eval_step": best_step,
                "tokens_per_s": round(result.tokens_per_s, 1), "adapter": str(out_dir / "adapter"),
                **({"skipped_steps": result.skipped_steps} if result.skipped_steps else {})}
-    distributed.print0(f"[finetune] done: {summary}")
+    distributed.print0(f"[finetune] done: {json.dumps(summary)}")  # JSON: what a script reads of the run (bb29)
     return summary
 
 
@@ -206,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else EXIT_USER_ERROR
-    for stream in (sys.stdout, sys.stderr):  # as cli/command.printable_streams: a character the locale cannot print
-        if hasattr(stream, "reconfigure"):  # is an escape (`\\u4f60`), not a UnicodeEncodeError that ends the run
-            stream.reconfigure(errors="backslashreplace")
+    quiet.printable_streams()  # a character the locale cannot print is an escape, not a UnicodeEncodeError
     clean = False
     quiet.install()
     quiet.defer_bitsandbytes_compiles()

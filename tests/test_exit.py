@@ -81,3 +81,43 @@ def test_the_command_line_imports_no_torch_before_its_handlers():
                             env=child_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+CTRL_C_IN_NUMPY = r"""
+import os, signal, sys
+
+class CtrlC:  # a real SIGINT, sent while torch's C module imports numpy (a verb's first second), deterministically
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["CTRL_C_AT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("verb", "module"), [
+    ("recipes", "numpy._core.multiarray"),  # was: the Ctrl-C ignored, the listing printed, exit 0
+    ("recipes", "numpy._core._type_aliases"),  # was: a RecursionError traceback (accelerate's np.dtypes), exit 1
+    ("plan", "numpy.dtypes"),  # was: "`finetune plan` is not available in this build", exit 2
+])
+def test_ctrl_c_while_torch_imports_numpy_is_one_line_and_130(verb, module, tmp_path):
+    """Found by a bug bash (Ctrl-C 0.5-1.1 s after the start of `finetune export` and `plan`): torch swallows a
+    KeyboardInterrupt raised while its C module imports numpy and leaves numpy half imported. What followed was a
+    RecursionError traceback, "not available in this build", or the command run to its end. SIGINT is now held over
+    the libraries' imports and acted on once they end."""
+    from conftest import REPO
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CTRL_C_IN_NUMPY)
+    env = child_env(PYTHONPATH=f"{hook}:{REPO}", CTRL_C_AT=module)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m}\ndata: {datasets: [{path: x.jsonl}]}\n")
+    argv = {"recipes": ["recipes", "list"], "plan": ["plan", str(recipe)]}[verb]
+    result = subprocess.run([sys.executable, "-m", "finetune", *argv], check=False, capture_output=True, text=True,
+                            env=env, timeout=120, cwd=tmp_path)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert result.stderr == "finetune: interrupted\n", result.stderr[-2000:]

@@ -133,7 +133,7 @@ def _launch(command: list[str], drop: list[str] = ()) -> int:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        ranks = relay.read_text().strip() if relay.exists() else ""
+        ranks = relay.read_text(encoding="utf-8").strip() if relay.exists() else ""
     if code != 0 and ranks.isdigit():
         return int(ranks)
     return 130 if interrupted and code != 0 else code
@@ -154,7 +154,8 @@ def _delegate(module: str, function: str):
 
     def verb(args: argparse.Namespace) -> int:
         try:
-            target = getattr(importlib.import_module(module), function)
+            with quiet.ctrl_c_after_imports():  # a Ctrl-C meanwhile: KeyboardInterrupt, never "not available" (bb29)
+                target = getattr(importlib.import_module(module), function)
         except (ImportError, AttributeError) as exc:
             raise FinetuneError(f"`finetune {args.verb}` is not available in this build ({exc}).") from None
         return int(target(args) or 0)
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the versions of finetune and of the libraries "
                         "it trains with, one a line, and exit")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser.verb_parsers = verbs.choices  # each verb's own parser, by name: its usage in the errors _main reports
     _add_run_verbs(verbs)
     _add_look_verbs(verbs)
     _add_output_verbs(verbs)
@@ -249,7 +251,8 @@ def _add_look_verbs(verbs) -> None:
 
 def _add_quickstart(verbs) -> None:
     p = verbs.add_parser("quickstart", help="fine-tune a real small model offline and show before/after")
-    p.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
+    p.add_argument("--out", default=None, help="run folder (default runs/quickstart, with --dpo runs/quickstart-dpo, "
+                   "with --grpo runs/quickstart-grpo)")
     p.add_argument("--tiny", action="store_true", help="use a tiny random model instead (seconds, no learning shown)")
     second = p.add_mutually_exclusive_group()  # one second stage (--dpo --grpo ran GRPO alone without a word)
     second.add_argument("--dpo", action="store_true", help="SFT -> DPO: a short SFT run, then DPO from its adapter on "
@@ -280,7 +283,7 @@ def _add_output_verbs(verbs) -> None:
     p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
     p.add_argument("--step", type=positive_int, help="the run's kept checkpoint of this step instead of its final adapter")
     p.add_argument("--prompt", action="append", help="prompt (repeatable); none: interactive chat")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per reply at most (default 64)")
     p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
     p.set_defaults(func=_delegate("finetune.cli.generate", "cli_generate"))
 
@@ -331,6 +334,29 @@ def versions() -> str:
     return "\n".join(lines)
 
 
+def _recipes_extra(args: argparse.Namespace) -> str | None:
+    """What `finetune recipes` was given beyond its action's arguments (`recipes list extra` listed, exit 0)."""
+    takes = {"list": 0, "show": 1, "copy": 2}[args.action]
+    given = [value for value in (args.name, args.dest) if value is not None]
+    if len(given) > takes:
+        wanted = {0: "no other argument", 1: "one NAME", 2: "NAME and DEST"}[takes]
+        return f"unrecognized arguments: {' '.join(given[takes:])} (`recipes {args.action}` takes {wanted})"
+    return None
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The folders `checkpoints` and `runs` are given, said for what they are: a file given to `checkpoints` was "not
+    found", a missing folder given to `runs` had "no MLflow store" (bb29)."""
+    if args.verb == "checkpoints" and Path(args.run).expanduser().is_file():
+        raise FinetuneError(f"{args.run}: is a file, not a run folder. Fix: pass a run's folder (its output.dir), the "
+                            "one that holds checkpoints/.")
+    given = args.where if args.verb == "runs" else []  # (none given: cli_runs names its default's store)
+    for where in given:
+        if "://" not in where and not where.startswith("file:") and not Path(where).expanduser().exists():
+            raise FinetuneError(f"{where}: no such file or folder. Fix: pass a run folder, a folder of run folders, an "
+                                "mlflow.db file, or a tracking URI (sqlite:///path/mlflow.db, http://host:5000).")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: one paragraph and exit 2 for a user's mistake, 130 and one line for Ctrl-C, whenever it comes
     (while torch is still importing too)."""
@@ -348,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not all(item.isascii() for item in argv):  # (recipe.text imports pydantic: not for `finetune --help`)
+        from finetune.recipe.text import undecodable_argument
+
+        if problem := undecodable_argument(argv):
+            print(f"finetune: error: {problem}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
     if "--verbose" in argv or "-v" in argv:  # anywhere on the line; the processes a launch starts inherit it
         argv = [item for item in argv if item not in ("--verbose", "-v")]
         os.environ[quiet.VERBOSE_ENV] = "1"
@@ -356,20 +388,25 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # Overrides may come after options (`validate r.yaml --num-processes 2 train.max_steps=5`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
+    verb_parser = parser.verb_parsers.get(args.verb, parser)  # the verb's usage in its errors, as argparse's own
     stray = [item for item in extra if item.startswith("-") or not hasattr(args, "overrides")]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        verb_parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
     if args.version:
         print(versions())
         return 0
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # a usage error: argparse's form, on stderr (the help went to stdout, exit 2)
+        parser.print_usage(sys.stderr)
+        print("finetune: error: a verb is needed (`finetune --help` lists them)", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    if args.verb != "train":  # train decides in finetune/run.py, once its strategy is known
-        quiet.keep_deepspeed_out()
+    if args.verb == "recipes" and (surplus := _recipes_extra(args)):
+        verb_parser.error(surplus)
     try:
+        _check_paths(args)
+        # torch whole before any verb runs (Ctrl-C held over it); train decides on DeepSpeed in finetune/run.py
+        quiet.import_libraries(deepspeed_out=args.verb != "train")
         return args.func(args)
     except FinetuneError as exc:
         code = getattr(exc, "exit_code", EXIT_USER_ERROR)  # preemption: 128 + signal, and not an "error"
@@ -379,6 +416,7 @@ def _main(argv: list[str] | None) -> int:
 
 def entry() -> None:
     """The console script `finetune`: main(), then out without the interpreter's slow teardown (errors.exit_process)."""
+    quiet.printable_streams()
     exit_process(main())
 
 

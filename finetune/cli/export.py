@@ -33,7 +33,9 @@ def cli_export(args: argparse.Namespace) -> int:
 
 def cli_checkpoints(args: argparse.Namespace) -> int:
     """`finetune checkpoints RUN`: step, eval loss, train loss, state and size of every kept checkpoint; the best marked."""
+    from finetune.outputs.run_folder import running_owner
     from finetune.outputs.step_folders import checkpoints_table
 
-    print(checkpoints_table(Path(args.run).expanduser()))
+    run = Path(args.run).expanduser()
+    print(checkpoints_table(run, running=running_owner(run)))  # a live run's checkpoints: never "damaged" (bb29)
     return 0

@@ -11,8 +11,11 @@ GRPO's prompts use): alpaca rows' template, the raw text of completion and text 
 chat template for chat rows (history kept in the interactive chat), each with the dataset's system prompt and tools
 where its rows had them; the first line says which. Decoding is greedy and stops at every end token the model lists,
 and at the chat template's end of turn where that is text to the tokenizer (ChatML's `<|im_end|>` on a Llama 2 base,
-trained as pieces: the answer is cut there), so the same prompt gives the same answer. A reward model's adapter (a
-score head) generates nothing: refused.
+trained as pieces: the answer is cut there), so the same prompt gives the same answer. A reply is read as a chat client
+reads it (finetune/data/replies.py): the final answer is printed, without the reasoning (a `<think>` block, harmony's
+analysis channel) and without harmony's channel words; the interactive chat keeps the reply in its history as a client
+sends it back (the answer as content, the reasoning in its own field). A reward model's adapter (a score head)
+generates nothing: refused.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 from finetune.data.prompts import dataset_prompt_ids, turn_end_stops
+from finetune.data.replies import shown
 from finetune.data.templates import row_system, template_rendered
 from finetune.errors import FinetuneError
 from finetune.outputs.export import (
@@ -126,6 +130,7 @@ def render(tokenizer, messages: list[dict], system_prompt: str | None = None, *,
 
 
 def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -> list[str]:
+    """The final answer to each prompt (a reply's reasoning and harmony's channel words are not the answer)."""
     from finetune.training.evals import generate_batch
 
     return [text.strip() for text in generate_batch(model, tokenizer, prompts, max_new_tokens=max_new_tokens)]
@@ -134,6 +139,8 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -
 def chat(model, tokenizer, *, style: PromptStyle, max_new_tokens: int) -> None:
     """Read a line, answer it (with the conversation so far when the run's rows were conversations); `/reset`
     forgets, `/exit` or an empty line quits."""
+    from finetune.training.evals import generate_replies
+
     history: list[dict] = []
     alone = "" if style.conversation else " (each line is asked alone: the run's rows are not conversations)"
     print(f"[finetune] chat: type a message; /reset starts over, /exit (or an empty line) quits{alone}.")
@@ -149,9 +156,12 @@ def chat(model, tokenizer, *, style: PromptStyle, max_new_tokens: int) -> None:
             history = []
             continue
         history.append({"role": "user", "content": line})
-        reply = answer(model, tokenizer, [render(tokenizer, history, style=style)], max_new_tokens=max_new_tokens)[0]
-        history = history + [{"role": "assistant", "content": reply}] if style.conversation else []
-        print(f"model> {reply}")
+        # The reply as a client sends it back (data/replies.py): the final answer as content, the reasoning apart
+        # (the template puts it in its own field, or drops it from the history as training's rows had it).
+        (reply,) = generate_replies(model, tokenizer, [render(tokenizer, history, style=style)],
+                                    max_new_tokens=max_new_tokens)
+        history = history + [reply] if style.conversation else []
+        print(f"model> {shown(reply)}")
 
 
 def refuse_reward_model(source: Source) -> None:
@@ -171,6 +181,9 @@ def cli_generate(args: argparse.Namespace) -> int:
     with open_source(args.source, step=getattr(args, "step", None)) as source:
         if not args.no_adapter:
             refuse_reward_model(source)
+            from finetune.outputs.export import check_adapter_weights
+
+            check_adapter_weights(source.adapter_dir)  # a cut-short file named before the base loads, not after (bb30)
         model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
     style = prompt_style(source.recipe, tokenizer)
     what = "base model alone" if args.no_adapter else f"base + adapter {source.origin}"

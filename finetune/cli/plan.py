@@ -31,21 +31,32 @@ def cli_plan(args: argparse.Namespace) -> int:
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides), dtype_device="gpu")  # auto: bf16 GPUs
     decision = decide(recipe, model_config_for(recipe), gpus_per_node=gpus, gpu_memory_bytes=gpu_memory, nodes=nodes,
                       cpu_memory_bytes=cpu_memory, read_bytes_per_s=bandwidth)
+    asked = recipe_strategy_verdict(recipe, decision.estimates, gpus_per_node=gpus, nodes=nodes)
     if args.json:
-        payload = asdict(decision)
-        payload.pop("table")
-        for item in payload["estimates"]:
-            item["peak_bytes"] = sum(item["parts"].values())
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(plan_payload(decision, asked), indent=2))
     else:
         print(decision.table)
         print()
-        if asked := recipe_strategy_line(recipe, decision.estimates, gpus_per_node=gpus, nodes=nodes):
-            print(asked)
+        if asked:
+            print(asked["summary"])
             print("parallel.strategy: auto would choose: " + decision.summary)
         else:
             print(decision.summary)
-    return 0
+    return 0  # a plan was made, fits or not (docs/planner.md): `fits` says which
+
+
+def plan_payload(decision, asked: dict | None) -> dict:
+    """`plan --json`: `fits` is the verdict on the recipe as written: its own parallel.strategy's row when it names one
+    (`recipe_strategy`), else auto's choice; `strategy`, `chosen` and `auto_fits` are auto's choice. `fits` was auto's
+    alone: true for a recipe whose own strategy is short (bb29), so `jq -e .fits` passed a run that would not fit."""
+    payload = asdict(decision)
+    payload.pop("table")
+    for item in payload["estimates"]:
+        item["peak_bytes"] = sum(item["parts"].values())
+    payload["auto_fits"] = decision.fits
+    payload["recipe_strategy"] = asked
+    payload["fits"] = asked["fits"] if asked else decision.fits
+    return payload
 
 
 def _asked_key(parallel) -> str | None:
@@ -58,9 +69,11 @@ def _asked_key(parallel) -> str | None:
     return None if parallel.strategy == "auto" else parallel.strategy
 
 
-def recipe_strategy_line(recipe, estimates, *, gpus_per_node: int, nodes: int) -> str | None:
-    """What the recipe's own parallel.strategy needs here (the summary speaks of the planner's choice for auto: a recipe
-    asking for FSDP read "DDP on 2 GPU(s) fits")."""
+def recipe_strategy_verdict(recipe, estimates, *, gpus_per_node: int, nodes: int) -> dict | None:
+    """The recipe's own parallel.strategy here, None for auto (whose summary speaks of the planner's choice: a recipe
+    asking for FSDP read "DDP on 2 GPU(s) fits"): `strategy` as written, `estimate` the planner's row it runs as (None:
+    no row on these GPUs, which never fits), `fits`, `short_bytes` (what a GPU lacks: 0 when the GPUs hold it),
+    `needs_bytes` (the larger of the training and the load peak per GPU), and `summary`, the line `plan` prints."""
     from finetune.planner.facts import gib
 
     key = _asked_key(recipe.parallel)
@@ -70,12 +83,18 @@ def recipe_strategy_line(recipe, estimates, *, gpus_per_node: int, nodes: int) -
     as_run = ""
     if key == "hsdp" and nodes == 1:  # what a run does with it (parallel/plan.py _hybrid_replicas): one shard group
         key, as_run = "fsdp", " (hybrid shard on one node runs as FSDP full shard: replicas need several nodes)"
+    verdict = {"strategy": recipe.parallel.strategy, "estimate": None, "fits": False, "short_bytes": None,
+               "needs_bytes": None}
     found = next((e for e in estimates if e.strategy == key), None)
     if found is None:
         where = f"{gpus_per_node} GPU(s)" if nodes == 1 else f"{nodes} nodes of {gpus_per_node} GPU(s)"
-        return f"{asked}: not planned on {where}: {_not_planned_reason(key, gpus_per_node, nodes)}."
-    verdict = "fits" if found.fits else f"does not fit ({gib(-found.margin_bytes)} short)"
-    return f"{asked}: {found.label} on {found.world_size} GPU(s){as_run} {verdict}, {found.needs()}."
+        return verdict | {"summary": f"{asked}: not planned on {where}: {_not_planned_reason(key, gpus_per_node, nodes)}."}
+    short = max(0, -found.margin_bytes)
+    said = ("fits" if found.fits else f"does not fit ({gib(short)} short)" if short else
+            f"does not fit (it needs {gib(found.cpu_bytes_per_node)} of CPU RAM per node)")
+    return verdict | {"estimate": key, "fits": found.fits, "short_bytes": short,
+                      "needs_bytes": max(found.peak_bytes, found.load_peak_bytes),
+                      "summary": f"{asked}: {found.label} on {found.world_size} GPU(s){as_run} {said}, {found.needs()}."}
 
 
 def _not_planned_reason(key: str, gpus_per_node: int, nodes: int) -> str:

@@ -1,18 +1,20 @@
 """`finetune data RECIPE [key=value ...] --rows N`: what the model will be trained on, before any weight loads.
 
-Shows a few rendered examples with the trained tokens marked (green on a terminal, `[[...]]` otherwise), and
-the statistics that decide whether the data path is right: rows read / skipped / truncated / dropped, tokens per
-example, packing efficiency and the steps one epoch takes at the recipe's launch (`--num-processes`, else the
-accelerate config the recipe names, else one process). Needs only the tokenizer.
+Shows a few rendered examples with the trained tokens marked (green on a terminal, `[[...]]` otherwise: piped output,
+NO_COLOR, TERM=dumb), and the statistics that decide whether the data path is right: rows read / skipped / truncated /
+dropped, tokens per example, packing efficiency and the steps one epoch takes at the recipe's launch
+(`--num-processes`, else the accelerate config the recipe names, else one process). Needs only the tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from finetune.data import IGNORE_INDEX, Example, PreparedData, rows_left_note, steps_per_epoch
-from finetune.data.build import eval_overlap
+from finetune.data.build import cut_lines, eval_overlap, prompt_notes
+from finetune.data.streaming import preview_lines
 from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
 
@@ -35,9 +37,17 @@ def cli_data(args: argparse.Namespace) -> int:
     else:
         prepared = data.prepare(recipe, tokenizer)
     check_token_ids(recipe, tokenizer, prepared.train, prepared.eval)  # as the run: every id has an embedding row
-    print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=sys.stdout.isatty(), processes=processes,
-                         launch=launch))
+    print(render_preview(prepared, tokenizer, recipe, rows=args.rows, color=wants_color(sys.stdout),
+                         processes=processes, launch=launch))
     return 0
+
+
+def wants_color(stream) -> bool:
+    """Colour on a terminal, unless NO_COLOR is set (no-color.org: any value but empty) or the terminal is dumb
+    (TERM=dumb): then the `[[ ]]` marks of piped output, since a colour that is not shown left no mark at all (bb29)."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return stream.isatty()
 
 
 def launch_processes(recipe_path: str, asked: int | None) -> tuple[int, str]:
@@ -130,6 +140,7 @@ def streaming_stats(prepared: PreparedData, recipe: Recipe) -> str:
                  f"the stream's first {data.eval_max_rows if data.eval_fraction > 0 else 0} rows, which training skips)")
     packing = f"greedily into rows of <= {data.max_length} tokens" if data.packing else "off"
     lines.append(f"packing: {packing}; max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows}")
+    lines += preview_lines(prepared, recipe)
     lines.append(f"totals: unknown (streaming: the rows above are the first {len(prepared.examples)} of the stream; the "
                  "rest are read and tokenized while training, so rows, tokens, efficiency and epochs are not counted)")
     return "\n".join(lines)
@@ -148,7 +159,9 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                      f"{item['examples']} examples{mixed} ({source})")
     lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
+    lines += cut_lines(stats, recipe)
     lines += closing_tag_lines(prepared)
+    lines += [f"note: {line}" for line in prompt_notes(stats)]
     if recipe.train.objective == "dpo":
         from finetune.data.pairs import prompt_limit
 

@@ -197,15 +197,14 @@ def cli_quickstart(args: argparse.Namespace) -> int:
     from finetune.run import run
 
     start = time.perf_counter()
-    out = Path(args.out)
+    given = getattr(args, "out", None)  # None: not given (an explicit runs/quickstart is kept, --dpo too: bb29)
     for override in args.overrides or []:  # output.dir=... given as an override is the same as --out
         if override.startswith("output.dir="):
-            args.out = override.split("=", 1)[1]
-            out = Path(args.out)
+            given = override.split("=", 1)[1]
     args.overrides = [o for o in args.overrides or [] if not o.startswith("output.dir=")]
     two_runs = getattr(args, "grpo", False) or getattr(args, "dpo", False)
-    if two_runs and args.out == "runs/quickstart":
-        out = Path("runs/quickstart-grpo" if getattr(args, "grpo", False) else "runs/quickstart-dpo")
+    second = "-grpo" if getattr(args, "grpo", False) else "-dpo" if two_runs else ""
+    out = Path(given if given is not None else f"runs/quickstart{second}")
     check_out(out, [out / "sft", out] if two_runs else [out], list(args.overrides))
     if getattr(args, "grpo", False):
         from finetune.cli.quickstart_grpo import run_grpo_quickstart

@@ -17,6 +17,13 @@ from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_le
 from finetune.errors import DataError
 from finetune.recipe import Recipe
 
+# Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
+LENGTH_COUNTS = ("cut_tokens", "tokens_before_cut", "split_rows", "split_pieces", "blank_lines", "own_prompt_rows",
+                 "prefill_rows")
+# Where the first row of a count is (tokenize.ChunkResult's first_* fields), kept the same way, for the notes.
+FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row")
+CUT_WARNING_SHARE = 0.10  # truncation cutting more of the tokens than this is said as a warning
+
 
 # ------------------------------------------------------------------------------------------------ the datasets
 def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, *, role: str | None = None) -> None:
@@ -31,7 +38,8 @@ def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, *,
         raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
                         f"{counts['dropped']} dropped as too long).{first}")
     entry = {"path": spec.path, "format": spec.format, "rows": counts["rows"], "examples": len(store),
-             "weight": spec.weight, "cached": counts["cached"]}
+             "weight": spec.weight, "cached": counts["cached"],
+             **{name: counts.get(name, 0) for name in LENGTH_COUNTS}, **{name: counts.get(name) for name in FIRST_ROWS}}
     stats.per_dataset.append({**entry, "role": role} if role else entry)
 
 
@@ -150,12 +158,90 @@ def _eval_in_train(train: ExampleView, evaluation: ExampleView) -> int:
 
 
 def data_line(stats: DataStats, recipe: Recipe) -> str:
-    """The run's one line about its data (rank 0 prints it)."""
+    """The run's one line about its data (rank 0 prints it), and its warnings."""
     packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
-    return (f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} ({stats.rows} "
-            f"rows, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{dropped_note(stats)}; "
-            f"batch efficiency {stats.batch_efficiency:.1%})" + (f"\n[finetune] warning: {eval_overlap(stats)}"
-                                                                  if stats.eval_in_train else ""))
+    counts = stats_counts(stats)
+    warnings = [line for line in (cut_warning(counts, recipe), eval_overlap(stats) if stats.eval_in_train else None)
+                if line]
+    return (f"[finetune] data: {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
+            f"({row_counts(counts)}{dropped_note(stats)}; batch efficiency {stats.batch_efficiency:.1%})"
+            + "".join(f"\n[finetune] warning: {line}" for line in warnings)
+            + "".join(f"\n[finetune] note: {line}" for line in prompt_notes(stats)))
+
+
+def prompt_notes(stats: DataStats) -> list[str]:
+    """The notes about prompts (data line, `finetune data`): rows tokenized in pieces so that their prompts keep their
+    own tokens (tokens.own_prompt_note), rows trained after less than the generation prompt (chat.prefill_note)."""
+    from finetune.data.chat import prefill_note
+    from finetune.data.tokens import own_prompt_note
+
+    notes = []
+    for count, first, say in (("own_prompt_rows", "first_own_prompt_row", own_prompt_note),
+                              ("prefill_rows", "first_prefill_row", prefill_note)):
+        rows = sum(int(entry.get(count, 0)) for entry in stats.per_dataset)
+        if rows:
+            notes.append(say(rows, next((e[first] for e in stats.per_dataset if e.get(first)), "?")))
+    return notes
+
+
+def stats_counts(stats: DataStats) -> dict:
+    """The row counts of `stats` as one dict (tokenize.ChunkResult's names): its fields and every dataset's
+    LENGTH_COUNTS summed."""
+    counts = {name: getattr(stats, name) for name in ("rows", "skipped", "truncated", "dropped")}
+    for name in LENGTH_COUNTS:
+        counts[name] = sum(int(entry.get(name, 0)) for entry in stats.per_dataset)
+    return counts
+
+
+def row_counts(counts: dict) -> str:
+    """`N rows, S skipped, T truncated[: X of Y tokens (P%) cut], D dropped[, ...]` of tokenize.ChunkResult's counts
+    (a dataset's, several summed, or a stream's so far): how many tokens truncation cut, not only how many rows."""
+    blank = f" ({counts['blank_lines']} blank .txt lines left out)" if counts.get("blank_lines") else ""
+    cut = f": {cut_share(counts)} cut" if counts.get("cut_tokens") else ""
+    split = (f", {counts['split_rows']} split into {counts['split_pieces']} pieces of <= max_length"
+             if counts.get("split_rows") else "")
+    return (f"{counts.get('rows', 0)} rows{blank}, {counts.get('skipped', 0)} skipped, {counts.get('truncated', 0)} "
+            f"truncated{cut}{split}, {counts.get('dropped', 0)} dropped")
+
+
+def cut_share(counts: dict) -> str:
+    """`9,898 of 10,094 tokens (98%)`: the tokens truncation cut, of the kept rows' tokens before it."""
+    cut, before = counts.get("cut_tokens", 0), counts.get("tokens_before_cut", 0)
+    return f"{cut:,} of {before:,} tokens ({cut / max(before, 1):.0%})"
+
+
+def cut_warning(counts: dict, recipe: Recipe) -> str | None:
+    """A sentence when truncation cut more than CUT_WARNING_SHARE of the tokens, with the fix (data line, `finetune
+    data`, a stream's reports); None otherwise."""
+    cut, before = counts.get("cut_tokens", 0), counts.get("tokens_before_cut", 0)
+    if not before or cut / before <= CUT_WARNING_SHARE:
+        return None
+    data = recipe.data
+    text = all(spec.format == "text" for spec in (*data.datasets, *data.eval_datasets))
+    fix = ("data.overlong: split (each long row cut into max_length pieces, every token trained: continued "
+           "pretraining), or a larger data.max_length" if text else
+           "a larger data.max_length, or the long rows split into shorter ones in the data")
+    rows = counts.get("truncated", 0)
+    return (f"truncation cut {cut_share(counts)}: {rows} row{'s' * (rows != 1)} longer than data.max_length "
+            f"{data.max_length} {'keep' if rows != 1 else 'keeps'} only the first {data.max_length} tokens, and the "
+            f"rest is never trained. Fix: {fix}")
+
+
+def cut_lines(stats: DataStats, recipe: Recipe) -> list[str]:
+    """`finetune data`'s lines about what the length policy did beyond the row counts: the tokens truncation cut (and
+    a warning when that is much), the rows split into pieces, the blank .txt lines left out."""
+    counts, lines = stats_counts(stats), []
+    if warning := cut_warning(counts, recipe):  # (it says the counts)
+        lines.append(f"warning: {warning}")
+    elif counts["cut_tokens"]:
+        lines.append(f"truncated: the rows longer than max_length {recipe.data.max_length} keep their first "
+                     f"{recipe.data.max_length} tokens: {cut_share(counts)} cut, never trained")
+    if counts["split_rows"]:
+        lines.append(f"split: the {counts['split_rows']} rows longer than max_length {recipe.data.max_length} cut into "
+                     f"{counts['split_pieces']} pieces of <= {recipe.data.max_length} tokens (data.overlong: split)")
+    if counts["blank_lines"]:
+        lines.append(f"blank lines: {counts['blank_lines']} blank lines of .txt files left out (no rows)")
+    return lines
 
 
 def eval_overlap(stats: DataStats) -> str:

@@ -30,15 +30,15 @@ from pathlib import Path
 
 from finetune.data.pairs import prompt_limit
 from finetune.data.sources import Source, open_source, row_chunks
-from finetune.data.store import STORE_FORMAT, StoreWriter, TokenStore, chunk_arrays
+from finetune.data.store import STORE_FORMAT, DamagedEntry, StoreWriter, TokenStore, chunk_arrays
 from finetune.data.tokenize import check_dataset, check_end_tokens, merge_counts, parse_lines, tokenize_chunk
 from finetune.distributed import print0
 from finetune.errors import DataError
-from finetune.files import exclusive_lock
+from finetune.files import _fsync_dir, _fsync_tree, exclusive_lock
 from finetune.recipe import DatasetSpec, Recipe
 
 # The code that reads and renders rows (the layout is STORE_FORMAT): editing any invalidates every entry.
-_RENDERING_CODE = ("sources.py", "readers.py", "csv_files.py", "folders.py", "templates.py", "conversations.py",
+_RENDERING_CODE = ("sources.py", "readers.py", "csv_files.py", "folders.py", "templates.py", "tokens.py", "conversations.py",
                    "chat.py", "pairs.py", "tokenize.py")
 
 
@@ -194,15 +194,27 @@ def _alive(pid: int) -> bool:
 
 def _mapped_entry(target: Path, *, remove_bad: bool = True) -> TokenStore | None:
     """The entry at `target` if it is whole and of this format; anything else (absent, older, damaged) is None, and
-    removed when `remove_bad` (only under the lock: another process may be replacing it)."""
+    removed when `remove_bad` (only under the lock: another process may be replacing it). A damaged entry whose files
+    have their sizes but not their bytes (store.DamagedEntry: the sampled checksums) is named in a note."""
     if not (target / "meta.json").is_file():
         return None
     try:
         return TokenStore(target)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if remove_bad:
+            if isinstance(exc, DamagedEntry):  # (the process that rebuilds it says so; any rank may be that one)
+                print(f"[finetune] note: the tokenization cache entry {target} ({_entry_source(target)}) is damaged: "
+                      f"{exc}. It is removed and the data tokenized again.", file=sys.stderr, flush=True)
             shutil.rmtree(target, ignore_errors=True)  # older format or damaged: rebuilt, never misread
         return None
+
+
+def _entry_source(target: Path) -> str:
+    """The data file an entry was built from (its source.json), for a note; the key when unknown."""
+    try:
+        return f"built from {json.loads((target / 'source.json').read_text())['path']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"key {target.name}"
 
 
 def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None:
@@ -229,9 +241,13 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
         # Which entry is which, for a person cleaning the cache (the key is a hash): read by nothing else.
         (temporary / "source.json").write_text(json.dumps({"path": str(spec.path), "rows": counts["rows"],
                                                            "built": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        # On disk before the rename publishes it (files, then the folder that holds the new name): without this, a
+        # power cut soon after could leave the entry renamed into place with files of their size but NUL bytes (bb30).
+        _fsync_tree(temporary)
         if target.exists():
             shutil.rmtree(target)
         os.replace(temporary, target)
+        _fsync_dir(target.parent)
     finally:
         writer.close()  # (closed already when finished: closing again does nothing)
         shutil.rmtree(temporary, ignore_errors=True)

@@ -53,6 +53,15 @@ class Opener(int):
 OPENER = Opener(1)  # truthy, and equal to True: every reader of a segment's flag trains it
 
 
+class Reasoning(int):
+    """The flag of a turn's reasoning left untrained under data.reasoning: context: untrained (falsy, equal to False),
+    but the model's own text inside its turn, so no prompt ends before the answer after it (data/tokens.py tokenizes a
+    row in pieces only where a prompt ends)."""
+
+
+REASONING = Reasoning(0)  # falsy, and equal to False: every reader of a segment's flag leaves it untrained
+
+
 @dataclass
 class _Turn:
     index: int  # the message's index in the conversation
@@ -170,12 +179,35 @@ def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: 
     if prompt and whole.startswith(history):
         start = min(_common_prefix(context, whole), opening)
         if start >= len(history):
+            _PREFILL_MISSED[0] += 1  # trained after part of the generation prompt: said by prefill_note
             return whole, start
     elif prompt and (at := whole.rfind(prompt, 0, opening + 1)) >= 0:
         return context + whole[at + len(prompt):], len(context)
     raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
                     "differently once that assistant turn follows it, and the turn cannot be found after the "
                     f"generation prompt. Fix: {NAMED_FIX}.")
+
+
+_PREFILL_MISSED = [0]  # turns of this process trained after less than the generation prompt (DeepSeek-R1's)
+
+
+def prefill_misses() -> int:
+    """How many assistant turns this process has trained after a context that is not the serving prompt: the
+    generation prompt prefills text the turn lacks (DeepSeek-R1's `<think>\n` before an answer without reasoning)."""
+    return _PREFILL_MISSED[0]
+
+
+def prefill_note(rows: int, first: str) -> str:
+    """The note for the rows whose turns prefill_misses counted (`first`: where the first is): what is trained,
+    what serving sends, and the fixes. Nothing trained changes: the turn's text has no prefill to train after."""
+    many = rows > 1
+    return (f"{rows} row{'s' if many else ''} (the first: {first}) {'have' if many else 'has'} an assistant turn "
+            "without reasoning under a chat template whose generation prompt prefills text such a turn lacks "
+            "(DeepSeek-R1's `<think>\\n` after `<｜Assistant｜>`): the turn is trained after the prompt without that "
+            "text, while every serving prompt, `finetune generate`'s and GRPO's too, ends with it, so the model "
+            "never learns to answer after what it is sent. Fix: give those turns a reasoning (a short "
+            "one will do; data.reasoning: context keeps it untrained), or a template whose generation prompt "
+            "prefills nothing (model.chat_template: a .jinja file, served with it too); docs/data.md, Reasoning")
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -263,7 +295,7 @@ def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _
         at = _reasoning_at(renderer, messages, turn, text) if reasoning and renderer.reasoning == "context" else -1
         if at >= 0:
             at -= turn.start
-            segments += [(span[:at], OPENER), (reasoning, False), (span[at + len(reasoning):], True)]
+            segments += [(span[:at], OPENER), (reasoning, REASONING), (span[at + len(reasoning):], True)]
         else:
             segments.append((span, True))
         cursor = turn.end

@@ -196,7 +196,7 @@ def _json(value, what: str):
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{what} is text that is not valid JSON ({exc.msg} at column {exc.colno}). Fix the row, or "
+        raise DataError(f"{what} is text that is not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}). Fix the row, or "
                         "set data.bad_rows: skip.") from None
 
 

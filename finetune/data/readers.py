@@ -6,8 +6,10 @@ from __future__ import annotations
 import bz2
 import codecs
 import gzip
+import itertools
 import json
 import lzma
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +18,16 @@ from finetune.errors import DataError
 CHUNK_ROWS = 1000  # rows per chunk handed to a tokenizing process: a few MB of tokens, never the whole dataset
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
-# A folder's data files may also be these, as `datasets` read them before finetune did: `.txt` (one row per line, in
-# a `text` column) and `.arrow` (Arrow IPC streams, as `datasets` writes them). A file given alone stays one of
-# LOCAL_SUFFIXES: a stray notes.txt or cache-*.arrow named by mistake is refused rather than read as rows.
+# A folder's data files may also be these, as `datasets` read them before finetune did: `.txt` (a row per line,
+# paragraph or file, data.datasets[].sample_by, in a `text` column) and `.arrow` (Arrow IPC streams, as `datasets`
+# writes them). A file given alone stays one of LOCAL_SUFFIXES: a stray notes.txt or cache-*.arrow named by mistake
+# is refused rather than read as rows.
 FOLDER_SUFFIXES = (*LOCAL_SUFFIXES, ".txt", ".arrow")
 # Data files may be compressed, as hub downloads often are (`datasets` read them so before finetune did).
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# what reading a damaged compressed file raises: cut short (EOFError), a bad CRC or header (gzip.BadGzipFile, an
+# OSError; zlib.error), a corrupt xz/bz2 stream (lzma.LZMAError; bz2's OSError)
+DAMAGED = (EOFError, OSError, zlib.error, lzma.LZMAError)
 FILE_TYPES = ".jsonl, .json, .csv, .tsv or .parquet (JSON Lines, JSON, CSV and TSV also compressed: .gz, .bz2, .xz)"
 
 RECODE = ("Fix: convert the file to UTF-8 (e.g. `iconv -f cp1252 -t utf-8 IN > OUT`, naming its real encoding: "
@@ -126,14 +132,46 @@ def _not_rows(path: Path, value) -> str:
 
 
 # --------------------------------------------------------------------------------------- text and Arrow
-def text_rows(path: Path, prefix: str, skip: int):
-    """A .txt file as `datasets`' text builder read it: one row per line (universal newlines, the line break dropped),
-    in a `text` column; an empty line is a row whose text is empty (a missing field to the row checks)."""
+class BlankLine(dict):
+    """A blank line of a .txt file read a row per line: no row (it separates paragraphs), left out and counted by the
+    tokenizing code whatever data.bad_rows says. A dict of empty text, so the dataset checks read it as any row."""
+
+    def __init__(self):
+        super().__init__(text="")
+
+
+def text_rows(path: Path, prefix: str, skip: int, *, sample_by: str | None = None):
+    """A .txt file as `datasets`' text builder reads it, in a `text` column, by data.datasets[].sample_by. line (None):
+    a row per line (universal newlines, the line break dropped: keep_linebreaks false), a blank line (empty or only
+    whitespace) a BlankLine; paragraph: a row per run of lines between blank lines, its line breaks kept but the last;
+    document: the file's whole text, unless it is blank. Places are `line N` or `lines N-M`."""
+    if sample_by in ("paragraph", "document"):
+        return (yield from _text_blocks(path, prefix, skip, whole=sample_by == "document"))
     number = 0
     for number, line in enumerate(text_lines(path), start=1):
         if number > skip:
-            yield {"text": line.removesuffix("\n")}, f"{prefix}line {number}", False
+            text = line.removesuffix("\n")
+            yield ({"text": text} if text.strip() else BlankLine()), f"{prefix}line {number}", False
     return min(skip, number)
+
+
+def _text_blocks(path: Path, prefix: str, skip: int, *, whole: bool):
+    """The paragraphs of a .txt file (`whole`: the file as one block), as (row, place, raw) from block `skip` on;
+    returns how many of `skip` it passed. A paragraph ends at a blank line (empty or only whitespace) or at the end."""
+    blocks, lines, first = 0, [], 0
+    for number, line in enumerate(itertools.chain(text_lines(path), [None]), start=1):
+        if line is not None and (whole or line.strip()):
+            first = first or number
+            lines.append(line)
+            continue
+        if lines and "".join(lines).strip():
+            blocks += 1
+            if blocks > skip:
+                text = "".join(lines) if whole else "".join(lines).removesuffix("\n")
+                last = number - 1
+                yield {"text": text}, f"{prefix}line {first}" if last == first else f"{prefix}lines {first}-{last}", False
+        lines, first = [], 0
+    return min(skip, blocks)
 
 
 def arrow_rows(path: Path, prefix: str, skip: int):
@@ -194,9 +232,23 @@ def text_lines(path: Path) -> Iterator[str]:
     reader cannot say which line, so the bytes are read again to find it (only then)."""
     try:
         with opened(path, "rt", encoding="utf-8-sig") as handle:
-            yield from handle
+            for line in handle:  # a mark starting a later line: two files saved on Windows joined with `cat`
+                yield line.removeprefix("\ufeff")
     except UnicodeDecodeError:
         raise DataError(not_utf8(path)) from None
+    except DAMAGED as exc:
+        if path.suffix.lower() not in COMPRESSED:
+            raise
+        raise damaged(path, exc) from None
+
+
+def damaged(path: Path, exc: BaseException) -> DataError:
+    """A compressed data file that cannot be read to its end (cut short by a copy or a download, or corrupt): what
+    the decompressor said (EOFError, a CRC or format error), the file, and the fix."""
+    test = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}[path.suffix.lower()]
+    return DataError(f"{path}: the compressed file is damaged or cut short ({reason(exc)}), so its rows cannot all be "
+                     f"read. Fix: copy or download it again (`{test} -t {path}` tests it). (data.bad_rows: skip does not "
+                     "skip it: a damaged stream has no rows after the damage to skip to.)")
 
 
 def not_utf8(path: Path) -> str:
@@ -210,7 +262,29 @@ def not_utf8(path: Path) -> str:
                 f'saves "Unicode" text), not UTF-8. Fix: convert the file to UTF-8, e.g. `iconv -f {encoding} -t UTF-8 '
                 f"IN > OUT` (the mark is dropped), and point data.datasets[].path at the result.")
     number, column, byte = first_undecodable(path)
+    utf8_line = first_utf8_line(path)
+    if utf8_line is not None:  # UTF-8 with a few lines from elsewhere: iconv on the whole file garbles the rest
+        return (f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}), while other lines are "
+                f"UTF-8 text with non-ASCII characters (line {utf8_line} is one): the file is UTF-8 with a few lines "
+                "from elsewhere. Fix: correct that line's text in an editor that saves UTF-8, or remove the line; do "
+                "not convert the whole file with iconv, which would garble every line that is already UTF-8.")
     return f"{path} line {number}: not UTF-8 text (byte {byte:#04x} at column {column}). {RECODE}"
+
+
+def first_utf8_line(path: Path) -> int | None:
+    """The first line (universal newlines) that is UTF-8 text holding non-ASCII characters, if any."""
+    number = 0
+    with opened(path, "rb") as handle:
+        for raw in handle:
+            for line in raw.removesuffix(b"\n").removesuffix(b"\r").split(b"\r"):
+                number += 1
+                if not line.isascii():
+                    try:
+                        line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        continue
+                    return number
+    return None
 
 
 def first_undecodable(path: Path) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ folders.py), save_to_disk folders, hub datasets; the pre-flight check of local f
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import itertools
 import json
@@ -16,8 +17,12 @@ from finetune.data.csv_files import csv_rows
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.readers import (
     CHUNK_ROWS,
+    COMPRESSED,
+    DAMAGED,
     FILE_TYPES,
+    BlankLine,
     arrow_rows,
+    damaged,
     data_suffix,
     file_suffix,
     json_array_rows,
@@ -187,7 +192,8 @@ def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tupl
     """(items, places, raw) per chunk, in order, at most spec.max_rows rows. `raw`: the items are JSON Lines text,
     parsed by whoever tokenizes the chunk (so parsing is spread over the processes too). A chunk holds rows of one
     kind (lines or row dicts): in a folder of JSON Lines and CSV files, a new chunk starts where the kind changes."""
-    entries = _table_rows(source.table) if source.table is not None else local_rows(source.files, source.folder)
+    entries = (_table_rows(source.table) if source.table is not None else
+               local_rows(source.files, source.folder, sample_by=source.spec.sample_by))
     if source.spec.max_rows is not None:
         entries = itertools.islice(entries, source.spec.max_rows)
     for raw, group in itertools.groupby(entries, key=lambda entry: entry[2]):
@@ -204,18 +210,21 @@ def _table_rows(table) -> Iterator[tuple[dict, str, bool]]:
 
 
 def load_rows(spec: DatasetSpec) -> list[dict]:
-    """Rows of one dataset as plain dicts (small datasets and checks; training reads chunks through row_chunks)."""
+    """Rows of one dataset as plain dicts (small datasets and checks; training reads chunks through row_chunks). A
+    .txt file's blank lines are no rows (readers.BlankLine): left out."""
     rows = []
     for items, _, raw in row_chunks(open_source(spec)):
-        rows += [json.loads(item) for item in items] if raw else items
+        rows += [json.loads(item) for item in items] if raw else [item for item in items if not isinstance(item, BlankLine)]
     return rows
 
 
 # --------------------------------------------------------------------------------------------- local files
-def local_rows(files: list[Path], folder: Path | None, start: int = 0) -> Iterator[tuple[object, str, bool]]:
+def local_rows(files: list[Path], folder: Path | None, start: int = 0, *,
+               sample_by: str | None = None) -> Iterator[tuple[object, str, bool]]:
     """(item, place, raw) of the files' rows in order, from row `start` on (the rows before it are read past, never
     parsed or converted). Items are JSON Lines text (raw, without its newline, so a parse error's column is the line's
-    own) or row dicts. A place is `line N` or `row N`, after the file's name within `folder` when there is one."""
+    own) or row dicts. A place is `line N` or `row N`, after the file's name within `folder` when there is one.
+    `sample_by`: data.datasets[].sample_by, what a row of a .txt file is (readers.text_rows)."""
     skip = start
     for file in files:
         prefix = f"{file.relative_to(folder).as_posix()} " if folder is not None else ""
@@ -224,8 +233,14 @@ def local_rows(files: list[Path], folder: Path | None, start: int = 0) -> Iterat
             reader = json_array_rows
         else:
             reader = {".jsonl": json_lines_rows, ".json": json_lines_rows, ".csv": csv_rows, ".tsv": csv_rows,
-                      ".parquet": parquet_rows, ".txt": text_rows, ".arrow": arrow_rows}[kind]
-        skip -= yield from reader(file, prefix, skip)
+                      ".parquet": parquet_rows, ".txt": functools.partial(text_rows, sample_by=sample_by),
+                      ".arrow": arrow_rows}[kind]
+        try:
+            skip -= yield from reader(file, prefix, skip)
+        except DAMAGED as exc:  # a compressed CSV cut short (text files: readers.text_lines says it itself)
+            if file.suffix.lower() not in COMPRESSED:
+                raise
+            raise damaged(file, exc) from None
 
 
 def _load_saved(path: Path, spec: DatasetSpec):
@@ -314,7 +329,7 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
             rows.append(json.loads(line.removesuffix("\n").removeprefix("\ufeff")))
         except json.JSONDecodeError as exc:
             if bad_rows == "error":
-                raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); a "
+                raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); a "
                                 "JSON Lines file holds one JSON object per line.") from None
     objects = [row for row in rows if isinstance(row, dict)]
     if rows and not objects:

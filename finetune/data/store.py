@@ -2,7 +2,8 @@
 
 A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
 token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
-example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version); unpaired preference rows
+example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version, the
+other files' sampled checksums, compared at every mapping: DamagedEntry); unpaired preference rows
 (KTO) add `desirable.npy` (each row's label) and `tail_ids.npy`, `tail_trained.npy`, `tail_bounds.npy` (each row's
 Example.completion_tail, empty for a row that was not cut: what its KL partner's row takes). Every
 rank maps the same files, so the pages are shared through the page cache: a rank's own memory holds only per-example
@@ -69,7 +70,11 @@ class StoreWriter:
             desirable = np.concatenate(self._desirable) if self._desirable else np.zeros(0, dtype=np.bool_)
             np.save(self.folder / "desirable.npy", desirable.astype(np.bool_))
             self._finish_tails()
-        meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts}
+        from finetune.model.file_sums import folder_sums
+
+        written = sorted(path.name for path in self.folder.iterdir() if path.is_file())
+        meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts,
+                "sums": folder_sums(self.folder, written)}  # checked at every mapping (TokenStore)
         (self.folder / "meta.json").write_text(json.dumps(meta))
 
     def _finish_tails(self) -> None:
@@ -106,6 +111,22 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+class DamagedEntry(ValueError):
+    """A store folder whose files are not the bytes its build wrote (their sampled checksums in meta.json differ)."""
+
+
+def _changed_files(folder: Path, sums) -> list[str]:
+    """The token files whose sampled checksums (model/file_sums.py) differ from meta.json's; none for a folder written
+    before they were recorded. A cheap read (a few MB of a GB-sized entry), not a hash of every byte."""
+    if sums is None:
+        return []
+    if not isinstance(sums, dict):
+        return ["meta.json"]
+    from finetune.model.file_sums import changed_files
+
+    return changed_files(folder, sums)
+
+
 class TokenStore:
     """One dataset's tokenized examples, mapped from its folder (read-only; pages shared by every process)."""
 
@@ -119,6 +140,9 @@ class TokenStore:
         total = int(self.bounds[-1])
         if (folder / "ids.bin").stat().st_size != 4 * total or (folder / "trained.bin").stat().st_size != total:
             raise ValueError(f"{folder}: token files do not match their offsets (a damaged entry)")
+        if changed := _changed_files(folder, self.meta.get("sums")):
+            raise DamagedEntry(f"{', '.join(changed)} {'differs' if len(changed) == 1 else 'differ'} from what was "
+                               "written (zeroed or changed since: a power cut after the build, a partial copy)")
         self.ids = _mapped(folder / "ids.bin", np.int32, total)
         self.trained = _mapped(folder / "trained.bin", np.bool_, total)
         self.pairs = bool(self.meta["pairs"])

@@ -20,18 +20,25 @@ examples were (a conversation whose chat template rewrites history gives several
 micro-batch every rank holds the same position, and greedy packing keeps no state across an emitted row, so a resume
 skips that many rows without tokenizing them and continues at exactly the next example, with any world size or
 micro-batch size.
+
+Counts: what tokenize_chunk counts of the rows (read, skipped, truncated and the tokens cut, dropped, split, blank) is
+summed per pass, as the rows are read, and said when a pass ends and at the run's last step (build.row_counts, the
+cached path's data line). A checkpoint keeps the pass's counts with the row they reach (rows are read a chunk ahead of
+the position), and a resume counts only the rows past that one, so the counts of a resumed pass are those of an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from finetune.data.build import eval_file_examples
+from finetune.data.build import cut_warning, eval_file_examples, row_counts
 from finetune.data.examples import DataStats, Example, PreparedData
 from finetune.data.folders import saved_folder
 from finetune.data.loader import BatchStream, collate
@@ -39,6 +46,7 @@ from finetune.data.packing import concat_examples, packing_problem
 from finetune.data.readers import looks_local
 from finetune.data.sources import hub_name_note, hub_reason, local_files, local_rows, not_found, split_problem
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
+from finetune.distributed import print0
 from finetune.errors import DataError
 from finetune.files import same_place
 from finetune.recipe import DatasetSpec, Recipe
@@ -93,7 +101,8 @@ def dataset_rows(spec: DatasetSpec, start: int = 0) -> Iterator[tuple[int, objec
         raise DataError(f"data.datasets path `{spec.path}`: {problem}")
     if path.is_file() or (path.is_dir() and not saved_folder(path)):
         files, folder = local_files(spec)
-        rows = ((start + i, item, place) for i, (item, place, _) in enumerate(local_rows(files, folder, start)))
+        rows = ((start + i, item, place) for i, (item, place, _) in
+                enumerate(local_rows(files, folder, start, sample_by=spec.sample_by)))
     else:
         table = _iterable(spec, path)
         rows = ((start + i, item, f"row {start + i + 1}") for i, item in enumerate(table.skip(start)))
@@ -148,20 +157,51 @@ class StreamedRows:
     def __init__(self, recipe: Recipe, tokenizer, start: tuple[int, int] = (0, 0)):
         self.recipe, self.tokenizer, self.start = recipe, tokenizer, start
         self.specs = recipe.data.datasets
-        self.counts: dict = {}  # rows read, skipped, truncated, dropped so far (this process)
+        self.restart_counts(0)
 
-    def examples(self, dataset: int, row: int) -> Iterator[tuple[int, Example]]:
-        """(row, example) of one dataset from `row` on."""
+    def restart_counts(self, epoch: int, counts: dict | None = None, read: tuple[int, int] | None = None, *,
+                       whole: bool = True) -> None:
+        """Count pass `epoch` from `counts` (its rows before `read`, (dataset, row): counted already), else from its
+        start. `whole`: the counts cover the pass from its start (not a resume from a checkpoint without them)."""
+        self.counts: dict = dict(counts or {})  # tokenize_chunk's counts of pass `epoch`'s rows read so far
+        self.counted = (epoch, *(read or self.start))  # (epoch, dataset, row): the rows before it are in `counts`
+        self.whole_pass = whole
+
+    def _counted_rows(self, epoch: int, dataset: int) -> int:
+        """How many of the dataset's first rows are in the counts of pass `epoch` already (all: sys.maxsize)."""
+        counted_epoch, counted_dataset, row = self.counted
+        if epoch != counted_epoch or dataset > counted_dataset:
+            return 0
+        return row if dataset == counted_dataset else sys.maxsize
+
+    def examples(self, dataset: int, row: int, epoch: int = 0) -> Iterator[tuple[int, Example]]:
+        """(row, example) of one dataset from `row` on, in pass `epoch`, each row counted once in the pass's counts
+        (the rows a checkpoint's counts hold already, read again by its resume, are a chunk of their own, uncounted)."""
         spec = self.specs[dataset]
-        for chunk in _chunks(dataset_rows(spec, row), STREAM_CHUNK_ROWS):
-            yield from _tokenized(chunk, spec, self.recipe, self.tokenizer, self.counts)
+        entries = dataset_rows(spec, row)
+        for chunk in _chunks(itertools.islice(entries, max(self._counted_rows(epoch, dataset) - row, 0)),
+                             STREAM_CHUNK_ROWS):
+            yield from _tokenized(chunk, spec, self.recipe, self.tokenizer)
+        for chunk in _chunks(entries, STREAM_CHUNK_ROWS):
+            found = _tokenized(chunk, spec, self.recipe, self.tokenizer, self.counts)
+            self.counted = (epoch, dataset, chunk[-1][0] + 1)
+            yield from found
+
+    def counts_line(self, epoch: int, *, ended: bool) -> str:
+        """The run's line about pass `epoch`'s rows: when it `ended`, or read so far, and a warning when truncation
+        cut much of them."""
+        counted = "" if self.whole_pass else " (the rows read since the resume)"
+        state = "done" if ended else "so far"
+        line = f"[finetune] data: pass {epoch + 1} over the stream {state}{counted}: {row_counts(self.counts)}"
+        warning = cut_warning(self.counts, self.recipe)
+        return line + (f"\n[finetune] warning: {warning}" if warning else "")
 
     def pass_examples(self, epoch: int, dataset: int, row: int, part: int = 0) -> Iterator[tuple[Example, Position]]:
         """Examples of one pass from (dataset, row), past the row's first `part` examples, each with the position
         that follows it (the same row's next example while the row has more)."""
         for index in range(dataset, len(self.specs)):
             first = row if index == dataset else 0
-            for found, group in itertools.groupby(self.examples(index, first), key=lambda entry: entry[0]):
+            for found, group in itertools.groupby(self.examples(index, first, epoch), key=lambda entry: entry[0]):
                 examples = [example for _, example in group]
                 for number, example in enumerate(examples):
                     if index == dataset and found == first and number < part:
@@ -169,9 +209,10 @@ class StreamedRows:
                     last = number == len(examples) - 1
                     yield example, Position(epoch, index, found + 1) if last else Position(epoch, index, found, number + 1)
 
-    def sequences(self, position: Position) -> Iterator[tuple[Example, Position]]:
+    def sequences(self, position: Position, *, report: bool = False) -> Iterator[tuple[Example, Position]]:
         """Training sequences from `position` on, endlessly (pass after pass), each with the position after it:
-        examples, or with data.packing rows packed greedily (a pass's last row is emitted at its end)."""
+        examples, or with data.packing rows packed greedily (a pass's last row is emitted at its end). `report`: say
+        each pass's counts when it ends (training's stream; not a look-ahead)."""
         epoch, dataset, row, part = position.epoch, position.dataset, position.row, position.part
         packing, limit = self.recipe.data.packing, self.recipe.data.max_length
         while True:
@@ -187,6 +228,9 @@ class StreamedRows:
                     members, size = [], 0
                 members.append(example)
                 size, after = size + len(example.input_ids), following
+            if report and self.counts:
+                print0(self.counts_line(epoch, ended=True))
+            self.restart_counts(epoch + 1)
             if members:
                 yielded = True
                 yield concat_examples(members), Position(epoch + 1, *self.start)
@@ -218,6 +262,7 @@ class StreamingBatches:
         # grad_accum is BatchStream's (its epochs end on whole steps); a stream's passes need no alignment
         self.rows, self.batch, self.rank, self.world, self.pad_id = rows, micro_batch_size, rank, world_size, pad_id
         self.position = Position(0, *rows.start)
+        self.grad_accum, self.micro_batches = grad_accum, 0  # taken so far: step x grad_accum after a resume
 
     def epoch_at(self, step: int) -> float:
         """The pass over the stream the last micro-batch came from (a stream's length, so a fraction, is unknown)."""
@@ -228,16 +273,26 @@ class StreamingBatches:
         return self.epoch_at(step)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        sequences = self.rows.sequences(self.position)
+        """Micro-batches; as the last step's are taken, the run's line about the rows of the pass read so far (a
+        stream has no totals to say before training: this is where a run says what it skipped and cut)."""
+        sequences = self.rows.sequences(self.position, report=True)
+        last = self.rows.recipe.train.max_steps * self.grad_accum
         while True:
             taken = list(itertools.islice(sequences, self.batch * self.world))
             self.position = taken[-1][1]
+            self.micro_batches += 1
+            if self.micro_batches == last and self.rows.counts:
+                print0(self.rows.counts_line(self.rows.counted[0], ended=False))
             yield collate([sequence for sequence, _ in taken[self.rank :: self.world]], self.pad_id)
 
     def state_dict(self) -> dict:
-        position = self.position
+        """The position, and the counts of its pass's rows read so far (`read`: up to which row they go)."""
+        position, (epoch, dataset, row) = self.position, self.rows.counted
         return {"streaming": True, "epoch": position.epoch, "dataset": position.dataset, "row": position.row,
-                "part": position.part, "world_size": self.world, "micro_batch_size": self.batch, **self.rows.fingerprint()}
+                "part": position.part, "world_size": self.world, "micro_batch_size": self.batch,
+                "counts": {"epoch": epoch, "read": [dataset, row], "whole_pass": self.rows.whole_pass,
+                           "counts": self.rows.counts},
+                **self.rows.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved position, whatever world size or micro-batch size saved it."""
@@ -254,6 +309,14 @@ class StreamingBatches:
                                 "the data or data settings changed since the checkpoint, so the position in the stream "
                                 "cannot be restored. Resume with the same data and recipe, or start a new run.")
         self.position = Position(state["epoch"], state["dataset"], state["row"], state.get("part", 0))
+        self.micro_batches = int(state.get("step", 0)) * self.grad_accum
+        saved = state.get("counts") or {}
+        if saved.get("epoch") == self.position.epoch:  # the pass's rows read before the checkpoint: counted once
+            self.rows.restart_counts(saved["epoch"], saved["counts"], tuple(saved["read"]),
+                                     whole=saved.get("whole_pass", True))
+        else:  # a checkpoint that kept no counts (written before they were kept): the pass counted from the position
+            read = (self.position.dataset, self.position.row)
+            self.rows.restart_counts(self.position.epoch, read=read, whole=read == tuple(self.rows.start))
 
 
 def batch_stream(train, **options) -> BatchStream | StreamingBatches:
@@ -300,7 +363,7 @@ def _opened(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], lis
     rows = StreamedRows(recipe, tokenizer, start)
     if next(rows.sequences(Position(0, *start)), None) is None:
         raise DataError(rows.empty_pass())
-    rows.counts.clear()  # that look ahead is read again by training
+    rows.restart_counts(0)  # that look ahead is read again (and counted) by training
     return rows, files, held, stats
 
 
@@ -339,12 +402,26 @@ def streaming_line(stats: DataStats, recipe: Recipe) -> str:
     files = f"{_file_examples(stats)} from data.eval_datasets, " if data.eval_datasets else ""
     packed = f", packed greedily into rows of <= {data.max_length} tokens" if data.packing else ""
     return (f"[finetune] data: streaming {count} dataset{'s' if count > 1 else ''} in order{packed} (totals unknown: "
-            f"rows are read and tokenized while training); {stats.eval_examples} eval examples ({files}{held} held out: "
-            f"the stream's first {data.eval_max_rows if data.eval_fraction > 0 else 0} rows)")
+            f"rows are read and tokenized while training, their counts said as each pass ends and at the last step); "
+            f"{stats.eval_examples} eval examples ({files}{held} held out: the stream's first "
+            f"{data.eval_max_rows if data.eval_fraction > 0 else 0} rows)")
 
 
 def stream_preview(recipe: Recipe, tokenizer, *, rows: int) -> PreparedData:
     """For `finetune data`: the first `rows` training examples of the stream and the eval set, nothing read whole."""
     train, files, held, stats = _opened(recipe, tokenizer)
     first = [example for example, _ in itertools.islice(train.pass_examples(0, *train.start), max(rows, 0))]
-    return PreparedData(first, [], list(files) + held, stats, files)
+    return PreparedData(first, train, list(files) + held, stats, files)  # train.counts: the rows read for `first`
+
+
+def preview_lines(prepared: PreparedData, recipe: Recipe) -> list[str]:
+    """`finetune data`'s lines about the rows a stream's preview read (whole chunks: at least the first few dozen
+    rows): their counts, a warning when truncation cut much of them, the first reasons rows were skipped."""
+    counts = prepared.train.counts if isinstance(prepared.train, StreamedRows) else {}
+    if not counts:
+        return []
+    lines = [f"rows read for this preview (the stream's first, not its totals): {row_counts(counts)}"]
+    if warning := cut_warning(counts, recipe):
+        lines.append(f"warning: {warning}")
+    lines += [f"skipped: {reason}" for reason in counts.get("skipped_reasons", [])[:3]]
+    return lines

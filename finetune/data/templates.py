@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from finetune.data.chat import Opener, chat_examples
+from finetune.data.chat import chat_examples
 from finetune.data.conversations import (
     ROLE_ALIASES,
     check_order,
@@ -21,11 +21,13 @@ from finetune.data.conversations import (
     refuse_empty_answer,
     refuse_turns_as_text,
 )
-from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.tokens import _labels, adds_bos, answer_starts, tokenize_many, tokenize_segments
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 
-__all__ = ["ROLE_ALIASES"]  # re-exported: the speaker names live with the conversations (data/conversations.py)
+# Re-exported: the speaker names live with the conversations (data/conversations.py), the tokenizing of rendered rows
+# in data/tokens.py.
+__all__ = ["ROLE_ALIASES", "_labels", "adds_bos", "answer_starts", "tokenize_many", "tokenize_segments"]
 
 # Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names).
 FORMAT_FIELDS = {
@@ -42,6 +44,7 @@ FORMAT_FIELDS = {
 TEXT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "completion": ("prompt", "completion"),
                "text": ("text",), "chat": ("system",), "preference": ("system",), "unpaired_preference": ("system",)}
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_TEXT_FILE_LINE = re.compile(r"\.txt(\.\w+)? line \d+$")  # where a .txt file's row is (readers.text_rows: `a.txt line 3`)
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # --------------------------------------------------------------------------------------------------- rendering
@@ -79,12 +82,7 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
     required, _ = FORMAT_FIELDS[spec.format]
     missing = [_column(spec, name, row) for name in required if _blank(_field(row, spec, name))]
     if missing:
-        present = [f"{key}: null" if row[key] is None else str(key) for key in sorted(row, key=str)]
-        raise DataError(
-            f"{where}: missing or empty {', '.join(f'`{m}`' for m in missing)} (absent, null or only whitespace) "
-            f"needed by format `{spec.format}` (row has: {', '.join(present) or 'nothing'}). Fix the row, map the columns "
-            "with data.datasets[].columns, or set data.bad_rows: skip."
-        )
+        raise DataError(_missing_message(row, spec, where, missing))
     for name in TEXT_FIELDS.get(spec.format, ()):
         if spec.format == "completion":  # a message list: format chat's row, not JSON text to train
             refuse_turns_as_text(_field(row, spec, name), spec, f"{where}: `{_column(spec, name)}`")
@@ -100,6 +98,24 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
     if spec.format == "chat":
         chat_messages(row, spec, where)
         row_tools(row, spec, where)
+
+
+def _missing_message(row: dict, spec: DatasetSpec, where: str, missing: list[str]) -> str:
+    """Why a row lacks a field its format needs, and the fix that fits: a column the row does not have may be named
+    otherwise (data.datasets[].columns maps it); one it has holds nothing, which no mapping changes; a .txt file's
+    row is one line, so a blank line is an empty row."""
+    if spec.format == "text" and missing == ["text"] and _TEXT_FILE_LINE.search(where):
+        return (f"{where}: an empty line of a .txt file. A .txt file is read one row per line (as `datasets`' text "
+                "builder reads it: each line a document, ended with EOS), so an empty line is a row with no text to "
+                "train. Fix: read paragraphs or whole files as rows (data.datasets[].sample_by: paragraph or "
+                "document), give the documents as JSON Lines with a `text` field, or set data.bad_rows: skip.")
+    present = [f"{key}: null" if row[key] is None else str(key) for key in sorted(row, key=str)]
+    absent = [column for column in missing if column not in row]
+    fix = ("Fix the row, map the columns with data.datasets[].columns, or set data.bad_rows: skip." if absent else
+           f"The column{'s are' if len(missing) > 1 else ' is'} there and empty in this row: fix the row (give it its "
+           "value), or set data.bad_rows: skip.")
+    return (f"{where}: missing or empty {', '.join(f'`{m}`' for m in missing)} (absent, null or only whitespace) "
+            f"needed by format `{spec.format}` (row has: {', '.join(present) or 'nothing'}). {fix}")
 
 
 def _blank(value) -> bool:
@@ -324,106 +340,6 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                         "`<think>` before an answer with reasoning, not before one without), so they would not answer "
                         "the same prompt. Give every answer reasoning, or none (data.reasoning: drop).")
     return sequences
-
-
-# -------------------------------------------------------------------------------------------------- tokenizing
-def _labels(ids: list[int], offsets, segments: list[tuple[str, bool]]) -> list[int]:
-    """Label a token with its id when its characters overlap a trained segment, else IGNORE_INDEX.
-
-    Overlap (not "starts inside") so that a token merging the prompt's last space with the answer's first
-    characters is trained: the answer must be learned even when the tokenizer glues it to the prompt.
-    """
-    lows, highs, position = [], [], 0
-    for text, trained in segments:
-        if trained:
-            lows.append(position)
-            highs.append(position + len(text))
-        position += len(text)
-    if not ids:
-        return []
-    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    starts, ends = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0] + 1)
-    index = np.searchsorted(np.asarray(highs, dtype=np.int64), starts, side="right")  # first span ending after start
-    valid = index < len(lows)
-    trained = valid & (np.asarray(lows + [0], dtype=np.int64)[np.minimum(index, len(lows))] < ends)
-    return np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
-
-
-def adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts its BOS first when it encodes text, asked of what it produces rather than of its
-    `add_bos_token` attribute: Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor while
-    transformers 5 reports add_bos_token False (a base model trained without its attention sink)."""
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return False
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos] and plain[:1] != [bos]
-
-
-def _with_bos(example: Example, bos: int | None) -> Example:
-    """`example` with BOS (untrained) first, given the tokenizer adds one (`bos`), unless its text writes it already."""
-    if bos is not None and (not example.input_ids or example.input_ids[0] != bos):
-        return Example([bos] + example.input_ids, [IGNORE_INDEX] + example.labels)
-    return example
-
-
-def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> Example:
-    """Tokenize the joined text once; label the tokens that overlap a trained segment."""
-    return tokenize_many([segments], tokenizer)[0]
-
-
-def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024,
-                  bos: bool = True) -> list[Example]:
-    """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads). `bos`: the
-    tokenizer's BOS is put first where it adds one (adds_bos). False: a continuation, tokenized apart, or a chat
-    template's rendering (template_rendered), which writes BOS itself where the model has one."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    examples, bos_id = [], tokenizer.bos_token_id if bos and all_segments and adds_bos(tokenizer) else None
-    for first in range(0, len(all_segments), chunk):
-        part = all_segments[first : first + chunk]
-        texts = ["".join(text for text, _ in segments) for segments in part]
-        if backend is not None:  # straight to the Rust tokenizer: skips transformers' per-row Python conversion
-            for segments, encoding in zip(part, backend.encode_batch(texts, add_special_tokens=False)):
-                examples.append(_with_bos(Example(encoding.ids, _labels_from_encoding(encoding, segments)), bos_id))
-            continue
-        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for segments, ids, offsets in zip(part, encoded["input_ids"], encoded["offset_mapping"]):
-            examples.append(_with_bos(Example(list(ids), _labels(list(ids), offsets, segments)), bos_id))
-    return examples
-
-
-def answer_starts(all_segments: list[list[tuple[str, bool]]], tokenizer, *, bos: bool = True) -> list[int | None]:
-    """The token each rendered example's answer starts at where it has a reasoning opener (chat.Opener: under
-    data.reasoning: context a turn trains its `<think>\n` before its untrained reasoning), else None (its first
-    trained token is its answer's). A row cut before that token has nothing to learn: the opener alone is no answer.
-    Found by tokenizing those examples again with the openers untrained (the same text: the same tokens)."""
-    opened = [i for i, segments in enumerate(all_segments) if any(isinstance(flag, Opener) for _, flag in segments)]
-    bare = tokenize_many([[(text, bool(flag) and not isinstance(flag, Opener)) for text, flag in all_segments[i]]
-                          for i in opened], tokenizer, bos=bos)
-    starts: list[int | None] = [None] * len(all_segments)
-    for i, example in zip(opened, bare):
-        starts[i] = next((k for k, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
-    return starts
-
-
-def _labels_from_encoding(encoding, segments: list[tuple[str, bool]]) -> list[int]:
-    """`_labels` in O(trained spans): the tokens holding a span's first and last characters bound its tokens.
-
-    char_to_token gives the *first* token of a character; one written as several tokens (an emoji or most CJK in
-    byte-level BPE, a combining accent, any byte-fallback character) has the others after it, covering the same
-    character, and they are trained too (before, a span ending in `🙂` trained its first byte only)."""
-    ids, labels, position = encoding.ids, [IGNORE_INDEX] * len(encoding.ids), 0
-    for text, trained in segments:
-        if trained and text:
-            end = position + len(text)
-            first, last = encoding.char_to_token(position), encoding.char_to_token(end - 1)
-            if first is None or last is None:  # a character no token covers (a normalizer dropped it): the slow way
-                return _labels(ids, encoding.offsets, segments)
-            while last + 1 < len(ids) and (span := encoding.token_to_chars(last + 1)) is not None and span[0] < end:
-                last += 1  # the next token starts inside the span: the rest of its last character (or of the span)
-            labels[first : last + 1] = ids[first : last + 1]
-        position += len(text)
-    return labels
 
 
 def _render_or_reason(row, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,

@@ -11,7 +11,15 @@ Length policy (data.overlong):
   inside its reasoning keeps nothing to learn (templates.answer_starts).
 - drop: every row longer than max_length is dropped and counted.
 - error: truncate, but a row left with nothing to learn stops the run, naming it (the strictness of v1-v3).
-A row with no trained token at all (an empty answer) is a malformed row: data.bad_rows decides.
+- split (format text only, recipe/data.py): a row longer than max_length becomes consecutive max_length pieces, each
+  an example, so no token is thrown away; a piece's first token is no target, as any example's. The pieces after the
+  first get no BOS (run_clm's group_texts and TRL's `wrapped` packing add none): a BOS marks a document's start, and
+  the model never meets one in the middle of a text at inference. A last piece of one token (nothing to predict) is
+  left out.
+Truncation counts the tokens it cut (`cut_tokens`, of `tokens_before_cut`: the kept examples' tokens before it), so
+the data line can say how much of the data a run never sees.
+A row with no trained token at all (an empty answer; a text row of one token: an example's first token is never a
+target) is a malformed row: data.bad_rows decides.
 """
 
 from __future__ import annotations
@@ -20,11 +28,14 @@ import json
 import re
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from finetune.data.chat import chat_template_text
+from finetune.data.chat import chat_template_text, prefill_misses
 from finetune.data.conversations import closing_tag_reads, renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
+from finetune.data.folders import folder_files, saved_folder
 from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
+from finetune.data.readers import BlankLine, data_suffix
 from finetune.data.templates import (
     FORMAT_FIELDS,
     _column,
@@ -56,7 +67,9 @@ class ChunkResult:
     examples: list[Example] = field(default_factory=list)
     counts: dict = field(default_factory=lambda: {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0,
                                                   "prompt_truncated": 0, "response_truncated": 0,
-                                                  "closing_tag_rows": 0})
+                                                  "closing_tag_rows": 0, "cut_tokens": 0, "tokens_before_cut": 0,
+                                                  "split_rows": 0, "split_pieces": 0, "blank_lines": 0,
+                                                  "own_prompt_rows": 0, "prefill_rows": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
@@ -64,6 +77,10 @@ class ChunkResult:
     origins: list[str] = field(default_factory=list)  # each example's row, by its place (`row 7`, `line 7`)
     # the first row whose answer was read as reasoning closed by a `</think>` line (conversations._INLINE_THINK)
     first_closing_tag_row: str | None = None
+    # the first row tokenized in pieces so that its prompt keeps its own tokens (tokens.tokenize_many), and the first
+    # whose assistant turn is trained after less than the generation prompt (chat.prefill_misses)
+    first_own_prompt_row: str | None = None
+    first_prefill_row: str | None = None
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
@@ -74,7 +91,7 @@ def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str
             rows.append(json.loads(line.rstrip("\r\n")))
             kept.append(place)
         except json.JSONDecodeError as exc:
-            broken.append(f"{path}: {place} is not valid JSON ({exc.msg} at column {exc.colno}). Fix or delete that "
+            broken.append(f"{path}: {place} is not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}). Fix or delete that "
                           "line" + (", or set data.bad_rows: skip to skip broken rows with a count." if bad_rows == "error"
                                     else "."))
             if bad_rows == "error":
@@ -87,6 +104,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whol
     `rows`: the dataset's first rows; `whole`: they are all of it (a mapped optional column none has is then refused,
     else warned about: a later row may have it)."""
     check_end_tokens(spec, tokenizer, source)
+    check_sample_by(spec, source)
     whole = whole and len(rows) <= 1000
     dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
     required, _ = FORMAT_FIELDS[spec.format]
@@ -110,6 +128,22 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whol
         )
     if spec.format in ("chat", "preference", "unpaired_preference", "prompt"):
         _check_tools(dict_rows, spec, tokenizer, source)
+
+
+def check_sample_by(spec: DatasetSpec, source: str) -> None:
+    """data.datasets[].sample_by is for .txt files (a folder of them): on other data it would be ignored."""
+    if spec.sample_by is None:
+        return
+    path = Path(spec.path).expanduser()
+    files = folder_files(path, spec) if path.is_dir() and not saved_folder(path) else []
+    if any(data_suffix(file) == ".txt" for file in files):
+        return
+    what = ("a folder whose data files are not .txt (a .txt file beside data files of another type is not read)"
+            if files else "not a folder of .txt files")
+    raise DataError(f"{source}: data.datasets[].sample_by: {spec.sample_by} says how a .txt file is cut into rows, and "
+                    f"this dataset is {what}, so it would be ignored. Fix: remove sample_by, or point the path at a "
+                    "folder of .txt files (for whole documents in other files, give one document per row: JSON Lines "
+                    'with a `text` field).')
 
 
 def check_end_tokens(spec: DatasetSpec, tokenizer, source: str) -> None:
@@ -196,13 +230,20 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
                    tokenizer) -> ChunkResult:
     """Render, tokenize and length-limit one chunk of rows (`broken`: reasons of rows that could not even be read)."""
     data, result = recipe.data, ChunkResult()
+    blank = [isinstance(row, BlankLine) for row in rows]  # a .txt file's blank lines: no rows, counted apart
+    if any(blank):
+        rows, places = [row for row, no in zip(rows, blank) if not no], [pl for pl, no in zip(places, blank) if not no]
+    result.counts["blank_lines"] = sum(blank)
     result.counts["rows"] = len(rows) + len(broken)
     result.reasons += broken
     rendered = []
     for row, place in zip(rows, places):
-        read_before = closing_tag_reads()
+        read_before, missed_before = closing_tag_reads(), prefill_misses()
         rendered.append(_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
                                           reasoning=data.reasoning))
+        if prefill_misses() > missed_before and not isinstance(rendered[-1], str):
+            result.counts["prefill_rows"] += 1
+            result.first_prefill_row = result.first_prefill_row or f"{spec.path} {place}"
         if closing_tag_reads() > read_before and not isinstance(rendered[-1], str):  # kept, and rewritten so
             result.counts["closing_tag_rows"] += 1
             result.first_closing_tag_row = result.first_closing_tag_row or f"{spec.path} {place}"
@@ -221,7 +262,12 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
         flat = [(segments, place) for examples, place in kept for segments in examples]
         all_segments = [segments for segments, _ in flat]
-        tokenized = tokenize_many(all_segments, tokenizer, bos=bos)
+        own: list[int] = []
+        tokenized = tokenize_many(all_segments, tokenizer, bos=bos, own_prompt_rows=own)
+        own_places = list(dict.fromkeys(flat[i][1] for i in own))  # rows (a conversation may give several examples)
+        result.counts["own_prompt_rows"] += len(own_places)
+        if own_places and result.first_own_prompt_row is None:
+            result.first_own_prompt_row = f"{spec.path} {own_places[0]}"
         for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), flat):
             _length_policy(example, spec, place, data, result, answer=answer)
     result.counts["skipped"] += len(result.reasons)
@@ -235,22 +281,35 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
 
 def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result: ChunkResult, *,
                    answer: int | None = None) -> None:
-    """Keep, truncate or drop one tokenized example of the row at `place` by data.overlong (module docstring).
+    """Keep, truncate, split or drop one tokenized example of the row at `place` by data.overlong (module docstring).
     `answer`: the token its answer starts at, where that is not its first trained token (answer_starts)."""
     where = f"{spec.path} {place}"
     overlong = len(example.input_ids) > data.max_length
     if overlong and data.overlong == "drop":
         _dropped(result, where)
         return
-    trained = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
-    first = answer if answer is not None else trained
+    # The first target: a trained label past the first token, which nothing predicts (examples.Example.num_trained).
+    # Counting index 0 kept a text row of one token (`<|im_end|>` alone), which trains steps of loss 0 (bb34).
+    target = next((i for i, label in enumerate(example.labels) if i and label != IGNORE_INDEX), None)
+    first = answer if answer is not None and target is not None else target
     if first is not None and first < data.max_length:
-        result.counts["truncated"] += int(overlong)
-        result.examples.append(_cut(example, data.max_length, trained) if overlong else example)
+        if overlong and data.overlong == "split":
+            _split(example, data.max_length, place, result)
+            return
+        result.counts["tokens_before_cut"] += len(example.input_ids)
+        if overlong:
+            result.counts["truncated"] += 1
+            result.counts["cut_tokens"] += len(example.input_ids) - data.max_length
+            trained = next(i for i, label in enumerate(example.labels) if label != IGNORE_INDEX)
+            example = _cut(example, data.max_length, trained)
+        result.examples.append(example)
         result.origins.append(place)
         return
     if first is None:  # nothing trained even before truncation: a malformed row (empty answer)
-        result.reasons.append(f"{where}: no trained token (the answer is empty after rendering).")
+        result.reasons.append(f"{where}: no trained token: the answer is empty after rendering, or the row is a "
+                              "single token (an end token alone), and a row's first token is never a target (nothing "
+                              "precedes it). Fix: give the row its text or remove it, or set data.bad_rows: skip to "
+                              "skip such rows with a count.")
     elif data.overlong == "error":
         result.fatal = result.fatal or (
             f"{where}: the answer starts at token {first} of max_length {data.max_length}, so truncation leaves nothing "
@@ -258,6 +317,19 @@ def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result
             "which drops such rows with a count.")
     else:
         _dropped(result, where)
+
+
+def _split(example: Example, max_length: int, place: str, result: ChunkResult) -> None:
+    """data.overlong: split: the example as consecutive max_length pieces, each an example of its own (no BOS added:
+    module docstring); a piece without a target (a last piece of one token) is left out."""
+    result.counts["split_rows"] += 1
+    result.counts["tokens_before_cut"] += len(example.input_ids)
+    for start in range(0, len(example.input_ids), max_length):
+        piece = Example(example.input_ids[start:start + max_length], example.labels[start:start + max_length])
+        if piece.num_trained:
+            result.counts["split_pieces"] += 1
+            result.examples.append(piece)
+            result.origins.append(place)
 
 
 def _cut(example: Example, max_length: int, completion: int) -> Example:
@@ -302,3 +374,5 @@ def merge_counts(total: dict, result: ChunkResult) -> None:
     total["skipped_reasons"] = (total.get("skipped_reasons", []) + result.reasons)[:KEPT_REASONS]
     total["dropped_rows"] = (total.get("dropped_rows", []) + result.dropped_rows)[:NAMED_DROPS]
     total["first_closing_tag_row"] = total.get("first_closing_tag_row") or result.first_closing_tag_row
+    total["first_own_prompt_row"] = total.get("first_own_prompt_row") or result.first_own_prompt_row
+    total["first_prefill_row"] = total.get("first_prefill_row") or result.first_prefill_row

@@ -10,7 +10,9 @@
     experts/         mixture-of-experts layers split into one Linear per expert projection, one module per layout family
     sources/         where the base comes from: a folder or the hub (the offline guard, load errors), safetensors files
                      (headers, per-tensor reads), transformers' key renames, each rank's own chunk of each tensor, GGUF
-    lora/            LoRA attached (the config, model.adapter's start), initialized by (seed, tensor name), fused
+    lora/            LoRA attached (the config, model.adapter's start and the run's kept copy of it: kept.py; a saved
+                     adapter's files checked: saved_adapter.py), initialized by (seed, tensor name), fused
+    file_sums.py     sampled checksums of cache files (data and 4-bit caches): a zeroed or garbled file is rebuilt
     reward_head.py   a reward model's scalar head (`score`, trained in full), saved as PEFT's SEQ_CLS adapter
     architectures/   stored architecture numbers of the library's models (the hub may be unreachable)
 """

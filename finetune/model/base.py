@@ -61,9 +61,11 @@ def _config(recipe: Recipe):
         if stored is not None:
             return stored
     offline_guard(recipe.model.name_or_path)
+    from huggingface_hub.errors import StrictDataclassError  # a config.json field of the wrong type (transformers 5)
+
     try:
         return AutoConfig.from_pretrained(recipe.model.name_or_path, **hub_kwargs(recipe))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, StrictDataclassError) as exc:
         raise load_error("config", recipe.model.name_or_path, exc) from None
 
 
@@ -78,7 +80,7 @@ def load_tokenizer(recipe: Recipe):
     offline_guard(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **hub_kwargs(recipe))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:  # TypeError: a special token of the wrong type in its config
         raise load_error("tokenizer", name, exc) from None
     if recipe.model.chat_template:  # a base model's missing template, or another than the tokenizer's
         from finetune.chat_templates import resolve_chat_template

@@ -13,6 +13,9 @@
     export.py         `finetune export`: a clean adapter, or a merged model verified after writing
     export_base.py    the base an export loads: the run's own, `--base`, or the 16-bit folder a 4-bit one came from
     export_source.py  what an export starts from: a run, an adapter, a checkpoint folder or a run's `--step N`
+    export_tokenizer.py  the tokenizer an export or generate reads beside an adapter, checked to load (a cut-short
+                      tokenizer.json named, never exported)
+    trained_template.py  the chat template each checkpoint was trained with (chat_template.json), for `--step N`
     export_experts.py mixture-of-experts adapters at export: checked as trained (experts split), written as runtimes read
     runtimes.py       where an exported adapter runs (PEFT, merged transformers, vLLM, llama.cpp)
     publish.py        push_to_hub: the exported folder uploaded to the Hugging Face Hub

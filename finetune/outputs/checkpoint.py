@@ -13,12 +13,14 @@ Layout of output.dir:
         rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
         trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
         recipe.yaml             the resolved recipe of the run that wrote it
+        chat_template.json      the chat template trained with (outputs/trained_template.py: export / generate --step)
         manifest.json           written last: every file with its size and sha256, and the finetune that wrote it
     adapter/                    the standard PEFT adapter (the result)
 
-Only trainable state is saved, never the base weights. Every checkpoint is written into a hidden temporary folder,
-flushed, renamed into place, and only then given its manifest: a folder without a valid manifest (killed mid-save,
-truncated, tampered) is detected, reported, and skipped in favour of the newest good one.
+Only trainable state is saved, never the base weights. A checkpoint is written into a hidden temporary folder with its
+manifest, flushed and renamed into place, and renamed out of the listing before it is pruned: a step-N folder is whole
+while it is seen (a live run's were "damaged" to `finetune checkpoints`, bb29). One without a valid manifest (copied in
+part, truncated, tampered) is detected, reported, and skipped in favour of the newest good one.
 
 This module saves and loads the training checkpoints (a checkpoint's LoRA tensors alone, for `--step`:
 finetune/outputs/checkpoint_adapter.py read_trainable_tensors); finding them and choosing the one a resume takes is
@@ -68,8 +70,10 @@ from finetune.outputs.step_folders import (
     dcp_reader,
     list_checkpoints,
     newest_kept,
+    retire_checkpoint,
     untrusted_checkpoint,
 )
+from finetune.outputs.trained_template import write_trained_template
 from finetune.parallel import zero_checkpoint
 from finetune.parallel.engines import engine_of
 
@@ -202,18 +206,19 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
                     trainer_state: dict, recipe_yaml: str, *, keep_last: int, keep_best: bool = False,
-                    verify: bool = False) -> Path:
+                    verify: bool = False, tokenizer=None) -> Path:
     """Write checkpoints/step-N atomically (collective: every rank writes its shard and its RNG state).
 
-    Order: temp folder <- every rank's files; flush; rename into place; manifest with checksums; prune to keep_last
-    (and, with `keep_best`, never the checkpoint of the lowest eval loss so far).
-    With `verify`, every rank then reads its part back and compares it with what it saved.
+    Order: temp folder <- every rank's files; manifest with checksums; flush; rename into place; prune to keep_last
+    (and, with `keep_best`, never the checkpoint of the lowest eval loss so far), each renamed away, then deleted.
+    With `verify`, every rank then reads its part back and compares it with what it saved. The chat template trained
+    with is kept beside the recipe (`tokenizer`'s; without one, the recipe's: trained_template.py).
     """
     final = checkpoint_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
     try:
         return _save(out_dir, step, model, optimizer, names, trainer_state, recipe_yaml, final=final, tmp=tmp,
-                     keep_last=keep_last, keep_best=keep_best, verify=verify)
+                     keep_last=keep_last, keep_best=keep_best, verify=verify, tokenizer=tokenizer)
     except BaseException as exc:  # a lost peer: nothing is published, and every survivor removes the partial folder
         if distributed.is_communication_failure(exc):  # (rank 0, which would, may be the lost one)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -222,7 +227,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str],
           trainer_state: dict, recipe_yaml: str, *, final: Path, tmp: Path, keep_last: int, keep_best: bool,
-          verify: bool) -> Path:
+          verify: bool, tokenizer) -> Path:
     started = time.perf_counter()
 
     def make_tmp() -> None:
@@ -247,13 +252,12 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
         try:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
             (tmp / "recipe.yaml").write_text(recipe_yaml)
+            write_trained_template(tmp, recipe_yaml, tokenizer)  # what export / generate --step give the adapter
+            size = _write_manifest(tmp, step, trainer_state)  # before the rename: step-N appears whole
             _fsync_tree(tmp)
             _replace_dir(tmp, final)
-            size = _write_manifest(final, step, trainer_state)
         except OSError as exc:  # no partial folder is left for a resume to look at
             shutil.rmtree(tmp, ignore_errors=True)
-            if final.exists() and not (final / MANIFEST).exists():
-                shutil.rmtree(final, ignore_errors=True)
             raise CheckpointError(_not_written(out_dir, step, no_room(exc), _reason(exc), tensors=tensors)) from None
         prune_checkpoints(out_dir, keep_last=keep_last, newest=step,
                           eval_losses=trainer_state.get("eval_losses") if keep_best else None)
@@ -355,7 +359,7 @@ def prune_checkpoints(out_dir: Path, *, keep_last: int, newest: int,
     best = best_step(eval_losses or [], {step for step, _ in kept})
     doomed += [path for step, path in kept[:-keep_last] if step != best]
     for path in doomed:  # a symbolic link: the link goes, what it points at stays (bb26: it was kept, silently)
-        if reason := remove_path(path):
+        if reason := retire_checkpoint(path):
             distributed.print0(f"[finetune] warning: could not remove {path} ({reason}); remove it by hand")
 
 

@@ -5,7 +5,8 @@ any kept step without resuming.
 The LoRA tensors are read whole from the checkpoint's DCP files (every rank's shard under FSDP; read_trainable_tensors,
 which runs no code from the files: step_folders.dcp_reader), named on disk as training names them (PEFT's own mapping,
 computed on the base built on the meta device from the checkpoint's recipe: adapter_files.adapter_key_map), and
-written by the same `save_adapter` that writes adapter/ at the end of a run (read back and compared). The export that
+written by the same `save_adapter` that writes adapter/ at the end of a run (read back and compared), with the chat
+template the checkpoint was trained with (trained_template.py), not the recipe's template as it is now. The export that
 follows checks the result against the base as it checks a finished run's adapter.
 """
 
@@ -20,6 +21,7 @@ from finetune.errors import CheckpointError
 from finetune.outputs.adapter_files import adapter_key_map, save_adapter
 from finetune.outputs.checkpoint import _quiet_torch_distributed
 from finetune.outputs.step_folders import TRAINER_STATE, dcp_reader
+from finetune.outputs.trained_template import today_template_note, trained_template
 from finetune.recipe import Recipe
 
 
@@ -71,7 +73,7 @@ def read_trainable_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _strategy_of(path: Path) -> str | None:
     try:
-        return json.loads((path / TRAINER_STATE).read_text()).get("strategy")
+        return json.loads((path / TRAINER_STATE).read_text(encoding="utf-8")).get("strategy")
     except (OSError, ValueError):
         return None
 
@@ -117,13 +119,27 @@ def write_checkpoint_adapter(checkpoint: Path, folder: Path) -> Recipe:
 
 
 def _copy_tokenizer(checkpoint: Path, recipe: Recipe, folder: Path) -> None:
-    """The tokenizer training saved next to the run's adapter, else the recipe's (as training loads it)."""
+    """The tokenizer training saved next to the run's adapter, else the recipe's (as training loads it), with the chat
+    template the checkpoint was trained with (trained_template.py). A checkpoint that records none (an earlier
+    finetune's) keeps the adapter's template, else gets today's, and says so."""
     from transformers import AutoTokenizer
 
     from finetune.model import load_tokenizer
 
     finished = checkpoint.parent.parent / "adapter"
-    if (finished / "tokenizer_config.json").is_file():
-        AutoTokenizer.from_pretrained(finished).save_pretrained(folder)
-    else:
-        load_tokenizer(recipe).save_pretrained(folder)
+    found = (finished / "tokenizer_config.json").is_file()
+    tokenizer = None
+    if found:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(finished)
+        except Exception as exc:  # noqa: BLE001 (a damaged copy beside the adapter: json's, tokenizers', transformers')
+            print(f"[finetune] note: the tokenizer saved beside the run's adapter ({finished}) does not load "
+                  f"({type(exc).__name__}); the step's adapter gets the recipe's, as training loaded it", flush=True)
+            found = False
+    tokenizer = tokenizer or load_tokenizer(recipe)
+    recorded, template = trained_template(checkpoint)
+    if recorded:
+        tokenizer.chat_template = template
+    elif not found:
+        print(today_template_note(checkpoint, recipe), flush=True)
+    tokenizer.save_pretrained(folder)

@@ -26,19 +26,10 @@ from finetune.errors import FinetuneError
 from finetune.files import atomic_dir
 from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from finetune.outputs.export_source import ExportError, Source, open_source, resolve_source  # noqa: F401 (the API)
+from finetune.outputs.export_tokenizer import TOKENIZER_FILES, check_tokenizer_loads, load_tokenizer_for
 from finetune.outputs.runtimes import adapter_verdicts, write_report
 
 VERIFY_PROMPT = "What is the capital of France? Answer in one word."
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
 
 
 def normalize_key(key: str) -> str:
@@ -50,10 +41,23 @@ def normalize_key(key: str) -> str:
     return key if key.startswith("base_model.model.") else "base_model.model." + key
 
 
+def check_adapter_weights(adapter_dir: Path) -> None:
+    """ExportError (the file named, the way out) unless adapter_model.safetensors is a whole safetensors file: a cut-short
+    one was a SafetensorError traceback in export and generate (bb30). Reads the header only: callable before a base
+    loads."""
+    from finetune.model.lora.saved_adapter import weights_problem
+    from finetune.outputs.export_source import damaged_adapter
+
+    if problem := weights_problem(adapter_dir):
+        raise ExportError(damaged_adapter(adapter_dir, problem))
+
+
 def clean_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under normalized keys; ExportError when empty, duplicated or not finite."""
+    """The adapter's tensors under normalized keys; ExportError when the file is not whole (check_adapter_weights), or
+    its tensors are empty, duplicated or not finite."""
     from safetensors.torch import load_file
 
+    check_adapter_weights(adapter_dir)
     raw = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     tensors: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
@@ -128,19 +132,6 @@ def load_full_precision_base(source: Source, base: str | None, *, dtype: torch.d
         raise ExportError(
             f"base `{name}`: cannot load it ({str(exc).splitlines()[0][:200]}). Fix: pass --base."
         ) from None
-
-
-def load_tokenizer_for(source: Source, base: str | None):
-    """The run's tokenizer (saved next to the adapter), else the recipe's, else the base's."""
-    from transformers import AutoTokenizer
-
-    from finetune.model import load_tokenizer
-
-    if (source.adapter_dir / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(source.adapter_dir)
-    if base is None and source.recipe is not None:
-        return load_tokenizer(source.recipe)
-    return AutoTokenizer.from_pretrained(base or source.adapter_config["base_model_name_or_path"])
 
 
 # ------------------------------------------------------------------------------------------------- the checks
@@ -290,7 +281,7 @@ def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: 
     if base is not None:
         config["base_model_name_or_path"] = base
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if (source.adapter_dir / name).is_file():
             shutil.copy2(source.adapter_dir / name, folder / name)
     written = load_file(str(folder / ADAPTER_WEIGHTS))
@@ -326,6 +317,7 @@ def _checked_tensors(source: Source, config, base: str | None, tokenizer=None) -
 def export_adapter(source: Source, out: Path, *, base: str | None = None) -> str:
     """Clean standard adapter into `out`; returns the verify line."""
     check_out_free(out)
+    check_tokenizer_loads(source)  # the files copied beside the adapter: a folder whose tokenizer fails is no export
     config = base_config(source, base)
     _, (written, update), fits, note = _checked_tensors(source, config, base)
     with atomic_dir(out, replace=False) as tmp:

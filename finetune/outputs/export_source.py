@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import FinetuneError, RecipeError
-from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, as_trained
+from finetune.model.lora.saved_adapter import config_problem, weights_problem
+from finetune.outputs.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AS_TRAINED, as_trained
 from finetune.outputs.step_folders import (
     CHECKPOINTS,
     checked_checkpoint,
@@ -93,16 +94,18 @@ def _checkpoint_of(folder: Path, step: int | None) -> Path | None:
 
 
 def resolve_source(path: str | Path) -> Source:
-    """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter."""
+    """A run folder (adapter/ inside) or an adapter folder -> Source; ExportError when it holds no usable adapter: none
+    at all (the run did not finish), or one whose files are damaged (each named, with the way out: bb30)."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ExportError(
             f"{folder}: not found. Pass a run folder (output.dir of a finished run) or an adapter folder."
         )
-    adapter_dir = folder / "adapter" if (folder / "adapter" / ADAPTER_CONFIG).exists() else folder
+    run_adapter = folder / "adapter"
+    adapter_dir = run_adapter if any((run_adapter / name).exists() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)) \
+        else folder
     adapter_dir = as_trained(folder) if as_trained(folder) != folder else adapter_dir  # a MoE run: as trained
-    weights = adapter_dir / ADAPTER_WEIGHTS
-    if not (adapter_dir / ADAPTER_CONFIG).exists() or not weights.exists() or weights.stat().st_size == 0:
+    if not any((adapter_dir / name).exists() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)):
         kept = [step for step, _ in list_checkpoints(folder)]
         fix = (f"it keeps the checkpoints of step{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}: add "
                f"--step {kept[-1]} to use the newest, or finish the run (train.resume=auto)" if kept else
@@ -111,15 +114,55 @@ def resolve_source(path: str | Path) -> Source:
             f"{folder}: holds no adapter (looked for {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in {folder}/adapter and "
             f"{folder}). The run did not finish or saved nothing. Fix: {fix}."
         )
-    recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
-    recipe = None
-    if recipe_file is not None:
-        from finetune.outputs.run_folder import saved_recipe
+    if problem := config_problem(adapter_dir) or weights_problem(adapter_dir, header=False):  # (read: export.py)
+        raise ExportError(damaged_adapter(adapter_dir, problem))
+    return Source(adapter_dir, _run_recipe(folder, adapter_dir), json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))
 
+
+def damaged_adapter(adapter_dir: Path, problem: str) -> str:
+    """The paragraph for an adapter folder whose file is damaged: which file and how, whether the run had finished,
+    and the ways out (a kept checkpoint with --step, a resume that writes adapter/ again, a fresh copy)."""
+    run = adapter_dir.parent if adapter_dir.name in ("adapter", AS_TRAINED) else adapter_dir
+    kept = [step for step, _ in list_checkpoints(run)]
+    finished = ""
+    if problem.startswith(ADAPTER_WEIGHTS) and (adapter_dir / ADAPTER_CONFIG).is_file():
+        finished = (f" The adapter was written whole ({ADAPTER_CONFIG} is there: a run writes both at its end, in one "
+                    "rename), so the file was damaged or removed after the run finished.")
+        if (adapter_dir / "adapter_model.bin").is_file():
+            finished += " (PEFT's older adapter_model.bin beside it is not read by export and generate.)"
+    if kept:
+        fix = (f"add --step {kept[-1]} to use the newest kept checkpoint of {run} (`finetune checkpoints {run}` lists "
+               f"them), or run the run's recipe again with train.resume=auto, which continues from step {kept[-1]} and "
+               f"writes {run}/adapter anew; or copy the adapter folder again from where it was made")
+    else:
+        fix = "copy the adapter folder again from where it was made (its run keeps no checkpoint to export instead)"
+    return f"{adapter_dir}: {problem}.{finished} Nothing was read from it. Fix: {fix}."
+
+
+def _run_recipe(folder: Path, adapter_dir: Path) -> Recipe | None:
+    """The run's recipe.yaml (beside adapter/), else None. One this finetune cannot read (cut short, edited) is
+    replaced by the newest checkpoint's copy (checkpoints/step-N/recipe.yaml, written by the same run), with a note:
+    without it the base, the data format and the quantization were guessed (bb30: prompts went through the chat
+    template instead of the run's alpaca template)."""
+    from finetune.outputs.run_folder import saved_recipe
+
+    recipe_file = next((p for p in (folder / "recipe.yaml", adapter_dir.parent / "recipe.yaml") if p.is_file()), None)
+    if recipe_file is None:
+        return None
+    try:
+        return saved_recipe(recipe_file)  # keys removed since the run are dropped, with a note
+    except RecipeError as exc:  # the whole paragraph: every problem at its key, not only the header line
+        problem = exc
+    for step, checkpoint in reversed(list_checkpoints(recipe_file.parent)):
         try:
-            recipe = saved_recipe(recipe_file)  # keys removed since the run are dropped, with a note
-        except RecipeError as exc:  # the whole paragraph: every problem at its key, not only the header line
-            print(f"[finetune] note: {recipe_file} is not a valid recipe for this finetune, so the base is the adapter's "
-                  "base_model_name_or_path and the run's data format, system prompt and quantization are not known "
-                  f"(fix those keys in {recipe_file} to use them). {exc}", flush=True)
-    return Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))
+            recipe = saved_recipe(checkpoint / "recipe.yaml")
+        except RecipeError:
+            continue
+        print(f"[finetune] note: {recipe_file} is not a valid recipe ({str(problem).splitlines()[-1].strip()}), so the "
+              f"run's recipe is read from its checkpoint of step {step} ({checkpoint / 'recipe.yaml'}), which the "
+              f"same run wrote. Fix {recipe_file} (or copy that one over it) to silence this.", flush=True)
+        return recipe
+    print(f"[finetune] note: {recipe_file} is not a valid recipe for this finetune, so the base is the adapter's "
+          "base_model_name_or_path and the run's data format, system prompt and quantization are not known (fix those "
+          f"keys in {recipe_file} to use them). {problem}", flush=True)
+    return None

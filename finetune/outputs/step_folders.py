@@ -8,15 +8,17 @@ checkpoint's DCP metadata read without running code (`dcp_reader`), for every DC
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 
 from finetune import distributed
 from finetune.errors import CheckpointError
-from finetune.files import _sha256
+from finetune.files import _sha256, remove_path
 from finetune.outputs.adapter_files import ADAPTER_WEIGHTS
 
 CHECKPOINTS = "checkpoints"
@@ -36,6 +38,18 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
             if path.is_dir() and path.name.startswith(STEP_PREFIX) and digits.isdigit():
                 found.append((int(digits), path))
     return sorted(found)
+
+
+def retire_checkpoint(path: Path) -> str | None:
+    """Remove a checkpoint folder (pruning): renamed first to a hidden `.step-N.removing-PID` that no listing shows (and
+    the next prune removes, if this one is cut short), then deleted. Deleted in place, a reader listing the folders of
+    a live run met it half gone ("trainer_state.json is missing", bb29). None when it is gone, else why not."""
+    if path.name.startswith(STEP_PREFIX):
+        hidden = path.with_name(f".{path.name}.removing-{os.getpid()}")
+        with contextlib.suppress(OSError):  # (not renamed: deleted where it is)
+            os.replace(path, hidden)
+            path = hidden
+    return remove_path(path)
 
 
 def best_step(eval_losses: list, steps: set[int]) -> int | None:
@@ -91,9 +105,11 @@ def report_best_eval(out_dir: Path, eval_losses: list) -> int | None:
     return step
 
 
-def checkpoints_table(run_dir: Path) -> str:
+def checkpoints_table(run_dir: Path, *, running: str | None = None) -> str:
     """`finetune checkpoints RUN`: one line per kept checkpoint (step, eval loss, train loss, intact or why not, size),
-    the lowest eval loss marked `best`, and how to export one."""
+    the lowest eval loss marked `best`, and how to export one. `running`: the run in progress that holds the folder's
+    lock (`PID 123 on host`), whose checkpoints are never called damaged: one it is writing or pruning meanwhile is
+    said so (a run of this finetune shows none: it renames whole folders in and out), one gone meanwhile is left out."""
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: not found. Pass a run folder (output.dir of a run).")
     kept = list_checkpoints(run_dir)
@@ -108,16 +124,28 @@ def checkpoints_table(run_dir: Path) -> str:
 
     rows = [("step", "eval loss", "train loss", "state", "MB", "folder")]
     for step, path in kept:
-        problem = checkpoint_problem(path)
-        size = sum(item.stat().st_size for item in path.rglob("*") if item.is_file()) / 1e6
+        problem, size = checkpoint_problem(path), _folder_mb(path)
+        if size is None:  # pruned while listed
+            continue
+        state = "intact" if problem is None else f"damaged: {problem}"
+        if problem is not None and running:
+            state = f"not whole now ({problem}): the run in progress ({running}) may be writing or removing it"
         rows.append((f"{step}{' best' if step == best else ''}", number(facts[step].get("eval_loss")),
-                     number(facts[step].get("loss")), "intact" if problem is None else f"damaged: {problem}",
-                     f"{size:.2f}", str(path)))
+                     number(facts[step].get("loss")), state, f"{size:.2f}", str(path)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
     example = best if best is not None else kept[-1][0]
     return (f"{table}\n`best`: the lowest eval loss among the kept checkpoints (- : no eval at that step). Export one: "
             f"{_export_hint(run_dir, dict(kept)[example], example)}")
+
+
+def _folder_mb(path: Path) -> float | None:
+    """The MB a checkpoint folder holds; None when it is gone (a live run pruned it while it was listed)."""
+    total = 0
+    for item in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # (a file removed meanwhile)
+            total += item.stat().st_size if item.is_file() else 0
+    return total / 1e6 if path.is_dir() else None
 
 
 def _export_hint(run_dir: Path, folder: Path, step: int) -> str:
@@ -172,13 +200,16 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted (None when every file matches its manifest)."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
-        return "no manifest.json (the save did not finish: killed or crashed while writing)"
+        return ("no manifest.json (not a whole save: finetune writes it before the folder takes its name, so the "
+                "folder was copied in part, or left by an older finetune killed while writing)")
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"manifest.json is unreadable ({type(exc).__name__}: {exc})"
+    if wrong := _mistyped(manifest):
+        return f"manifest.json is unreadable ({wrong})"
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
@@ -187,6 +218,27 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']} (truncated or changed)"
         if _sha256(file) != expected["sha256"]:
             return f"{name} does not match its checksum (corrupted or changed)"
+    return None
+
+
+def _mistyped(manifest: dict) -> str | None:
+    """The first field of a parsed manifest that is not of the type finetune writes (`_write_manifest`), said; None
+    when all are. A hand-edited `"files": "x"` was an AttributeError in every verb, `"step": "6"` passed and crashed a
+    resume later, and `"bytes": "690"` read "has 690 bytes, the manifest says 690" (bb30)."""
+    def number(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not number(manifest["step"]):
+        return f"step is {json.dumps(manifest['step'])}, not a whole number"
+    if not isinstance(manifest["files"], dict):
+        return f"files is {json.dumps(manifest['files'])[:60]}, not a table of files"
+    for name, entry in manifest["files"].items():
+        if not isinstance(entry, dict):
+            return f"the entry of {name} is {json.dumps(entry)[:60]}, not its bytes and sha256"
+        if not number(entry.get("bytes")):
+            return f"{name}'s bytes is {json.dumps(entry.get('bytes'))[:60]}, not a whole number"
+        if not isinstance(entry.get("sha256"), str):
+            return f"{name}'s sha256 is {json.dumps(entry.get('sha256'))[:60]}, not text"
     return None
 
 

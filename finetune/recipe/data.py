@@ -27,6 +27,10 @@ class DatasetSpec(_Section):
     tools: list[dict] | str | None = Field(None, description="Chat rows: the tools (function schemas) of rows without "
                                            "a `tools` column: a list or a JSON file.")
     max_rows: int | None = Field(None, gt=0, description="Read only the first N rows (previews, quick runs).")
+    sample_by: Literal["line", "paragraph", "document"] | None = Field(
+        None, description="A folder of .txt files: what one row is, by `datasets`' text builder's names. line (unset: "
+        "line): each line, its line break dropped, a blank line left out; paragraph: lines up to a blank line; "
+        "document: the whole file; both keep their line breaks. Only for .txt files (docs/data.md).")
 
 
 class DataSection(_Section):
@@ -41,10 +45,11 @@ class DataSection(_Section):
                                  "(at most eval_max_rows); 0 when eval_datasets is set and this is not.")
     eval_max_rows: int = Field(64, ge=0)
     packing: bool = Field(False, description="Several examples per row, position ids restarting per example.")
-    overlong: Literal["truncate", "drop", "error"] = Field(
-        "truncate", description="Rows longer than max_length. truncate: keep the first max_length tokens, and drop (with "
-        "a count naming the first rows) a row whose answer lies wholly past them. drop: drop every such row. error: "
-        "truncate, and stop on a row left with nothing to learn.")
+    overlong: Literal["truncate", "drop", "error", "split"] = Field(
+        "truncate", description="Rows longer than max_length. truncate: keep the first max_length tokens (the tokens cut "
+        "are counted), and drop (with a count naming the first rows) a row whose answer lies wholly past them. drop: "
+        "drop every such row. error: truncate, and stop on a row left with nothing to learn. split (format text "
+        "only): cut the row into consecutive max_length pieces, each an example (continued pretraining).")
     bad_rows: Literal["skip", "error"] = Field("error", description="Empty or malformed rows: skip with a count, or fail.")
     reasoning: Literal["train", "context", "drop"] = Field("train", description="Chat rows' reasoning: trained as the "
                                                            "template renders it, context (not trained), or drop.")
@@ -56,6 +61,23 @@ class DataSection(_Section):
         False, description="Read the datasets lazily (larger than memory or disk): tokenized and packed on the fly, in "
         "the datasets' order (no shuffle), pass after pass; needs train.max_steps. eval_fraction > 0 holds out the "
         "first eval_max_rows rows. No weights, no dpo.reference: precomputed, no cache (docs/data.md, Streaming).")
+
+    @model_validator(mode="after")
+    def _split_needs_text(self) -> DataSection:
+        """overlong: split cuts a row into pieces that each start without the row's beginning: text rows only (a
+        conversation's or an answer's piece would lose its prompt)."""
+        if self.overlong != "split":
+            return self
+        others = [f"data.{key}[{index}] (format {spec.format})" for key, specs in
+                  (("datasets", self.datasets), ("eval_datasets", self.eval_datasets))
+                  for index, spec in enumerate(specs) if spec.format != "text"]
+        if others:
+            raise ValueError(
+                f"overlong: split cuts a long row into max_length pieces, each trained on its own, which only format "
+                f"`text` rows allow (a piece of a conversation or of an answer would be trained without its prompt); "
+                f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not text. Fix: data.overlong: truncate "
+                "(the default), drop or error for these formats, or a larger data.max_length.")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -132,6 +132,27 @@ NO_COUNTERPART: dict[str, str] = {
     "use_weighting": "not built (WPO weighting)",
     "sync_ref_model": "the reference is the adapter switched off, or precomputed (dpo.reference)",
     "steps_per_generation": "each optimizer step samples its own completions (grpo.num_iterations reuses them)",
+    # TRL fields once listed as "a setting finetune makes itself" (bug bash): finetune does not make them, it lacks them
+    "chat_template_kwargs": "chat template arguments are not supported (training rows, the generation eval, "
+                            "`finetune generate` and GRPO's prompts are rendered with none, no enable_thinking). For "
+                            "Qwen3's or Qwen3.5's thinking-off serving (enable_thinking: false), rows without "
+                            "reasoning already train the empty `<think></think>` block that such a prompt ends with, "
+                            "and their answer after it. For another template (GLM-4.5's adds `/nothink`), give "
+                            "model.chat_template a copy of the template (a .jinja file) that sets the argument itself "
+                            "as its first line (`{%- set enable_thinking = false %}`), and serve with that copy too",
+    "eos_token": "each row ends with the tokenizer's own EOS (a chat row: its template's end-of-turn token); set "
+                 "`eos_token` in the tokenizer's tokenizer_config.json, or pick another with model.tokenizer",
+    "pad_token": "batches are padded with the tokenizer's pad token (its EOS where it has none; padding is never "
+                 "trained); set `pad_token` in the tokenizer's tokenizer_config.json, or pick another with model.tokenizer",
+    "truncation_mode": "a row longer than data.max_length keeps its start (TRL's keep_start; a preference pair loses "
+                       "its prompt's beginning first, docs/preference.md); data.overlong: drop or error instead of cutting",
+    "activation_offloading": "activations are not offloaded to the CPU; train.gradient_checkpointing recomputes them "
+                             "instead of keeping them",
+    "max_tool_calling_iterations": "GRPO samples each completion in one go: a tool-calling loop (agent training) is "
+                                   "not built",
+    **dict.fromkeys(("top_k", "min_p", "repetition_penalty", "generation_kwargs"),
+                    "GRPO samples with grpo.temperature and grpo.top_p only; top-k, min-p, a repetition penalty and "
+                    "other generation settings are not offered"),
 }
 
 # Fields that finetune sets by itself (devices, processes, loaders, logging, the hub) or that belong to features it
@@ -151,13 +172,10 @@ MANAGED: frozenset[str] = frozenset({
     "prediction_loss_only", "remove_unused_columns", "restore_callback_states_from_checkpoint", "skip_memory_metrics",
     "torch_empty_cache_steps", "train_sampling_strategy", "use_cache",
     # TRL
-    "activation_offloading", "dataset_kwargs", "eos_token", "pad_token", "pad_to_multiple_of", "shuffle_dataset",
-    "truncation_mode", "disable_dropout", "discopop_tau", "ld_alpha", "loss_weights",
+    "dataset_kwargs", "pad_to_multiple_of", "shuffle_dataset", "discopop_tau", "ld_alpha", "loss_weights",
     "precompute_ref_batch_size", "ref_model_mixup_alpha", "ref_model_sync_steps", "cache_implementation",
-    "cast_lm_head_to_fp32", "chat_template_kwargs", "delta", "generation_batch_size", "generation_kwargs",
-    "max_tool_calling_iterations", "min_p", "multi_objective_aggregation",
-    "num_completions_to_print", "num_generations_eval", "repetition_penalty", "top_entropy_quantile", "top_k",
-    "use_transformers_paged",
+    "cast_lm_head_to_fp32", "delta", "generation_batch_size", "multi_objective_aggregation",
+    "num_completions_to_print", "num_generations_eval", "top_entropy_quantile", "use_transformers_paged",
     # PEFT LoraConfig (set by finetune from the lora section, or not used with QLoRA)
     "alpha_pattern", "arrow_config", "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
     "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode", "init_lora_weights", "kasa_config",

@@ -1,8 +1,9 @@
 """Generation-based evaluation: greedy answers to held-out prompts, scored by a simple metric.
 
 A loss on held-out data says the model got less surprised; this says whether it now gives the right answer. Rows
-are either tokenized examples from finetune/data (the prompt is everything before the first trained token, the reference
-is the first trained span, e.g. the first assistant turn) or `{"prompt": text, "answer": text}` dicts whose prompt
+are either tokenized examples from finetune/data (the prompt is everything before the first trained token, completed
+into the prompt serving sends where the two differ; the reference is the first trained turn's final answer, read as a
+client reads a reply: finetune/data/replies.py) or `{"prompt": text, "answer": text}` dicts whose prompt
 is already rendered (chat template applied). Only rows with a question and an answer to give are asked: a KTO row's
 undesirable completion is no reference, and a text row (every token trained) has no prompt. Generation is greedy and
 stops at every end token (the tokenizer's EOS and the model's generation config's, as GRPO's), so the score is
@@ -25,6 +26,7 @@ import torch
 
 from finetune.data import IGNORE_INDEX
 from finetune.data.prompts import cut_at_stops, turn_end_stops
+from finetune.data.replies import decode_reply, prompt_tail, reply_message, serving_prompt, shown
 from finetune.distributed import print0
 
 Metric = Literal["exact_match", "contains", "prefix_match"]
@@ -56,7 +58,13 @@ def answerable(row: Any, tokenizer) -> bool:
 
 
 def prompt_and_reference(row: Any, tokenizer) -> tuple[list[int], str]:
-    """(prompt token ids, reference text) of one row: an Example (input_ids + labels) or a {prompt, answer} dict."""
+    """(prompt token ids, reference text) of one row: an Example (input_ids + labels) or a {prompt, answer} dict.
+
+    An Example's prompt is what serving sends for its first trained turn: the tokens before it, completed where they
+    stop inside the template's generation prompt (replies.serving_prompt: DeepSeek-R1's `<think>\\n` before an answer
+    without reasoning). Its reference is that turn's final answer, read as a client reads the model's reply
+    (replies.reply_message: no reasoning, no harmony channel words); under data.reasoning: context, whose turn is
+    trained in two runs (the opener, then after the untrained reasoning the answer), the runs up to the answer."""
     if isinstance(row, dict):
         ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         return list(ids), str(row["answer"])
@@ -64,9 +72,29 @@ def prompt_and_reference(row: Any, tokenizer) -> tuple[list[int], str]:
     first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
     if first is None:
         raise ValueError("an eval example has no trained token, so it has no reference answer")
-    end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
-    reference = tokenizer.decode(row.input_ids[first:end], skip_special_tokens=True)
-    return list(row.input_ids[:first]), cut_at_stops(reference, turn_end_stops(tokenizer))
+    context = list(row.input_ids[:first])
+    prompt, added = serving_prompt(context, tokenizer)
+    tail, stops = prompt_tail(context, tokenizer), turn_end_stops(tokenizer)
+
+    def read(end: int) -> dict:
+        text = cut_at_stops(decode_reply(row.input_ids[first:end], tokenizer), stops)
+        text = text[len(added):] if added and text.startswith(added) else text  # the prompt serving sends holds it
+        return reply_message(text, tokenizer, prompt=tail)
+
+    end = _run_end(labels, first)
+    message = read(end)
+    while not (message["content"] or message.get("tool_calls")):  # an opener alone (data.reasoning: context)
+        following = next((i for i in range(end, len(labels)) if labels[i] != IGNORE_INDEX), None)
+        if following is None:
+            break
+        end = _run_end(labels, following)
+        message = read(end)
+    return prompt, shown(message)
+
+
+def _run_end(labels: list[int], start: int) -> int:
+    """The end of the run of trained labels that starts at `start`."""
+    return next((i for i in range(start, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -80,10 +108,11 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 
 
 @torch.no_grad()
-def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
-                   device: torch.device | None = None) -> list[str]:
-    """Greedy continuations of token-id prompts (left-padded into one batch), decoded without special tokens and
-    cut at the chat template's end of turn where that is text (prompts.turn_end_stops).
+def generate_replies(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
+                     device: torch.device | None = None) -> list[dict]:
+    """Greedy continuations of token-id prompts (left-padded into one batch), each cut at the chat template's end of
+    turn where that is text (prompts.turn_end_stops) and read as a client reads it (replies.reply_message): the
+    assistant message {"role", "content": the final answer, "reasoning"?, "tool_calls"?}.
 
     `device`: where the inputs go, the rank's compute device in a run. Only a plain model (`finetune generate`) may
     leave it to the first parameter's device: under CPU offload that is the CPU while the forward runs on the GPU.
@@ -112,7 +141,15 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens
         **({"stop_strings": stops, "tokenizer": tokenizer} if stops else {}),
     )
     new_tokens = output[:, batch["input_ids"].shape[1] :]
-    return [cut_at_stops(tokenizer.decode(row, skip_special_tokens=True), stops) for row in new_tokens]
+    return [reply_message(cut_at_stops(decode_reply(row, tokenizer), stops), tokenizer,
+                          prompt=prompt_tail(prompt, tokenizer)) for row, prompt in zip(new_tokens, prompts)]
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
+                   device: torch.device | None = None) -> list[str]:
+    """The final answers of `generate_replies` (a turn that only calls tools: its calls as JSON text)."""
+    return [shown(reply) for reply in generate_replies(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                                       device=device)]
 
 
 def generation_eval(
@@ -226,7 +263,7 @@ def read_generation_evals(metrics_path) -> dict[str, dict]:
     path = Path(metrics_path)
     if not path.is_file():
         return found
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

@@ -314,7 +314,7 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
                                           elapsed_s=metrics.elapsed_offset + time.perf_counter() - started)
                     saved = checkpoint.save_checkpoint(out_dir, step, model, optimizer, names, state, recipe_yaml,
                                                        keep_last=t.keep_last, keep_best=t.keep_best,
-                                                       verify=verify_next_save)
+                                                       verify=verify_next_save, tokenizer=tokenizer)
                     verify_next_save = False
                 if stop:
                     progress.close()

@@ -17,7 +17,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import write_jsonl, write_recipe
+from safetensors.torch import save_file
 
 from finetune import cli
 from finetune.cli.tiny import build_tokenizer
@@ -49,7 +51,7 @@ def run_folder(tmp_path: Path, rows: list[dict], dataset: dict, *, objective: st
     write_recipe(run / "recipe.yaml", recipe)
     (run / "adapter").mkdir()
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({"task_type": task_type, "peft_type": "LORA"}))
-    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"stand-in")
+    save_file({"stand_in": torch.zeros(1)}, str(run / "adapter" / "adapter_model.safetensors"))  # whole, never read
     return run
 
 

@@ -83,7 +83,7 @@ def test_both_answers_of_a_pair_follow_the_same_prompt_tokens():
            "rejected": [{"role": "assistant", "content": "5"}]}
     pair = list(render_segments(row, PAIRS, tokenizer, None, "line 1"))
     chosen, rejected = tokenize_many(pair, tokenizer)
-    assert _prompt_ids(chosen) != _prompt_ids(rejected)  # the whole-text tokenization this replaces (the premise)
+    assert _prompt_ids(chosen) == _prompt_ids(rejected)  # tokenize_many splits such a row too (data/tokens.py)
     chosen, rejected = tokenize_prompted(pair, tokenizer)
     assert _prompt_ids(chosen) == _prompt_ids(rejected)
     assert tokenizer.decode([t for t, label in zip(rejected.input_ids, rejected.labels) if label != IGNORE_INDEX]) == \

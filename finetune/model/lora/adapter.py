@@ -73,6 +73,13 @@ def check_adapter(recipe: Recipe) -> Path | None:
         raise ModelLoadError(
             f"model.adapter ({folder}): {', '.join(missing)} not found, so it is not a PEFT adapter folder. Fix: point it "
             "at the adapter/ folder of a finished run (e.g. runs/sft/adapter), or at an adapter exported by PEFT.")
+    from finetune.model.lora import saved_adapter
+
+    if problem := saved_adapter.config_problem(folder) or (
+            (folder / WEIGHTS[0]).is_file() and saved_adapter.weights_problem(folder)):
+        raise ModelLoadError(
+            f"model.adapter ({folder}): {problem}. Fix: copy the adapter folder again from where it was made, or point "
+            "model.adapter at another (`finetune export RUN OUT --step N` writes one from a kept checkpoint).")
     if problems := unapplied_fields(_saved_config(folder)):
         raise ModelLoadError(
             f"model.adapter ({folder}): its adapter_config.json {'; '.join(problems)}. A run starts from an adapter only "

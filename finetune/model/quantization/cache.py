@@ -145,8 +145,11 @@ def _build(recipe: Recipe, base: Path, target: Path, identity: dict, reason: str
     manifest = {"base": str(Path(base).resolve()), "name_or_path": recipe.model.name_or_path,
                 "identity": identity, "settings": settings(recipe)}
 
-    def write_manifest(folder: Path) -> None:  # last, inside the folder before it is published
+    def write_manifest(folder: Path) -> None:  # last, inside the folder before it is published (fsync, rename)
+        from finetune.model.file_sums import folder_sums
+
         manifest["files"] = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+        manifest["sums"] = folder_sums(folder, list(manifest["files"]))  # compared at every start: _stale_reason
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
     try:
@@ -172,6 +175,8 @@ def _stale_reason(target: Path, identity: dict) -> str | None:
     try:
         manifest = json.loads(manifest_path.read_text())
     except ValueError:
+        manifest = None
+    if not isinstance(manifest, dict):
         return "the quantized cache entry's manifest is unreadable"
     if manifest.get("identity") != identity:
         old = manifest.get("identity", {})
@@ -186,7 +191,22 @@ def _stale_reason(target: Path, identity: dict) -> str | None:
                if not (target / name).is_file() or (target / name).stat().st_size != size]
     if not sizes or damaged:
         return f"the quantized cache entry is damaged ({', '.join(damaged[:3]) or 'no file sizes'}), so it is rebuilt"
-    return None
+    return _changed_reason(target, manifest.get("sums"))
+
+
+def _changed_reason(target: Path, sums) -> str | None:
+    """Why an entry whose files have their sizes is rebuilt anyway: bytes that differ from its manifest's sampled
+    checksums (model/file_sums.py: zeroed by a power cut after the build, a partial copy; a few MB read per file, not
+    the GBs). An entry written before they were recorded has none: its sizes are all there is to compare."""
+    from finetune.model.file_sums import changed_files
+
+    if sums is None:
+        return None
+    changed = changed_files(target, sums) if isinstance(sums, dict) else [MANIFEST]
+    if not changed:
+        return None
+    return (f"the quantized cache entry is damaged ({', '.join(changed[:3])}: the bytes differ from what was "
+            "written, e.g. zeroed by a power cut or a partial copy), so it is rebuilt")
 
 
 def orphaned_entries(recipe: Recipe, base: Path) -> list[Path]:

@@ -90,10 +90,35 @@ def _known_fix(what: str, name: str, text: str) -> str | None:
                 f"model.name_or_path to its base ({base or 'base_model_name_or_path in ' + ADAPTER_CONFIG}) and "
                 f"model.adapter: {adapter}; to train a new adapter on base + this one, merge them first (`finetune "
                 f"export --merge {name} OUT`) and set model.name_or_path: OUT.")
+    if (damaged := _damaged_json(folder, what)) is not None:
+        return (f"{folder / damaged[0]} is cut short or not what transformers reads ({damaged[1]}). Copy or download "
+                "that file again (from where the model came from), or fix the value it names.")
     if what == "tokenizer":
         return (f"{name} holds no tokenizer files finetune can load (tokenizer.json, or tokenizer_config.json with its "
                 "vocabulary files). Set model.tokenizer to the folder or hub id that has this model's tokenizer "
                 "(e.g. the model it was fine-tuned from), or copy those files into the folder.")
+    return None
+
+
+# the JSON files a config or tokenizer load reads from a local folder, first the ones a damaged copy cuts short
+_JSON_FILES = {"config": ("config.json",),
+               "tokenizer": ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")}
+
+
+def _damaged_json(folder: Path, what: str) -> tuple[str, str] | None:
+    """(file, why) of the first JSON file of `what` in `folder` that does not parse, or whose special tokens
+    (tokenizer_config.json's bos/eos/pad/unk token) are not text; None when each is whole."""
+    for name in _JSON_FILES.get(what, ()):
+        if not (folder / name).is_file():
+            continue
+        try:
+            value = json.loads((folder / name).read_bytes())
+        except ValueError as exc:  # (UnicodeDecodeError too: a file cut inside a character)
+            return name, str(exc)[:120]
+        if name == "tokenizer_config.json" and isinstance(value, dict):
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                if key in value and not isinstance(value[key], (str, dict, type(None))):
+                    return name, f"{key} is {value[key]!r}, not a token's text"
     return None
 
 

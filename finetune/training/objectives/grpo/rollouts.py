@@ -10,11 +10,13 @@ reward function that fails on one rank stops every rank after the same step (non
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import re
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,8 +53,48 @@ def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     ids |= set(turn_end_ids(tokenizer))
     configured = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
-    ids |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    listed = configured if isinstance(configured, list) else [configured] if configured is not None else []
+    ids |= {value for value in listed if _token_id(value)}
+    _say_unread_generation_config(unwrap(model), [value for value in listed if not _token_id(value)])
     return sorted(ids)
+
+
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_SAID: set[str] = set()  # each note once per process (eos_token_ids runs at every generation)
+
+
+def _say_unread_generation_config(model: nn.Module, wrong: list) -> None:
+    """A note for the stop ids the model's generation_config.json should have given and did not: a value that is no
+    token id (ignored; it was a TypeError traceback in `sorted`, bb30), or a file transformers could not read (cut
+    short: transformers drops it without a word, and an instruct model's extra end-of-turn ids with it)."""
+    folder = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    path = Path(folder) / "generation_config.json" if folder and Path(folder).is_dir() else None
+    if wrong:
+        where = path or "the model's generation config"
+        shown = json.dumps(wrong[0] if len(wrong) == 1 else wrong, default=str)[:80]
+        note = (f"{where} says eos_token_id {shown}, which is not a token id: ignored, so generation stops at the "
+                "tokenizer's end token and the chat template's end of turn only. Fix: set eos_token_id there to the end "
+                "token's id (or a list of ids), or remove it")
+    elif path is not None and path.is_file() and not _readable_json(path):
+        note = (f"{path} cannot be read (cut short or not JSON), so the stop ids it lists (an instruct model's end of "
+                "turn, e.g. Llama 3's <|eot_id|>) are not used: generation stops at the tokenizer's end token and the "
+                "chat template's end of turn only. Fix: copy or download that file again")
+    else:
+        return
+    if note not in _SAID:
+        _SAID.add(note)
+        distributed.print0(f"[finetune] note: {note}.")
+
+
+@functools.cache
+def _readable_json(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_bytes()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device: torch.device) -> list[grpo.Rollout]:
