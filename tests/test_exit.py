@@ -93,6 +93,9 @@ class CtrlC:  # a real SIGINT, sent while torch's C module imports numpy (a verb
             os.kill(os.getpid(), signal.SIGINT)
         return None
 
+# Python installs its Ctrl-C handler only where SIGINT is not ignored at the start, and a test process may have it
+# ignored (a child inherits that: the signal was lost, exit 0, in a CI run): given the handler a terminal's has.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.meta_path.insert(0, CtrlC())
 """
 

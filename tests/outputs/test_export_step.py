@@ -81,7 +81,7 @@ def test_keep_best_keeps_the_lowest_eval_loss_and_the_summary_names_it(stepped_r
     assert sorted(evals) == [2, 4, 6] and best != MAX_STEPS, f"the run's eval losses changed shape: {evals}"
     kept = [step for step, _ in step_folders.list_checkpoints(run)]
     assert kept == sorted({best, MAX_STEPS})  # keep_last 1 keeps the last; keep_best also the best
-    assert f"'best_eval_step': {best}" in stdout
+    assert f'"best_eval_step": {best}' in stdout  # the done: line is JSON
     assert f"best eval loss {evals[best]:.4f} at step {best}" in stdout and f"--step {best}` exports it" in stdout
 
 
