@@ -324,9 +324,8 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
         if not line.strip():
             continue
         try:
-            # (the newline would move the column to the next line; a byte-order mark starts a line where two files
-            # saved on Windows were joined with `cat`: no part of the row, dropped as at the file's start)
-            rows.append(json.loads(line.removesuffix("\n").removeprefix("\ufeff")))
+            # (the newline would move the column to the next line; text_lines drops a byte-order mark of any line)
+            rows.append(json.loads(line.removesuffix("\n")))
         except json.JSONDecodeError as exc:
             if bad_rows == "error":
                 raise DataError(f"{where}: line {number} is not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); a "

@@ -4,7 +4,6 @@ named, never copied into an export that says VALID), else the run's recipe's, el
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from finetune.outputs.export_source import ExportError, Source
@@ -51,13 +50,10 @@ def adapter_tokenizer(source: Source):
 
 def _damaged_tokenizer_file(folder: Path) -> str | None:
     """The first of the tokenizer's JSON files in `folder` that is not whole JSON, said; None when all parse."""
-    for name in TOKENIZER_FILES:
-        if name.endswith(".json") and (folder / name).is_file():
-            try:
-                json.loads((folder / name).read_bytes())
-            except ValueError as exc:  # (UnicodeDecodeError too: a file cut inside a character)
-                return f"{name} is cut short or not JSON ({str(exc)[:120]})"
-    return None
+    from finetune.model.sources.hub import damaged_json
+
+    damaged = damaged_json(folder, [name for name in TOKENIZER_FILES if name.endswith(".json")])
+    return None if damaged is None else f"{damaged[0]} is cut short or not JSON ({damaged[1]})"
 
 
 def _tokenizer_refusal(source: Source, problem: str) -> str:

@@ -90,7 +90,7 @@ def _known_fix(what: str, name: str, text: str) -> str | None:
                 f"model.name_or_path to its base ({base or 'base_model_name_or_path in ' + ADAPTER_CONFIG}) and "
                 f"model.adapter: {adapter}; to train a new adapter on base + this one, merge them first (`finetune "
                 f"export --merge {name} OUT`) and set model.name_or_path: OUT.")
-    if (damaged := _damaged_json(folder, what)) is not None:
+    if (damaged := damaged_json(folder, _JSON_FILES.get(what, ()))) is not None:
         return (f"{folder / damaged[0]} is cut short or not what transformers reads ({damaged[1]}). Copy or download "
                 "that file again (from where the model came from), or fix the value it names.")
     if what == "tokenizer":
@@ -105,10 +105,10 @@ _JSON_FILES = {"config": ("config.json",),
                "tokenizer": ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")}
 
 
-def _damaged_json(folder: Path, what: str) -> tuple[str, str] | None:
-    """(file, why) of the first JSON file of `what` in `folder` that does not parse, or whose special tokens
-    (tokenizer_config.json's bos/eos/pad/unk token) are not text; None when each is whole."""
-    for name in _JSON_FILES.get(what, ()):
+def damaged_json(folder: Path, names) -> tuple[str, str] | None:
+    """(file, why) of the first of the JSON files `names` in `folder` that does not parse, or whose special tokens
+    (tokenizer_config.json's bos/eos/pad/unk token) are not text; None when each there is whole."""
+    for name in names:
         if not (folder / name).is_file():
             continue
         try:
