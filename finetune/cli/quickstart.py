@@ -126,7 +126,7 @@ def dpo_report(out: Path, seconds: float, *, sft_steps: int) -> str:
 
     from finetune.training import evals
 
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     final = [m for m in metrics if "eval_loss" in m][-1]
     found = evals.read_generation_evals(out / "metrics.jsonl")
     lines = ["", f"[finetune] quickstart --dpo done in {seconds:.0f} s (SFT {sft_steps} steps, then DPO from its adapter)",

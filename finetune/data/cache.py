@@ -212,7 +212,7 @@ def _mapped_entry(target: Path, *, remove_bad: bool = True) -> TokenStore | None
 def _entry_source(target: Path) -> str:
     """The data file an entry was built from (its source.json), for a note; the key when unknown."""
     try:
-        return f"built from {json.loads((target / 'source.json').read_text())['path']}"
+        return f"built from {json.loads((target / 'source.json').read_text(encoding='utf-8'))['path']}"
     except (OSError, ValueError, KeyError, TypeError):
         return f"key {target.name}"
 
@@ -240,7 +240,7 @@ def _build_into(target: Path, source: Source, recipe: Recipe, tokenizer) -> None
         writer.finish(counts, pairs=counts["pairs"])
         # Which entry is which, for a person cleaning the cache (the key is a hash): read by nothing else.
         (temporary / "source.json").write_text(json.dumps({"path": str(spec.path), "rows": counts["rows"],
-                                                           "built": time.strftime("%Y-%m-%d %H:%M:%S")}))
+                                                           "built": time.strftime("%Y-%m-%d %H:%M:%S")}), encoding="utf-8")
         # On disk before the rename publishes it (files, then the folder that holds the new name): without this, a
         # power cut soon after could leave the entry renamed into place with files of their size but NUL bytes (bb30).
         _fsync_tree(temporary)

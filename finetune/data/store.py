@@ -75,7 +75,7 @@ class StoreWriter:
         written = sorted(path.name for path in self.folder.iterdir() if path.is_file())
         meta = {"format": STORE_FORMAT, "pairs": pairs, "sequences": len(lengths), "counts": counts,
                 "sums": folder_sums(self.folder, written)}  # checked at every mapping (TokenStore)
-        (self.folder / "meta.json").write_text(json.dumps(meta))
+        (self.folder / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
 
     def _finish_tails(self) -> None:
         """The KTO rows' completion tails, one after another, and where each starts (an empty one: a row not cut)."""
@@ -132,7 +132,7 @@ class TokenStore:
 
     def __init__(self, folder: Path):
         folder = Path(folder)
-        self.meta = json.loads((folder / "meta.json").read_text())
+        self.meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
         if self.meta.get("format") != STORE_FORMAT:
             raise ValueError(f"{folder}: store format {self.meta.get('format')}, expected {STORE_FORMAT}")
         self.bounds = np.load(folder / "bounds.npy")

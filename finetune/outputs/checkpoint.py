@@ -250,8 +250,8 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
 
     def publish() -> int:
         try:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            (tmp / "recipe.yaml").write_text(recipe_yaml)
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
+            (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
             write_trained_template(tmp, recipe_yaml, tokenizer)  # what export / generate --step give the adapter
             size = _write_manifest(tmp, step, trainer_state)  # before the rename: step-N appears whole
             _fsync_tree(tmp)
@@ -404,7 +404,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    trainer_state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
     if engine_of(model).own_checkpoint_format:
         zero_checkpoint.load_state(model, path / zero_checkpoint.CHECKPOINT_FOLDER,
                                     saved_world_size=trainer_state["world_size"], saved_strategy=trainer_state["strategy"])

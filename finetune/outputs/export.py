@@ -280,7 +280,7 @@ def write_clean_adapter(folder: Path, tensors: dict[str, torch.Tensor], source: 
     config = dict(source.adapter_config, inference_mode=True, **(config_update or {}))
     if base is not None:
         config["base_model_name_or_path"] = base
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for name in TOKENIZER_FILES:
         if (source.adapter_dir / name).is_file():
             shutil.copy2(source.adapter_dir / name, folder / name)
@@ -369,7 +369,7 @@ def export_merged(source: Source, out: Path, *, base: str | None = None) -> str:
     from finetune.outputs.export_base import merge_base, untie_adapted_head
 
     check_out_free(out)
-    if json.loads((source.adapter_dir / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS":
+    if json.loads((source.adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS":
         raise ExportError(f"{source.adapter_dir}: a reward model's adapter (train.objective reward: LoRA plus its score "
                           "head) is not merged here: the merged model would be a sequence classifier, which finetune "
                           "does not verify. Nothing was written. Fix: export without --merge and load it with "

@@ -71,7 +71,7 @@ def open_source(path: str | Path, *, step: int | None = None) -> Iterator[Source
         recipe = write_checkpoint_adapter(checkpoint, adapter_dir)
         print(f"[finetune] adapter of checkpoint {checkpoint} (step {checkpoint_facts(checkpoint).get('step')}) read "
               "from its training state")
-        yield Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()), checkpoint=checkpoint)
+        yield Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")), checkpoint=checkpoint)
 
 
 def _checkpoint_of(folder: Path, step: int | None) -> Path | None:
@@ -116,7 +116,7 @@ def resolve_source(path: str | Path) -> Source:
         )
     if problem := config_problem(adapter_dir) or weights_problem(adapter_dir, header=False):  # (read: export.py)
         raise ExportError(damaged_adapter(adapter_dir, problem))
-    return Source(adapter_dir, _run_recipe(folder, adapter_dir), json.loads((adapter_dir / ADAPTER_CONFIG).read_text()))
+    return Source(adapter_dir, _run_recipe(folder, adapter_dir), json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")))
 
 
 def damaged_adapter(adapter_dir: Path, problem: str) -> str:

@@ -279,7 +279,7 @@ def adapter_verdicts(folder: Path, base_config, *, merged: bool) -> list[Verdict
     """Every runtime's verdict on the adapter in `folder` (for --merge: the adapter that was merged)."""
     from safetensors import safe_open
 
-    config = json.loads((folder / "adapter_config.json").read_text())
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as handle:
         names = list(handle.keys())
     text_config = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
@@ -300,6 +300,6 @@ def write_report(out: Path, verdicts: list[Verdict], *, merged: bool) -> str:
     lines = [f"Where {subject} runs (checked by finetune export against each runtime's rules):", ""]
     lines += [f"- {verdict.line()}" for verdict in verdicts]
     text = "\n".join(lines)
-    (out / REPORT_JSON).write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
-    (out / REPORT_TEXT).write_text(text + "\n")
+    (out / REPORT_JSON).write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n", encoding="utf-8")
+    (out / REPORT_TEXT).write_text(text + "\n", encoding="utf-8")
     return text

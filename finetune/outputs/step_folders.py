@@ -64,7 +64,7 @@ def checkpoint_facts(path: Path) -> dict:
     """What a checkpoint says of itself (trainer_state.json): step, eval loss at that step (None when the run did not
     evaluate there), train loss of that step, strategy; empty when unreadable."""
     try:
-        state = json.loads((path / TRAINER_STATE).read_text())
+        state = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return {}
@@ -203,7 +203,7 @@ def checkpoint_problem(path: Path) -> str | None:
         return ("no manifest.json (not a whole save: finetune writes it before the folder takes its name, so the "
                 "folder was copied in part, or left by an older finetune killed while writing)")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
         int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:

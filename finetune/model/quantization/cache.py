@@ -150,7 +150,7 @@ def _build(recipe: Recipe, base: Path, target: Path, identity: dict, reason: str
 
         manifest["files"] = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
         manifest["sums"] = folder_sums(folder, list(manifest["files"]))  # compared at every start: _stale_reason
-        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
 
     try:
         write_quantized(base, target, bnb_config=quantization_config(recipe), dtype=torch_dtype(recipe.model.dtype),
@@ -173,7 +173,7 @@ def _stale_reason(target: Path, identity: dict) -> str | None:
     if not manifest_path.is_file():
         return "no quantized cache entry yet"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except ValueError:
         manifest = None
     if not isinstance(manifest, dict):
@@ -216,7 +216,7 @@ def orphaned_entries(recipe: Recipe, base: Path) -> list[Path]:
     orphans = []
     for manifest_path in sorted(cache_root().glob(f"*/{MANIFEST}")):
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         written = manifest.get("settings") or {}

@@ -144,7 +144,7 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     objective.rollout_figures = figures
     objective.completion_rows = completion_rows(objective.step, rollouts, weighted, objective.functions)
     if objective.completions_log is not None:
-        with open(objective.completions_log, "a") as out:  # plain JSON: no NaN / Infinity token (json_safe)
+        with open(objective.completions_log, "a", encoding="utf-8") as out:  # plain JSON: no NaN / Infinity token (json_safe)
             out.writelines(json.dumps(record, default=str) + "\n" for record in objective.completion_rows)
     return rollouts
 
