@@ -9,6 +9,7 @@ weighted sum skips it, as nansum). Verifiable rewards only: no model is loaded h
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 
 def completion_text(completion) -> str:
@@ -56,24 +57,60 @@ def length_penalty(prompts, completions, **columns) -> list[float]:
     return [-len(completion_text(c)) / 1000 for c in completions]
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+_FRACTION = re.compile(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in a text, nested braces kept; None without one."""
+    starts = [match.end() for match in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                return text[start:end]
+    return None
+
+
+def _value(text: str) -> str | None:
+    """A number's canonical form, as an exact fraction (`0.5`, `.5`, `1/2` and `\\frac{1}{2}` alike: `1/2`;
+    `1,000.0`: `1000`); None when the text is no number."""
+    text = text.replace(",", "").replace(" ", "")
+    fraction = _FRACTION.fullmatch(text)
+    try:
+        if fraction:
+            sign, top, bottom = fraction.groups()
+            value = Fraction(int(top), int(bottom)) * (-1 if sign else 1)
+        elif _NUMBER.fullmatch(text) or re.fullmatch(r"-?\d+/\d+", text):
+            value = Fraction(text)
+        else:
+            return None
+    except (ValueError, ZeroDivisionError):
+        return None
+    return str(value)
 
 
 def _final_number(text: str) -> str | None:
-    """The number a text ends on: after GSM8K's `####` marker when there is one, else the last number in it; commas
-    and a zero fraction dropped (`1,000.0` -> `1000`)."""
+    """The answer a text ends on: the last `\\boxed{}` when it writes one (MATH, NuminaMath: its number, or its
+    content without spaces and `$` when that is no number: `x^2+1`), else the number after GSM8K's `####` marker when
+    there is one, else the last number in it. Numbers compare as exact values: commas and zero fractions ignored,
+    `.5` = `0.5` = `1/2` = `\\frac{1}{2}`."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        content = re.sub(r"[\s$]|\\[,;!]|\{,\}", "", boxed)  # LaTeX spacing; `1{,}000`'s comma
+        return _value(content) or content or None
     text = text.rsplit("####", 1)[-1] if "####" in text else text
     found = _NUMBER.findall(text)
-    if not found:
-        return None
-    number = found[-1].replace(",", "")
-    return number.split(".")[0] if re.fullmatch(r"-?\d+\.0+", number) else number
+    return _value(found[-1]) if found else None
 
 
 def final_number(prompts, completions, answer=None, **columns) -> list[float | None]:
-    """1.0 when the completion's final number (after `####` if it writes one, else its last number) equals the final
-    number of the row's `answer` column, else 0.0: GSM8K (openai/gsm8k), whose `answer` is a worked solution ending
-    `#### 72`. None for a row whose answer has no number."""
+    """1.0 when the completion's final answer (its last `\\boxed{}`, else the number after `####` if it writes one,
+    else its last number) equals the final answer of the row's `answer` column, else 0.0: GSM8K (openai/gsm8k), whose
+    `answer` is a worked solution ending `#### 72`, and MATH / NuminaMath, whose `solution` ends in `\\boxed{...}`.
+    None for a row whose answer has no number and no `\\boxed{}`."""
     if answer is None:
         raise ValueError("finetune.rewards:final_number compares with the rows' `answer` column, and the prompt rows "
                          "have none. Fix: add an `answer` column to the data.")

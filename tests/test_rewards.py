@@ -20,3 +20,15 @@ def test_final_number_reads_gsm8k_answers_and_either_completion_form():
 def test_final_number_needs_an_answer_column():
     with pytest.raises(ValueError, match="answer"):
         final_number(None, ["72"])
+
+
+def test_final_number_reads_boxed_answers_and_compares_exact_values():
+    """Found by a bug bash: NuminaMath's `solution` (docs/grpo.md's `columns: {answer: solution}`) ends in `\\boxed{}`:
+    a reference `\\boxed{\\frac{1}{2}}` scored a completion `\\boxed{2}` as right (the last number of each), one
+    `\\boxed{4}$. Note 5 apples.` scored `4` as wrong, and `.5` was not `0.5`."""
+    answers = [r"so $x = \boxed{\frac{1}{2}}$", r"so $x = \boxed{\frac{1}{2}}$", r"\boxed{4}$. Note 5 apples.",
+               "#### 0.5", r"\boxed{x^2 + 1}", r"\boxed{1{,}000}", r"\boxed{-\dfrac{3}{4}}"]
+    completions = [r"The answer is \boxed{2}.", "It is 0.5", "4", ".5", r"\boxed{x^2+1}", "1,000 in all",
+                   r"-0.75, i.e. \boxed{-0.75}"]
+    assert final_number(None, completions, answer=answers) == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert final_number(None, [r"\boxed{3}"], answer=[r"\boxed{}"]) == [None]
