@@ -183,12 +183,13 @@ def arrow_rows(path: Path, prefix: str, skip: int):
     try:
         with opened(path, "rb") as handle:
             try:
-                batches = pyarrow.ipc.open_stream(handle)
+                reader = batches = pyarrow.ipc.open_stream(handle)
             except (OSError, pyarrow.ArrowInvalid):
                 handle.seek(0)
                 reader = pyarrow.ipc.open_file(handle)
                 batches = (reader.get_batch(index) for index in range(reader.num_record_batches))
-            return (yield from batch_rows(batches, prefix, skip))
+            decoders = json_decoders(reader.schema, path)
+            return (yield from batch_rows(batches, prefix, skip, decoders=decoders, path=path))
     except (OSError, pyarrow.ArrowException) as exc:
         raise DataError(f"{path}: cannot read it as an Arrow stream or file ({reason(exc)}). Fix the file or move it "
                         "out of the folder.") from None
@@ -203,21 +204,92 @@ def parquet_rows(path: Path, prefix: str, skip: int):
         parquet = pyarrow.parquet.ParquetFile(path)
         if parquet.metadata.num_rows <= skip:  # a resume past this file: its row groups are never decoded
             return parquet.metadata.num_rows
-        return (yield from batch_rows(parquet.iter_batches(batch_size=CHUNK_ROWS), prefix, skip))
+        decoders = json_decoders(parquet.schema_arrow, path)
+        return (yield from batch_rows(parquet.iter_batches(batch_size=CHUNK_ROWS), prefix, skip, decoders=decoders,
+                                      path=path))
     except pyarrow.ArrowException as exc:
         raise DataError(f"{path}: cannot read it as Parquet ({reason(exc)}). Fix the file or point "
                         "data.datasets[].path at another.") from None
 
 
-def batch_rows(batches, prefix: str, skip: int):
-    """Row dicts of Arrow record batches, numbered from 1, the first `skip` rows read past (sliced off, not converted)."""
+def batch_rows(batches, prefix: str, skip: int, *, decoders: dict | None = None, path: Path | None = None):
+    """Row dicts of Arrow record batches, numbered from 1, the first `skip` rows read past (sliced off, not converted).
+    `decoders`: json_decoders of the file at `path`, applied to their columns of every row."""
     seen = 0
     for batch in batches:
         cut = min(max(skip - seen, 0), batch.num_rows)
         for number, row in enumerate(batch.slice(cut).to_pylist(), start=seen + cut + 1):
-            yield row, f"{prefix}row {number}", False
+            place = f"{prefix}row {number}"
+            yield (_decoded(row, decoders, f"{path} row {number}") if decoders else row), place, False
         seen += batch.num_rows
     return min(skip, seen)
+
+
+# ------------------------------------------------------------------------- `datasets`' Json feature (>= 4.7)
+# `datasets` >= 4.7 stores a nested field whose keys differ between rows (a tool's `parameters.properties`, messages of
+# which only some have `tool_calls`) as its `Json` feature: JSON text in an `arrow.json` extension column, the feature
+# named in the schema's `huggingface` metadata. `push_to_hub` and `to_parquet` write such files. Arrow gives the text;
+# `datasets.load_dataset` gives the objects, and so must finetune, or a tool schema trains as an escaped string.
+def json_decoders(schema, path: Path) -> dict:
+    """{column: function turning its stored values into the rows' objects} for the columns of a Parquet or Arrow file
+    that hold `datasets`' Json feature anywhere inside (as `Features.from_arrow_schema` reads the schema, as
+    `load_dataset` does); {} for a file without one, which is read as Arrow stores it, at no cost per row."""
+    metadata = schema.metadata or {}
+    if b'"Json"' not in metadata.get(b"huggingface", b"") and not any(_holds_json_type(field.type) for field in schema):
+        return {}
+    import datasets
+
+    try:
+        features = datasets.Features.from_arrow_schema(schema)
+    except (ValueError, TypeError, KeyError) as exc:  # a feature type this `datasets` does not know (Json before 4.7)
+        raise DataError(f"{path}: its columns are typed with `datasets`' Json feature (written by datasets >= 4.7), "
+                        f"which the installed datasets {datasets.__version__} cannot read ({reason(exc)}). Fix: "
+                        "`pip install -U 'datasets>=4.7'`.") from None
+    json_type = getattr(datasets, "Json", None)  # None: "Json" named no feature type (a column's name)
+    decoders = {name: _json_decoder(feature, json_type) for name, feature in features.items()} if json_type else {}
+    return {name: decode for name, decode in decoders.items() if decode is not None}
+
+
+def _holds_json_type(arrow_type) -> bool:
+    """Whether an Arrow type is or holds the `arrow.json` extension type (pyarrow >= 19 knows it)."""
+    import pyarrow
+
+    if isinstance(arrow_type, getattr(pyarrow, "JsonType", ())):
+        return True
+    if isinstance(arrow_type, pyarrow.StructType):
+        return any(_holds_json_type(field.type) for field in arrow_type)
+    inner = getattr(arrow_type, "value_type", None)  # lists of any kind
+    return inner is not None and _holds_json_type(inner)
+
+
+def _json_decoder(feature, json_type):
+    """The function decoding a value of `feature` as `datasets`' decode_nested_example decodes it, but only its Json
+    parts (an Image or Audio feature stays the dict Arrow stores, as before), or None where it holds no Json."""
+    if isinstance(feature, json_type):
+        return (lambda value: None if value is None else feature.decode_example(value)) if feature.decode else None
+    if isinstance(feature, dict):
+        fields = {key: decode for key, sub in feature.items() if (decode := _json_decoder(sub, json_type)) is not None}
+        if not fields:
+            return None
+        return lambda value: None if value is None else {
+            key: fields[key](item) if key in fields else item for key, item in value.items()}
+    element = feature[0] if isinstance(feature, (list, tuple)) else getattr(feature, "feature", None)  # List, LargeList
+    decode = None if element is None else _json_decoder(element, json_type)
+    if decode is None:
+        return None
+    return lambda value: None if value is None else [decode(item) for item in value]
+
+
+def _decoded(row: dict, decoders: dict, place: str) -> dict:
+    """The row with its Json columns decoded (json_decoders); `place` names it where a value is not JSON."""
+    for column, decode in decoders.items():
+        try:
+            row[column] = decode(row[column])
+        except ValueError as exc:  # text that is not JSON in a column its metadata types Json: not as datasets wrote it
+            raise DataError(f"{place}: column `{column}` is typed Json by the file's `huggingface` metadata but holds "
+                            f"text that is not JSON ({reason(exc)}). Fix the file (write it again with `datasets`), "
+                            "or remove the row.") from None
+    return row
 
 
 # ------------------------------------------------------------------------------------------- text helpers
