@@ -140,7 +140,7 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=_context_length(AutoConfig.for_model(family, **_FAMILY_KWARGS[family])),
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -150,6 +150,17 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         **({"intermediate_size_mlp": hidden_size * 2, **(llama4 or {})} if family == "llama4_text" else {}),
     )
     return _save(config, tokenizer, out_dir, seed=seed, max_shard_size=max_shard_size, force=force)
+
+
+def _context_length(defaults) -> int:
+    """1,024 positions, or where the family stretches RoPE with YaRN (gpt-oss: factor 32 over 4,096 positions) the
+    length that stretch implies: transformers warns on every load of a config whose max_position_embeddings is not
+    original x factor ("The explicitly set RoPE scaling factor ... does not match"), as 1,024 did (bug bash: on every
+    command on a tiny gpt_oss)."""
+    rope = getattr(defaults, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
+        return int(rope["original_max_position_embeddings"] * rope.get("factor", 1.0))
+    return 1024
 
 
 def _save(config, tokenizer, out_dir: Path, *, seed: int, max_shard_size: str | None = None, force: bool) -> Path:
