@@ -218,7 +218,9 @@ def cli_quickstart(args: argparse.Namespace) -> int:
         sft_out = out / "sft"
         sft_steps = [] if args.tiny else [f"train.max_steps={SFT_STEPS}", "train.warmup_steps=2"]
         extra = list(args.overrides or [])
+        print(f"[finetune] quickstart 1/2: SFT into {sft_out}", flush=True)  # the two runs' lines look alike (bb43)
         run(str(quickstart_recipe()), prepare(sft_out, tiny=args.tiny) + sft_steps + extra)
+        print(f"[finetune] quickstart 2/2: DPO from {sft_out / 'adapter'} into {out}", flush=True)
         run(str(quickstart_recipe()), prepare_dpo(out, sft_out, tiny=args.tiny) + extra)
         print(dpo_report(out, time.perf_counter() - start, sft_steps=4 if args.tiny else SFT_STEPS), flush=True)
         return 0

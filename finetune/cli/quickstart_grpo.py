@@ -97,12 +97,14 @@ def run_grpo_quickstart(out: Path, *, recipe: Path, sft_overrides: list[str], sf
     sft_out = out / "sft"
     grpo_only = [o for o in extra if o.startswith("grpo.")]  # e.g. grpo.generation=vllm: the GRPO run's alone
     extra = [o for o in extra if not o.startswith("grpo.")]
+    print(f"[finetune] quickstart 1/2: SFT into {sft_out}", flush=True)  # the two runs' lines look alike (bb43)
     run(str(recipe), sft_overrides + extra)
     prompts, held_out = write_prompt_sets(out / "data", sft_rows=sft_rows, tiny=tiny)
     overrides = [f"output.dir={out}", f"data.datasets.0.path={prompts}", f"model.adapter={sft_out / 'adapter'}",
                  *GRPO_OVERRIDES]
     if tiny:
         overrides += [f"model.name_or_path={sft_out / 'tiny-model'}", *TINY_GRPO]
+    print(f"[finetune] quickstart 2/2: GRPO from {sft_out / 'adapter'} into {out}", flush=True)
     run(str(recipe), overrides + extra + grpo_only)
     before, after = exact_match(sft_out, held_out), exact_match(out, held_out)
     print(report(out, before, after, reward_curve(out), time.perf_counter() - start, sft_steps=sft_steps), flush=True)

@@ -80,6 +80,8 @@ def test_tiny_dpo_quickstart_runs_sft_then_dpo_from_its_adapter(tmp_path):
     result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--dpo", "--tiny", "--out", str(out)], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out pairs: reward accuracy" in result.stdout and "after SFT" in result.stdout, result.stdout[-2000:]
+    # which run's lines are which (bug bash: two identical header blocks, nothing naming the phase)
+    assert result.stdout.index("quickstart 1/2: SFT into") < result.stdout.index("quickstart 2/2: DPO from")
     recipe = (out / "recipe.yaml").read_text()
     assert "objective: dpo" in recipe and str(out / "sft" / "adapter") in recipe  # DPO started from the SFT adapter
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])  # [0] is the generation eval before
@@ -97,6 +99,7 @@ def test_tiny_grpo_quickstart_runs_sft_then_grpo_from_its_adapter(tmp_path):
     result = run_cmd([sys.executable, "-m", "finetune", "quickstart", "--grpo", "--tiny", "--out", str(out)], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exact match on 16 held-out prompts: after SFT" in result.stdout and "-> after GRPO" in result.stdout
+    assert result.stdout.index("quickstart 1/2: SFT into") < result.stdout.index("quickstart 2/2: GRPO from")
     recipe = (out / "recipe.yaml").read_text()
     assert "objective: grpo" in recipe and str(out / "sft" / "adapter") in recipe
     rewards = [json.loads(line)["reward"] for line in (out / "metrics.jsonl").read_text().splitlines()
