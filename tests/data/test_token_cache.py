@@ -121,3 +121,14 @@ def test_an_edited_tools_file_is_a_miss(tmp_path):
     tools.write_text(json.dumps([WEATHER_TOOL]).replace("get_weather", "lookup_forecast"))
     text, cached = rendered()
     assert cached == 0 and "lookup_forecast" in text and "get_weather" not in text, text
+
+
+def test_a_long_build_says_how_far_it_is_where_no_terminal_shows_a_bar(tmp_path, tokenizer, monkeypatch, capsys):
+    """Found by a bug bash: with stderr piped to a CI log, tokenizing 1.5M rows took 14 minutes under one line (the bar
+    is drawn on a terminal only), which reads as a hung run. A line now says how many rows are done, every minute (here
+    every chunk)."""
+    monkeypatch.setattr(data.cache, "PROGRESS_EVERY_S", 0.0)
+    path = write_jsonl(tmp_path / "a.jsonl", addition_rows(1500))  # two chunks of rows
+    data.build_examples(make_recipe({"path": str(path)}, num_proc=1), tokenizer)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "rows so far" in line]
+    assert [line.split(": ")[2].split(" rows")[0] for line in lines] == ["1,000", "1,500"], lines
