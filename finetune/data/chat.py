@@ -73,8 +73,10 @@ class _Turn:
 class _Renderer:
     """apply_chat_template on the normal form, with the row's tools; template errors become the row's DataError."""
 
-    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None, reasoning: str, where: str):
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None, reasoning: str, where: str,
+                 template_kwargs: dict | None = None):
         self.tokenizer, self.tools, self.reasoning, self.where = tokenizer, tools, reasoning, where
+        self.template_kwargs = template_kwargs or {}  # the row's chat_template_kwargs, in every rendering of it
         self.template = chat_template_text(tokenizer, tools=bool(tools))
         self.string_arguments = False
         if tools and not renders_tools(self.template):
@@ -112,7 +114,7 @@ class _Renderer:
                                      string_arguments=self.string_arguments)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+                                                      add_generation_prompt=generation_prompt, **self.template_kwargs)
         except TemplateSyntaxError as exc:  # the template's own fault (model.chat_template is checked at load)
             raise DataError(f"{self.where}: the tokenizer's chat template is not valid Jinja (its line {exc.lineno}: "
                             f"{exc.message}), so no row can be rendered. Fix: {NAMED_FIX}.") from None
@@ -131,11 +133,13 @@ def chat_template_text(tokenizer, *, tools: bool = False) -> str:
 
 
 def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[dict] | None = None,
-                  trained_from: int = 0, reasoning: str = "train") -> list[list[tuple[str, bool]]]:
+                  trained_from: int = 0, reasoning: str = "train",
+                  template_kwargs: dict | None = None) -> list[list[tuple[str, bool]]]:
     """The examples of a conversation as (text, trained) segments: the assistant turns from message `trained_from`
-    on trained, each in its inference context (module docstring); earlier turns are context."""
+    on trained, each in its inference context (module docstring); earlier turns are context. `template_kwargs`: the
+    row's chat template arguments (TRL's per-row chat_template_kwargs), given to every rendering, the proofs' too."""
     note_turn_end(tokenizer)  # a template whose end of turn is text to this tokenizer: said once
-    renderer = _Renderer(tokenizer, messages, tools, reasoning, where)
+    renderer = _Renderer(tokenizer, messages, tools, reasoning, where, template_kwargs)
     turns = [_locate(renderer, messages, index) for index, message in enumerate(messages)
              if message["role"] == "assistant" and index >= trained_from]
     examples, remaining = [], list(turns)

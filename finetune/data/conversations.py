@@ -1,7 +1,8 @@
 """Conversation rows as chat templates read them: roles, tool calls, tool results, reasoning and the tools offered.
 
 Rows come in the shapes people bring: transformers' and TRL's (`role`/`content`, assistant `tool_calls`,
-`{"role": "tool"}` results, a `tools` column of JSON schemas, `reasoning_content` or `thinking`), ShareGPT's
+`{"role": "tool"}` results, a `tools` column of JSON schemas, `reasoning_content` or `thinking`), OpenAI's legacy
+function calling (an assistant's `function_call`, `{"role": "function"}` results, a `functions` column), ShareGPT's
 (`from`/`value` with human/gpt/observation/function_call speakers), and reasoning written inline as a leading
 `<think>...</think>` block. Every shape becomes one normal form, checked once:
 
@@ -26,9 +27,10 @@ from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 
 # Speaker names -> the four roles. ShareGPT's `function_call` is an assistant turn whose value is the call (below).
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "ipython": "tool",
-                "observation": "tool", "function_call": "assistant"}
+# `developer`: OpenAI's and harmony's name for the system turn (gpt-oss's template takes either as messages[0]).
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+                "gpt": "assistant", "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool",
+                "ipython": "tool", "observation": "tool", "function_call": "assistant"}
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' templates' names, then others'
 # A leading reasoning block: `<think>...</think>`, or reasoning closed by `</think>` alone (DeepSeek-R1's outputs: its
 # template prefills the opening tag) where that tag stands at a line's edge, as R1 writes it ("...\n</think>\n\n").
@@ -70,10 +72,10 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
     # ShareGPT's function_call turn: its value is the call (text or an object), its content nothing
     where_message = f"{where}: message {number}"
     message["content"] = "" if speaker == "function_call" else _text(content, message["role"], where_message)
-    calls = turn.get("tool_calls") if speaker != "function_call" else content
+    calls, key = (content, "value") if speaker == "function_call" else _calls_of(turn, where_message)
     if calls not in (None, "", []):
         if message["role"] != "assistant":
-            raise DataError(f"{where}: message {number} (role `{role}`) has `tool_calls`; only assistant turns call tools.")
+            raise DataError(f"{where}: message {number} (role `{role}`) has `{key}`; only assistant turns call tools.")
         message["tool_calls"] = _tool_calls(calls, f"{where}: message {number}")
     if message["role"] == "assistant":
         _split_reasoning(message, turn, spec, f"{where}: message {number}")
@@ -81,6 +83,20 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
         if message["role"] == "tool" and isinstance(turn.get(key), str):
             message[key] = turn[key]
     return message
+
+
+def _calls_of(turn: dict, where: str) -> tuple[object, str]:
+    """(the turn's tool calls, the key they are under): `tool_calls`, or OpenAI's legacy `function_call` (one call,
+    {"name", "arguments"}: before `tools`, an assistant turn called one function so). Ignored, that call was lost and
+    the model learned to announce a lookup and stop. Both keys on one turn: which calls it makes is unclear."""
+    calls, legacy = turn.get("tool_calls"), turn.get("function_call")
+    if legacy in (None, "", {}):
+        return calls, "tool_calls"
+    if calls not in (None, "", []):
+        raise DataError(f"{where} has both `tool_calls` and `function_call` (OpenAI's legacy form of one call), so "
+                        "which calls the turn makes is unclear. Fix the row (keep one: `tool_calls` lists every call) or set "
+                        "data.bad_rows: skip.")
+    return [legacy], "function_call"
 
 
 def _text(content, role: str, where: str) -> str:
@@ -171,7 +187,7 @@ def closing_tag_reads() -> int:
 def _tool_calls(calls, where: str) -> list[dict]:
     """Tool calls as [{type: function, function: {name, arguments: object}}]: from that form, from bare
     {name, arguments} objects, or from JSON text of either; arguments given as JSON text are parsed."""
-    calls = _json(calls, f"{where} `tool_calls`")
+    calls = json_value(calls, f"{where} `tool_calls`")
     calls = [calls] if isinstance(calls, dict) else calls
     if not isinstance(calls, list):
         raise DataError(f"{where}: `tool_calls` must be a list of calls, got {type(calls).__name__}.")
@@ -181,7 +197,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise DataError(f"{where}: a tool call needs a function `name`, got {call!r}. The form is "
                             '{"type": "function", "function": {"name": ..., "arguments": {...}}}.')
-        arguments = _json(function.get("arguments", function.get("parameters", {})), f"{where} tool call arguments")
+        arguments = json_value(function.get("arguments", function.get("parameters", {})),
+                               f"{where} tool call arguments")
         if not isinstance(arguments, dict):
             raise DataError(f"{where}: the arguments of tool call `{function['name']}` must be an object (or JSON text "
                             f"of one), got {arguments!r}.")
@@ -190,7 +207,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
     return normal
 
 
-def _json(value, what: str):
+def json_value(value, what: str):
+    """`value`, or the value its JSON text holds (`what`: the row and field, for the error of text that is none)."""
     if not isinstance(value, str):
         return value
     try:
@@ -201,8 +219,11 @@ def _json(value, what: str):
 
 
 def normalize_tools(tools, where: str) -> list[dict] | None:
-    """A row's or dataset's tools (JSON schemas, or JSON text of them) as [{type: function, function: schema}]."""
-    tools = _json(tools, f"{where}: `tools`")
+    """A row's or dataset's tools (JSON schemas, or JSON text of them) as [{type: function, function: schema}]: a bare
+    schema wrapped, a flat one (the Responses API's {"type": "function", "name": ...}) wrapped without its own `type`
+    (else templates that write the JSON showed `"function": {"type": "function", ...}`, a shape nothing serves), and
+    `parameters` given as JSON text parsed (as call arguments are: gpt-oss showed such a tool as `() => any`)."""
+    tools = json_value(tools, f"{where}: `tools`")
     if tools in (None, []):
         return None
     if not isinstance(tools, list):
@@ -213,8 +234,27 @@ def normalize_tools(tools, where: str) -> list[dict] | None:
         if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
             raise DataError(f"{where}: each tool is a function schema with a `name` ({{\"type\": \"function\", "
                             f"\"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}), got {tool!r}.")
+        if schema is tool and tool.get("type") == "function":
+            schema = {key: value for key, value in tool.items() if key != "type"}
+        if isinstance(schema.get("parameters"), str):
+            parameters = json_value(schema["parameters"], f"{where}: the `parameters` of tool `{schema['name']}`")
+            if not isinstance(parameters, dict):
+                raise DataError(f"{where}: the `parameters` of tool `{schema['name']}` must be a JSON schema object "
+                                f"(or JSON text of one), got {parameters!r}. Fix the row, or set data.bad_rows: skip.")
+            schema = {**schema, "parameters": parameters}
         normal.append({"type": "function", "function": schema})
     return normal
+
+
+def without_nulls(value):
+    """`value` with every None-valued key of its objects dropped, at any depth (TRL's remove_none_values): Arrow gives
+    each row of a Parquet or Arrow table every key any row's object has, null where the row had none, so a call's
+    arguments became {"city": "Paris", "ticker": null} and a schema gained `"ticker": null`."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
 
 
 def dataset_tools(spec: DatasetSpec):
@@ -256,6 +296,8 @@ def check_order(messages: list[dict], where: str) -> None:
         role = message["role"]
         if role == "system" and all(m["role"] == "system" for m in messages[:number]):
             continue
+        if role == "tool" and number > 1 and messages[number - 2]["role"] == "assistant" and expected == ("user",):
+            raise DataError(_uncalled_result(messages[number - 2], number, where))
         if role not in expected:
             raise DataError(
                 f"{where}: message {number} has role `{role}` where {' or '.join(f'`{e}`' for e in expected)} was "
@@ -271,6 +313,18 @@ def check_order(messages: list[dict], where: str) -> None:
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: conversation has no assistant turn, so nothing would be trained. Add the answer or "
                         "set data.bad_rows: skip.")
+
+
+def _uncalled_result(assistant: dict, number: int, where: str) -> str:
+    """A tool result after an assistant turn that calls no tool: Hermes function-calling rows write their calls as
+    `<tool_call>...</tool_call>` text in the assistant's content, which no template reads as a call."""
+    written = "" if "<tool_call>" not in assistant["content"] else (
+        "; its text holds `<tool_call>`: calls written as text must be converted to `tool_calls` ([{\"type\": "
+        "\"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}], the content keeping the text around "
+        "them) for the chat template to render them as calls")
+    return (f"{where}: message {number} is a tool result (role `tool`), but the assistant turn before it (message "
+            f"{number - 1}) has no tool calls (`tool_calls`){written}. A tool result answers an assistant turn's "
+            "tool_calls. Fix the row, or set data.bad_rows: skip.")
 
 
 # ------------------------------------------------------------------------------------------ for the template

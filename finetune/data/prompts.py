@@ -21,7 +21,16 @@ import numpy as np
 from finetune.data.chat import note_turn_end, turn_end
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
-from finetune.data.templates import adds_bos, render_segments, row_system, row_tools, template_rendered
+from finetune.data.templates import (
+    adds_bos,
+    arrow_cleaned,
+    render_segments,
+    row_system,
+    row_template_kwargs,
+    row_tools,
+    template_rendered,
+    with_system,
+)
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -31,11 +40,12 @@ TURN_KEYS = ("role", "content", "reasoning")  # data.datasets[].columns keys tha
 
 
 def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dict] | None = None,
-                spec: DatasetSpec | None = None, where: str = "prompt") -> str:
+                spec: DatasetSpec | None = None, where: str = "prompt", template_kwargs: dict | None = None) -> str:
     """The text the policy continues: a string as it is; chat messages (any shape a chat row takes: ShareGPT's, text
     parts, reasoning fields) in the normal form of data/conversations.py, through the chat template with the
-    generation prompt added and the row's tools, as TRL renders a prompt. A prompt must end with a user turn or a tool
-    result (the policy answers it); a template that does not render the tools the row offers is the row's error."""
+    generation prompt added, the row's tools and its chat template arguments (`template_kwargs`), as TRL renders a
+    prompt. A prompt must end with a user turn or a tool result (the policy answers it); a template that does not
+    render the tools the row offers is the row's error."""
     if isinstance(prompt, str):
         return prompt
     from finetune.data.chat import chat_template_text
@@ -46,8 +56,7 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
         raise DataError(f"{where}: a chat prompt must end with a user turn or a tool result, which the policy answers "
                         f"(it ends with {messages[-1]['role'] if messages else 'nothing'}). Fix the row or set "
                         "data.bad_rows: skip.")
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
+    messages, _ = with_system(messages, system_prompt)
     template = chat_template_text(tokenizer, tools=bool(tools))
     if tools and not renders_tools(template):
         raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render `tools`, so "
@@ -55,7 +64,7 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
                         "them, or leave the tools out of the rows.")
     try:
         return tokenizer.apply_chat_template(template_messages(messages, template), tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001  (jinja's and transformers' errors: the row's paragraph)
         raise DataError(f"{where}: the chat template cannot render this prompt: {exc}. Fix the row or set "
                         "data.bad_rows: skip.") from None
@@ -88,10 +97,13 @@ def dataset_prompt_ids(prompt, spec: DatasetSpec, tokenizer, system_prompt: str 
     the raw text. Text gets the tokenizer's BOS, as those rows trained with it."""
     row = row if row is not None else {}
     if isinstance(prompt, list) or template_rendered(spec, tokenizer):
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        # Arrow's null-filled keys dropped from the tools and the prompt's tool calls, as the training rows' are
+        row = arrow_cleaned({**row, "prompt": prompt}, spec, where)
+        messages = row["prompt"] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         system, tools = row_system(row, spec, system_prompt), row_tools(row, spec, where)
-        return prompt_ids(prompt_text(messages, tokenizer, system, tools=tools, spec=spec, where=where), tokenizer,
-                          chat=True)
+        text = prompt_text(messages, tokenizer, system, tools=tools, spec=spec, where=where,
+                           template_kwargs=row_template_kwargs(row, where))
+        return prompt_ids(text, tokenizer, chat=True)
     if spec.format in _ROW_OF_PROMPT:
         field, answer = _ROW_OF_PROMPT[spec.format]
         rendered = render_segments({**row, field: prompt, **answer}, spec.model_copy(update={"columns": {}}),

@@ -6,6 +6,7 @@ import functools
 import itertools
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -16,11 +17,16 @@ from finetune.data.conversations import (
     convert_turns,
     dataset_tools,
     field_text,
+    json_value,
     normalize_tools,
     prompt_completion_turns,
     refuse_empty_answer,
     refuse_turns_as_text,
+    visible,
+    without_nulls,
 )
+from finetune.data.folders import saved_folder
+from finetune.data.readers import data_suffix, looks_local
 from finetune.data.tokens import _labels, adds_bos, answer_starts, tokenize_many, tokenize_segments
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
@@ -47,6 +53,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _TEXT_FILE_LINE = re.compile(r"\.txt(\.\w+)? line \d+$")  # where a .txt file's row is (readers.text_rows: `a.txt line 3`)
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (finetune sets them per render;
+# TRL fails on `tools` given twice)
+_CALL_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "padding",
+                   "continue_final_message", "tokenize", "sanitize_control_tokens", "truncation", "max_length",
+                   "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+_TURN_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")  # fields that may hold chat turns
+_NULLS_DROPPED = [0]  # rows of this process whose tool calls or tools lost Arrow's null-filled keys (arrow_cleaned)
 # --------------------------------------------------------------------------------------------------- rendering
 def _column(spec: DatasetSpec, name: str, row: dict | None = None) -> str:
     """The data column holding field `name`. Chat data without `messages` may use ShareGPT's `conversations`
@@ -74,6 +87,77 @@ def row_system(row: dict, spec: DatasetSpec, system_prompt: str | None) -> str |
     return spec.system_prompt if spec.system_prompt is not None else system_prompt
 
 
+def with_system(messages: list[dict], system_prompt: str | None) -> tuple[list[dict], int]:
+    """(messages headed by `system_prompt` where the row has no system turn, or one with nothing in it; how many
+    messages were added in front). A blank system turn (OpenHermes' {"from": "system", "value": ""}) yields to the
+    system prompt as a blank `system` column does; without a system prompt it stays as the row has it."""
+    if not system_prompt or messages and messages[0]["role"] == "system" and visible(messages[0]["content"]):
+        return messages, 0
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": system_prompt}, *messages[1:]], 0
+    return [{"role": "system", "content": system_prompt}, *messages], 1
+
+
+def row_template_kwargs(row: dict, where: str) -> dict:
+    """A row's `chat_template_kwargs`, the template arguments TRL 1.16 reads per row and passes to apply_chat_template
+    (gpt-oss's `reasoning_effort`, Qwen3's and GLM's `enable_thinking`): an object, or JSON text of one, its
+    None-valued keys dropped (Parquet gives every row each key any row has, null where it had none). {} for none."""
+    value = row.get("chat_template_kwargs") if isinstance(row, dict) else None
+    if isinstance(value, str):  # JSON text; empty or only whitespace: none
+        value = json_value(value, f"{where}: `chat_template_kwargs`") if value.strip() else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise DataError(f"{where}: `chat_template_kwargs` must be an object of chat template arguments "
+                        '({"enable_thinking": false}, {"reasoning_effort": "high"}) or JSON text of one, got '
+                        f"{value!r}. Fix the row, or set data.bad_rows: skip.")
+    if taken := sorted(set(value) & _CALL_ARGUMENTS):
+        raise DataError(f"{where}: `chat_template_kwargs` sets `{taken[0]}`, an argument of apply_chat_template "
+                        "itself, which finetune sets for each rendering (the row's tools come from its `tools` column). "
+                        "Fix the row (leave it out), or set data.bad_rows: skip.")
+    return {key: item for key, item in value.items() if item is not None}
+
+
+def read_through_arrow(spec: DatasetSpec, where: str) -> bool:
+    """Whether the row at `where` was read through Arrow, whose struct types give every row of a table each key any
+    row's object has, null where the row had none: a Parquet or Arrow file (given alone, or named in the row's place
+    within a folder), a save_to_disk folder, a hub dataset. JSON Lines, JSON and CSV rows are read as written: a
+    null there is the row's own."""
+    path = Path(spec.path).expanduser()
+    if data_suffix(path) is not None:
+        return data_suffix(path) in (".parquet", ".arrow")
+    if path.is_dir() and not saved_folder(path):  # a folder of data files: the place names the row's file
+        return re.search(r"\.(?:parquet|arrow) row \d+$", where) is not None
+    return path.is_dir() or not looks_local(spec.path)
+
+
+def arrow_cleaned(row, spec: DatasetSpec, where: str):
+    """The row with Arrow's null-filled keys dropped (conversations.without_nulls) from its tools (`tools`, legacy
+    `functions`) and its turns' tool calls (`tool_calls`, legacy `function_call`), where it was read through Arrow;
+    else the row as it is. Before, Parquet rows trained calls such as {"city": "Paris", "ticker": null}."""
+    if not isinstance(row, dict) or not read_through_arrow(spec, where):
+        return row
+    cleaned = dict(row)
+    for column in {_column(spec, "tools"), "functions"} & row.keys():
+        cleaned[column] = without_nulls(row[column])
+    for column in {*_TURN_FIELDS, *(_column(spec, name, row) for name in _TURN_FIELDS)} & row.keys():
+        turns = row[column]
+        cleaned[column] = [_calls_cleaned(turn) for turn in turns] if isinstance(turns, list) else _calls_cleaned(turns)
+    _NULLS_DROPPED[0] += int(cleaned != row)
+    return cleaned
+
+
+def _calls_cleaned(turn):
+    if not isinstance(turn, dict):
+        return turn
+    return {**turn, **{key: without_nulls(turn[key]) for key in ("tool_calls", "function_call") if key in turn}}
+
+
+def arrow_null_rows() -> int:
+    """How many rows this process has read with null-filled keys dropped from their tools or tool calls."""
+    return _NULLS_DROPPED[0]
+
+
 def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
     """The row is an object with every field its format needs, its text fields hold text, no string holds half a
     character, and chat turns are well formed (no tokenizer needed)."""
@@ -98,6 +182,7 @@ def check_row(row: dict, spec: DatasetSpec, where: str) -> None:
     if spec.format == "chat":
         chat_messages(row, spec, where)
         row_tools(row, spec, where)
+        row_template_kwargs(row, where)
 
 
 def _missing_message(row: dict, spec: DatasetSpec, where: str, missing: list[str]) -> str:
@@ -162,11 +247,16 @@ def normalize_messages(turns, spec: DatasetSpec, where: str) -> list[dict]:
 
 
 def row_tools(row: dict, spec: DatasetSpec, where: str) -> list[dict] | None:
-    """The tools a row offers: its `tools` column (data.datasets[].columns maps it), else the dataset's `tools`."""
-    value = row.get(_column(spec, "tools")) if isinstance(row, dict) else None
-    if value in (None, "", []):
-        value = dataset_tools(spec)
-    return normalize_tools(value, where)
+    """The tools a row offers: its `tools` column (data.datasets[].columns maps it), else its `functions` column
+    (OpenAI's legacy name), else the dataset's `tools`. A column that is null, empty or `[]` (as a list or as JSON
+    text alike: the text was read as "no tools") is none."""
+    for column in (_column(spec, "tools"), "functions"):
+        value = row.get(column) if isinstance(row, dict) else None
+        if isinstance(value, str):  # JSON text; empty or only whitespace: none
+            value = json_value(value, f"{where}: `{column}`") if value.strip() else None
+        if value not in (None, []):
+            return normalize_tools(value, where)
+    return normalize_tools(dataset_tools(spec), where)
 
 
 def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
@@ -175,13 +265,13 @@ def render_examples(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     history, which gives one per inference context (data/chat.py)."""
     if spec.format != "chat":
         return [render_segments(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)]
+    row = arrow_cleaned(row, spec, where)
     check_row(row, spec, where)
-    system_prompt = row_system(row, spec, system_prompt)
     messages, trained_from = chat_messages(row, spec, where)
-    if system_prompt and messages[0]["role"] != "system":
-        messages, trained_from = [{"role": "system", "content": system_prompt}] + messages, trained_from + 1
-    return chat_examples(messages, tokenizer, where, tools=row_tools(row, spec, where), trained_from=trained_from,
-                         reasoning=reasoning)
+    messages, added = with_system(messages, row_system(row, spec, system_prompt))
+    return chat_examples(messages, tokenizer, where, tools=row_tools(row, spec, where),
+                         trained_from=trained_from + added, reasoning=reasoning,
+                         template_kwargs=row_template_kwargs(row, where))
 
 
 def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str | None, where: str, *,
@@ -190,6 +280,7 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     assistant turn; render_examples gives all)."""
     if spec.format == "chat":
         return render_examples(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)[-1]
+    row = arrow_cleaned(row, spec, where)
     check_row(row, spec, where)
     eos = tokenizer.eos_token or ""
     system_prompt = spec.system_prompt if spec.system_prompt is not None else system_prompt
@@ -317,9 +408,8 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
         raise DataError(f"{where}: the prompt of a conversational row must end with a user turn (or a tool result; it "
                         f"ends with {turns[-1]['role'] if turns else 'nothing'}), so that the answers answer it. Fix the "
                         "row or set data.bad_rows: skip.")
-    system = system_prompt if system_prompt and turns[0]["role"] != "system" else None
-    turns = ([{"role": "system", "content": system}] if system else []) + turns
-    sequences, tools = [], row_tools(row, spec, where)
+    turns, _ = with_system(turns, system_prompt)
+    sequences, tools, arguments = [], row_tools(row, spec, where), row_template_kwargs(row, where)
     for name, answer in answers:
         reply = [{"role": "assistant", "content": str(answer)}] if not isinstance(answer, list) else \
             convert_turns(answer, spec, where)
@@ -328,7 +418,7 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                 m["content"].strip() or m.get("tool_calls") for m in messages[len(turns):]):
             raise DataError(f"{where}: `{name}` must be a non-empty assistant answer. Fix the row or set data.bad_rows: skip.")
         examples = chat_examples(messages, tokenizer, f"{where} ({name})", tools=tools, trained_from=len(turns),
-                                 reasoning=reasoning)
+                                 reasoning=reasoning, template_kwargs=arguments)
         if len(examples) > 1:
             raise DataError(f"{where}: `{name}` has several assistant turns that the chat template renders in different "
                             "contexts, so they cannot be scored as one sequence. Give one assistant answer per "
