@@ -133,8 +133,9 @@ NO_COUNTERPART: dict[str, str] = {
     "sync_ref_model": "the reference is the adapter switched off, or precomputed (dpo.reference)",
     "steps_per_generation": "each optimizer step samples its own completions (grpo.num_iterations reuses them)",
     # TRL fields once listed as "a setting finetune makes itself" (bug bash): finetune does not make them, it lacks them
-    "chat_template_kwargs": "chat template arguments are not supported (training rows, the generation eval, "
-                            "`finetune generate` and GRPO's prompts are rendered with none, no enable_thinking). For "
+    "chat_template_kwargs": "chat template arguments for every row are not a recipe setting (a row's own "
+                            "`chat_template_kwargs` column is passed to its renderings, as TRL does: docs/data.md; the "
+                            "generation eval and `finetune generate` render with none). For "
                             "Qwen3's or Qwen3.5's thinking-off serving (enable_thinking: false), rows without "
                             "reasoning already train the empty `<think></think>` block that such a prompt ends with, "
                             "and their answer after it. For another template (GLM-4.5's adds `/nothink`), give "
