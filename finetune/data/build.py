@@ -14,7 +14,7 @@ from finetune.data.examples import DataStats, Example, PreparedData, weighted_sh
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
 from finetune.data.prompts import prompt_examples
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
-from finetune.errors import DataError
+from finetune.errors import DataError, FinetuneError
 from finetune.recipe import Recipe
 
 # Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
@@ -26,7 +26,8 @@ CUT_WARNING_SHARE = 0.10  # truncation cutting more of the tokens than this is s
 
 
 # ------------------------------------------------------------------------------------------------ the datasets
-def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, *, role: str | None = None) -> None:
+def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, recipe: Recipe, *,
+           role: str | None = None) -> None:
     """Add one file's counts to `stats`; a file with no usable rows is an error naming its recipe key."""
     for name in ("rows", "skipped", "truncated", "dropped", "prompt_truncated", "response_truncated"):
         setattr(stats, name, getattr(stats, name) + counts.get(name, 0))
@@ -36,11 +37,28 @@ def _count(stats: DataStats, store: TokenStore, counts: dict, spec, key: str, *,
     if not len(store):
         first = f" First problem: {counts['skipped_reasons'][0]}" if counts["skipped_reasons"] else ""
         raise DataError(f"{key} ({spec.path}): no usable rows ({counts['rows']} read, {counts['skipped']} skipped, "
-                        f"{counts['dropped']} dropped as too long).{first}")
+                        f"{counts['dropped']} dropped as too long).{first}{_too_long_fix(counts, spec, recipe)}")
     entry = {"path": spec.path, "format": spec.format, "rows": counts["rows"], "examples": len(store),
              "weight": spec.weight, "cached": counts["cached"],
              **{name: counts.get(name, 0) for name in LENGTH_COUNTS}, **{name: counts.get(name) for name in FIRST_ROWS}}
     stats.per_dataset.append({**entry, "role": role} if role else entry)
+
+
+def _too_long_fix(counts: dict, spec, recipe: Recipe) -> str:
+    """The fix for a file whose rows were dropped for their length (data.overlong), naming the first of them; a file
+    whose rows were all skipped names its first problem instead (each skip reason carries its own fix)."""
+    if not counts["dropped"] or counts["skipped_reasons"]:
+        return ""
+    data, rows = recipe.data, counts.get("dropped_rows") or []
+    where = f"; rows past it: {', '.join(rows)}{', ...' if counts['dropped'] > len(rows) else ''}" if rows else ""
+    if data.overlong == "drop":
+        other = "or data.overlong: truncate (a long row keeps its first max_length tokens)"
+    elif spec.format == "text":
+        other = "or data.overlong: split (each long row cut into max_length pieces, every token trained)"
+    else:  # truncate (error stops at the row): what is left of each row within max_length has no answer to learn
+        other = ("or shorten the rows' prompts: each of these rows keeps only its first max_length tokens, and its "
+                 "answer starts after them")
+    return f" Fix: raise data.max_length (now {data.max_length}{where}), {other}."
 
 
 def prepare(recipe: Recipe, tokenizer) -> PreparedData:
@@ -58,7 +76,7 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
         note_turn_end(tokenizer)  # said here too: rows mapped from the cache are not rendered again
     for index, spec in enumerate(recipe.data.datasets):
         store, counts = dataset_store(spec, recipe, tokenizer)
-        _count(stats, store, counts, spec, f"data.datasets[{index}]")
+        _count(stats, store, counts, spec, f"data.datasets[{index}]", recipe)
         stores.append(store)
         origin += [index] * len(store)
     eval_stores = _eval_stores(recipe, tokenizer, stats)
@@ -90,7 +108,7 @@ def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
             raise DataError(str(exc).replace("data.datasets[]", key).replace("data.datasets path", f"{key} path", 1)
                             ) from None
-        _count(stats, store, counts, spec, key, role="eval")
+        _count(stats, store, counts, spec, key, recipe, role="eval")
         found.append(store)
     return found
 
@@ -103,7 +121,11 @@ def eval_file_examples(recipe: Recipe, tokenizer, stats: DataStats) -> ExampleVi
 
 def build_examples(recipe: Recipe, tokenizer) -> tuple[Sequence[Example], Sequence[Example], DataStats]:
     """Train rows (packed when data.packing) and eval examples; every rank maps the same stores, BatchStream splits."""
-    prepared = prepare(recipe, tokenizer)
+    try:
+        prepared = prepare(recipe, tokenizer)
+    except FinetuneError as exc:  # a row, a column, no usable rows: every rank reads the same files and finds it alike
+        exc.alike_on_every_rank = True  # rank 0 prints it, once; the others wait for its paragraph (run.py main)
+        raise
     return prepared.train, prepared.eval, prepared.stats
 
 

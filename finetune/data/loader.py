@@ -129,13 +129,13 @@ def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int
     """steps_per_epoch for train.num_epochs, which needs at least one whole step per epoch (DataError otherwise)."""
     steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum)
     if steps == 0:
-        raise DataError(
+        raise _alike(DataError(
             f"train.num_epochs: only {rows} training rows for one optimizer step of "
             f"{micro_batch_size * world_size * grad_accum} rows (train.micro_batch_size={micro_batch_size} x {world_size} "
             f"process{'es' if world_size > 1 else ''} x train.grad_accum={grad_accum}; with data.packing a row holds "
             "several examples), so an epoch holds no step. Fix: add data, lower the batch size or grad_accum, or set "
             "train.max_steps instead (each step then takes rows of more than one epoch)."
-        )
+        ))
     return steps
 
 
@@ -143,11 +143,18 @@ def check_enough_rows(rows: int, *, micro_batch_size: int, world_size: int) -> N
     """A global micro-batch needs that many training rows (the run's start and `finetune validate` ask alike)."""
     global_batch = micro_batch_size * world_size
     if rows < global_batch:
-        raise DataError(
+        raise _alike(DataError(
             f"only {rows} training rows for a global micro-batch of {global_batch} "
             f"(train.micro_batch_size={micro_batch_size} x {world_size} processes; with data.packing a row holds "
             "several examples). Add data or lower the batch size."
-        )
+        ))
+
+
+def _alike(error: DataError) -> DataError:
+    """A count every rank makes of the same rows: the error is the same on every rank, so rank 0 prints it, once,
+    while the others wait for its paragraph (run.py main; they printed their own copy, `(rank 1) ...`, first)."""
+    error.alike_on_every_rank = True
+    return error
 
 
 class BatchStream:

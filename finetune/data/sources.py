@@ -8,6 +8,7 @@ import functools
 import hashlib
 import itertools
 import json
+import re
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -126,8 +127,53 @@ def near_name(path: Path) -> str:
                 "other code points: macOS writes names decomposed, NFD; most editors compose them, NFC), and a file "
                 "name is its code points. Fix: rename the file to the name the path writes (`mv`, typing the name), or "
                 "copy its name from `ls` into the path.")
-    near = difflib.get_close_matches(path.name, names, n=1)
-    return f" Did you mean {folder / near[0]}?" if near else ""
+    if near := nearest_name(path.name, names):
+        return f" Did you mean {folder / near}?"
+    files = sorted(name for name in names if data_suffix(Path(name)) and (folder / name).is_file())
+    if 0 < len(files) <= LISTED_FILES:  # no near spelling: what is there, for the user to choose (never a guess)
+        return f" {folder} holds: {', '.join(files)}."
+    return ""
+
+
+LISTED_FILES = 6  # a folder with at most this many data files and no near name: they are listed instead
+NEAR_STEMS = 0.8  # difflib's ratio of two names without their suffixes, from which one is offered for the other
+SPLIT_WORDS = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev",
+               "holdout"}
+
+
+def nearest_name(name: str, names: list[str]) -> str | None:
+    """The one of `names` that is a near spelling of `name` (a typo), or None. Compared without their suffixes: with
+    them, difflib's default (0.6) was met by `.jsonl` alone, and a missing train.jsonl was offered test.jsonl, the
+    test split, to train on (bb38). Never offered: a name of another split (train / test / eval ...) or a numbered
+    sibling (part-1 for part-2), which are other files on purpose, however alike they are spelled."""
+    stem = _stem(name)
+    scored = [(_near(stem, _stem(other)), other) for other in names if _may_be_meant(stem, _stem(other))]
+    best = max(scored, default=(0.0, None), key=lambda pair: (pair[0], Path(pair[1]).suffix == Path(name).suffix))
+    return best[1] if best[0] >= NEAR_STEMS else None
+
+
+def _may_be_meant(stem: str, other: str) -> bool:
+    """Whether `other` may be offered for `stem` (both without suffixes): the same stem; else not a numbered sibling,
+    and each split word of either is in the other or spelled near a word there that is no split word (a typo)."""
+    if other == stem:
+        return True
+    if re.sub(r"\d+", "", other) == re.sub(r"\d+", "", stem):
+        return False
+    words = [re.split(r"[^a-z]+", text) for text in (stem, other)]
+    return all(word in there or any(_near(word, typed) >= NEAR_STEMS for typed in there if typed not in SPLIT_WORDS)
+               for here, there in (words, words[::-1]) for word in here if word in SPLIT_WORDS)
+
+
+def _near(one: str, other: str) -> float:
+    return difflib.SequenceMatcher(None, one, other).ratio()
+
+
+def _stem(name: str) -> str:
+    """A name without its data suffixes (`train.jsonl.gz` -> `train`), lower case."""
+    path = Path(name.lower())
+    while path.suffix and (path.suffix in COMPRESSED or data_suffix(path) == path.suffix):
+        path = path.with_suffix("")
+    return path.name
 
 
 def hub_name_note(text: str) -> str:
@@ -138,8 +184,8 @@ def hub_name_note(text: str) -> str:
             "for a hub dataset name.")
     if str(path.parent) not in ("", ".") and path.parent.is_dir():
         names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
-        near = difflib.get_close_matches(path.name, names, n=1)
-        note += (f" The folder {path.parent} exists here" + (f": did you mean {path.parent / near[0]}?" if near else
+        near = nearest_name(path.name, names)
+        note += (f" The folder {path.parent} exists here" + (f": did you mean {path.parent / near}?" if near else
                  f" and holds no `{path.name}`: fix the path if you meant a local folder."))
     return note
 

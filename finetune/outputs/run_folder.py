@@ -163,7 +163,9 @@ def output_dir_problem(out_dir: Path, *, overwrite: bool, resume: str | None) ->
         )
     elsewhere = _resumes_elsewhere(out_dir, resume)
     finished = (out_dir / "adapter" / ADAPTER_WEIGHTS).exists()
-    if not overwrite and resume not in (None, "auto") and not elsewhere and finished:
+    # A resume path that does not exist is resume_source's paragraph (it continues nothing: nothing would be removed)
+    given = resume not in (None, "auto") and Path(resume).expanduser().exists()
+    if not overwrite and given and not elsewhere and finished:
         return (f"output.dir {out_dir} holds a finished run (adapter/), and train.resume={resume} would continue it in "
                 "place from that checkpoint: the finished adapter and every later checkpoint would be removed. Nothing "
                 "was changed. Fix: keep this run and write the continued one elsewhere (the same train.resume with "

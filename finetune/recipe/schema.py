@@ -146,7 +146,7 @@ class TrainSection(_Section):
     micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass (grpo: completions, as TRL's "
                                   "per_device_train_batch_size: micro_batch_size / grpo.num_generations prompts).")
     grad_accum: int = Field(1, gt=0)
-    learning_rate: float = Field(2e-4, gt=0)
+    learning_rate: float = Field(2e-4, gt=0, le=1e30, description="Peak rate; from 3.4e37 AdamW overflows float32.")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="As HF's: warmup over this share of max_steps "

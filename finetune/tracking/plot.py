@@ -166,10 +166,14 @@ def check_plot_out(out: Path, *, run_plot: bool) -> bool:
 
 
 def plot_run(out_dir: str | Path) -> Path | None:
-    """`<out_dir>/plot.png` at the end of a run; a warning instead of an error, whatever goes wrong."""
+    """`<out_dir>/plot.png` at the end of a run; a warning instead of an error, whatever goes wrong. None, without a
+    word, for a run that logged no step in `out_dir` (a resume whose checkpoint is of train.max_steps, into another
+    folder, trains none: its warning leaked `finetune plot`'s error text, bb38)."""
     global _said_missing
     try:
         return plot_runs([out_dir], Path(out_dir) / "plot.png")
+    except FinetuneError:  # read_run's: no metrics.jsonl, or no loss in it (no step logged here): nothing to draw
+        return None
     except ImportError:
         if _said_missing:
             return None

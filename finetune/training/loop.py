@@ -215,6 +215,8 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if resume_from is not None:
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
                             max_steps=t.max_steps) + 1
+        if not Path(resume_from).resolve().is_relative_to(Path(out_dir).resolve()):  # another run folder's checkpoint
+            result.eval_losses = []  # its evaluations are that run's: no best eval of it here, whose checkpoint is there
     recipe_yaml = recipe_to_yaml(recipe)
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
@@ -355,12 +357,16 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
 def handle_numerical_fault(step: int, loss: float, grad_norm: float, recipe: Recipe, out_dir: Path, metrics: Trackers) -> None:
     """nan_policy stop: raise with the way back; skip: log the skipped step and go on."""
     if recipe.train.nan_policy == "stop":
-        raise NumericalFault(
+        fault = NumericalFault(
             f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped before the optimizer step, so no "
             f"NaN reaches the adapter; {step_folders.newest_kept(out_dir)} Fix: lower train.learning_rate (now "
             f"{recipe.train.learning_rate}) or "
             "set train.max_grad_norm, check the data, then continue with train.resume=auto; or set train.nan_policy: skip."
         )
+        # The decision is every rank's: the loss is all-reduced, the gradient norm global (DDP's gradients are reduced,
+        # FSDP and ZeRO reduce the norm), so every rank stops here alike and rank 0 says so, once (run.py main).
+        fault.alike_on_every_rank = True
+        raise fault
     metrics.write(step=step, skipped="non-finite loss or gradient", loss=str(loss), grad_norm=str(grad_norm))
     distributed.print0(f"[finetune] step {step}: loss {loss} / gradient norm {grad_norm} not finite, step skipped "
                        "(train.nan_policy: skip)")

@@ -53,7 +53,9 @@ def test_a_checkpoint_of_another_run_never_writes_over_a_finished_one(tmp_path, 
     assert outputs.output_dir_problem(finished, overwrite=False, resume="auto") is None  # its own run: continued
     # An earlier checkpoint of its own, explicitly (the Fix of a too-short max_steps): the finished adapter and later
     # checkpoints would go. Found by a bug bash of destructive writes: it replaced them without a word.
-    in_place = outputs.output_dir_problem(finished, overwrite=False, resume=str(finished / "checkpoints" / "x"))
+    (finished / "checkpoints" / "step-00000001").mkdir(parents=True)  # (one that is there: bb38's F3)
+    in_place = outputs.output_dir_problem(finished, overwrite=False,
+                                          resume=str(finished / "checkpoints" / "step-00000001"))
     assert "would continue it in place" in in_place and "another output.dir" in in_place, in_place
     assert outputs.output_dir_problem(finished, overwrite=True, resume=foreign) is None
     before = hashlib.sha256(adapter.read_bytes()).hexdigest()

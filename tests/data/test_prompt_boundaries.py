@@ -141,7 +141,8 @@ def test_chat_template_kwargs_is_said_to_be_unsupported_with_what_to_do():
                          "grpo": {"top_k": 5}})
     text = str(caught.value)
     assert "makes itself" not in text  # (was: "a setting ... that finetune makes itself ...; leave it out")
-    assert "`chat_template_kwargs` has no counterpart here: chat template arguments are not supported" in text
+    assert "`chat_template_kwargs` has no counterpart here: chat template arguments for every row are not a recipe" in text
+    assert "`chat_template_kwargs` column" in text  # the rows' own column is (docs/data.md)
     assert "{%- set enable_thinking = false %}" in text and "grpo.temperature and grpo.top_p only" in text
 
 

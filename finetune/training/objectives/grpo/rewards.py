@@ -139,8 +139,8 @@ def _values(key: str, output, places: list[str]) -> list[float]:
     for row, value in enumerate(values):
         number = math.nan if value is None else _number(value)
         if number is None or math.isinf(number):
-            raise RewardError(f"{key} returned {value!r} for the completion of {places[row]}. Fix: return finite "
-                              "floats, or None / NaN for not scored.")
+            raise _on_row(f"{key} returned {value!r} for the completion of {places[row]}. Fix: return finite "
+                          "floats, or None / NaN for not scored.", places[row])
         numbers_.append(number)
     return numbers_
 
@@ -200,7 +200,39 @@ def _close(awaitables) -> None:
 def _raised(key: str, function, exc: BaseException, prompts, completions, kwargs, places) -> RewardError:
     where = _failing_row(function, prompts, completions, kwargs, places)
     fix = FIX_MODEL if getattr(function, "is_reward_model", False) else FIX_FUNCTION
-    return RewardError(f"{key} raised {type(exc).__name__}: {exc} (on {where}). " + STOPPED.format(fix=fix))
+    return _on_row(f"{key} raised {type(exc).__name__}: {exc} (on {where}). " + STOPPED.format(fix=fix), where)
+
+
+def _on_row(message: str, row: str) -> RewardError:
+    """A RewardError naming the prompt row it failed on; `without_rows` compares it with other ranks' without it."""
+    error = RewardError(message)
+    error.row = row
+    return error
+
+
+def without_rows(error: RewardError | None) -> str | None:
+    """What `error` says but for the prompt row it names (each rank fails on its own rows): two ranks whose functions
+    failed alike give the same text. None: no failure on this rank."""
+    if error is None:
+        return None
+    row = getattr(error, "row", None)
+    return str(error).replace(row, "") if row else str(error)
+
+
+def stopped_by(failure: RewardError | None, failures: list[str | None]) -> RewardError:
+    """The error this rank stops with once some rank's reward call failed (`failures`: every rank's `without_rows`,
+    None where none failed). Failed alike on every rank (the same function, the same exception): one paragraph, said
+    by rank 0, saying so (the ranks named different rows: it read as two problems). Else each failing rank says its
+    own, and a rank that did not fail names the other rank."""
+    if failure is None:
+        return RewardError("grpo.reward_functions: a reward function or model failed on another rank (its message is "
+                           "in that rank's output); the run stopped before this step's update.")
+    if len(failures) < 2 or any(other != failures[0] for other in failures):
+        return failure
+    rows = ", each on its own prompt rows; the row named here is rank 0's" if getattr(failure, "row", None) else ""
+    alike = RewardError(f"on every rank alike ({len(failures)} processes{rows}): {failure}")
+    alike.alike_on_every_rank = True  # rank 0 prints it, once; the others wait for its paragraph (run.py main)
+    return alike
 
 
 def _failing_row(function, prompts, completions, kwargs, places) -> str:

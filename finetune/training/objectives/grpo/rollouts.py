@@ -113,8 +113,8 @@ def grpo_rollouts(model: nn.Module, micro_batches: list[dict], objective, device
     # SmolLM2, docs/benchmarks.md). Host memory only: CUDA's cache is left alone (emptying it would cost speed).
     host_memory.release_freed_memory()
     if distributed.any_rank(failure is not None):  # every rank stops after the same step
-        raise failure or RewardError("grpo.reward_functions: a reward function or model failed on another rank (its "
-                                     "message is in that rank's output); the run stopped before this step's update.")
+        # What each rank's failure says, but for its rows: alike on every rank, rank 0 alone says it, once
+        raise reward_table.stopped_by(failure, distributed.gather_objects(reward_table.without_rows(failure)))
     seconds = time.perf_counter() - started
     weights = config.weights()
     weighted = [reward_table.weighted_rewards(r.rewards, weights) for r in rollouts]
