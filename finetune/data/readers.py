@@ -16,6 +16,10 @@ from pathlib import Path
 from finetune.errors import DataError
 
 CHUNK_ROWS = 1000  # rows per chunk handed to a tokenizing process: a few MB of tokens, never the whole dataset
+# ... and at most about this many characters of text: tokenizing keeps each token's offsets (~70 bytes of memory per
+# character), so 1,000 rows of 38 KB took 3.2 GB per chunk in flight (bug bash: continued pretraining on long rows
+# ran out of memory with max_length 128); 4M characters are ~0.3 GB, and short rows still come 1,000 at a time.
+CHUNK_CHARS = 4_000_000
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 # A folder's data files may also be these, as `datasets` read them before finetune did: `.txt` (a row per line,

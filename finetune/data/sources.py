@@ -17,6 +17,7 @@ from pathlib import Path
 from finetune.data.csv_files import csv_rows
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.readers import (
+    CHUNK_CHARS,
     CHUNK_ROWS,
     COMPRESSED,
     DAMAGED,
@@ -243,8 +244,30 @@ def row_chunks(source: Source, *, chunk_rows: int = CHUNK_ROWS) -> Iterator[tupl
     if source.spec.max_rows is not None:
         entries = itertools.islice(entries, source.spec.max_rows)
     for raw, group in itertools.groupby(entries, key=lambda entry: entry[2]):
-        while chunk := list(itertools.islice(group, chunk_rows)):
+        while chunk := _sized_chunk(group, chunk_rows):
             yield [item for item, _, _ in chunk], [place for _, place, _ in chunk], raw
+
+
+def _sized_chunk(entries, rows: int, chars: int = CHUNK_CHARS) -> list:
+    """The next entries, up to `rows` of them or `chars` characters of text (at least one entry)."""
+    chunk, size = [], 0
+    for entry in entries:
+        chunk.append(entry)
+        size += _text_size(entry[0])
+        if len(chunk) >= rows or size >= chars:
+            break
+    return chunk
+
+
+def _text_size(item) -> int:
+    """The characters of text an item holds: a JSON line's, or the strings of a row's values at any depth."""
+    if isinstance(item, str):
+        return len(item)
+    if isinstance(item, dict):
+        return sum(map(_text_size, item.values()))
+    if isinstance(item, (list, tuple)):
+        return sum(map(_text_size, item))
+    return 0
 
 
 def _table_rows(table) -> Iterator[tuple[dict, str, bool]]:

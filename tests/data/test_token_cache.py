@@ -132,3 +132,21 @@ def test_a_long_build_says_how_far_it_is_where_no_terminal_shows_a_bar(tmp_path,
     data.build_examples(make_recipe({"path": str(path)}, num_proc=1), tokenizer)
     lines = [line for line in capsys.readouterr().err.splitlines() if "rows so far" in line]
     assert [line.split(": ")[2].split(" rows")[0] for line in lines] == ["1,000", "1,500"], lines
+
+
+def test_long_rows_come_in_chunks_of_bounded_text_not_a_thousand_rows(tmp_path):
+    """Found by a bug bash: a chunk was always 1,000 rows, and tokenizing keeps each token's offsets (~70 bytes per
+    character), so 1,000 rows of 38 KB took 3.2 GB per chunk in flight (continued pretraining on long rows, max_length
+    128, ran out of memory). A chunk now ends at ~4M characters of text too; short rows still come 1,000 at a time."""
+    from finetune.data.readers import CHUNK_CHARS
+    from finetune.data.sources import open_source, row_chunks
+
+    long_text = "word " * 100_000  # 500 KB a row
+    path = write_jsonl(tmp_path / "long.jsonl", [{"text": long_text} for _ in range(12)])
+    spec = make_recipe({"path": str(path), "format": "text"}).data.datasets[0]
+    sizes = [len(items) for items, _, _ in row_chunks(open_source(spec))]
+    per_chunk = -(-CHUNK_CHARS // len(json.dumps({"text": long_text})))  # rows until the chunk holds CHUNK_CHARS
+    assert sizes == [per_chunk, 12 - per_chunk] and per_chunk < 12, sizes
+    short = write_jsonl(tmp_path / "short.jsonl", addition_rows(1500))
+    spec = make_recipe({"path": str(short)}).data.datasets[0]
+    assert [len(items) for items, _, _ in row_chunks(open_source(spec))] == [1000, 500]
