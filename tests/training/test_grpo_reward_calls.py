@@ -349,3 +349,20 @@ def test_a_reward_function_named_by_its_file_is_told_the_module_name():
         assert str(caught.value) == (f"`{name}` names a file, not a module. Fix: name the module, not the file: "
                                      f"`myr:ok` ({where}).")
 
+
+
+def test_reward_models_see_the_system_prompt_a_blank_system_turn_yielded_to(tmp_path):
+    """Found by a bug bash: a blank system turn (OpenHermes' {"from": "system", "value": ""}) now yields to the system
+    prompt in the policy's prompt (data/prompts.py, templates.with_system), but the reward models were given the blank
+    turn: another conversation than the one answered."""
+    from finetune.recipe import validate_recipe
+    from finetune.training.objectives.grpo.rollouts import policy_prompts
+
+    recipe = validate_recipe({"model": {"name_or_path": "x"}, "train": {"objective": "grpo", "micro_batch_size": 8},
+                              "data": {"datasets": [{"path": str(tmp_path / "p.jsonl"), "format": "prompt"}],
+                                       "system_prompt": "Answer with one number."},
+                              "grpo": {"reward_functions": ["finetune.rewards:length_penalty"],
+                                       "max_completion_length": 16}})
+    row = {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}]}
+    assert policy_prompts([row], ["p.jsonl row 1 (data.datasets[0])"], recipe) == [
+        [{"role": "system", "content": "Answer with one number."}, {"role": "user", "content": "Hi"}]]

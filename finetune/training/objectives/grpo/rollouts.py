@@ -25,7 +25,7 @@ from finetune import distributed, host_memory
 from finetune.data import IGNORE_INDEX
 from finetune.data.conversations import convert_turns
 from finetune.data.prompts import cut_at_stops, turn_end_ids, turn_end_stops
-from finetune.data.templates import row_system
+from finetune.data.templates import row_system, with_system
 from finetune.errors import RewardError
 from finetune.parallel import unwrap
 from finetune.recipe import DatasetSpec
@@ -311,7 +311,7 @@ def policy_prompts(rows: list[dict], places: list[str], recipe) -> list:
     """The prompts as the policy saw them, which the reward models score (reward functions get the rows' own, as
     TRL passes them): chat messages in the normal form of data/conversations.py (ShareGPT's, text parts, the dataset's
     role/content keys) with the system turn the policy's prompt got (the row's `system` column, else the dataset's
-    or data.system_prompt, when the messages have none: data/prompts.py); a text prompt as it is."""
+    or data.system_prompt, when the messages have none or a blank one: data/prompts.py); a text prompt as it is."""
     seen = []
     for row, place in zip(rows, places):
         if not isinstance(row["prompt"], list):
@@ -320,9 +320,7 @@ def policy_prompts(rows: list[dict], places: list[str], recipe) -> list:
         found = DATASET_KEY.search(place or "")
         spec = recipe.data.datasets[int(found.group(1))] if found else DatasetSpec(path=str(place), format="prompt")
         messages = convert_turns(row["prompt"], spec, str(place))
-        system = row_system(row, spec, recipe.data.system_prompt)
-        seen.append([{"role": "system", "content": system}, *messages] if system and messages[0]["role"] != "system"
-                    else messages)
+        seen.append(with_system(messages, row_system(row, spec, recipe.data.system_prompt))[0])  # as data/prompts.py
     return seen
 
 
