@@ -19,9 +19,9 @@ from finetune.recipe import Recipe
 
 # Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
 LENGTH_COUNTS = ("cut_tokens", "tokens_before_cut", "split_rows", "split_pieces", "blank_lines", "own_prompt_rows",
-                 "prefill_rows")
+                 "prefill_rows", "arrow_null_rows")
 # Where the first row of a count is (tokenize.ChunkResult's first_* fields), kept the same way, for the notes.
-FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row")
+FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row")
 CUT_WARNING_SHARE = 0.10  # truncation cutting more of the tokens than this is said as a warning
 
 
@@ -199,11 +199,20 @@ def prompt_notes(stats: DataStats) -> list[str]:
 
     notes = []
     for count, first, say in (("own_prompt_rows", "first_own_prompt_row", own_prompt_note),
-                              ("prefill_rows", "first_prefill_row", prefill_note)):
+                              ("prefill_rows", "first_prefill_row", prefill_note),
+                              ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note)):
         rows = sum(int(entry.get(count, 0)) for entry in stats.per_dataset)
         if rows:
             notes.append(say(rows, next((e[first] for e in stats.per_dataset if e.get(first)), "?")))
     return notes
+
+
+def _arrow_null_note(rows: int, first: str) -> str:
+    many = rows > 1
+    return (f"{rows} row{'s' if many else ''} (the first: {first}) read through Arrow (Parquet, Arrow, a `datasets` "
+            f"folder or the hub) {'have' if many else 'has'} tools or tool calls with null-valued keys: Arrow gives "
+            "every row each key any row has, null where it had none, so those keys were left out (as TRL's "
+            "remove_none_values). Nothing to fix; to keep a null argument, write the arguments as JSON text")
 
 
 def stats_counts(stats: DataStats) -> dict:

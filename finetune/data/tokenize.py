@@ -42,6 +42,7 @@ from finetune.data.templates import (
     _field,
     _render_or_reason,
     answer_starts,
+    arrow_null_rows,
     template_rendered,
     tokenize_many,
 )
@@ -69,7 +70,7 @@ class ChunkResult:
                                                   "prompt_truncated": 0, "response_truncated": 0,
                                                   "closing_tag_rows": 0, "cut_tokens": 0, "tokens_before_cut": 0,
                                                   "split_rows": 0, "split_pieces": 0, "blank_lines": 0,
-                                                  "own_prompt_rows": 0, "prefill_rows": 0})
+                                                  "own_prompt_rows": 0, "prefill_rows": 0, "arrow_null_rows": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
@@ -81,6 +82,7 @@ class ChunkResult:
     # whose assistant turn is trained after less than the generation prompt (chat.prefill_misses)
     first_own_prompt_row: str | None = None
     first_prefill_row: str | None = None
+    first_arrow_null_row: str | None = None  # the first row whose tools lost Arrow's null keys (templates.arrow_cleaned)
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
@@ -238,12 +240,15 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     result.reasons += broken
     rendered = []
     for row, place in zip(rows, places):
-        read_before, missed_before = closing_tag_reads(), prefill_misses()
+        read_before, missed_before, nulls_before = closing_tag_reads(), prefill_misses(), arrow_null_rows()
         rendered.append(_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
                                           reasoning=data.reasoning))
         if prefill_misses() > missed_before and not isinstance(rendered[-1], str):
             result.counts["prefill_rows"] += 1
             result.first_prefill_row = result.first_prefill_row or f"{spec.path} {place}"
+        if arrow_null_rows() > nulls_before and not isinstance(rendered[-1], str):
+            result.counts["arrow_null_rows"] += 1
+            result.first_arrow_null_row = result.first_arrow_null_row or f"{spec.path} {place}"
         if closing_tag_reads() > read_before and not isinstance(rendered[-1], str):  # kept, and rewritten so
             result.counts["closing_tag_rows"] += 1
             result.first_closing_tag_row = result.first_closing_tag_row or f"{spec.path} {place}"
@@ -376,3 +381,4 @@ def merge_counts(total: dict, result: ChunkResult) -> None:
     total["first_closing_tag_row"] = total.get("first_closing_tag_row") or result.first_closing_tag_row
     total["first_own_prompt_row"] = total.get("first_own_prompt_row") or result.first_own_prompt_row
     total["first_prefill_row"] = total.get("first_prefill_row") or result.first_prefill_row
+    total["first_arrow_null_row"] = total.get("first_arrow_null_row") or result.first_arrow_null_row

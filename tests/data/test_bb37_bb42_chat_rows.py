@@ -146,6 +146,28 @@ def test_parquet_rows_train_their_tool_calls_and_schemas_without_the_keys_of_oth
     assert not any("null" in text for text in written)
 
 
+def test_rows_whose_tools_lost_arrows_null_keys_are_counted_in_a_note(tmp_path):
+    """The dropped keys are said (a note in `finetune data` and the run's data line), with the first row."""
+    import pyarrow
+    import pyarrow.parquet
+
+    from finetune.data import build_examples
+    from finetune.data.build import prompt_notes
+
+    stock = {"messages": [{"role": "user", "content": "AAPL price?"}, {"role": "assistant", "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_stock", "arguments": {"ticker": "AAPL"}}}]},
+        {"role": "tool", "name": "get_stock", "content": "190"}, {"role": "assistant", "content": "190 USD."}],
+        "tools": [STOCK_TOOL]}
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([_weather_row({"city": "Paris"}), stock]),
+                                tmp_path / "rows.parquet")
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": {
+        "datasets": [{"path": str(tmp_path / "rows.parquet"), "format": "chat"}], "max_length": 1024,
+        "cache": False, "eval_fraction": 0}})
+    _, _, stats = build_examples(recipe, family_tokenizer("qwen3"))
+    notes = [note for note in prompt_notes(stats) if "read through Arrow" in note]
+    assert len(notes) == 1 and notes[0].startswith("2 rows (the first: ") and "rows.parquet row 1" in notes[0], notes
+
+
 def test_a_json_lines_rows_own_null_argument_stays():
     """A null written in a JSON Lines row is the row's own (bb37 #2's fix drops only Arrow's)."""
     trained = _trained(_weather_row({"city": "Paris", "unit": None}), "qwen3")
