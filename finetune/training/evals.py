@@ -220,6 +220,9 @@ def recipe_generation_eval(model, tokenizer, eval_examples: Sequence[Any], recip
     if not rows:
         print0(f"[finetune] note: no generation eval {phase} training: {no_rows_reason(len(eval_examples), recipe)}")
         return None
+    # it may take minutes (greedy answers, one token at a time): said first, not a silence (bug bash: 174 s of none)
+    print0(f"[finetune] asking {len(rows)} held-out prompt{'s' if len(rows) > 1 else ''} for the generation eval "
+           f"{phase} training (up to {recipe.eval.max_new_tokens} new tokens each)")
     result = generation_eval(
         model, tokenizer, rows, max_new_tokens=recipe.eval.max_new_tokens, metric=recipe.eval.metric, device=device
     )

@@ -122,7 +122,8 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     known = len(recipe.notes)
     told = recipe.resolve_num_epochs(per_epoch, launch=launch)
     if told is None:  # the recipe gave max_steps: the epochs it makes
-        told = (f"train.max_steps {t.max_steps} = {t.max_steps / per_epoch:.2f} epochs of {per_epoch} steps ({launch})"
+        told = (f"train.max_steps {t.max_steps} = {_epochs(t.max_steps / per_epoch)} epochs of {per_epoch:,} steps "
+                f"({launch})"
                 if per_epoch else f"train.max_steps {t.max_steps}; fewer rows than one step takes ({launch}): each "
                 "step takes rows of more than one epoch")
     left = rows_left_note(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum)
@@ -331,6 +332,11 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
         raise
     finally:
         metrics.close(status=status)
+
+
+def _epochs(epochs: float) -> str:
+    """Epochs as a figure that is not 0.00 for a run that trains (10 steps of 4,984: 0.002)."""
+    return f"{epochs:.2f}" if epochs >= 0.01 else f"{epochs:.1g}"
 
 
 def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], recipe: Recipe, phase: str,

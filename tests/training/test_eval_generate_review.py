@@ -174,3 +174,16 @@ def test_the_greedy_loop_of_fsdp1_and_zero3_takes_several_end_tokens_as_transfor
         ours = GreedyThroughRoot(model).generate(prompts, mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(ours[:, : expected.shape[1]], expected), (eos, ours, expected)
         assert (ours[:, expected.shape[1]:] == 0).all()  # after every row ended: padding only
+
+
+def test_the_generation_eval_says_what_it_asks_before_the_minutes_it_takes(asked, capsys):
+    """Found by a bug bash: the generation eval before step 1 took 174 s on a loaded machine without a line (and a
+    run of 10 steps of 4,984 said `0.00 epochs`)."""
+    from finetune.training.loop import _epochs
+
+    rows = [kto_row(5, 7, True), kto_row(7, 7, True)]
+    evals.recipe_generation_eval(nn.Linear(1, 1), Tokenizer(), rows, recipe(
+        "unpaired_preference", objective="kto", generation_rows=4), phase="before")
+    assert "[finetune] asking 2 held-out prompts for the generation eval before training (up to " in \
+        capsys.readouterr().out
+    assert (_epochs(10 / 4984), _epochs(6 / 15), _epochs(3.0)) == ("0.002", "0.40", "3.00")
