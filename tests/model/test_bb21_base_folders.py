@@ -418,3 +418,18 @@ def test_the_vllm_servers_weight_names_read_model_safetensors_before_a_leftover_
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.layers.0.mlp.experts.0.up_proj.weight": "model-00001-of-00001.safetensors"}}))
     assert _weight_names(tmp_path) == ["model.layers.0.mlp.up_proj.weight"]
+
+
+def test_a_hub_base_says_it_is_fetched_before_the_download(tmp_path, monkeypatch, capsys):
+    """Found by a bug bash: the hub's download bars are off (quiet.py), and a first run of a large hub base showed its
+    `length:` line and then nothing for the whole download. A line now says the base is fetched from the hub."""
+    import huggingface_hub
+
+    from finetune.model.sources import files, hub
+    from finetune.recipe import validate_recipe
+
+    monkeypatch.setattr(hub, "offline_guard", lambda name: None)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kwargs: str(tmp_path))
+    recipe = validate_recipe({"model": {"name_or_path": "someorg/somemodel"}, "data": {"datasets": [{"path": "d.jsonl"}]}})
+    assert files.checkpoint_folder(recipe) == tmp_path
+    assert "[finetune] model: fetching someorg/somemodel from the hub into its cache" in capsys.readouterr().out

@@ -134,6 +134,12 @@ def checkpoint_folder(recipe: Recipe) -> Path:
     offline_guard(name)
     from huggingface_hub import snapshot_download
 
+    from finetune.distributed import print0
+
+    # A first download of a large base takes minutes with the hub's bars off (quiet.py): said first (bug bash)
+    print0(f"[finetune] model: fetching {name} from the hub into its cache (files already there are not downloaded "
+           "again)")
+
     try:  # config, tokenizer and safetensors only: never the pickle or GGUF duplicates a repo may also hold, nor the
         # original-format copy in original/ (openai/gpt-oss-*: original/*.safetensors, 13 GB more for 20b; metal/)
         return Path(snapshot_download(name, revision=recipe.model.revision,
