@@ -12,6 +12,7 @@ import codecs
 import datetime
 import difflib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,8 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
             got = item.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
             msg = item["msg"].removeprefix("Value error, ")
+            if item["type"] in ("less_than_equal", "less_than", "greater_than", "greater_than_equal"):
+                msg = re.sub(r"\b\d{10,}\b", lambda m: f"{int(m.group()):.0e}", msg)  # 1e+30, not 31 digits
             lines.append(f"  {dotted}: {msg}{got_text}")
     plural = "s" if len(lines) > 1 else ""
     return f"{source}: {len(lines)} problem{plural} in the recipe:\n" + "\n".join(lines)
