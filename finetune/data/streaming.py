@@ -47,7 +47,7 @@ from finetune.data.readers import looks_local
 from finetune.data.sources import hub_name_note, hub_reason, local_files, local_rows, not_found, split_problem
 from finetune.data.tokenize import ChunkResult, check_dataset, merge_counts, parse_lines, tokenize_chunk
 from finetune.distributed import print0
-from finetune.errors import DataError
+from finetune.errors import DataError, FinetuneError
 from finetune.files import same_place
 from finetune.recipe import DatasetSpec, Recipe
 
@@ -333,7 +333,11 @@ def batch_stream(train, **options) -> BatchStream | StreamingBatches:
 def stream_examples(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Example], DataStats]:
     """The stream's training rows, the eval examples (data.eval_datasets first) and what is known without reading the
     data whole. See `_opened`."""
-    rows, files, held, stats = _opened(recipe, tokenizer)
+    try:
+        rows, files, held, stats = _opened(recipe, tokenizer)
+    except FinetuneError as exc:  # every rank opens the same files and finds it alike (as data.build_examples)
+        exc.alike_on_every_rank = True  # rank 0 prints it, once; the others wait for its paragraph (run.py main)
+        raise
     return rows, (list(files) + held if held else files), stats
 
 

@@ -60,7 +60,9 @@ def check_token_ids(recipe: Recipe, tokenizer, *example_sets: Iterable[Example],
     if recipe.data.streaming:
         reached.append(("the stream may reach them (data.streaming: it is not read whole before training)", None))
     if reached:
-        raise DataError(vocabulary_refusal(recipe, tokenizer, rows, reached))
+        error = DataError(vocabulary_refusal(recipe, tokenizer, rows, reached))
+        error.alike_on_every_rank = True  # every rank holds the same ids: rank 0 prints it, once (run.py main)
+        raise error
 
 
 def vocabulary_refusal(recipe: Recipe, tokenizer, rows: int, reached: list[tuple[str, int | None]]) -> str:

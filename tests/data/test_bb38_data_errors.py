@@ -80,3 +80,14 @@ def test_a_missing_file_is_never_offered_another_split(tmp_path, monkeypatch):
     assert sources.nearest_name("nonexist.jsonl", ["one.jsonl"]) is None  # (bb38's other case: `.jsonl` alone)
     assert sources.nearest_name("train.jsonl", ["train.json"]) == "train.json"
     assert sources.nearest_name("evl.jsonl", ["eval.jsonl", "test.jsonl"]) == "eval.jsonl"
+
+
+def test_a_streams_data_errors_are_alike_on_every_rank_too(tmp_path, tokenizer):
+    """data.streaming's checks of the first rows (data.stream_examples) are made by every rank on the same files, as
+    build_examples' are: printed once, by rank 0."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"\n')
+    recipe = _recipe(path, streaming=True, eval_fraction=0)
+    with pytest.raises(DataError) as caught:
+        data.stream_examples(recipe, tokenizer)
+    assert "line 2" in str(caught.value) and caught.value.alike_on_every_rank is True

@@ -87,8 +87,10 @@ def test_padding_and_streams_past_the_embedding_are_refused_and_a_padded_vocabul
                                data=SimpleNamespace(streaming=streaming))
 
     low = [Example([1, 2, 3], [1, 2, 3])]
-    with pytest.raises(DataError, match=r"has 10 tokens, but the model's embedding has 8 rows .* padding reaches id 9"):
+    with pytest.raises(DataError, match=r"has 10 tokens, but the model's embedding has 8 rows .* padding reaches id 9"
+                       ) as caught:
         check_token_ids(recipe(), Tokenizer(), low, config=SimpleNamespace(vocab_size=8))
+    assert caught.value.alike_on_every_rank is True  # every rank holds the same ids: printed once, by rank 0 (bb38)
     with pytest.raises(DataError, match=r"the stream may reach them \(data.streaming"):
         check_token_ids(recipe(streaming=True), Tokenizer(), low, config=SimpleNamespace(vocab_size=9))
     check_token_ids(recipe(streaming=True), Tokenizer(), [Example([99], [99])], config=SimpleNamespace(vocab_size=16))
