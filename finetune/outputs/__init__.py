@@ -6,6 +6,8 @@
     resume_checks.py  check_resume: whether a checkpoint can continue this run (recipe key by key, strategy, step,
                       rows), before any weight loads; refused or noted
     checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    base_record.py    the base a checkpoint was trained on (base.json: its files' content samples and sizes), compared
+                      on resume (replaced in place: noted; another size: refused before loading)
     checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`),
                       read_trainable_tensors (a checkpoint's LoRA tensors whole, in one process)
     adapter_files.py  adapter_key_map, save_adapter: the standard PEFT adapter

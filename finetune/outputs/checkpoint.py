@@ -12,7 +12,7 @@ Layout of output.dir:
                                 number through DeepSpeed's universal checkpoint, finetune/parallel/zero_checkpoint.py)
         rng/rank{r}.pt          torch / numpy / python (and CUDA) RNG states of every rank
         trainer_state.json      step, scheduler, data position, losses so far, world size, strategy
-        recipe.yaml             the resolved recipe of the run that wrote it
+        recipe.yaml  base.json  the resolved recipe that wrote it; the base it trained on (outputs/base_record.py)
         chat_template.json      the chat template trained with (outputs/trained_template.py: export / generate --step)
         manifest.json           written last: every file with its size and sha256, and the finetune that wrote it
     adapter/                    the standard PEFT adapter (the result)
@@ -60,6 +60,7 @@ from finetune.files import (
     refused_pickle,
     remove_path,
 )
+from finetune.outputs.base_record import misfit, write_base_record
 from finetune.outputs.run_folder import finetune_version
 from finetune.outputs.step_folders import (
     CHECKPOINTS,
@@ -253,6 +254,7 @@ def _save(out_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opt
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
             write_trained_template(tmp, recipe_yaml, tokenizer)  # what export / generate --step give the adapter
+            write_base_record(tmp, recipe_yaml)  # the base trained on, which a resume compares (base_record.py)
             size = _write_manifest(tmp, step, trainer_state)  # before the rename: step-N appears whole
             _fsync_tree(tmp)
             _replace_dir(tmp, final)
@@ -419,8 +421,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         _dcp(dcp.load, state, path / "trainable")
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:  # DCP wraps per-rank failures
         _raise_refusal(exc)
-        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"train.resume: checkpoint {path} does not fit this model ({reason}).") from None
+        raise CheckpointError(misfit(path, exc)) from None  # the cause and the fix (bb41: a bare size mismatch)
     _set_trainable_state(model, optimizer, state)
     _load_rng(path)
     return trainer_state

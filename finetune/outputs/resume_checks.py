@@ -1,6 +1,7 @@
 """Whether a checkpoint can continue this run, decided before any weight loads: the checkpoint's resolved recipe
-against this run's, key by key; the strategy that wrote it against this run's plan; its step against train.max_steps;
-its data position against this run's rows.
+against this run's, key by key; the base it recorded against this run's (base_record.py: its sizes, its files); the
+strategy that wrote it against this run's plan; its step against train.max_steps; its data position against this
+run's rows.
 
 A difference is refused (one paragraph naming every refused key, both values and the fix), harmless (where the run
 writes, what it logs and tracks, how often it checkpoints), or noted: every other key, so a key added to the recipe
@@ -19,8 +20,15 @@ from typing import Any
 from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import on_main, same_place
+from finetune.outputs.base_record import compare_base
 from finetune.outputs.run_folder import finetune_version
-from finetune.outputs.step_folders import MANIFEST, TRAINER_STATE, checkpoint_problem, list_checkpoints
+from finetune.outputs.step_folders import (
+    MANIFEST,
+    TRAINER_STATE,
+    checkpoint_problem,
+    list_checkpoints,
+    read_dcp_metadata,
+)
 
 # Changes that leave the checkpoint unusable by this run, and why; the fix is the checkpoint's value.
 REFUSED = {
@@ -50,6 +58,21 @@ EVAL_ONLY = ("train.eval_every", "eval")
 BATCH = ("train.micro_batch_size", "train.grad_accum")
 WHY_NOTED = {"train.max_steps": "it reshapes the learning-rate schedule",
              "train.warmup_steps": "it reshapes the learning-rate schedule"}
+# Changes that act on the training only through the training rows' tokens: where the rows' fingerprint shows the rows
+# unchanged, they are said as such (bb41: data.max_length cutting no row, a chat template alpaca rows never use, were
+# "the run will differ"). For the objectives whose training reads nothing else of them (KTO reads data.max_length
+# while training, GRPO decodes with the tokenizer).
+ROWS_DECIDE = ("data", "model.chat_template", "model.tokenizer")
+ROWS_ONLY_OBJECTIVES = ("sft", "dpo")
+# How each kind of change is said, in this order: one line per kind that has changes.
+SAID = {"noted": "the run will differ from an uninterrupted one",
+        "another_path": "the same training by another code path (PEFT's LoRA forward or finetune's fused one): it may "
+                        "differ from an uninterrupted run in rounding, and in its dropout masks where lora.dropout > 0",
+        "rows_kept": "the training rows are unchanged (the same tokens in the same order as the checkpoint's), so the "
+                     "training does not change",
+        "same_base": "the same base model (config.json and every weight file as the checkpoint recorded them), so the "
+                     "training does not change",
+        "evaluation": "the evaluation differs, the training does not"}
 
 
 def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None,
@@ -74,47 +97,99 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     saved, state = _saved(source)
     current = recipe.model_dump(mode="json")
     _adapter_layout_as_resolved(saved, current)
-    refused, noted, evaluation = [], [], []
+    base = compare_base(source, saved, current)  # the base's sizes and files against the checkpoint's record
+    rows_kept = _rows_kept(state, current, train_rows, train_fingerprint)
+    refused, said = [], {kind: [] for kind in SAID}
     # train.num_epochs not yet resolved (`finetune validate` without the rows): the length is compared by the run
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
         recipe.train.num_epochs is not None) else ()
     for key, before, now in differences(saved, current):
-        if _under(key, unresolved) or same_place(before, now):
+        if _under(key, unresolved) or same_place(before, now) or _same_targets(source, key, before, now):
             continue
         if key == "train.seed" and _streams(saved) and _streams(current):
-            noted.append(f"train.seed {_shown(before)} -> {_shown(now)} (a stream is read in its order, unshuffled: "
-                         "the LoRA weights and the dropout's random state continue from the checkpoint)")
-        elif key in REFUSED:  # leaves, each (lora.target_modules: its list, whole)
+            said["noted"].append(f"train.seed {_shown(before)} -> {_shown(now)} (a stream is read in its order, "
+                                 "unshuffled: the LoRA weights and the dropout's random state continue from the checkpoint)")
+        elif key in REFUSED:  # leaves, each (lora.target_modules: the modules it names, _same_targets)
             refused.append((key, before, now, REFUSED[key]))
-        elif _under(key, EVAL_ONLY):
-            evaluation.append(f"{key} {_shown(before)} -> {_shown(now)}")
-        elif not _under(key, HARMLESS + BATCH):
-            noted.append(f"{key} {_shown(before)} -> {_shown(now)}"
-                         + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else ""))
+        elif kind := _kind(key, same_base=base.same, rows_kept=rows_kept):
+            said[kind].append(f"{key} {_shown(before)} -> {_shown(now)}"
+                              + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else ""))
     rows_then, rows_now = _rows_per_step(saved, state), _rows_per_step(current, None, plan.world_size)
     # train.num_epochs, once resolved, is null and max_steps set: the recipe keeps how (its resolved recipe.yaml's comment)
     by_epochs = getattr(recipe, "_length_origin", None) is not None
     upgrade = _upgrade(source)  # the tokens or the row count changed: an upgrade may be why, not the user's data
-    problems = [_described(*item) for item in refused]
+    problems = [_described(*item) for item in refused] + ([base.problem] if base.problem else [])
     problems += [p for p in (_strategy_problem(source, state, plan), _rows_problem(state, train_rows, upgrade),
                              _epochs_problem(rows_then, rows_now, current, plan.world_size, by_epochs=by_epochs)) if p]
     if problems:
-        raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]))
+        raise CheckpointError(_refusal(source, recipe, problems, [(key, before) for key, before, _, _ in refused]
+                                       + _base_fix(base, saved, current)))
     if not unresolved and (length := _length_problem(source, state["step"], recipe.train.max_steps)) is not None:
         raise CheckpointError(length)
+    if base.note:
+        said["noted"].append(base.note)
     saved_print = (state.get("data") or {}).get("fingerprint")
     if train_fingerprint and saved_print and saved_print != train_fingerprint and train_rows == state["data"].get("rows"):
-        noted.append(f"the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed"
-                     f"{upgrade}); the saved data position is applied to these rows")
+        said["noted"].append(f"the training rows (as many, other tokens: a data file, the tokenizer or a data setting "
+                             f"changed{upgrade}) or the same rows in another order (the checkpoint's hash of its rows "
+                             "does not tell which); the saved data position is applied to these rows")
     if rows_then is not None and rows_then != rows_now:
         skipped = _rows_skipped(state, current, plan.world_size)
-        noted.append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes x "
-                     "train.grad_accum)" + (f"; the data position moves on to the next whole micro-batch of the new "
-                                            f"size, so {skipped} row(s) of this epoch are not trained" if skipped else ""))
-    said = [f"resuming {source} with {'; '.join(noted)}: the run will differ from an uninterrupted one"] if noted else []
-    if evaluation:
-        said.append(f"resuming {source} with {'; '.join(evaluation)}: the evaluation differs, the training does not")
-    return said
+        said["noted"].append(f"rows per optimizer step {rows_then} -> {rows_now} (train.micro_batch_size x processes "
+                             "x train.grad_accum)" + (f"; the data position moves on to the next whole micro-batch of "
+                                                      f"the new size, so {skipped} row(s) of this epoch are not trained"
+                                                      if skipped else ""))
+    return [f"resuming {source} with {'; '.join(items)}: {SAID[kind]}" for kind, items in said.items() if items]
+
+
+def _kind(key: str, *, same_base: bool, rows_kept: bool) -> str | None:
+    """How a changed key other than a refused one is said (a kind of SAID), or None: harmless, or compared apart."""
+    if _under(key, EVAL_ONLY):
+        return "evaluation"
+    if _under(key, HARMLESS + BATCH):
+        return None
+    if key == "model.name_or_path" and same_base:
+        return "same_base"
+    if key == "lora.fused":
+        return "another_path"
+    return "rows_kept" if rows_kept and _under(key, ROWS_DECIDE) else "noted"
+
+
+def _rows_kept(state: dict, current: dict, train_rows: int | None, train_fingerprint: str | None) -> bool:
+    """This run's training rows are the checkpoint's, token for token and in order, and the objective reads nothing
+    else of the settings that make them (ROWS_DECIDE)."""
+    data = state.get("data") or {}
+    return bool(train_fingerprint) and data.get("fingerprint") == train_fingerprint and data.get(
+        "rows") == train_rows and (current.get("train") or {}).get("objective") in ROWS_ONLY_OBJECTIVES
+
+
+def _base_fix(base, saved: dict, current: dict) -> list[tuple[str, Any]]:
+    """The checkpoint's model.name_or_path, for a base of another size under another name."""
+    then, now = ((recipe.get("model") or {}).get("name_or_path") for recipe in (saved, current))
+    return [("model.name_or_path", then)] if base.problem and then != now and not same_place(then, now) else []
+
+
+def _same_targets(source: Path, key: str, before: Any, now: Any) -> bool:
+    """lora.target_modules naming the modules the checkpoint's LoRA tensors are on: the same names in another order,
+    or all-linear in the checkpoint and here the list of the modules its saved tensors are on (the names in
+    trainable/'s metadata, read without running code). Both were refused as other modules (bb41)."""
+    if key != "lora.target_modules" or not isinstance(now, list):
+        return False
+    if isinstance(before, list):
+        return set(before) == set(now)
+    return before == "all-linear" and _saved_target_leaves(source) == set(now)
+
+
+def _saved_target_leaves(source: Path) -> set[str] | None:
+    """The last name of every module with saved LoRA tensors (`q_proj`), from the checkpoint's DCP metadata; None
+    where it has none (DeepSpeed's own format) or cannot be read."""
+    try:
+        keys = read_dcp_metadata(source / "trainable").state_dict_metadata
+    except (OSError, CheckpointError, AttributeError):
+        return None
+    found = {re.split(r"\.lora_(?:embedding_)?[AB]\.", key)[0].rsplit(".", 1)[-1] for key in keys
+             if key.startswith("model.") and re.search(r"\.lora_(?:embedding_)?[AB]\.", key)}
+    return found or None
 
 
 def differences(saved: Any, current: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:

@@ -68,13 +68,32 @@ def base_identity(folder: Path) -> dict[str, list]:
     snapshots are symlinks). Size and mtime alone missed other weights of the same shapes put in place with the old
     mtime (cp -p, rsync -a, a restored backup, a reproducible image): two fine-tunes of one architecture have the same
     sizes, and the run trained on the old base's entry without a word (bb20)."""
-    index = checkpoint_index(folder)
-    paths = sorted({*index.files.values(), Path(folder) / "config.json"})
     identity = {}
-    for path in paths:
-        stat = path.resolve().stat()
-        identity[path.name] = [stat.st_size, stat.st_mtime_ns, content_sample(path)]
+    for path in base_files(folder):
+        stat, sample = file_sample(path)
+        identity[path.name] = [stat.st_size, stat.st_mtime_ns, sample]
     return identity
+
+
+def base_files(folder: Path) -> list[Path]:
+    """config.json and every weight file of a base folder (ModelLoadError where it holds no safetensors weights)."""
+    index = checkpoint_index(folder)
+    return sorted({*index.files.values(), Path(folder) / "config.json"})
+
+
+_SAMPLES: dict[tuple, str] = {}  # content samples of this process, by the file's inode, size, mtime and ctime
+
+
+def file_sample(path: Path) -> tuple:
+    """(stat, content_sample) of `path` (resolved), sampled once per process while the file is unchanged: the run's
+    quantized cache, its resume check and every checkpoint it saves (outputs/base_record.py) ask for the same base.
+    The key holds the ctime, which every write or copy over the file changes (cp -p and rsync -a set the mtime back,
+    not the ctime)."""
+    stat = Path(path).resolve().stat()
+    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if key not in _SAMPLES:
+        _SAMPLES[key] = content_sample(path)
+    return stat, _SAMPLES[key]
 
 
 def _say_waiting(holder: str, sibling: bool) -> None:
