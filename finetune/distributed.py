@@ -165,8 +165,8 @@ def print0(*args, sep: str = " ", end: str = "\n", file=None) -> None:
     it by tqdm, which clears the bar and draws it again below: a plain print wrote over the bar's line."""
     if not is_main():
         return
-    bars = sys.modules.get("tqdm.std")
-    if bars is not None and any(not bar.disable for bar in list(bars.tqdm._instances)):
+    bars = sys.modules.get("tqdm.std")  # (a bar another thread's run is still building has no `disable` yet)
+    if bars is not None and any(not getattr(bar, "disable", True) for bar in list(bars.tqdm._instances)):
         bars.tqdm.write(sep.join(str(arg) for arg in args), file=file, end=end)
         (file or sys.stdout).flush()
         return

@@ -35,7 +35,8 @@ def checks_every_rank_makes() -> Iterator[None]:
     """Hold SIGTERM/SIGINT over checks that every rank makes alike and that wait on no peer (recipe, files, model
     config, parallel plan). A rank that fails such a check first exits, and the launcher SIGTERMs the others at once:
     rank 0, the one that prints the whole paragraph, was killed before it got there (CI: "(rank 1) the parallel setup
-    cannot work:" and nothing more). Released when the checks pass; when one fails, after main() has printed it."""
+    cannot work:" and nothing more). Released when the checks pass; when one fails, after main() has printed it (a
+    caller of run() gets them back as run() ends: `released_as_it_ends`)."""
     took = hold_stop_signals()
     try:
         yield
@@ -46,9 +47,23 @@ def checks_every_rank_makes() -> Iterator[None]:
         release_stop_signals()
 
 
+@contextmanager
+def released_as_it_ends() -> Iterator[None]:
+    """The handlers put back however the body ends (finetune.run.run, which a notebook or a sweep script calls): a run
+    that failed a check left SIGINT and SIGTERM held, so Ctrl-C and a scheduler's SIGTERM were ignored for the rest of
+    the process, and the Ctrl-C swallowed came back as a KeyboardInterrupt out of the next run that succeeded (bb39).
+    main() puts them back itself, once its paragraph is printed (a rank other than 0 waits for rank 0's first)."""
+    try:
+        yield
+    finally:
+        release_stop_signals()
+
+
 def release_stop_signals() -> None:
     """Put the handlers back once the paragraph is printed; a signal that came meanwhile is acted on now (the
-    launcher's SIGTERM ends the process, as it would have)."""
+    launcher's SIGTERM ends the process, as it would have). Only the main thread holds them, and puts them back."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     for signum, handler in _HELD.items():
         signal.signal(signum, handler)
     _HELD.clear()

@@ -3,15 +3,18 @@
 huggingface_hub retries an unreachable endpoint five times with backoff (~23 s per file, longer per model), and
 its timeouts do not cover that. One TCP connect with a short timeout tells us instead; when it fails we switch the
 hub and `datasets` libraries to offline mode, so a name in their cache still loads and anything else fails at once.
+Both for one call of finetune: in a process that goes on (a notebook), the next call asks the hub again, and the
+offline switches are put back after each (`offline_switches`, for quiet.left_as_found).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
 from urllib.parse import urlparse
+
+from finetune import quiet
 
 _TRUE = ("1", "true", "yes", "on")
 # Set beside HF_HUB_OFFLINE when finetune set that itself (the hub did not answer), for this process and the ones it
@@ -23,20 +26,26 @@ def offline_requested() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
 
 
-@functools.lru_cache(maxsize=1)
+# The hub's answer, per endpoint, until the call of finetune that asked ends (`offline_switches`): asked once per run,
+# not for the life of the process (one unreachable moment said "not reachable" to every later run of a notebook).
+_ANSWERS: dict[str, bool] = {}
+
+
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """One TCP connect to the hub endpoint (HF_ENDPOINT honoured); False when offline mode is requested."""
     if offline_requested():
         return False
     from huggingface_hub import constants
 
-    url = urlparse(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    if constants.ENDPOINT not in _ANSWERS:
+        url = urlparse(constants.ENDPOINT)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            with socket.create_connection((url.hostname, port), timeout=timeout_s):
+                _ANSWERS[constants.ENDPOINT] = True
+        except OSError:
+            _ANSWERS[constants.ENDPOINT] = False
+    return _ANSWERS[constants.ENDPOINT]
 
 
 def use_cache_only_if_unreachable() -> bool:
@@ -54,6 +63,37 @@ def use_cache_only_if_unreachable() -> bool:
     if datasets_config is not None:
         datasets_config.HF_HUB_OFFLINE = True
     return True
+
+
+def _offline_as_imported() -> bool:
+    return bool(quiet.environment_flag("HF_HUB_OFFLINE") or quiet.environment_flag("TRANSFORMERS_OFFLINE"))
+
+
+def _datasets_offline_as_imported() -> bool:
+    flag = quiet.environment_flag("HF_DATASETS_OFFLINE")
+    return _offline_as_imported() if flag is None else flag
+
+
+# What `use_cache_only_if_unreachable` sets: (module, attribute, what the module reads from the environment at import).
+_OFFLINE_SWITCHES = (
+    ("huggingface_hub.constants", "HF_HUB_OFFLINE", _offline_as_imported),
+    ("datasets.config", "HF_HUB_OFFLINE", _datasets_offline_as_imported),
+    ("datasets.config", "HF_DATASETS_OFFLINE", _datasets_offline_as_imported),
+)
+
+
+def offline_switches():
+    """A snapshot for quiet.left_as_found: the offline switches as they are (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, the
+    mark, the libraries' constants), put back when the call ends; the hub's answer is forgotten at both ends (the
+    next call asks again). A notebook stayed offline after one unreachable moment, its own downloads too (bb39)."""
+    _ANSWERS.clear()
+    put_back = quiet.settings_kept(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", UNREACHABLE_MARK), _OFFLINE_SWITCHES)
+
+    def put_back_and_forget() -> None:
+        _ANSWERS.clear()
+        put_back()
+
+    return put_back_and_forget
 
 
 def offline_because_unreachable() -> bool:

@@ -29,7 +29,9 @@ What is filtered, each by its exact message, so that a new warning of the same l
     the plot is written all the same.
 And DeepSpeed stays out of processes that do not use it (`keep_deepspeed_out`). Two things of a process's start that
 scripts meet: a reader of stdout that stops early (`| head`, `| grep -q`) is left to go (`drop_output_nobody_reads`),
-and a Ctrl-C while the libraries import is acted on once they have (`ctrl_c_after_imports`).
+and a Ctrl-C while the libraries import is acted on once they have (`ctrl_c_after_imports`). And a call of finetune
+from a process that goes on (a notebook, a sweep script) leaves it as it found it (`left_as_found`), and runs started
+at once from threads import the libraries one at a time (`import_run_libraries`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 VERBOSE_ENV = "FINETUNE_VERBOSE"
 _LOGGED = {
@@ -102,7 +105,9 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):
             logger.addFilter(drop)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub and transformers at import
+    # Read by huggingface_hub and transformers at import. In a process that goes on, put back after the call with the
+    # progress bars (`output_settings`): the user's own downloads show theirs.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 
@@ -286,3 +291,129 @@ def printable_streams() -> None:
                 stream.reconfigure(errors="backslashreplace")
             except (OSError, ValueError):
                 pass
+
+
+# ------------------------------------------------------------------------ a call in a process that goes on
+_KEPT_LOCK = threading.Lock()
+_KEPT: dict[Callable, list] = {}  # a snapshot -> [its calls under way, the function that puts back what it took]
+
+
+@contextmanager
+def left_as_found(*snapshots: Callable[[], Callable[[], None]]) -> Iterator[None]:
+    """A call of finetune from a process that goes on (a notebook, a sweep script: finetune.run.run and .main,
+    finetune.cli.command.main) leaves what each of `snapshots` takes as it found it, however the call ends: a run left
+    the hub offline, the progress bars off, --verbose on and the random generators at train.seed for the rest of the
+    process (bb39). A snapshot takes the state and returns the function that puts it back. Calls inside calls (the
+    CLI's `train` runs finetune.run.main) and calls side by side in threads: the first to start takes, the last to
+    end puts back."""
+    taken = []
+    try:
+        with _KEPT_LOCK:
+            for take in snapshots:
+                entry = _KEPT.setdefault(take, [0, None])
+                if entry[0] == 0:
+                    entry[1] = take()
+                entry[0] += 1
+                taken.append(take)
+        yield
+    finally:
+        with _KEPT_LOCK, ExitStack() as putting_back:  # each put back, even when one raises; the last taken first
+            for take in taken:
+                entry = _KEPT[take]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    putting_back.callback(_KEPT.pop(take)[1])
+
+
+def settings_kept(variables: tuple[str, ...], attributes: tuple[tuple[str, str, Callable[[], Any]], ...]):
+    """A snapshot for `left_as_found`: environment `variables` and library settings (module, attribute, fresh) as they
+    are now; returns the function that puts them back. A module imported meanwhile gets `fresh()`, what it reads from
+    the environment put back when it is imported (huggingface_hub reads HF_HUB_OFFLINE then, once)."""
+    environment = {name: os.environ.get(name) for name in variables}
+    found = {}
+    for module_name, attribute, _ in attributes:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, attribute):
+            value = getattr(module, attribute)
+            found[module_name, attribute] = dict(value) if isinstance(value, dict) else value
+
+    def put_back() -> None:
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for module_name, attribute, fresh in attributes:  # in order: a fresh value may read one put back before it
+            module = sys.modules.get(module_name)
+            if module is None or not hasattr(module, attribute):
+                continue
+            value = found[module_name, attribute] if (module_name, attribute) in found else fresh()
+            current = getattr(module, attribute)
+            if isinstance(current, dict) and isinstance(value, dict):  # the same dict: another module may hold it
+                current.clear()
+                current.update(value)
+            else:
+                setattr(module, attribute, value)
+
+    return put_back
+
+
+def environment_flag(name: str) -> bool | None:
+    """A variable as huggingface_hub reads a flag at import: None when unset."""
+    value = os.environ.get(name)
+    return None if value is None else value.upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_progress_bars_enabled() -> bool:
+    return not sys.modules["huggingface_hub.utils"].are_progress_bars_disabled()
+
+
+# The progress bars' switches, which HF_HUB_DISABLE_PROGRESS_BARS sets when the libraries are imported (in this order:
+# transformers' reads huggingface_hub's).
+_PROGRESS_BARS = (
+    ("huggingface_hub.constants", "HF_HUB_DISABLE_PROGRESS_BARS", lambda: environment_flag("HF_HUB_DISABLE_PROGRESS_BARS")),
+    ("huggingface_hub.utils.tqdm", "HF_HUB_DISABLE_PROGRESS_BARS", lambda: environment_flag("HF_HUB_DISABLE_PROGRESS_BARS")),
+    ("huggingface_hub.utils.tqdm", "progress_bar_states", dict),
+    ("transformers.utils.logging", "_tqdm_active", _hub_progress_bars_enabled),
+)
+
+
+def output_settings() -> Callable[[], None]:
+    """A snapshot for `left_as_found`: what `install` and --verbose set for the whole process (FINETUNE_VERBOSE,
+    HF_HUB_DISABLE_PROGRESS_BARS and the progress bars of huggingface_hub and transformers)."""
+    return settings_kept((VERBOSE_ENV, "HF_HUB_DISABLE_PROGRESS_BARS"), _PROGRESS_BARS)
+
+
+_IMPORT_LOCK = threading.RLock()
+# What a run resolves of transformers, whose lazy module imports each name on its first use.
+_TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                       "PreTrainedTokenizerFast", "GenerationConfig", "StopStringCriteria", "BitsAndBytesConfig",
+                       "CONFIG_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING")
+_RUN_LIBRARIES_IMPORTED: list[bool] = []
+
+
+@contextmanager
+def one_thread_importing() -> Iterator[None]:
+    """Libraries imported by one thread at a time: two runs started at once from threads (a ThreadPoolExecutor sweep)
+    in a fresh process raced in transformers' lazy module, and one died of "cannot import name 'AutoConfig' from
+    'transformers'" (bb39)."""
+    with _IMPORT_LOCK:
+        yield
+
+
+def import_run_libraries() -> None:
+    """torch and transformers imported whole, and the names of transformers a run uses resolved, once per process and
+    one thread at a time (`one_thread_importing`); at once after the first call. (A run imports PEFT and bitsandbytes
+    later, the same way: model.import_backends.)"""
+    with one_thread_importing():
+        if _RUN_LIBRARIES_IMPORTED:
+            return
+        with ctrl_c_after_imports():
+            try:
+                import torch  # noqa: F401
+                import transformers
+            except ImportError:  # the run's own import says what is missing, where it needs it
+                return
+            for name in _TRANSFORMERS_NAMES:
+                getattr(transformers, name, None)
+        _RUN_LIBRARIES_IMPORTED.append(True)

@@ -26,7 +26,7 @@ try:
     from finetune import quiet
 
     with quiet.ctrl_c_after_imports():  # torch swallowed a Ctrl-C while importing numpy, leaving it half imported (bb29)
-        from finetune import distributed, held_signals, host_memory, rank_errors, rendezvous
+        from finetune import distributed, held_signals, host_memory, hub, rank_errors, rendezvous
         from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
 except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imports: no traceback from any rank
     if __name__ != "__main__":
@@ -37,7 +37,15 @@ except KeyboardInterrupt:  # Ctrl-C in a launch's first seconds, while torch imp
 
 
 def run(recipe_path: str, overrides: list[str]) -> dict:
-    """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary."""
+    """Train one recipe end to end in this process (one rank of the launcher's group); returns a summary. A process
+    that goes on (a notebook, a sweep script) is left as the call found it, however it ends: the random generators,
+    SIGINT and SIGTERM's handlers, the hub's offline switches, the progress bars (`_LEFT_AS_FOUND`)."""
+    with quiet.left_as_found(*_LEFT_AS_FOUND), held_signals.released_as_it_ends():
+        return _run(recipe_path, overrides)
+
+
+def _run(recipe_path: str, overrides: list[str]) -> dict:
+    """The spine, recipe to adapter (run() without the caller's state kept; main() keeps it and the signals itself)."""
     from finetune import data, model, outputs, parallel, tracking, training
     from finetune.data.vocab import check_token_ids
 
@@ -55,7 +63,8 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
         # train.num_epochs -> max_steps (not for a stream); then the checkpoint of a resume fits this run, or one paragraph
         training.resolve_length(recipe, train_examples, plan, resume_from=folder.resume_from)
         distributed.seed_everything(recipe.train.seed)  # same LoRA init on every rank
-        model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
+        with quiet.one_thread_importing():
+            model.import_backends()  # so the RSS baseline below is the runtime's own, not half-imported
         rss_before_model = outputs.current_rss_bytes()
         # Under FSDP a meta-device skeleton: the wrap builds and shards one decoder layer at a time.
         loaded = model.load_model(recipe, sharded=plan.sharded_loading, device=info.device, device_map=plan.device_map,
@@ -95,6 +104,36 @@ def run(recipe_path: str, overrides: list[str]) -> dict:
                **({"skipped_steps": result.skipped_steps} if result.skipped_steps else {})}
     distributed.print0(f"[finetune] done: {json.dumps(summary)}")  # JSON: what a script reads of the run (bb29)
     return summary
+
+
+def _random_state():
+    """A snapshot for quiet.left_as_found: the random generators a run seeds (train.seed, then + rank), which the
+    caller gets back as they were, CUDA's too where it is initialized. A notebook's random search drew the same
+    "random" hyperparameters on every trial after the first (bb39). The run's own draws are unchanged."""
+    import random
+
+    import numpy as np
+    import torch
+
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    lazy = getattr(torch.cuda, "_lazy_seed_tracker", None)  # CUDA not initialized: torch.manual_seed queues its seed
+    queued = dict(vars(lazy)) if lazy is not None and cuda is None else None
+
+    def put_back() -> None:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        elif queued is not None and not torch.cuda.is_initialized():  # the run's seed is not the caller's first draw
+            vars(lazy).update(queued)
+
+    return put_back
+
+
+# What a call from a process that goes on leaves as it found it (quiet.left_as_found).
+_LEFT_AS_FOUND = (_random_state, quiet.output_settings, hub.offline_switches)
 
 
 def _same_run_on_every_rank(recipe, info) -> None:
@@ -142,6 +181,7 @@ def _checked_plan(recipe, info):
     from finetune import data, model, parallel
     from finetune.recipe.router_aux import check_router_aux
 
+    quiet.import_run_libraries()  # once, one thread at a time: runs started at once from threads raced (bb39)
     with held_signals.checks_every_rank_makes():
         config = model.load_config(recipe)
         plan = parallel.resolve_plan(recipe, info, config)
@@ -204,6 +244,13 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A run's command line: its exit code. Called in a process that goes on, that process is left as it found it
+    (as run() leaves it; the signal handlers are put back once the error paragraph is printed)."""
+    with quiet.left_as_found(*_LEFT_AS_FOUND):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The `deepspeed` launcher passes --local_rank=N to its workers; the rank comes from the environment (LOCAL_RANK).
     argv = [arg for arg in argv if not arg.startswith(("--local_rank=", "--local-rank="))]
@@ -221,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if problem := undecodable_argument(argv):  # an override typed in UTF-8 under LC_ALL=C: refused, not misread
             raise FinetuneError(problem)
-        run(resolve_recipe_path(argv[0]), argv[1:])
+        _run(resolve_recipe_path(argv[0]), argv[1:])
         clean = True
     except FinetuneError as exc:
         rank = int(os.environ.get("RANK", "0") or 0)

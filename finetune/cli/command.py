@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune import quiet
+from finetune import hub, quiet
 from finetune.cli import quantize
 from finetune.cli.library import resolve_accelerate_config, resolve_recipe_path, train_launch
 from finetune.errors import EXIT_USER_ERROR, FinetuneError, exit_process
@@ -359,7 +359,14 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: one paragraph and exit 2 for a user's mistake, 130 and one line for Ctrl-C, whenever it comes
-    (while torch is still importing too)."""
+    (while torch is still importing too). Called in a process that goes on (a notebook), what a call sets for the
+    whole process is put back as it ends: --verbose, the progress bars, the hub's offline switches (bb39: one
+    `--verbose` call made every later one verbose)."""
+    with quiet.left_as_found(quiet.output_settings, hub.offline_switches):
+        return _main_said(argv)
+
+
+def _main_said(argv: list[str] | None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@
     objectives.py  the registry of train.objective: each objective's training class, section, data formats
     one module per objective's section, beside its checks: preference.py (dpo:, TRL's DPOConfig names), kto.py
                (kto:), grpo.py (grpo:, TRL's GRPOConfig names, and what a GRPO recipe needs of the other sections),
+               reward_imports.py (grpo.reward_functions' modules, imported afresh where the file changed),
                reward.py (reward:, TRL's RewardConfig names)
     names.py   the names of HF's, TRL's, PEFT's and axolotl's settings -> the recipe key each means, or why none
     router_aux.py  train.router_aux_loss_coef against the model's config: the coefficient, or why none applies

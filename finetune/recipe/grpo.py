@@ -2,22 +2,23 @@
 GRPO recipe that span sections (`check_recipe`, called from recipe/checks.py: check_objective).
 
 A leaf beside schema.py, which imports it (through recipe/objectives.py): the section, then `check_grpo(recipe)`, which raises ValueError with the
-keys and the fix (the schema turns it into one paragraph naming the file).
+keys and the fix (the schema turns it into one paragraph naming the file). grpo.reward_functions' names are imported
+by reward_imports.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from finetune.recipe.reward_imports import import_reward_function  # (the objective imports it from here)
 
 
 class _Section(BaseModel):
@@ -148,60 +149,6 @@ class GRPOSection(_Section):
     def weights(self) -> list[float]:
         scorers = len(self.reward_functions) + len(self.reward_models)
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * scorers
-
-
-def _search_working_folder() -> None:
-    """Modules beside where the command runs are found as `python -m` finds them: the `finetune` console script and
-    `accelerate launch finetune/run.py` put their own folders first on sys.path, not the working folder. Appended, so
-    an installed package of the same name still wins."""
-    here = os.getcwd()
-    if here not in sys.path and "" not in sys.path:
-        sys.path.append(here)
-
-
-def import_reward_function(name: str):
-    """The callable named `module:function` (a dotted attribute path after the colon is allowed); ValueError with
-    the fix when it cannot be found."""
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"`{name}` is not `module:function`. Fix: name the module and the function, e.g. "
-                         "`finetune.rewards:exact_match` or `my_rewards:format_reward` (a my_rewards.py on PYTHONPATH "
-                         "or beside where you run).")
-    _search_working_folder()
-    try:
-        found: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001  (an ImportError, or anything the user's module raises on import)
-        if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:  # a file's path, not a module
-            raise ValueError(_file_not_module(name, module_name, attribute)) from None
-        missing = isinstance(exc, ModuleNotFoundError) and module_name.startswith(str(exc.name))
-        where = (f"that {module_name.replace('.', '/')}.py is in the folder you run from or on PYTHONPATH" if missing
-                 else f"that {module_name} imports without error")
-        raise ValueError(f"`{name}` cannot be imported ({type(exc).__name__}: {exc}). Fix: check the spelling, and "
-                         f"{where}.") from None
-    owner = module_name
-    for part in attribute.split("."):
-        if not hasattr(found, part):
-            own = sorted(n for n, v in vars(found).items() if callable(v) and not n.startswith("_")
-                         and getattr(v, "__module__", None) == getattr(found, "__name__", None))
-            raise ValueError(f"`{name}`: {owner} has no `{part}`. Fix: check the spelling (its functions: "
-                             f"{', '.join(own) or 'none'}).")
-        found, owner = getattr(found, part), f"{owner}.{part}"
-    if not callable(found):
-        # a ValueError (not TypeError): collected with the other recipe problems
-        raise ValueError(f"`{name}` is a {type(found).__name__}, not a function. Fix: name a function "  # noqa: TRY004
-                         "f(prompts, completions, **columns) -> list[float | None].")
-    return found
-
-
-def _file_not_module(name: str, path: str, attribute: str) -> str:
-    """The paragraph for `myr.py:f`, `./myr.py:f` or `/abs/myr.py:f`: a file's path where the module's name is expected
-    (reward functions are imported by module name, on every rank, from PYTHONPATH or the folder run from)."""
-    file = Path(path.replace("\\", "/"))
-    module = file.name.removesuffix(".py")
-    where = (f"with {file.name} in the folder you run from or on PYTHONPATH" if str(file.parent) in ("", ".")
-             else f"with {file.parent} on PYTHONPATH, or run from {file.parent}")
-    return (f"`{name}` names a file, not a module. Fix: name the module, not the file: `{module}:{attribute}` "
-            f"({where}).")
 
 
 INSTALL = ("Fix: install vLLM in a venv of its own with `make vllm` (in a finetune checkout: .venv-vllm), or "
