@@ -72,6 +72,9 @@ _WARNINGS = (  # (category, start of the message as a regular expression)
     (UserWarning, r"FSDP is switching to use `NO_SHARD`"),
     (UserWarning, r"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned"),
     (UserWarning, r"Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`"),
+    # PEFT's own conversion of per-expert LoRA to the fused experts, when finetune builds a PeftModel to check a MoE
+    # adapter: the ranks are applied (outputs/export_experts.py); it ended every MoE run and export, said as ignored
+    (RuntimeWarning, r"The following (rank|alpha)_pattern keys did not match any targeted module and were ignored"),
 )
 
 

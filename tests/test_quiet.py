@@ -185,3 +185,29 @@ def test_a_stored_configs_transformers_warnings_show_only_with_verbose(argv, mon
         library.removeHandler(handler)
         library.setLevel(level)
     assert not [message for message in said if "rope_parameters" in message or "torch_dtype" in message], said
+
+
+def test_peft_saying_a_moe_adapters_expert_ranks_were_ignored_is_filtered(tiny_llama):
+    """Found by a bug bash: every MoE run and export ended with PEFT's "The following rank_pattern keys did not match
+    any targeted module and were ignored" (4 lines), raised by PEFT's conversion while finetune checks the adapter;
+    the ranks are applied (outputs/export_experts.py). The filter matches the message PEFT writes."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune import quiet
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    config = LoraConfig(r=4, target_modules=["q_proj"], rank_pattern={r".*\.gate_up_proj": 8},
+                        alpha_pattern={r".*\.gate_up_proj": 16})
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        get_peft_model(model, config)
+    assert any("rank_pattern keys did not match" in str(w.message) for w in shown)  # PEFT still says it
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        for category, message in quiet._WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), config)
+    assert not [str(w.message) for w in shown if "_pattern keys" in str(w.message)]

@@ -124,7 +124,9 @@ def build_examples(recipe: Recipe, tokenizer) -> tuple[Sequence[Example], Sequen
     try:
         prepared = prepare(recipe, tokenizer)
     except FinetuneError as exc:  # a row, a column, no usable rows: every rank reads the same files and finds it alike
-        exc.alike_on_every_rank = True  # rank 0 prints it, once; the others wait for its paragraph (run.py main)
+        vars(exc).setdefault("alike_on_every_rank", True)  # rank 0 prints it, once; the others wait for its
+        # paragraph (run.py main). One this machine or rank alone meets (a killed tokenizing process, a hub that
+        # did not answer) says so where it is raised: that rank prints its own at once (a review: it waited 30 s)
         raise
     return prepared.train, prepared.eval, prepared.stats
 

@@ -308,13 +308,20 @@ def _pooled(chunks, processes: int, context: tuple):
             yield pending.popleft().result()
     except (BrokenProcessPool, MemoryError):
         spec = context[0]
-        raise DataError(
+        raise _this_rank_alone(DataError(
             f"data.num_proc: a tokenizing process (one of the {processes} that data.num_proc starts) died while "
             f"tokenizing {spec.path}: it was killed, most likely by the out-of-memory killer (or a signal sent to it). "
             "Nothing was cached. Fix: lower data.num_proc (each process holds a tokenizer and 1,000 rows at a time; 1 "
-            "tokenizes in the run's own process), or free memory on this machine, then run again.") from None
+            "tokenizes in the run's own process), or free memory on this machine, then run again.")) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # a problem row (or Ctrl-C) ended the build early
+
+
+def _this_rank_alone(error: DataError) -> DataError:
+    """An error this machine's builder meets alone (a killed process): printed by its rank at once, not held for a
+    paragraph from rank 0 that never comes (data.build_examples marks the rows' errors alike on every rank)."""
+    error.alike_on_every_rank = False
+    return error
 
 
 def _worker_start(parent: int) -> None:

@@ -334,11 +334,12 @@ def _load_hub(spec: DatasetSpec):
     try:
         return datasets.load_dataset(spec.path, spec.subset, split=spec.split)
     except Exception as exc:  # noqa: BLE001  datasets raises many types for offline / missing names
-        raise DataError(
+        error = DataError(
             f"data.datasets path `{spec.path}`: not a local file and could not be loaded as a `datasets` name "
             f"({hub_reason(exc)}).{hub_name_note(spec.path)} If you are offline, download it elsewhere "
-            "(`datasets.load_dataset(...).save_to_disk(DIR)`) and set the path to DIR."
-        ) from None
+            "(`datasets.load_dataset(...).save_to_disk(DIR)`) and set the path to DIR.")
+        error.alike_on_every_rank = False  # a hub that did not answer this rank: said at once (data.build_examples)
+        raise error from None
 
 
 def hub_reason(exc: BaseException) -> str:

@@ -336,7 +336,8 @@ def stream_examples(recipe: Recipe, tokenizer) -> tuple[StreamedRows, list[Examp
     try:
         rows, files, held, stats = _opened(recipe, tokenizer)
     except FinetuneError as exc:  # every rank opens the same files and finds it alike (as data.build_examples)
-        exc.alike_on_every_rank = True  # rank 0 prints it, once; the others wait for its paragraph (run.py main)
+        vars(exc).setdefault("alike_on_every_rank", True)  # rank 0 prints it, once (run.py main); one of this rank
+        # alone (data.build_examples) says so where it is raised
         raise
     return rows, (list(files) + held if held else files), stats
 

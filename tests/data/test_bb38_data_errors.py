@@ -91,3 +91,26 @@ def test_a_streams_data_errors_are_alike_on_every_rank_too(tmp_path, tokenizer):
     with pytest.raises(DataError) as caught:
         data.stream_examples(recipe, tokenizer)
     assert "line 2" in str(caught.value) and caught.value.alike_on_every_rank is True
+
+
+def test_an_error_one_rank_meets_alone_is_not_held_for_rank_0s_paragraph(tmp_path, tokenizer, monkeypatch):
+    """Found by a review: every data-build error was marked alike on every rank, so a rank whose hub download failed
+    (or whose tokenizing process was killed) alone waited 30 s for a paragraph rank 0 never prints. Such errors say
+    so where they are raised; the rows' errors stay alike."""
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("the hub did not answer")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    import finetune.hub
+
+    monkeypatch.setattr(finetune.hub, "use_cache_only_if_unreachable", lambda: None)
+    with pytest.raises(DataError, match="could not be loaded as a `datasets` name") as caught:
+        data.build_examples(_recipe("someorg/somedata"), tokenizer)
+    assert caught.value.alike_on_every_rank is False
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"\n')
+    with pytest.raises(DataError) as caught:
+        data.build_examples(_recipe(path), tokenizer)
+    assert caught.value.alike_on_every_rank is True
