@@ -58,8 +58,11 @@ def length_penalty(prompts, completions, **columns) -> list[float]:
 
 
 _NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
-_FRACTION = re.compile(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,000 or 12,345.5; not a list such as 1,2
+_FRACTION = re.compile(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}|(\d))(?:\{(-?\d+)\}|(\d))")  # \frac{1}{2}, \dfrac12
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_WORDS = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")  # \text{ cm}, \text{(A)}
+_DECORATION = re.compile(r"\^\{?\\circ\}?|\\%|%|\\\$|°|\\left|\\right")  # degrees, percent, dollars
 
 
 def _last_boxed(text: str) -> str | None:
@@ -74,15 +77,19 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def _value(text: str) -> str | None:
+def _value(text: str, *, any_commas: bool = True) -> str | None:
     """A number's canonical form, as an exact fraction (`0.5`, `.5`, `1/2` and `\\frac{1}{2}` alike: `1/2`;
-    `1,000.0`: `1000`); None when the text is no number."""
-    text = text.replace(",", "").replace(" ", "")
+    `1,000.0`: `1000`); None when the text is no number. Without `any_commas` a comma is a thousands separator only
+    (`1,000`), so that a list (`1, 2`) is no number."""
+    text = text.replace(" ", "")
+    if "," in text and not any_commas and not _THOUSANDS.fullmatch(text):
+        return None
+    text = text.replace(",", "")
     fraction = _FRACTION.fullmatch(text)
     try:
         if fraction:
-            sign, top, bottom = fraction.groups()
-            value = Fraction(int(top), int(bottom)) * (-1 if sign else 1)
+            sign, top, top_digit, bottom, bottom_digit = fraction.groups()
+            value = Fraction(int(top or top_digit), int(bottom or bottom_digit)) * (-1 if sign else 1)
         elif _NUMBER.fullmatch(text) or re.fullmatch(r"-?\d+/\d+", text):
             value = Fraction(text)
         else:
@@ -92,18 +99,29 @@ def _value(text: str) -> str | None:
     return str(value)
 
 
+def _boxed_answer(boxed: str) -> str | None:
+    """A boxed answer: its number where it is one once units and signs around it are left out (`\\$5`, `10\\%`,
+    `90^\\circ`, `5 \\text{ cm}`: 5, 10, 90, 5), else its text without spaces, `$` and the `\\text{}` around words
+    (`\\text{(A)}`: `A`)."""
+    content = re.sub(r"\\\$|[\s$]|\\[,;!]|\{,\}", "", boxed)  # dollars, math mode, LaTeX spacing, `1{,}000`
+    number = _value(_DECORATION.sub("", _WORDS.sub("", content)), any_commas=False)
+    if number is not None:
+        return number
+    text = _WORDS.sub(r"\1", content)
+    choice = re.fullmatch(r"\(([A-Za-z])\)", text)  # a multiple choice's letter, with or without its parentheses
+    return (choice.group(1) if choice else text) or None
+
+
 def _final_number(text: str) -> str | None:
-    """The answer a text ends on: the last `\\boxed{}` when it writes one (MATH, NuminaMath: its number, or its
-    content without spaces and `$` when that is no number: `x^2+1`), else the number after GSM8K's `####` marker when
-    there is one, else the last number in it. Numbers compare as exact values: commas and zero fractions ignored,
-    `.5` = `0.5` = `1/2` = `\\frac{1}{2}`."""
+    """The answer a text ends on: the last `\\boxed{}` when it writes one (MATH, NuminaMath: _boxed_answer), else the
+    number after GSM8K's `####` marker when there is one, else the last number in it. Numbers compare as exact
+    values: commas and zero fractions ignored, `.5` = `0.5` = `1/2` = `\\frac{1}{2}`."""
     boxed = _last_boxed(text)
     if boxed is not None:
-        content = re.sub(r"[\s$]|\\[,;!]|\{,\}", "", boxed)  # LaTeX spacing; `1{,}000`'s comma
-        return _value(content) or content or None
+        return _boxed_answer(boxed)
     text = text.rsplit("####", 1)[-1] if "####" in text else text
     found = _NUMBER.findall(text)
-    return _value(found[-1]) if found else None
+    return _value(found[-1].rstrip(",")) if found else None
 
 
 def final_number(prompts, completions, answer=None, **columns) -> list[float | None]:

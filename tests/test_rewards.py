@@ -32,3 +32,14 @@ def test_final_number_reads_boxed_answers_and_compares_exact_values():
                    r"-0.75, i.e. \boxed{-0.75}"]
     assert final_number(None, completions, answer=answers) == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert final_number(None, [r"\boxed{3}"], answer=[r"\boxed{}"]) == [None]
+
+
+def test_boxed_lists_units_and_short_fractions_are_read_as_written():
+    """Found by a review of the boxed reading: a list `\\boxed{1, 2}` lost its comma (as a thousands separator) and
+    scored `\\boxed{12}` right; `\\boxed{\\$5}`, `\\boxed{10\\%}`, `\\boxed{90^\\circ}` and `\\boxed{5 \\text{ cm}}` scored
+    the plain number wrong; `\\frac12` was not `\\frac{1}{2}`."""
+    answers = [r"\boxed{1, 2}", r"\boxed{\$5}", r"\boxed{10\%}", r"\boxed{90^\circ}", r"\boxed{5 \text{ cm}}",
+               r"\boxed{\frac12}", r"\boxed{\text{(A)}}", r"\boxed{1,000}"]
+    completions = [r"\boxed{12}", r"\boxed{5}", "10", r"\boxed{90}", "5", r"\boxed{0.5}", r"\boxed{A}", "1000"]
+    assert final_number(None, completions, answer=answers) == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert final_number(None, [r"\boxed{1,2}"], answer=[r"\boxed{1, 2}"]) == [1.0]
