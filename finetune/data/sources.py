@@ -138,8 +138,10 @@ def near_name(path: Path) -> str:
 
 LISTED_FILES = 6  # a folder with at most this many data files and no near name: they are listed instead
 NEAR_STEMS = 0.8  # difflib's ratio of two names without their suffixes, from which one is offered for the other
-SPLIT_WORDS = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev",
-               "holdout"}
+# The words of a split's name -> which split (one spelled either way may be offered for the other: train_data for
+# training_data, val for eval; never another split)
+SPLIT_WORDS = {"train": "train", "training": "train", "test": "test", "testing": "test",
+               **dict.fromkeys(("eval", "evaluation", "valid", "validation", "val", "dev", "holdout"), "eval")}
 
 
 def nearest_name(name: str, names: list[str]) -> str | None:
@@ -161,7 +163,8 @@ def _may_be_meant(stem: str, other: str) -> bool:
     if re.sub(r"\d+", "", other) == re.sub(r"\d+", "", stem):
         return False
     words = [re.split(r"[^a-z]+", text) for text in (stem, other)]
-    return all(word in there or any(_near(word, typed) >= NEAR_STEMS for typed in there if typed not in SPLIT_WORDS)
+    return all(SPLIT_WORDS[word] in {SPLIT_WORDS.get(typed) for typed in there}
+               or any(_near(word, typed) >= NEAR_STEMS for typed in there if typed not in SPLIT_WORDS)
                for here, there in (words, words[::-1]) for word in here if word in SPLIT_WORDS)
 
 

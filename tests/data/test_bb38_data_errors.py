@@ -80,6 +80,9 @@ def test_a_missing_file_is_never_offered_another_split(tmp_path, monkeypatch):
     assert sources.nearest_name("nonexist.jsonl", ["one.jsonl"]) is None  # (bb38's other case: `.jsonl` alone)
     assert sources.nearest_name("train.jsonl", ["train.json"]) == "train.json"
     assert sources.nearest_name("evl.jsonl", ["eval.jsonl", "test.jsonl"]) == "eval.jsonl"
+    # one split spelled two ways is one split (a review: train_data was no longer offered training_data)
+    assert sources.nearest_name("train_data.jsonl", ["training_data.jsonl", "test_data.jsonl"]) == "training_data.jsonl"
+    assert sources.nearest_name("val.jsonl", ["eval.jsonl", "test.jsonl"]) == "eval.jsonl"
 
 
 def test_a_streams_data_errors_are_alike_on_every_rank_too(tmp_path, tokenizer):
