@@ -52,6 +52,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             count = f"{launch.num_processes} processes" if launch.num_processes else "the config's processes"
             alone = "" if launch.how.startswith("as given") else "; --num-processes 1 to run in this process"
             print(f"[finetune] launch: {count}, {launch.how}{alone}", flush=True)
+        else:  # the ranks' first lines come after each has imported torch: tens of seconds of silence (bug bash)
+            count = f"{launch.num_processes} processes" if launch.num_processes else "the config's processes"
+            print(f"[finetune] launch: {count} ({launch.config or 'accelerate defaults'}), starting", flush=True)
         # Several processes: check everything we can here first (a clean exit 2 instead of N failing workers and the
         # launcher's report), then hand over to accelerate's launcher, which runs finetune/run.py in each.
         from finetune.cli.validate import validate
@@ -70,10 +73,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         script = Path(__file__).resolve().parent.parent / "run.py"
         command += [str(script)]
         command += [recipe, *args.overrides]
-        return _launch(command, drop=_stray_launch_settings())
+        return _said_next(_launch(command, drop=_stray_launch_settings()), recipe, args.overrides)
     from finetune.run import main as run_main  # the launched ranks' own main: one path for errors and a full disk
 
-    return run_main([recipe, *args.overrides])
+    return _said_next(run_main([recipe, *args.overrides]), recipe, args.overrides)
+
+
+def _said_next(code: int, recipe: str, overrides: list[str]) -> int:
+    """After a run that ended well, the two commands that use its adapter (the quickstart says the same): its
+    `done:` line is JSON for scripts, and said nothing of what to do next (bug bash)."""
+    if code == 0:
+        try:
+            from finetune.recipe import load_recipe
+
+            out = load_recipe(recipe, list(overrides)).output.dir
+        except Exception:  # noqa: BLE001 - a recipe edited since the run started: nothing to add
+            return code
+        print(f"[finetune] next: finetune generate {out} --prompt '...'   |   finetune export {out} {out}-merged "
+              "--merge", flush=True)
+    return code
 
 
 def _stray_launch_settings() -> list[str]:

@@ -182,3 +182,18 @@ def test_generate_max_new_tokens_says_its_default():
 
     text = " ".join(build_parser().verb_parsers["generate"].format_help().split())
     assert "--max-new-tokens MAX_NEW_TOKENS new tokens per reply at most (default 64)" in text
+
+
+def test_a_train_that_ended_well_says_the_commands_that_use_its_adapter(tmp_path, capsys):
+    """Found by a bug bash: `finetune train` ended on its JSON `done:` line alone, with nothing of what to do next
+    (the quickstart says it). One line now names generate and export on the run folder; a failed run says nothing."""
+    from finetune.cli.command import _said_next
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m}\ndata: {datasets: [{path: d.jsonl}]}\noutput: {dir: runs/a}\n",
+                      encoding="utf-8")
+    assert _said_next(0, str(recipe), [f"output.dir={tmp_path / 'b'}"]) == 0
+    said = capsys.readouterr().out
+    assert f"[finetune] next: finetune generate {tmp_path / 'b'} --prompt" in said, said
+    assert f"finetune export {tmp_path / 'b'} {tmp_path / 'b'}-merged --merge" in said, said
+    assert _said_next(2, str(recipe), []) == 2 and capsys.readouterr().out == ""

@@ -80,5 +80,6 @@ def test_a_resume_that_trains_no_step_into_another_folder_claims_no_evaluation(t
     assert "best eval loss" not in output and "warning: no plot.png" not in output, output[-3000:]
     summary = json.loads(output.split("[finetune] done: ")[1].splitlines()[0])
     assert summary["eval_loss"] is None and summary["best_eval_step"] is None, summary
+    assert summary["tokens_per_s"] is None, summary  # no token trained: not a speed of 0.0
     assert (new / "adapter" / "adapter_model.safetensors").is_file()
     assert yaml.safe_load((new / "recipe.yaml").read_text())["output"]["dir"] == str(new)
