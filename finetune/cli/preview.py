@@ -225,7 +225,10 @@ def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micr
         return steps_per_epoch(rows, micro_batch_size=batch, world_size=count, grad_accum=train.grad_accum)
 
     steps, at = per_epoch(processes), f"at {processes} process{'es' if processes > 1 else ''}"
-    lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // (micro_batch_size {batch} x "
+    size = (f"micro_batch_size {batch}" if batch == train.micro_batch_size else  # GRPO: completions / generations
+            f"{batch} prompt{'s' if batch > 1 else ''} per micro-batch = micro_batch_size {train.micro_batch_size} "
+            f"completions / grpo.num_generations {train.micro_batch_size // batch}")
+    lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // ({size} x "
               f"{processes} x grad_accum {train.grad_accum}); {per_epoch(2 * processes)} at {2 * processes} processes; "
               "in general rows // (micro_batch_size x processes x grad_accum)"
               f"{rows_left_note(rows, micro_batch_size=batch, world_size=processes, grad_accum=train.grad_accum)}")]

@@ -41,3 +41,13 @@ def test_validate_counts_the_rows_an_epoch_leaves_out(tiny_llama, tmp_path, caps
     assert main(["validate", str(recipe)]) == 0
     out = capsys.readouterr().out
     assert "2 steps per epoch; 4 of the 16 rows left out of each epoch" in out, out
+
+
+def test_a_grpo_micro_batch_is_said_as_prompts_of_the_recipes_completions(tmp_path):
+    """Found by a bug bash: `finetune data` on a GRPO recipe with micro_batch_size 2 and num_generations 2 said
+    `2 rows // (micro_batch_size 1 x ...)`, a value the recipe key does not have (1 is its prompts per micro-batch)."""
+    from types import SimpleNamespace
+
+    train = SimpleNamespace(micro_batch_size=2, grad_accum=1, num_epochs=None, max_steps=3)
+    [line, *_] = length_lines(2, train, processes=1, launch="as given", rows_per_micro_batch=1)
+    assert "2 rows // (1 prompt per micro-batch = micro_batch_size 2 completions / grpo.num_generations 2 x 1" in line
