@@ -19,9 +19,9 @@ from finetune.recipe import Recipe
 
 # Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
 LENGTH_COUNTS = ("cut_tokens", "tokens_before_cut", "split_rows", "split_pieces", "blank_lines", "own_prompt_rows",
-                 "prefill_rows", "arrow_null_rows")
+                 "prefill_rows", "arrow_null_rows", "template_kwargs_rows")
 # Where the first row of a count is (tokenize.ChunkResult's first_* fields), kept the same way, for the notes.
-FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row")
+FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row", "first_template_kwargs_row")
 CUT_WARNING_SHARE = 0.10  # truncation cutting more of the tokens than this is said as a warning
 
 
@@ -202,7 +202,8 @@ def prompt_notes(stats: DataStats) -> list[str]:
     notes = []
     for count, first, say in (("own_prompt_rows", "first_own_prompt_row", own_prompt_note),
                               ("prefill_rows", "first_prefill_row", prefill_note),
-                              ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note)):
+                              ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note),
+                              ("template_kwargs_rows", "first_template_kwargs_row", _template_kwargs_note)):
         rows = sum(int(entry.get(count, 0)) for entry in stats.per_dataset)
         if rows:
             notes.append(say(rows, next((e[first] for e in stats.per_dataset if e.get(first)), "?")))
@@ -215,6 +216,13 @@ def _arrow_null_note(rows: int, first: str) -> str:
             f"folder or the hub) {'have' if many else 'has'} tools or tool calls with null-valued keys: Arrow gives "
             "every row each key any row has, null where it had none, so those keys were left out (as TRL's "
             "remove_none_values). Nothing to fix; to keep a null argument, write the arguments as JSON text")
+
+
+def _template_kwargs_note(rows: int, first: str) -> str:
+    many = rows > 1
+    return (f"{rows} row{'s' if many else ''} (the first: {first}) {'were' if many else 'was'} rendered with {'their' if many else 'its'} own "
+            "`chat_template_kwargs`: serve with the same arguments (vLLM's and the OpenAI API's chat_template_kwargs, "
+            "apply_chat_template(..., **kwargs)); `finetune generate` and the generation eval render with none")
 
 
 def stats_counts(stats: DataStats) -> dict:

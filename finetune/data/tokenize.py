@@ -70,7 +70,8 @@ class ChunkResult:
                                                   "prompt_truncated": 0, "response_truncated": 0,
                                                   "closing_tag_rows": 0, "cut_tokens": 0, "tokens_before_cut": 0,
                                                   "split_rows": 0, "split_pieces": 0, "blank_lines": 0,
-                                                  "own_prompt_rows": 0, "prefill_rows": 0, "arrow_null_rows": 0})
+                                                  "own_prompt_rows": 0, "prefill_rows": 0, "arrow_null_rows": 0,
+                                                  "template_kwargs_rows": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
@@ -83,6 +84,7 @@ class ChunkResult:
     first_own_prompt_row: str | None = None
     first_prefill_row: str | None = None
     first_arrow_null_row: str | None = None  # the first row whose tools lost Arrow's null keys (templates.arrow_cleaned)
+    first_template_kwargs_row: str | None = None  # the first row with its own chat_template_kwargs, and them
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
@@ -246,6 +248,10 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
         if prefill_misses() > missed_before and not isinstance(rendered[-1], str):
             result.counts["prefill_rows"] += 1
             result.first_prefill_row = result.first_prefill_row or f"{spec.path} {place}"
+        if isinstance(row, dict) and row.get("chat_template_kwargs") and not isinstance(rendered[-1], str):
+            result.counts["template_kwargs_rows"] += 1
+            result.first_template_kwargs_row = result.first_template_kwargs_row or \
+                f"{spec.path} {place}: {row['chat_template_kwargs']}"
         if arrow_null_rows() > nulls_before and not isinstance(rendered[-1], str):
             result.counts["arrow_null_rows"] += 1
             result.first_arrow_null_row = result.first_arrow_null_row or f"{spec.path} {place}"
@@ -382,3 +388,4 @@ def merge_counts(total: dict, result: ChunkResult) -> None:
     total["first_own_prompt_row"] = total.get("first_own_prompt_row") or result.first_own_prompt_row
     total["first_prefill_row"] = total.get("first_prefill_row") or result.first_prefill_row
     total["first_arrow_null_row"] = total.get("first_arrow_null_row") or result.first_arrow_null_row
+    total["first_template_kwargs_row"] = total.get("first_template_kwargs_row") or result.first_template_kwargs_row

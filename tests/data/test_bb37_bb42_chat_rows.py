@@ -312,3 +312,22 @@ def test_the_rendering_modules_are_hashed_into_the_cache_key():
                 for node in ast.walk(ast.parse((folder / name).read_text(encoding="utf-8")))
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune.data.")}
     assert rendering | imported <= set(cache._RENDERING_CODE)
+
+
+def test_rows_with_their_own_template_arguments_are_said_with_what_serving_must_pass(tmp_path):
+    """Found by a bug bash: a row's chat_template_kwargs left no trace in `finetune data` or the run, and serving
+    (and `finetune generate`, which renders with none) must pass the same arguments."""
+    from finetune.data import build_examples
+    from finetune.data.build import prompt_notes
+
+    rows = [{"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Teal."}],
+             "chat_template_kwargs": {"enable_thinking": False}},
+            {"messages": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Fig."}]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": {
+        "datasets": [{"path": str(path), "format": "chat"}], "max_length": 256, "cache": False, "eval_fraction": 0}})
+    _, _, stats = build_examples(recipe, family_tokenizer("qwen3"))
+    notes = [note for note in prompt_notes(stats) if "chat_template_kwargs" in note]
+    assert len(notes) == 1 and notes[0].startswith("1 row (the first: ") and "enable_thinking" in notes[0], notes
+    assert "`finetune generate` and the generation eval render with none" in notes[0]
