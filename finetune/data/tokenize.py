@@ -35,7 +35,7 @@ from finetune.data.conversations import closing_tag_reads, renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
-from finetune.data.readers import BlankLine, data_suffix
+from finetune.data.readers import CHUNK_CHARS, BlankLine, data_suffix
 from finetune.data.templates import (
     FORMAT_FIELDS,
     _column,
@@ -272,15 +272,18 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
             _length_policy(example, spec, place, data, result, answer=answer)
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
         flat = [(segments, place) for examples, place in kept for segments in examples]
-        all_segments = [segments for segments, _ in flat]
-        own: list[int] = []
-        tokenized = tokenize_many(all_segments, tokenizer, bos=bos, own_prompt_rows=own)
-        own_places = list(dict.fromkeys(flat[i][1] for i in own))  # rows (a conversation may give several examples)
+        own_places: list[str] = []
+        for group in _text_groups(flat):  # a long conversation's examples are its history again and again: held a
+            # group at a time, each group's overlong examples dropped before the next (bb45: 8 agent rows, 8.1 GB)
+            all_segments, own = [segments for segments, _ in group], []
+            tokenized = tokenize_many(all_segments, tokenizer, bos=bos, own_prompt_rows=own)
+            own_places += [group[i][1] for i in own]
+            for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), group):
+                _length_policy(example, spec, place, data, result, answer=answer)
+        own_places = list(dict.fromkeys(own_places))  # rows (a conversation may give several examples)
         result.counts["own_prompt_rows"] += len(own_places)
         if own_places and result.first_own_prompt_row is None:
             result.first_own_prompt_row = f"{spec.path} {own_places[0]}"
-        for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), flat):
-            _length_policy(example, spec, place, data, result, answer=answer)
     result.counts["skipped"] += len(result.reasons)
     if result.reasons and data.bad_rows == "error" and result.fatal is None:
         result.fatal = result.reasons[0]
@@ -288,6 +291,19 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if data.bad_rows == "skip":
         result.reasons = [_SKIP_ADVICE.sub("", reason) for reason in result.reasons]
     return result
+
+
+def _text_groups(flat: list, chars: int = CHUNK_CHARS) -> list[list]:
+    """The rendered examples in order, in groups of at most `chars` characters of text (at least one example)."""
+    groups, size = [[]], 0
+    for item in flat:
+        length = sum(len(text) for text, _ in item[0])
+        if groups[-1] and size + length > chars:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += length
+    return groups if groups[0] else []
 
 
 def _length_policy(example: Example, spec: DatasetSpec, place: str, data, result: ChunkResult, *,

@@ -331,3 +331,28 @@ def test_rows_with_their_own_template_arguments_are_said_with_what_serving_must_
     notes = [note for note in prompt_notes(stats) if "chat_template_kwargs" in note]
     assert len(notes) == 1 and notes[0].startswith("1 row (the first: ") and "enable_thinking" in notes[0], notes
     assert "`finetune generate` and the generation eval render with none" in notes[0]
+
+
+def test_a_long_conversations_examples_are_tokenized_a_group_at_a_time_to_the_same_tokens(tmp_path, monkeypatch):
+    """Found by a bug bash: under Qwen3 an agent trajectory without reasoning is one example per assistant turn, each
+    its whole history, and all of a chunk's examples were tokenized and held before the length rule dropped those
+    past max_length (8 rows of 40 turns: 8.1 GB in `finetune data`; 1.2 GB now). They are tokenized a group of at
+    most CHUNK_CHARS characters at a time; the tokens kept are the same however they are grouped."""
+    from finetune.data import tokenize as tokenize_module
+
+    turns = [{"role": "user", "content": "Fix the bug."}]
+    for step in range(6):
+        turns += [{"role": "assistant", "content": f"Step {step}.", "tool_calls": [
+                      {"type": "function", "function": {"name": "run", "arguments": {"cmd": f"ls {step}"}}}]},
+                  {"role": "tool", "name": "run", "content": "file " * 40}]
+    turns.append({"role": "assistant", "content": "Done."})
+    path = tmp_path / "agent.jsonl"
+    path.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    tokenizer = family_tokenizer("qwen3")
+    whole = _tokenized_texts(path, tokenizer)
+    assert len(whole) > 3  # one example per turn (the template drops history's think blocks)
+    groups, grouped = [], tokenize_module._text_groups
+    assert [len(group) for group in grouped([([("a" * 5, False)], "r")] * 5, chars=10)] == [2, 2, 1]
+    monkeypatch.setattr(tokenize_module, "_text_groups",
+                        lambda flat: groups.append(len(flat)) or [[item] for item in flat])  # one example a group
+    assert _tokenized_texts(path, tokenizer) == whole and groups and groups[0] >= len(whole)
