@@ -188,7 +188,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
-        more = f" (and {stats.dropped - len(stats.dropped_rows)} more)" if stats.dropped > len(stats.dropped_rows) else ""
+        more = (f" ({stats.dropped} examples dropped in all: the first rows are named, and a conversation whose "
+                "template rewrites history gives an example per turn)" if stats.dropped > len(stats.dropped_rows) else "")
         fix = ("data.overlong: truncate (the default) keeps them cut to max_length, a larger data.max_length whole"
                if recipe.data.overlong == "drop" else
                "their answers lie past max_length; data.overlong: error stops on such rows, a larger data.max_length "

@@ -356,3 +356,26 @@ def test_a_long_conversations_examples_are_tokenized_a_group_at_a_time_to_the_sa
     monkeypatch.setattr(tokenize_module, "_text_groups",
                         lambda flat: groups.append(len(flat)) or [[item] for item in flat])  # one example a group
     assert _tokenized_texts(path, tokenizer) == whole and groups and groups[0] >= len(whole)
+
+
+def test_dropped_examples_are_not_counted_as_more_rows(tmp_path):
+    """Found by a bug bash: a 3-row file of agent trajectories under Qwen3 said "dropped for length: line 1, line 2,
+    line 3 (and 24 more)": 27 examples (one per turn), not 27 more rows."""
+    from finetune.cli.preview import format_stats
+    from finetune.data import prepare
+
+    long = [{"role": "user", "content": "Go."}]
+    for step in range(5):
+        long += [{"role": "assistant", "content": f"Step {step}: " + "word " * 60}, {"role": "user", "content": "On."}]
+    long.append({"role": "assistant", "content": "Done."})
+    short = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (short, long)), encoding="utf-8")
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": {
+        "datasets": [{"path": str(path), "format": "chat"}], "max_length": 100, "cache": False, "eval_fraction": 0},
+        "train": {"micro_batch_size": 1}})
+    prepared = prepare(recipe, family_tokenizer("qwen3"))
+    assert prepared.stats.dropped > 1  # several examples of the one long row
+    [line] = [line for line in format_stats(prepared, recipe).splitlines() if "dropped for length" in line]
+    assert "rows.jsonl line 2 (" in line and "more)" not in line, line
+    assert f"({prepared.stats.dropped} examples dropped in all" in line, line
