@@ -235,3 +235,23 @@ def test_an_environment_variable_in_a_path_is_refused(tmp_path, monkeypatch, val
     assert "environment variables are not expanded in a recipe" in text
     assert "environment variables" in refusal(write(tmp_path, BASE, "b.yaml"), [f"data.datasets[0].path={value}/d.jsonl"])
     assert not (tmp_path / "$HOME").exists()
+
+
+def test_a_moved_run_folders_own_recipe_names_where_it_would_write(tmp_path, monkeypatch, capsys):
+    """Found by a bug bash: `finetune train MOVED/recipe.yaml train.resume=auto` started a new run at step 1 in the old
+    folder its recipe.yaml names, not the moved run it sits in, without a word. Reading a run folder's recipe.yaml whose
+    output.dir is elsewhere now says so, with the fix (output.dir=the folder)."""
+    import yaml
+
+    moved = tmp_path / "moved"
+    (moved / "checkpoints").mkdir(parents=True)
+    (moved / "recipe.yaml").write_text(yaml.safe_dump({**BASE, "output": {"dir": str(tmp_path / "old")}}),
+                                       encoding="utf-8")
+    monkeypatch.chdir(moved)
+    monkeypatch.delenv("RANK", raising=False)
+    load_recipe(moved / "recipe.yaml")
+    err = capsys.readouterr().err
+    assert f"is the recipe.yaml of the run folder {moved}, but its output.dir names {tmp_path / 'old'}" in err, err
+    assert f"pass output.dir={moved}" in err
+    load_recipe(moved / "recipe.yaml", [f"output.dir={moved}"])
+    assert "warning" not in capsys.readouterr().err

@@ -64,9 +64,10 @@ def beside_the_recipe(raw: dict, recipe_path: str | os.PathLike) -> list[str]:
     read from the working folder (as the libraries read them), so a model name is then taken for a hub id."""
     folder = Path(recipe_path).expanduser().resolve().parent
     here = Path.cwd().resolve()
+    moved = moved_run_folder(raw, Path(recipe_path))
     if folder == here:
-        return []
-    warnings = []
+        return moved
+    warnings = moved
     for key, value in path_values(raw, BESIDE_KEYS):
         path = Path(value).expanduser()
         if path.is_absolute() or path.exists() or not (folder / path).exists():
@@ -76,3 +77,20 @@ def beside_the_recipe(raw: dict, recipe_path: str | os.PathLike) -> list[str]:
                         f"read from, but does beside the recipe ({folder / path}).{then} Fix: give the absolute path "
                         f"(`{key}={folder / path}`), or run from {folder}.")
     return warnings
+
+
+def moved_run_folder(raw: dict, recipe_path: Path) -> list[str]:
+    """A warning when the recipe is a run folder's own recipe.yaml (beside its checkpoints/ or adapter/) whose
+    output.dir names another folder: the run folder was moved or copied, and a run of this recipe would write to
+    (or resume from) the old place, not this folder (bug bash: `train MOVED/recipe.yaml train.resume=auto` started
+    a new run at step 1 at the old path)."""
+    folder = recipe_path.expanduser().resolve().parent
+    out = (raw.get("output") or {}).get("dir") if isinstance(raw.get("output"), dict) else None
+    if recipe_path.name != "recipe.yaml" or not isinstance(out, str) or not (
+            (folder / "checkpoints").is_dir() or (folder / "adapter").is_dir()):
+        return []
+    if Path(out).expanduser().resolve() == folder:
+        return []
+    return [(f"{recipe_path} is the recipe.yaml of the run folder {folder}, but its output.dir names {out}: the folder "
+             f"was moved or copied, and this run writes to (and resumes from) {out}. Fix: to continue or use the run "
+             f"here, pass output.dir={folder} (train.resume=auto continues from its checkpoints).")]
