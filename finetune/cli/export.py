@@ -18,7 +18,7 @@ def cli_export(args: argparse.Namespace) -> int:
     if problem := destination_problem(out):  # before the work: the system's error came after it, as a traceback
         raise ExportError(f"finetune export: {problem}; nothing was written. Fix: choose another output folder.")
     base = getattr(args, "base", None)
-    with open_source(args.source, step=getattr(args, "step", None)) as source:
+    with open_source(args.source, step=getattr(args, "step", None), base=base) as source:
         if args.merge:
             print(f"[finetune] merging {source.origin} into {base or source.base_name} (full precision, saved as bf16)")
             report = export_merged(source, out, base=base)

@@ -99,9 +99,13 @@ def meta_peft_model(recipe: Recipe):
     return with_score_head(peft_model, recipe, torch.device("meta"))  # a reward model's head
 
 
-def write_checkpoint_adapter(checkpoint: Path, folder: Path) -> Recipe:
-    """Write the adapter of `checkpoint` into `folder` (+ the run's tokenizer); returns the checkpoint's recipe."""
+def write_checkpoint_adapter(checkpoint: Path, folder: Path, *, base: str | None = None) -> Recipe:
+    """Write the adapter of `checkpoint` into `folder` (+ the run's tokenizer); returns the checkpoint's recipe, with
+    `base` as its model where given (`export --base`: the base folder moved since; bug bash: --base was ignored with
+    --step, and the checkpoint's recipe.yaml cannot be edited, its manifest checks it)."""
     recipe = checkpoint_recipe(checkpoint)
+    if base is not None:
+        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name_or_path": str(base)})})
     tensors = read_trainable_tensors(checkpoint)
     peft_model = meta_peft_model(recipe)
     key_map = adapter_key_map(peft_model)

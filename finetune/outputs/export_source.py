@@ -54,11 +54,11 @@ class Source:
 
 # ------------------------------------------------------------------------------------------------- the source
 @contextmanager
-def open_source(path: str | Path, *, step: int | None = None) -> Iterator[Source]:
+def open_source(path: str | Path, *, step: int | None = None, base: str | None = None) -> Iterator[Source]:
     """The Source of a run folder, an adapter folder, a checkpoint folder, or a run folder's kept checkpoint `step`.
 
     A checkpoint's adapter is written into a temporary folder first (removed on leaving); its recipe is the
-    checkpoint's own recipe.yaml."""
+    checkpoint's own recipe.yaml, its base `base` where given (`export --base`: a base folder moved since)."""
     from finetune.outputs.checkpoint_adapter import write_checkpoint_adapter
 
     folder = Path(path).expanduser()
@@ -68,7 +68,7 @@ def open_source(path: str | Path, *, step: int | None = None) -> Iterator[Source
         return
     with tempfile.TemporaryDirectory(prefix="finetune-step-") as tmp:
         adapter_dir = Path(tmp) / "adapter"
-        recipe = write_checkpoint_adapter(checkpoint, adapter_dir)
+        recipe = write_checkpoint_adapter(checkpoint, adapter_dir, base=base)
         print(f"[finetune] adapter of checkpoint {checkpoint} (step {checkpoint_facts(checkpoint).get('step')}) read "
               "from its training state")
         yield Source(adapter_dir, recipe, json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")), checkpoint=checkpoint)

@@ -259,3 +259,25 @@ def test_export_step_of_a_two_process_run(strategy, checkpointed_run, tmp_path):
     assert_equal_tensors(exported(tmp_path / "last"), exported(run / "adapter"))
     assert main(["export", str(first), str(tmp_path / "first")]) == 0
     assert_equal_tensors(exported(tmp_path / "first"), torch_converted(first, tmp_path))
+
+
+@pytest.mark.slow  # stepped_run launches `finetune train`
+def test_export_step_builds_the_checkpoints_adapter_on_the_base_given(stepped_run, tiny_llama, tmp_path, monkeypatch):
+    """Found by a bug bash: after the base folder moved, `export RUN OUT --step N --base NEW` ignored --base (the
+    checkpoint's recipe.yaml named the old folder, and editing it damages the checkpoint: its manifest checks it), so
+    no kept step could be exported. --base is now the checkpoint's base too."""
+    import shutil
+
+    from finetune.outputs import checkpoint_adapter
+
+    moved = shutil.copytree(tiny_llama, tmp_path / "moved-base")
+    seen = []
+    real = checkpoint_adapter.meta_peft_model
+    monkeypatch.setattr(checkpoint_adapter, "meta_peft_model",
+                        lambda recipe: seen.append(recipe.model.name_or_path) or real(recipe))
+    run, _ = stepped_run
+    step = step_folders.list_checkpoints(run)[0][0]
+    assert main(["export", str(run), str(tmp_path / "out"), "--step", str(step), "--base", str(moved)]) == 0
+    assert seen == [str(moved)], seen
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(moved)
