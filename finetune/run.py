@@ -100,8 +100,7 @@ def _run(recipe_path: str, overrides: list[str]) -> dict:
     summary = {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
                "last_loss": result.losses[-1] if result.losses else None,
                "eval_loss": result.eval_losses[-1][1] if result.eval_losses else None, "best_eval_step": best_step,
-               "tokens_per_s": round(result.tokens_per_s, 1) or None,  # None: no token trained (a zero-step resume)
-               "adapter": str(out_dir / "adapter"),
+               "tokens_per_s": round(result.tokens_per_s, 1) or None, "adapter": str(out_dir / "adapter"),
                **({"skipped_steps": result.skipped_steps} if result.skipped_steps else {})}
     distributed.print0(f"[finetune] done: {json.dumps(summary)}")  # JSON: what a script reads of the run (bb29)
     return summary

@@ -280,10 +280,7 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
             own_places += [group[i][1] for i in own]
             for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), group):
                 _length_policy(example, spec, place, data, result, answer=answer)
-        own_places = list(dict.fromkeys(own_places))  # rows (a conversation may give several examples)
-        result.counts["own_prompt_rows"] += len(own_places)
-        if own_places and result.first_own_prompt_row is None:
-            result.first_own_prompt_row = f"{spec.path} {own_places[0]}"
+        _count_own_prompts(result, spec, own_places)
     result.counts["skipped"] += len(result.reasons)
     if result.reasons and data.bad_rows == "error" and result.fatal is None:
         result.fatal = result.reasons[0]
@@ -291,6 +288,15 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if data.bad_rows == "skip":
         result.reasons = [_SKIP_ADVICE.sub("", reason) for reason in result.reasons]
     return result
+
+
+def _count_own_prompts(result: ChunkResult, spec: DatasetSpec, own_places: list[str]) -> None:
+    """The rows tokenized in pieces (tokens.tokenize_many), counted once each (a conversation may give several
+    examples), the first named."""
+    own_places = list(dict.fromkeys(own_places))
+    result.counts["own_prompt_rows"] += len(own_places)
+    if own_places and result.first_own_prompt_row is None:
+        result.first_own_prompt_row = f"{spec.path} {own_places[0]}"
 
 
 def _text_groups(flat: list, chars: int = CHUNK_CHARS) -> list[list]:

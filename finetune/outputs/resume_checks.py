@@ -103,8 +103,11 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
     # train.num_epochs not yet resolved (`finetune validate` without the rows): the length is compared by the run
     unresolved = ("train.num_epochs", "train.max_steps", "train.warmup_steps", "train.warmup_ratio") if (
         recipe.train.num_epochs is not None) else ()
+    from finetune.model.lora.kept import same_start_adapter
+
     for key, before, now in differences(saved, current):
-        if _under(key, unresolved) or same_place(before, now) or _same_targets(source, key, before, now):
+        if _under(key, unresolved) or same_place(before, now) or _same_targets(source, key, before, now) or (
+                key == "model.adapter" and same_start_adapter(recipe)):  # the kept start-adapter/ is read (kept.py)
             continue
         if key == "train.seed" and _streams(saved) and _streams(current):
             said["noted"].append(f"train.seed {_shown(before)} -> {_shown(now)} (a stream is read in its order, "

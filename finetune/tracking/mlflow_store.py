@@ -12,11 +12,13 @@ import json
 import os
 import re
 import socket
+import sqlite3
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from finetune.recipe.text import absolute_store_uri
 
@@ -99,7 +101,12 @@ def mlflow_uri(recipe: Recipe, out_dir: Path) -> str:
     MLflow 3 keeps the plain-file store (`file:...`) only in maintenance mode; it still works when asked for by URI.
     """
     uri = recipe.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    return absolute_store_uri(uri) if uri else f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+    return absolute_store_uri(uri) if uri else default_store(out_dir)
+
+
+def default_store(folder: Path) -> str:
+    """A run folder's own store, the default when none is named: its SQLite database output.dir/mlflow.db."""
+    return f"sqlite:///{(folder / 'mlflow.db').resolve()}"
 
 
 def check_reachable(uri: str, *, timeout_s: float = 3.0) -> None:
@@ -163,6 +170,94 @@ def check_writable(uri: str) -> None:
                           "written (read-only)")
 
 
+def folder_store(folder: Path, saved: dict) -> tuple[str | None, str | None]:
+    """The MLflow store of a run folder whose trackers.json holds `saved`, and a note to print (None: nothing to say).
+
+    The URI the run used (with the password the environment or recipe.yaml gives: stored_uri), else the folder's own
+    mlflow.db. trackers.json holds that URI absolute, so a folder copied or moved from X still names X's own database
+    (`sqlite:///X/mlflow.db`): `finetune runs COPY` listed the original's runs, a moved one "cannot be read", and the
+    artifacts of a resume went to X (bb46). The folder's own mlflow.db is taken instead when it has one and X's is gone
+    or this one holds the run (a copy of it). A store of the user's own (a server, another database) stays."""
+    uri = saved.get("mlflow_uri")
+    own = folder / "mlflow.db"
+    fallback = default_store(folder) if own.is_file() else None
+    if not isinstance(uri, str) or not uri:
+        return fallback, None
+    uri = stored_uri(uri, folder)
+    database = sqlite_file(uri)
+    if (fallback is None or database is None or database.name != "mlflow.db"
+            or database.parent.resolve() == folder.resolve()):
+        return uri, None
+    if database.is_file() and not _holds_run(own, saved.get("mlflow")):
+        return uri, None
+    return fallback, (f"{folder / STATE_FILE} names the store {redacted(uri)}, the run folder it was copied or moved "
+                      f"from ({'gone' if not database.is_file() else 'another folder, while this one holds the run'}); "
+                      f"this folder's own {own} is used instead.")
+
+
+def _holds_run(database: Path, run_id: Any) -> bool:
+    """Whether the SQLite store `database` has the MLflow run `run_id` (read-only; False when it cannot be read)."""
+    if not isinstance(run_id, str):
+        return False
+    try:
+        with closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (run_id,)).fetchone() is not None
+    except sqlite3.Error:
+        return False
+
+
+def adopt_artifact_locations(folder: Path) -> None:
+    """Point the artifacts of a run folder's own store (output.dir/mlflow.db) at output.dir/mlartifacts.
+
+    An experiment's artifact location, and each run's under it, is an absolute path fixed when it is created; MLflow has
+    no call that changes it. A run folder copied or moved keeps its mlflow.db, which names the mlartifacts/ of the
+    folder it came from: resuming a copy wrote its adapter, recipe.yaml and plot.png over the original run's
+    artifacts, resuming a moved one created the old folder again (bb46). The locations finetune gave
+    (`<another folder>/mlartifacts`, artifact_location) are rewritten in the database itself, for the experiments, their
+    runs and logged models: the mlartifacts/ that came along holds what they name. Other locations stay as they are."""
+    database, here = folder / "mlflow.db", (folder.resolve() / "mlartifacts")
+    if not database.is_file():
+        return
+    with closing(sqlite3.connect(database)) as db, db:
+        try:
+            experiments = db.execute("SELECT experiment_id, artifact_location FROM experiments").fetchall()
+        except sqlite3.Error:  # not an MLflow database (yet): MLflow makes its tables when it opens it
+            return
+        for experiment_id, location in experiments:
+            path = _local_path(location or "")
+            if path is None or path.name != "mlartifacts" or path == here:
+                continue
+            db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (here.as_uri(), experiment_id))
+            for table, column in (("runs", "artifact_uri"), ("logged_models", "artifact_location")):
+                try:  # each run's location is its experiment's + /<run id>/artifacts
+                    db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE experiment_id = ? "
+                               f"AND substr({column}, 1, ?) = ?",
+                               (here.as_uri(), len(location) + 1, experiment_id, len(location), location))
+                except sqlite3.OperationalError:  # an MLflow without logged models
+                    pass
+            print(f"[finetune] note: {database} came with the run folder from {path.parent} (copied or moved): its "
+                  f"MLflow artifacts now go to {here}, not {path}.", flush=True)
+            _forget_artifact_places()
+
+
+def _forget_artifact_places() -> None:
+    """MLflow keeps each run's artifact place for the life of the process (by run id, not store): a process that
+    logged the original's artifacts (a notebook, the tests) would otherwise still write there."""
+    try:
+        from mlflow.tracking._tracking_service import utils
+    except ImportError:
+        return
+    getattr(utils, "_artifact_repos_cache", {}).clear()
+
+
+def _local_path(location: str) -> Path | None:
+    """The folder of a local artifact location (`file:///abs` or `/abs`); None for other schemes (s3://, a server)."""
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(location) if location.startswith("/") else None
+
+
 def step_ranges(steps: list[int]) -> str:
     """[11, 12, 13, 15] -> '11-13, 15'."""
     spans: list[list[int]] = []
@@ -188,10 +283,13 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
-                 run_id: str | None, *, resumed_step: int = 0, history: list[tuple[int, dict[str, float]]] = ()):
+                 run_id: str | None, *, resumed_step: int = 0, history: list[tuple[int, dict[str, float]]] = (),
+                 run_folder: Path | None = None):
         prepare_mlflow_env(uri)
         check_reachable(uri)
         check_writable(uri)
+        if run_folder is not None and uri == default_store(run_folder):  # the folder's own store, maybe copied
+            adopt_artifact_locations(run_folder)
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -305,10 +403,15 @@ def log_run_artifacts(out_dir: str | Path) -> None:
         return
     if "mlflow" not in saved or "mlflow_uri" not in saved:
         return
-    uri, run_id = stored_uri(saved["mlflow_uri"], out_dir), saved["mlflow"]
+    uri, note = folder_store(out_dir, saved)
+    if note:
+        print(f"[finetune] note: {note}", flush=True)
+    run_id = saved["mlflow"]
     try:
         prepare_mlflow_env(uri)
         check_reachable(uri)
+        if uri == default_store(out_dir):  # never into another folder's mlartifacts/ (a copied store names them)
+            adopt_artifact_locations(out_dir)
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)

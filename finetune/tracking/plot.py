@@ -16,6 +16,7 @@ any other existing file is refused (nothing overwritten), as the other writing v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -128,8 +129,9 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         try:  # written beside it and renamed over it: a link there is replaced, never written through (bb26)
             figure.savefig(partial, dpi=110, **({"metadata": {"Creator": CREATOR}} if marked else {}))
             os.replace(partial, out)
-        finally:
-            partial.unlink(missing_ok=True)
+        finally:  # (a read-only folder refuses the unlink too, EROFS: missing_ok covers ENOENT only; bb46)
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
     return out
 
 
@@ -151,7 +153,9 @@ def check_plot_out(out: Path, *, run_plot: bool) -> bool:
     `<run>/plot.png`, the run's own file, always replaced. Before: a folder named x.png or a path under a file were
     tracebacks, and any existing file was overwritten without a word."""
     if not os.path.lexists(out):
-        if problem := destination_problem(out):
+        if (problem := destination_problem(out)) and run_plot:  # no --out given: the run folder's own plot.png
+            raise FinetuneError(_unwritable(out, OSError(problem), given=False))
+        if problem:
             raise FinetuneError(f"--out {out}: {problem}. Nothing was written. Fix: choose another --out path.")
         return False
     if out.is_dir() or not out.exists():
@@ -205,5 +209,19 @@ def cli_plot(args) -> int:
         path = plot_runs(runs, out)
     except ImportError:
         raise FinetuneError(f"`finetune plot` needs matplotlib, which is optional. Fix: {INSTALL_PLOT}.") from None
+    except OSError as exc:  # a read-only run folder (a mount, another user's): a double traceback before (bb46)
+        raise FinetuneError(_unwritable(out, exc, given=bool(args.out))) from None
     print(f"plot written to {path}" + (" (it replaces the plot written there before)" if replaces else ""))
     return 0
+
+
+def _unwritable(out: Path, exc: OSError, *, given: bool) -> str:
+    """The one paragraph for a plot that could not be written: the folder, the system's reason, and where else to
+    write it (`--out`)."""
+    reason = exc.strerror or str(exc)  # (the system's, or destination_problem's sentence)
+    if given:
+        return (f"--out {out}: the plot could not be written there ({reason}). Nothing was written. Fix: choose "
+                "another --out path in a folder you can write, e.g. --out /tmp/plot.png.")
+    return (f"{out.parent}: the plot could not be written into this run folder as {out.name} ({reason}: a read-only "
+            "folder, e.g. a read-only mount or another user's run). Nothing was written and the run is unchanged. "
+            f"Fix: write it elsewhere with --out, e.g. `finetune plot {out.parent} --out /tmp/plot.png`.")

@@ -1,7 +1,8 @@
 """`finetune runs`: the runs of an MLflow tracking store with their final losses, for people who do not open a UI.
 
     finetune runs                          $MLFLOW_TRACKING_URI, else every run folder under runs/
-    finetune runs runs/x                   a run folder (its output.dir/mlflow.db, or the store in its trackers.json)
+    finetune runs runs/x                   a run folder (the store in its trackers.json, else its output.dir/mlflow.db;
+                                           a copied or moved folder: its own mlflow.db, with a note)
     finetune runs runs/                    every run folder inside
     finetune runs sqlite:///abs/mlflow.db  a store by URI (also http://server, file:/path)
 """
@@ -23,9 +24,9 @@ from finetune.tracking.mlflow_store import (
     prepare_mlflow_env,
     redacted,
     sqlite_file,
-    stored_uri,
     ui_line,
 )
+from finetune.tracking.mlflow_store import folder_store as saved_store
 
 
 class RunsError(FinetuneError):
@@ -33,16 +34,16 @@ class RunsError(FinetuneError):
 
 
 def folder_store(folder: Path) -> str | None:
-    """The MLflow store of a run folder: the URI its run used (trackers.json, with the password the environment or
-    its recipe.yaml gives: mlflow_store.stored_uri), else its own mlflow.db."""
+    """The MLflow store of a run folder: the URI its run used (trackers.json), else its own mlflow.db; a folder copied
+    or moved keeps its own (mlflow_store.folder_store), with a note saying so."""
     try:
-        uri = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("mlflow_uri")
+        saved = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        uri = None
-    if isinstance(uri, str) and uri:
-        return stored_uri(uri, folder)
-    database = folder / "mlflow.db"
-    return f"sqlite:///{database.resolve()}" if database.is_file() else None
+        saved = {}
+    uri, note = saved_store(folder, saved if isinstance(saved, dict) else {})
+    if note:
+        print(f"[finetune] note: {note}", flush=True)
+    return uri
 
 
 def find_stores(where: str) -> list[str]:
@@ -106,6 +107,7 @@ def cli_runs(args: argparse.Namespace) -> int:
                         "of run folders, or a tracking URI (sqlite:///path/mlflow.db, http://host:5000).")
     if importlib.util.find_spec("mlflow") is None:
         raise RunsError("`finetune runs` reads MLflow stores and needs mlflow: pip install 'finetune[trackers]'.")
+    unread = []
     for index, uri in enumerate(stores):
         try:
             rows = store_rows(uri)
@@ -113,10 +115,14 @@ def cli_runs(args: argparse.Namespace) -> int:
             driver = missing_driver(uri, str(exc.name)) if isinstance(exc, ImportError) and exc.name else None
             reason = redacted((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
             print(f"{redacted(uri)}: cannot be read ({driver or f'{type(exc).__name__}: {reason}'})")
+            unread.append(uri)
             continue
         print(("\n" if index else "") + f"{redacted(uri)}: {len(rows)} run{'s' if len(rows) != 1 else ''}")
         if rows:
             print(format_rows(rows))
+    if len(unread) == len(stores):  # nothing listed: a script must not read this as success
+        raise RunsError(f"none of the MLflow stores of {redacted(', '.join(places))} could be read (the lines above "
+                        "say why). Fix: name the run folder, its mlflow.db file, or a store URI that can be read.")
     if len(stores) == 1:
         print(ui_line(stores[0]))
     return 0

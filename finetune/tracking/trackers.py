@@ -285,7 +285,7 @@ class Trackers:
         if name == "mlflow":
             self.mlflow_uri = mlflow_uri(recipe, self.out_dir)
             return MlflowTracker(self.mlflow_uri, recipe.train.mlflow_experiment, self.run_name, flatten(config),
-                                 self.tags, run_id, resumed_step=step, history=self.history)
+                                 self.tags, run_id, resumed_step=step, history=self.history, run_folder=self.out_dir)
         if name == "wandb":
             return WandbTracker(recipe.train.wandb_project, self.run_name, config, self.out_dir, run_id,
                                 resumed_step=step)

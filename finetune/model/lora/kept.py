@@ -21,7 +21,7 @@ from finetune.errors import ModelLoadError
 from finetune.files import _replace_dir, as_trained, remove_path
 
 KEPT = "start-adapter"  # in the run folder; not one of the names a run clears (outputs/run_folder.py RUN_FOLDERS)
-RECORD = "kept.json"  # {"adapter": model.adapter as the recipe names it, "sha256": {file: digest}}
+RECORD = "kept.json"  # {"adapter": model.adapter as the run started, "sha256": {file: digest}} (the path: said only)
 CONFIG = "adapter_config.json"
 # The adapter's weights: PEFT's file, or the pickle PEFT wrote before 0.6 (and with safe_serialization=False).
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -45,7 +45,8 @@ def use_kept(recipe, *run_folders: Path) -> None:
     retrained). The recipe's keys are unchanged (model.adapter still names the folder given)."""
     if not recipe.model.adapter:
         return
-    kept = next((folder / KEPT for folder in run_folders if _kept_record(folder / KEPT, recipe.model.adapter)), None)
+    kept = next((folder / KEPT for folder in run_folders if _owned(folder, run_folders) and _kept_record(folder / KEPT)),
+                None)
     if kept is not None:
         _checked(kept, recipe.model.adapter, resuming=False)
         setattr(recipe.model, _READS, kept)
@@ -71,7 +72,7 @@ def _continued_copy(recipe) -> Path | None:
     checkpoint yet: the run starts again from what it first started with). A run written by an older finetune kept
     none: said once, where its recipe.yaml names the same adapter."""
     runs = _continued_runs(recipe.train.resume, recipe.output.dir)
-    kept = next((run / KEPT for run in runs if _kept_record(run / KEPT, recipe.model.adapter)), None)
+    kept = next((run / KEPT for run in runs if _owned(run, runs) and _kept_record(run / KEPT)), None)
     if kept is not None:
         _checked(kept, recipe.model.adapter, resuming=True)
         return kept
@@ -88,7 +89,7 @@ def _checked(kept: Path, adapter: str, *, resuming: bool) -> None:
     model.adapter's folder changed since the run started, or is gone. Hashed once per process."""
     if kept in _CHECKED:
         return
-    record = _kept_record(kept, adapter)
+    record = _kept_record(kept)
     if _digests(kept, saved_template([kept])[0]) != record["sha256"]:
         raise ModelLoadError(
             f"model.adapter: {kept}, the copy a run kept of the adapter it started from, no longer holds the files "
@@ -97,8 +98,9 @@ def _checked(kept: Path, adapter: str, *, resuming: bool) -> None:
             "output.overwrite=true, without train.resume).")
     _CHECKED.add(kept)
     live = as_trained(Path(adapter).expanduser())
-    if resuming and _digests(live, saved_template([live, Path(adapter).expanduser()])[0]) != record["sha256"]:
-        how = "changed since this run started" if (live / CONFIG).is_file() else "is gone"
+    if resuming and not _same_files(live, adapter, record):
+        how = "is gone" if not (live / CONFIG).is_file() else "changed since this run started" if _same_path(
+            record.get("adapter"), adapter) else f"is not the adapter this run started from ({record.get('adapter')})"
         if _say_once(kept):
             print0(f"[finetune] note: model.adapter ({adapter}) {how}; the run continues from the copy it kept when "
                    f"it started ({kept}): the same starting values, layout, chat template and reference as before")
@@ -145,7 +147,7 @@ def keep_start(out_dir: Path, recipe_yaml: str) -> None:
         return
     named = Path(adapter).expanduser()
     runs = _continued_runs(train.get("resume"), str(out_dir))
-    source = next((run / KEPT for run in runs if _kept_record(run / KEPT, adapter)), None) or as_trained(named)
+    source = next((run / KEPT for run in runs if _owned(run, runs) and _kept_record(run / KEPT)), None) or as_trained(named)
     if source.resolve() == target.resolve():  # this folder's own copy (train.resume=auto before any checkpoint)
         return
     template = saved_template([source] if source.name == KEPT else [source, named])[0]
@@ -213,14 +215,43 @@ def _template_folders(recipe) -> list[Path]:
     return [folder] if (folder / RECORD).is_file() else [folder, Path(recipe.model.adapter).expanduser()]
 
 
-def _kept_record(kept: Path, adapter: str) -> dict | None:
-    """The record of `kept` where it is a copy of `adapter` (the same folder, however named), else None."""
+def _kept_record(kept: Path) -> dict | None:
+    """The record of the start adapter a run kept in `kept`, else None. Whatever path model.adapter names now: the
+    copy is what the run started with (bb46: it was used only while model.adapter named the record's path, so a resume
+    naming the adapter's new place, then a second move, left the run unexportable with its copy in place)."""
     try:
         record = json.loads((kept / RECORD).read_text(encoding="utf-8"))
-        same = Path(record["adapter"]).expanduser().resolve() == Path(adapter).expanduser().resolve()
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError):
         return None
-    return record if same and isinstance(record.get("sha256"), dict) else None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), dict) else None
+
+
+def _owned(folder: Path, candidates) -> bool:
+    """`folder` is the run of the first candidate (a run folder, or one of its checkpoints: RUN/checkpoints/step-N),
+    not a folder that merely holds it: its kept copy is that run's, whatever model.adapter names."""
+    first = Path(next(iter(candidates)))
+    return folder == first or first.is_relative_to(folder / "checkpoints")
+
+
+def _same_path(recorded, adapter: str) -> bool:
+    try:
+        return Path(recorded).expanduser().resolve() == Path(adapter).expanduser().resolve()
+    except (TypeError, ValueError, OSError):
+        return False
+
+
+def _same_files(live: Path, adapter: str, record: dict) -> bool:
+    """model.adapter's folder holds the files the run started from, byte for byte (by the SHA-256 its copy recorded):
+    the same start adapter wherever it lies now."""
+    return _digests(live, saved_template([live, Path(adapter).expanduser()])[0]) == record["sha256"]
+
+
+def same_start_adapter(recipe) -> bool:
+    """With train.resume: the run continues from the copy of its start adapter its run folder kept, so a model.adapter
+    that names another path than the checkpoint's recipe changes nothing the run trains (moved with the same files:
+    nothing said; other files or gone: said once by `_checked`). For outputs/resume_checks.py, which said such a
+    model.adapter "the run will differ" (bb46)."""
+    return bool(recipe.model.adapter) and recipe.train.resume is not None and _continued_copy(recipe) is not None
 
 
 def _digests(folder: Path, template: str | None) -> dict[str, str]:
