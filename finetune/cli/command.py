@@ -303,6 +303,7 @@ def _add_output_verbs(verbs) -> None:
     p.add_argument("--prompt", action="append", help="prompt (repeatable); none: interactive chat")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per reply at most (default 64)")
     p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
+    p.add_argument("--base", help="the base model, where it is no longer where the run's recipe.yaml names it")
     p.set_defaults(func=_delegate("finetune.cli.generate", "cli_generate"))
 
     p = verbs.add_parser("recipes", help="the recipe library: list, show NAME, copy NAME DEST")

@@ -176,9 +176,24 @@ def refuse_reward_model(source: Source) -> None:
             "see the base model alone.")
 
 
+def on_base(source, base: str | None):
+    """The source with `base` as its base model (`--base`: the run's base folder moved since; bug bash: generate had
+    no way to name it, and a run's or checkpoint's recipe.yaml is not to be edited)."""
+    if base is None:
+        return source
+    import dataclasses
+
+    if source.recipe is not None:
+        model = source.recipe.model.model_copy(update={"name_or_path": str(base), "gguf_file": None})
+        return dataclasses.replace(source, recipe=source.recipe.model_copy(update={"model": model}))
+    return dataclasses.replace(source, adapter_config={**source.adapter_config, "base_model_name_or_path": str(base)})
+
+
 def cli_generate(args: argparse.Namespace) -> int:
-    """`finetune generate SOURCE [--step N] [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
-    with open_source(args.source, step=getattr(args, "step", None)) as source:
+    """`finetune generate SOURCE [--step N] [--base B] [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
+    base = getattr(args, "base", None)
+    with open_source(args.source, step=getattr(args, "step", None), base=base) as source:
+        source = on_base(source, base)
         if not args.no_adapter:
             refuse_reward_model(source)
             from finetune.outputs.export import check_adapter_weights

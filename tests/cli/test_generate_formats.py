@@ -144,3 +144,21 @@ def test_a_reward_models_run_is_refused_before_anything_loads(tmp_path, monkeypa
     said = " ".join(capsys.readouterr().err.split())
     assert "a reward model's adapter" in said and "generates no text" in said and "docs/reward.md" in said
     assert "Traceback" not in said
+
+
+def test_generate_takes_the_base_where_the_runs_recipe_no_longer_finds_it(tmp_path):
+    """Found by a bug bash: once a run's base folder moved, `finetune generate RUN` failed on the old path in the run's
+    recipe.yaml and had no --base (export has one; the recipe.yaml is not to be edited: manifests check it)."""
+    from finetune.cli.command import build_parser
+    from finetune.cli.generate import on_base
+    from finetune.outputs.export_source import Source
+    from finetune.recipe import validate_recipe
+
+    args = build_parser().parse_args(["generate", "runs/x", "--base", "/new/base", "--prompt", "hi"])
+    assert args.base == "/new/base"
+    recipe = validate_recipe({"model": {"name_or_path": "/old/base"}, "data": {"datasets": [{"path": "d.jsonl"}]}})
+    moved = on_base(Source(tmp_path, recipe, {"base_model_name_or_path": "/old/base"}), "/new/base")
+    assert moved.base_name == "/new/base" and moved.recipe.data == recipe.data
+    bare = on_base(Source(tmp_path, None, {"base_model_name_or_path": "/old/base"}), "/new/base")
+    assert bare.base_name == "/new/base"
+    assert on_base(bare, None) is bare
