@@ -65,6 +65,7 @@ def saved_recipe(path: Path):
         print(f"[finetune] note: {path} was written by an older finetune; read without {'; '.join(dropped)}",
               flush=True)
     absolute_local_paths(raw)  # as load_recipe does: its local paths named from here
+    _kept_template(raw, Path(path))
     recipe = validate_recipe(raw, source=str(path), trains=False)
     use_kept(recipe, *Path(path).resolve().parents[:3])  # the start adapter its run kept (beside, or a checkpoint's run's)
     if recipe.model.trust_remote_code:  # export and generate inherit it: said before any of that code runs (bb26)
@@ -73,6 +74,28 @@ def saved_recipe(path: Path):
               "did (use a run folder from elsewhere only as you would run its code; set model.trust_remote_code: "
               f"false in {path} to load the base without them)", flush=True)
     return recipe
+
+
+def _kept_template(raw: dict, path: Path) -> None:
+    """A model.chat_template file gone since the run (moved, deleted): the template the run trained with, which its
+    checkpoints keep (trained_template.py), is read instead, with a note. Before, `export --step` and `generate --step`
+    were refused with a fix (edit the checkpoint's recipe.yaml) that damaged the checkpoint, and `generate RUN` read no
+    recipe and rendered an alpaca run's prompts through the chat template (bug bash)."""
+    from finetune.outputs.trained_template import trained_template
+
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    named = model.get("chat_template")
+    if not isinstance(named, str) or not named.endswith(".jinja") or "{" in named or Path(named).expanduser().exists():
+        return
+    folder = path.resolve().parent
+    kept = [folder, *sorted((folder / "checkpoints").glob("step-*"), reverse=True)]  # a checkpoint's; a run's newest
+    for checkpoint in kept:
+        found, template = trained_template(checkpoint)
+        if found and isinstance(template, str):
+            model["chat_template"] = template
+            print(f"[finetune] note: {path}: model.chat_template {named} is gone; the template the run was trained "
+                  f"with, kept in {checkpoint}, is used", flush=True)
+            return
 
 
 # ------------------------------------------------------------------------------------------- output folder

@@ -83,3 +83,22 @@ def test_a_resume_that_trains_no_step_into_another_folder_claims_no_evaluation(t
     assert summary["tokens_per_s"] is None, summary  # no token trained: not a speed of 0.0
     assert (new / "adapter" / "adapter_model.safetensors").is_file()
     assert yaml.safe_load((new / "recipe.yaml").read_text())["output"]["dir"] == str(new)
+
+
+def test_a_chat_template_file_gone_since_the_run_is_read_from_what_the_checkpoint_kept(tmp_path, capsys):
+    """Found by a bug bash: with the run's model.chat_template .jinja file moved, `export --step` / `generate --step`
+    were refused with a fix (edit the checkpoint's recipe.yaml) that damaged the checkpoint, and `generate RUN` dropped
+    the whole recipe. The template the run trained with, which each checkpoint keeps, is read instead, with a note."""
+    from finetune.outputs.run_folder import saved_recipe
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "chat_template.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    recipe = {"model": {"name_or_path": str(tmp_path / "base"), "chat_template": str(tmp_path / "gone.jinja")},
+              "data": {"datasets": [{"path": str(tmp_path / "d.jsonl")}]}}
+    for folder in (checkpoint, tmp_path / "run"):  # a checkpoint's recipe.yaml, and the run folder's
+        (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
+        assert template in str(saved_recipe(folder / "recipe.yaml").model.chat_template)
+        assert f"model.chat_template {tmp_path / 'gone.jinja'} is gone; the template the run was trained with, kept " \
+               f"in {checkpoint}, is used" in capsys.readouterr().out
