@@ -151,7 +151,7 @@ def test_launcher_configs_kept_templates_and_metrics_are_utf8_in_a_c_locale(tmp_
         "kept.keep_start(run, recipe_yaml)\n"
         "(run / 'recipe.yaml').write_bytes(recipe_yaml.encode('utf-8'))\n"
         "print(ascii(kept.saved_template([run / kept.KEPT])[0][:8]), kept._names_adapter(run, str(tmp / 'adapter')),\n"
-        "      kept._kept_record(run / kept.KEPT, str(tmp / 'adapter')) is not None)\n"
+        "      kept._kept_record(run / kept.KEPT) is not None)\n"
         "print(ascii(kept.saved_template([tmp / 'tokenizer'])[0][:8]))\n",
         tmp_path)
     assert lines == ["2 True", "'f\\xfcr'", "'f\\xfcr'", "'<\\uff5cUser\\uff5c>' True True", "'<\\uff5cUser\\uff5c>'"]

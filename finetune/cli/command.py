@@ -80,13 +80,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _said_next(code: int, recipe: str, overrides: list[str]) -> int:
-    """After a run that ended well, the two commands that use its adapter (the quickstart says the same): its
-    `done:` line is JSON for scripts, and said nothing of what to do next (bug bash)."""
+    """After a run that ended well, the commands that use its adapter (its JSON `done:` line said nothing of them)."""
+    from finetune.recipe import announcements_muted, load_recipe
+
     if code == 0:
         try:
-            from finetune.recipe import load_recipe
-
-            out = load_recipe(recipe, list(overrides)).output.dir
+            with announcements_muted():  # the run said its dtype line and notes: not twice (a launched run's test)
+                out = load_recipe(recipe, list(overrides)).output.dir
         except Exception:  # noqa: BLE001 - a recipe edited since the run started: nothing to add
             return code
         print(f"[finetune] next: finetune generate {out} --prompt '...'   |   finetune export {out} {out}-merged "
