@@ -11,13 +11,19 @@ from finetune.outputs.export import ExportError, check_out_free, export_adapter,
 from finetune.outputs.publish import push_to_hub
 
 
+def local_base(base: str | None) -> str | None:
+    """--base as the exported adapter_config.json will name it: a local folder by its absolute path (`./rel` written
+    as given failed to load from any other folder: bug bash), a hub id as it is."""
+    return str(Path(base).expanduser().resolve()) if base and Path(base).expanduser().exists() else base
+
+
 def cli_export(args: argparse.Namespace) -> int:
     """`finetune export SOURCE OUT [--step N] [--merge] [--base B] [--push-to-hub REPO]`."""
     out = Path(args.out).expanduser()
     check_out_free(out)
     if problem := destination_problem(out):  # before the work: the system's error came after it, as a traceback
         raise ExportError(f"finetune export: {problem}; nothing was written. Fix: choose another output folder.")
-    base = getattr(args, "base", None)
+    base = local_base(getattr(args, "base", None))
     with open_source(args.source, step=getattr(args, "step", None), base=base) as source:
         if args.merge:
             print(f"[finetune] merging {source.origin} into {base or source.base_name} (full precision, saved as bf16)")

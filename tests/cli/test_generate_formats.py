@@ -162,3 +162,14 @@ def test_generate_takes_the_base_where_the_runs_recipe_no_longer_finds_it(tmp_pa
     bare = on_base(Source(tmp_path, None, {"base_model_name_or_path": "/old/base"}), "/new/base")
     assert bare.base_name == "/new/base"
     assert on_base(bare, None) is bare
+
+
+def test_export_names_a_local_base_by_its_absolute_path(tmp_path, monkeypatch):
+    """Found by a bug bash: `export --base ./rel` wrote `./rel` into the exported adapter_config.json, which then did
+    not load from any other folder. A local folder is named by its absolute path; a hub id stays as written."""
+    from finetune.cli.export import local_base
+
+    (tmp_path / "rel").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert local_base("./rel") == str(tmp_path / "rel")
+    assert local_base("someorg/somemodel") == "someorg/somemodel" and local_base(None) is None
