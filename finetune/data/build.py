@@ -196,6 +196,12 @@ def data_line(stats: DataStats, recipe: Recipe) -> str:
 def prompt_notes(stats: DataStats) -> list[str]:
     """The notes about prompts (data line, `finetune data`): rows tokenized in pieces so that their prompts keep their
     own tokens (tokens.own_prompt_note), rows trained after less than the generation prompt (chat.prefill_note)."""
+    return count_notes(stats.per_dataset)
+
+
+def count_notes(entries: list[dict]) -> list[str]:
+    """`prompt_notes` of tokenize_chunk's counts summed per dataset (the cached path's stats.per_dataset) or per pass
+    (a stream's counts)."""
     from finetune.data.chat import prefill_note
     from finetune.data.tokens import own_prompt_note
 
@@ -204,9 +210,9 @@ def prompt_notes(stats: DataStats) -> list[str]:
                               ("prefill_rows", "first_prefill_row", prefill_note),
                               ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note),
                               ("template_kwargs_rows", "first_template_kwargs_row", _template_kwargs_note)):
-        rows = sum(int(entry.get(count, 0)) for entry in stats.per_dataset)
+        rows = sum(int(entry.get(count, 0)) for entry in entries)
         if rows:
-            notes.append(say(rows, next((e[first] for e in stats.per_dataset if e.get(first)), "?")))
+            notes.append(say(rows, next((e[first] for e in entries if e.get(first)), "?")))
     return notes
 
 

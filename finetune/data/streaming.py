@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.data.build import cut_warning, eval_file_examples, row_counts
+from finetune.data.build import count_notes, cut_warning, eval_file_examples, row_counts
 from finetune.data.examples import DataStats, Example, PreparedData
 from finetune.data.folders import saved_folder
 from finetune.data.loader import BatchStream, collate
@@ -188,13 +188,16 @@ class StreamedRows:
             yield from found
 
     def counts_line(self, epoch: int, *, ended: bool) -> str:
-        """The run's line about pass `epoch`'s rows: when it `ended`, or read so far, and a warning when truncation
-        cut much of them."""
+        """The run's line about pass `epoch`'s rows: when it `ended`, or read so far, a warning when truncation cut
+        much of them, and (the first pass only: later passes read the same rows) the notes of the cached path's data
+        line about the rows' prompts (build.count_notes)."""
         counted = "" if self.whole_pass else " (the rows read since the resume)"
         state = "done" if ended else "so far"
         line = f"[finetune] data: pass {epoch + 1} over the stream {state}{counted}: {row_counts(self.counts)}"
         warning = cut_warning(self.counts, self.recipe)
-        return line + (f"\n[finetune] warning: {warning}" if warning else "")
+        notes = count_notes([self.counts]) if epoch == 0 else []
+        return (line + (f"\n[finetune] warning: {warning}" if warning else "")
+                + "".join(f"\n[finetune] note: {note}" for note in notes))
 
     def pass_examples(self, epoch: int, dataset: int, row: int, part: int = 0) -> Iterator[tuple[Example, Position]]:
         """Examples of one pass from (dataset, row), past the row's first `part` examples, each with the position
@@ -429,4 +432,4 @@ def preview_lines(prepared: PreparedData, recipe: Recipe) -> list[str]:
     if warning := cut_warning(counts, recipe):
         lines.append(f"warning: {warning}")
     lines += [f"skipped: {reason}" for reason in counts.get("skipped_reasons", [])[:3]]
-    return lines
+    return lines + [f"note: {note}" for note in count_notes([counts])]

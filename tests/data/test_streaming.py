@@ -412,3 +412,28 @@ def test_conversations_of_several_examples_stream_and_resume_inside_a_row(tmp_pa
         for offset, batch in enumerate(take(resumed, 2)):
             assert_same_batch(batch, collate([expected[consumed + offset]], pad))
     assert parts[:4] == [1, 2, 0, 0]  # inside the first row twice, then at the start of the next rows
+
+
+def test_a_streams_rows_say_the_notes_the_cached_paths_data_line_says(tmp_path, tiny_llama, capsys):
+    """Found by a bug bash (bb44): under data.streaming the notes about the rows' prompts (here: rows rendered with
+    their own `chat_template_kwargs`, which serving must pass too) were never said, by `finetune data` nor by the run's
+    pass line, though the cached path's data line says them. They are said once, for the first pass."""
+    from finetune.cli.preview import cli_data
+    from finetune.data.streaming import stream_examples
+
+    rows = [{"messages": [{"role": "user", "content": f"{a} plus 1?"}, {"role": "assistant", "content": str(a + 1)}],
+             "chat_template_kwargs": {"enable_thinking": False}} for a in range(12)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    raw = {"model": {"name_or_path": str(tiny_llama)}, "data": {"datasets": [{"path": str(path), "format": "chat"}],
+                                                              "streaming": True, "eval_fraction": 0}}
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    assert cli_data(argparse.Namespace(recipe=str(recipe), overrides=[], rows=1)) == 0
+    note = "(the first: " + f"{path} line 1: " + "{'enable_thinking': False}) were rendered with their own"
+    assert note in capsys.readouterr().out
+    from finetune.model import load_tokenizer
+
+    checked = validate_recipe(raw)
+    train, _, _ = stream_examples(checked, load_tokenizer(checked))
+    assert len(list(train.pass_examples(0, 0, 0))) == 12
+    assert "12 rows " + note.removeprefix("(") in train.counts_line(0, ended=True).replace("rows (", "rows ")
+    assert "note:" not in train.counts_line(1, ended=True)  # a later pass reads the same rows: said once
