@@ -116,6 +116,27 @@ def test_the_dpo_reference_of_a_bias_adapter_is_the_adapter(bias_adapters, tiny_
         assert torch.equal(_logits(policy), expected)
 
 
+@pytest.mark.parametrize("lora", [{"bias": "all"}, {"bias": "lora_only"},
+                                  pytest.param({"train_router": True}, marks=pytest.mark.slow)],  # (a MoE load: ~10 s)
+                         ids=["bias-all", "bias-lora-only", "train-router"])
+def test_a_fresh_adapters_reference_keeps_the_bases_biases_and_routers(lora, tiny_qwen2, tiny_qwen3_moe):
+    """Found by a bug bash (bb49 #1): with a fresh adapter, DPO / KTO / GRPO's reference (adapter_off) only flipped
+    PEFT's LoRA switch, which leaves trained biases (lora.bias) and trained router copies (lora.train_router) on: from
+    step 2 the reference was no longer the base (dpo.reference: precomputed gave other losses). Now the starting values
+    are swapped in: the reference pass computes the base model's logits, bitwise, after the policy moved."""
+    from finetune.training.objectives.preference import Reference
+
+    recipe = _recipe(tiny_qwen3_moe if "train_router" in lora else tiny_qwen2, None, "none", **lora)
+    policy = _started(recipe, "per_tensor")
+    base = _logits(policy)  # B = 0, biases and routers as loaded: the base model
+    reference = Reference(policy, recipe, compared=True)
+    _moved(policy, seed=7)
+    assert not torch.equal(_logits(policy), base)
+    with reference.active(policy):
+        assert torch.equal(_logits(policy), base)
+    assert not torch.equal(_logits(policy), base)  # the trained values are back
+
+
 @pytest.mark.parametrize("said", [False, True])
 def test_a_dora_adapter_starts_from_its_magnitudes(said, tiny_qwen2, tmp_path):
     """Found by a bug bash: a DoRA adapter as model.adapter was refused with "tensor ...lora_magnitude_vector.weight is

@@ -8,7 +8,8 @@ model (dpo.reference):
     (B = 0) that is the base: PEFT's adapter switch is flipped on every LoRA layer (a flag, no parameter touched, so
     FSDP1's flat parameters and ZeRO-3's partitions are left alone, where PEFT's `disable_adapter()` changes
     requires_grad). Started from model.adapter (SFT -> DPO), the reference is base + that adapter, never the bare
-    base: the adapter's starting values (a copy of this rank's LoRA shard, kept before training and before a resume
+    base; and when training moves values the switch leaves on (lora.bias, lora.train_router) the reference is the base
+    as loaded, not the trained biases or routers: the starting values (a copy of this rank's LoRA shard, kept before training and before a resume
     loads newer ones) are swapped into the trained parameters for the reference pass and swapped back. A resume reads
     them from the copy of model.adapter its run kept when it started (model/lora/kept.py): the same reference as the
     first steps, whatever that folder holds by then.
@@ -172,7 +173,7 @@ class Reference:
         # default, dpo.loss is one with a reference; KTO's always is): this rank's own storage of each.
         compared = recipe.dpo.loss in WITH_REFERENCE if compared is None else compared
         self.start = None
-        if recipe.model.adapter and compared:
+        if (recipe.model.adapter or moves_the_base(recipe)) and compared:
             parallel.reshard(model)
             self.start = [_local(p).detach().clone() for p in _trained(model)]
 
@@ -206,6 +207,14 @@ class Reference:
             with torch.no_grad():
                 for tensor, value in zip(trained, current):
                     tensor.copy_(value)
+
+
+def moves_the_base(recipe: Recipe) -> bool:
+    """Whether training changes values that PEFT's adapter switch leaves on: the biases (lora.bias: all | lora_only
+    trains the base's own) and the routers trained in full (lora.train_router: a copy beside the frozen one, which the
+    switch does not flip). Then the reference is the starting values swapped in, as for model.adapter."""
+    lora = getattr(recipe, "lora", None)
+    return lora is not None and (lora.bias != "none" or bool(lora.train_router))
 
 
 def _trained(model: nn.Module) -> list[nn.Parameter]:
