@@ -147,6 +147,14 @@ def resolve(recipe, launcher: dict, *, world_size: int, device_type: str, proble
     if recipe.train.optimizer != "adamw":
         problems.append(f"train.optimizer `{recipe.train.optimizer}` keeps bitsandbytes state that ZeRO cannot partition or "
                         "checkpoint. Fix: set train.optimizer: adamw under DeepSpeed.")
+    if stage == 3 and recipe.lora.dora and recipe.quantization.method != "none":
+        # DoRA's magnitude reads the base weight (its norm) inside the LoRA layer's own forward, where ZeRO-3 gathers
+        # only that module's parameters: the 4-bit base layer's partition is not gathered there, and step 1's backward
+        # failed on both ranks ("'Params4bit' object has no attribute 'ds_status'").
+        problems.append("lora.dora with a 4-bit base under ZeRO-3: DoRA reads the base layer's weight outside that "
+                        "layer's own forward, where ZeRO-3 does not gather the partitioned 4-bit weights (step 1 would "
+                        "fail). Fix: use ZeRO-2 (parallel.zero_stage: 2, accelerate_configs/deepspeed_zero2.yaml), FSDP2 "
+                        "(accelerate_configs/fsdp2.yaml), or set lora.dora: false.")
     if launcher.get("zero3_init") == "true":
         notes.append("zero3_init_flag: true is not used: the 4-bit base is quantized while loading (each rank loads it), "
                      "then deepspeed.initialize partitions it")

@@ -384,6 +384,9 @@ PREFLIGHT = {
     "mixed precision vs model dtype": ({"zero3-bf16.yaml": (REPO / "accelerate_configs" / "deepspeed_zero3.yaml").read_text()
                                         + "mixed_precision: bf16\n"}, "zero3-bf16.yaml", ["model.dtype=float32"],
                                        "mixed_precision: bf16 but the recipe has model.dtype: float32: DeepSpeed would"),
+    # Found by a bug bash (bb49 #2): accepted, then step 1's backward failed on both ranks with a traceback.
+    "DoRA on a 4-bit base under ZeRO-3": ({}, "deepspeed_zero3", ["lora.dora=true"],
+                                          "lora.dora with a 4-bit base under ZeRO-3"),
     "strategy contradicts the config": ({}, "deepspeed_zero3", ["parallel.strategy=fsdp"],
                                         "the accelerate config is a DeepSpeed config"),
     "ZeRO keys without DeepSpeed": ({}, None, ["parallel.strategy=ddp", "parallel.zero_stage=3"],
