@@ -266,3 +266,35 @@ def test_a_run_waiting_on_another_gguf_conversion_says_whom_it_waits_for(tmp_pat
     err = capsys.readouterr().err
     assert "waiting for another process converting the same GGUF file: PID 424242 on otherhost" in err, err
     assert err.count("waiting for") == 1
+
+
+def test_the_gguf_conversion_draws_no_bar_unless_the_libraries_bars_are_on(tmp_path, monkeypatch, capsys):
+    """Found by a bug bash (bb47 #2): transformers' GGUF reader draws its "Converting and de-quantizing GGUF tensors"
+    bar with tqdm.auto itself, so finetune's switch for the libraries' bars (off unless -v) missed it and the
+    quickstart's first run showed it between finetune's lines. The reader's loop is stood in for (the real file is
+    the 135M quickstart model: minutes)."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as reading
+    from transformers.utils import logging as transformers_logging
+
+    from finetune.errors import ModelLoadError
+    from finetune.model.sources import gguf
+
+    def reader_loop(*args, **kwargs):
+        for _ in reading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", reader_loop)
+    for name in ("_reader", "build_tokenizer", "_token_ids"):
+        monkeypatch.setattr(gguf, name, lambda *args: None)
+    original, before = reading.tqdm, transformers_logging.is_progress_bar_enabled()
+    try:
+        for bars in (False, True):
+            (transformers_logging.enable_progress_bar if bars else transformers_logging.disable_progress_bar)()
+            with pytest.raises(ModelLoadError, match="stop here"):
+                gguf._convert(tmp_path / "m.gguf", tmp_path / "out")
+            assert ("Converting and de-quantizing" in capsys.readouterr().err) == bars
+            assert reading.tqdm is original
+    finally:
+        (transformers_logging.enable_progress_bar if before else transformers_logging.disable_progress_bar)()

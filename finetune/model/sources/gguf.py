@@ -13,6 +13,8 @@ which garbles chat generations. We rebuild the tokenizer from the GGUF's own voc
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -181,6 +183,25 @@ def _clean_config(config, ids: dict[str, int | None]) -> None:
     config.pad_token_id = ids["padding"] if ids["padding"] is not None else ids["eos"]
 
 
+@contextlib.contextmanager
+def _bar_as_transformers_says():
+    """transformers' GGUF reader draws its "Converting and de-quantizing GGUF tensors" bar with tqdm.auto itself, not
+    with its own switchable bar, so the switch finetune turns off (quiet.py: the libraries' bars show under -v only)
+    missed it: off here whenever transformers' own bars are off."""
+    from transformers import modeling_gguf_pytorch_utils as reading
+    from transformers.utils import logging as transformers_logging
+
+    bar = getattr(reading, "tqdm", None)
+    if bar is None or transformers_logging.is_progress_bar_enabled():
+        yield
+        return
+    reading.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reading.tqdm = bar
+
+
 def _convert(gguf_path: Path, target: Path) -> None:
     """Dequantize the weights (transformers' GGUF reader), rebuild the tokenizer, save both atomically."""
     import torch
@@ -193,7 +214,8 @@ def _convert(gguf_path: Path, target: Path) -> None:
     tokenizer = build_tokenizer(reader)
     ids = _token_ids(reader)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        with _bar_as_transformers_says():
+            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, NotImplementedError) as exc:
         raise ModelLoadError(
             f"model.gguf_file `{gguf_path}`: transformers cannot dequantize this GGUF file ({str(exc)[:200]}). Fix: use a "
