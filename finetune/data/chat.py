@@ -35,9 +35,15 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
-from finetune.data.conversations import calls_need_none_content, renders_tools, template_messages
+from finetune.data.conversations import calls_need_none_content, json_value, renders_tools, template_messages
+from finetune.data.ported_rows import trained_turns
 from finetune.errors import DataError
 
+# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (finetune sets them per render;
+# TRL fails on `tools` given twice)
+_CALL_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "padding",
+                   "continue_final_message", "tokenize", "sanitize_control_tokens", "truncation", "max_length",
+                   "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
 NAMED_FIX = ("set model.chat_template to a template that renders it: one of finetune's named templates (chatml, "
              "llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, glm-4.5, deepseek-r1), a .jinja file, or the template text")
@@ -123,6 +129,26 @@ class _Renderer:
                             "(the template's own words above), or set data.bad_rows: skip.") from None
 
 
+def row_template_kwargs(row: dict, where: str) -> dict:
+    """A row's `chat_template_kwargs`, the template arguments TRL 1.16 reads per row and passes to apply_chat_template
+    (gpt-oss's `reasoning_effort`, Qwen3's and GLM's `enable_thinking`): an object, or JSON text of one, its
+    None-valued keys dropped (Parquet gives every row each key any row has, null where it had none). {} for none."""
+    value = row.get("chat_template_kwargs") if isinstance(row, dict) else None
+    if isinstance(value, str):  # JSON text; empty or only whitespace: none
+        value = json_value(value, f"{where}: `chat_template_kwargs`") if value.strip() else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise DataError(f"{where}: `chat_template_kwargs` must be an object of chat template arguments "
+                        '({"enable_thinking": false}, {"reasoning_effort": "high"}) or JSON text of one, got '
+                        f"{value!r}. Fix the row, or set data.bad_rows: skip.")
+    if taken := sorted(set(value) & _CALL_ARGUMENTS):
+        raise DataError(f"{where}: `chat_template_kwargs` sets `{taken[0]}`, an argument of apply_chat_template "
+                        "itself, which finetune sets for each rendering (the row's tools come from its `tools` column). "
+                        "Fix the row (leave it out), or set data.bad_rows: skip.")
+    return {key: item for key, item in value.items() if item is not None}
+
+
 def chat_template_text(tokenizer, *, tools: bool = False) -> str:
     """The tokenizer's chat template as text. A dict of named templates (Hermes 2 Pro's, Command R's): `tool_use`
     when tools are given and it has one, else `default`, as transformers picks."""
@@ -136,12 +162,13 @@ def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[di
                   trained_from: int = 0, reasoning: str = "train",
                   template_kwargs: dict | None = None) -> list[list[tuple[str, bool]]]:
     """The examples of a conversation as (text, trained) segments: the assistant turns from message `trained_from`
-    on trained, each in its inference context (module docstring); earlier turns are context. `template_kwargs`: the
+    on trained, each in its inference context (module docstring), except those its per-message flags leave untrained
+    (axolotl's `weight: 0`, `train: false`: data/ported_rows.py); earlier turns are context. `template_kwargs`: the
     row's chat template arguments (TRL's per-row chat_template_kwargs), given to every rendering, the proofs' too."""
     note_turn_end(tokenizer)  # a template whose end of turn is text to this tokenizer: said once
+    trained = trained_turns(messages, trained_from, where)
     renderer = _Renderer(tokenizer, messages, tools, reasoning, where, template_kwargs)
-    turns = [_locate(renderer, messages, index) for index, message in enumerate(messages)
-             if message["role"] == "assistant" and index >= trained_from]
+    turns = [_locate(renderer, messages, index) for index in trained]
     examples, remaining = [], list(turns)
     while remaining:  # the latest turn's W, with every earlier turn it renders exactly as that turn's own W does
         text, members, cursor = remaining[-1].whole, [], len(remaining[-1].whole)

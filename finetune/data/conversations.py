@@ -6,7 +6,7 @@ function calling (an assistant's `function_call`, `{"role": "function"}` results
 (`from`/`value` with human/gpt/observation/function_call speakers), and reasoning written inline as a leading
 `<think>...</think>` block. Every shape becomes one normal form, checked once:
 
-    {"role": system|user|assistant|tool, "content": str, "tool_calls": [...]?, "reasoning": str?, "name"?, "tool_call_id"?}
+  {"role": system|user|assistant|tool, "content": str, "tool_calls"?, "reasoning"?, "name"?, "tool_call_id"?, "flags"?}
 
 `reasoning` is finetune's own key: `template_messages` hands it to the template in the field that template reads
 (`reasoning_content`: Qwen3, GLM; `thinking`: gpt-oss) or inline as a `<think>` block where it reads neither.
@@ -44,6 +44,8 @@ _INLINE_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*|"
 # the rows whose rendering read one (tokenize.py), and `finetune data` says how many and names the first.
 _CLOSING_TAG_READS = [0]
 _INVISIBLE = re.compile("[\u00ad\u200b-\u200d\u2060\ufeff]")
+# axolotl's per-message training flags and spans: the message's `flags`, read by data/ported_rows.py, never templates'
+TRAINING_KEYS = ("training", "train", "weight", "training_detail", "train_detail")
 
 
 # ------------------------------------------------------------------------------------------------ normal form
@@ -82,6 +84,10 @@ def _message(turn, number: int, role_key: str, content_key: str, spec: DatasetSp
     for key in ("name", "tool_call_id"):
         if message["role"] == "tool" and isinstance(turn.get(key), str):
             message[key] = turn[key]
+    flags = turn["flags"] if isinstance(turn.get("flags"), dict) else {  # (the normal form's, converted again)
+        key: turn[key] for key in TRAINING_KEYS if turn.get(key) is not None}  # (null: no flag)
+    if flags:
+        message["flags"] = flags
     return message
 
 
@@ -360,7 +366,7 @@ def template_messages(messages: list[dict], template: str, *, reasoning: str = "
     converted = []
     for message in messages:
         message = dict(message)
-        thought = message.pop("reasoning", None)
+        thought, _ = message.pop("reasoning", None), message.pop("flags", None)
         if thought and reasoning != "drop":
             if field is None:
                 message["content"] = f"<think>\n{thought}\n</think>\n\n{message['content']}"

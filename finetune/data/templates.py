@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.data.chat import chat_examples
+from finetune.data.chat import chat_examples, row_template_kwargs
 from finetune.data.conversations import (
     ROLE_ALIASES,
     check_order,
@@ -26,6 +26,15 @@ from finetune.data.conversations import (
     without_nulls,
 )
 from finetune.data.folders import saved_folder
+from finetune.data.ported_rows import (
+    ALPACA_FIELDS,
+    alpaca_turns,
+    kto_column,
+    refuse_history,
+    refuse_unscored,
+    split_completion,
+    with_input,
+)
 from finetune.data.readers import data_suffix, looks_local
 from finetune.data.tokens import _labels, adds_bos, answer_starts, tokenize_many, tokenize_segments
 from finetune.errors import DataError
@@ -35,43 +44,42 @@ from finetune.recipe import DatasetSpec
 # in data/tokens.py.
 __all__ = ["ROLE_ALIASES", "_labels", "adds_bos", "answer_starts", "tokenize_many", "tokenize_segments"]
 
-# Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names).
+# Field names each format needs, and optional ones (the recipe's `columns` maps them to other column names). `history`
+# and `input` (LLaMA-Factory's), and chat's alpaca fields and a KTO row's `messages`: data/ported_rows.py.
 FORMAT_FIELDS = {
-    "alpaca": (("instruction", "output"), ("input", "system")),
-    "chat": (("messages",), ("system", "tools", "prompt", "completion")),  # or TRL's conversational prompt-completion
+    "alpaca": (("instruction", "output"), ("input", "system", "history")),
+    "chat": (("messages",), ("system", "tools", "prompt", "completion", *ALPACA_FIELDS)),  # or TRL's prompt-completion
     "completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
-    "preference": (("chosen", "rejected"), ("prompt", "system", "tools")),  # prompt optional: the implicit-prompt form has none
-    "unpaired_preference": (("prompt", "completion", "label"), ("system", "tools")),  # TRL's KTO rows; label: desirable or not
+    "preference": (("chosen", "rejected"), ("prompt", "input", "system", "tools")),  # prompt optional: implicit-prompt form
+    "unpaired_preference": (("prompt", "completion", "label"), ("input", "system", "tools", "messages")),  # TRL's KTO rows
     "prompt": (("prompt",), ("system", "tools")),  # GRPO: prompts only; the other columns go to the reward functions
 }
 # The fields rendered as text (the others: messages, answers that may be turns, tools, labels). A number is taken as
 # its JSON text; true/false, a list or an object is the row's error (conversations.field_text).
 TEXT_FIELDS = {"alpaca": ("instruction", "input", "output", "system"), "completion": ("prompt", "completion"),
-               "text": ("text",), "chat": ("system",), "preference": ("system",), "unpaired_preference": ("system",)}
+               "text": ("text",), "chat": ("system",), "preference": ("system", "input"),
+               "unpaired_preference": ("system", "input")}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _TEXT_FILE_LINE = re.compile(r"\.txt(\.\w+)? line \d+$")  # where a .txt file's row is (readers.text_rows: `a.txt line 3`)
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (finetune sets them per render;
-# TRL fails on `tools` given twice)
-_CALL_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "padding",
-                   "continue_final_message", "tokenize", "sanitize_control_tokens", "truncation", "max_length",
-                   "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _TURN_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")  # fields that may hold chat turns
 _NULLS_DROPPED = [0]  # rows of this process whose tool calls or tools lost Arrow's null-filled keys (arrow_cleaned)
 # --------------------------------------------------------------------------------------------------- rendering
 def _column(spec: DatasetSpec, name: str, row: dict | None = None) -> str:
     """The data column holding field `name`. Chat data without `messages` may use ShareGPT's `conversations`
-    unmapped, or be TRL's conversational prompt-completion rows: their messages start in the `prompt` column."""
+    unmapped, or be TRL's conversational prompt-completion rows: their messages start in the `prompt` column; or
+    LLaMA-Factory's alpaca rows: in the `instruction` column. A KTO row may be one conversation (ported_rows)."""
     if name in spec.columns:
         return spec.columns[name]
     if name == "messages" and row is not None and "messages" not in row:
         if "conversations" in row:
             return "conversations"
-        if _column(spec, "prompt") in row and _column(spec, "completion") in row:
-            return _column(spec, "prompt")
-    return name
+        for first, other in (("prompt", "completion"), ("instruction", "output")):
+            if _column(spec, first) in row and _column(spec, other) in row:
+                return _column(spec, first)
+    return kto_column(spec, name, row) or name
 
 
 def _field(row: dict, spec: DatasetSpec, name: str):
@@ -96,26 +104,6 @@ def with_system(messages: list[dict], system_prompt: str | None) -> tuple[list[d
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": system_prompt}, *messages[1:]], 0
     return [{"role": "system", "content": system_prompt}, *messages], 1
-
-
-def row_template_kwargs(row: dict, where: str) -> dict:
-    """A row's `chat_template_kwargs`, the template arguments TRL 1.16 reads per row and passes to apply_chat_template
-    (gpt-oss's `reasoning_effort`, Qwen3's and GLM's `enable_thinking`): an object, or JSON text of one, its
-    None-valued keys dropped (Parquet gives every row each key any row has, null where it had none). {} for none."""
-    value = row.get("chat_template_kwargs") if isinstance(row, dict) else None
-    if isinstance(value, str):  # JSON text; empty or only whitespace: none
-        value = json_value(value, f"{where}: `chat_template_kwargs`") if value.strip() else None
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-        raise DataError(f"{where}: `chat_template_kwargs` must be an object of chat template arguments "
-                        '({"enable_thinking": false}, {"reasoning_effort": "high"}) or JSON text of one, got '
-                        f"{value!r}. Fix the row, or set data.bad_rows: skip.")
-    if taken := sorted(set(value) & _CALL_ARGUMENTS):
-        raise DataError(f"{where}: `chat_template_kwargs` sets `{taken[0]}`, an argument of apply_chat_template "
-                        "itself, which finetune sets for each rendering (the row's tools come from its `tools` column). "
-                        "Fix the row (leave it out), or set data.bad_rows: skip.")
-    return {key: item for key, item in value.items() if item is not None}
 
 
 def read_through_arrow(spec: DatasetSpec, where: str) -> bool:
@@ -233,6 +221,10 @@ def chat_messages(row: dict, spec: DatasetSpec, where: str) -> tuple[list[dict],
     """A chat row's conversation in the normal form and the index of its first trained message: every assistant turn
     of a `messages` row is trained (0); of TRL's conversational prompt-completion row, the completion's."""
     column = _column(spec, "messages", row)
+    if "messages" not in spec.columns and column == _column(spec, "instruction"):  # LLaMA-Factory's alpaca row
+        turns = alpaca_turns({name: _field(row, spec, name) for name in ALPACA_FIELDS},
+                             {name: _column(spec, name) for name in ALPACA_FIELDS}, where)
+        return normalize_messages(turns, spec, where), 0
     if "messages" in spec.columns or column != _column(spec, "prompt"):
         return normalize_messages(row.get(column), spec, where), 0
     return prompt_completion_turns(row[column], _field(row, spec, "completion"), spec, where,
@@ -293,6 +285,7 @@ def render_segments(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
         return render_pair(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
     if spec.format == "unpaired_preference":
         return render_unpaired(row, spec, tokenizer, system_prompt, where, reasoning=reasoning)
+    refuse_history(_field(row, spec, "history"), f"{where}: `{_column(spec, 'history')}`")  # (ported_rows)
     instruction, extra = text("instruction"), text("input")
     template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
     prompt = template.format(instruction=instruction, input=extra)
@@ -367,10 +360,12 @@ def render_unpaired(row: dict, spec: DatasetSpec, tokenizer, system_prompt: str 
     if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # a CSV cell (read as its text)
         label = label.strip().lower() == "true"
     if not isinstance(label, (bool, np.bool_)):
-        raise DataError(f"{where}: `{_column(spec, 'label')}` must be true (a desirable completion) or false (an "
+        raise DataError(f"{where}: `{_column(spec, 'label', row)}` must be true (a desirable completion) or false (an "
                         f"undesirable one), got {label!r}. Fix the row (true/false, not a number or another word) or "
                         "set data.bad_rows: skip.")
     prompt, completion = _field(row, spec, "prompt"), _field(row, spec, "completion")
+    if (column := _column(spec, "prompt", row)) == _column(spec, "completion", row):  # one conversation (ported_rows)
+        prompt, completion = split_completion(prompt, spec, column, where)
     (segments,) = _answered(prompt, (("completion", completion),), spec, tokenizer, system_prompt, where, row=row,
                             reasoning=reasoning)
     return segments, bool(label)
@@ -386,6 +381,8 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
     """
     answers = tuple((name, [answer] if isinstance(answer, dict) else answer) for name, answer in answers)  # a message
     system_prompt = row_system(row, spec, system_prompt)
+    if _column(spec, "input") != _column(spec, "prompt", row):  # (a prompt mapped to `input`: that is the prompt)
+        prompt = with_input(prompt, _field(row, spec, "input"), f"{where}: `{_column(spec, 'input')}`")  # LLaMA-Factory's
     for name, answer in answers:
         if not isinstance(answer, (str, list)):
             raise DataError(f"{where}: `{_column(spec, name)}` is {answer!r}; an answer is text, an assistant message or a "
@@ -414,6 +411,7 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
         reply = [{"role": "assistant", "content": str(answer)}] if not isinstance(answer, list) else \
             convert_turns(answer, spec, where)
         messages = normalize_messages(turns + reply, spec, f"{where} ({name})")
+        refuse_unscored(messages[len(turns):], name, where)  # (axolotl's per-message flags: SFT's only)
         if messages[len(turns)]["role"] != "assistant" or not any(
                 m["content"].strip() or m.get("tool_calls") for m in messages[len(turns):]):
             raise DataError(f"{where}: `{name}` must be a non-empty assistant answer. Fix the row or set data.bad_rows: skip.")

@@ -1,16 +1,31 @@
-"""The names users bring from HF's TrainingArguments, TRL's configs, PEFT's LoraConfig and axolotl: the recipe key each
-one means, or why finetune has none. The recipe's unknown-key error reads it ("`gradient_accumulation_steps` is
-`train.grad_accum` here"), ahead of any spelling guess, so a guess never points to a key of another meaning.
+"""The names users bring from HF's TrainingArguments, TRL's configs and PEFT's LoraConfig (axolotl's, LLaMA-Factory's
+and Unsloth's: finetune/recipe/foreign_names.py): the recipe key each one means, or why finetune has none. The
+recipe's unknown-key error reads it ("`gradient_accumulation_steps` is `train.grad_accum` here"), ahead of any
+spelling guess, so a guess never points to a key of another meaning.
 
 They are not accepted as aliases: a recipe is a closed schema with one name per setting, so two recipes that say the
 same thing read the same, and a name whose meaning differs here (HF's `warmup_steps` takes a ratio below 1, ours an
-integer; TRL's `max_length` is per sequence of a pair, ours per row) is never silently taken for ours. The error names
-the key and the unit. tests/test_recipe_names.py checks the table against the installed TrainingArguments, TRL configs
-and LoraConfig, so a field they add, or a recipe key that moves, shows up there.
+integer; TRL's `max_length` is per sequence of a pair, ours per row; HF's schedules decay to 0, ours to
+train.min_lr_ratio) is never silently taken for ours. The error names the key and the unit. tests/test_recipe_names.py
+checks the table against the installed TrainingArguments, TRL configs and LoraConfig, so a field they add, or a
+recipe key that moves, shows up there; docs/migrating.md shows these answers per tool.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from finetune.recipe import foreign_names
+from finetune.recipe.foreign_names import (
+    FALSE_FRIENDS,
+    UNSET,
+    VALUE_ANSWERS,
+    Fields,
+    accepts,
+    entry_answer,
+    kind,
+    shown,
+)
 from finetune.recipe.objectives import OBJECTIVES
 
 # name -> the recipe key it means (with what differs, after a semicolon).
@@ -20,8 +35,8 @@ MEANS: dict[str, str] = {
     "gradient_accumulation_steps": "train.grad_accum",
     "num_train_epochs": "train.num_epochs",
     "warmup_ratio": "train.warmup_ratio",
-    "lr_scheduler_type": "train.lr_schedule; cosine, linear or constant",
-    "optim": "train.optimizer; adamw or adamw_8bit",
+    "lr_scheduler_type": "train.lr_schedule",  # answered by its value first (foreign_names.VALUE_ANSWERS), as optim
+    "optim": "train.optimizer",
     "logging_steps": "train.log_every",
     "eval_steps": "train.eval_every",
     "save_steps": "train.save_every",
@@ -35,8 +50,8 @@ MEANS: dict[str, str] = {
     "bf16": "model.dtype: bfloat16; `auto` picks it where the device computes it",
     "fp16": "model.dtype: float16",
     "tf32": "model.dtype; TF32 matmuls follow torch's own setting on the GPU",
-    "deepspeed": "parallel.strategy: deepspeed with parallel.zero_stage or parallel.deepspeed_config",
-    "fsdp": "parallel.strategy: fsdp (parallel.fsdp_version, reshard_after_forward, cpu_offload)",
+    "deepspeed": "parallel.strategy: deepspeed; with parallel.zero_stage, or its JSON file as parallel.deepspeed_config",
+    "fsdp": "parallel.strategy: fsdp; with parallel.fsdp_version, reshard_after_forward and cpu_offload",
     "fsdp_config": "parallel.strategy; fsdp, with the parallel section's keys and the accelerate config's fsdp_* keys",
     "ddp_timeout": "parallel.collective_timeout_s",
     "label_smoothing_factor": "dpo.label_smoothing; an SFT loss has none",
@@ -51,51 +66,16 @@ MEANS: dict[str, str] = {
     "chat_template_path": "model.chat_template; a file, a named template or the text",
     "precompute_ref_log_probs": "dpo.reference: precomputed",
     "reward_funcs": "grpo.reward_functions; `module:function`, TRL's signature",
-    "use_vllm": "grpo.generation: vllm; a vLLM server with the adapter hot-loaded (TRL's server mode)",
+    "use_vllm": "grpo.generation: vllm; a vLLM server with the adapter hot-loaded, TRL's server mode",
     # PEFT LoraConfig
     "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout",
     "use_rslora": "lora.rslora",
     "use_dora": "lora.dora",
     "lora_bias": "lora.bias",
-    # axolotl
-    "base_model": "model.name_or_path",
-    "base_model_config": "model.name_or_path",
-    "tokenizer_config": "model.tokenizer",
-    "tokenizer_type": "model.tokenizer; AutoTokenizer picks the class",
-    "lora_r": "lora.r",
-    "lora_target_modules": "lora.target_modules",
-    "lora_target_linear": "lora.target_modules: all-linear",
-    "load_in_4bit": "quantization.method: nf4 (the default)",
-    "load_in_8bit": "quantization.method; nf4 or fp4 (4-bit), or none",
-    "bnb_4bit_quant_type": "quantization.method",
-    "bnb_4bit_use_double_quant": "quantization.double_quant",
-    "bnb_4bit_compute_dtype": "quantization.compute_dtype",
-    "bnb_4bit_quant_storage": "quantization.quant_storage",
-    "sequence_len": "data.max_length",
-    "sample_packing": "data.packing",
-    "val_set_size": "data.eval_fraction",
-    "num_epochs": "train.num_epochs",
-    "micro_batch_size": "train.micro_batch_size",
-    "lr_scheduler": "train.lr_schedule",
-    "cosine_min_lr_ratio": "train.min_lr_ratio",
-    "optimizer": "train.optimizer",
-    "evals_per_epoch": "train.eval_every; in steps",
-    "saves_per_epoch": "train.save_every; in steps",
-    "flash_attention": "model.attn_implementation: flash_attention_2",
-    "sdp_attention": "model.attn_implementation: sdpa",
-    "chat_template": "model.chat_template",
-    "default_system_message": "data.system_prompt",
-    "datasets": "data.datasets",
-    "test_datasets": "data.eval_datasets",
-    "rl": "train.objective; sft, dpo, kto or grpo",
-    "wandb_project": "train.wandb_project",
-    "wandb_name": "train.run_name",
-    "mlflow_experiment_name": "train.mlflow_experiment",
-    "mlflow_tracking_uri": "train.mlflow_tracking_uri",
-    "dataset_prepared_path": "data.cache; tokenized data is kept in $FINETUNE_CACHE",
-    "trust_remote_code": "model.trust_remote_code",
-    "weight_decay_rate": "train.weight_decay",
+    # TRL's ModelConfig (its lora_* and load_in_* names are axolotl's too)
+    "torch_dtype": "model.dtype",
+    **foreign_names.AXOLOTL_MEANS, **foreign_names.LLAMA_FACTORY_MEANS, **foreign_names.UNSLOTH_MEANS,
 }
 
 # name -> why there is no counterpart (what finetune does instead).
@@ -112,13 +92,13 @@ NO_COUNTERPART: dict[str, str] = {
     "save_strategy": "checkpoints are written every train.save_every steps, at the end and on SIGTERM",
     "logging_strategy": "metrics are logged every train.log_every steps",
     "push_to_hub": "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it",
-    "torch_compile": "not built: compiled graphs and FSDP's per-layer wraps of 4-bit layers are not tested together",
+    "torch_compile": "torch.compile is not built in: compiled graphs and FSDP's per-layer wraps of 4-bit layers are "
+                     "not tested together",
     "use_liger_kernel": "Liger kernels are not built in",
     "auto_find_batch_size": "`finetune plan` computes the largest micro-batch that fits before the run",
     "packing_strategy": "data.packing packs by best fit (streaming: in order), with position ids restarting per example",
     "padding_free": "data.packing puts several examples in a row (position ids restart per example); micro-batches pad to their longest row",
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant, chosen per strategy",
-    "adapter": "every run trains a LoRA adapter on a 4-bit base (QLoRA); quantization.method: none for plain LoRA",
     "special_tokens": "the tokenizer's own special tokens are used; new ones would need trained embeddings",
     "modules_to_save": "PEFT LoraConfig's full trained copies of modules are not offered (routers: lora.train_router); "
                        "to train the embeddings or the head, list them in lora.target_modules (`[..., embed_tokens, "
@@ -154,6 +134,9 @@ NO_COUNTERPART: dict[str, str] = {
     **dict.fromkeys(("top_k", "min_p", "repetition_penalty", "generation_kwargs"),
                     "GRPO samples with grpo.temperature and grpo.top_p only; top-k, min-p, a repetition penalty and "
                     "other generation settings are not offered"),
+    "use_peft": "every run trains a LoRA adapter",
+    **foreign_names.AXOLOTL_NO_COUNTERPART, **foreign_names.LLAMA_FACTORY_NO_COUNTERPART,
+    **foreign_names.UNSLOTH_NO_COUNTERPART,
 }
 
 # Fields that finetune sets by itself (devices, processes, loaders, logging, the hub) or that belong to features it
@@ -225,32 +208,50 @@ TOP_LEVEL_MEANS: dict[str, str] = {
     **dict.fromkeys(("distributed", "parallelism", "fsdp_config"), "parallel"),
     **dict.fromkeys(("outputs", "out", "save"), "output"),
     **dict.fromkeys(("models", "base"), "model"),
+    "trl": "grpo",  # axolotl's trl: holds GRPO's settings, by TRL's names
 }
 
 
+def section_of(path) -> str | None:
+    """The section a key path's parent names, as foreign_name takes it: `train` for ("train",), `data.datasets[]` for
+    a dataset entry (("data", "datasets", 0) or an override's ["data", "datasets", "0"]); None elsewhere."""
+    names = [str(part) for part in path if not str(part).lstrip("-").isdigit()]
+    if len(names) == 1 and len(path) == 1:
+        return names[0]
+    return f"{names[0]}.{names[1]}[]" if len(names) == 2 and len(path) == 3 else None
+
+
 def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | None = None, *,
-                 top_level: bool = False) -> str | None:
+                 top_level: bool = False, value: Any = UNSET, field: Fields | None = None) -> str | None:
     """What to tell a user who wrote `name` where the recipe has no such key (in `section`, when it is one of the
-    recipe's sections; `top_level`: where the sections are): the key it means there, where it belongs (a key of
-    another section), or why there is none. None: not a name the table knows (the caller may guess)."""
+    recipe's sections or `data.datasets[]`; `top_level`: where the sections are): the key it means there, where it
+    belongs (a key of another section), or why there is none. `value`: what was written for it, checked against the
+    key an answer names (`field`: the schema's field at a dotted key). None: not a name the table knows (the caller
+    may guess)."""
+    field = field or (lambda dotted: None)
     if name != name.lower() and name.lower() not in (k for keys in schema_keys.values() for k in keys):
-        found = foreign_name(name.lower(), schema_keys, section, top_level=top_level)  # `LORA`, `Learning_Rate`
-        return found.replace(f"`{name.lower()}`", f"`{name}`", 1) if found else None
-    if top_level and name in TOP_LEVEL_MEANS:
-        return f"`{name}` is the `{TOP_LEVEL_MEANS[name]}:` section here."
+        found = foreign_name(name.lower(), schema_keys, section, top_level=top_level, value=value, field=field)
+        return found.replace(f"`{name.lower()}", f"`{name}", 1) if found else None  # `LORA`, `Learning_Rate`
+    if section in ("data.datasets[]", "data.eval_datasets[]") and (found := entry_answer(name, value, field, section)):
+        return found
+    answer_by_value = VALUE_ANSWERS.get(name, lambda *_: None)
+    if top_level and name in TOP_LEVEL_MEANS:  # (LLaMA-Factory's `dataset: NAME` is a dataset, not the section)
+        return (answer_by_value(name, value, field, schema_keys)
+                or f"`{name}` is the `{TOP_LEVEL_MEANS[name]}:` section here.")
     if name in SECTION_MEANS.get(section or "", {}):
-        return f"`{name}` is `{section}.{SECTION_MEANS[section][name]}` here."
+        target = f"{section}.{SECTION_MEANS[section][name]}"
+        if shown(value) is None or field(target) is None or accepts(field(target), value):
+            return f"`{name}` is `{target}` here."
+        elsewhere = answer_by_value(name, value, field, schema_keys)  # `kto.loss_type: ipo`: DPO's loss
+        return (f"`{name}` is `{target}` here. It takes {kind(field(target))}, not `{shown(value)}`"
+                f"{': ' + elsewhere if elsewhere else '.'}")
     if name in SECTION_NO_COUNTERPART.get(section or "", {}):
         return f"`{section}.{name}` has no counterpart here: {SECTION_NO_COUNTERPART[section][name]}."
+    if found := answer_by_value(name, value, field, schema_keys):
+        return found
     sections = [section for section, keys in schema_keys.items() if name in keys]
-    if sections:
-        where = " or ".join(f"`{section}.{name}`" for section in sections)
-        reads = dict(OBJECTIVES[section].reads) if section in OBJECTIVES else None
-        if reads is not None and all(other in OBJECTIVES and other not in reads for other in sections):
-            # `dpo.temperature`: GRPO's, which a DPO run never reads; moving it would not set anything for DPO
-            return (f"`{name}` is {where} here, a setting of train.objective {' or '.join(sections)}; the {section}: "
-                    "section has no such key.")
-        return f"`{name}` is {where} here: move it to that section."
+    if sections and name not in FALSE_FRIENDS:
+        return _elsewhere(name, sections, section, value, field)
     if name in MEANS:
         key, _, note = MEANS[name].partition("; ")
         return f"`{name}` is `{key}` here{f' ({note})' if note else ''}."
@@ -259,3 +260,27 @@ def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | No
     if name in MANAGED or name.startswith(MANAGED_PREFIXES):
         return f"`{name}` is {MANAGED_REASON}; leave it out."
     return None
+
+
+def _elsewhere(name: str, sections: list[str], section: str | None, value: Any, field: Fields) -> str:
+    """`name` is a key of other sections: those whose key takes `value` (all, when none does), each with the
+    objective it is for when there are several (`beta`: DPO's, KTO's and GRPO's)."""
+    fitting = [home for home in sections if value is not UNSET and accepts(field(f"{home}.{name}"), value)]
+    sections = fitting or sections
+    named = [f"`{home}.{name}`" + (f" (train.objective {' or '.join(_readers(home, name))})"
+                                   if home in OBJECTIVES and len(sections) > 1 else "") for home in sections]
+    where = " or ".join(named)
+    reads = dict(OBJECTIVES[section].reads) if section in OBJECTIVES else None
+    if reads is not None and all(other in OBJECTIVES and other not in reads for other in sections):
+        # `dpo.temperature`: GRPO's, which a DPO run never reads; moving it would not set anything for DPO
+        return (f"`{name}` is {where} here, a setting of train.objective {' or '.join(sections)}; the {section}: "
+                "section has no such key.")
+    if shown(value) is not None and not fitting and len(sections) == 1:  # `gradient_checkpointing: offload`
+        return (f"`{name}` is {where} here: move it to that section (it takes {kind(field(f'{sections[0]}.{name}'))}, "
+                f"not `{shown(value)}`).")
+    return f"`{name}` is {where} here: move it to that section."
+
+
+def _readers(section: str, key: str) -> list[str]:
+    """The objectives that read `section.key` (`dpo.disable_dropout`: dpo's, and kto's, which reads it too)."""
+    return [name for name, spec in OBJECTIVES.items() if name == section or key in dict(spec.reads).get(section, ())]

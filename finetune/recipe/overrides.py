@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel
 
 from finetune.errors import RecipeError
+from finetune.recipe.names import UNSET, section_of
 from finetune.recipe.text import UniqueKeyLoader, field_names, schema_at, suggest
 
 _INDEX = re.compile(r"-?\d+")
@@ -172,8 +173,8 @@ def apply_override(raw: dict, parts: list[str], value: Any, text: str, *, root: 
                                   f"`{_key(parts[:depth])}=[...]`.")
         elif schema is not None and part not in schema.model_fields:
             where = ".".join(parts[:depth]) or "the top level"
-            hint = suggest(part, field_names(schema), root=root, section=parts[0] if depth == 1 else None,
-                           top_level=depth == 0)
+            hint = suggest(part, field_names(schema), root=root, section=section_of(parts[:depth]),
+                           top_level=depth == 0, value=value if last else UNSET)
             raise RecipeError(f"override `{text}`: `{_key(parts[: depth + 1])}` is not a recipe key.{hint} "
                               f"(keys under {where})")
         key = int(part) if isinstance(node, list) else part

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from finetune.chat_templates import named_templates
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
-from finetune.recipe.names import foreign_name
+from finetune.recipe.names import UNSET, foreign_name, section_of
 
 
 def field_names(model: type[BaseModel]) -> list[str]:
@@ -60,13 +60,22 @@ def section_keys(root: type[BaseModel]) -> dict[str, list[str]]:
     return sections
 
 
+def field_at(root: type[BaseModel], dotted: str):
+    """The schema's field (pydantic FieldInfo) at a dotted key (`dpo.loss`, `data.datasets[].format`), or None."""
+    *parents, leaf = dotted.replace("[]", "").split(".")
+    parent = schema_at(root, tuple(parents))
+    return parent.model_fields.get(leaf) if parent is not None else None
+
+
 def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = None, section: str | None = None,
-            top_level: bool = False) -> str:
+            top_level: bool = False, value: Any = UNSET) -> str:
     """What to say of an unknown key: the key it means where it is another tool's name or belongs in another section
-    (finetune/recipe/names.py), else a near spelling of a key here (close enough to be a typo, never a key of
+    (finetune/recipe/names.py; `value`, what was written for it, picks among keys and is checked against them),
+    else a near spelling of a key here (close enough to be a typo, never a key of
     another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`; case aside: `LORA` is `lora`),
     else the keys here. `top_level`: `key` is where the sections are (`training` is `train`)."""
-    known = foreign_name(key, section_keys(root), section, top_level=top_level) if root is not None else None
+    known = foreign_name(key, section_keys(root), section, top_level=top_level, value=value,
+                         field=lambda dotted: field_at(root, dotted)) if root is not None else None
     if known:
         return f" {known}"
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
@@ -107,9 +116,8 @@ def format_errors(error: ValidationError, source: str, *, root: type[BaseModel])
             lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
         elif item["type"] == "extra_forbidden":
             parent = schema_at(root, loc[:-1])
-            section = str(loc[0]) if len(loc) == 2 else None
-            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section,
-                           top_level=len(loc) == 1) if parent else ""
+            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section_of(loc[:-1]),
+                           top_level=len(loc) == 1, value=item.get("input", UNSET)) if parent else ""
             lines.append(f"  {dotted}: unknown key.{hint}")
         elif item["type"] == "missing":
             lines.append(f"  {dotted}: required key is missing.")

@@ -27,6 +27,7 @@ from finetune.data import (
     BatchStream,
     Example,
     batch_stream,
+    check_enough_rows,
     checked_steps_per_epoch,
     rows_fingerprint,
     rows_left_note,
@@ -92,7 +93,8 @@ def lr_lambda(recipe: Recipe):
     """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak.
 
     Step s (from 0) of w warmup steps uses (s + 1) / (w + 1) of the peak: no step runs at lr 0. transformers'
-    get_*_schedule_with_warmup uses s / w, whose first step has lr 0; after the warmup the two are the same."""
+    get_*_schedule_with_warmup uses s / w, whose first step has lr 0, and decays to 0: after the warmup the two are the
+    same only with train.min_lr_ratio 0 (its default, 0.1, ends cosine and linear at a tenth of the peak)."""
     t = recipe.train
 
     def factor(step: int) -> float:
@@ -112,6 +114,7 @@ def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     (Recipe.resolve_num_epochs; an epoch without a whole optimizer step is an error). Said once, by rank 0."""
     t = recipe.train
     rows = objectives.rows_per_micro_batch(recipe)  # GRPO: prompts (micro_batch_size counts its completions)
+    check_enough_rows(train_rows, micro_batch_size=rows, world_size=world_size)  # as validate: before the length line
     per_batch = (f"{rows} prompts per micro-batch (micro_batch_size {t.micro_batch_size} completions / "
                  f"grpo.num_generations {recipe.grpo.num_generations})" if rows != t.micro_batch_size
                  else f"micro_batch_size {rows}")  # GRPO: a micro-batch of completions holds that many prompts

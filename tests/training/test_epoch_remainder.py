@@ -51,3 +51,19 @@ def test_a_grpo_micro_batch_is_said_as_prompts_of_the_recipes_completions(tmp_pa
     train = SimpleNamespace(micro_batch_size=2, grad_accum=1, num_epochs=None, max_steps=3)
     [line, *_] = length_lines(2, train, processes=1, launch="as given", rows_per_micro_batch=1)
     assert "2 rows // (1 prompt per micro-batch = micro_batch_size 2 completions / grpo.num_generations 2 x 1" in line
+
+
+def test_fewer_rows_than_a_global_micro_batch_are_refused_before_the_length_line(tmp_path, capsys):
+    """Found by a bug bash (bb51 #10): with data.packing's 2 rows for a micro-batch of 4, `finetune train` said its
+    length line ("each step takes rows of more than one epoch", as if it would go on), loaded the model, and only then
+    refused; `finetune validate` refused at once. The run now refuses where its length is resolved, before any weight
+    loads, with validate's paragraph."""
+    import pytest
+
+    from finetune.errors import DataError
+
+    with pytest.raises(DataError, match=r"only 2 training rows for a global micro-batch of 6 \(train.micro_batch_size=3"):
+        resolve_max_steps(_recipe(tmp_path, max_steps=4), 2, 2)
+    assert "length" not in capsys.readouterr().out
+    resolve_max_steps(_recipe(tmp_path, max_steps=4), 6, 2)  # one global micro-batch: runs
+    assert "fewer rows than one step takes" not in capsys.readouterr().out

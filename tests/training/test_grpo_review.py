@@ -208,7 +208,8 @@ def test_mapped_reward_columns_reach_the_rewards_and_unknown_column_keys_are_ref
     with pytest.raises(DataError, match=r"columns maps a field to `answr`, but no row has that column"):
         prompt_examples(recipe({"prompt": "question", "answer": "answr"}), AutoTokenizer.from_pretrained(tiny_llama))
     with pytest.raises(DataError, match=r"data.datasets\[0\].columns: `bogus` is not a field of format `chat` \(its "
-                                        r"fields: completion, content, messages, prompt, reasoning, role, system, tools\)"):
+                                        r"fields: completion, content, history, input, instruction, messages, output, prompt, reasoning, role, "
+                                        r"system, tools\)"):
         check_local_files(recipe({"messages": "conversations", "bogus": "x"}, fmt="chat"))
     with pytest.raises(DataError, match=r"`answer` is not a field of format `completion`"):
         check_local_files(recipe({"prompt": "question", "answer": "solution"}, fmt="completion"))

@@ -1,0 +1,182 @@
+"""Rows as LLaMA-Factory and axolotl write them, read with those tools' meaning instead of losing part of it.
+
+- LLaMA-Factory's alpaca rows (`instruction`, `input`, `output`, `system`, `history`: [[instruction, response], ...]).
+  Format chat reads them as LLaMA-Factory's AlpacaDatasetConverter does: the history as earlier user and assistant
+  turns, `instruction` and `input` joined by a newline as the last user turn, `output` its answer; every response is
+  trained (LLaMA-Factory's default, `mask_history: false`), through the model's chat template. Format alpaca renders
+  one instruction with the fixed Alpaca prompt, which has no place for earlier turns: a row with a history is
+  refused there (before, the history was dropped without a word).
+- LLaMA-Factory's ranking and KTO alpaca rows carry an `input` beside the prompt: joined to a text prompt by a newline,
+  as LLaMA-Factory joins them (before, it was dropped once `columns` mapped the prompt to `instruction`).
+- LLaMA-Factory's KTO rows in one conversation (`messages` / `conversations` with `kto_tag`): the last message is the
+  completion, the ones before it the prompt (its converter's `prompt = messages[:-1]`). TRL 1.16 has no such form
+  (its KTOTrainer takes prompt, completion and label, or pairs it unpairs); `kto_tag` is read as TRL's `label`.
+- axolotl's per-message training flags (`message_field_training`: a message key `training`, `train` or `weight`,
+  true/false or 1/0; chat_template.py trains a turn whose flag is set, whatever its role, and leaves one flagged off
+  untrained): an assistant turn flagged off is context, not trained. finetune trains assistant turns only, so a
+  user, system or tool turn flagged on is refused, as are the character spans of `message_field_training_detail`.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+
+from finetune.data.conversations import TRAINING_KEYS, convert_turns, field_text
+from finetune.errors import DataError
+from finetune.recipe import DatasetSpec
+
+FLAG_KEYS = TRAINING_KEYS[:3]  # training, train, weight: one flag for the whole turn
+DETAIL_KEYS = TRAINING_KEYS[3:]  # training_detail, train_detail: character spans of a turn
+ALPACA_FIELDS = ("instruction", "input", "output", "history")
+KTO_TAG = "kto_tag"  # LLaMA-Factory's name for TRL's `label`
+
+
+# ------------------------------------------------------------------------------------- LLaMA-Factory's alpaca rows
+def refuse_history(history, what: str) -> None:
+    """Format alpaca: a row with earlier turns (`what` names the row and the column) is refused (module docstring)."""
+    if history in (None, "", []):
+        return
+    pairs = f"{len(history)} earlier turn{'s' if len(history) != 1 else ''}" if isinstance(history, list) else \
+        "earlier turns"
+    raise DataError(
+        f"{what} holds {pairs} ([instruction, response] pairs: LLaMA-Factory's alpaca history). Format alpaca renders "
+        "one instruction with the fixed Alpaca prompt (### Instruction / ### Response), which has no place for them: "
+        "the row would train its last answer without the conversation it answers. Fix: set the dataset's format: "
+        "chat, which reads LLaMA-Factory's alpaca rows as LLaMA-Factory does (the history as earlier user and "
+        "assistant turns, every response trained, the instruction and input joined by a newline as the last user "
+        "turn, through the model's chat template), convert the rows to `messages` (docs/data.md, Rows from "
+        "LLaMA-Factory and axolotl), or set data.bad_rows: skip.")
+
+
+def alpaca_turns(fields: dict, names: dict, where: str) -> list[dict]:
+    """An alpaca row's conversation (format chat), as LLaMA-Factory's converter builds it: each history pair a user and
+    an assistant turn, then the instruction and input joined by a newline, then the output. `fields`: the values of
+    ALPACA_FIELDS; `names`: their columns, for the errors."""
+    history = fields["history"]
+    if history in (None, "", []):
+        history = []
+    if not isinstance(history, list) or not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in history):
+        raise DataError(f"{where}: `{names['history']}` must be a list of [instruction, response] pairs (LLaMA-Factory's "
+                        f"alpaca history), got {history!r}. Fix the row, or set data.bad_rows: skip.")
+    if not field_text(fields["output"], f"{where}: `{names['output']}`").strip():
+        raise DataError(f"{where}: missing or empty `{names['output']}` (absent, null or only whitespace), the answer an "
+                        "alpaca row trains. Fix the row, or set data.bad_rows: skip.")
+    turns = []
+    for number, (asked, answered) in enumerate(history, start=1):
+        turns += [{"role": "user", "content": field_text(asked, f"{where}: `{names['history']}` pair {number}")},
+                  {"role": "assistant", "content": field_text(answered, f"{where}: `{names['history']}` pair {number}")}]
+    question = with_input(field_text(fields["instruction"], f"{where}: `{names['instruction']}`"), fields["input"],
+                          f"{where}: `{names['input']}`")
+    return turns + [{"role": "user", "content": question}, {"role": "assistant", "content": fields["output"]}]
+
+
+def with_input(prompt, extra, what: str):
+    """`prompt` with an alpaca row's `input` (`extra`; `what` names the row and column) after it, as LLaMA-Factory
+    joins them ("instruction\\ninput", either left out when empty): for alpaca rows read as chat, and for ranking and
+    KTO rows whose prompt is mapped to `instruction`. A prompt of chat messages (an implicit-prompt pair's shared
+    turns too) has no single text to join it to: refused rather than dropped. A missing prompt (None) stays missing,
+    for the caller's error: the input is no prompt of its own when the instruction sits in an unmapped column."""
+    extra = field_text(extra, what)
+    if not extra.strip() or prompt is None:
+        return prompt
+    if isinstance(prompt, list):
+        raise DataError(f"{what} holds text ({extra[:40]!r}), and the row's prompt is chat messages, so where it belongs "
+                        "is unclear (LLaMA-Factory joins `input` to a text instruction by a newline). Fix the row (write "
+                        "it into the user's turn), or set data.bad_rows: skip.")
+    return "\n".join(part for part in (prompt, extra) if part)
+
+
+# ---------------------------------------------------------------------------------- KTO rows in one conversation
+def kto_column(spec: DatasetSpec, name: str, row) -> str | None:
+    """The column of an unpaired preference row's field `name` where the row is LLaMA-Factory's KTO conversation (no
+    `prompt` nor `completion`, a `messages` or `conversations` list: prompt and completion both come from it) or
+    tags it with `kto_tag` (its `label`); None elsewhere. (Mapped fields never get here: templates._column.)"""
+    if spec.format != "unpaired_preference" or not isinstance(row, dict):
+        return None
+    if name == "label":
+        return KTO_TAG if "label" not in row and KTO_TAG in row else None
+    if name in ("prompt", "completion") and "prompt" not in row and "completion" not in row:
+        return next((column for column in (spec.columns.get("messages"), "messages", "conversations")
+                     if column is not None and column in row), None)
+    return None
+
+
+def split_completion(turns, spec: DatasetSpec, column: str, where: str) -> tuple[list, list]:
+    """(prompt, completion) of a KTO row given as one conversation (kto_column): the last message is the completion
+    and must be the assistant's; the messages before it are the prompt (LLaMA-Factory's converter)."""
+    if not isinstance(turns, list) or len(turns) < 2:
+        raise DataError(f"{where}: `{column}` must be a conversation of at least a user turn and the assistant's "
+                        f"completion (LLaMA-Factory's KTO rows), got {turns!r}. Fix the row, or set data.bad_rows: skip.")
+    last = convert_turns(turns[-1:], spec, where)[0]["role"]
+    if last != "assistant":
+        raise DataError(f"{where}: `{column}` ends with a {last} turn. In a KTO row given as one conversation the last "
+                        "message is the completion that `label` (or `kto_tag`) judges, so it must be the assistant's; "
+                        "the messages before it are the prompt. Fix the row, or set data.bad_rows: skip.")
+    return turns[:-1], turns[-1:]
+
+
+# --------------------------------------------------------------------------------- axolotl's per-message flags
+def training_flag(message: dict, number: int, where: str) -> bool | None:
+    """A message's training flag (conversations.py keeps a turn's `training`, `train`, `weight`, `training_detail` and
+    `train_detail` as its `flags`): true/1 trained, false/0 not, None without one (null: Arrow's fill, no flag)."""
+    flags = message.get("flags") or {}
+    detail = next((key for key in DETAIL_KEYS if flags.get(key) not in (None, "", [])), None)
+    if detail is not None:
+        raise DataError(f"{where}: message {number} has `{detail}` (axolotl's message_field_training_detail: character "
+                        "spans of the turn to train or not). finetune trains a turn whole or not at all, so the spans "
+                        "have no counterpart here. Fix: remove the key (the whole turn is trained; `train: false` leaves "
+                        "it untrained), split the turn, or set data.bad_rows: skip.")
+    values = {key: _flag_value(flags[key], key, number, where) for key in FLAG_KEYS if key in flags}
+    if len(set(values.values())) > 1:
+        shown = ", ".join(f"`{key}: {json.dumps(flags[key])}`" for key in values)
+        raise DataError(f"{where}: message {number} has training flags that disagree ({shown}). Fix the row (keep "
+                        "one), or set data.bad_rows: skip.")
+    return next(iter(values.values()), None)
+
+
+def _flag_value(value, key: str, number: int, where: str) -> bool:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    if isinstance(value, numbers.Real) and value in (0, 1):
+        return bool(value)
+    raise DataError(f"{where}: message {number} has `{key}: {json.dumps(value, default=str)}`; a turn's training flag (axolotl's "
+                    "message_field_training) is true or false, 1 or 0: finetune trains a turn or leaves it context, it "
+                    "does not weight its loss. Fix the row, or set data.bad_rows: skip.")
+
+
+def trained_turns(messages: list[dict], trained_from: int, where: str) -> list[int]:
+    """The indexes of the assistant turns of a conversation to train: those from message `trained_from` on, except
+    the ones flagged off (axolotl's per-message flags). A non-assistant turn flagged on is refused: finetune trains
+    what the model writes at inference, the assistant's turns; axolotl would train that turn's text."""
+    indexes = []
+    for index, message in enumerate(messages):
+        flag = training_flag(message, index + 1, where)
+        if flag and message["role"] != "assistant":
+            key = next(key for key in FLAG_KEYS if key in message["flags"])
+            raise DataError(
+                f"{where}: message {index + 1} (role {message['role']}) is flagged for training (`{key}: "
+                f"{json.dumps(message['flags'][key], default=str)}`, axolotl's per-message training flag). finetune "
+                f"trains assistant turns only (what the model writes at inference), so a {message['role']} turn is "
+                "context whatever its flag; "
+                f"axolotl, told `message_field_training: {key}`, would train its text. Fix: flag it false or 0, or "
+                "remove the flag, on turns that are not the assistant's, or set data.bad_rows: skip.")
+        if message["role"] == "assistant" and index >= trained_from and flag is not False:
+            indexes.append(index)
+    if not indexes:
+        raise DataError(f"{where}: every assistant turn to train is flagged not to be trained (`weight: 0`, `train: "
+                        "false` or `training: false`: axolotl's per-message training flag, which finetune reads: such "
+                        "a turn is context), so the row trains nothing. Fix: flag the turns to train true or 1 (or "
+                        "remove their flag), remove the row, or set data.bad_rows: skip.")
+    return indexes
+
+
+def refuse_unscored(messages: list[dict], name: str, where: str) -> None:
+    """A preference or KTO answer (`messages`: its turns) may not have a turn flagged off: the loss scores the whole
+    answer (axolotl reads these flags in SFT chat_template datasets only)."""
+    for number, message in enumerate(messages, start=1):
+        if training_flag(message, number, f"{where} `{name}`") is False:
+            raise DataError(f"{where}: `{name}` has a turn flagged not to be trained (axolotl's per-message training "
+                            "flag: `weight: 0`, `train: false` or `training: false`). The answers of a preference or "
+                            "KTO row are what the loss scores, so no part of one can be left out. Fix: remove the "
+                            "flag from the answer's turns, or set data.bad_rows: skip.")
