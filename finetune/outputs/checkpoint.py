@@ -338,7 +338,8 @@ def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:
              for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST}
     manifest = {"format": 1, "step": step, "world_size": trainer_state.get("world_size"),
                 "strategy": trainer_state.get("strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "finetune": finetune_version(), "files": files}  # which finetune: a resume can name an upgrade
+                "finetune": finetune_version(), "torch": torch.__version__,  # which finetune: a resume can name an
+                "files": files}  # upgrade; which torch: DCP's metadata loads in that torch or a newer one only
     _write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
     return sum(entry["bytes"] for entry in files.values())
 

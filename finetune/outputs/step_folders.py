@@ -128,6 +128,8 @@ def checkpoints_table(run_dir: Path, *, running: str | None = None) -> str:
         if size is None:  # pruned while listed
             continue
         state = "intact" if problem is None else f"damaged: {problem}"
+        if problem is None and (written := newer_torch(path)):
+            state = f"intact; written by torch {written}: readable with that torch or newer only"
         if problem is not None and running:
             state = f"not whole now ({problem}): the run in progress ({running}) may be writing or removing it"
         rows.append((f"{step}{' best' if step == best else ''}", number(facts[step].get("eval_loss")),
@@ -333,12 +335,57 @@ def untrusted_checkpoint(path: Path, file: str, why: str) -> str:
 
 def read_dcp_metadata(folder: Path, name: str = ".metadata"):
     """DCP's metadata of `folder` (a checkpoint's trainable/), unpickled through `_MetadataUnpickler`: CheckpointError
-    when it asks for anything else."""
+    when it asks for anything else, or when this torch cannot build it (`unreadable_metadata`)."""
     with open(folder / name, "rb") as handle:
         try:
             return _MetadataUnpickler(handle).load()
         except pickle.UnpicklingError as exc:
             raise CheckpointError(untrusted_checkpoint(folder.parent, f"{folder.name}/{name}", str(exc))) from None
+        except (ValueError, TypeError, AttributeError, EOFError, IndexError) as exc:
+            raise CheckpointError(unreadable_metadata(folder.parent, f"{folder.name}/{name}", exc)) from None
+
+
+def writer_torch(path: Path) -> str | None:
+    """The torch version that wrote checkpoint `path` (its manifest.json; None before finetune recorded it)."""
+    try:
+        written = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("torch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return written if isinstance(written, str) else None
+
+
+def newer_torch(path: Path) -> str | None:
+    """The torch version that wrote checkpoint `path` when it is newer than this one (its DCP metadata may then be
+    unreadable here: torch 2.15's does not unpickle in 2.11-2.13, bb48), else None."""
+    import torch
+    from packaging.version import InvalidVersion, Version
+
+    written = writer_torch(path)
+    try:
+        return written if written and Version(written).release > Version(torch.__version__).release else None
+    except InvalidVersion:
+        return None
+
+
+def unreadable_metadata(path: Path, name: str, exc: BaseException) -> str:
+    """Checkpoint `path`'s DCP metadata that this torch cannot build: a newer torch's format (DCP checkpoints load in
+    the torch that wrote them or a newer one) or a damaged file. Said instead of a traceback (export, generate) or of
+    "does not fit this model" (a resume, which blamed the base and the LoRA settings)."""
+    import torch
+
+    here = torch.__version__
+    reason = f"{type(exc).__name__}: {exc}"
+    if written := newer_torch(path):
+        release = written.split("+")[0]
+        return (f"checkpoint {path}: {name} was written by torch {written}, and this is torch {here}, which cannot read "
+                f"its format ({reason}): DCP checkpoints load in the torch that wrote them or a newer one. Fix: use "
+                f"torch {release} or newer here (pip install 'torch>={release}'), or read it where it was written.")
+    written = writer_torch(path)
+    by = (f"written by torch {written}" if written else "its manifest names no torch version (finetune recorded it "
+          "from 2026-12 on)")
+    return (f"checkpoint {path}: {name} cannot be read by torch {here} ({reason}; {by}). A checkpoint written by a "
+            "newer torch loads only in that torch or a newer one; one written by this torch or an older one is "
+            "damaged. Fix: read it with the torch that wrote it (or newer), or resume from an earlier checkpoint.")
 
 
 @functools.cache
