@@ -180,9 +180,12 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
     if data.packing:
         lines.append(f"packing: on, {stats.train_examples} examples in {stats.train_sequences} rows of <= {data.max_length} "
                      f"tokens; efficiency {stats.batch_efficiency:.1%} non-pad tokens (unpacked: {stats.unpacked_efficiency:.1%})")
-    else:
+    elif recipe.train.objective == "sft":
         lines.append(f"packing: off; efficiency {stats.batch_efficiency:.1%} non-pad tokens (data.packing: true would "
                      "put several examples per row)")
+    else:  # preference, unpaired, reward and prompt rows are never packed (recipe/checks.py refuses data.packing)
+        lines.append(f"packing: off (train.objective {recipe.train.objective} rows are not packed); efficiency "
+                     f"{stats.batch_efficiency:.1%} non-pad tokens")
     lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch,
                           rows_per_micro_batch=recipe.rows_per_micro_batch)
     for reason in stats.skipped_reasons[:3]:

@@ -12,6 +12,7 @@ from finetune.data.cache import dataset_store
 from finetune.data.chat import note_turn_end
 from finetune.data.examples import DataStats, Example, PreparedData, weighted_share
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
+from finetune.data.ported_rows import kto_spec, unpaired_note
 from finetune.data.prompts import prompt_examples
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
 from finetune.errors import DataError, FinetuneError
@@ -19,9 +20,10 @@ from finetune.recipe import Recipe
 
 # Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
 LENGTH_COUNTS = ("cut_tokens", "tokens_before_cut", "split_rows", "split_pieces", "blank_lines", "own_prompt_rows",
-                 "prefill_rows", "arrow_null_rows", "template_kwargs_rows")
+                 "prefill_rows", "arrow_null_rows", "template_kwargs_rows", "unpaired_pairs")
 # Where the first row of a count is (tokenize.ChunkResult's first_* fields), kept the same way, for the notes.
-FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row", "first_template_kwargs_row")
+FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row", "first_template_kwargs_row",
+              "first_unpaired_pair")
 CUT_WARNING_SHARE = 0.10  # truncation cutting more of the tokens than this is said as a warning
 
 
@@ -75,7 +77,7 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     if any(spec.format == "chat" for spec in recipe.data.datasets):
         note_turn_end(tokenizer)  # said here too: rows mapped from the cache are not rendered again
     for index, spec in enumerate(recipe.data.datasets):
-        store, counts = dataset_store(spec, recipe, tokenizer)
+        store, counts = dataset_store(kto_spec(spec, recipe.train.objective), recipe, tokenizer)  # kto: pairs unpaired
         _count(stats, store, counts, spec, f"data.datasets[{index}]", recipe)
         stores.append(store)
         origin += [index] * len(store)
@@ -104,7 +106,7 @@ def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore
     for index, spec in enumerate(recipe.data.eval_datasets):
         key = f"data.eval_datasets[{index}]"
         try:
-            store, counts = dataset_store(spec, recipe, tokenizer)
+            store, counts = dataset_store(kto_spec(spec, recipe.train.objective), recipe, tokenizer)
         except DataError as exc:  # the loaders name data.datasets; this is an eval file
             raise DataError(str(exc).replace("data.datasets[]", key).replace("data.datasets path", f"{key} path", 1)
                             ) from None
@@ -195,7 +197,8 @@ def data_line(stats: DataStats, recipe: Recipe) -> str:
 
 def prompt_notes(stats: DataStats) -> list[str]:
     """The notes about prompts (data line, `finetune data`): rows tokenized in pieces so that their prompts keep their
-    own tokens (tokens.own_prompt_note), rows trained after less than the generation prompt (chat.prefill_note)."""
+    own tokens (tokens.own_prompt_note), rows trained after less than the generation prompt (chat.prefill_note), ...,
+    a pair file's pairs unpaired into KTO rows (ported_rows.unpaired_note)."""
     return count_notes(stats.per_dataset)
 
 
@@ -209,7 +212,8 @@ def count_notes(entries: list[dict]) -> list[str]:
     for count, first, say in (("own_prompt_rows", "first_own_prompt_row", own_prompt_note),
                               ("prefill_rows", "first_prefill_row", prefill_note),
                               ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note),
-                              ("template_kwargs_rows", "first_template_kwargs_row", _template_kwargs_note)):
+                              ("template_kwargs_rows", "first_template_kwargs_row", _template_kwargs_note),
+                              ("unpaired_pairs", "first_unpaired_pair", unpaired_note)):
         rows = sum(int(entry.get(count, 0)) for entry in entries)
         if rows:
             notes.append(say(rows, next((e[first] for e in entries if e.get(first)), "?")))

@@ -15,6 +15,13 @@
   true/false or 1/0; chat_template.py trains a turn whose flag is set, whatever its role, and leaves one flagged off
   untrained): an assistant turn flagged off is context, not trained. finetune trains assistant turns only, so a
   user, system or tool turn flagged on is refused, as are the character spans of `message_field_training_detail`.
+- TRL's pair files under KTO (prompt/chosen/rejected, the implicit-prompt form too, given as `format: preference` or
+  `format: unpaired_preference`): unpaired as TRL 1.16's KTOTrainer unpairs them (data_utils.unpair_preference_dataset,
+  which it calls on a dataset whose rows have `chosen` and `rejected`): each pair becomes its prompt with the chosen
+  completion, label true, and its prompt with the rejected one, label false. TRL maps `_unpair_row` over batches of
+  1,000 rows, each batch's chosen rows first, then its rejected rows in the same order: a chunk of rows here is 1,000
+  rows (fewer only where they pass readers.CHUNK_CHARS of text), and is unpaired the same way. Before, a pair file was
+  refused under kto, with a hint naming SFT formats.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ FLAG_KEYS = TRAINING_KEYS[:3]  # training, train, weight: one flag for the whole
 DETAIL_KEYS = TRAINING_KEYS[3:]  # training_detail, train_detail: character spans of a turn
 ALPACA_FIELDS = ("instruction", "input", "output", "history")
 KTO_TAG = "kto_tag"  # LLaMA-Factory's name for TRL's `label`
+UNPAIRED_ONLY = ("completion", "label", "messages")  # the fields of an unpaired row that a pair has not
 
 
 # ------------------------------------------------------------------------------------- LLaMA-Factory's alpaca rows
@@ -114,6 +122,55 @@ def split_completion(turns, spec: DatasetSpec, column: str, where: str) -> tuple
                         "message is the completion that `label` (or `kto_tag`) judges, so it must be the assistant's; "
                         "the messages before it are the prompt. Fix the row, or set data.bad_rows: skip.")
     return turns[:-1], turns[-1:]
+
+
+# ------------------------------------------------------------------------------------- pair files under KTO
+def kto_spec(spec: DatasetSpec, objective: str) -> DatasetSpec:
+    """The dataset as train.objective reads it: under kto, a pair file (`format: preference`) is unpaired preference
+    data whose rows are pairs (pair_row), tokenized and cached as KTO rows; any other dataset as it is."""
+    if objective == "kto" and spec.format == "preference":
+        return spec.model_copy(update={"format": "unpaired_preference"})
+    return spec
+
+
+def pair_row(spec: DatasetSpec, row) -> bool:
+    """Whether a row of unpaired preference data is a preference pair to unpair (TRL's KTOTrainer unpairs rows with
+    `chosen` and `rejected`): both answers there (the columns `columns` maps them to), and no `completion`."""
+    if spec.format != "unpaired_preference" or not isinstance(row, dict):
+        return False
+    column = {name: spec.columns.get(name, name) for name in ("chosen", "rejected", "completion")}
+    return column["chosen"] in row and column["rejected"] in row and column["completion"] not in row
+
+
+def pair_spec(spec: DatasetSpec) -> DatasetSpec:
+    """How a pair row of unpaired preference data is read and rendered: as format preference reads a pair (its
+    implicit-prompt form too: chosen and rejected whole conversations, the prompt their shared opening turns, as TRL's
+    extract_prompt before it unpairs), without the unpaired fields' mappings."""
+    columns = {name: column for name, column in spec.columns.items() if name not in UNPAIRED_ONLY}
+    return spec.model_copy(update={"format": "preference", "columns": columns})
+
+
+def checked_spec(spec: DatasetSpec, rows: list) -> DatasetSpec:
+    """The spec whose fields a dataset's rows must have: a pair file's (pair_spec) where its rows are pairs."""
+    return pair_spec(spec) if any(pair_row(spec, row) for row in rows) else spec
+
+
+def unpaired(kept: list) -> tuple[list, list[str]]:
+    """((segments, desirable), place) of a chunk's rendered rows (`kept`: (rendering, place)), pairs unpaired in TRL's
+    order (module docstring): first every row in order (a pair as its chosen completion, desirable), then each pair's
+    rejected completion (undesirable), in the same order; and the pairs' places. A rendered pair is (chosen segments,
+    rejected segments), a rendered KTO row (segments, label)."""
+    pairs = [(item, place) for item, place in kept if isinstance(item[1], list)]
+    first = [((item[0], True), f"{place} (chosen)") if isinstance(item[1], list) else (item, place)
+             for item, place in kept]
+    return first + [((item[1], False), f"{place} (rejected)") for item, place in pairs], [place for _, place in pairs]
+
+
+def unpaired_note(pairs: int, first: str) -> str:
+    """The note of the pairs unpaired (data line, `finetune data`)."""
+    return (f"{pairs:,} preference pair{'s' if pairs != 1 else ''} (the first: {first}) unpaired into {2 * pairs:,} "
+            "KTO rows, as TRL's KTOTrainer does: each pair's prompt with its chosen completion (desirable) and with "
+            "its rejected one (undesirable)")
 
 
 # --------------------------------------------------------------------------------- axolotl's per-message flags

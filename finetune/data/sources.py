@@ -16,6 +16,7 @@ from pathlib import Path
 
 from finetune.data.csv_files import csv_rows
 from finetune.data.folders import folder_files, saved_folder
+from finetune.data.ported_rows import checked_spec
 from finetune.data.readers import (
     CHUNK_CHARS,
     CHUNK_ROWS,
@@ -381,7 +382,8 @@ def _check_column_names(spec: DatasetSpec, where: str) -> None:
         return
     required, optional = FORMAT_FIELDS[spec.format]
     turns = ("role", "content", "reasoning") if spec.format in ("chat", "preference", "unpaired_preference") else ()
-    fields = sorted({*required, *optional, *turns})
+    pairs = ("chosen", "rejected") if spec.format == "unpaired_preference" else ()  # a pair file, unpaired (ported_rows)
+    fields = sorted({*required, *optional, *turns, *pairs})
     unknown = sorted(set(spec.columns) - set(fields))
     if unknown:
         raise DataError(f"{where}.columns: `{unknown[0]}` is not a field of format `{spec.format}` (its fields: "
@@ -407,12 +409,26 @@ def _check_first_lines(path: Path, spec: DatasetSpec, where: str, *, bad_rows: s
     if rows and not objects:
         raise DataError(f"{where}: the rows are {type(rows[0]).__name__}s, not objects with the fields of format "
                         f"`{spec.format}`.")
+    spec = checked_spec(spec, objects)  # a pair file given as unpaired_preference: a pair's fields (ported_rows)
     required, _ = FORMAT_FIELDS[spec.format]
     for name in required:
         if objects and all(_column(spec, name, row) not in row for row in objects):
             fields = sorted({key for row in objects for key in row})
             raise DataError(
                 f"{where}: no row has the `{_column(spec, name, objects[0])}` field that format `{spec.format}` needs "
-                f"(fields: {', '.join(fields) or 'none'}). Set the dataset's format (alpaca | chat | completion | "
-                "text) or map the columns with `columns:`."
+                f"(fields: {', '.join(fields) or 'none'}). {_FORMAT_FIX[_FAMILY.get(spec.format, 'sft')]}"
             )
+
+
+# The formats of each family (what an objective trains on: recipe/objectives.py), for a file whose rows lack a field
+# of its format: its fix names the formats its objectives take (a kto run cannot use an SFT format).
+_FAMILY = {"preference": "preference", "unpaired_preference": "preference", "prompt": "prompt"}
+_FORMAT_FIX = {
+    "sft": "Set the dataset's format (alpaca | chat | completion | text: the formats of train.objective sft) or map "
+           "the columns with `columns:`.",
+    "preference": "Set the dataset's format (preference: prompt/chosen/rejected pairs, for train.objective dpo and "
+                  "reward, and kto, which unpairs them as TRL's KTOTrainer does | unpaired_preference: "
+                  "prompt/completion/label rows, for kto) or map the columns with `columns:` (docs/preference.md).",
+    "prompt": "Format prompt (train.objective grpo) needs each row's `prompt` (text or chat messages): map yours with "
+              "`columns: {prompt: NAME}` (docs/grpo.md).",
+}

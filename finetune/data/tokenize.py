@@ -35,6 +35,7 @@ from finetune.data.conversations import closing_tag_reads, renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
+from finetune.data.ported_rows import checked_spec, pair_row, pair_spec, unpaired
 from finetune.data.readers import CHUNK_CHARS, BlankLine, data_suffix
 from finetune.data.templates import (
     FORMAT_FIELDS,
@@ -55,7 +56,7 @@ KEPT_REASONS = 20  # skipped rows whose reasons are kept (every skip is counted)
 NAMED_DROPS = 5  # rows dropped for length that the data line names
 # The fields whose value may be a list of chat turns (whose keys data.datasets[].columns role/content/reasoning name).
 TURN_LISTS = {"chat": ("messages",), "preference": ("prompt", "chosen", "rejected"),
-              "unpaired_preference": ("prompt", "completion"), "prompt": ("prompt",)}
+              "unpaired_preference": ("prompt", "completion", "chosen", "rejected"), "prompt": ("prompt",)}
 # A row error's advice to skip such rows (`, or set data.bad_rows: skip [to skip ... with a count]`), said to no one
 # when rows are skipped already: dropped from the reasons kept under data.bad_rows: skip.
 _SKIP_ADVICE = re.compile(r",? or set data\.bad_rows: skip(?: to skip [^.]*)?(?=\.)| \(data\.bad_rows: skip\)")
@@ -71,7 +72,7 @@ class ChunkResult:
                                                   "closing_tag_rows": 0, "cut_tokens": 0, "tokens_before_cut": 0,
                                                   "split_rows": 0, "split_pieces": 0, "blank_lines": 0,
                                                   "own_prompt_rows": 0, "prefill_rows": 0, "arrow_null_rows": 0,
-                                                  "template_kwargs_rows": 0})
+                                                  "template_kwargs_rows": 0, "unpaired_pairs": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
     fatal: str | None = None  # a problem that ends the build (raised by the builder)
@@ -85,6 +86,7 @@ class ChunkResult:
     first_prefill_row: str | None = None
     first_arrow_null_row: str | None = None  # the first row whose tools lost Arrow's null keys (templates.arrow_cleaned)
     first_template_kwargs_row: str | None = None  # the first row with its own chat_template_kwargs, and them
+    first_unpaired_pair: str | None = None  # the first pair unpaired into two KTO rows (ported_rows.unpaired)
 
 
 def parse_lines(lines: list[str], places: list[str], path: str, *, bad_rows: str) -> tuple[list, list[str], list[str]]:
@@ -111,6 +113,7 @@ def check_dataset(rows: list, spec: DatasetSpec, tokenizer, source: str, *, whol
     check_sample_by(spec, source)
     whole = whole and len(rows) <= 1000
     dict_rows = [row for row in rows[:1000] if isinstance(row, dict)]
+    spec = checked_spec(spec, dict_rows)  # a pair file under kto: a pair's fields (ported_rows)
     required, _ = FORMAT_FIELDS[spec.format]
     for name in required:
         if dict_rows and all(_column(spec, name, row) not in row for row in dict_rows):
@@ -216,13 +219,8 @@ def _check_tools(rows: list[dict], spec: DatasetSpec, tokenizer, source: str) ->
 
 
 def _other_preference_kind(spec: DatasetSpec, columns: list[str], source: str) -> None:
-    """Pairs given as unpaired preference data, or unpaired rows as pairs: say which kind the rows are."""
-    if spec.format == "unpaired_preference" and {"chosen", "rejected"} <= set(columns):
-        raise DataError(
-            f"{source}: the rows have `chosen` and `rejected` (preference pairs), but format `unpaired_preference` "
-            "(train.objective: kto) needs one completion per row with a `label` (true: desirable, false: undesirable). "
-            "Fix: unpair the file (each pair -> a row with the chosen completion and label true, and a row with the "
-            "rejected one and label false), or train on the pairs with format: preference and train.objective: dpo.")
+    """Unpaired rows given as pairs: say which kind the rows are (pairs given as unpaired preference data are unpaired,
+    as TRL's KTOTrainer unpairs them: ported_rows)."""
     if spec.format == "preference" and {"completion", "label"} <= set(columns):
         raise DataError(
             f"{source}: the rows have `completion` and `label` (unpaired preference data, TRL's KTO format), but "
@@ -243,8 +241,8 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     rendered = []
     for row, place in zip(rows, places):
         read_before, missed_before, nulls_before = closing_tag_reads(), prefill_misses(), arrow_null_rows()
-        rendered.append(_render_or_reason(row, spec, tokenizer, data.system_prompt, f"{spec.path} {place}",
-                                          reasoning=data.reasoning))
+        rendered.append(_render_or_reason(row, pair_spec(spec) if pair_row(spec, row) else spec, tokenizer,
+                                          data.system_prompt, f"{spec.path} {place}", reasoning=data.reasoning))
         if prefill_misses() > missed_before and not isinstance(rendered[-1], str):
             result.counts["prefill_rows"] += 1
             result.first_prefill_row = result.first_prefill_row or f"{spec.path} {place}"
@@ -263,13 +261,8 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     bos = not template_rendered(spec, tokenizer)  # a chat template writes BOS itself where the model has one
     if spec.format == "preference":
         _pairs(kept, spec, recipe, tokenizer, result, bos=bos)
-    elif spec.format == "unpaired_preference":  # (segments, label): the length policy of SFT rows (TRL's keep_start)
-        all_segments = [segments for (segments, _), _ in kept]
-        tokenized = tokenize_prompted(all_segments, tokenizer, bos=bos)
-        answers = prompted_answer_starts(all_segments, tokenizer, bos=bos)
-        for example, answer, ((_, desirable), place) in zip(tokenized, answers, kept):
-            example.desirable = desirable
-            _length_policy(example, spec, place, data, result, answer=answer)
+    elif spec.format == "unpaired_preference":
+        _unpaired_rows(kept, spec, data, tokenizer, result, bos=bos)
     else:  # a row may give several examples (a conversation whose template rewrites history: data/chat.py)
         flat = [(segments, place) for examples, place in kept for segments in examples]
         own_places: list[str] = []
@@ -288,6 +281,20 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
     if data.bad_rows == "skip":
         result.reasons = [_SKIP_ADVICE.sub("", reason) for reason in result.reasons]
     return result
+
+
+def _unpaired_rows(kept: list, spec: DatasetSpec, data, tokenizer, result: ChunkResult, *, bos: bool) -> None:
+    """KTO rows ((segments, label) each): the length policy of SFT rows (TRL's keep_start). A pair file's rows are
+    unpaired first, as TRL's KTOTrainer unpairs them (ported_rows.unpaired), and counted."""
+    kept, pairs = unpaired(kept)
+    result.counts["unpaired_pairs"] += len(pairs)
+    result.first_unpaired_pair = f"{spec.path} {pairs[0]}" if pairs else None
+    all_segments = [segments for (segments, _), _ in kept]
+    tokenized = tokenize_prompted(all_segments, tokenizer, bos=bos)
+    answers = prompted_answer_starts(all_segments, tokenizer, bos=bos)
+    for example, answer, ((_, desirable), place) in zip(tokenized, answers, kept):
+        example.desirable = desirable
+        _length_policy(example, spec, place, data, result, answer=answer)
 
 
 def _count_own_prompts(result: ChunkResult, spec: DatasetSpec, own_places: list[str]) -> None:
@@ -411,3 +418,4 @@ def merge_counts(total: dict, result: ChunkResult) -> None:
     total["first_prefill_row"] = total.get("first_prefill_row") or result.first_prefill_row
     total["first_arrow_null_row"] = total.get("first_arrow_null_row") or result.first_arrow_null_row
     total["first_template_kwargs_row"] = total.get("first_template_kwargs_row") or result.first_template_kwargs_row
+    total["first_unpaired_pair"] = total.get("first_unpaired_pair") or result.first_unpaired_pair

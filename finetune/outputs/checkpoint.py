@@ -336,10 +336,9 @@ def _write_manifest(folder: Path, step: int, trainer_state: dict) -> int:
     """manifest.json: every file with size and sha256, written last (its presence marks a complete checkpoint)."""
     files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
              for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST}
-    manifest = {"format": 1, "step": step, "world_size": trainer_state.get("world_size"),
-                "strategy": trainer_state.get("strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "finetune": finetune_version(), "torch": torch.__version__,  # which finetune: a resume can name an
-                "files": files}  # upgrade; which torch: DCP's metadata loads in that torch or a newer one only
+    manifest = {"format": 1, "step": step, "world_size": trainer_state.get("world_size"), "strategy": trainer_state.get(
+        "strategy"), "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "finetune": finetune_version(),  # (an upgrade named)
+                "torch": torch.__version__, "files": files}  # DCP's metadata loads in that torch or a newer one only
     _write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
     return sum(entry["bytes"] for entry in files.values())
 

@@ -41,9 +41,12 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
     ObjectiveSpec("sft", "finetune.training.objectives.sft:Supervised"),
     ObjectiveSpec("dpo", "finetune.training.objectives.preference:Preference", "finetune.recipe.preference:PreferenceSection",
                   ("preference",), _PAIRS, pairs=True),
-    ObjectiveSpec("kto", "finetune.training.objectives.kto:KTO", "finetune.recipe.kto:KTOSection", ("unpaired_preference",),
+    # A pair file (format: preference) is unpaired as TRL's KTOTrainer unpairs it (data/ported_rows.py)
+    ObjectiveSpec("kto", "finetune.training.objectives.kto:KTO", "finetune.recipe.kto:KTOSection",
+                  ("unpaired_preference", "preference"),
                   "give rows with prompt/completion/label (label true: desirable, false: undesirable) and set its format: "
-                  "unpaired_preference (a pair file unpairs into one desirable and one undesirable row per pair)",
+                  "unpaired_preference, or give pairs (prompt/chosen/rejected) with format: preference, which finetune "
+                  "unpairs as TRL's KTOTrainer does (each pair: one desirable and one undesirable row)",
                   reads=(("dpo", ("reference", "disable_dropout")),),
                   reads_hint="set KTO's loss and beta in the kto: section (kto.loss, kto.beta, kto.desirable_weight, "
                              "kto.undesirable_weight), and remove the rest."),
