@@ -390,7 +390,7 @@ def checkpointed_run(checkpoint_recipe, tmp_path_factory):
 STRATEGY_STEPS = ["train.max_steps=5", "train.eval_every=5", "eval.generation_rows=2", "eval.max_new_tokens=3"]
 STRATEGY_OVERRIDES = {"fsdp2": ["parallel.strategy=fsdp", "parallel.fsdp_version=2"],
                       "fsdp1": ["parallel.strategy=fsdp", "parallel.fsdp_version=1"],
-                      "ddp": ["parallel.strategy=ddp"]}
+                      "ddp": ["parallel.strategy=ddp", "train.micro_batch_size=1", "train.grad_accum=2"]}
 
 
 @pytest.fixture(scope="session")

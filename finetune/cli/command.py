@@ -296,7 +296,6 @@ def _add_output_verbs(verbs) -> None:
     p = verbs.add_parser("checkpoints", help="a run's kept checkpoints with their eval losses (the best marked)")
     p.add_argument("run", help="run folder (output.dir)")
     p.set_defaults(func=_delegate("finetune.cli.export", "cli_checkpoints"))
-
     p = verbs.add_parser("generate", help="generate with a run's adapter (or chat interactively)")
     p.add_argument("source", help="run folder, adapter folder, or checkpoint folder (RUN/checkpoints/step-N)")
     p.add_argument("--step", type=positive_int, help="the run's kept checkpoint of this step instead of its final adapter")
@@ -304,6 +303,7 @@ def _add_output_verbs(verbs) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per reply at most (default 64)")
     p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
     p.add_argument("--base", help="the base model, where it is no longer where the run's recipe.yaml names it")
+    p.add_argument("--tools", metavar="FILE", help="tool schemas offered to every prompt (a JSON list, OpenAI's form)")
     p.set_defaults(func=_delegate("finetune.cli.generate", "cli_generate"))
 
     p = verbs.add_parser("recipes", help="the recipe library: list, show NAME, copy NAME DEST")

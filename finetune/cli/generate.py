@@ -4,12 +4,16 @@
     finetune generate runs/quickstart --prompt "..." --no-adapter     the base alone, for comparison
     finetune generate runs/quickstart                                 interactive chat (/reset, /exit)
     finetune generate runs/quickstart --step 20 --prompt "..."        a kept checkpoint's adapter (finetune checkpoints)
+    finetune generate runs/tools --tools tools.json --prompt "..."    tools offered to every prompt of the session
 
 The base is loaded exactly as in training (the run's recipe: 4-bit, GGUF conversion, dtype). A prompt is rendered as
 the run's rows rendered theirs in training (data.datasets[0]; finetune/data/prompts.py: dataset_prompt_ids, the code
 GRPO's prompts use): alpaca rows' template, the raw text of completion and text rows and of GRPO's text prompts, the
 chat template for chat rows (history kept in the interactive chat), each with the dataset's system prompt and tools
-where its rows had them; the first line says which. Decoding is greedy and stops at every end token the model lists,
+where its rows had them; the first line says which. Rows with their own `tools` column (Glaive's, the shipped
+recipes/qwen3-8b-tools.yaml) offered each its own: a prompt gets the tools of `--tools FILE` (a JSON list of schemas in
+the rows' OpenAI form, or JSON Lines of one a line) through apply_chat_template(tools=...), and without it a line says
+that the rows carried tools this prompt lacks. Decoding is greedy and stops at every end token the model lists,
 and at the chat template's end of turn where that is text to the tokenizer (ChatML's `<|im_end|>` on a Llama 2 base,
 trained as pieces: the answer is cut there), so the same prompt gives the same answer. A reply is read as a chat client
 reads it (finetune/data/replies.py): the final answer is printed, without the reasoning (a `<think>` block, harmony's
@@ -21,6 +25,7 @@ generates nothing: refused.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,8 +34,8 @@ import torch
 
 from finetune.data.prompts import dataset_prompt_ids, turn_end_stops
 from finetune.data.replies import shown
-from finetune.data.templates import row_system, template_rendered
-from finetune.errors import FinetuneError
+from finetune.data.templates import row_system, row_tools, template_rendered
+from finetune.errors import DataError, FinetuneError
 from finetune.outputs.export import (
     ExportError,
     Source,
@@ -67,12 +72,14 @@ def load_for_generation(source: Source, *, no_adapter: bool):
 class PromptStyle:
     """How the run's rows rendered a prompt: the dataset they are copied from (keys in their normal form), the
     recipe's data.system_prompt (the dataset's own wins), whether a prompt is a conversation (the chat template, the
-    history kept) or a text alone, and what the first line says of it."""
+    history kept) or a text alone, what the first line says of it, and the tools of `--tools` (every prompt's, in
+    place of the dataset's, as a row's own `tools` column takes the place of them in training)."""
 
     spec: DatasetSpec
     system_prompt: str | None
     conversation: bool
     said: str
+    tools: list[dict] | None = None
 
 
 def prompt_style(recipe: Recipe | None, tokenizer) -> PromptStyle:
@@ -126,7 +133,91 @@ def render(tokenizer, messages: list[dict], system_prompt: str | None = None, *,
     tokenizer's chat template, else the raw text, and `system_prompt`). A text rendering asks the last message alone."""
     style = style or replace(prompt_style(None, tokenizer), system_prompt=system_prompt)
     prompt = messages if style.conversation else messages[-1]["content"]
-    return dataset_prompt_ids(prompt, style.spec, tokenizer, style.system_prompt)
+    row = {"tools": style.tools} if style.tools else None  # as a row's own `tools` column: the template's `tools`
+    return dataset_prompt_ids(prompt, style.spec, tokenizer, style.system_prompt, row=row)
+
+
+TOOLS_FIX = ("Fix: write the file as a JSON list of function schemas in the OpenAI form a row's `tools` column holds, "
+             '[{"type": "function", "function": {"name": "...", "description": "...", "parameters": {...}}}], or as '
+             "JSON Lines of one schema a line, or leave --tools out.")
+
+
+def read_tools_file(path: str) -> list[dict]:
+    """The tools of `--tools FILE`: a JSON list of function schemas (OpenAI's form, as the rows' `tools` hold them; a
+    bare or flat schema is wrapped as in training, conversations.normalize_tools), or JSON Lines of one schema a line."""
+    from finetune.data.conversations import normalize_tools
+
+    where = f"--tools {path}"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8-sig")  # UTF-8 whatever the locale, a BOM dropped
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{where}: the file cannot be read as UTF-8 text ({exc}). {TOOLS_FIX}") from None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        tools = _json_lines(text, where, exc)
+    if isinstance(tools, dict):  # one schema alone (or JSON Lines of one line)
+        tools = [tools]
+    try:
+        normal = normalize_tools(tools, where)
+    except DataError as exc:
+        raise DataError(f"{exc} {TOOLS_FIX}") from None
+    if not normal:
+        raise DataError(f"{where}: the file holds no tools (an empty list). {TOOLS_FIX}")
+    return normal
+
+
+def _json_lines(text: str, where: str, whole: json.JSONDecodeError) -> list:
+    """The schemas of a JSON Lines file; a file that is neither JSON nor JSON Lines is the error of `--tools`."""
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if len(lines) < 2:
+        raise DataError(f"{where}: not valid JSON ({whole}). {TOOLS_FIX}")
+    tools = []
+    for number, line in lines:
+        try:
+            tools.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: neither one JSON value ({whole}) nor JSON Lines (line {number}: {exc}). "
+                            f"{TOOLS_FIX}") from None
+    return tools
+
+
+def with_tools(style: PromptStyle, tokenizer, tools: list[dict], path: str) -> PromptStyle:
+    """The style with `--tools` in every prompt, where a prompt has a place for them: the chat template, one that
+    renders its `tools` (DeepSeek-R1 distills' does not)."""
+    from finetune.data.chat import chat_template_text
+    from finetune.data.conversations import renders_tools
+
+    if not style.conversation:
+        raise DataError(f"--tools {path}: the prompts are rendered as {style.said}, with no chat template, so they "
+                        "have no place for tools and the model was never trained with any. Fix: leave --tools out "
+                        "(tools reach a prompt through a chat template: chat rows, or GRPO's chat prompts).")
+    if not renders_tools(chat_template_text(tokenizer, tools=True)):
+        raise DataError(f"--tools {path}: the tokenizer's chat template does not render `tools`, so the model would "
+                        "never see them. Fix: leave --tools out, or train with a model.chat_template that renders "
+                        "them.")
+    return replace(style, tools=tools, said=f"{style.said}, with the {len(tools)} tool{'s' * (len(tools) > 1)} of {path}")
+
+
+def rows_tools_note(recipe: Recipe | None, style: PromptStyle) -> str | None:
+    """The line said when the run's rows offered their own tools (a `tools` column, read off data.datasets[0]'s first
+    row) and the prompts have no --tools: a bug bash (bb53 #5) found such a run asked without any, silently."""
+    if recipe is None or style.tools or not style.conversation:
+        return None
+    from finetune.data.sources import load_rows
+
+    given = recipe.data.datasets[0]
+    try:
+        rows = load_rows(given.model_copy(update={"max_rows": 1}))
+        own = row_tools(rows[0], given.model_copy(update={"tools": None}), "row 1") if rows else None
+    except (FinetuneError, OSError, ValueError, AttributeError, TypeError):
+        return None  # the data cannot be read any more (or its first row is not a row): nothing to say of it
+    if not own:
+        return None
+    has = "only data.datasets[0].tools" if given.tools else "none"
+    return (f"[finetune] note: the run's rows carried their own tools (a `tools` column: {len(own)} in the first "
+            f"row); these prompts have {has}, so the model is asked outside what it trained on. Pass --tools FILE (a "
+            "JSON list of the tool schemas) to offer them.")
 
 
 def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int) -> list[str]:
@@ -190,8 +281,10 @@ def on_base(source, base: str | None):
 
 
 def cli_generate(args: argparse.Namespace) -> int:
-    """`finetune generate SOURCE [--step N] [--base B] [--prompt P ...] [--max-new-tokens N] [--no-adapter]`."""
-    base = getattr(args, "base", None)
+    """`finetune generate SOURCE [--step N] [--base B] [--tools FILE] [--prompt P ...] [--max-new-tokens N]
+    [--no-adapter]`."""
+    base, tools_file = getattr(args, "base", None), getattr(args, "tools", None)
+    tools = read_tools_file(tools_file) if tools_file else None  # a bad file named before anything loads
     with open_source(args.source, step=getattr(args, "step", None), base=base) as source:
         source = on_base(source, base)
         if not args.no_adapter:
@@ -201,11 +294,14 @@ def cli_generate(args: argparse.Namespace) -> int:
             check_adapter_weights(source.adapter_dir)  # a cut-short file named before the base loads, not after (bb30)
         model, tokenizer = load_for_generation(source, no_adapter=args.no_adapter)
     style = prompt_style(source.recipe, tokenizer)
+    style = with_tools(style, tokenizer, tools, tools_file) if tools else style
     what = "base model alone" if args.no_adapter else f"base + adapter {source.origin}"
     stops = turn_end_stops(tokenizer)
     until = f", ending at the template's `{stops[0]}` written as text" if stops else ""
     print(f"[finetune] generating with the {what} (greedy, up to {args.max_new_tokens} new tokens{until}); prompts "
           f"rendered as {style.said}")
+    if note := rows_tools_note(source.recipe, style):
+        print(note)
     if not args.prompt:
         chat(model, tokenizer, style=style, max_new_tokens=args.max_new_tokens)
         return 0

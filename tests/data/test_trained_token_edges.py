@@ -266,3 +266,24 @@ def test_preview_never_counts_or_marks_an_examples_first_token_as_trained(tmp_pa
     total, trained = (int(n) for n in re.search(r"; (\d+) tokens, (\d+) trained", out).groups())
     assert trained == total - 6, out
     assert "--- example 1 (" in out and "\n[[l" not in out and "(13 tokens, 12 trained)" in out, out
+
+
+# ------------------------------------------------------------------------------------------------- the length cut
+def test_an_answer_starting_at_max_length_is_dropped_and_one_a_token_earlier_keeps_one_target():
+    """Found by a bug bash (mutation testing, bb50 S6): `first <= max_length` in place of `<` passed every test; a row
+    whose answer starts at token max_length was then cut to max_length tokens and kept with nothing to learn.
+    Counted by hand: the tiny tokenizer has no BOS and makes one token of each `|` and of `4`; the completion row
+    `|` x n + `4` + EOS is n + 2 tokens, its first target at index n."""
+    tokenizer, limit = build_tokenizer(), 16
+    assert tokenizer.bos_token is None and tokenizer.tokenize("|" * 5 + "4") == ["|"] * 5 + ["4"]
+    four = tokenizer.convert_tokens_to_ids("4")
+    at, before = ({"prompt": "|" * n, "completion": "4"} for n in (limit, limit - 1))
+    result = tokenized([at, before], "completion", tokenizer, max_length=limit)
+    assert result.counts["dropped"] == 1 and result.dropped_rows == ["rows.jsonl line 1"] and not result.fatal
+    (kept,) = result.examples  # line 2: cut to `|` x 15 + `4` (its EOS cut), one trained token
+    assert len(kept.input_ids) == limit and kept.input_ids[-1] == four
+    assert [label for label in kept.labels if label != IGNORE_INDEX] == [four] and kept.labels.index(four) == limit - 1
+    assert result.counts["truncated"] == 1 and result.counts["cut_tokens"] == 1
+    refused = tokenized([at, before], "completion", tokenizer, max_length=limit, overlong="error")
+    assert "rows.jsonl line 1: the answer starts at token 16 of max_length 16" in refused.fatal
+    assert tokenized([before], "completion", tokenizer, max_length=limit, overlong="error").fatal is None

@@ -87,6 +87,16 @@ def test_merged_model_matches_base_plus_adapter(trained_run, tiny_llama, tmp_pat
     got = _logits(merged, _ids())
     assert (got - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16 rounding of the merged weights
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    # The weights themselves: PEFT's own merge_and_unload of the run's adapter/ folder (not the adapter folder export
+    # writes and merges: export's checks compare with that one, so a wrong tensor or config there passed them and the
+    # logits above, within bf16 rounding; bug bash bb50), in fp32 as export merges, then rounded to bf16 as it saves.
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    oracle = PeftModel.from_pretrained(base, str(trained_run / "adapter")).merge_and_unload().state_dict()
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        names = list(handle.keys())
+        assert any(name.endswith("q_proj.weight") for name in names)
+        for name in names:
+            assert torch.equal(handle.get_tensor(name), oracle[name].to(torch.bfloat16)), name
 
 
 @pytest.mark.slow

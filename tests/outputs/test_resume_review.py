@@ -341,10 +341,12 @@ def test_zero2_checkpoint_of_two_ranks_resumes_on_one(tiny_recipe, tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_trains_with_the_recipes_learning_rate_and_weight_decay(tiny_recipe, tmp_path):
-    """AdamW's own step is the oracle: from the same step-4 state and the same step-5 gradients (the RNG restored:
-    the same LoRA dropout masks), the update p5 - p4 scales with the learning rate, and decoupled weight decay adds
-    -lr * wd * p4 exactly. Before the fix (found in a bug bash) both changed resumes trained on with the checkpoint's
-    lr 0.01 and weight decay 0, bitwise the unchanged resume, while the note said the run would differ."""
+    """AdamW's own step is the oracle: from the same step-4 state and the same step-5 gradients (lora.dropout 0: no
+    dropout mask; that a resume restores the RNG, and so draws the uninterrupted run's masks, is checked by
+    test_other_rows_of_the_same_count_are_said_and_the_same_rows_are_not), the update p5 - p4 scales with the learning
+    rate, and decoupled weight decay adds -lr * wd * p4 exactly. Before the fix (found in a bug bash) both changed
+    resumes trained on with the checkpoint's lr 0.01 and weight decay 0, bitwise the unchanged resume, while the note
+    said the run would differ."""
     from safetensors.torch import load_file
 
     constant = ["train.lr_schedule=constant", "train.warmup_steps=0", "train.learning_rate=0.01",
@@ -370,23 +372,33 @@ def test_a_resume_trains_with_the_recipes_learning_rate_and_weight_decay(tiny_re
 def test_other_rows_of_the_same_count_are_said_and_the_same_rows_are_not(tiny_recipe, tmp_path):
     """docs/data.md said a resume refuses changed data, but only the row count and the seed were compared: a data
     file rewritten with as many other rows resumed without a word (found in a bug bash). The checkpoint keeps a hash
-    of the training rows' tokens; the same data resumes silently, other rows are noted, by the run and by validate."""
-    run = tmp_path / "run"
-    first = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={run}"])
+    of the training rows' tokens; the same data resumes silently, other rows are noted, by the run and by validate.
+    With LoRA dropout 0.1 the same-data resume ends with the uninterrupted run's adapter, bitwise: the checkpoint's
+    RNG states are restored, so steps 3-4 draw the same dropout masks (a bug bash (bb50 S3) removed the restore and
+    every resume test passed: each trained without dropout, where a step draws nothing random)."""
+    from safetensors.torch import load_file
+
+    run, dropout = tmp_path / "run", "lora.dropout=0.1"
+    first = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={run}", dropout])
     assert first.returncode == 0, first.stderr[-3000:]
     step2 = run / "checkpoints" / "step-00000002"
+    uninterrupted = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     shutil.rmtree(run / "adapter")
     shutil.rmtree(run / "checkpoints" / "step-00000004")
     resumed = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={tmp_path / 'same'}",
-                       f"train.resume={step2}"])
+                       f"train.resume={step2}", dropout])
     assert resumed.returncode == 0 and "note:" not in resumed.stdout + resumed.stderr, resumed.stdout[-3000:]
+    again = load_file(str(tmp_path / "same" / "adapter" / "adapter_model.safetensors"))
+    assert again.keys() == uninterrupted.keys() and uninterrupted
+    for key, value in uninterrupted.items():
+        assert torch.equal(again[key], value), f"{key} differs (max {float((again[key] - value).abs().max())})"
     write_jsonl(tmp_path / "train.jsonl", addition_rows(48, seed=5))  # as many rows, other numbers
     said = "the training rows (as many, other tokens: a data file, the tokenizer or a data setting changed)"
     checked = run_cmd([sys.executable, "-m", "finetune", "validate", str(tiny_recipe), f"output.dir={tmp_path / 'v'}",
-                       f"train.resume={step2}"])
+                       f"train.resume={step2}", dropout])
     assert checked.returncode == 0 and said in checked.stdout, checked.stdout + checked.stderr[-3000:]
     other = run_cmd([sys.executable, str(RUN_PY), str(tiny_recipe), f"output.dir={tmp_path / 'other'}",
-                     f"train.resume={step2}"])
+                     f"train.resume={step2}", dropout])
     assert other.returncode == 0 and said in other.stdout, other.stdout[-3000:]
 
 

@@ -192,6 +192,26 @@ def test_deepspeed_zero_rows_follow_the_fsdp_memory_model():
     assert decision.strategy == "ddp"
 
 
+@pytest.mark.parametrize(("stage", "world_size", "held_lora_numel"), [
+    (2, 2, 41_943_040),  # ZeRO-2: every LoRA tensor whole
+    (3, 2, 32 * (9 * 65_536 + 2 * 16_384 + 3 * 229_376 // 2)),  # ZeRO-3: 3 tensors a layer partitioned
+    (3, 4, 32 * (9 * 65_536 + 2 * 16_384 + 3 * 229_376 // 4)),
+])
+def test_zero_lora_and_optimizer_bytes_by_hand(stage, world_size, held_lora_numel):
+    """Found by a bug bash (mutation testing, bb50 S8): ZeRO's optimizer term (16 bytes per LoRA element: fp32 master,
+    gradient, two AdamW moments, partitioned over the ranks) was checked by no test; 12 bytes passed the planner tests.
+    Llama-3.1-8B, LoRA r 16 on all 7 linear layers of 32: per layer q, o: 16 x (4096 + 4096); k, v: 16 x (4096 + 1024);
+    gate, up, down: 16 x (4096 + 14336); 1,310,720 elements, 41,943,040 in all, held in fp32. ZeRO-3 keeps the
+    tensors under 100,000 elements whole (A and B of q, k, v, o; gate's and up's A; down's B: 65,536 each, k's and
+    v's B 16,384) and partitions gate's and up's B and down's A (229,376 each)."""
+    recipe = _recipe(data={"max_length": 2048}, train={"micro_batch_size": 1})
+    facts = facts_from_config(_config(LLAMA31_8B), recipe)
+    lora = 32 * (2 * 16 * (4096 + 4096) + 2 * 16 * (4096 + 1024) + 3 * 16 * (4096 + 14336))
+    assert lora == facts.trainable_numel == 41_943_040
+    parts = planner.zero_parts(facts, stage=stage, world_size=world_size)
+    assert parts["lora_grads_adamw"] == 4 * held_lora_numel + 16 * lora // world_size
+
+
 # ------------------------------------------------------------------------------------------ measured on CPU
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "ddp"])

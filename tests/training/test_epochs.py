@@ -15,7 +15,7 @@ import torch
 import yaml
 from conftest import RUN_PY, read_metrics, recipe_dict, run_cmd, step_tokens, train_losses, write_jsonl, write_recipe
 
-from finetune.data import BatchStream, DataError, Example, checked_steps_per_epoch, epoch_permutation
+from finetune.data import BatchStream, DataError, Example, checked_steps_per_epoch
 from finetune.errors import RecipeError
 from finetune.outputs import step_folders
 from finetune.recipe import load_recipe, recipe_to_yaml, steps_for_epochs, validate_recipe
@@ -46,6 +46,12 @@ def base_recipe(model_dir: Path, data: Path, out: Path, **train) -> dict:
     return recipe_dict(model_dir, data, out, data={"eval_fraction": 0.0}, train={
         "max_steps": None, "num_epochs": 2, "micro_batch_size": MICRO_BATCH, "grad_accum": GRAD_ACCUM,
         "save_every": 0, "log_every": 1, **train})
+
+
+def documented_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The rows of an epoch in the order docs/data.md gives: a torch.randperm seeded with `seed + epoch`. Written out
+    here, not finetune.data.epoch_permutation (the function under test), so that a wrong order is caught too."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def distinct_rows(count: int) -> list[dict]:
@@ -104,7 +110,7 @@ def test_an_epoch_ends_on_a_whole_step_and_the_next_is_reshuffled():
     assert stream.batches_per_epoch == 4 and stream.epoch_at(1) == 0.5
     steps = steps_of(stream, 4, grad_accum=2)
     for epoch in (0, 1):  # each step holds the next 4 rows of that epoch's own shuffle (seed + epoch)
-        order = [row + 1 for row in epoch_permutation(10, 7, epoch)]
+        order = [row + 1 for row in documented_order(10, 7, epoch)]
         assert steps[2 * epoch : 2 * epoch + 2] == [sorted(order[0:4]), sorted(order[4:8])]
     first, second = steps[0] + steps[1], steps[2] + steps[3]
     assert first != second and len(set(first)) == len(set(second)) == 8  # no row twice in an epoch; 2 left out
@@ -186,7 +192,7 @@ def test_each_epoch_takes_whole_steps_of_its_own_shuffle(epoch_runs, tmp_path):
     per_step = MICRO_BATCH * GRAD_ACCUM
     expected = []
     for epoch in (0, 1):
-        order = epoch_permutation(ROWS, recipe.train.seed, epoch)
+        order = documented_order(ROWS, recipe.train.seed, epoch)
         expected += [sum(len(examples[i].input_ids) for i in order[s * per_step : (s + 1) * per_step])
                      for s in range(STEPS_PER_EPOCH)]
     tokens = step_tokens(read_metrics(epoch_runs["ref"]))

@@ -241,6 +241,42 @@ def test_final_logit_softcapping():
     assert model.config.final_logit_softcapping == 5.0  # restored after the forward
 
 
+def test_text_rows_without_bos_are_averaged_over_their_targets_only(tiny_qwen2, tmp_path):
+    """Found by a bug bash (mutation testing, bb50 S4): counting `labels != -100` (the row's first token too) in place
+    of `labels[:, 1:]` in the SFT objective's token count passed every test: chat, completion and pair rows never
+    train their first token, but a text row under a tokenizer that puts no BOS first (Qwen's) labels it, though nothing
+    predicts it. The step's count is then tokens - rows, and the logged loss transformers' own `labels=` loss of each
+    row, weighted by its targets (what F.cross_entropy over the unpacked, right-padded batch gives too)."""
+    from conftest import write_jsonl
+
+    from finetune import data, model
+    from finetune.recipe import validate_recipe
+    from finetune.training import objectives
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "line " + "of the text " * i} for i in range(1, 4)])
+    recipe = validate_recipe({"model": {"name_or_path": str(tiny_qwen2), "dtype": "float32"}, "lora": {"dropout": 0.0},
+                              "data": {"datasets": [{"path": str(path), "format": "text"}], "max_length": 64,
+                                       "eval_fraction": 0.0, "cache": False}})
+    tokenizer = model.load_tokenizer(recipe)
+    examples = data.prepare(recipe, tokenizer).train
+    lengths = [len(e.input_ids) for e in examples]
+    assert tokenizer.bos_token is None and len(set(lengths)) == 3 and all(-100 not in e.labels for e in examples)
+    batch = data.collate(list(examples), tokenizer.pad_token_id)
+    peft_model = model.build_model(recipe, device=CPU, gradient_checkpointing=False)
+    objective = objectives.for_recipe(peft_model, recipe, tokenizer)
+    totals = objective.counts(peft_model, [batch], CPU)
+    assert totals == [sum(lengths) - 3]  # every token a target but each row's first
+    _, summed, _ = objective.loss(peft_model, batch, totals, CPU)
+    logged = objective.step_loss(float(summed), totals)
+    with torch.no_grad():
+        rows = [float(peft_model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels])).loss)
+                for e in examples]
+        logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    by_rows = sum(loss * (length - 1) for loss, length in zip(rows, lengths)) / (sum(lengths) - 3)
+    plain = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    assert logged == pytest.approx(by_rows, rel=1e-5) and logged == pytest.approx(float(plain), rel=1e-5)
+
+
 STRATEGIES = [("ddp", 2, False), ("fsdp", 1, False), ("fsdp", 2, False), ("fsdp", 2, True)]
 
 
