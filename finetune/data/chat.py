@@ -8,19 +8,14 @@ generation prompt prefills text the rendered turn lacks (DeepSeek-R1 distills' `
 W and C part, which must lie inside the generation prompt, never in the history.
 
 Why one example per context. Templates of reasoning and agent models render a turn differently once later turns
-follow it (Qwen3 and GLM drop earlier reasoning, gpt-oss ends earlier turns with <|end|> instead of <|return|> and
-drops their analysis, DeepSeek-R1 strips earlier <think> blocks). At inference the model writes each turn as the
-last one. So the turns whose rendering (with everything before them) is a prefix of a later turn's W share that
-example; the others get examples of their own, later turns first-come: a ChatML or Llama 3.1 conversation is one
-example, a three-turn Qwen3 conversation with reasoning is three. docs/data.md has the token cost.
+follow it (Qwen3 and GLM drop earlier reasoning, gpt-oss ends earlier turns with <|end|> and drops their analysis,
+DeepSeek-R1 strips earlier <think> blocks, Mistral v0.3 moves the system message to the last user turn). At inference
+the model writes each turn as the last one. So turns whose rendering is a prefix of a later turn's W share that
+example; the others get their own: a ChatML conversation is one example, a three-turn Qwen3 one with reasoning three.
 
-A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>, <|return|>, <|call|>), trained: the model must
-learn to stop. A template that writes none (GLM's) ends the turn where the next message's special token opens
-(<|user|>, or <|observation|> after tool calls): that token is added after the turn and trained, as TRL's GLM
-training template does, since it is where the model stops at inference. A template whose end of turn is no token
-of the tokenizer (ChatML given to a Llama 2 or Mistral base: `<|im_end|>` is ten ordinary pieces) trains it as text:
-turn_end finds it, the first row rendered says so once (note_turn_end), and generation stops on that text
-(data/prompts.py: turn_end_stops).
+A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>), trained: the model must learn to stop. Where a
+template writes none (GLM's), the next message's special token (<|user|>) is added and trained, as TRL's GLM training
+template does (_stop_token). One that is no token of the tokenizer is trained as text (turn_end, below).
 
 The proof, on every row: the span starts after the history (so no earlier message is trained), ends with W (so
 no later one is), and holds the turn's answer, each of its tool calls' names and, unless data.reasoning: drop, its
@@ -35,34 +30,33 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
+from finetune.chat_templates import named_templates
 from finetune.data.conversations import calls_need_none_content, json_value, renders_tools, template_messages
 from finetune.data.ported_rows import trained_turns
 from finetune.errors import DataError
 
-# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (finetune sets them per render;
-# TRL fails on `tools` given twice)
+# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (TRL fails on `tools` given twice)
 _CALL_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "padding",
                    "continue_final_message", "tokenize", "sanitize_control_tokens", "truncation", "max_length",
                    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
-NAMED_FIX = ("set model.chat_template to a template that renders it: one of finetune's named templates (chatml, "
-             "llama-3.1, qwen2.5, qwen3, qwen3.5, gpt-oss, glm-4.5, deepseek-r1), a .jinja file, or the template text")
+_MARKERS = re.compile(r"<\|[^|<>\s]+\|>|<｜[^｜<>\s]+｜>")  # a template's special tokens: <|im_start|>, <｜User｜>
+_EXCHANGE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]  # rendered by named_fix
+_FIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> named_fix's text
 
 
 class Opener(int):
-    """The trained flag of a reasoning opener under data.reasoning: context (Qwen3's `<think>\n`, gpt-oss's
-    `<|channel|>analysis<|message|>`, written by the turn, not prefilled by the generation prompt): trained, since the
-    model must open its reasoning, but not the answer. A cut that keeps an opener and none of the answer after the
-    untrained reasoning leaves the row nothing to learn (templates.answer_starts, tokenize.py's length policy)."""
+    """The trained flag of a reasoning opener the turn writes under data.reasoning: context (Qwen3's `<think>\n`):
+    trained (the model must open its reasoning), but not the answer: a cut that keeps an opener and none of the
+    answer leaves the row nothing to learn (templates.answer_starts, tokenize.py's length policy)."""
 
 
 OPENER = Opener(1)  # truthy, and equal to True: every reader of a segment's flag trains it
 
 
 class Reasoning(int):
-    """The flag of a turn's reasoning left untrained under data.reasoning: context: untrained (falsy, equal to False),
-    but the model's own text inside its turn, so no prompt ends before the answer after it (data/tokens.py tokenizes a
-    row in pieces only where a prompt ends)."""
+    """The flag of a turn's reasoning under data.reasoning: context: untrained (falsy), but the model's own text, so
+    no prompt ends before the answer after it (data/tokens.py tokenizes a row in pieces only where a prompt ends)."""
 
 
 REASONING = Reasoning(0)  # falsy, and equal to False: every reader of a segment's flag leaves it untrained
@@ -88,11 +82,11 @@ class _Renderer:
         if tools and not renders_tools(self.template):
             raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render "
                             f"`tools` (DeepSeek-R1 distills' does not), so the model would never see them. Fix: "
-                            f"{NAMED_FIX}, or leave the tools out of the rows.")
+                            f"{named_fix(self.tokenizer)}, or leave the tools out of the rows.")
         calls = any("tool_calls" in m for m in messages)
         if calls and "tool_calls" not in self.template:
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
-                            f"render `tool_calls`. Fix: {NAMED_FIX}.")
+                            f"render `tool_calls`. Fix: {named_fix(self.tokenizer)}.")
         if calls and calls_need_none_content(self.template):
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template renders a "
                             "call only in a turn whose content is None (DeepSeek-R1 distills' template, finetune's "
@@ -123,7 +117,7 @@ class _Renderer:
                                                       add_generation_prompt=generation_prompt, **self.template_kwargs)
         except TemplateSyntaxError as exc:  # the template's own fault (model.chat_template is checked at load)
             raise DataError(f"{self.where}: the tokenizer's chat template is not valid Jinja (its line {exc.lineno}: "
-                            f"{exc.message}), so no row can be rendered. Fix: {NAMED_FIX}.") from None
+                            f"{exc.message}), so no row can be rendered. Fix: {named_fix(self.tokenizer)}.") from None
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise DataError(f"{self.where}: the chat template cannot render this conversation: {exc}. Fix the row "
                             "(the template's own words above), or set data.bad_rows: skip.") from None
@@ -200,9 +194,9 @@ def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: 
     - The generation prompt prefills text the turn lacks (DeepSeek-R1's `<think>\n` before an answer without
       reasoning): the history is W's own, and the span starts where C and W part, or where the turn's text opens
       if that is sooner (an answer starting with `<` shares a character with `<think>`).
-    - The turn makes the template rewrite the history (gpt-oss drops a tool call's analysis once a final answer
-      follows): the model is given C at inference and writes the turn, so the example is C followed by the turn as
-      W renders it, from the end of the generation prompt on."""
+    - The turn makes the template rewrite the history (gpt-oss drops a tool call's analysis, Mistral v0.3 the system
+      message): the model is given C and writes the turn, so the example is C and then the turn as W renders it,
+      from the end of the generation prompt on, or where that adds nothing (Mistral's), of the last message."""
     history = renderer.render(index, False)
     prompt = context[len(history):] if context.startswith(history) else ""
     probed = renderer.render_messages(messages[:index] + [{"role": "assistant", "content": _PROBE}])
@@ -214,23 +208,57 @@ def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: 
             return whole, start
     elif prompt and (at := whole.rfind(prompt, 0, opening + 1)) >= 0:
         return context + whole[at + len(prompt):], len(context)
+    elif index and context == history and (tail := _last_message_on(renderer, messages, index, context)) and (
+            at := whole.rfind(tail, 0, opening)) >= 0:
+        return context + whole[at + len(tail):], len(context)
     raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
                     "differently once that assistant turn follows it, and the turn cannot be found after the "
-                    f"generation prompt. Fix: {NAMED_FIX}.")
+                    f"generation prompt. Fix: {named_fix(renderer.tokenizer)}.")
+
+
+def _last_message_on(renderer: _Renderer, messages: list[dict], index: int, context: str) -> str:
+    """C from the last history message's content on, found by a probe for that content ("" where C differs there)."""
+    try:
+        probed = renderer.render_messages(messages[: index - 1] + [{**messages[index - 1], "content": _PROBE}], True)
+    except DataError:
+        return ""
+    at = probed.find(_PROBE)
+    after, content = probed[at + len(_PROBE):], str(messages[index - 1].get("content", "")).strip()
+    fits = at >= 0 and context.startswith(probed[:at]) and context.endswith(after)
+    return context[at:] if fits and content in context[at : len(context) - len(after)] else ""
+
+
+def named_fix(tokenizer) -> str:
+    """The fix for a template that cannot render a row: finetune's named templates whose special tokens (as one exchange
+    is written) this tokenizer has, or one's own where none's are (ChatML's are ten ordinary pieces to Mistral's)."""
+    from jinja2 import TemplateError
+
+    if tokenizer not in _FIXES:
+        named, fitting = named_templates(), []
+        for name in sorted(named):
+            try:
+                shown = tokenizer.apply_chat_template(_EXCHANGE, chat_template=named[name], tokenize=False)
+            except (TemplateError, TypeError, ValueError, KeyError, AttributeError):
+                continue
+            if all(len(tokenizer(m, add_special_tokens=False)["input_ids"]) == 1 for m in _MARKERS.findall(shown)):
+                fitting.append(name)
+        _FIXES[tokenizer] = ("set model.chat_template to a template that renders it: " + (
+            f"one of finetune's named templates that use this tokenizer's special tokens ({', '.join(fitting)}), a "
+            ".jinja file, or the template text" if fitting else f"a .jinja file or the template text (none of "
+            f"finetune's named templates, {', '.join(sorted(named))}, uses this tokenizer's special tokens)"))
+    return _FIXES[tokenizer]
 
 
 _PREFILL_MISSED = [0]  # turns of this process trained after less than the generation prompt (DeepSeek-R1's)
 
 
 def prefill_misses() -> int:
-    """How many assistant turns this process has trained after a context that is not the serving prompt: the
-    generation prompt prefills text the turn lacks (DeepSeek-R1's `<think>\n` before an answer without reasoning)."""
+    """How many assistant turns this process has trained after less than the generation prompt (DeepSeek-R1's)."""
     return _PREFILL_MISSED[0]
 
 
 def prefill_note(rows: int, first: str) -> str:
-    """The note for the rows whose turns prefill_misses counted (`first`: where the first is): what is trained,
-    what serving sends, and the fixes. Nothing trained changes: the turn's text has no prefill to train after."""
+    """The note for the rows whose turns prefill_misses counted (`first`: where the first is), with the fixes."""
     many = rows > 1
     return (f"{rows} row{'s' if many else ''} (the first: {first}) {'have' if many else 'has'} an assistant turn "
             "without reasoning under a chat template whose generation prompt prefills text such a turn lacks "
@@ -257,16 +285,14 @@ def special_tokens(tokenizer) -> list[str]:
 
 
 def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: str) -> str:
-    """The token that ends turn `index` when its template writes no end-of-turn token (GLM's): the special token
-    opening the message that follows (<|user|>, or <|observation|> after tool calls), which is where the model stops
-    at inference. "" when the turn ends with a special token already, or nothing special follows."""
+    """The token that ends turn `index` when its template writes none (GLM's): the special token opening the next
+    message (<|user|>, <|observation|>), where the model stops. "" when it ends with one, or none follows."""
     specials = special_tokens(renderer.tokenizer)
     if not specials or any(through.endswith(token) for token in specials):
         return ""
     follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}
     after = renderer.render_messages(messages[: index + 1] + [follower])
-    # The follower may make the template rewrite the turn (GLM drops its reasoning once a user turn follows), so
-    # the token is read off just before the follower's content, where the turn's own ending must stand before it.
+    # read off just before the follower's content: the follower may make the template rewrite the turn (GLM's)
     head, tail = after[: after.rfind(_PROBE)], through.rstrip()[-4:]
     at = head.rfind(tail)
     while at >= 0:  # the last place the turn's ending stands right before a special token (not inside one: "user")
@@ -293,14 +319,15 @@ def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
                         "data.bad_rows: skip.")
     if answer and answer not in span:
         raise DataError(f"{where}: message {number}'s answer is not whole in the span the chat template gives that "
-                        f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. Fix: {NAMED_FIX}.")
+                        f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. "
+                        f"Fix: {named_fix(renderer.tokenizer)}.")
     calls = Counter(call["function"]["name"] for call in message.get("tool_calls", []))
     for name, count in calls.items():  # a name counted, not only found: two calls to one function, one rendered
         if span.count(name) < count:
             raise DataError(f"{where}: the chat template drops message {number}'s tool call `{name}` (the turn makes "
                             f"{count} call(s) to it, the span names it {span.count(name)} time(s); gpt-oss's template "
                             "renders a turn's first call only). Fix: one call per assistant turn, each followed by its "
-                            f"result, or {NAMED_FIX}.")
+                            f"result, or {named_fix(renderer.tokenizer)}.")
     reasoning = message.get("reasoning", "").strip()
     if reasoning and renderer.reasoning != "drop" and reasoning not in span and calls:
         raise DataError(f"{where}: the chat template drops the reasoning of message {number} beside its tool calls "
@@ -335,10 +362,8 @@ def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _
 
 
 def _reasoning_at(renderer: _Renderer, messages: list[dict], turn: _Turn, text: str) -> int:
-    """Where turn's reasoning starts in `text` (its example), for data.reasoning: context. Not the first match of the
-    reasoning in the span: a short reasoning ("analysis") may also be a word of the template's own markup
-    (gpt-oss's `<|channel|>analysis<|message|>`). The turn is rendered with a probe for its reasoning; what the template
-    writes right before the probe, then the reasoning, is found inside the span."""
+    """Where turn's reasoning starts in `text`, for data.reasoning: context: after what the template writes before a
+    probe for it, not its first match (a reasoning "analysis" is a word of gpt-oss's `<|channel|>analysis<|message|>`)."""
     message = messages[turn.index]
     probed = renderer.render_messages(messages[: turn.index] + [{**message, "reasoning": _PROBE}])
     lead = probed[: probed.find(_PROBE)][-48:] if _PROBE in probed else ""
@@ -360,10 +385,9 @@ _NOTED: weakref.WeakSet = weakref.WeakSet()
 @dataclass(frozen=True)
 class TurnEnd:
     """What the chat template writes right after an assistant answer to close the turn. `special_id`: the special
-    token it closes with (ChatML's <|im_end|> on a tokenizer that has it, Llama 3's <|eot_id|>), which generation
-    lists among its end tokens. `text`: the marker as text where the template closes with something that is no
-    special token of this tokenizer (ChatML given to a Llama 2 or Mistral base: `<|im_end|>` is 10 ordinary
-    pieces, `ids`), which the model learns to write as text and generation stops on as text (a stop string)."""
+    token it closes with (<|im_end|>, <|eot_id|>), among generation's end tokens. `text`: a marker that is no special
+    token of this tokenizer (ChatML's `<|im_end|>` to a Mistral base: 10 ordinary pieces, `ids`), written as text
+    and stopped on as text (a stop string)."""
 
     special_id: int | None
     text: str
@@ -399,8 +423,7 @@ def turn_end(tokenizer) -> TurnEnd | None:
 
 
 def turn_end_note(tokenizer) -> str | None:
-    """A note for a template whose end of turn is not one token of this tokenizer (None otherwise): what is trained,
-    where generation stops, and how to have one token instead."""
+    """A note for a template whose end of turn is not one token of this tokenizer (None otherwise)."""
     end = turn_end(tokenizer)
     if end is None or end.special_id is not None or len(end.ids) < 2:
         return None
