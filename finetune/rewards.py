@@ -1,9 +1,13 @@
 """Built-in reward functions for GRPO (grpo.reward_functions: [finetune.rewards:NAME]), with TRL's signature:
 f(prompts, completions, **columns) -> list[float | None], one value per completion.
 
-`completions` are texts, or for chat prompts one-message lists [{"role": "assistant", "content": text}] (as TRL passes
-them); `columns` are the prompt rows' other columns, one value per completion. None means "not scored" (TRL: the
-weighted sum skips it, as nansum). Verifiable rewards only: no model is loaded here.
+`completions` are texts, or for chat prompts one-message lists [message], the assistant message as a chat client
+reads it (docs/grpo.md): `content` the final answer, `reasoning` / `reasoning_content` and `tool_calls` beside it,
+and finetune's `text`, the completion as written. `exact_match`, `contains_answer` and `final_number` score the final
+answer (a reply that reasons first is scored on what follows its reasoning); `regex_match` and `length_penalty` the
+completion as written (a format such as `<think>...</think>` is in it, and so is the reasoning's length). `columns`
+are the prompt rows' other columns, one value per completion. None means "not scored" (TRL: the weighted sum skips
+it, as nansum). Verifiable rewards only: no model is loaded here.
 """
 
 from __future__ import annotations
@@ -13,10 +17,20 @@ from fractions import Fraction
 
 
 def completion_text(completion) -> str:
-    """A completion's text, whether given as text or as TRL's message list."""
+    """A completion's final answer: a text completion as it is; a message list's `content` (without its reasoning
+    and tool calls, which a chat client reads beside it)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content", "")) for message in completion)
+    return "".join(str(message.get("content") or "") for message in completion)
+
+
+def written_text(completion) -> str:
+    """A completion as the model wrote it: a text completion as it is; a message list's `text` (finetune's: the
+    decoded completion, reasoning and markup included), or its `content` where it has none (TRL's messages)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message["text"] if "text" in message else message.get("content") or "")
+                   for message in completion)
 
 
 def _normalize(text) -> str:
@@ -42,19 +56,20 @@ def contains_answer(prompts, completions, answer=None, **columns) -> list[float 
 
 
 def regex_match(prompts, completions, pattern=None, **columns) -> list[float]:
-    """1.0 when the whole completion matches the row's `pattern` column (a regular expression; e.g. a format such as
-    `<think>.*</think>\\s*<answer>.*</answer>`), else 0.0."""
+    """1.0 when the whole completion as written (written_text: reasoning and markup included) matches the row's
+    `pattern` column (a regular expression; e.g. a format such as `<think>.*</think>\\s*<answer>.*</answer>`), else
+    0.0."""
     if pattern is None:
         raise ValueError("finetune.rewards:regex_match reads the rows' `pattern` column (a regular expression), and "
                          "the rows have none. Fix: add it, or write your own reward with the pattern inside.")
-    return [float(re.fullmatch(p, completion_text(c).strip(), flags=re.DOTALL) is not None)
+    return [float(re.fullmatch(p, written_text(c).strip(), flags=re.DOTALL) is not None)
             for c, p in zip(completions, pattern)]
 
 
 def length_penalty(prompts, completions, **columns) -> list[float]:
-    """Minus the completion's length in characters / 1000: prefers short answers when weighted in beside another
-    reward (e.g. reward_weights: [1.0, 0.1])."""
-    return [-len(completion_text(c)) / 1000 for c in completions]
+    """Minus the completion's length as written (reasoning included) in characters / 1000: prefers short answers
+    when weighted in beside another reward (e.g. reward_weights: [1.0, 0.1])."""
+    return [-len(written_text(c)) / 1000 for c in completions]
 
 
 _NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")

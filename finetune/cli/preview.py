@@ -13,7 +13,7 @@ import os
 import sys
 
 from finetune.data import IGNORE_INDEX, Example, PreparedData, rows_left_note, steps_per_epoch
-from finetune.data.build import cut_lines, eval_overlap, prompt_notes
+from finetune.data.build import cut_lines, eval_overlap, examples_said, prompt_notes, stats_counts
 from finetune.data.streaming import preview_lines
 from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
@@ -157,7 +157,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
         mixed = f", {item['train_examples']} train examples after the eval hold-out and weighting" if "train_examples" in item else ""
         lines.append(f"{role} {item['path']} ({item['format']}{weight}): {item['rows']} rows -> "
                      f"{item['examples']} examples{mixed} ({source})")
-    lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped "
+    lines.append(f"rows: {stats.rows} read, {stats.skipped} skipped{examples_said(stats_counts(stats))}"
+                 f"{stats.truncated} truncated, {stats.dropped} dropped "
                  f"(max_length {data.max_length}, overlong: {data.overlong}, bad_rows: {data.bad_rows})")
     lines += cut_lines(stats, recipe)
     lines += closing_tag_lines(prepared)

@@ -85,7 +85,7 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     count = len(origin)
     examples = ExampleView(stores + eval_stores, np.arange(count))
     eval_files = ExampleView(stores + eval_stores, np.arange(count, count + sum(len(s) for s in eval_stores)))
-    train_ids, eval_ids = split_eval_indices(count, recipe)
+    train_ids, eval_ids = split_eval_indices(count, recipe, rows=_row_numbers(stores))
     train = ExampleView(examples.stores, _mix(train_ids, [origin[i] for i in train_ids], recipe, stats))
     # files first: the generation eval takes the first rows
     evaluation = ExampleView(examples.stores, np.concatenate([eval_files.picks, np.asarray(eval_ids, dtype=np.int64)]))
@@ -98,6 +98,16 @@ def prepare(recipe: Recipe, tokenizer) -> PreparedData:
     _fill_stats(stats, stores, train, evaluation, sequences, recipe)
     stats.eval_in_train = _eval_in_train(train, evaluation)
     return PreparedData(examples, sequences, evaluation, stats, eval_files)
+
+
+def _row_numbers(stores: list[TokenStore]) -> np.ndarray:
+    """Each example's row among the rows of every dataset (store.row_numbers, numbered on from one store to the next):
+    with one example per row, the examples' own indices."""
+    numbers, start = [], 0
+    for store in stores:
+        numbers.append(store.rows + start)
+        start += int(store.rows.max()) + 1 if len(store.rows) else 0
+    return np.concatenate(numbers or [np.zeros(0, np.int64)])
 
 
 def _eval_stores(recipe: Recipe, tokenizer, stats: DataStats) -> list[TokenStore]:
@@ -154,7 +164,7 @@ def _held_out_whole(where: str, examples: int, train: int, recipe: Recipe) -> st
     """The eval hold-out (drawn from every dataset's examples together) took all of one dataset's examples."""
     data = recipe.data
     return (f"{where}: the eval hold-out took all {examples} of its examples (data.eval_fraction {data.eval_fraction}, "
-            f"at most data.eval_max_rows {data.eval_max_rows}, drawn by train.seed {recipe.train.seed} from the examples "
+            f"at most data.eval_max_rows {data.eval_max_rows} rows, drawn by train.seed {recipe.train.seed} from the rows "
             f"of every dataset together; {train} left to train, none of them this dataset's), so it would never be "
             "trained on. Fix: evaluate on a file of its own (data.eval_datasets: the hold-out is then 0 unless "
             "data.eval_fraction is set too), set data.eval_fraction: 0, or give the dataset more rows.")
@@ -237,11 +247,29 @@ def _template_kwargs_note(rows: int, first: str) -> str:
 
 def stats_counts(stats: DataStats) -> dict:
     """The row counts of `stats` as one dict (tokenize.ChunkResult's names): its fields and every dataset's
-    LENGTH_COUNTS summed."""
+    LENGTH_COUNTS summed, and `examples`: the examples the rows gave before the length policy (kept, less the pieces
+    split ones became, plus dropped), which `several_examples` compares with the rows."""
     counts = {name: getattr(stats, name) for name in ("rows", "skipped", "truncated", "dropped")}
     for name in LENGTH_COUNTS:
         counts[name] = sum(int(entry.get(name, 0)) for entry in stats.per_dataset)
+    kept = sum(int(entry.get("examples", 0)) for entry in stats.per_dataset)
+    counts["examples"] = kept - counts["split_pieces"] + counts["split_rows"] + counts["dropped"]
     return counts
+
+
+def several_examples(counts: dict) -> int | None:
+    """The examples the rows gave, where some row gave several (a conversation under a template that rewrites
+    history: one per assistant turn; a KTO pair: two rows); None where each row gave one (or a stream's counts, which
+    hold no such count). Truncated and dropped count examples: said as such then, not as rows (bb53: "40 read, 59
+    dropped")."""
+    examples = counts.get("examples", 0)
+    return examples if examples > counts.get("rows", 0) - counts.get("skipped", 0) else None
+
+
+def examples_said(counts: dict) -> str:
+    """What joins the skipped rows to the truncated and dropped counts: `, ` (a row each) or `; of their N examples, `."""
+    examples = several_examples(counts)
+    return f"; of their {examples:,} examples, " if examples else ", "
 
 
 def row_counts(counts: dict) -> str:
@@ -251,8 +279,8 @@ def row_counts(counts: dict) -> str:
     cut = f": {cut_share(counts)} cut" if counts.get("cut_tokens") else ""
     split = (f", {counts['split_rows']} split into {counts['split_pieces']} pieces of <= max_length"
              if counts.get("split_rows") else "")
-    return (f"{counts.get('rows', 0)} rows{blank}, {counts.get('skipped', 0)} skipped, {counts.get('truncated', 0)} "
-            f"truncated{cut}{split}, {counts.get('dropped', 0)} dropped")
+    return (f"{counts.get('rows', 0)} rows{blank}, {counts.get('skipped', 0)} skipped{examples_said(counts)}"
+            f"{counts.get('truncated', 0)} truncated{cut}{split}, {counts.get('dropped', 0)} dropped")
 
 
 def cut_share(counts: dict) -> str:
@@ -272,8 +300,8 @@ def cut_warning(counts: dict, recipe: Recipe) -> str | None:
     fix = ("data.overlong: split (each long row cut into max_length pieces, every token trained: continued "
            "pretraining), or a larger data.max_length" if text else
            "a larger data.max_length, or the long rows split into shorter ones in the data")
-    rows = counts.get("truncated", 0)
-    return (f"truncation cut {cut_share(counts)}: {rows} row{'s' * (rows != 1)} longer than data.max_length "
+    rows, noun = counts.get("truncated", 0), "example" if several_examples(counts) else "row"
+    return (f"truncation cut {cut_share(counts)}: {rows} {noun}{'s' * (rows != 1)} longer than data.max_length "
             f"{data.max_length} {'keep' if rows != 1 else 'keeps'} only the first {data.max_length} tokens, and the "
             f"rest is never trained. Fix: {fix}")
 
@@ -310,19 +338,27 @@ def dropped_note(stats: DataStats) -> str:
     return f" (past max_length: {', '.join(stats.dropped_rows)}{more})"
 
 
-def split_eval_indices(count: int, recipe: Recipe) -> tuple[list[int], list[int]]:
-    """Indices of train and eval examples: a seeded choice of eval_fraction (at most eval_max_rows), order kept."""
-    order = list(range(count))
+def split_eval_indices(count: int, recipe: Recipe, *, rows: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+    """Indices of train and eval examples, order kept: a seeded choice of eval_fraction of the rows (at most
+    eval_max_rows rows), each held out with all its examples. `rows`: each example's row, numbered from 0 in order
+    (_row_numbers); None: one example per row. A conversation gives an example per assistant turn under templates
+    that rewrite history (Qwen3, gpt-oss, GLM, R1: data/chat.py), and turn k+1's example holds turn k as history:
+    drawing examples held turn k out while training turn k+1, so the eval loss measured recall (bug bash bb53)."""
+    rows = np.arange(count) if rows is None else np.asarray(rows, dtype=np.int64)
+    n_rows = int(rows.max()) + 1 if count else 0
+    order = list(range(n_rows))  # one example per row: the same draw, over the same indices, as before rows were kept
     random.Random(recipe.train.seed).shuffle(order)
     fraction = recipe.data.eval_fraction
-    n_eval = min(recipe.data.eval_max_rows, round(fraction * count))
-    if n_eval and n_eval >= count:  # the eval set asked for would take every example: refused, not silently none
-        raise DataError(f"data.eval_fraction {fraction} of the {count} training examples holds out round({fraction} x "
-                        f"{count}) = {n_eval}, every one, leaving none to train on. Fix: a lower data.eval_fraction "
-                        "(it holds out round(fraction x examples)), eval files in data.eval_datasets with "
+    n_eval = min(recipe.data.eval_max_rows, round(fraction * n_rows))
+    if n_eval and n_eval >= n_rows:  # the eval set asked for would take every row: refused, not silently none
+        what = f"{count} training examples" if n_rows == count else f"{n_rows} training rows ({count} examples)"
+        raise DataError(f"data.eval_fraction {fraction} of the {what} holds out round({fraction} x "
+                        f"{n_rows}) = {n_eval}, every one, leaving none to train on. Fix: a lower data.eval_fraction "
+                        "(it holds out round(fraction x rows)), eval files in data.eval_datasets with "
                         "data.eval_fraction: 0, or more rows.")
-    eval_ids = set(order[:n_eval])
-    return [i for i in range(count) if i not in eval_ids], sorted(eval_ids)
+    held = np.zeros(n_rows, dtype=bool)
+    held[order[:n_eval]] = True
+    return np.nonzero(~held[rows])[0].tolist(), np.nonzero(held[rows])[0].tolist()
 
 
 def split_eval(examples: list[Example], recipe: Recipe) -> tuple[list[Example], list[Example]]:

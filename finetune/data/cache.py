@@ -356,8 +356,9 @@ def _tokenize_in_worker(chunk, context: tuple):
 
 
 def _with_arrays(result):
-    """The chunk's examples as the store's arrays (built where they were tokenized), the lists let go."""
-    result.arrays, result.examples = chunk_arrays(result.examples), []
+    """The chunk's examples as the store's arrays (built where they were tokenized, with each one's row number), the
+    lists let go."""
+    result.arrays, result.examples = chunk_arrays(result.examples, result.origins), []
     return result
 
 

@@ -11,13 +11,17 @@ and transformers' response parsers, OpenAI's harmony library) splits it into the
   turn's content (data/conversations.py: the same rule, so a reply is split where its training row was). Where the
   prompt ends with an opened `<think>` (DeepSeek-R1's and Qwen3.5's generation prompts prefill it) the reply is read
   after it; a reasoning never closed (cut at max_new_tokens) leaves no answer.
+- `<tool_call>` blocks (Hermes' JSON: Qwen2.5, Qwen3; Qwen3.5's `<function=NAME>`; GLM-4.5's `<arg_key>` pairs), where
+  the template writes them, are the tool calls, as TRL's response schemas read them.
 `reply_message` gives the assistant message a client sends back as history: `content` the final answer, `reasoning`
-(finetune's normal form: data/conversations.template_messages hands it to the template's own field) and tool calls.
+(finetune's normal form: data/conversations.template_messages hands it to the template's own field) and tool calls;
+`completion_message` the same for GRPO's sampled token ids, with the text as written (what reward functions get).
 
 What is sent. `serving_prompt` completes a trained context into the prompt a server sends
 (apply_chat_template(add_generation_prompt=True)): where the template's generation prompt prefills text a trained
 turn lacks (DeepSeek-R1's `<think>\n` before an answer without reasoning, data/chat.py `_unprefixed`), the training
-tokens stop inside the generation prompt, and the generation eval asks what serving asks.
+tokens stop inside the generation prompt; where the untrained reasoning follows the prefilled opener (data.reasoning:
+context), they run past it and are cut back to it. Either way the generation eval asks what serving asks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import re
 
 from finetune.data.chat import chat_template_text, special_tokens
 from finetune.data.conversations import convert_turns
+from finetune.data.prompts import cut_at_stops
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 
@@ -67,7 +72,68 @@ def reply_message(text: str, tokenizer, *, prompt: str = "") -> dict:
     except DataError:  # a <think> opened and never closed: the reply stopped while reasoning, no answer yet
         reasoning = (opened + text).split("<think>", 1)[-1].strip()
         return {"role": "assistant", "content": "", **({"reasoning": reasoning} if reasoning else {})}
-    return {**message, "content": message["content"].strip()}
+    message = {**message, "content": message["content"].strip()}
+    calls = _text_tool_calls(message["content"]) if "<tool_call>" in chat_template_text(tokenizer) else None
+    if calls is not None:
+        message["content"], message["tool_calls"] = _TOOL_CALL.sub("", message["content"]).strip(), calls
+    return message
+
+
+def completion_message(ids, tokenizer, *, prompt_ids, stops=()) -> dict:
+    """A sampled completion (token ids) as the assistant message a chat client reads (reply_message: `content` the
+    final answer, `reasoning` and its other name `reasoning_content` (TRL's parse_response, vLLM), `tool_calls`),
+    with `text`: the completion as written (decode_reply's text, cut at a template's end of turn written as text).
+    `prompt_ids`: the prompt it continues (an opened `<think>` at its end); `stops`: prompts.turn_end_stops."""
+    text = cut_at_stops(decode_reply(ids, tokenizer), list(stops))
+    message = reply_message(text, tokenizer, prompt=prompt_tail(prompt_ids, tokenizer))
+    if "reasoning" in message:
+        message["reasoning_content"] = message["reasoning"]
+    return {**message, "text": text}
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^\n>]+)>(.*?)</function>", re.DOTALL)  # Qwen3.5
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_GLM_ARGUMENT = re.compile(r"<arg_key>([^<]+)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)  # GLM-4.5
+
+
+def _text_tool_calls(content: str) -> list[dict] | None:
+    """The tool calls written as `<tool_call>` blocks (Hermes' JSON: Qwen2.5, Qwen3; Qwen3.5's `<function=NAME>`;
+    GLM-4.5's `NAME` and `<arg_key>`/`<arg_value>` pairs), as TRL's response schemas read them; None when there is
+    none or one does not parse (then the text stays the content, as TRL's parse_response falls back to it)."""
+    blocks = _TOOL_CALL.findall(content)
+    calls = [_tool_call(block.strip()) for block in blocks]
+    if not calls or any(call is None for call in calls):
+        return None
+    return calls
+
+
+def _tool_call(block: str) -> dict | None:
+    if block.startswith("{"):
+        value = _json_object(block)
+        if not value or not isinstance(value.get("name"), str):
+            return None
+        name, arguments = value["name"], value.get("arguments", {})
+        arguments = _json_object(arguments) if isinstance(arguments, str) else arguments
+    elif function := _XML_FUNCTION.fullmatch(block):
+        name, arguments = function.group(1).strip(), {k.strip(): _json_value(v)
+                                                      for k, v in _XML_PARAMETER.findall(function.group(2))}
+    elif block and "<" not in block.split("\n", 1)[0]:
+        name = block.split("\n", 1)[0].strip()
+        arguments = {k.strip(): _json_value(v) for k, v in _GLM_ARGUMENT.findall(block)}
+    else:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _json_value(text: str):
+    """A written argument's value: JSON where it parses (numbers, objects), else the text (TRL's allow_non_json)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _harmony(text: str) -> dict:
@@ -126,13 +192,18 @@ def generation_prompt(tokenizer) -> str:
 
 
 def serving_prompt(ids: list[int], tokenizer) -> tuple[list[int], str]:
-    """(the prompt a server sends, the text added) for a trained context `ids`: the context itself, or, where it
-    ends inside the template's generation prompt (after its opening special token, before the rest: DeepSeek-R1's
-    `<｜Assistant｜>` without `<think>\\n`), the context and the rest of the generation prompt."""
+    """(the prompt a server sends, the text added) for a trained context `ids`: the context itself; where it ends
+    inside the template's generation prompt (after its opening special token, before the rest: DeepSeek-R1's
+    `<｜Assistant｜>` without `<think>\\n`), the context and the rest of the generation prompt; where it runs past the
+    generation prompt (data.reasoning: context under templates that prefill `<think>\\n`, Qwen3.5's and DeepSeek-R1's:
+    the untrained reasoning follows it), the context cut back to the generation prompt's end."""
     wanted = generation_prompt(tokenizer)
     opener = next((token for token in special_tokens(tokenizer) if wanted.startswith(token)), "") if wanted else ""
     if not opener:
         return list(ids), ""
+    cut = _generation_prompt_end(list(ids), tokenizer, wanted, opener)
+    if cut is not None:
+        return list(ids)[:cut], ""
     tail = tokenizer.decode(list(ids)[-32:], skip_special_tokens=False)
     if tail.endswith(wanted):
         return list(ids), ""
@@ -141,3 +212,19 @@ def serving_prompt(ids: list[int], tokenizer) -> tuple[list[int], str]:
             rest = wanted[cut:]
             return list(ids) + list(tokenizer(rest, add_special_tokens=False)["input_ids"]), rest
     return list(ids), ""
+
+
+def _generation_prompt_end(ids: list[int], tokenizer, wanted: str, opener: str) -> int | None:
+    """Where the generation prompt `wanted` ends in `ids`, if text follows it there: it starts at the last `opener`
+    token (the turn asked; reasoning is text, no special token), and the model writes from its end."""
+    opener_id = tokenizer.convert_tokens_to_ids(opener)
+    start = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == opener_id), None)
+    if start is None:
+        return None
+    for end in range(start + 1, len(ids)):  # the generation prompt is a few tokens: stop once the text runs past it
+        text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+        if text == wanted:
+            return end
+        if not wanted.startswith(text):
+            return None
+    return None

@@ -2,7 +2,8 @@
 
 A dataset's tokens live in one folder (the tokenization cache's entry, or a private temporary one): `ids.bin` (int32
 token ids, every example back to back), `trained.bin` (one byte per token: is it a target), `bounds.npy` (where each
-example starts), `trained_counts.npy` (targets per example), `meta.json` (the counts, the format version, the
+example starts), `trained_counts.npy` (targets per example), `rows.npy` (each example's row: the examples of one
+row, a conversation's turns or a KTO pair's two rows, share a number, rows numbered from 0 in order), `meta.json` (the counts, the format version, the
 other files' sampled checksums, compared at every mapping: DamagedEntry); unpaired preference rows
 (KTO) add `desirable.npy` (each row's label) and `tail_ids.npy`, `tail_trained.npy`, `tail_bounds.npy` (each row's
 Example.completion_tail, empty for a row that was not cut: what its KL partner's row takes). Every
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +30,7 @@ import numpy as np
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.packing import concat_examples
 
-STORE_FORMAT = 5  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
+STORE_FORMAT = 6  # the on-disk layout above; a folder that says another version is never read (it is rebuilt)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -42,6 +44,8 @@ class StoreWriter:
         self._trained = open(self.folder / "trained.bin", "wb")  # noqa: SIM115
         self._lengths: list[np.ndarray] = []
         self._trained_counts: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []
+        self._row_count = 0  # rows numbered so far: a chunk's row numbers start after them
         self._desirable: list[np.ndarray] = []
         self._tails: list[dict[str, np.ndarray]] = []  # KTO rows' completion tails (small: a cut row's few tokens)
 
@@ -51,6 +55,8 @@ class StoreWriter:
         self._trained.write(arrays["trained"].tobytes())
         self._lengths.append(arrays["lengths"])
         self._trained_counts.append(arrays["trained_counts"])
+        self._rows.append(arrays["rows"] + self._row_count)
+        self._row_count += int(arrays["rows"].max()) + 1 if len(arrays["rows"]) else 0
         if "desirable" in arrays:
             self._desirable.append(arrays["desirable"])
             self._tails.append({key: arrays[key] for key in ("tail_ids", "tail_trained", "tail_lengths")})
@@ -66,6 +72,7 @@ class StoreWriter:
         np.save(self.folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         counts_per_sequence = np.concatenate(self._trained_counts) if self._trained_counts else np.zeros(0, np.int64)
         np.save(self.folder / "trained_counts.npy", counts_per_sequence)
+        np.save(self.folder / "rows.npy", np.concatenate(self._rows or [np.zeros(0, np.int64)]).astype(np.int64))
         if counts.get("unpaired"):  # unpaired preference rows (KTO): each one's label
             desirable = np.concatenate(self._desirable) if self._desirable else np.zeros(0, dtype=np.bool_)
             np.save(self.folder / "desirable.npy", desirable.astype(np.bool_))
@@ -86,9 +93,10 @@ class StoreWriter:
         np.save(self.folder / "tail_bounds.npy", np.concatenate([[0], np.cumsum(joined["tail_lengths"])]).astype(np.int64))
 
 
-def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
+def chunk_arrays(examples: list[Example], origins: list[str] | None = None) -> dict[str, np.ndarray]:
     """A chunk's examples as the store's arrays (a preference pair as its chosen then its rejected sequence). Made by
-    the process that tokenized them: arrays cross the process boundary far cheaper than lists of ints."""
+    the process that tokenized them: arrays cross the process boundary far cheaper than lists of ints. `origins`:
+    each example's row by its place (tokenize.ChunkResult.origins), for the row numbers (`row_numbers`)."""
     sequences = [s for e in examples for s in ((e, e.rejected) if e.rejected is not None else (e,))]
     ids = np.fromiter(itertools.chain.from_iterable(s.input_ids for s in sequences), dtype=np.int32)
     labels = np.fromiter(itertools.chain.from_iterable(s.labels for s in sequences), dtype=np.int64, count=len(ids))
@@ -99,7 +107,8 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
     targets[bounds[:-1][lengths > 0]] = 0  # an example's first token is never a target (nothing predicts it)
     trained_counts = np.add.reduceat(targets, bounds[:-1]) if len(ids) else np.zeros(len(lengths), np.int64)
     arrays = {"ids": ids, "trained": trained, "lengths": lengths,
-              "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64)}
+              "trained_counts": np.where(lengths > 0, trained_counts, 0).astype(np.int64),
+              "rows": row_numbers(origins or [], len(examples))}
     if examples and examples[0].desirable is not None:
         arrays["desirable"] = np.fromiter((bool(e.desirable) for e in examples), dtype=np.bool_, count=len(examples))
         tails = [e.completion_tail or Example([], []) for e in examples]
@@ -108,6 +117,22 @@ def chunk_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
                                              count=len(arrays["tail_ids"]))
         arrays["tail_lengths"] = np.fromiter((len(t.input_ids) for t in tails), dtype=np.int64, count=len(tails))
     return arrays
+
+
+def row_numbers(origins: list[str], count: int) -> np.ndarray:
+    """Each of a chunk's `count` examples' row, numbered from 0 in the order the rows first give an example: the
+    examples of one row (a conversation gives one per assistant turn: data/chat.py; a text row split into pieces)
+    share a number, so the eval hold-out (build.split_eval_indices) keeps a row whole on one side. A KTO pair unpaired
+    into two rows (ported_rows.unpaired: places `line 3 (chosen)` and `line 3 (rejected)`) is one row. Without a
+    place per example (preference pairs: one example per row) each example is its own row."""
+    if len(origins) != count:
+        return np.arange(count, dtype=np.int64)
+    first: dict[str, int] = {}
+    return np.fromiter((first.setdefault(_UNPAIRED.sub("", place), len(first)) for place in origins), dtype=np.int64,
+                       count=count)
+
+
+_UNPAIRED = re.compile(r" \((chosen|rejected)\)$")
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -137,6 +162,7 @@ class TokenStore:
             raise ValueError(f"{folder}: store format {self.meta.get('format')}, expected {STORE_FORMAT}")
         self.bounds = np.load(folder / "bounds.npy")
         self._trained_counts = np.load(folder / "trained_counts.npy")
+        self.rows = np.load(folder / "rows.npy")  # each example's row (row_numbers), numbered within this dataset
         total = int(self.bounds[-1])
         if (folder / "ids.bin").stat().st_size != 4 * total or (folder / "trained.bin").stat().st_size != total:
             raise ValueError(f"{folder}: token files do not match their offsets (a damaged entry)")
@@ -147,6 +173,8 @@ class TokenStore:
         self.trained = _mapped(folder / "trained.bin", np.bool_, total)
         self.pairs = bool(self.meta["pairs"])
         self.counts = self.meta["counts"]
+        if len(self.rows) != len(self):
+            raise ValueError(f"{folder}: {len(self.rows)} row numbers for {len(self)} examples (a damaged entry)")
         labels = folder / "desirable.npy"
         self.desirable = np.load(labels) if self.counts.get("unpaired") else None
         if self.desirable is not None and len(self.desirable) != len(self.bounds) - 1:

@@ -62,7 +62,9 @@ def prompt_and_reference(row: Any, tokenizer) -> tuple[list[int], str]:
 
     An Example's prompt is what serving sends for its first trained turn: the tokens before it, completed where they
     stop inside the template's generation prompt (replies.serving_prompt: DeepSeek-R1's `<think>\\n` before an answer
-    without reasoning). Its reference is that turn's final answer, read as a client reads the model's reply
+    without reasoning) and cut back to its end where they run past it (data.reasoning: context under Qwen3.5's and
+    DeepSeek-R1's templates, which prefill `<think>\\n`: the turn's own reasoning, untrained, is not asked with). Its
+    reference is that turn's final answer, read as a client reads the model's reply
     (replies.reply_message: no reasoning, no harmony channel words); under data.reasoning: context, whose turn is
     trained in two runs (the opener, then after the untrained reasoning the answer), the runs up to the answer."""
     if isinstance(row, dict):

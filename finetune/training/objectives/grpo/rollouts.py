@@ -25,6 +25,7 @@ from finetune import distributed, host_memory
 from finetune.data import IGNORE_INDEX
 from finetune.data.conversations import convert_turns
 from finetune.data.prompts import cut_at_stops, turn_end_ids, turn_end_stops
+from finetune.data.replies import completion_message
 from finetune.data.templates import row_system, with_system
 from finetune.errors import RewardError
 from finetune.parallel import unwrap
@@ -265,8 +266,13 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     inputs, mask, truncated = _sequences(expanded, completions, written, eos, stops, pad=pad,
                                          mask_truncated=config.mask_truncated_completions)
     rows = [row for row in batch["rows"] for _ in range(g)]
-    texts = [cut_at_stops(text, stops) for text in written]  # the answer, as an EOS is skipped in decoding
-    shown = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for t, r in zip(texts, rows)]
+    # A text prompt's completion is its text, as TRL's (an EOS skipped, the end of turn written as text cut); a chat
+    # prompt's the assistant message a client reads (replies.completion_message: the final answer as `content`,
+    # reasoning and tool calls beside it, harmony's channels read; `text`: as written), not TRL's glued decoding
+    messages = [completion_message(ids, tokenizer, prompt_ids=prompt, stops=stops)
+                if isinstance(row["prompt"], list) else None for ids, prompt, row in zip(completions, expanded, rows)]
+    texts = [message["text"] if message else cut_at_stops(text, stops) for text, message in zip(written, messages)]
+    shown = [[message] if message else text for text, message in zip(texts, messages)]
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
     # A prompt named by its row in its file (from 1) and its prompt_index in the completions log (from 0)
     places = [f"{place}, prompt_index {index} in the completions log" for place, index in zip(batch["places"], indices)
