@@ -209,6 +209,22 @@ def test_eval_fraction_holds_out_the_streams_first_rows_and_training_skips_them(
         data.stream_examples(make_recipe([{"path": str(small)}], streaming=True, eval_fraction=0.1), tokenizer)
 
 
+def test_every_later_pass_also_starts_after_the_held_out_rows(two_sources, tokenizer):
+    """Found by a bug bash (mutant S02): only the first pass of a stream was checked to skip the held-out eval rows;
+    later passes starting at row 0 (training on the eval rows from pass 2 on) passed every test."""
+    from finetune.data.streaming import Position
+
+    recipe = make_recipe(two_sources, streaming=True, eval_fraction=0.5, eval_max_rows=5)
+    rows, evaluation, _ = data.stream_examples(recipe, tokenizer)
+    everything = [e.input_ids for e in reference_sequences(recipe, tokenizer, passes=1)]
+    held_out = [e.input_ids for e in evaluation]
+    assert held_out == everything[:5]
+    stream = rows.sequences(Position(0, *rows.start))
+    three_passes = [next(stream)[0].input_ids for _ in range(3 * (len(everything) - 5))]
+    assert three_passes == everything[5:] * 3  # oracle: the file's examples but the first 5, pass after pass
+    assert not any(ids in held_out for ids in three_passes)
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def test_what_streaming_cannot_do_is_refused_naming_every_key(tmp_path):
     raw = {"model": {"name_or_path": "unused"}, "train": {"objective": "dpo"},

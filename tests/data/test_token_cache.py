@@ -13,6 +13,8 @@ from test_data import make_recipe
 
 from finetune import data
 from finetune.cli.tiny import build_tokenizer
+from finetune.recipe import validate_recipe
+from finetune.recipe.data import DataSection
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -23,7 +25,9 @@ def _examples(sequence) -> list[tuple[list[int], list[int]]]:
 
 def test_each_input_of_the_cache_key_is_a_miss_and_an_unchanged_one_a_hit(tmp_path, tokenizer, monkeypatch):
     """The key covers the rows, the tokenizer, its chat template, the data settings and the rendering code: a change in
-    any of them re-tokenizes (never a stale hit); nothing changed reads the memory-mapped entry, equal to the fresh one."""
+    any of them re-tokenizes (never a stale hit); nothing changed reads the memory-mapped entry, equal to the fresh one.
+    Found by a bug bash (mutants C01, C03): data.reasoning and data.bad_rows were not among the misses, so either could
+    leave the key unnoticed; every data.* field is now a miss here or named as read after the cache."""
     path = write_jsonl(tmp_path / "a.jsonl", addition_rows(30))
     recipe = make_recipe({"path": str(path)})
     train, evaluation, stats = data.build_examples(recipe, tokenizer)
@@ -50,7 +54,13 @@ def test_each_input_of_the_cache_key_is_a_miss_and_an_unchanged_one_a_hit(tmp_pa
         "columns": (make_recipe({"path": str(path), "columns": {"output": "output"}}), tokenizer),
         "tokenizer": (recipe, build_tokenizer(vocab_size=400)),
         "chat template": (recipe, templated),
+        "reasoning": (make_recipe({"path": str(path)}, reasoning="drop"), tokenizer),
+        "bad_rows": (make_recipe({"path": str(path)}, bad_rows="skip"), tokenizer),
     }
+    # Every data.* field is a miss above or listed here as read after the cache (a new field must be one or the other)
+    after_the_cache = {"datasets", "eval_datasets", "eval_fraction", "eval_max_rows", "packing", "num_proc", "cache",
+                       "streaming"}
+    assert set(DataSection.model_fields) == after_the_cache | {key for key in misses if key in DataSection.model_fields}
     for name, (changed, changed_tokenizer) in misses.items():
         with pytest.raises(AssertionError, match="re-tokenized"):
             data.build_examples(changed, changed_tokenizer)
@@ -64,6 +74,30 @@ def test_each_input_of_the_cache_key_is_a_miss_and_an_unchanged_one_a_hit(tmp_pa
     with pytest.raises(AssertionError, match="re-tokenized"):  # the file content is part of the key
         data.build_examples(recipe, tokenizer)
     monkeypatch.setattr(data.cache, "tokenize_chunk", real_tokenize)
+
+
+def test_a_preference_datasets_prompt_limit_is_in_the_cache_key(tmp_path, tokenizer, monkeypatch):
+    """Found by a bug bash (mutant C04): the cache key could leave out a preference dataset's prompt limit
+    (dpo.max_prompt_length) and a run would reuse pairs cut to the old limit; no test said so. (C01, C03: data.reasoning
+    and data.bad_rows, are misses of the test above.)"""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"What is {a} plus {a}? " * 3, "chosen": f"{2 * a}.",
+                                                   "rejected": f"{2 * a + 1}."} for a in range(12)])
+
+    def preference(max_prompt_length: int | None):
+        return validate_recipe({"model": {"name_or_path": "unused"}, "train": {"objective": "dpo"},
+                                "dpo": {"max_prompt_length": max_prompt_length},
+                                "data": {"datasets": [{"path": str(pairs), "format": "preference"}], "max_length": 64}})
+
+    data.build_examples(preference(None), tokenizer)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("re-tokenized although the cache holds this dataset")
+
+    monkeypatch.setattr(data.cache, "tokenize_chunk", no_tokenizing)
+    assert data.build_examples(preference(None), tokenizer)[2].cached_datasets == 1  # unchanged: a hit
+    assert data.build_examples(preference(32), tokenizer)[2].cached_datasets == 1  # the default's value: a hit
+    with pytest.raises(AssertionError, match="re-tokenized"):
+        data.build_examples(preference(8), tokenizer)
 
 
 def test_an_old_or_damaged_cache_entry_is_rebuilt_never_misread(tmp_path, tokenizer):

@@ -239,6 +239,16 @@ def test_adapter_reloads_with_plain_peft_to_the_trained_model(runs, setup):
     _, eval_examples, _ = data.build_examples(recipe, tokenizer)
     logged = [m["eval_loss"] for m in read_metrics(runs["zero3"]) if "eval_loss" in m][-1]
     assert training.evaluate(peft_model, eval_examples, recipe, pad_id=tokenizer.pad_token_id) == pytest.approx(logged, abs=1e-5)
+    # and an oracle that is not the function that logged it (found by a bug bash: the two sides above are one
+    # computation): F.cross_entropy summed over every trained token of the eval rows, one row at a time, over their count
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in eval_examples:
+            logits = peft_model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1].float()
+            labels = torch.tensor(example.labels[1:])
+            total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+            count += int((labels != -100).sum())
+    assert count > 0 and total / count == pytest.approx(logged, abs=1e-4)
 
 
 @pytest.mark.slow

@@ -262,7 +262,15 @@ def test_a_completion_depends_on_its_seed_not_on_the_other_rows(policy):
     together = sample(prompts, seeds)
     assert sample(prompts[2:], seeds[2:]) == together[2:] and sample(prompts[:1], seeds[:1]) == together[:1]
     assert sample(prompts[:1], [rollout.sampling_seed(42, 2, 0, 0)]) != together[:1]
-    assert len({rollout.sampling_seed(42, s, i, j) for s in range(3) for i in range(5) for j in range(8)}) == 120
+
+
+def test_every_completion_of_a_run_has_a_seed_of_its_own():
+    """(step, prompt, generation) each move the seed, so no two completions of a run share one. Found by a bug bash
+    (mutant G14, a seed that ignored the step: every step sampled the same completions): this arithmetic sat in a
+    slow test for its model fixture; it needs none."""
+    seeds = {rollout.sampling_seed(42, s, i, j) for s in range(3) for i in range(5) for j in range(8)}
+    assert len(seeds) == 120
+    assert rollout.sampling_seed(42, 1, 0, 0) != rollout.sampling_seed(43, 1, 0, 0)  # and train.seed moves it
 
 
 @pytest.mark.slow  # ~5 s: a rollout and two forwards of the tiny model

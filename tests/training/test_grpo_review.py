@@ -177,6 +177,41 @@ def test_train_chunk_size_leaves_every_loss_type_unchanged():
         assert float(chunked) == pytest.approx(float(whole), rel=1e-12, abs=1e-12), kind
 
 
+def test_each_loss_type_over_two_micro_batches_is_trls_arithmetic():
+    """Found by a bug bash (mutant G11): every oracle of the GRPO loss ran one micro-batch (`batches` = 1), so bnpo
+    without its division by the step's micro-batches (k times TRL's loss and gradient under gradient accumulation k)
+    passed. Oracle: TRL 1.16's per-loss-type formulas by hand, over a step of two micro-batches (4 and 6 rows)."""
+    import torch
+
+    from finetune.recipe import GRPOSection
+    from finetune.training.objectives.grpo import loss
+
+    torch.manual_seed(1)
+    steps = []
+    for rows in (4, 6):
+        lengths = torch.randint(1, 7, (rows,))
+        steps.append((torch.randn(rows, 6, dtype=torch.float64),
+                      (torch.arange(6)[None, :] < lengths[:, None]).double()))
+    completions, tokens = 10, sum(float(mask.sum()) for _, mask in steps)
+    row_means = torch.cat([(v * m).sum(-1) / m.sum(-1) for v, m in steps])
+    total = sum(float((v * m).sum()) for v, m in steps)
+    expected = {
+        "bnpo": sum(float((v * m).sum() / m.sum()) for v, m in steps) / 2,  # each micro-batch's token mean, averaged
+        "grpo": float(row_means.mean()), "sapo": float(row_means.mean()),
+        "dr_grpo": total / (completions * 6), "luspo": total / completions,
+        "dapo": total / tokens, "cispo": total / tokens, "vespo": total / tokens,
+    }
+    from typing import get_args
+
+    assert set(expected) == set(get_args(GRPOSection.model_fields["loss_type"].annotation))
+    for kind, want in expected.items():
+        config = GRPOSection(loss_type=kind, reward_functions=["finetune.rewards:exact_match"], num_generations=2,
+                             max_completion_length=6)
+        got = sum(float(loss.aggregate(v, m, config, completions=completions, tokens=tokens, batches=2,
+                                       batch_tokens=float(m.sum()))) for v, m in steps)
+        assert got == pytest.approx(want, rel=1e-12), kind
+
+
 def test_mapped_reward_columns_reach_the_rewards_and_unknown_column_keys_are_refused(tiny_llama, tmp_path):
     """`columns: {prompt: question, answer: solution}` mapped the prompt only: exact_match failed at step 1 ("the
     prompt rows have none"), after validate said OK; a `columns` key no format has (`bogus: x`) was ignored."""

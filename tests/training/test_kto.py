@@ -286,6 +286,43 @@ def test_a_micro_batch_equals_the_plain_implementation(tiny_llama, unpaired_file
     assert sum(float(g.abs().sum()) for g in expected_grads) > 0
 
 
+def test_eval_pairs_each_prompt_with_the_previous_rows_completion_as_the_plain_formula(tiny_llama, unpaired_file,
+                                                                                      tmp_path):
+    """Found by a bug bash (mutant K06): evaluate builds its own KL rows and nothing checked them; pairing each eval
+    row with itself (its own log-ratio as the KL estimate) passed. Oracle: the KL rows built by hand (row i's prompt,
+    row i - 1's completion, TRL's rotation), plain log-probs, the KTO formula; 5 rows in uneven micro-batches of 2."""
+    from finetune.data import collate
+
+    recipe = validate_recipe(kto_recipe(tiny_llama, unpaired_file, tmp_path / "out", kto={"beta": 0.5,
+                                        "undesirable_weight": 1.4}, train={"micro_batch_size": 2}))
+    tokenizer = model.load_tokenizer(recipe)
+    rows = list(data.prepare(recipe, tokenizer).train)[:5]
+    peft_model = model.build_model(recipe, device=CPU, gradient_checkpointing=False)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    peft_model.eval()
+    got = objectives.KTO(peft_model, recipe).evaluate(peft_model, rows, recipe, pad_id=tokenizer.pad_token_id)
+
+    start = lambda e: next(i for i, label in enumerate(e.labels) if label != IGNORE_INDEX)
+    kl_rows = [Example(row.input_ids[: start(row)] + partner.input_ids[start(partner):],
+                       [IGNORE_INDEX] * start(row) + partner.labels[start(partner):])
+               for row, partner in zip(rows, rows[-1:] + rows[:-1])]
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        log_ratio = lambda batch: (_plain_logps(peft_model, batch, reference=False)
+                                   - _plain_logps(peft_model, batch, reference=True))
+        z = log_ratio(collate(kl_rows, pad)).mean().clamp(min=0)
+        ratio = log_ratio(collate(rows, pad))
+    desirable = torch.tensor([row.desirable for row in rows])
+    losses = torch.where(desirable, 1 - torch.sigmoid(0.5 * (ratio - z)), 1.4 * (1 - torch.sigmoid(0.5 * (z - ratio))))
+    own = ratio.mean().clamp(min=0)  # what pairing each row with itself would give
+    assert 0 < int(desirable.sum()) < 5 and abs(float(z) - float(own)) > 1e-3 and float(z) > 1e-4
+    assert got["eval_kl"] == pytest.approx(float(z), abs=1e-5)  # (rounded to 6 digits)
+    assert got["eval_loss"] == pytest.approx(float(losses.mean()), abs=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------------ real runs
 @pytest.mark.slow
 def test_step_one_is_half_the_mean_weight_and_it_learns(tiny_llama, unpaired_file, tmp_path):

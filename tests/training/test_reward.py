@@ -93,7 +93,7 @@ def test_rewards_and_loss_equal_the_exported_adapter_under_transformers_and_trls
     peft_model.eval()
     with torch.no_grad():
         ours = rewards(peft_model, batch, CPU, tokenizer.pad_token_id)
-        loss_sum, _, _, valid = pair_terms(peft_model, batch, recipe.reward, CPU, tokenizer.pad_token_id)
+        loss_sum, sums, _, valid = pair_terms(peft_model, batch, recipe.reward, CPU, tokenizer.pad_token_id)
     base = AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=1, dtype=torch.float32)
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -110,7 +110,60 @@ def test_rewards_and_loss_equal_the_exported_adapter_under_transformers_and_trls
         expected = RewardTrainer.compute_loss(trainer, loaded, dict(inputs))
     assert int(valid) == batch["input_ids"].size(0) // 2
     assert float(loss_sum / valid) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
-    assert trainer._metrics["eval"]["accuracy"]  # TRL logged its metrics from the same rewards
+    # TRL's metrics from the same rewards, by value (found by a bug bash, mutant R04: only their presence was checked)
+    logged = {name: values[-1] for name, values in trainer._metrics["eval"].items() if values}
+    for name, total in zip(("accuracy", "margin", "mean_reward"), sums.tolist()):
+        assert total / int(valid) == pytest.approx(logged[name], abs=1e-5), name
+
+
+def _plain_reward(peft_model, ids: list[int]) -> float:
+    """The score head on the final hidden state of the row alone (no padding, no hook, no left shift)."""
+    from finetune.training.loss import causal_lm
+
+    with torch.no_grad():
+        hidden = peft_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+        return float(causal_lm(peft_model).score(hidden[0, -1]).squeeze())
+
+
+def test_rewards_metrics_and_the_scored_token_where_the_pad_is_the_eos(tiny_llama, tmp_path):
+    """Found by a bug bash (mutants R02, R04): where pad == EOS and a row ends with its EOS (inside the attention
+    mask), the score is read at the last token that is not the EOS, as transformers' *ForSequenceClassification picks
+    it; nothing had a row ending that way, so not stripping the EOS passed. And the margin summed |c - r| passed: no
+    fast test read pair_terms' metric sums. Oracle: the score head on each row alone, cut by hand."""
+    from finetune import data, model
+    from finetune.training.objectives.reward import pair_terms, rewards
+
+    recipe = validate_recipe(reward_recipe(tiny_llama, write_jsonl(tmp_path / "p.jsonl", pairs(8)), tmp_path / "out",
+                                           quantization={"method": "none"}, data={"eval_fraction": 0.0}))
+    tokenizer = model.load_tokenizer(recipe)
+    peft_model = model.load_model(recipe, sharded=False, device=CPU, device_map=None,
+                                  gradient_checkpointing=False).model
+    model.with_score_head(peft_model, recipe, CPU)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or name.endswith("score.weight"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    peft_model.eval()
+    eos = tokenizer.eos_token_id
+    examples = list(data.build_examples(recipe, tokenizer)[0])[:3]
+    chosen_rows, rejected_rows = [e.input_ids for e in examples], [e.rejected.input_ids for e in examples]
+    chosen_rows[2], rejected_rows[2] = rejected_rows[2], chosen_rows[2]  # one pair the model ranks wrong: margin < 0
+    rows = chosen_rows + rejected_rows
+    ended = [ids + [eos] if ids[-1] != eos else ids for ids in rows]  # every row ends with its EOS, the pad id
+    ended[0] = ended[0] + [eos]  # and one with two
+    width = max(map(len, ended))
+    batch = {"input_ids": torch.tensor([ids + [0] * (width - len(ids)) for ids in ended]),
+             "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in ended]),
+             "labels": torch.tensor([[-100] + ids[1:] + [-100] * (width - len(ids)) for ids in ended])}
+    cut = [ids[: max(i for i, token in enumerate(ids) if token != eos) + 1] for ids in ended]
+    plain = torch.tensor([_plain_reward(peft_model, ids) for ids in cut])
+    with torch.no_grad():
+        torch.testing.assert_close(rewards(peft_model, batch, CPU, eos), plain, atol=1e-4, rtol=1e-4)
+        _, sums, _, valid = pair_terms(peft_model, batch, recipe.reward, CPU, eos)
+    chosen, rejected = plain.chunk(2)
+    assert int(valid) == 3 and bool((chosen < rejected).any()) and bool((chosen > rejected).any())
+    expected = [float((chosen > rejected).float().sum()), float((chosen - rejected).sum()), float(plain.sum() / 2)]
+    assert sums.tolist() == pytest.approx(expected, abs=1e-4)
 
 
 @pytest.mark.slow  # ~30 s: a reward model trained in one process and under four shipped multi-process configs

@@ -149,7 +149,9 @@ def test_packed_rows_leave_their_padding_tails_out(tiny_mixtral):
     """Packed rows carry no attention mask, so the model's own aux_loss counted each row's padding tail as tokens.
     The loss of a packed batch equals the model's own over the same examples batched with padding (attention mask),
     as TRL's padding-free batches (no padding at all) have it; the model's loss over the whole packed rows differs.
-    The run's model is inside PEFT's wrapper: its transformers class is the one whose loss function is used."""
+    The run's model is inside PEFT's wrapper: its transformers class is the one whose loss function is used.
+    Found by a bug bash (mutant RA2): no row ended with a trained pad id (pad == EOS), so a mask that dropped every pad
+    id, trained or not, passed; one example now ends so and must count."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -162,6 +164,8 @@ def test_packed_rows_leave_their_padding_tails_out(tiny_mixtral):
         return Example(ids, ids)
 
     rows = [[example(n) for n in row] for row in lengths]
+    ends = rows[2][1].input_ids[:-1] + [pad]  # a row's last example ends with a trained pad id (pad == EOS) just
+    rows[2][1] = Example(ends, list(ends))  # before the row's padding tail: a real token
     packed = collate([concat_examples(row) for row in rows], pad)
     assert "position_ids" in packed and (packed["input_ids"] == pad).sum() > 10  # padding tails
     plain = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32).eval()
