@@ -1,13 +1,13 @@
 """Built-in reward functions for GRPO (grpo.reward_functions: [finetune.rewards:NAME]), with TRL's signature:
 f(prompts, completions, **columns) -> list[float | None], one value per completion.
 
-`completions` are texts, or for chat prompts one-message lists [message], the assistant message as a chat client
-reads it (docs/grpo.md): `content` the final answer, `reasoning` / `reasoning_content` and `tool_calls` beside it,
-and finetune's `text`, the completion as written. `exact_match`, `contains_answer` and `final_number` score the final
-answer (a reply that reasons first is scored on what follows its reasoning); `regex_match` and `length_penalty` the
-completion as written (a format such as `<think>...</think>` is in it, and so is the reasoning's length). `columns`
-are the prompt rows' other columns, one value per completion. None means "not scored" (TRL: the weighted sum skips
-it, as nansum). Verifiable rewards only: no model is loaded here.
+`completions` are texts, or for chat prompts one-message lists [message]: TRL's {"role": "assistant", "content":
+text} (the completion as TRL decodes it), with what a chat client reads beside it (docs/grpo.md): `final` the final
+answer, `reasoning` / `reasoning_content` and `tool_calls`. `exact_match`, `contains_answer` and `final_number` score
+the final answer (a reply that reasons first is scored on what follows its reasoning; TRL's messages: their
+content); `regex_match` and `length_penalty` the content (a format such as `<think>...</think>` is in it, and so is
+the reasoning's length). `columns` are the prompt rows' other columns, one value per completion. None means "not
+scored" (TRL: the weighted sum skips it, as nansum). Verifiable rewards only: no model is loaded here.
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ from fractions import Fraction
 
 
 def completion_text(completion) -> str:
-    """A completion's final answer: a text completion as it is; a message list's `content` (without its reasoning
-    and tool calls, which a chat client reads beside it)."""
+    """A completion's final answer: a text completion as it is; a message list's `final` (finetune's: after the
+    reasoning, without the tool calls), or its `content` where it has none (TRL's messages)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content") or "") for message in completion)
+    return "".join(str(message["final"] if "final" in message else message.get("content") or "")
+                   for message in completion)
 
 
 def written_text(completion) -> str:
-    """A completion as the model wrote it: a text completion as it is; a message list's `text` (finetune's: the
-    decoded completion, reasoning and markup included), or its `content` where it has none (TRL's messages)."""
+    """A completion as the model wrote it: a text completion as it is; a message list's `content`."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message["text"] if "text" in message else message.get("content") or "")
-                   for message in completion)
+    return "".join(str(message.get("content") or "") for message in completion)
 
 
 def _normalize(text) -> str:

@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import json
 import numbers
 
 from finetune.data.conversations import TRAINING_KEYS, convert_turns, field_text
@@ -34,7 +33,7 @@ from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 
 FLAG_KEYS = TRAINING_KEYS[:3]  # training, train, weight: one flag for the whole turn
-DETAIL_KEYS = TRAINING_KEYS[3:]  # training_detail, train_detail: character spans of a turn
+DETAIL_KEYS = TRAINING_KEYS[3:]  # training_detail, train_detail: character spans of a turn (not read)
 ALPACA_FIELDS = ("instruction", "input", "output", "history")
 KTO_TAG = "kto_tag"  # LLaMA-Factory's name for TRL's `label`
 UNPAIRED_ONLY = ("completion", "label", "messages")  # the fields of an unpaired row that a pair has not
@@ -175,51 +174,29 @@ def unpaired_note(pairs: int, first: str) -> str:
 
 # --------------------------------------------------------------------------------- axolotl's per-message flags
 def training_flag(message: dict, number: int, where: str) -> bool | None:
-    """A message's training flag (conversations.py keeps a turn's `training`, `train`, `weight`, `training_detail` and
-    `train_detail` as its `flags`): true/1 trained, false/0 not, None without one (null: Arrow's fill, no flag)."""
+    """A message's training flag (conversations.py keeps a turn's `training`, `train` and `weight` as its `flags`):
+    true/1 trained, false/0 not, None without one. Only a clear flag counts: a null (Arrow's fill), another value
+    (`weight: 0.5`, `train: "yes"`, an object), flags that disagree and axolotl's `*_detail` spans leave the turn as it
+    would be without them (a review found rows that trained before refused for keys that meant something else)."""
     flags = message.get("flags") or {}
-    detail = next((key for key in DETAIL_KEYS if flags.get(key) not in (None, "", [])), None)
-    if detail is not None:
-        raise DataError(f"{where}: message {number} has `{detail}` (axolotl's message_field_training_detail: character "
-                        "spans of the turn to train or not). finetune trains a turn whole or not at all, so the spans "
-                        "have no counterpart here. Fix: remove the key (the whole turn is trained; `train: false` leaves "
-                        "it untrained), split the turn, or set data.bad_rows: skip.")
-    values = {key: _flag_value(flags[key], key, number, where) for key in FLAG_KEYS if key in flags}
-    if len(set(values.values())) > 1:
-        shown = ", ".join(f"`{key}: {json.dumps(flags[key])}`" for key in values)
-        raise DataError(f"{where}: message {number} has training flags that disagree ({shown}). Fix the row (keep "
-                        "one), or set data.bad_rows: skip.")
-    return next(iter(values.values()), None)
+    values = {_flag_value(flags[key]) for key in FLAG_KEYS if key in flags} - {None}
+    return next(iter(values)) if len(values) == 1 else None
 
 
-def _flag_value(value, key: str, number: int, where: str) -> bool:
+def _flag_value(value) -> bool | None:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     if isinstance(value, numbers.Real) and value in (0, 1):
         return bool(value)
-    raise DataError(f"{where}: message {number} has `{key}: {json.dumps(value, default=str)}`; a turn's training flag (axolotl's "
-                    "message_field_training) is true or false, 1 or 0: finetune trains a turn or leaves it context, it "
-                    "does not weight its loss. Fix the row, or set data.bad_rows: skip.")
+    return None
 
 
 def trained_turns(messages: list[dict], trained_from: int, where: str) -> list[int]:
     """The indexes of the assistant turns of a conversation to train: those from message `trained_from` on, except
-    the ones flagged off (axolotl's per-message flags). A non-assistant turn flagged on is refused: finetune trains
-    what the model writes at inference, the assistant's turns; axolotl would train that turn's text."""
-    indexes = []
-    for index, message in enumerate(messages):
-        flag = training_flag(message, index + 1, where)
-        if flag and message["role"] != "assistant":
-            key = next(key for key in FLAG_KEYS if key in message["flags"])
-            raise DataError(
-                f"{where}: message {index + 1} (role {message['role']}) is flagged for training (`{key}: "
-                f"{json.dumps(message['flags'][key], default=str)}`, axolotl's per-message training flag). finetune "
-                f"trains assistant turns only (what the model writes at inference), so a {message['role']} turn is "
-                "context whatever its flag; "
-                f"axolotl, told `message_field_training: {key}`, would train its text. Fix: flag it false or 0, or "
-                "remove the flag, on turns that are not the assistant's, or set data.bad_rows: skip.")
-        if message["role"] == "assistant" and index >= trained_from and flag is not False:
-            indexes.append(index)
+    the ones flagged off (axolotl's per-message flags: such a turn is context). A flag on another role's turn changes
+    nothing: finetune trains what the model writes at inference, the assistant's turns."""
+    indexes = [index for index, message in enumerate(messages) if message["role"] == "assistant"
+               and index >= trained_from and training_flag(message, index + 1, where) is not False]
     if not indexes:
         raise DataError(f"{where}: every assistant turn to train is flagged not to be trained (`weight: 0`, `train: "
                         "false` or `training: false`: axolotl's per-message training flag, which finetune reads: such "

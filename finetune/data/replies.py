@@ -75,20 +75,24 @@ def reply_message(text: str, tokenizer, *, prompt: str = "") -> dict:
     message = {**message, "content": message["content"].strip()}
     calls = _text_tool_calls(message["content"]) if "<tool_call>" in chat_template_text(tokenizer) else None
     if calls is not None:
-        message["content"], message["tool_calls"] = _TOOL_CALL.sub("", message["content"]).strip(), calls
+        message["content"], message["tool_calls"] = message["content"][:message["content"].find("<tool_call>")].strip(), calls
     return message
 
 
-def completion_message(ids, tokenizer, *, prompt_ids, stops=()) -> dict:
-    """A sampled completion (token ids) as the assistant message a chat client reads (reply_message: `content` the
-    final answer, `reasoning` and its other name `reasoning_content` (TRL's parse_response, vLLM), `tool_calls`),
-    with `text`: the completion as written (decode_reply's text, cut at a template's end of turn written as text).
-    `prompt_ids`: the prompt it continues (an opened `<think>` at its end); `stops`: prompts.turn_end_stops."""
+def completion_message(ids, tokenizer, *, prompt_ids, content: str, stops=()) -> dict:
+    """A sampled completion (token ids) as GRPO's reward functions get it: TRL's message, `content` the completion's
+    text as TRL decodes it (given: special tokens skipped; a reward written for TRL reads what it reads there), and
+    beside it what a chat client reads (reply_message): `final` the final answer, `reasoning` and its other name
+    `reasoning_content` (TRL's parse_response, vLLM), `tool_calls`. `prompt_ids`: the prompt it continues (an opened
+    `<think>` at its end); `stops`: prompts.turn_end_stops."""
     text = cut_at_stops(decode_reply(ids, tokenizer), list(stops))
-    message = reply_message(text, tokenizer, prompt=prompt_tail(prompt_ids, tokenizer))
-    if "reasoning" in message:
-        message["reasoning_content"] = message["reasoning"]
-    return {**message, "text": text}
+    read = reply_message(text, tokenizer, prompt=prompt_tail(prompt_ids, tokenizer))
+    message = {"role": "assistant", "content": content, "final": read["content"]}
+    if "reasoning" in read:
+        message["reasoning"] = message["reasoning_content"] = read["reasoning"]
+    if "tool_calls" in read:
+        message["tool_calls"] = read["tool_calls"]
+    return message
 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -99,9 +103,14 @@ _GLM_ARGUMENT = re.compile(r"<arg_key>([^<]+)</arg_key>\s*<arg_value>(.*?)</arg_
 
 def _text_tool_calls(content: str) -> list[dict] | None:
     """The tool calls written as `<tool_call>` blocks (Hermes' JSON: Qwen2.5, Qwen3; Qwen3.5's `<function=NAME>`;
-    GLM-4.5's `NAME` and `<arg_key>`/`<arg_value>` pairs), as TRL's response schemas read them; None when there is
-    none or one does not parse (then the text stays the content, as TRL's parse_response falls back to it)."""
-    blocks = _TOOL_CALL.findall(content)
+    GLM-4.5's `NAME` and `<arg_key>`/`<arg_value>` pairs) at the end of the reply, as TRL's response schemas read them;
+    None when there is none, when text follows them (a reply that mentions the tags is text: a review found
+    "Wrap calls in <tool_call>NAME</tool_call> tags." read as a call) or when one does not parse (then the text stays
+    the content, as TRL's parse_response falls back to it)."""
+    start = content.find("<tool_call>")
+    if start < 0 or _TOOL_CALL.sub("", content[start:]).strip():
+        return None
+    blocks = _TOOL_CALL.findall(content[start:])
     calls = [_tool_call(block.strip()) for block in blocks]
     if not calls or any(call is None for call in calls):
         return None

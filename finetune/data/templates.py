@@ -381,8 +381,11 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
     """
     answers = tuple((name, [answer] if isinstance(answer, dict) else answer) for name, answer in answers)  # a message
     system_prompt = row_system(row, spec, system_prompt)
-    if _column(spec, "input") != _column(spec, "prompt", row):  # (a prompt mapped to `input`: that is the prompt)
-        prompt = with_input(prompt, _field(row, spec, "input"), f"{where}: `{_column(spec, 'input')}`")  # LLaMA-Factory's
+    # LLaMA-Factory's ranking / KTO alpaca rows (the prompt read from `instruction`, or `input` mapped by columns):
+    # instruction + "\n" + input; another dataset's `input` column is not the prompt's (a review: it was joined)
+    lf_shape = _column(spec, "prompt", row) == "instruction" or "input" in spec.columns
+    if lf_shape and _column(spec, "input") != _column(spec, "prompt", row):  # (a prompt mapped to `input` is the prompt)
+        prompt = with_input(prompt, _field(row, spec, "input"), f"{where}: `{_column(spec, 'input')}`")
     for name, answer in answers:
         if not isinstance(answer, (str, list)):
             raise DataError(f"{where}: `{_column(spec, name)}` is {answer!r}; an answer is text, an assistant message or a "

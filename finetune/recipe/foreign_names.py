@@ -220,8 +220,8 @@ ENTRY_NO_COUNTERPART: dict[str, str] = {
     **dict.fromkeys(("shards", "shards_idx"), "a dataset is read whole (max_rows: its first N rows)"),
     "conversation": "FastChat's conversation templates are not read: chat rows go through model.chat_template",
     "message_field_training": "a message's own `training`, `train` or `weight` key is read by itself (docs/data.md)",
-    "message_field_training_detail": "a message's `training_detail` spans are refused (the row's error): a turn trains "
-                                     "whole or not at all (docs/data.md)",
+    "message_field_training_detail": "a message's `training_detail` spans are not read: a turn trains whole or not "
+                                     "at all (docs/data.md)",
     "temperature": "distillation from stored log-probs is not built (grpo.temperature is GRPO's sampling)",
     "logprobs_field": "distillation from stored log-probs is not built",
 }

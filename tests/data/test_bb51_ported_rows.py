@@ -103,10 +103,16 @@ def test_a_ranking_or_kto_alpaca_rows_input_is_joined_to_its_prompt_as_llama_fac
     unmapped = DatasetSpec(path="pairs.jsonl", format="preference")  # the input is no prompt of its own
     with pytest.raises(DataError, match=r"`prompt` is missing"):
         data.render_segments(row, unmapped, tokenizer, None, WHERE)
+    # Another dataset's `input` column (its prompt not read from `instruction`) is not the prompt's: a review found
+    # `input: "gsm8k"` joined to the prompt, and a chat prompt beside it refused.
+    spec = DatasetSpec(path="pairs.jsonl", format="preference")
+    other = {"prompt": "Capital of France?", "input": "gsm8k", "chosen": "Paris.", "rejected": "Lyon."}
+    alone = {key: value for key, value in other.items() if key != "input"}
+    assert data.render_segments(other, spec, tokenizer, None, WHERE) == data.render_segments(alone, spec, tokenizer,
+                                                                                             None, WHERE)
     conversational = {"prompt": user, "input": "France", "chosen": "Paris.", "rejected": "Lyon."}
-    with pytest.raises(DataError, match=r"`input` holds text \('France'\), and the row's prompt is chat messages"):
-        data.render_segments(conversational, DatasetSpec(path="pairs.jsonl", format="preference"), tokenizer, None,
-                             WHERE)
+    assert data.render_segments(conversational, spec, tokenizer, None, WHERE)[0][0][0].endswith(
+        tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True).split("<|im_start|>user")[-1])
 
 
 # -------------------------------------------------------------------------- 8. KTO rows as one conversation
@@ -205,23 +211,23 @@ def test_axolotl_training_flags_train_exactly_the_tokens_axolotl_trains(row):
     assert "weight" not in "".join(text for text, _ in examples[0])
 
 
-@pytest.mark.parametrize("turn,refused", [
-    ({"role": "user", "content": "Again", "train": True},
-     r"message 3 \(role user\) is flagged for training \(`train: true`.*finetune trains assistant turns only"),
-    ({"role": "user", "content": "Again", "weight": 0.5}, r"message 3 has `weight: 0.5`.*does not weight its loss"),
-    ({"role": "user", "content": "Again", "train_detail": [{"begin_offset": 0, "end_offset": 2, "train": False}]},
-     r"message 3 has `train_detail` \(axolotl's message_field_training_detail.*no counterpart"),
-    ({"role": "user", "content": "Again", "train": False, "weight": 1},
-     r"message 3 has training flags that disagree \(`train: false`, `weight: 1`\)"),
-], ids=["user-flagged-on", "fractional-weight", "train-detail", "disagreeing"])
-def test_training_flags_finetune_cannot_honour_are_refused_naming_the_message(turn, refused):
-    """Found by a bug bash (bb51 #2): every per-message flag was ignored. Those finetune cannot honour (a user turn
-    flagged on, which axolotl trains; a loss weight; axolotl's character spans) are the row's error now."""
+@pytest.mark.parametrize("turn", [
+    {"role": "user", "content": "Again", "train": True},
+    {"role": "user", "content": "Again", "weight": 0.5},
+    {"role": "user", "content": "Again", "train_detail": [{"begin_offset": 0, "end_offset": 2, "train": False}]},
+    {"role": "user", "content": "Again", "train": False, "weight": 1},
+    {"role": "user", "content": "Again", "training": {"source": "gsm8k"}},
+], ids=["user-flagged-on", "fractional-weight", "train-detail", "disagreeing", "other-data"])
+def test_keys_that_are_no_clear_flag_leave_the_row_as_without_them(turn):
+    """Found by a review of the bb51 #2 fix: rows whose messages carried `weight`, `train` or `training` keys meaning
+    something else (a fractional weight, a user turn's flag, an object, axolotl's spans) trained before and were then
+    refused. Only a clear flag off on an assistant turn changes what trains; the rest renders as without the keys."""
+    spec, tokenizer = DatasetSpec(path="rows.jsonl", format="chat"), family_tokenizer("qwen2.5")
     row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, turn,
                         {"role": "assistant", "content": "Good answer."}]}
-    with pytest.raises(DataError, match=refused):
-        data.render_examples(row, DatasetSpec(path="rows.jsonl", format="chat"), family_tokenizer("qwen2.5"), None,
-                             WHERE)
+    plain = {"messages": [*row["messages"][:2], {"role": "user", "content": "Again"}, row["messages"][3]]}
+    assert data.render_examples(row, spec, tokenizer, None, WHERE) == data.render_examples(plain, spec, tokenizer,
+                                                                                           None, WHERE)
 
 
 def test_a_row_whose_every_assistant_turn_is_flagged_off_is_a_bad_row_not_an_empty_one(tmp_path):

@@ -4,12 +4,11 @@ Found by a bug bash (bb53 #4): the rollout decoded completions with skip_special
 [{"role": "assistant", "content": text}]. Under gpt-oss (harmony) the channel words were glued into the content
 (`analysisEasy.assistantfinalParis`, a tool call `analysisNeed weather ...assistant to=functions.get_weathercommentary
 json{...}`), under Qwen3 the `<think>` block stayed in it (`<think>\\nEasy.\\n</think>\\n\\nParis`) and a tool call was
-text, so finetune.rewards:exact_match scored 0 on any reply that reasons first. Now `content` is the final answer,
-`reasoning` / `reasoning_content` and `tool_calls` sit beside it (replies.reply_message, as `finetune generate` and
-the generation eval read replies; TRL's parse_response shape) and `text` keeps the completion as written.
-
-In-process and fast: the completions are the token ids of trained turns rendered with the family's tokenizer (tests/
-data/chat_families.py), handed to the rollout in place of sampling; the reward call runs as in training.
+text, so finetune.rewards:exact_match scored 0 on any reply that reasons first. Now the message keeps TRL's
+`content` (the completion as TRL decodes it: a reward written for TRL reads what it read; a review of the first fix,
+which made `content` the final answer, found TRL's documented format reward scoring 0) and carries beside it what a
+chat client reads (replies.reply_message, as `finetune generate` and the generation eval read replies): `final`,
+`reasoning` / `reasoning_content` and `tool_calls`; the built-in rewards score `final`.
 """
 
 from __future__ import annotations
@@ -82,38 +81,53 @@ def rewarded(family, completion, tiny_llama, tmp_path, monkeypatch, *, tools=Non
 @pytest.mark.parametrize("family", ["gpt-oss", "qwen3"])
 def test_a_reply_that_reasons_first_reaches_the_reward_as_its_answer_and_exact_match_scores_it(
         family, tiny_llama, tmp_path, monkeypatch):
-    """Before: content `analysisEasy.assistantfinalParis` (gpt-oss), `<think>\\nEasy.\\n</think>\\n\\nParis` (qwen3);
-    exact_match 0. Now content `Paris`, the reasoning beside it, the written text kept; exact_match 1."""
+    """Before: exact_match scored 0 on `analysisEasy.assistantfinalParis` (gpt-oss) and
+    `<think>\\nEasy.\\n</think>\\n\\nParis` (qwen3). Now `final` is `Paris`, the reasoning beside it, `content` TRL's
+    text unchanged; exact_match 1."""
     tokenizer = family_tokenizer(family)
     completion = trained_turn(tokenizer, [QUESTION, REASONED])
     got, records = rewarded(family, completion, tiny_llama, tmp_path, monkeypatch)
     (message,) = got[0]
-    written = tokenizer.decode(completion, skip_special_tokens=family != "gpt-oss")
-    assert message == {"role": "assistant", "content": "Paris", "reasoning": "Easy.", "reasoning_content": "Easy.",
-                       "text": written}
-    assert "Easy." in message["text"] and "Paris" in message["text"]
+    trls = tokenizer.decode(completion, skip_special_tokens=True).strip()  # TRL's decoding (the end of turn cut)
+    assert message == {"role": "assistant", "content": message["content"], "final": "Paris", "reasoning": "Easy.",
+                       "reasoning_content": "Easy."}
+    assert message["content"].strip() == trls and "Easy." in message["content"]
     assert [record["rewards"]["exact_match"] for record in records] == [1.0] * 4
-    assert records[0]["completion"] == written  # the completions log: the completion as written, not glued
-    assert rewards.regex_match(None, got[:1], pattern=[r".*Easy\..*Paris.*"]) == [1.0]  # formats: the written text
+    assert records[0]["completion"] == message["content"]  # the completions log: TRL's text
+    assert rewards.regex_match(None, got[:1], pattern=[r".*Easy\..*Paris.*"]) == [1.0]  # formats: TRL's text
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "qwen3"])
 def test_a_tool_call_reaches_the_reward_as_tool_calls(family, tiny_llama, tmp_path, monkeypatch):
     """Before: the call was text in the content (gpt-oss: `analysisNeed weather for Paris.assistant
-    to=functions.get_weathercommentary json{"city": "Paris"}`). Now it is `tool_calls`, the content empty."""
+    to=functions.get_weathercommentary json{"city": "Paris"}`). Now it is `tool_calls`, `final` empty."""
     tokenizer = family_tokenizer(family)
     completion = trained_turn(tokenizer, [ROWS["tool_call"]["messages"][0], CALL], tools=[WEATHER_TOOL])
     got, _ = rewarded(family, completion, tiny_llama, tmp_path, monkeypatch, tools=[WEATHER_TOOL])
     (message,) = got[0]
-    assert message["content"] == "" and message["reasoning"] == "Need weather for Paris."
+    assert message["final"] == "" and message["reasoning"] == "Need weather for Paris."
     assert message["tool_calls"] == [{"type": "function", "function": {"name": "get_weather",
                                                                       "arguments": {"city": "Paris"}}}]
 
 
 def test_trls_messages_without_text_are_still_read_by_the_built_in_rewards():
-    """A reward written for TRL's messages ({"role", "content"} only) still scores: written_text falls back to the
-    content."""
+    """A reward written for TRL's messages ({"role", "content"} only) still scores: completion_text falls back to
+    the content."""
     trl = [[{"role": "assistant", "content": "Paris"}]]
     assert rewards.exact_match(None, trl, answer=["Paris"]) == [1.0]
     assert rewards.regex_match(None, trl, pattern=["Par.*"]) == [1.0]
     assert rewards.length_penalty(None, trl) == [-0.005]
+
+
+def test_only_tool_call_blocks_ending_the_reply_are_calls():
+    """Found by a review: a reply that mentions the tags ("Wrap calls in <tool_call>NAME</tool_call> tags.") was read
+    as a call named NAME, its block cut from the answer. As TRL's response schemas, only the blocks that end the reply
+    are calls; the text before them is the content."""
+    from finetune.data.replies import reply_message
+
+    tokenizer = family_tokenizer("qwen3")
+    mention = "Wrap calls in <tool_call>NAME</tool_call> tags."
+    assert reply_message(mention, tokenizer) == {"role": "assistant", "content": mention}
+    call = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    message = reply_message(call, tokenizer)
+    assert message["content"] == "Let me look." and message["tool_calls"][0]["function"]["name"] == "get_weather"

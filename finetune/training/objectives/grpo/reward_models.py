@@ -67,7 +67,10 @@ class RewardModel:
         data.system_prompt and a text prompt)."""
         template, out = chat_template_text(self.tokenizer), []
         for prompt, completion in zip(prompts, completions):
-            answer = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            # TRL's message alone (its content, the completion's text): what a chat client read beside it (final,
+            # reasoning, tool_calls: rollouts.py) would render the reasoning a second time
+            answer = ([{"role": "assistant", "content": m.get("content") or ""} for m in completion]
+                      if isinstance(completion, list) else [{"role": "assistant", "content": completion}])
             if isinstance(prompt, list):
                 messages = convert_turns(prompt + answer, MESSAGES, "a chat prompt scored by a reward model")
             elif template:

@@ -266,13 +266,13 @@ def sample_and_score(model: nn.Module, batch: dict, objective, device: torch.dev
     inputs, mask, truncated = _sequences(expanded, completions, written, eos, stops, pad=pad,
                                          mask_truncated=config.mask_truncated_completions)
     rows = [row for row in batch["rows"] for _ in range(g)]
-    # A text prompt's completion is its text, as TRL's (an EOS skipped, the end of turn written as text cut); a chat
-    # prompt's the assistant message a client reads (replies.completion_message: the final answer as `content`,
-    # reasoning and tool calls beside it, harmony's channels read; `text`: as written), not TRL's glued decoding
-    messages = [completion_message(ids, tokenizer, prompt_ids=prompt, stops=stops)
-                if isinstance(row["prompt"], list) else None for ids, prompt, row in zip(completions, expanded, rows)]
-    texts = [message["text"] if message else cut_at_stops(text, stops) for text, message in zip(written, messages)]
-    shown = [[message] if message else text for text, message in zip(texts, messages)]
+    texts = [cut_at_stops(text, stops) for text in written]  # the answer, as an EOS is skipped in decoding
+    # A text prompt's completion is its text, as TRL's; a chat prompt's TRL's message ({"role": "assistant",
+    # "content": text}) with what a chat client reads beside it (replies.completion_message: `final`, `reasoning`,
+    # `tool_calls`; harmony's channels read), so the built-in rewards score the final answer
+    shown = [[completion_message(ids, tokenizer, prompt_ids=prompt, content=text, stops=stops)]
+             if isinstance(row["prompt"], list) else text
+             for ids, prompt, row, text in zip(completions, expanded, rows, texts)]
     table, problem = torch.full((len(rows), len(objective.functions)), math.nan, dtype=torch.float64), None
     # A prompt named by its row in its file (from 1) and its prompt_index in the completions log (from 0)
     places = [f"{place}, prompt_index {index} in the completions log" for place, index in zip(batch["places"], indices)
