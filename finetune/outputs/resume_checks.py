@@ -323,7 +323,8 @@ def _upgrade(source: Path) -> str:
         return ""
     then = f"finetune {written}" if written else "an older finetune (it recorded no version)"
     return (f"; or this finetune's upgrade: the checkpoint was written by {then} and this is {now}, whose rendering of "
-            "the rows may differ")
+            "the rows, or choice of the rows held out for eval (a conversation's turns held out together from "
+            "2026-12 on), may differ: then resume with the finetune that wrote it, or start anew")
 
 
 def _streams(recipe: dict) -> bool:
