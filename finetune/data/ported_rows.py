@@ -33,7 +33,6 @@ from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 
 FLAG_KEYS = TRAINING_KEYS[:3]  # training, train, weight: one flag for the whole turn
-DETAIL_KEYS = TRAINING_KEYS[3:]  # training_detail, train_detail: character spans of a turn (not read)
 ALPACA_FIELDS = ("instruction", "input", "output", "history")
 KTO_TAG = "kto_tag"  # LLaMA-Factory's name for TRL's `label`
 UNPAIRED_ONLY = ("completion", "label", "messages")  # the fields of an unpaired row that a pair has not
@@ -173,7 +172,7 @@ def unpaired_note(pairs: int, first: str) -> str:
 
 
 # --------------------------------------------------------------------------------- axolotl's per-message flags
-def training_flag(message: dict, number: int, where: str) -> bool | None:
+def training_flag(message: dict) -> bool | None:
     """A message's training flag (conversations.py keeps a turn's `training`, `train` and `weight` as its `flags`):
     true/1 trained, false/0 not, None without one. Only a clear flag counts: a null (Arrow's fill), another value
     (`weight: 0.5`, `train: "yes"`, an object), flags that disagree and axolotl's `*_detail` spans leave the turn as it
@@ -196,7 +195,7 @@ def trained_turns(messages: list[dict], trained_from: int, where: str) -> list[i
     the ones flagged off (axolotl's per-message flags: such a turn is context). A flag on another role's turn changes
     nothing: finetune trains what the model writes at inference, the assistant's turns."""
     indexes = [index for index, message in enumerate(messages) if message["role"] == "assistant"
-               and index >= trained_from and training_flag(message, index + 1, where) is not False]
+               and index >= trained_from and training_flag(message) is not False]
     if not indexes:
         raise DataError(f"{where}: every assistant turn to train is flagged not to be trained (`weight: 0`, `train: "
                         "false` or `training: false`: axolotl's per-message training flag, which finetune reads: such "
@@ -208,9 +207,8 @@ def trained_turns(messages: list[dict], trained_from: int, where: str) -> list[i
 def refuse_unscored(messages: list[dict], name: str, where: str) -> None:
     """A preference or KTO answer (`messages`: its turns) may not have a turn flagged off: the loss scores the whole
     answer (axolotl reads these flags in SFT chat_template datasets only)."""
-    for number, message in enumerate(messages, start=1):
-        if training_flag(message, number, f"{where} `{name}`") is False:
-            raise DataError(f"{where}: `{name}` has a turn flagged not to be trained (axolotl's per-message training "
-                            "flag: `weight: 0`, `train: false` or `training: false`). The answers of a preference or "
-                            "KTO row are what the loss scores, so no part of one can be left out. Fix: remove the "
-                            "flag from the answer's turns, or set data.bad_rows: skip.")
+    if any(training_flag(message) is False for message in messages):
+        raise DataError(f"{where}: `{name}` has a turn flagged not to be trained (axolotl's per-message training "
+                        "flag: `weight: 0`, `train: false` or `training: false`). The answers of a preference or "
+                        "KTO row are what the loss scores, so no part of one can be left out. Fix: remove the "
+                        "flag from the answer's turns, or set data.bad_rows: skip.")

@@ -15,21 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_bb26_untrusted_checkpoints import _model  # a trained Linear and its AdamW: a checkpoint's contents
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from finetune.errors import CheckpointError
 from finetune.outputs import checkpoint, checkpoint_adapter, step_folders
 
 NEWER = f"{torch.__version__.split('.')[0]}.{int(torch.__version__.split('.')[1]) + 2}.0+cu132"
-
-
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, set[str]]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer, {name for name, _ in model.named_parameters()}
 
 
 def _saved(tmp_path: Path, monkeypatch, *, newer: bool) -> tuple[Path, tuple]:

@@ -56,6 +56,24 @@ def test_the_reward_section_goes_with_its_objective_and_preference_rows(tmp_path
 
 
 @pytest.mark.slow  # ~10 s: a tiny model, an adapter written and loaded by transformers + PEFT, TRL's loss
+def _scoring_model(tiny_llama, tmp_path, **sections):
+    """(recipe, tokenizer, model): a reward run's model in one process, LoRA B and the score head random (both
+    matter), on 8 pairs without an eval split."""
+    from finetune import model
+
+    recipe = validate_recipe(reward_recipe(tiny_llama, write_jsonl(tmp_path / "p.jsonl", pairs(8)), tmp_path / "out",
+                                           quantization={"method": "none"}, data={"eval_fraction": 0.0}, **sections))
+    tokenizer = model.load_tokenizer(recipe)
+    peft_model = model.load_model(recipe, sharded=False, device=CPU, device_map=None,
+                                  gradient_checkpointing=False).model
+    model.with_score_head(peft_model, recipe, CPU)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or name.endswith("score.weight"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    return recipe, tokenizer, peft_model
+
+
 def test_rewards_and_loss_equal_the_exported_adapter_under_transformers_and_trls_reward_trainer(tiny_llama, tmp_path):
     """Our model (LoRA + the score head, random so both matter) scores a real preference batch; the adapter written as
     the run writes it loads with plain PEFT onto AutoModelForSequenceClassification, which scores the same rows (the
@@ -69,17 +87,7 @@ def test_rewards_and_loss_equal_the_exported_adapter_under_transformers_and_trls
     from finetune.data import eval_batches
     from finetune.training.objectives.reward import pair_terms, rewards
 
-    recipe = validate_recipe(reward_recipe(tiny_llama, write_jsonl(tmp_path / "p.jsonl", pairs(8)), tmp_path / "out",
-                                           quantization={"method": "none"}, reward={"center_rewards_coefficient": 0.01},
-                                           data={"eval_fraction": 0.0}))
-    tokenizer = model.load_tokenizer(recipe)
-    peft_model = model.load_model(recipe, sharded=False, device=CPU, device_map=None,
-                                  gradient_checkpointing=False).model
-    model.with_score_head(peft_model, recipe, CPU)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name or name.endswith("score.weight"):
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    recipe, tokenizer, peft_model = _scoring_model(tiny_llama, tmp_path, reward={"center_rewards_coefficient": 0.01})
     key_map = outputs.adapter_key_map(peft_model)
     assert key_map["base_model.model.score.weight"] == "base_model.model.score.weight"
     outputs.save_adapter(model.adapter_config(peft_model, recipe), key_map,
@@ -130,19 +138,10 @@ def test_rewards_metrics_and_the_scored_token_where_the_pad_is_the_eos(tiny_llam
     mask), the score is read at the last token that is not the EOS, as transformers' *ForSequenceClassification picks
     it; nothing had a row ending that way, so not stripping the EOS passed. And the margin summed |c - r| passed: no
     fast test read pair_terms' metric sums. Oracle: the score head on each row alone, cut by hand."""
-    from finetune import data, model
+    from finetune import data
     from finetune.training.objectives.reward import pair_terms, rewards
 
-    recipe = validate_recipe(reward_recipe(tiny_llama, write_jsonl(tmp_path / "p.jsonl", pairs(8)), tmp_path / "out",
-                                           quantization={"method": "none"}, data={"eval_fraction": 0.0}))
-    tokenizer = model.load_tokenizer(recipe)
-    peft_model = model.load_model(recipe, sharded=False, device=CPU, device_map=None,
-                                  gradient_checkpointing=False).model
-    model.with_score_head(peft_model, recipe, CPU)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name or name.endswith("score.weight"):
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    recipe, tokenizer, peft_model = _scoring_model(tiny_llama, tmp_path)
     peft_model.eval()
     eos = tokenizer.eos_token_id
     examples = list(data.build_examples(recipe, tokenizer)[0])[:3]
