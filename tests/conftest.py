@@ -182,13 +182,13 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """What `finetune train` starts, without starting it: accelerate's command line (cli/command.py's _launch), or
+    """What `finetune train` starts, without starting it: accelerate's command line (cli/train.py's _launch), or
     the run in this process (finetune.run.main)."""
     import finetune.run
-    from finetune.cli import command
+    from finetune.cli import train
 
     started: dict[str, list] = {"launched": [], "in_process": []}
-    monkeypatch.setattr(command, "_launch", lambda argv, drop=(): started["launched"].append(argv) or 0)
+    monkeypatch.setattr(train, "_launch", lambda argv, drop=(): started["launched"].append(argv) or 0)
     monkeypatch.setattr(finetune.run, "main", lambda argv: started["in_process"].append(argv) or 0)
     return started
 

@@ -1,6 +1,7 @@
 """The `finetune` command and its verbs. Nothing under finetune/ imports this package (tests/cli/test_library.py).
 
     command.py     the parser and the dispatch (`finetune.cli:entry` is the console script)
+    train.py       `train`: in this process, or launched through accelerate (exit codes, signals, Ctrl-C passed through)
     validate.py    `validate`: every pre-flight check of a run, no weights      plan.py      `plan`, the library table
     preview.py     `data`: rendered examples with their trained spans          library.py   `recipes`: the library
     generate.py    `generate`: prompts or a chat through a run's adapter       quickstart.py `quickstart` (+ tasks.py)

@@ -185,8 +185,8 @@ def _json_lines(text: str, where: str, whole: json.JSONDecodeError) -> list:
 def with_tools(style: PromptStyle, tokenizer, tools: list[dict], path: str) -> PromptStyle:
     """The style with `--tools` in every prompt, where a prompt has a place for them: the chat template, one that
     renders its `tools` (DeepSeek-R1 distills' does not)."""
-    from finetune.data.chat import chat_template_text
     from finetune.data.conversations import renders_tools
+    from finetune.data.template_facts import chat_template_text
 
     if not style.conversation:
         raise DataError(f"--tools {path}: the prompts are rendered as {style.said}, with no chat template, so they "

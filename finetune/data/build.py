@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from finetune.data.cache import dataset_store
-from finetune.data.chat import note_turn_end
 from finetune.data.examples import DataStats, Example, PreparedData, weighted_share
 from finetune.data.packing import batch_efficiency, pack_lengths, packing_problem
 from finetune.data.ported_rows import kto_spec, unpaired_note
 from finetune.data.prompts import prompt_examples
 from finetune.data.store import ExampleView, PackedView, TokenStore, sequence_lengths
+from finetune.data.template_facts import note_turn_end
 from finetune.errors import DataError, FinetuneError
 from finetune.recipe import Recipe
 

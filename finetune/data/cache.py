@@ -39,7 +39,7 @@ from finetune.recipe import DatasetSpec, Recipe
 
 # The code that reads and renders rows (the layout is STORE_FORMAT): editing any invalidates every entry.
 _RENDERING_CODE = ("sources.py", "readers.py", "csv_files.py", "folders.py", "templates.py", "tokens.py", "conversations.py",
-                   "chat.py", "pairs.py", "tokenize.py", "ported_rows.py")
+                   "chat.py", "pairs.py", "tokenize.py", "ported_rows.py", "template_facts.py")
 
 
 def _rendering_code_version() -> str:

@@ -15,7 +15,7 @@ example; the others get their own: a ChatML conversation is one example, a three
 
 A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>), trained: the model must learn to stop. Where a
 template writes none (GLM's), the next message's special token (<|user|>) is added and trained, as TRL's GLM training
-template does (_stop_token). One that is no token of the tokenizer is trained as text (turn_end, below).
+template does (_stop_token). One that is no token of the tokenizer is trained as text (data/template_facts.py).
 
 The proof, on every row: the span starts after the history (so no earlier message is trained), ends with W (so
 no later one is), and holds the turn's answer, each of its tool calls' names and, unless data.reasoning: drop, its
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from finetune.chat_templates import named_templates
 from finetune.data.conversations import calls_need_none_content, json_value, renders_tools, template_messages
 from finetune.data.ported_rows import trained_turns
+from finetune.data.template_facts import chat_template_text, note_turn_end, special_tokens
 from finetune.errors import DataError
 
 # apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set (TRL fails on `tools` given twice)
@@ -141,15 +142,6 @@ def row_template_kwargs(row: dict, where: str) -> dict:
                         "itself, which finetune sets for each rendering (the row's tools come from its `tools` column). "
                         "Fix the row (leave it out), or set data.bad_rows: skip.")
     return {key: item for key, item in value.items() if item is not None}
-
-
-def chat_template_text(tokenizer, *, tools: bool = False) -> str:
-    """The tokenizer's chat template as text. A dict of named templates (Hermes 2 Pro's, Command R's): `tool_use`
-    when tools are given and it has one, else `default`, as transformers picks."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        return template.get("tool_use", "") if tools and "tool_use" in template else template.get("default", "")
-    return template
 
 
 def chat_examples(messages: list[dict], tokenizer, where: str, *, tools: list[dict] | None = None,
@@ -273,17 +265,6 @@ def _common_prefix(a: str, b: str) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def special_tokens(tokenizer) -> list[str]:
-    """The tokenizer's special tokens, longest first (kept per tokenizer: every turn of every row asks)."""
-    if tokenizer not in _SPECIALS:
-        _SPECIALS[tokenizer] = sorted(set(tokenizer.all_special_tokens) | {token.content for token in getattr(
-            tokenizer, "added_tokens_decoder", {}).values() if token.special}, key=len, reverse=True)
-    return _SPECIALS[tokenizer]
-
-
 def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: str) -> str:
     """The token that ends turn `index` when its template writes none (GLM's): the special token opening the next
     message (<|user|>, <|observation|>), where the model stops. "" when it ends with one, or none follows."""
@@ -374,77 +355,3 @@ def _reasoning_at(renderer: _Renderer, messages: list[dict], turn: _Turn, text: 
                         "template's own text in its span, so data.reasoning: context cannot leave it untrained. Fix: "
                         "data.reasoning: train or drop, or set data.bad_rows: skip.")
     return found.end() - len(message["reasoning"].strip())
-
-
-# ------------------------------------------------------------------------------------ the end of a turn, generating
-_END_PROBE = "Z7Q_END_PROBE"  # an assistant answer rendered to read what the template writes after it
-_TURN_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NOTED: weakref.WeakSet = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class TurnEnd:
-    """What the chat template writes right after an assistant answer to close the turn. `special_id`: the special
-    token it closes with (<|im_end|>, <|eot_id|>), among generation's end tokens. `text`: a marker that is no special
-    token of this tokenizer (ChatML's `<|im_end|>` to a Mistral base: 10 ordinary pieces, `ids`), written as text
-    and stopped on as text (a stop string)."""
-
-    special_id: int | None
-    text: str
-    ids: tuple[int, ...]
-
-
-def turn_end(tokenizer) -> TurnEnd | None:
-    """The tokenizer's chat template's end of an assistant turn (kept per tokenizer and template), or None for a
-    template that closes no turn (GLM's: the next turn's opener ends it) or a tokenizer without a template."""
-    from jinja2 import TemplateError
-
-    template = chat_template_text(tokenizer)
-    known = _TURN_ENDS.get(tokenizer)
-    if known is not None and known[0] == template:
-        return known[1]
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
-                                              {"role": "assistant", "content": _END_PROBE}], tokenize=False)
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError):  # none, or one needing more than this
-        text = ""
-    found = None
-    if isinstance(text, str) and _END_PROBE in text:
-        tail = text.split(_END_PROBE, 1)[1]
-        special = set(tokenizer.convert_tokens_to_ids(special_tokens(tokenizer)))
-        ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
-        marker = next((line.strip() for line in tail.splitlines() if line.strip()), "")
-        if any(i in special for i in ids):
-            found = TurnEnd(next(i for i in ids if i in special), "", ())
-        elif marker:  # text: the model writes it piece by piece, decoding keeps it
-            found = TurnEnd(None, marker, tuple(tokenizer(marker, add_special_tokens=False)["input_ids"]))
-    _TURN_ENDS[tokenizer] = (template, found)
-    return found
-
-
-def turn_end_note(tokenizer) -> str | None:
-    """A note for a template whose end of turn is not one token of this tokenizer (None otherwise)."""
-    end = turn_end(tokenizer)
-    if end is None or end.special_id is not None or len(end.ids) < 2:
-        return None
-    pieces = " ".join(repr(piece) for piece in tokenizer.convert_ids_to_tokens(list(end.ids)))
-    eos = f" (its EOS {tokenizer.eos_token}: a .jinja template that closes each assistant turn with " \
-          "{{ eos_token }})" if tokenizer.eos_token else ""
-    return (f"the chat template closes each assistant turn with `{end.text}`, which is not a token of this tokenizer: "
-            f"it is trained as text, {len(end.ids)} pieces ({pieces}), and generation (the generation eval, `finetune "
-            "generate`, GRPO's sampling) stops once the model has written them, the marker cut from the answer. To "
-            f"have a one-token end of turn, use a template that closes turns with a token this tokenizer has{eos}, "
-            "or a base whose tokenizer has the template's tokens (Qwen's bases have <|im_end|>; Llama 3's have "
-            "<|eot_id|>: model.chat_template: llama-3.1); finetune does not add tokens to a vocabulary.")
-
-
-def note_turn_end(tokenizer) -> None:
-    """Print turn_end_note once per tokenizer (rank 0): the first row rendered, or GRPO's prompts read, says it."""
-    from finetune.distributed import print0
-
-    if tokenizer in _NOTED:
-        return
-    _NOTED.add(tokenizer)
-    note = turn_end_note(tokenizer)
-    if note:
-        print0(f"[finetune] note: {note}")

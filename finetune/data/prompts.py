@@ -18,9 +18,9 @@ import itertools
 
 import numpy as np
 
-from finetune.data.chat import note_turn_end, turn_end
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
+from finetune.data.template_facts import note_turn_end, turn_end
 from finetune.data.templates import (
     adds_bos,
     arrow_cleaned,
@@ -48,8 +48,8 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
     render the tools the row offers is the row's error."""
     if isinstance(prompt, str):
         return prompt
-    from finetune.data.chat import chat_template_text
     from finetune.data.conversations import convert_turns, renders_tools, template_messages
+    from finetune.data.template_facts import chat_template_text
 
     messages = convert_turns(prompt, spec or DatasetSpec(path=where, format="prompt"), where)
     if not messages or messages[-1]["role"] not in ("user", "tool"):
@@ -154,7 +154,7 @@ def prompt_examples(recipe: Recipe, tokenizer) -> tuple[list[Example], list[Exam
     if recipe.data.eval_datasets:
         raise DataError(_NO_EVAL_FILES.format(count=len(recipe.data.eval_datasets)))
     budget = recipe.data.max_length - recipe.grpo.max_completion_length
-    note_turn_end(tokenizer)  # a template whose end of turn is text: the policy stops on it as text (chat.py)
+    note_turn_end(tokenizer)  # a template whose end of turn is text: the policy stops on it as text (template_facts.py)
     stats, examples, index = DataStats(), [], 0
     for number, spec in enumerate(recipe.data.datasets):
         key = f"data.datasets[{number}]"
@@ -229,7 +229,7 @@ def turn_end_ids(tokenizer) -> list[int]:
 
 def turn_end_stops(tokenizer) -> list[str]:
     """The stop strings of generation: the chat template's end of turn where it is text to this tokenizer, not a
-    special token (ChatML's `<|im_end|>` on a Llama 2 or Mistral base: trained as 10 pieces, chat.turn_end). A model
+    special token (ChatML's `<|im_end|>` on a Llama 2 or Mistral base: trained as 10 pieces, template_facts.turn_end). A model
     trained on that template writes the pieces and never the EOS, so generation stops once the text is written
     (transformers' stop_strings, vLLM's stop), and the text is cut from the answer (cut_at_stops), as decoding
     drops a special end token."""

@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 import re
 
-from finetune.data.chat import chat_template_text, special_tokens
 from finetune.data.conversations import convert_turns
 from finetune.data.prompts import cut_at_stops
+from finetune.data.template_facts import chat_template_text, special_tokens
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec
 

@@ -30,13 +30,14 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.data.chat import chat_template_text, prefill_misses
+from finetune.data.chat import prefill_misses
 from finetune.data.conversations import closing_tag_reads, renders_tools
 from finetune.data.examples import IGNORE_INDEX, Example
 from finetune.data.folders import folder_files, saved_folder
 from finetune.data.pairs import pair_examples, prompted_answer_starts, tokenize_prompted
 from finetune.data.ported_rows import checked_spec, pair_row, pair_spec, unpaired
 from finetune.data.readers import CHUNK_CHARS, BlankLine, data_suffix
+from finetune.data.template_facts import chat_template_text
 from finetune.data.templates import (
     FORMAT_FIELDS,
     _column,

@@ -5,7 +5,8 @@
                       resume_source; the checkpoint of `--step N`; the best eval of a run
     resume_checks.py  check_resume: whether a checkpoint can continue this run (recipe key by key, strategy, step,
                       rows), before any weight loads; refused or noted
-    checkpoint.py     save_checkpoint / load_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    checkpoint.py     save_checkpoint (DCP of the LoRA tensors + optimizer, RNG, trainer state)
+    checkpoint_load.py  load_checkpoint: a resume reads one back (resharded to this run's world size and strategy)
     base_record.py    the base a checkpoint was trained on (base.json: its files' content samples and sizes), compared
                       on resume (replaced in place: noted; another size: refused before loading)
     checkpoint_adapter.py  the PEFT adapter of a checkpoint (`finetune export RUN OUT --step N`),

@@ -1,6 +1,7 @@
 """The recipe: a leaf below every stage (anything may import it; it imports only other leaves).
 
     schema.py  the closed, typed schema (pydantic): the sections, load_recipe / validate_recipe, recipe_to_yaml
+    train.py   the train: section (the objective, steps or epochs, batch, optimizer and schedule, cadences, resume)
     data.py    the data: section (datasets, lengths, the held-out split, packing, streaming)
     text.py    reading recipe text: the YAML file (encoding, one document, aliases as copies), errors as one
                paragraph, "did you mean"

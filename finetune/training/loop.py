@@ -34,7 +34,7 @@ from finetune.data import (
     steps_per_epoch,
 )
 from finetune.errors import FinetuneError
-from finetune.outputs import checkpoint, step_folders
+from finetune.outputs import checkpoint, checkpoint_load, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.tracking import Trackers, run_tags
@@ -395,7 +395,7 @@ def resume(path: Path, model: nn.Module, optimizer, scheduler, stream: BatchStre
     """Restore model, optimizer, scheduler, data position, RNG and progress from a checkpoint; return its step."""
     info = distributed.info()
     recipe_groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    state = checkpoint.load_checkpoint(path, model, optimizer, names)
+    state = checkpoint_load.load_checkpoint(path, model, optimizer, names)
     scheduler.load_state_dict(state["scheduler"])
     _recipe_hyperparameters(optimizer, scheduler, recipe_groups)
     # the step and the epoch logged then: epoch_at counts on from there

@@ -187,7 +187,7 @@ def test_generate_max_new_tokens_says_its_default():
 def test_a_train_that_ended_well_says_the_commands_that_use_its_adapter(tmp_path, capsys):
     """Found by a bug bash: `finetune train` ended on its JSON `done:` line alone, with nothing of what to do next
     (the quickstart says it). One line now names generate and export on the run folder; a failed run says nothing."""
-    from finetune.cli.command import _said_next
+    from finetune.cli.train import _said_next
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name_or_path: m}\ndata: {datasets: [{path: d.jsonl}]}\noutput: {dir: runs/a}\n",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from finetune.errors import CheckpointError, ModelLoadError
-from finetune.outputs import checkpoint, checkpoint_adapter
+from finetune.outputs import checkpoint, checkpoint_adapter, checkpoint_load
 
 
 class Payload:
@@ -67,7 +67,7 @@ def test_a_checkpoint_whose_metadata_holds_code_is_refused_by_export_generate_an
     _fix_manifest(path)
 
     for read in (lambda: checkpoint_adapter.read_trainable_tensors(path),  # export --step, generate --step
-                 lambda: checkpoint.load_checkpoint(path, model, optimizer, names)):  # resume
+                 lambda: checkpoint_load.load_checkpoint(path, model, optimizer, names)):  # resume
         with pytest.raises(CheckpointError) as refused:
             read()
         message = str(refused.value)
@@ -91,12 +91,12 @@ def test_a_checkpoint_whose_saved_optimizer_values_hold_code_is_refused_on_resum
     _fix_manifest(path)
 
     with pytest.raises(CheckpointError, match=r"trainable/ \(the saved optim\.param_groups\.0\.lr\) holds code") as no:
-        checkpoint.load_checkpoint(path, model, optimizer, names)
+        checkpoint_load.load_checkpoint(path, model, optimizer, names)
     assert not marker.exists(), "the checkpoint's code ran"
     assert "io.open" in str(no.value)
 
     clean, (model, optimizer, names) = _saved(tmp_path / "clean")  # a real checkpoint still resumes
-    assert checkpoint.load_checkpoint(clean, model, optimizer, names)["step"] == 1
+    assert checkpoint_load.load_checkpoint(clean, model, optimizer, names)["step"] == 1
 
 
 def test_a_pickled_adapter_bin_is_refused_naming_the_global_it_asks_for(tmp_path):

@@ -21,7 +21,7 @@ from conftest import RUN_PY, addition_rows, recipe_dict, run_cmd, write_jsonl, w
 from safetensors.torch import load_file, save_file
 
 from finetune.errors import CheckpointError
-from finetune.outputs import base_record, checkpoint, resume_changes
+from finetune.outputs import base_record, checkpoint, checkpoint_load, resume_changes
 from finetune.parallel.decision import ParallelPlan
 from finetune.recipe import load_recipe, recipe_to_yaml
 
@@ -175,7 +175,7 @@ def test_tensors_that_do_not_fit_at_load_name_the_cause_and_the_fix(tmp_path):
     source = saved_checkpoint(path)
     model = torch.nn.Linear(4, 6)
     with pytest.raises(CheckpointError) as caught:
-        checkpoint.load_checkpoint(source, model, torch.optim.AdamW(model.parameters()), {"weight", "bias"})
+        checkpoint_load.load_checkpoint(source, model, torch.optim.AdamW(model.parameters()), {"weight", "bias"})
     said = str(caught.value)
     assert "does not fit this model (ValueError: Size mismatch" in said and "a base of another size" in said, said
     assert f"Fix: resume on the checkpoint's base (model.name_or_path={tmp_path / 'base'}" in said, said

@@ -19,7 +19,7 @@ from test_bb26_untrusted_checkpoints import _model  # a trained Linear and its A
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from finetune.errors import CheckpointError
-from finetune.outputs import checkpoint, checkpoint_adapter, step_folders
+from finetune.outputs import checkpoint, checkpoint_adapter, checkpoint_load, step_folders
 
 NEWER = f"{torch.__version__.split('.')[0]}.{int(torch.__version__.split('.')[1]) + 2}.0+cu132"
 
@@ -41,7 +41,7 @@ def test_a_newer_torchs_checkpoint_is_said_so_by_resume_export_and_the_listing(t
     assert json.loads((path / "manifest.json").read_text())["torch"] == NEWER
     release = NEWER.split("+")[0]
     for read in (lambda: checkpoint_adapter.read_trainable_tensors(path),  # export --step, generate --step
-                 lambda: checkpoint.load_checkpoint(path, model, optimizer, names)):  # resume
+                 lambda: checkpoint_load.load_checkpoint(path, model, optimizer, names)):  # resume
         with pytest.raises(CheckpointError) as refused:
             read()
         message = str(refused.value)
@@ -57,7 +57,7 @@ def test_this_torchs_checkpoint_is_recorded_and_read_and_an_unreadable_one_is_no
     path, (model, optimizer, names) = _saved(tmp_path, monkeypatch, newer=False)
     assert json.loads((path / "manifest.json").read_text())["torch"] == torch.__version__
     assert set(checkpoint_adapter.read_trainable_tensors(path)) == names
-    checkpoint.load_checkpoint(path, model, optimizer, names)
+    checkpoint_load.load_checkpoint(path, model, optimizer, names)
     assert "intact  " in step_folders.checkpoints_table(tmp_path / "run")
     # The same failure where the manifest names no torch (written before finetune recorded it): not "does not fit".
     manifest = json.loads((path / "manifest.json").read_text())
@@ -67,4 +67,4 @@ def test_this_torchs_checkpoint_is_recorded_and_read_and_an_unreadable_one_is_no
                         lambda self: (_ for _ in ()).throw(ValueError("too many values to unpack (expected 5)")))
     with pytest.raises(CheckpointError, match=r"cannot be read by torch .*its manifest names no torch version.*"
                                               r"Fix: read it with the torch that wrote it"):
-        checkpoint.load_checkpoint(path, model, optimizer, names)
+        checkpoint_load.load_checkpoint(path, model, optimizer, names)

@@ -270,7 +270,7 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
 
     from finetune import model, outputs
     from finetune.errors import CheckpointError
-    from finetune.outputs import checkpoint, step_folders
+    from finetune.outputs import checkpoint_load, step_folders
     from finetune.recipe import load_recipe
 
     _, recipe = setup
@@ -311,7 +311,7 @@ def test_sigkill_then_resume_through_the_deepspeed_launcher_is_exact(setup, runs
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad])
     before = _snapshot(tmp_path / "killed")
     with pytest.raises(CheckpointError, match="resume it with DeepSpeed at the ZeRO stage that wrote it"):
-        checkpoint.load_checkpoint(tmp_path / "killed" / saved.relative_to(run), peft_model, optimizer, names)
+        checkpoint_load.load_checkpoint(tmp_path / "killed" / saved.relative_to(run), peft_model, optimizer, names)
     assert _snapshot(tmp_path / "killed") == before
 
     # ZeRO-3 on another number of ranks (2 -> 1, the same global batch of 4 rows): converted to DeepSpeed's universal

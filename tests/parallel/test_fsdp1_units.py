@@ -79,6 +79,7 @@ if __name__ == "__main__":
     from torch.distributed.fsdp._flat_param import FlatParamHandle
 
     import finetune.outputs.checkpoint as checkpoint_module
+    import finetune.outputs.checkpoint_load as load_module
     import finetune.parallel.wrapping as wrap_module
     from finetune.run import main
 
@@ -96,7 +97,7 @@ if __name__ == "__main__":
             counts[f"{kind}_bytes"] += handle.flat_param._unpadded_unsharded_size.numel() * handle.flat_param.element_size()
         return unshard(handle)
 
-    save, load = checkpoint_module.save_checkpoint, checkpoint_module.load_checkpoint
+    save, load = checkpoint_module.save_checkpoint, load_module.load_checkpoint
 
     def save_then_reload(out_dir, step, model, optimizer, names, *args, **kwargs):
         phase[0] = "save"

@@ -11,7 +11,7 @@ from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
 from shipped import CONFIG_DIR, CPU_SWITCH
 
 from finetune import cli
-from finetune.cli import command
+from finetune.cli import train
 
 OFFLOAD = "parallel.cpu_offload=true"
 
@@ -55,7 +55,7 @@ def test_fsdp_with_cpu_offload_over_one_process_is_accepted_where_the_launch_for
     assert cli.main(["validate", str(recipe), *one, "parallel.strategy=fsdp"]) == 0  # (was: "only 1 process was started")
     assert "parallel: FSDP2 over 1 process" in capsys.readouterr().out
     launched: list[list[str]] = []
-    monkeypatch.setattr(command, "_launch", lambda args, drop=(): launched.append(args) or 0)
+    monkeypatch.setattr(train, "_launch", lambda args, drop=(): launched.append(args) or 0)
     assert cli.main(["train", str(recipe), *one, OFFLOAD]) == 0  # the pre-flight passes: accelerate is started
     assert launched and launched[0][launched[0].index("--num_processes") + 1] == "1"
     assert launched[0][launched[0].index("--config_file") + 1].endswith("fsdp2.yaml")

@@ -88,7 +88,7 @@ def test_nohup_keeps_sighup_ignored_through_the_loop_and_finetune_train():
     import sys
     import threading
 
-    from finetune.cli.command import _launch
+    from finetune.cli.train import _launch
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

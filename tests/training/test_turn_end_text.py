@@ -74,7 +74,7 @@ def test_the_note_says_once_that_the_end_of_turn_is_trained_as_pieces(capsys):
     chat row rendered says it once (as `finetune data`, `finetune validate` and a run tokenize them), naming the
     pieces and how to have one token; a tokenizer that has the marker says nothing."""
     from finetune.cli.tiny import build_tokenizer
-    from finetune.data.chat import turn_end_note
+    from finetune.data.template_facts import turn_end_note
 
     tokenizer = base_tokenizer()
     pieces = tokenizer(MARKER, add_special_tokens=False)["input_ids"]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.data.chat import chat_template_text
 from finetune.data.conversations import convert_turns, template_messages
+from finetune.data.template_facts import chat_template_text
 from finetune.errors import RewardError
 from finetune.recipe import DatasetSpec
 from finetune.recipe.grpo import reward_model_folder, reward_model_name
