@@ -20,7 +20,7 @@ from finetune.recipe import Recipe
 
 # Counts of tokenize.ChunkResult that DataStats has no field for: kept with each dataset's stats.per_dataset entry.
 LENGTH_COUNTS = ("cut_tokens", "tokens_before_cut", "split_rows", "split_pieces", "blank_lines", "own_prompt_rows",
-                 "prefill_rows", "arrow_null_rows", "template_kwargs_rows", "unpaired_pairs")
+                 "served_turns", "prefill_rows", "arrow_null_rows", "template_kwargs_rows", "unpaired_pairs")
 # Where the first row of a count is (tokenize.ChunkResult's first_* fields), kept the same way, for the notes.
 FIRST_ROWS = ("first_own_prompt_row", "first_prefill_row", "first_arrow_null_row", "first_template_kwargs_row",
               "first_unpaired_pair")
@@ -216,10 +216,11 @@ def count_notes(entries: list[dict]) -> list[str]:
     """`prompt_notes` of tokenize_chunk's counts summed per dataset (the cached path's stats.per_dataset) or per pass
     (a stream's counts)."""
     from finetune.data.chat import prefill_note
-    from finetune.data.tokens import own_prompt_note
+    from finetune.data.tokens import own_prompt_note, served_turns_note
 
     notes = []
     for count, first, say in (("own_prompt_rows", "first_own_prompt_row", own_prompt_note),
+                              ("served_turns", "first_own_prompt_row", served_turns_note),
                               ("prefill_rows", "first_prefill_row", prefill_note),
                               ("arrow_null_rows", "first_arrow_null_row", _arrow_null_note),
                               ("template_kwargs_rows", "first_template_kwargs_row", _template_kwargs_note),

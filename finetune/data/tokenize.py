@@ -48,6 +48,7 @@ from finetune.data.templates import (
     template_rendered,
     tokenize_many,
 )
+from finetune.data.tokens import serving_splits
 from finetune.distributed import print0
 from finetune.errors import DataError
 from finetune.recipe import DatasetSpec, Recipe
@@ -72,7 +73,7 @@ class ChunkResult:
                                                   "prompt_truncated": 0, "response_truncated": 0,
                                                   "closing_tag_rows": 0, "cut_tokens": 0, "tokens_before_cut": 0,
                                                   "split_rows": 0, "split_pieces": 0, "blank_lines": 0,
-                                                  "own_prompt_rows": 0, "prefill_rows": 0, "arrow_null_rows": 0,
+                                                  "own_prompt_rows": 0, "served_turns": 0, "prefill_rows": 0, "arrow_null_rows": 0,
                                                   "template_kwargs_rows": 0, "unpaired_pairs": 0})
     reasons: list[str] = field(default_factory=list)  # skipped rows (malformed, or bad_rows: error's first problem)
     dropped_rows: list[str] = field(default_factory=list)  # where the first rows dropped for length were
@@ -269,9 +270,13 @@ def tokenize_chunk(rows: list, places: list[str], broken: list[str], spec: Datas
         own_places: list[str] = []
         for group in _text_groups(flat):  # a long conversation's examples are its history again and again: held a
             # group at a time, each group's overlong examples dropped before the next (bb45: 8 agent rows, 8.1 GB)
-            all_segments, own = [segments for segments, _ in group], []
-            tokenized = tokenize_many(all_segments, tokenizer, bos=bos, own_prompt_rows=own)
+            all_segments, own, late = [segments for segments, _ in group], [], {}
+            tokenized = tokenize_many(all_segments, tokenizer, bos=bos, own_prompt_rows=own, late_turns=late)
             own_places += [group[i][1] for i in own]
+            if late:
+                group, tokenized = _served_turns(group, tokenized, late, tokenizer, bos=bos)
+                all_segments = [segments for segments, _ in group]
+                result.counts["served_turns"] += sum(len(ends) for ends in late.values())
             for example, answer, (_, place) in zip(tokenized, answer_starts(all_segments, tokenizer, bos=bos), group):
                 _length_policy(example, spec, place, data, result, answer=answer)
         _count_own_prompts(result, spec, own_places)
@@ -296,6 +301,21 @@ def _unpaired_rows(kept: list, spec: DatasetSpec, data, tokenizer, result: Chunk
     for example, answer, ((_, desirable), place) in zip(tokenized, answers, kept):
         example.desirable = desirable
         _length_policy(example, spec, place, data, result, answer=answer)
+
+
+def _served_turns(group: list, tokenized: list[Example], late: dict[int, list[int]], tokenizer, *,
+                  bos: bool) -> tuple[list, list[Example]]:
+    """The group's examples with each one whose later turns' prompts hold a piece's cut replaced by
+    tokens.serving_splits (one per such turn, and one of the turns before), tokenized again: every trained turn
+    after the prompt a server sends."""
+    splits = {index: serving_splits(group[index][0], ends) for index, ends in late.items()}
+    again = iter(tokenize_many([part for index in sorted(splits) for part in splits[index]], tokenizer, bos=bos))
+    items, examples = [], []
+    for index, (item, example) in enumerate(zip(group, tokenized)):
+        parts = splits.get(index)
+        items += [(part, item[1]) for part in parts] if parts else [item]
+        examples += [next(again) for _ in parts] if parts else [example]
+    return items, examples
 
 
 def _count_own_prompts(result: ChunkResult, spec: DatasetSpec, own_places: list[str]) -> None:

@@ -73,14 +73,42 @@ def tokenize_segments(segments: list[tuple[str, bool]], tokenizer) -> Example:
 
 
 def tokenize_many(all_segments: list[list[tuple[str, bool]]], tokenizer, *, chunk: int = 1024, bos: bool = True,
-                  own_prompt_rows: list[int] | None = None) -> list[Example]:
+                  own_prompt_rows: list[int] | None = None, late_turns: dict[int, list[int]] | None = None) -> list[Example]:
     """Batch-tokenize many rendered rows: a fast tokenizer encodes a batch on all cores (Rust threads); a row whose
     prompt would not get its own tokens is tokenized in pieces (module docstring). `bos`: the tokenizer's BOS is put
     first where it adds one (adds_bos). False: a continuation, tokenized apart, or a chat template's rendering
     (template_rendered), which writes BOS itself where the model has one. `own_prompt_rows`: given a list, the indices of
-    the rows tokenized in pieces are appended to it (`finetune data` and the run's data line count them)."""
+    the rows tokenized in pieces are appended to it (`finetune data` and the run's data line count them). `late_turns`:
+    given a dict, a row tokenized in pieces whose later turns' prompts hold a cut (their history is then no longer
+    the tokens a server sends: serving_splits) gets the prompt ends of those turns under its index."""
     return _tokenize(all_segments, [prompt_ends(segments) for segments in all_segments], tokenizer, chunk=chunk,
-                     bos=bos, own_prompt_rows=own_prompt_rows)
+                     bos=bos, own_prompt_rows=own_prompt_rows, late_turns=late_turns)
+
+
+def serving_splits(segments: list[tuple[str, bool]], late: list[int]) -> list[list[tuple[str, bool]]]:
+    """A conversation's example tokenized in pieces, as examples whose every trained turn gets the prompt a server
+    sends. Cut at the end of its first prompt, the example's text gives that turn its prompt's own tokens, but a later
+    turn's history then holds the cut, where serving tokenizes the whole history as one string (SmolLM2: an earlier
+    answer's indentation `\n   ` became `\n`, `   `; bb55). So the turns whose prompts end at `late` (tokenize_many's
+    late_turns) get an example each, their history untrained, and the example keeps the turns before them."""
+    def upto(end: int, keep_trained: bool) -> list[tuple[str, bool]]:
+        taken, position = [], 0
+        for text, flag in segments:
+            if position >= end and _context(flag):  # the turn after `end` is whole: its trained run has ended
+                break
+            taken.append((text, flag if keep_trained or position >= end else False))
+            position += len(text)
+        return taken
+
+    first, cut, position = [], late[0], 0
+    for text, flag in segments:  # the turns before the first late one: up to the context run that precedes it
+        if position >= cut:
+            break
+        first.append((text, flag))
+        position += len(text)
+    while first and _context(first[-1][1]):
+        first.pop()
+    return ([first] if any(flag for _, flag in first) else []) + [upto(end, keep_trained=False) for end in late]
 
 
 def own_prompt_note(rows: int, first: str) -> str:
@@ -92,6 +120,16 @@ def own_prompt_note(rows: int, first: str) -> str:
             "starts with), or split the whitespace the prompt ends with otherwise than the prompt alone, a prompt no "
             "server sends. The prompt keeps the tokens it has alone and the answer is tokenized after it, as serving "
             "tokenizes it; nothing to fix")
+
+
+def served_turns_note(turns: int, first: str) -> str:
+    """The note for the later turns serving_splits gave an example of their own."""
+    many = turns > 1
+    return (f"{turns} later turn{'s' if many else ''} of the conversations tokenized in pieces (the first: {first}) "
+            f"{'were' if many else 'was'} given an example of {'their' if many else 'its'} own: the cut that gives an "
+            "earlier turn its prompt's own tokens lies in the history of the later ones, which a server tokenizes as "
+            "one string; each turn trains after the prompt a server sends. More examples, the same turns trained; "
+            "nothing to fix")
 
 
 def prompt_ends(segments: list[tuple[str, bool]]) -> list[int]:
@@ -110,7 +148,7 @@ def _context(flag) -> bool:
 
 
 def _tokenize(all_segments: list[list[tuple[str, bool]]], all_ends: list[list[int]], tokenizer, *, chunk: int,
-              bos: bool, own_prompt_rows: list[int] | None) -> list[Example]:
+              bos: bool, own_prompt_rows: list[int] | None, late_turns: dict[int, list[int]] | None = None) -> list[Example]:
     """tokenize_many with each row's prompt ends given (answer_starts gives the ends of the rows it re-labels)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     examples, bos_id = [], tokenizer.bos_token_id if bos and all_segments and adds_bos(tokenizer) else None
@@ -133,6 +171,9 @@ def _tokenize(all_segments: list[list[tuple[str, bool]]], all_ends: list[list[in
             rows[index] = pieced[index]
             if own_prompt_rows is not None:
                 own_prompt_rows.append(first + index)
+            late = [end for end in all_ends[first + index] if end > suspects[index][0]]
+            if late_turns is not None and late:
+                late_turns[first + index] = late
         examples += [_with_bos(row, bos_id) for row in rows]
     return examples
 

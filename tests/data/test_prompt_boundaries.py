@@ -160,3 +160,34 @@ def test_an_empty_field_is_told_apart_from_a_missing_column():
     text = str(caught.value)
     assert "corpus a.txt line 2: an empty line of a .txt file. A .txt file is read one row per line" in text
     assert "data.datasets[].columns" not in text and "sample_by: paragraph or document" in text
+
+
+def test_a_later_turn_trains_after_the_history_a_server_sends(gpt2_like):
+    """Found by a bug bash (bb55 #1, random conversations against apply_chat_template): a conversation tokenized in
+    pieces so that its first turn follows its prompt's own tokens held that cut in its second turn's history: the
+    first answer's indentation `\\n   ` became `\\n`, `   `, where a server tokenizes the history as one string. Each
+    later turn whose history holds such a cut now gets an example of its own (said in a note); every trained turn
+    follows exactly apply_chat_template(history, add_generation_prompt=True), and every answer is trained once."""
+    from finetune.data.build import count_notes
+    from finetune.data.tokenize import tokenize_chunk
+
+    messages = [*CODE["messages"], {"role": "user", "content": "And y?"}, {"role": "assistant", "content": "    return y"},
+                {"role": "user", "content": "And z?"}, {"role": "assistant", "content": "z"}]
+    recipe = validate_recipe({"model": {"name_or_path": "unused"}, "data": {"datasets": [{"path": "rows.jsonl",
+                              "format": "chat"}], "max_length": 512, "eval_fraction": 0}})
+    result = tokenize_chunk([{"messages": messages}], ["line 1"], [], CHAT, recipe, gpt2_like)
+    answers = []
+    for example in result.examples:
+        starts = [i for i in range(1, len(example.labels))
+                  if example.labels[i] != IGNORE_INDEX and example.labels[i - 1] == IGNORE_INDEX]
+        for start in starts:
+            turns = example.input_ids[:start].count(gpt2_like.convert_tokens_to_ids("<|im_start|>")) // 2
+            serving = gpt2_like.apply_chat_template(messages[: 2 * turns - 1], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+            assert example.input_ids[:start] == serving, turns  # turn 2's was `...assistant\n`, `   `, ` return`
+        answers.append(_trained(example, gpt2_like))
+    assert answers == ["    return x<|im_end|>", "    return y<|im_end|>", "z<|im_end|>"]
+    assert result.counts["served_turns"] == 2 and result.origins == ["line 1"] * 3
+    (note, served) = count_notes([dict(result.counts, first_own_prompt_row="rows.jsonl line 1")])
+    assert note.startswith("1 row (the first: rows.jsonl line 1) was tokenized in pieces")
+    assert served.startswith("2 later turns of the conversations tokenized in pieces (the first: rows.jsonl line 1)")
