@@ -14,8 +14,9 @@ the model writes each turn as the last one. So turns whose rendering is a prefix
 example; the others get their own: a ChatML conversation is one example, a three-turn Qwen3 one with reasoning three.
 
 A turn ends with its end-of-turn token (<|im_end|>, <|eot_id|>), trained: the model must learn to stop. Where a
-template writes none (GLM's), the next message's special token (<|user|>) is added and trained, as TRL's GLM training
-template does (_stop_token). One that is no token of the tokenizer is trained as text (data/template_facts.py).
+template writes none (GLM's; read from its rendering, never from an answer that ends with `<|im_end|>` as text), the
+next message's special token (<|user|>) is added and trained, as TRL's GLM training template does (_stop_token). One
+that is no token of the tokenizer is trained as text (data/template_facts.py).
 
 The proof, on every row: the span starts after the history (so no earlier message is trained), ends with W (so
 no later one is), and holds the turn's answer, each of its tool calls' names and, unless data.reasoning: drop, its
@@ -42,8 +43,8 @@ _CALL_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_templ
                    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _PROBE = "\u2063"  # an invisible separator: the content of the message rendered after a turn to find its stop token
 _MARKERS = re.compile(r"<\|[^|<>\s]+\|>|<｜[^｜<>\s]+｜>")  # a template's special tokens: <|im_start|>, <｜User｜>
-_EXCHANGE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]  # rendered by named_fix
-_FIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> named_fix's text
+_EXCHANGE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]  # by fitting_templates
+_FIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> fitting_templates' names
 
 
 class Opener(int):
@@ -75,19 +76,21 @@ class _Renderer:
     """apply_chat_template on the normal form, with the row's tools; template errors become the row's DataError."""
 
     def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None, reasoning: str, where: str,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, *, template: str | None = None):
         self.tokenizer, self.tools, self.reasoning, self.where = tokenizer, tools, reasoning, where
         self.template_kwargs = template_kwargs or {}  # the row's chat_template_kwargs, in every rendering of it
-        self.template = chat_template_text(tokenizer, tools=bool(tools))
+        # `template`: another template tried on the row for a fix to offer (_rendering_templates), not the tokenizer's
+        self.other = {"chat_template": template} if template is not None else {}
+        self.template = template if template is not None else chat_template_text(tokenizer, tools=bool(tools))
         self.string_arguments = False
         if tools and not renders_tools(self.template):
             raise DataError(f"{where}: the row offers tools, but the tokenizer's chat template does not render "
                             f"`tools` (DeepSeek-R1 distills' does not), so the model would never see them. Fix: "
-                            f"{named_fix(self.tokenizer)}, or leave the tools out of the rows.")
+                            f"{named_fix(self.tokenizer, self.template)}, or leave the tools out of the rows.")
         calls = any("tool_calls" in m for m in messages)
         if calls and "tool_calls" not in self.template:
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template does not "
-                            f"render `tool_calls`. Fix: {named_fix(self.tokenizer)}.")
+                            f"render `tool_calls`. Fix: {named_fix(self.tokenizer, self.template)}.")
         if calls and calls_need_none_content(self.template):
             raise DataError(f"{where}: the row has assistant tool calls, but the tokenizer's chat template renders a "
                             "call only in a turn whose content is None (DeepSeek-R1 distills' template, finetune's "
@@ -114,11 +117,12 @@ class _Renderer:
         messages = template_messages(messages, self.template, reasoning=self.reasoning,
                                      string_arguments=self.string_arguments)
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False, **self.other,
                                                       add_generation_prompt=generation_prompt, **self.template_kwargs)
         except TemplateSyntaxError as exc:  # the template's own fault (model.chat_template is checked at load)
             raise DataError(f"{self.where}: the tokenizer's chat template is not valid Jinja (its line {exc.lineno}: "
-                            f"{exc.message}), so no row can be rendered. Fix: {named_fix(self.tokenizer)}.") from None
+                            f"{exc.message}), so no row can be rendered. "
+                            f"Fix: {named_fix(self.tokenizer, self.template)}.") from None
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise DataError(f"{self.where}: the chat template cannot render this conversation: {exc}. Fix the row "
                             "(the template's own words above), or set data.bad_rows: skip.") from None
@@ -205,7 +209,7 @@ def _unprefixed(renderer: _Renderer, messages: list[dict], index: int, context: 
         return context + whole[at + len(tail):], len(context)
     raise DataError(f"{renderer.where}: the chat template renders the conversation before message {index + 1} "
                     "differently once that assistant turn follows it, and the turn cannot be found after the "
-                    f"generation prompt. Fix: {named_fix(renderer.tokenizer)}.")
+                    f"generation prompt. Fix: {named_fix(renderer.tokenizer, renderer.template)}.")
 
 
 def _last_message_on(renderer: _Renderer, messages: list[dict], index: int, context: str) -> str:
@@ -220,9 +224,22 @@ def _last_message_on(renderer: _Renderer, messages: list[dict], index: int, cont
     return context[at:] if fits and content in context[at : len(context) - len(after)] else ""
 
 
-def named_fix(tokenizer) -> str:
-    """The fix for a template that cannot render a row: finetune's named templates whose special tokens (as one exchange
-    is written) this tokenizer has, or one's own where none's are (ChatML's are ten ordinary pieces to Mistral's)."""
+def named_fix(tokenizer, in_use: str) -> str:
+    """The fix for a template that cannot render a row: finetune's named templates whose special tokens this tokenizer
+    has (fitting_templates), never the one in use (`in_use`: its text), or one's own where none is left."""
+    named = named_templates()
+    fitting = [name for name in fitting_templates(tokenizer) if named[name].strip() != in_use.strip()]
+    return "set model.chat_template to a template that renders it: " + (
+        f"one of finetune's named templates that use this tokenizer's special tokens ({', '.join(fitting)}), a "
+        ".jinja file, or the template text" if fitting else "a .jinja file or the template text (" + (
+            "the one named template that uses this tokenizer's special tokens is the one in use)"
+            if fitting_templates(tokenizer) else
+            f"none of finetune's named templates, {', '.join(sorted(named))}, uses this tokenizer's special tokens)"))
+
+
+def fitting_templates(tokenizer) -> list[str]:
+    """finetune's named templates whose special tokens (as one exchange is written) are tokens of this tokenizer
+    (ChatML's are ten ordinary pieces to Mistral's), kept per tokenizer."""
     from jinja2 import TemplateError
 
     if tokenizer not in _FIXES:
@@ -234,11 +251,28 @@ def named_fix(tokenizer) -> str:
                 continue
             if all(len(tokenizer(m, add_special_tokens=False)["input_ids"]) == 1 for m in _MARKERS.findall(shown)):
                 fitting.append(name)
-        _FIXES[tokenizer] = ("set model.chat_template to a template that renders it: " + (
-            f"one of finetune's named templates that use this tokenizer's special tokens ({', '.join(fitting)}), a "
-            ".jinja file, or the template text" if fitting else f"a .jinja file or the template text (none of "
-            f"finetune's named templates, {', '.join(sorted(named))}, uses this tokenizer's special tokens)"))
+        _FIXES[tokenizer] = fitting
     return _FIXES[tokenizer]
+
+
+def _rendering_templates(renderer: _Renderer, messages: list[dict]) -> list[str]:
+    """The fitting named templates, other than the one in use, under which every assistant turn of the row is found
+    and proven (each rendered and checked as the row's own template would be): fixes that work for this row."""
+    found, missed = [], _PREFILL_MISSED[0]
+    for name in fitting_templates(renderer.tokenizer):
+        template = named_templates()[name]
+        if template.strip() == renderer.template.strip():
+            continue
+        try:
+            other = _Renderer(renderer.tokenizer, messages, renderer.tools, renderer.reasoning, renderer.where,
+                              renderer.template_kwargs, template=template)
+            for index in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
+                _locate(other, messages, index)
+        except DataError:
+            continue
+        found.append(name)
+    _PREFILL_MISSED[0] = missed  # trials, not trained turns
+    return found
 
 
 _PREFILL_MISSED = [0]  # turns of this process trained after less than the generation prompt (DeepSeek-R1's)
@@ -269,7 +303,7 @@ def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: 
     """The token that ends turn `index` when its template writes none (GLM's): the special token opening the next
     message (<|user|>, <|observation|>), where the model stops. "" when it ends with one, or none follows."""
     specials = special_tokens(renderer.tokenizer)
-    if not specials or any(through.endswith(token) for token in specials):
+    if not specials or _closes_turn(renderer, messages, index, through, specials):
         return ""
     follower = {"role": "tool" if messages[index].get("tool_calls") else "user", "content": _PROBE}
     after = renderer.render_messages(messages[: index + 1] + [follower])
@@ -285,6 +319,17 @@ def _stop_token(renderer: _Renderer, messages: list[dict], index: int, through: 
     return ""
 
 
+def _closes_turn(renderer: _Renderer, messages: list[dict], index: int, through: str, specials: list[str]) -> bool:
+    """Whether the template itself ends turn `index` with a special token (<|im_end|>). The rendering's end says so,
+    unless the answer's own text ends with that token's spelling (`ok <|im_end|>` under GLM's, which writes none):
+    then the turn is rendered with a probe for its content, and what the template writes after the probe decides."""
+    ending = next((token for token in specials if through.endswith(token)), "")
+    if not ending or not messages[index]["content"].rstrip().endswith(ending):
+        return bool(ending)
+    probed = renderer.render_messages(messages[:index] + [{**messages[index], "content": _PROBE}]).rstrip()
+    return any(probed.endswith(token) for token in specials)
+
+
 def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
     """The span holds the turn's own text: its answer, its tool calls' names, its reasoning (unless dropped)."""
     where, number = renderer.where, index + 1
@@ -298,17 +343,20 @@ def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
                         "`reasoning_content` (or as a leading `<think>...</think>` block); for a Qwen model, "
                         "model.chat_template: chatml (Qwen's turns without their reasoning handling); or set "
                         "data.bad_rows: skip.")
+    calls = Counter(call["function"]["name"] for call in message.get("tool_calls", []))
+    if answer and answer not in span and calls and _PROBE not in renderer.render_messages(
+            renderer.messages[:index] + [{**message, "content": _PROBE}]):  # the template writes no text beside calls
+        raise DataError(_text_beside_calls(span, number, renderer))
     if answer and answer not in span:
         raise DataError(f"{where}: message {number}'s answer is not whole in the span the chat template gives that "
                         f"assistant turn (the span: {span[:80]!r}), so it cannot be trained exactly. "
-                        f"Fix: {named_fix(renderer.tokenizer)}.")
-    calls = Counter(call["function"]["name"] for call in message.get("tool_calls", []))
+                        f"Fix: {named_fix(renderer.tokenizer, renderer.template)}.")
     for name, count in calls.items():  # a name counted, not only found: two calls to one function, one rendered
         if span.count(name) < count:
             raise DataError(f"{where}: the chat template drops message {number}'s tool call `{name}` (the turn makes "
                             f"{count} call(s) to it, the span names it {span.count(name)} time(s); gpt-oss's template "
                             "renders a turn's first call only). Fix: one call per assistant turn, each followed by its "
-                            f"result, or {named_fix(renderer.tokenizer)}.")
+                            f"result, or {named_fix(renderer.tokenizer, renderer.template)}.")
     reasoning = message.get("reasoning", "").strip()
     if reasoning and renderer.reasoning != "drop" and reasoning not in span and calls:
         raise DataError(f"{where}: the chat template drops the reasoning of message {number} beside its tool calls "
@@ -321,6 +369,20 @@ def _prove(span: str, message: dict, index: int, renderer: _Renderer) -> None:
                         "model would learn to answer without it. Fix: set model.chat_template: deepseek-r1 (finetune's "
                         "copy that keeps the trained turn's reasoning) or another template that renders it, or "
                         "data.reasoning: drop to train the answers alone.")
+
+
+def _text_beside_calls(span: str, number: int, renderer: _Renderer) -> str:
+    """The refusal of a turn with text and tool calls whose template renders the calls alone (Llama 3.1's), with the
+    fixes that work: the named templates that render this row (tried on it: _rendering_templates), never the one in
+    use; the text removed; the row skipped."""
+    others = [] if renderer.other else _rendering_templates(renderer, renderer.messages)
+    fits = (f"model.chat_template: {' or '.join(others)} (finetune's templates that render this row, the text "
+            "beside the calls too)" if others else "a .jinja template that renders a turn's text beside its calls "
+            "(model.chat_template; none of finetune's named templates for this tokenizer renders this row)")
+    return (f"{renderer.where}: message {number} has both text and tool calls, and the chat template drops the text "
+            "beside the calls (it renders a tool-call turn's calls alone, as Llama 3.1's does; the span: "
+            f"{span[:80]!r}), so the turn cannot be trained as written. Fix: remove the text from that turn (keep its "
+            f"tool_calls), or {fits}, or set data.bad_rows: skip.")
 
 
 def _segments(text: str, members: list[_Turn], messages: list[dict], renderer: _Renderer) -> list[tuple[str, bool]]:

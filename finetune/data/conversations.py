@@ -311,9 +311,10 @@ def check_order(messages: list[dict], where: str) -> None:
                 "assistant turn with tool_calls is followed by the tool results (role tool), then the assistant again. "
                 "Fix the row (merge consecutive turns of one speaker) or set data.bad_rows: skip.")
         if role == "assistant" and not visible(message["content"]) and not message.get("tool_calls"):
-            raise DataError(f"{where}: message {number} is an empty assistant turn (no answer, no tool calls): only "
-                            "its end-of-turn token would be trained, teaching the model to stop at once. Fix the row "
-                            "or set data.bad_rows: skip.")
+            raise DataError(f"{where}: message {number} is an empty assistant turn (no answer, no tool calls): " + (
+                "it has reasoning, but no answer follows it: the model would learn to end its turn after reasoning, "
+                "never answering" if visible(message.get("reasoning", "")) else "only its end-of-turn token would be "
+                "trained, teaching the model to stop at once") + ". Fix the row or set data.bad_rows: skip.")
         expected = ("tool",) if role == "assistant" and message.get("tool_calls") else \
             ("user",) if role == "assistant" else allowed[role]
     if not any(m["role"] == "assistant" for m in messages):
