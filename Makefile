@@ -141,10 +141,13 @@ bench-peers: $(STAMP)  ## installs the bench extra (TRL), then this project vs T
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/bench_peers.py $(ARGS)
 
-# The CUDA path on one GPU (benchmarks/gpu_smoke.py); installs .venv with the CUDA build only where a GPU is present
-# and no Python with CUDA torch exists yet; without a GPU: one line, exit 2. Its options through ARGS, e.g.
-#   make gpu-smoke ARGS="--json $$OUT/gpu_smoke.json --deadline-s 420"   (or GPU_SMOKE_JSON=... GPU_SMOKE_DEADLINE_S=...)
-gpu-smoke:  ## on a CUDA machine: the GPU path in one run of <= 8 min (ARGS="--json FILE"); no GPU: exit 2
+# The CUDA path on one GPU (benchmarks/gpu_smoke.py) with a Python that already has CUDA torch ($$PY, .venv, python3);
+# nothing is installed (a lent GPU machine has no network: there, WHEELS=DIR carries what that Python lacks, made by
+# `bash benchmarks/gpu_wheels.sh DIR` where the registries are). Without a GPU or such a Python: one line, exit 2.
+# The JSON: --json FILE, else $$GPU_SMOKE_JSON, else $$OUT/gpu_smoke.json where OUT is set, else benchmarks/gpu_smoke.json;
+# an early exit writes its reason there too. Options through ARGS, e.g.
+#   WHEELS=.whl make gpu-smoke ARGS="--deadline-s 420"     (or GPU_SMOKE_DEADLINE_S=...)
+gpu-smoke:  ## on a CUDA machine: the GPU path in one run of <= 8 min (JSON: $OUT/gpu_smoke.json); no GPU: exit 2
 	bash benchmarks/gpu_smoke.sh $(ARGS)
 
 clean:  ## remove .venv, .venv-vllm, runs/, build outputs and benchmarks/gpu_smoke.json

@@ -16,8 +16,10 @@ gradient checkpointing, the same number of steps for every runner. Each run is a
   * ours-peft       the same with lora.fused=false: PEFT's own LoRA forward (what v1 ran);
   * trl             SFTTrainer (TRL is a benchmark dependency only) on the same tokenized rows and loss mask,
                     bf16, padding-free BFD packing when packed, LoRA via peft_config;
-  * peft            model(**batch, labels) + AdamW: the loop of PEFT's QLoRA examples (prepare_model_for_kbit_training),
-                    on our batches (packed: the same rows, position ids restarting per example, no attention mask).
+  * peft            model(**batch, labels) + AdamW: the loop of PEFT's QLoRA examples (prepare_model_for_kbit_training,
+                    which casts the embeddings, the norms and the lm_head to fp32, as the standard PEFT QLoRA recipe
+                    does: its time and memory include those fp32 layers, where ours keeps them in bf16), on our
+                    batches (packed: the same rows, position ids restarting per example, no attention mask).
 The repeats are interleaved (every runner once, then again) so a slow spell of the machine hits all runners alike.
 Figures, the same way for every runner: training tokens/s = non-pad tokens of steps 2..N over their wall time (step 1
 is warm-up), and the median of the per-step rates; peak RSS of the process (max over ranks); eval loss = token-weighted
@@ -202,7 +204,8 @@ def worker_trl(recipe_path: Path, out: Path, overrides: list[str], *, packed: bo
 
 
 def worker_peft(recipe_path: Path, out: Path, overrides: list[str]) -> None:
-    """The loop of PEFT's QLoRA examples: 4-bit model, prepare_model_for_kbit_training, LoRA, model(**batch).loss."""
+    """The loop of PEFT's QLoRA examples: 4-bit model, prepare_model_for_kbit_training (embeddings, norms and lm_head
+    cast to fp32, as that recipe does), LoRA, model(**batch).loss."""
     import torch
     from peft import get_peft_model, prepare_model_for_kbit_training
 

@@ -1,12 +1,16 @@
 """What this machine's stack is and does, in about ten seconds: the first thing `make gpu-smoke` runs.
 
     python benchmarks/gpu_probe.py [--cpu]      # one JSON object on stdout's last line, a summary on stderr
+    python benchmarks/gpu_probe.py --imports    # gpu_smoke.sh's pre-check: import what a run needs, stop at the first
+                                                # error (one line: the module and its error), else one line of versions
 
 Each answer is a fact the smoke's later lines (and a reader of its JSON) depend on, measured, not assumed:
-  * the versions of the libraries this Python has (read from their metadata: nothing is imported for it), torch's
-    CUDA build, whether torch sees a GPU, and the NVIDIA driver `nvidia-smi` reports;
+  * the versions of the libraries this Python has and where each comes from, pip show's Name, Version and Location
+    (read from their metadata: nothing is imported for it): the image's pyarrow, fsspec and typing_extensions beside
+    the carried wheels (benchmarks/gpu_wheels.sh); torch's CUDA build, whether torch sees a GPU, and the NVIDIA driver
+    `nvidia-smi` reports;
   * the cuBLAS workspace: what the caching allocator holds after the first bf16 matmul beyond its operands and result
-    (a fixed cost the planner must count: 32 MiB on sm90 by cuBLAS's documentation);
+    (a fixed cost the planner counts: 32 MiB on sm90 by cuBLAS's documentation; the smoke gives the planner this figure);
   * whether `torch._foreach_copy_` (the copy FSDP2's all-gather uses) rewrites bf16 NaN bit patterns on this device:
     4-bit weights stored as bf16 are packed bytes, about 0.1% of which read as NaNs (finetune/parallel/byte_guard.py);
   * a 1-rank `fully_shard` with `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`: does one unshard give
@@ -15,7 +19,13 @@ Each answer is a fact the smoke's later lines (and a reader of its JSON) depend 
     `Tensor.copy_`), so this is the 1-GPU path only; hence also:
   * FSDP2's multi-rank copy-in itself (`torch.ops.fsdp.all_gather_copy_in`, what each rank runs before the all-gather
     collective; no process group needed), on this device: a unit of mixed dtypes goes as uint8 views, a bf16 unit as
-    bf16. These are the facts of the FSDP2 + 4-bit route on torch < 2.12 (finetune/parallel/byte_guard.py, "mixed").
+    bf16. These are the facts of the FSDP2 + 4-bit route on torch < 2.12 (finetune/parallel/byte_guard.py, "mixed");
+  * finetune's byte guard on a real 2-rank unshard in this one process (`two_rank_unshard`): a fake 2-rank process
+    group (torch.testing's, no communication: rank 0's slot of the all-gather holds rank 0's shard after FSDP2's
+    copy-in, the other's holds nothing), a unit built the way finetune's guard chooses for this device's copy
+    (`byte_guard.route`), sharded over the 2 ranks, unsharded through FSDP2's copy-in and copy-out; rank 0's rows
+    compared by finetune's checksums (`unit_checksums`, `checksum`: what `verify_unit` compares). The same unit
+    without the guard (bf16, param_dtype bf16: what finetune did before it) is reported beside it.
 `--cpu` (the smoke's dry run) asks the same questions of the CPU; a question that fails is answered with its error,
 the others are still asked.
 """
@@ -34,6 +44,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "pydantic", "safetensors",
              "deepspeed")
+# pip show's view of what the carried wheels (benchmarks/gpu_wheels.sh) meet there: the image's packages whose
+# versions decide whether they import (datasets: pyarrow, fsspec; pydantic-core: typing_extensions), then the wheels.
+PACKAGES = ("pyarrow", "fsspec", "typing_extensions", "huggingface_hub", "numpy", "torch", "bitsandbytes", "datasets",
+            "dill", "multiprocess", "xxhash", "pydantic", "pydantic_core", "annotated_types", "gguf", "deepspeed", "hjson")
+# What a run imports, in the order gpu_smoke.sh's pre-check tries them (`--imports`); finetune.recipe builds the
+# recipe's pydantic models, so a pydantic that imports but cannot build them stops here too.
+IMPORTS = ("torch", "bitsandbytes", "peft", "transformers", "accelerate", "datasets", "pydantic", "yaml", "safetensors",
+           "finetune.recipe")
 PAYLOAD_ELEMENTS = 1 << 20  # random bytes viewed as bf16: ~0.4% of them NaN patterns (exponent all ones)
 
 
@@ -46,6 +64,47 @@ def versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def packages(names: tuple[str, ...] = PACKAGES) -> dict[str, dict | None]:
+    """pip show's Version and Location of each package (None where it is missing): which of the image's and which
+    carried, and at what version, is what the run imports."""
+    found: dict[str, dict | None] = {}
+    for name in names:
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+            continue
+        found[name] = {"version": distribution.version, "location": str(distribution.locate_file(""))}
+    return found
+
+
+def packages_line(found: dict[str, dict | None]) -> str:
+    """The packages grouped by location, as one line: `LOCATION: name version, ...; ...; missing: ...`."""
+    by_place: dict[str, list[str]] = {}
+    for name, package in found.items():
+        place = package["location"] if package else "missing"
+        by_place.setdefault(place, []).append(f"{name} {package['version']}" if package else name)
+    missing = by_place.pop("missing", [])
+    groups = [f"{place}: {', '.join(names)}" for place, names in by_place.items()]
+    return "; ".join(groups + ([f"missing: {', '.join(missing)}"] if missing else []))
+
+
+def check_imports(names: tuple[str, ...] = IMPORTS) -> tuple[bool, str]:
+    """Import each module in turn (not find_spec: a module found can still fail to import); at the first that fails,
+    (False, its name and error on one line), else (True, the versions). One message, once: not the same ImportError
+    in every run of the smoke."""
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001  whatever stops the import is the message
+            message = (str(exc).strip().splitlines() or [""])[0]
+            return False, (f"{sys.executable} cannot import {name}: {type(exc).__name__}: {message} (versions here: "
+                           f"{packages_line(packages())})")
+    return True, packages_line(packages())
 
 
 def cuda_facts() -> dict:
@@ -159,6 +218,68 @@ def fsdp_copy_in(device: str) -> dict:
     return {"mixed_unit_as_uint8_bitwise": torch.equal(mixed, original), "bf16_unit_bitwise": torch.equal(alone, original)}
 
 
+def two_rank_unshard(device: str) -> dict:
+    """finetune's byte guard on FSDP2's real 2-rank unshard, in this one process (the module docstring): the route the
+    guard picks for this device's copy, whether rank 0's packed bytes come back through FSDP2's copy-in and copy-out
+    under it, and (a fact, reported) whether they would without the guard. {"skip": why} where this torch cannot make
+    the 2-rank group here: no fault of finetune's."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    except Exception as exc:  # noqa: BLE001  a torch without it: the check cannot be made here
+        return {"skip": f"no fake 2-rank process group in this torch: {type(exc).__name__}: {exc}"}
+    try:
+        try:
+            mesh = init_device_mesh(device, (2,))
+        except Exception as exc:  # noqa: BLE001
+            return {"skip": f"a 2-rank {device} mesh over the fake group failed: {type(exc).__name__}: {exc}"}
+        from finetune.parallel import byte_guard
+
+        keeps = byte_guard.probe_copy(torch.bfloat16, device)
+        route = byte_guard.route(keeps)
+        return {"copy_keeps_bytes": keeps, "route": route, "route_keeps_bytes": _unshard_keeps_bytes(device, mesh, route),
+                "unguarded_keeps_bytes": _unshard_keeps_bytes(device, mesh, "storage")}
+    finally:
+        dist.destroy_process_group()
+
+
+def _unshard_keeps_bytes(device: str, mesh, route: str) -> bool:
+    """A decoder-layer-like unit (packed bytes stored as bf16 and marked as bitsandbytes marks them, an fp32 LoRA
+    beside them) prepared and sharded as finetune's FSDP2 wrap does for `route` (finetune/parallel/wrapping.py),
+    unsharded once: are rank 0's rows of the packed weight the bytes it had (finetune's checksums)?"""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from finetune.model.sources.shard_reads import dim0_chunk
+    from finetune.parallel import byte_guard
+
+    unit = nn.Module()
+    unit.packed = nn.Parameter(nan_payload(device).clone().view(-1, 1), requires_grad=False)  # (n, 1) as bnb stores it
+    unit.packed.quant_state = object()  # what marks a Params4bit for byte_guard.packed_parameters
+    unit.lora = nn.Parameter(torch.randn(4, 64, device=device))
+    if route == "uint8":
+        byte_guard.store_as_bytes(unit)
+    elif route == "mixed":
+        byte_guard.check_mixed_unit(unit, label="the probe's unit")
+    before = byte_guard.unit_checksums(unit, rank=0, world_size=2)  # rank 0's rows (the fake all-reduce adds nothing)
+    param_dtype = None if route == "mixed" else torch.bfloat16
+    fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    unit.unshard()
+    try:
+        tensor = unit.get_parameter("packed")  # unsharded: a plain tensor of every rank's rows
+        row_bytes = tensor.numel() * tensor.element_size() // tensor.shape[0]
+        first, last = dim0_chunk(tensor.shape[0], 0, 2)
+        return byte_guard.checksum(tensor, first * row_bytes, last * row_bytes) == before["packed"]
+    finally:
+        unit.reshard()
+
+
 def asked(question, *args):
     """The answer, or the error that stopped it (the other questions are still asked)."""
     try:
@@ -170,13 +291,14 @@ def asked(question, *args):
 
 def probe(*, cpu: bool) -> dict:
     started = time.perf_counter()
-    found: dict = {"versions": versions(), "cuda": asked(cuda_facts)}
+    found: dict = {"versions": versions(), "packages": packages(), "cuda": asked(cuda_facts)}
     device = "cuda" if not cpu and found["cuda"].get("available") else "cpu"
     found["device"] = device
     found["cublas_workspace_bytes"] = asked(cublas_workspace_bytes, device)
     found["foreach_copy_canonicalizes_nans"] = asked(copy_canonicalizes_nans, device)
     found["fully_shard_param_dtype_none"] = asked(fully_shard_probe, device)
     found["fsdp_copy_in"] = asked(fsdp_copy_in, device)
+    found["two_rank_unshard"] = asked(two_rank_unshard, device)
     found["seconds"] = round(time.perf_counter() - started, 2)
     return found
 
@@ -187,9 +309,11 @@ def probe_lines(probe: dict) -> list[str]:
         return [f"failed: {probe['error']}"]
     versions = ", ".join(f"{name} {version or '-'}" for name, version in probe["versions"].items())
     lines = [f"{probe['seconds']} s on {probe['device']}: {versions}"]
+    if probe.get("packages"):
+        lines.append(f"packages (pip show: version, location): {packages_line(probe['packages'])}")
     for key, say in (("cuda", _gpus_line), ("cublas_workspace_bytes", _workspace_line),
                      ("foreach_copy_canonicalizes_nans", _copy_line), ("fully_shard_param_dtype_none", _shard_line),
-                     ("fsdp_copy_in", _copy_in_line)):
+                     ("fsdp_copy_in", _copy_in_line), ("two_rank_unshard", _two_ranks_line)):
         answer = probe.get(key, {"error": "not asked"})
         lines.append(f"{key}: error: {answer['error']}" if isinstance(answer, dict) and "error" in answer else say(answer))
     return lines
@@ -214,6 +338,14 @@ def _copy_in_line(result: dict) -> str:
             f"bitwise {result['bf16_unit_bitwise']}")
 
 
+def _two_ranks_line(result: dict) -> str:
+    if "skip" in result:
+        return f"byte guard on a 2-rank unshard: not made: {result['skip']}"
+    return (f"byte guard on a 2-rank unshard (fake group): copy keeps the bytes {result['copy_keeps_bytes']} -> route "
+            f"{result['route']!r}, rank 0's bytes kept {result['route_keeps_bytes']}; without the guard (bf16, "
+            f"param_dtype bf16) kept {result['unguarded_keeps_bytes']}")
+
+
 def _shard_line(result: dict) -> str:
     mixed, bf16 = result["mixed_unit"], result["bf16_only_unit"]
     return (f"fully_shard(param_dtype=None), 1 rank: mixed unit (bf16 payload + fp32 LoRA) bitwise {mixed['bitwise']}, "
@@ -221,14 +353,21 @@ def _shard_line(result: dict) -> str:
             f"{bf16['bitwise']}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="ask the questions of the CPU (the smoke's dry run)")
+    parser.add_argument("--imports", action="store_true", help="only import what a run needs (gpu_smoke.sh's "
+                        "pre-check): exit 1 with the first error on one line, else 0 with the versions")
     args = parser.parse_args(argv)
+    if args.imports:
+        ok, line = check_imports()
+        print(f"gpu-smoke: imports: {line}" if ok else f"gpu-smoke: {line}", flush=True)
+        return 0 if ok else 1
     print(json.dumps(probe(cpu=args.cpu)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

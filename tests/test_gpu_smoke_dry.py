@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, child_env
@@ -23,13 +24,15 @@ from gpu_smoke_device import Cuda, DryRun
 from gpu_smoke_processes import Deadline
 from gpu_smoke_report import FAIL, PASS, SKIP, Check, summary
 
+from finetune.parallel import byte_guard
 from finetune.planner import CUBLAS_WORKSPACE_BYTES
 
 TRAINED = ["single", "fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "fsdp1+dropout", "hsdp", "zero3"]
 EXPECTED_CHECKS = [
     *(f"{name} trains" for name in TRAINED),
     *(f"{name} losses = single" for name in ("fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload", "zero3")),
-    "FSDP2 byte guard", "load peak vs planner", "FSDP2 step peak vs planner", "ours vs plain PEFT loop",
+    "FSDP2 copy-in keeps mixed units' bytes", "FSDP2 byte guard", "load peak vs planner", "FSDP2 step peak vs planner",
+    "ours vs plain PEFT loop",
 ]
 # What benchmarks/bench_loading.py's worker writes into {mode}-w{world}-rank{rank}.json (taken from a CPU run of it,
 # plus the allocator's peak that it adds on a GPU). The original load check read a key no worker writes.
@@ -54,7 +57,7 @@ def test_dry_run_reaches_every_check_without_a_traceback(tmp_path):
     started = time.perf_counter()
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py"), "--dry-run", "--work",
                              str(tmp_path / "work"), "--json", str(report_path), "--hidden", "64", "--layers", "2",
-                             "--steps", "3", "--deadline-s", "300"],
+                             "--steps", "3", "--deadline-s", "420"],
                             capture_output=True, text=True, timeout=600, check=False, env=child_env())
     print(f"dry run: {time.perf_counter() - started:.0f} s")
     output = result.stdout[-3000:] + result.stderr[-5000:]
@@ -79,13 +82,26 @@ def test_dry_run_reaches_every_check_without_a_traceback(tmp_path):
     assert {name: checks[f"{name} trains"]["verdict"] for name in ran} == dict.fromkeys(ran, PASS), report["checks"]
     compared = [c for name, c in checks.items() if name.endswith("losses = single") and c["verdict"] != SKIP]
     assert compared and all(c["verdict"] == PASS for c in compared), report["checks"]
-    # The probe ran first, in its own process, and its answers are in the JSON and the output.
+    # The probe ran first, in its own process, and its answers are in the JSON and the output. The dry run's copy
+    # rewrites bf16 NaNs as CUDA's does (gpu_smoke_device.py --cuda-like-copy), so its answers are the GPU's.
     probe = report["probe"]
-    assert probe["device"] == "cpu" and probe["versions"]["torch"] and probe["foreach_copy_canonicalizes_nans"] is False
+    assert probe["device"] == "cpu" and probe["versions"]["torch"] and probe["foreach_copy_canonicalizes_nans"] is True
+    assert probe["packages"]["pyarrow"]["version"] and probe["packages"]["typing_extensions"]["location"], probe
     assert probe["fully_shard_param_dtype_none"]["mixed_unit"] == {"bitwise": True, "lora_grad_dtype": "float32",
                                                                    "lora_grad_finite": True}, probe
-    assert probe["fsdp_copy_in"] == {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": True}, probe  # CPU
+    assert probe["fsdp_copy_in"] == {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": False}, probe
+    route = byte_guard.route(False)  # the GPU's route on this torch: "mixed" below 2.12, "uint8" from it
+    assert probe["two_rank_unshard"] == {"copy_keeps_bytes": False, "route": route, "route_keeps_bytes": True,
+                                         "unguarded_keeps_bytes": False}, probe
     assert "[gpu-smoke] probe: fully_shard(param_dtype=None), 1 rank: mixed unit" in result.stdout, output
+    # ... and every FSDP2 run took it (its note), the byte guard line says so, the dry run's detail names the patch.
+    assert report["runs"]["fsdp2"]["route"] == route and report["runs"]["hsdp"]["route"] == route, report["runs"]
+    for name in ("FSDP2 copy-in keeps mixed units' bytes", "FSDP2 byte guard"):
+        assert checks[name]["verdict"] == PASS and "--cuda-like-copy" in checks[name]["detail"], checks[name]
+    # The planner lines hold their parts: the planner's, the step meter's, the allocator's (none on a CPU)
+    step, load = checks["FSDP2 step peak vs planner"], checks["load peak vs planner"]
+    assert step["planner_parts"]["activations"] and step["meter_parts"]["step"], step
+    assert sum(load["planner_parts"].values()) == load["planned_bytes"] and "missing" in load["allocator"], load
 
 
 def test_load_check_reads_the_worker_record_as_bench_loading_writes_it(tmp_path, monkeypatch):
@@ -104,7 +120,8 @@ def test_load_check_reads_the_worker_record_as_bench_loading_writes_it(tmp_path,
     monkeypatch.setattr(gpu_smoke, "run_quietly", worker_wrote)
     check = gpu_smoke.load_check(work, recipe, H200(), Deadline(60))
     assert check.verdict == PASS and "ratio 1.00" in check.detail, check
-    assert check.figures == {"measured_bytes": planned, "planned_bytes": planned}
+    assert check.figures["measured_bytes"] == check.figures["planned_bytes"] == planned, check.figures
+    assert sum(check.figures["planner_parts"].values()) == planned and "missing" in check.figures["allocator"]
     # The term is the sharded one at one rank, without the CUDA context the allocator never sees; with the cuBLAS
     # workspace the byte guard's checksum allocates (finetune/planner/allocator.py).
     assert 153728 < planned - CUBLAS_WORKSPACE_BYTES < 2**21, planned
@@ -117,6 +134,51 @@ def test_load_check_reads_the_worker_record_as_bench_loading_writes_it(tmp_path,
     assert too_high.verdict == FAIL and "ratio 1.20" in too_high.detail
     assert missing.verdict == FAIL and "no load peak allocated figure" in missing.detail
     assert dry.figures["measured_bytes"] == WORKER_RECORD["peak_over_baseline"] and "dry run" in dry.detail
+
+
+def test_the_planner_lines_give_the_planner_the_probes_cublas_workspace(tmp_path):
+    """Found by a bug bash (issue 57, bb57 finding 4): the probe measured this GPU's cuBLAS workspace and only printed
+    it; the planner lines still counted the 32 MiB constant. Now the measured figure is the planner's input where the
+    probe made one, and each line says which it used."""
+    work = tmp_path / "work"
+    recipe = processes.write_inputs(work, 64, 2, 3)
+    device = H200()
+    constant = gpu_smoke.planned_load_bytes(work, recipe, device)
+    assert "the planner's 32.0 MiB (the probe measured none)" in device.workspace_note()
+    device.use_probe({"cublas_workspace_bytes": 8_519_680})  # the pre-sm90 default, as a GPU could report it
+    assert gpu_smoke.planned_load_bytes(work, recipe, device) == constant - CUBLAS_WORKSPACE_BYTES + 8_519_680
+    assert device.workspace_note() == "cuBLAS workspace: the probe's 8.1 MiB (the planner's constant: 32.0 MiB)"
+    device.use_probe({"cublas_workspace_bytes": {"error": "RuntimeError: CUDA error"}})  # a question that failed
+    assert gpu_smoke.planned_load_bytes(work, recipe, device) == constant
+
+
+def test_the_allocator_summary_is_the_blocks_alive_at_the_peak():
+    """Found by a bug bash (issue 57, bb57 finding 4): a planner line's first FAIL on a GPU would have said only two
+    totals. gpu_smoke_device.py --memory records the allocator; its summary replays the history back from the blocks
+    alive at the end to the peak of allocated bytes and groups the blocks alive then by where they were allocated.
+    Here a history as torch.cuda.memory._snapshot() writes it: A (100) and B (50) alive at once is the peak."""
+    import gpu_smoke_device
+
+    def frames(name: str) -> list[dict]:
+        return [{"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+                {"filename": f"/x/site-packages/{name}.py", "line": 2, "name": "forward"}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames("pkg/a")},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frames("pkg/b")},
+             {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+             {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": frames("pkg/c")}]
+    snapshot = {"segments": [{"blocks": [{"address": 2, "size": 50, "state": "active_allocated", "frames": frames("pkg/b")},
+                                         {"address": 3, "size": 30, "state": "active_allocated", "frames": frames("pkg/c")},
+                                         {"address": 1, "size": 100, "state": "inactive", "frames": []}]}],
+                "device_traces": [trace]}
+    summary = gpu_smoke_device.allocator_summary(snapshot, {"allocated_bytes.all.peak": 150, "num_ooms": 0})
+    assert summary["peak_allocated_bytes"] == 150 and summary["trace_complete"], summary
+    assert summary["at_peak_by_place"] == [{"where": "pkg/a.py:forward", "bytes": 100, "blocks": 1},
+                                           {"where": "pkg/b.py:forward", "bytes": 50, "blocks": 1}], summary
+    assert [b["bytes"] for b in summary["largest_blocks_at_peak"]] == [100, 50]
+    assert summary["stats"]["allocated_bytes.all.peak"] == 150 and summary["stats"]["num_alloc_retries"] is None
+    assert gpu_smoke.memory_summary(Path("/nonexistent/fsdp2.allocator.json"))["missing"].startswith("fsdp2.allocator")
 
 
 def peer_run(runner: str, mode: str, tokens_per_s: float, peak_mb: float) -> dict:
@@ -138,6 +200,8 @@ def test_peer_line_checks_both_ratios_in_both_modes(ours_speed, ours_peak, expec
     check = gpu_smoke.peer_verdict(runs, Cuda(), "tiny model")
     assert check.verdict == expected, check
     assert "unpacked" in check.detail and "packed" in check.detail
+    # what the plain loop is (bb57 finding 5): PEFT's QLoRA recipe, its embeddings, norms and lm_head in fp32
+    assert "prepare_model_for_kbit_training casts the embeddings, norms and lm_head to fp32" in check.detail
     only_unpacked = [r for r in runs if r["mode"] == "unpacked"]
     assert gpu_smoke.peer_verdict(only_unpacked, Cuda(), "tiny model").verdict == FAIL  # a mode not measured
 
@@ -293,14 +357,16 @@ def test_a_process_that_would_end_past_the_deadline_is_skipped_not_started(tmp_p
     short = Deadline(20, {"train": 30, "load": 25, "peers": 60, "probe": 30})
     run = gpu_smoke.train("fsdp2", ["python", "x"], tmp_path, Cuda(), short)
     single = {"name": "single", "ok": True, "reason": "", "losses": [2.0, 1.5]}
-    checks = [gpu_smoke.trains_check(run), gpu_smoke.losses_check(run, single), gpu_smoke.byte_guard_check(run, Cuda()),
+    late_probe = gpu_smoke.run_probe(Cuda(), short)
+    checks = [gpu_smoke.trains_check(run), gpu_smoke.losses_check(run, single),
+              gpu_smoke.byte_guard_check(run, late_probe, Cuda()), gpu_smoke.copy_in_check(late_probe, Cuda()),
               gpu_smoke.step_check(run, tmp_path, tmp_path / "recipe.yaml", Cuda()),
               gpu_smoke.load_check(tmp_path, tmp_path / "recipe.yaml", Cuda(), short),
               gpu_smoke.peer_check(tmp_path, Cuda(), short)]
-    assert started == [] and [c.verdict for c in checks] == [SKIP] * 6, checks
+    assert started == [] and [c.verdict for c in checks] == [SKIP] * 7, checks
     assert checks[0].detail.startswith("not run: deadline (20 s left of 20; a train process needs ~30 s)"), checks[0]
     assert "a peers process needs ~60 s" in checks[-1].detail and gpu_smoke.exit_code(checks) == 0
-    assert gpu_smoke.run_probe(Cuda(), short) == {"error": "not run: deadline (20 s left of 20; a probe process needs ~30 s)"}
+    assert late_probe == {"error": "not run: deadline (20 s left of 20; a probe process needs ~30 s)"}
 
     learned = Deadline(100, {"train": 30})
     assert learned.would_pass("train") is None
@@ -316,7 +382,12 @@ GPU_PROBE = {"versions": {"python": "3.12.3", "torch": "2.11.0+cu130", "transfor
                       "capability": "9.0"},
              "device": "cuda", "cublas_workspace_bytes": 33554432, "foreach_copy_canonicalizes_nans": True,
              "fully_shard_param_dtype_none": {"error": "RuntimeError: only Tensors of floating point dtype"},
-             "fsdp_copy_in": {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": False}, "seconds": 7.5}
+             "fsdp_copy_in": {"mixed_unit_as_uint8_bitwise": True, "bf16_unit_bitwise": False},
+             "two_rank_unshard": {"copy_keeps_bytes": False, "route": "mixed", "route_keeps_bytes": True,
+                                  "unguarded_keeps_bytes": False},
+             "packages": {"pyarrow": {"version": "21.0.0", "location": "/opt/torch/.venv/lib/python3.12/site-packages"},
+                          "datasets": {"version": "4.0.0", "location": "/tmp/w/site"}, "deepspeed": None},
+             "seconds": 7.5}
 
 
 def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monkeypatch):
@@ -331,14 +402,19 @@ def test_the_probe_runs_first_in_its_own_process_and_each_answer_is_printed(monk
     monkeypatch.setattr(gpu_smoke, "run_quietly", probe_process)
     probe = gpu_smoke.run_probe(Cuda(), Deadline(60))
     assert probe == GPU_PROBE and commands[0][1].endswith("gpu_probe.py") and commands[0][2:] == []
-    assert gpu_smoke.run_probe(DryRun(), Deadline(60)) == GPU_PROBE and commands[1][2:] == ["--cpu"]
+    assert gpu_smoke.run_probe(DryRun(), Deadline(60)) == GPU_PROBE and commands[1][-2:] == [commands[0][1], "--cpu"]
+    assert commands[1][1].endswith("gpu_smoke_device.py") and commands[1][2] == "--cuda-like-copy"  # the GPU's copy
     lines = gpu_probe.probe_lines(probe)
     assert lines[0] == "7.5 s on cuda: python 3.12.3, torch 2.11.0+cu130, transformers 5.17.0, bitsandbytes -"
-    assert lines[1] == ("torch sees 1 GPU(s) (NVIDIA H100 80GB HBM3, sm 9.0), built for CUDA 13.0; nvidia-smi lists 1, "
+    assert lines[1] == ("packages (pip show: version, location): /opt/torch/.venv/lib/python3.12/site-packages: "
+                        "pyarrow 21.0.0; /tmp/w/site: datasets 4.0.0; missing: deepspeed")
+    assert lines[2] == ("torch sees 1 GPU(s) (NVIDIA H100 80GB HBM3, sm 9.0), built for CUDA 13.0; nvidia-smi lists 1, "
                         "driver 580.65.06 (CUDA 13.0)")
-    assert lines[2:] == ["cuBLAS workspace: 32.0 MiB", "_foreach_copy_ of bf16 NaN payloads: rewrites them",
+    assert lines[3:] == ["cuBLAS workspace: 32.0 MiB", "_foreach_copy_ of bf16 NaN payloads: rewrites them",
                          "fully_shard_param_dtype_none: error: RuntimeError: only Tensors of floating point dtype",
-                         "FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise True; bf16 unit bitwise False"]
+                         "FSDP2's 2-rank copy-in: mixed unit as uint8 bitwise True; bf16 unit bitwise False",
+                         ("byte guard on a 2-rank unshard (fake group): copy keeps the bytes False -> route 'mixed', "
+                          "rank 0's bytes kept True; without the guard (bf16, param_dtype bf16) kept False")]
 
     crashed = torchrun_stderr('Traceback (most recent call last):\n  File "p.py"\nImportError: libcuda.so.1\n', code=1)
     monkeypatch.setattr(gpu_smoke, "run_quietly", lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", crashed))

@@ -2,7 +2,9 @@
 at load, the FSDP2 byte guard's float64 chunk; and the load peak they go into (memory.py's `estimate` reads it).
 
 Each is a fixed cost, small beside a large model and much of a small one's peak: the GPU smoke's load check
-(benchmarks/gpu_smoke.py, a 1024 x 8 model) was predicted at 1.6x the planner without them (issue 57, finding 3):
+(benchmarks/gpu_smoke.py) was predicted at 1.6x the planner without them on the 1024 x 8 model it used then (issue 57,
+finding 3); its 2048 x 8 model now keeps them near 15% of the load term, and the smoke gives the planner the cuBLAS
+workspace its probe measured on the GPU (Hardware.cublas_workspace_bytes, `load_parts`' workspace_bytes):
   * the cuBLAS workspace. torch gives every (cuBLAS handle, stream) pair that runs a cuBLAS kernel a workspace from its
     caching allocator and never frees it (torch docs, notes/cuda.rst, "cuBLAS workspaces"): CUBLAS_WORKSPACE_CONFIG's
     default is ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB = 8 MiB + 128 KiB, the 8,519,680-byte block users find in
