@@ -369,14 +369,28 @@ def split_eval(examples: list[Example], recipe: Recipe) -> tuple[list[Example], 
 
 def _fill_stats(stats: DataStats, stores: list[TokenStore], train: ExampleView, evaluation: ExampleView,
                 sequences: Sequence[Example], recipe: Recipe) -> None:
-    lengths = np.concatenate([store.lengths() for store in stores])
+    """The token counts `finetune data` shows (per example, in all, trained), and the rest of `stats`. A preference
+    pair is one example of two sequences, both run and scored: its tokens are the chosen's and the rejected's
+    together (before, the chosen's alone: a pair of 11 + 18 tokens, 2 + 9 scored, showed 11 tokens, 2 trained)."""
+    counted = [_example_tokens(store) for store in stores]
+    lengths = np.concatenate([tokens for tokens, _ in counted])
     stats.tokens_min, stats.tokens_max = int(lengths.min()), int(lengths.max())
     stats.tokens_median = float(np.median(lengths))
     stats.total_tokens = int(lengths.sum())
-    stats.trained_tokens = int(sum(int(store.trained_counts().sum()) for store in stores))
+    stats.trained_tokens = int(sum(int(trained.sum()) for _, trained in counted))
     stats.train_examples, stats.eval_examples, stats.train_sequences = len(train), len(evaluation), len(sequences)
     batch, seed = recipe.train.micro_batch_size, recipe.train.seed
     rejected = train.rejected_lengths() if len(sequences) == len(train) else None  # pairs are never packed
     stats.batch_efficiency = batch_efficiency(sequence_lengths(sequences), micro_batch_size=batch, seed=seed,
                                               rejected=rejected)
     stats.unpacked_efficiency = batch_efficiency(train.lengths(), micro_batch_size=batch, seed=seed, rejected=rejected)
+
+
+def _example_tokens(store: TokenStore) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, trained tokens) of each example of `store`: a pair's two sequences summed. The trained counts of
+    every sequence are the store's, stored at build (a pair's rejected ones have no reader of their own in store.py),
+    so no token file is read."""
+    if not store.pairs:
+        return store.lengths(), store.trained_counts()
+    per_sequence = store._trained_counts  # (chosen, rejected, chosen, ...)
+    return store.lengths() + store.rejected_lengths(), per_sequence[::2] + per_sequence[1::2]

@@ -51,7 +51,14 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
     from finetune.data.conversations import convert_turns, renders_tools, template_messages
     from finetune.data.template_facts import chat_template_text
 
-    messages = convert_turns(prompt, spec or DatasetSpec(path=where, format="prompt"), where)
+    spec = spec or DatasetSpec(path=where, format="prompt")
+    if spec.format != "prompt":
+        messages = convert_turns(prompt, spec, where)
+    else:  # GRPO's prompt: its history's assistant turns as written (_HIDDEN_TAG)
+        try:
+            messages = _shown(convert_turns(_hidden(prompt), spec, where))
+        except DataError as exc:
+            raise DataError(_shown(str(exc))) from None
     if not messages or messages[-1]["role"] not in ("user", "tool"):
         raise DataError(f"{where}: a chat prompt must end with a user turn or a tool result, which the policy answers "
                         f"(it ends with {messages[-1]['role'] if messages else 'nothing'}). Fix the row or set "
@@ -68,6 +75,35 @@ def prompt_text(prompt, tokenizer, system_prompt: str | None, *, tools: list[dic
     except Exception as exc:  # noqa: BLE001  (jinja's and transformers' errors: the row's paragraph)
         raise DataError(f"{where}: the chat template cannot render this prompt: {exc}. Fix the row or set "
                         "data.bad_rows: skip.") from None
+
+
+# GRPO's prompts keep an assistant turn's `</think>` line as written (`Let me think.\n</think>\nTeal.`): the
+# `</think>`-line rule (conversations._INLINE_THINK: DeepSeek-R1's output, reasoning without its opening tag) reads
+# a trained answer's reasoning for data.reasoning, but nothing of a prompt is trained, and TRL's GRPOTrainer, vLLM's
+# chat endpoint and apply_chat_template send the content as it is; read as reasoning, a template without a reasoning
+# field (Llama 3.1, Gemma, Mistral, ChatML) showed the policy a `<think>` opener the row does not hold (bb60). The tag
+# is hidden from the rule behind a private-use stand-in and put back. A content that opens with `<think>` keeps its
+# reading: a whole block, rendered as the template renders reasoning, as before.
+_TAG, _HIDDEN_TAG = "</think>", "\ue000/think\ue000"
+
+
+def _hidden(value):
+    """`value` (a row's prompt, any depth) with `</think>` replaced by the stand-in in each text that holds one and
+    does not open with `<think>`."""
+    if isinstance(value, str):
+        return value.replace(_TAG, _HIDDEN_TAG) if _TAG in value and not value.lstrip().startswith("<think>") else value
+    if isinstance(value, list):
+        return [_hidden(item) for item in value]
+    return {key: _hidden(item) for key, item in value.items()} if isinstance(value, dict) else value
+
+
+def _shown(value):
+    """`value` (messages, or an error's text) with the stand-in put back."""
+    if isinstance(value, str):
+        return value.replace(_HIDDEN_TAG, _TAG)
+    if isinstance(value, list):
+        return [_shown(item) for item in value]
+    return {key: _shown(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
