@@ -107,10 +107,13 @@ def epoch_permutation(count: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(count, generator=generator).tolist()
 
 
-def steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> int:
+def steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int, iterations: int = 1) -> int:
     """Whole optimizer steps in one pass over `rows` training rows. It depends only on the rows one step takes
-    (micro_batch_size x world_size x grad_accum), so 1 process x batch 4 and 2 x 2 have the same epochs."""
-    return rows // (micro_batch_size * world_size) // grad_accum
+    (micro_batch_size x world_size x grad_accum), so 1 process x batch 4 and 2 x 2 have the same epochs.
+    `iterations`: the steps that train on each step's rows (GRPO's grpo.num_iterations: a cycle of that many steps
+    takes one step's prompts, as TRL's RepeatSampler repeats each prompt batch, so an epoch has that many times the
+    steps)."""
+    return rows // (micro_batch_size * world_size) // grad_accum * iterations
 
 
 def rows_left_note(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> str:
@@ -125,9 +128,11 @@ def rows_left_note(rows: int, *, micro_batch_size: int, world_size: int, grad_ac
             f"{micro_batch_size * world_size * grad_accum} rows; a different {left} each epoch)")
 
 
-def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> int:
+def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int,
+                            iterations: int = 1) -> int:
     """steps_per_epoch for train.num_epochs, which needs at least one whole step per epoch (DataError otherwise)."""
-    steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum)
+    steps = steps_per_epoch(rows, micro_batch_size=micro_batch_size, world_size=world_size, grad_accum=grad_accum,
+                            iterations=iterations)
     if steps == 0:
         raise _alike(DataError(
             f"train.num_epochs: only {rows} training rows for one optimizer step of "
@@ -168,11 +173,12 @@ class BatchStream:
     """
 
     def __init__(self, examples: Sequence[Example], *, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 pad_id: int, grad_accum: int = 1, kl_max_length: int | None = None):
+                 pad_id: int, grad_accum: int = 1, kl_max_length: int | None = None, iterations: int = 1):
         global_batch = micro_batch_size * world_size
         check_enough_rows(len(examples), micro_batch_size=micro_batch_size, world_size=world_size)
         self.examples, self.batch, self.rank, self.world = examples, micro_batch_size, rank, world_size
         self.seed, self.pad_id, self.grad_accum = seed, pad_id, grad_accum
+        self.iterations = iterations  # steps per step's rows (steps_per_epoch's): GRPO's num_iterations cycle
         self.epoch, self.cursor = 0, 0  # cursor counts global micro-batches taken in this epoch
         self.counted_from = (0, 0.0)  # (step, epochs done then) epoch_at counts from: a resumed run's checkpoint
         self._fingerprint: str | None = None  # rows_fingerprint, at the first save
@@ -196,9 +202,10 @@ class BatchStream:
         return round(self.epochs_done(step), 4)
 
     def epochs_done(self, step: int) -> float:
-        """epoch_at unrounded (what a checkpoint keeps)."""
+        """epoch_at unrounded (what a checkpoint keeps). A GRPO cycle of `iterations` steps takes one step's rows: each
+        step is 1/iterations of them (TRL's epoch: step / its steps per epoch, num_iterations x as many)."""
         first, done = self.counted_from
-        return done + (step - first) * self.grad_accum / self.batches_per_epoch
+        return done + (step - first) * self.grad_accum / (self.batches_per_epoch * self.iterations)
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (its shuffle is seed + epoch)."""

@@ -187,17 +187,30 @@ class StreamedRows:
             self.counted = (epoch, dataset, chunk[-1][0] + 1)
             yield from found
 
-    def counts_line(self, epoch: int, *, ended: bool) -> str:
+    def counts_line(self, epoch: int, *, ended: bool, trained: Position | None = None) -> str:
         """The run's line about pass `epoch`'s rows: when it `ended`, or read so far, a warning when truncation cut
         much of them, and (the first pass only: later passes read the same rows) the notes of the cached path's data
-        line about the rows' prompts (build.count_notes)."""
+        line about the rows' prompts (build.count_notes). `trained`: where training is, said below (trained_line)."""
         counted = "" if self.whole_pass else " (the rows read since the resume)"
         state = "done" if ended else "so far"
         line = f"[finetune] data: pass {epoch + 1} over the stream {state}{counted}: {row_counts(self.counts)}"
+        line += f"\n{self.trained_line(trained)}" if trained is not None else ""
         warning = cut_warning(self.counts, self.recipe)
         notes = count_notes([self.counts]) if epoch == 0 else []
         return (line + (f"\n[finetune] warning: {warning}" if warning else "")
                 + "".join(f"\n[finetune] note: {note}" for note in notes))
+
+    def trained_line(self, position: Position) -> str:
+        """Where training is: the rows before `position` (bb58 #4: the counts alone, of rows read ahead, read as if a
+        40-row file had been trained whole after 6 rows)."""
+        (first_dataset, first_row), dataset, row = self.start, position.dataset, position.row
+        held = first_row if dataset == first_dataset else 0  # the held-out eval rows the pass starts after
+        rows = f"the first {row:,} rows of data.datasets[{dataset}]" + (
+            f" ({row - held:,} past its {held:,} held-out eval rows)" if held else "")
+        before = "".join(f"every row of data.datasets[{index}], " for index in range(first_dataset, dataset))
+        part = f" and {position.part} example(s) of the next (a row of several)" if position.part else ""
+        return (f"[finetune] data: trained in pass {position.epoch + 1}: {before}{rows}{part}; the counts above are of "
+                f"the rows read so far, which are tokenized {STREAM_CHUNK_ROWS} at a time ahead of training")
 
     def pass_examples(self, epoch: int, dataset: int, row: int, part: int = 0) -> Iterator[tuple[Example, Position]]:
         """Examples of one pass from (dataset, row), past the row's first `part` examples, each with the position
@@ -285,7 +298,7 @@ class StreamingBatches:
             self.position = taken[-1][1]
             self.micro_batches += 1
             if self.micro_batches == last and self.rows.counts:
-                print0(self.rows.counts_line(self.rows.counted[0], ended=False))
+                print0(self.rows.counts_line(self.rows.counted[0], ended=False, trained=self.position))
             yield collate([sequence for sequence, _ in taken[self.rank :: self.world]], self.pad_id)
 
     def state_dict(self) -> dict:
@@ -328,6 +341,7 @@ def batch_stream(train, **options) -> BatchStream | StreamingBatches:
     if isinstance(train, StreamedRows):
         options.pop("seed", None)
         options.pop("kl_max_length", None)  # KTO does not stream (recipe/checks.py: check_streaming)
+        options.pop("iterations", None)  # nor GRPO, whose num_iterations cycles reuse a step's rows
         return StreamingBatches(train, **options)
     return BatchStream(train, **options)
 

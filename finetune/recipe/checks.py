@@ -198,6 +198,28 @@ def check_keep_best(recipe) -> None:  # a finetune.recipe.Recipe
         raise ValueError("train.keep_best: " + " ".join(problems))
 
 
+def eval_every_note(recipe, eval_examples: int) -> str | None:  # a finetune.recipe.Recipe
+    """The run's note for train.eval_every > 0 with no eval examples, where nothing would evaluate: said, not refused
+    (docs/recipes.md: a quick variation of a library recipe, such as `data.eval_fraction=0` on one that evaluates every
+    200 steps, runs; train.keep_best, which needs the evals, is refused instead: check_keep_best). Bug bash bb58 #5:
+    it was silently ignored. A fraction that rounds to no row is known only once the rows are counted."""
+    t, data = recipe.train, recipe.data
+    if not t.eval_every or eval_examples:
+        return None
+    if t.objective == "grpo":
+        why, fix = ("train.objective grpo holds out no rows and evaluates nothing: each step's rewards are its measure, "
+                    "docs/grpo.md"), "remove train.eval_every"
+    elif data.eval_fraction == 0 and not data.eval_datasets:
+        why = "data.eval_fraction is 0 and data.eval_datasets is empty"
+        fix = "set data.eval_fraction (e.g. 0.05) or data.eval_datasets, or remove train.eval_every"
+    else:
+        files = ", and its data.eval_datasets hold no rows" if data.eval_datasets else ""
+        why = f"data.eval_fraction {data.eval_fraction:g} of the rows rounds to none{files}"
+        fix = "raise data.eval_fraction, give data.eval_datasets, or remove train.eval_every"
+    return (f"train.eval_every is {t.eval_every}, but the run has no eval examples ({why}), so no evaluation runs. "
+            f"To evaluate: {fix}.")
+
+
 def output_in_data_problem(recipe) -> str | None:  # a finetune.recipe.Recipe
     """output.dir inside a dataset's folder (a folder of data files is read whole): the run's metrics.jsonl and
     recipe.yaml would be read as rows by the next launch, and its files mixed into the user's data. Asked of a run
@@ -232,18 +254,33 @@ def clamped_warmup(train) -> str | None:  # a finetune.recipe.TrainSection
     the resolved recipe says the steps). Then a short run of a long recipe (`train.max_steps=3` on a recipe with 30
     warmup steps, a smoke run) is a normal request: warm up over the run instead of refusing it, and say so (the
     note returned)."""
-    if train.warmup_ratio is not None:
-        steps, train.warmup_ratio = math.ceil(round(train.warmup_ratio * train.max_steps, 6)), None
+    ratio = train.warmup_ratio
+    if ratio is not None:
+        steps, train.warmup_ratio = math.ceil(round(ratio * train.max_steps, 6)), None
         train.warmup_steps = steps  # after the ratio is unset: each assignment is validated (one of the two)
     if train.warmup_steps >= train.max_steps and train.warmup_steps > 0:
         asked, clamped = train.warmup_steps, train.max_steps - 1
         train.warmup_steps = clamped
-        return (f"train.warmup_steps ({asked}) is not below train.max_steps ({train.max_steps}): warming up over "
+        # the key the recipe set (bug bash bb58 #6: a ratio's clamp was said as a warmup_steps the recipe never set)
+        key = (f"train.warmup_ratio {ratio:g} (= {asked} warmup steps, rounded up)" if ratio is not None
+               else f"train.warmup_steps ({asked})")
+        return (f"{key} is not below train.max_steps ({train.max_steps}): warming up over "
                 f"{clamped} step{'s' if clamped != 1 else ''} instead.")
     return None
 
 
 def steps_for_epochs(num_epochs: float, steps_per_epoch: int) -> int:
-    """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step."""
-    # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4.
-    return math.ceil(round(num_epochs * steps_per_epoch, 6))
+    """train.max_steps for train.num_epochs: ceil(num_epochs x steps_per_epoch), so a fraction of an epoch is a step,
+    and at least 1 (a whole epoch holds one: checked_steps_per_epoch)."""
+    # round(): 0.1 x 30 is 3.0000000000000004 in floats, which is 3 steps, not 4. max(1): below 5e-7 of a step the
+    # rounding gave 0 steps, which train.max_steps (> 0) refused with a pydantic traceback at the run's start while
+    # `finetune validate` passed (bug bash bb58 #3).
+    return max(1, math.ceil(round(num_epochs * steps_per_epoch, 6)))
+
+
+def steps_per_rows(recipe) -> int:  # a finetune.recipe.Recipe
+    """The optimizer steps that train on each step's rows: GRPO's grpo.num_iterations (a cycle samples once and trains
+    that many steps on the completions; TRL's RepeatSampler repeats each prompt batch as often, so an epoch has that
+    many times the steps); 1 for every other objective. Steps per epoch are data.steps_per_epoch(..., iterations=this),
+    in the run, `finetune data` and `finetune validate` alike."""
+    return recipe.grpo.num_iterations if recipe.train.objective == "grpo" else 1

@@ -27,8 +27,9 @@ class TrainSection(_Section):
     max_steps: int = Field(100, gt=0, description="Optimizer steps of the run; or set num_epochs instead (not both).")
     num_epochs: float | None = Field(
         None, gt=0, description="Passes over the training rows instead of max_steps (not both; 1.5: one pass and half "
-        "of a reshuffled second). At the run's start max_steps becomes ceil(num_epochs x steps per epoch), steps per "
-        "epoch = rows // (micro_batch_size x processes x grad_accum): the resolved recipe.yaml says that max_steps.")
+        "of a reshuffled second). At the run's start max_steps becomes ceil(num_epochs x steps per epoch), at least 1, "
+        "steps per epoch = rows // (micro_batch_size x processes x grad_accum), GRPO's x grpo.num_iterations (TRL's): "
+        "the resolved recipe.yaml says that max_steps.")
     micro_batch_size: int = Field(4, gt=0, description="Rows per process per forward pass (grpo: completions, as TRL's "
                                   "per_device_train_batch_size: micro_batch_size / grpo.num_generations prompts).")
     grad_accum: int = Field(1, gt=0)
@@ -51,7 +52,8 @@ class TrainSection(_Section):
                       "Below 2**63: torch takes seeds below 2**64, and epochs and ranks are added to it.")
     gradient_checkpointing: bool = True
     log_every: int = Field(1, gt=0)
-    eval_every: int = Field(0, ge=0, description="0: evaluate only at the end.")
+    eval_every: int = Field(0, ge=0, description="0: evaluate only at the end. With no eval rows (GRPO's, or "
+                            "data.eval_fraction giving none) a note at the run's start says nothing evaluates.")
     save_every: int = Field(
         100, ge=0, description="Checkpoint every N steps; one is also written at the last step and on SIGTERM/SIGINT. 0: only those."
     )

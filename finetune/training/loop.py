@@ -37,6 +37,7 @@ from finetune.errors import FinetuneError
 from finetune.outputs import checkpoint, checkpoint_load, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
+from finetune.recipe.checks import eval_every_note, steps_per_rows
 from finetune.tracking import Trackers, run_tags
 from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
@@ -112,16 +113,17 @@ def lr_lambda(recipe: Recipe):
 def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
     """The run's length for this launch, before any weight loads: train.num_epochs becomes train.max_steps
     (Recipe.resolve_num_epochs; an epoch without a whole optimizer step is an error). Said once, by rank 0."""
-    t = recipe.train
+    t, iterations = recipe.train, steps_per_rows(recipe)
     rows = objectives.rows_per_micro_batch(recipe)  # GRPO: prompts (micro_batch_size counts its completions)
     check_enough_rows(train_rows, micro_batch_size=rows, world_size=world_size)  # as validate: before the length line
     per_batch = (f"{rows} prompts per micro-batch (micro_batch_size {t.micro_batch_size} completions / "
                  f"grpo.num_generations {recipe.grpo.num_generations})" if rows != t.micro_batch_size
                  else f"micro_batch_size {rows}")  # GRPO: a micro-batch of completions holds that many prompts
-    launch = (f"{train_rows} rows // ({per_batch} x {world_size} "
-              f"process{'es' if world_size > 1 else ''} x grad_accum {t.grad_accum})")
+    launch = (f"{train_rows} rows // ({per_batch} x {world_size} process{'es' if world_size > 1 else ''} x grad_accum "
+              f"{t.grad_accum})" + (f" x grpo.num_iterations {iterations}" if iterations > 1 else ""))
     count = checked_steps_per_epoch if t.num_epochs is not None else steps_per_epoch  # num_epochs needs a whole step
-    per_epoch = count(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum)
+    per_epoch = count(train_rows, micro_batch_size=rows, world_size=world_size, grad_accum=t.grad_accum,
+                      iterations=iterations)
     known = len(recipe.notes)
     told = recipe.resolve_num_epochs(per_epoch, launch=launch)
     if told is None:  # the recipe gave max_steps: the epochs it makes
@@ -210,13 +212,15 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     stream = batch_stream(train_examples, micro_batch_size=objectives.rows_per_micro_batch(recipe), rank=info.rank,
                           world_size=info.world_size, seed=t.seed, pad_id=pad_id, grad_accum=t.grad_accum,
-                          kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None)
+                          kl_max_length=recipe.data.max_length if objectives.uses_kl(recipe) else None,
+                          iterations=steps_per_rows(recipe))
     result = TrainResult()
     objective = objectives.for_recipe(model, recipe, tokenizer)  # DPO: the starting LoRA values, before a resume
     router_aux = objective.router_aux  # a MoE model's load-balancing loss (train.router_aux_loss_coef), or off
     router_aux.pad_id = pad_id  # packed rows' padding tails are no tokens of it
     first_step = 1
     if resume_from is not None:
+        distributed.doing(f"the load of the checkpoint {resume_from}")  # else a lost peer is named in the wrap's
         first_step = resume(resume_from, model, optimizer, scheduler, stream, names, result, parallel=parallel,
                             max_steps=t.max_steps) + 1
         if not Path(resume_from).resolve().is_relative_to(Path(out_dir).resolve()):  # another run folder's checkpoint
@@ -225,11 +229,15 @@ def train(model: nn.Module, recipe: Recipe, train_examples: list[Example], eval_
     if info.is_main:  # only now: a run that failed on its inputs has changed nothing in out_dir
         outputs.begin_outputs(out_dir, recipe_yaml, resume_from)
     distributed.barrier()  # a replaced run's files are gone before any rank writes its own (completions/rank<r>.jsonl)
-    # DPO with dpo.reference precomputed: the reference log-probs before step 1 (or read back on resume).
+    # DPO with dpo.reference precomputed: the reference log-probs before step 1 (or read back on resume); bb58 #7.
+    distributed.doing("the reference log-probs (dpo.reference: precomputed)" if recipe.dpo.reference == "precomputed"
+                      else "the objective's work before step 1")
     objective.prepare(model, train_examples, eval_examples, recipe, pad_id=pad_id, out_dir=out_dir, resume_from=resume_from)
     batches = iter(stream)
     if line := router_aux.describe():
         distributed.print0(line)
+    if note := eval_every_note(recipe, len(eval_examples)):  # train.eval_every with no eval rows: not silently
+        distributed.print0(f"[finetune] note: {note}")
     tags = run_tags(strategy=parallel, world_size=info.world_size, device=str(info.device)) if info.is_main else None
     metrics = Trackers(recipe, out_dir, is_main=info.is_main, tags=tags, resumed_step=first_step - 1,
                        elapsed_before=result.elapsed_before)
@@ -353,6 +361,7 @@ def generation_eval(model: nn.Module, tokenizer, eval_examples: list[Example], r
     from finetune.parallel import generation_model
     from finetune.training import evals
 
+    distributed.doing(f"the generation eval {phase} training")
     with generation_model(model) as generator:
         record = evals.recipe_generation_eval(generator, tokenizer, eval_examples, recipe, phase=phase,
                                               device=distributed.info().device)

@@ -139,7 +139,15 @@ def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targe
     The rows are gathered by index: the same rows in the same order as a boolean mask would select (bitwise the same
     loss), but the output size is the length of `positions`, known to the host, so nothing waits for the device."""
     if positions.numel() == 0:
-        zero = hidden.sum() * 0.0  # still a graph through every layer: each rank's backward must reach every unit
+        # Still a graph through every layer: each rank's backward must reach every unit. In fp32, as every other
+        # return of this function (the loss is computed from fp32 logits): an eval batch of only filler rows (a rank's
+        # short share, data/loader.py eval_batches) under a bf16 model gave a bf16 empty tensor, which
+        # sequence_logps' fp32 index_add refuses, even empty (bug bash bb58 #1: DPO / KTO on 2+ processes died).
+        # A trainable head (LoRA on lm_head) is reached too, through one row: DDP's reducer waits for every trainable
+        # parameter's gradient, and a rank whose completions were all masked died there (bug bash bb59 #1: GRPO).
+        zero = hidden.sum().float() * 0.0
+        if trainable_head and torch.is_grad_enabled() and hidden.numel():
+            zero = zero + head_forward(hidden.reshape(-1, hidden.size(-1))[:1]).float().sum() * 0.0
         return zero.reshape(1)[:0] + zero if per_token else zero
     selected = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions)
     reduction = "none" if per_token else "sum"
