@@ -112,3 +112,18 @@ def test_the_4bit_cache_entry_depends_on_double_quant(tmp_path, private_cache):
 
     assert entry_folder(recipe(True), tmp_path) != entry_folder(recipe(False), tmp_path)
     assert entry_folder(recipe(True), tmp_path) == entry_folder(recipe(True), tmp_path)
+
+
+def test_a_quantized_cache_entry_with_a_file_cut_short_is_rebuilt(tmp_path):
+    """Mutation testing (round 4, QC02): with the size comparison gone, an entry whose file was cut short (a copy
+    interrupted, a disk that filled) was read as whole: no test had a file of the wrong size beside its manifest."""
+    import json
+
+    from finetune.model.quantization.cache import MANIFEST, _stale_reason
+
+    identity = {"config.json": [10, 1.0, "abc"]}
+    (tmp_path / "x.safetensors").write_bytes(b"12345")  # 5 bytes of the 10 the manifest records
+    (tmp_path / MANIFEST).write_text(json.dumps({"identity": identity, "files": {"x.safetensors": 10}}))
+    assert "damaged (x.safetensors)" in _stale_reason(tmp_path, identity)
+    (tmp_path / "x.safetensors").write_bytes(b"1234567890")  # whole: read as it is (no sampled sums recorded)
+    assert _stale_reason(tmp_path, identity) is None
