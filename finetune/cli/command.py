@@ -38,7 +38,8 @@ def count_int(text: str) -> int:
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML (a path, or the name of a recipe in the library)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=50")
+    # default=[]: optional, and not named with `recipe` in argparse's "the following arguments are required" (bb56)
+    parser.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides, e.g. train.max_steps=50")
 
 
 # ----------------------------------------------------------------------------------------------------- verbs
@@ -129,8 +130,7 @@ def _add_run_verbs(verbs) -> None:
 def _add_look_verbs(verbs) -> None:
     """plan, data: what a recipe will cost and what it trains on, before any weight loads."""
     p = verbs.add_parser("plan", help="memory plan: which strategy fits on which GPUs")
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*")
+    _add_recipe_args(p)
     p.add_argument("--gpus", default="1", help="GPUs per node (default 1)")
     p.add_argument("--gpu-memory", default="24GiB", help="memory per GPU, e.g. 24GiB, 80GB (default 24GiB)")
     p.add_argument("--nodes", default="1", help="number of nodes (default 1)")
@@ -254,11 +254,47 @@ def _check_paths(args: argparse.Namespace) -> None:
     if args.verb == "checkpoints" and Path(args.run).expanduser().is_file():
         raise FinetuneError(f"{args.run}: is a file, not a run folder. Fix: pass a run's folder (its output.dir), the "
                             "one that holds checkpoints/.")
+    if args.verb == "train":
+        _check_streamed_recipe(args)
     given = args.where if args.verb == "runs" else []  # (none given: cli_runs names its default's store)
     for where in given:
         if "://" not in where and not where.startswith("file:") and not Path(where).expanduser().exists():
             raise FinetuneError(f"{where}: no such file or folder. Fix: pass a run folder, a folder of run folders, an "
                                 "mlflow.db file, or a tracking URI (sqlite:///path/mlflow.db, http://host:5000).")
+
+
+def _check_streamed_recipe(args: argparse.Namespace) -> None:
+    """A recipe from a pipe (`finetune train <(...)`, /dev/stdin, a FIFO) is read once, here: a launch of several
+    processes, each of which reads the recipe again, would find it empty, so it is refused saying so. A run in this
+    process reads it (its bytes kept: recipe_library.file_bytes)."""
+    from finetune.cli.library import train_launch
+    from finetune.recipe_library import streamed
+
+    if streamed(args.recipe) and train_launch(args.recipe, args.accelerate_config, args.num_processes).launches:
+        raise FinetuneError(f"{args.recipe}: not a regular file (a pipe: process substitution `<(...)`, /dev/stdin or "
+                            "a FIFO), which can be read once, and this launch starts processes that each read the "
+                            "recipe again. Fix: save it to a file first (`... > my.yaml`, then `finetune train "
+                            "my.yaml`), or run it in this process (without --accelerate-config / --num-processes).")
+
+
+def _value_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The options of every verb that take a value (`--gpu-memory`, `--step` ...)."""
+    parsers = [parser, *parser.verb_parsers.values()]
+    return {flag for each in parsers for action in each._actions if action.option_strings and action.nargs is None
+            for flag in action.option_strings}  # (flags such as --json take none: nargs 0)
+
+
+def _negative_values_joined(argv: list[str], flags: set[str]) -> list[str]:
+    """`--gpu-memory -5GB` as `--gpu-memory=-5GB`: argparse takes a value that starts with `-` and is no plain number
+    for an option, and said "expected one argument" where the verb's own check says what is wrong with -5GB (bb56)."""
+    joined: list[str] = []
+    for item in argv:
+        negative = len(item) > 1 and item[0] == "-" and (item[1].isdigit() or item[1] == ".")
+        if joined and joined[-1] in flags and negative:
+            joined[-1] = f"{joined[-1]}={item}"
+        else:
+            joined.append(item)
+    return joined
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +333,7 @@ def _main(argv: list[str] | None) -> int:
     quiet.install()
     quiet.defer_bitsandbytes_compiles()
     parser = build_parser()
+    argv = _negative_values_joined(argv, _value_flags(parser))
     # Overrides may come after options (`validate r.yaml --num-processes 2 train.max_steps=5`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
     verb_parser = parser.verb_parsers.get(args.verb, parser)  # the verb's usage in its errors, as argparse's own
@@ -314,6 +351,9 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USER_ERROR
     if args.verb == "recipes" and (surplus := _recipes_extra(args)):
         verb_parser.error(surplus)
+    if args.verb == "generate" and args.no_adapter and args.step is not None:  # --step was passed over in silence
+        verb_parser.error(f"--step {args.step} picks a checkpoint's adapter and --no-adapter generates with none: give "
+                          "one of them (--no-adapter: the base model alone)")
     try:
         _check_paths(args)
         # torch whole before any verb runs (Ctrl-C held over it); train decides on DeepSpeed in finetune/run.py

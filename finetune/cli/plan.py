@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from finetune.cli.library import library_dir, resolve_recipe_path
 from finetune.errors import FinetuneError
-from finetune.planner.facts import GB, GiB, model_config_for
+from finetune.planner.facts import GB, GiB, PlanError, model_config_for
 from finetune.planner.fit import decide, parse_count, parse_size
 
 
@@ -22,12 +22,12 @@ def cli_plan(args: argparse.Namespace) -> int:
     """`finetune plan RECIPE [overrides] --gpus N --gpu-memory 24GiB --nodes M --cpu-memory 128GiB [--json]`."""
     from finetune.recipe import load_recipe
 
-    gpus = parse_count(args.gpus, "--gpus")
-    gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
+    gpus = _gpus_per_node(args.gpus)
+    gpu_memory = _size(args.gpu_memory, "--gpu-memory")
     nodes = parse_count(args.nodes, "--nodes")
-    cpu_memory = parse_size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+    cpu_memory = _size(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
     bandwidth = getattr(args, "read_bandwidth", None)  # bytes per second
-    bandwidth = parse_size(bandwidth, "--read-bandwidth") if bandwidth else None
+    bandwidth = _size(bandwidth, "--read-bandwidth") if bandwidth else None
     recipe = load_recipe(resolve_recipe_path(args.recipe), list(args.overrides), dtype_device="gpu")  # auto: bf16 GPUs
     decision = decide(recipe, model_config_for(recipe), gpus_per_node=gpus, gpu_memory_bytes=gpu_memory, nodes=nodes,
                       cpu_memory_bytes=cpu_memory, read_bytes_per_s=bandwidth)
@@ -43,6 +43,27 @@ def cli_plan(args: argparse.Namespace) -> int:
         else:
             print(decision.summary)
     return 0  # a plan was made, fits or not (docs/planner.md): `fits` says which
+
+
+# The most GPUs one machine holds (8 in most servers, 16 in the largest): the planner counts the checkpoint reads of
+# every rank of a node (planner/reads.py), so `--gpus 100000` ran for minutes without a word until bounded (bb56).
+MAX_GPUS_PER_NODE = 64
+
+
+def _gpus_per_node(text: str) -> int:
+    gpus = parse_count(text, "--gpus")
+    if gpus > MAX_GPUS_PER_NODE:
+        raise PlanError(f"--gpus {gpus}: more GPUs than one machine holds (at most {MAX_GPUS_PER_NODE} are planned; "
+                        "servers have 8, the largest 16). --gpus is per node. Fix: --gpus N --nodes M for N GPUs in "
+                        f"each of M machines (e.g. --gpus 8 --nodes {max(2, -(-gpus // 8))}).")
+    return gpus
+
+
+def _size(text: str, flag: str) -> int:
+    """parse_size, with a negative size said as one (`-5GB` was "not a memory size")."""
+    if str(text).strip().startswith("-"):
+        raise PlanError(f"{flag} {text!r}: a memory size must be more than 0. Fix: e.g. {flag} 24GiB.")
+    return parse_size(text, flag)
 
 
 def plan_payload(decision, asked: dict | None) -> dict:

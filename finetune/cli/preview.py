@@ -17,6 +17,7 @@ from finetune.data.build import cut_lines, eval_overlap, examples_said, prompt_n
 from finetune.data.streaming import preview_lines
 from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
+from finetune.recipe.checks import steps_per_rows
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -188,7 +189,7 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
         lines.append(f"packing: off (train.objective {recipe.train.objective} rows are not packed); efficiency "
                      f"{stats.batch_efficiency:.1%} non-pad tokens")
     lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch,
-                          rows_per_micro_batch=recipe.rows_per_micro_batch)
+                          rows_per_micro_batch=recipe.rows_per_micro_batch, iterations=steps_per_rows(recipe))
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
@@ -220,22 +221,26 @@ def closing_tag_lines(prepared: PreparedData) -> list[str]:
     return [line]
 
 
-def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micro_batch: int | None = None) -> list[str]:
+def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micro_batch: int | None = None,
+                 iterations: int = 1) -> list[str]:
     """Steps per epoch at the launch's process count (and at twice as many, with the formula for any other), and
     what train.max_steps or train.num_epochs makes of it: what the run prints at its start. `rows_per_micro_batch`:
-    Recipe.rows_per_micro_batch (GRPO: prompts), default train.micro_batch_size."""
+    Recipe.rows_per_micro_batch (GRPO: prompts), default train.micro_batch_size; `iterations`: recipe.checks.
+    steps_per_rows (GRPO's grpo.num_iterations, whose cycle trains that many steps on one step's prompts)."""
     batch = rows_per_micro_batch or train.micro_batch_size
+    cycles = f" x grpo.num_iterations {iterations}" if iterations > 1 else ""
 
     def per_epoch(count: int) -> int:
-        return steps_per_epoch(rows, micro_batch_size=batch, world_size=count, grad_accum=train.grad_accum)
+        return steps_per_epoch(rows, micro_batch_size=batch, world_size=count, grad_accum=train.grad_accum,
+                               iterations=iterations)
 
     steps, at = per_epoch(processes), f"at {processes} process{'es' if processes > 1 else ''}"
     size = (f"micro_batch_size {batch}" if batch == train.micro_batch_size else  # GRPO: completions / generations
             f"{batch} prompt{'s' if batch > 1 else ''} per micro-batch = micro_batch_size {train.micro_batch_size} "
             f"completions / grpo.num_generations {train.micro_batch_size // batch}")
     lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // ({size} x "
-              f"{processes} x grad_accum {train.grad_accum}); {per_epoch(2 * processes)} at {2 * processes} processes; "
-              "in general rows // (micro_batch_size x processes x grad_accum)"
+              f"{processes} x grad_accum {train.grad_accum}){cycles}; {per_epoch(2 * processes)} at {2 * processes} "
+              f"processes; in general rows // (micro_batch_size x processes x grad_accum){cycles}"
               f"{rows_left_note(rows, micro_batch_size=batch, world_size=processes, grad_accum=train.grad_accum)}")]
     if steps == 0 and train.num_epochs is not None:
         lines.append(f"train.num_epochs: a run {at} stops at its start, an epoch holds no whole optimizer step (add "

@@ -18,7 +18,7 @@ from finetune.errors import FinetuneError
 def cli_quantize(args: argparse.Namespace) -> int:
     """Every problem of the command line is refused before a byte of the base is read."""
     from finetune.model.quantization import cache as quantized_cache
-    from finetune.model.quantization.writer import write_quantized
+    from finetune.model.quantization.writer import base_config, write_quantized
     from finetune.model.settings import quantization_config, torch_dtype
     from finetune.model.sources.files import checkpoint_folder
 
@@ -34,6 +34,7 @@ def cli_quantize(args: argparse.Namespace) -> int:
                             "set quantization.method: nf4 (or fp4).")
     device = _device(args.device)
     base = checkpoint_folder(recipe)  # a hub id is fetched (config, tokenizer, safetensors) or found in the cache
+    base_config(base)  # a file, an adapter or run folder, a broken config.json: one paragraph, before a byte is read
     started = time.perf_counter()
     if args.cache:
         recipe.model.quantized_cache = "auto"
@@ -109,11 +110,31 @@ def _recipe(args: argparse.Namespace):
 
 
 def _device(name: str | None):
+    """--device as torch names it, checked: a name torch does not know, or a device this machine lacks, ended in
+    torch's traceback (`Torch not compiled with CUDA enabled`, bb56). None: the first GPU, else the CPU."""
     import torch
 
-    if name:
-        return torch.device(name)
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if not name:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    fix = "Fix: --device cpu, or cuda / cuda:N on a machine with GPUs (left out: the first GPU, else the CPU)."
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise FinetuneError(f"finetune quantize: --device {name}: not a device torch knows. {fix}") from None
+    if device.type == "cpu":
+        return device
+    try:  # torch.cuda, torch.xpu ...: each with is_available() and device_count()
+        backend = getattr(torch, device.type)
+        count = backend.device_count() if backend.is_available() else 0
+    except (AttributeError, RuntimeError):
+        count = 0
+    if count == 0:
+        raise FinetuneError(f"finetune quantize: --device {name}: this machine has no {device.type} device that torch "
+                            f"{torch.__version__} can use. {fix}")
+    if device.index is not None and device.index >= count:
+        raise FinetuneError(f"finetune quantize: --device {name}: this machine has {count} {device.type} device"
+                            f"{'s' if count > 1 else ''}, numbered from 0. {fix}")
+    return device
 
 
 def _size(text: str) -> int:

@@ -131,6 +131,9 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
     out_dir = Path(out_dir)
     if problem := model_folder_problem(out_dir, force=force):  # before the seconds of building
         raise FinetuneError(problem)
+    if problem := size_problem(family, hidden_size=hidden_size, num_layers=num_layers, heads=num_attention_heads,
+                               intermediate_size=intermediate_size or hidden_size * 2):
+        raise FinetuneError(problem)
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model(
         family,
@@ -150,6 +153,27 @@ def build_tiny_model(out_dir: str | Path, *, family: str = "llama", hidden_size:
         **({"intermediate_size_mlp": hidden_size * 2, **(llama4 or {})} if family == "llama4_text" else {}),
     )
     return _save(config, tokenizer, out_dir, seed=seed, max_shard_size=max_shard_size, force=force)
+
+
+def size_problem(family: str, *, hidden_size: int, num_layers: int, heads: int, intermediate_size: int) -> str | None:
+    """Why a tiny model of these sizes cannot be built here (None when it can): a hidden size that its attention heads
+    do not split into even widths (transformers refused 65 with a traceback; RoPE rotates pairs), or a model larger
+    than this machine's memory (--hidden-size 100000000 asked torch for 181 GB and ended in a traceback, bb56)."""
+    if hidden_size % (2 * heads):
+        fits = max(2 * heads, hidden_size // (2 * heads) * 2 * heads)
+        return (f"finetune tiny-model: --hidden-size {hidden_size} is not a multiple of {2 * heads}: the model's "
+                f"{heads} attention heads split the hidden size into equal widths, each even (rotary position "
+                f"embeddings turn pairs of values). Fix: --hidden-size {fits} or {fits + 2 * heads} (default 64).")
+    experts = _FAMILY_KWARGS[family].get("num_local_experts") or _FAMILY_KWARGS[family].get("num_experts") or 1
+    layer = 4 * hidden_size**2 + 3 * hidden_size * intermediate_size * experts  # attention, MLP (each expert's)
+    parameters = num_layers * layer + 2 * 512 * hidden_size  # and the 512-token embeddings and head
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    if memory and 4 * parameters > memory // 2:  # float32 weights, with room for saving them
+        return (f"finetune tiny-model: a model {hidden_size} wide (--hidden-size) of {num_layers} layers (--layers) is "
+                f"about {parameters:.2g} parameters, {4 * parameters / 2**30:,.1f} GiB in float32: more than half of "
+                f"this machine's {memory / 2**30:,.1f} GiB of memory, and not tiny (tests and smoke runs use 64 wide, "
+                "2 layers). Fix: a smaller --hidden-size or --layers.")
+    return None
 
 
 def _context_length(defaults) -> int:

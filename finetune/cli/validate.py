@@ -17,12 +17,12 @@ from finetune.cli.library import train_launch
 from finetune.data.tokenize import check_mapped_columns
 from finetune.data.vocab import check_token_ids
 from finetune.distributed import DistInfo
-from finetune.errors import DataError, FinetuneError
+from finetune.errors import DataError, FinetuneError, LaunchError
 from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
 from finetune.parallel.launcher import accelerate_launch_forms_group, ignored_environment_note
 from finetune.recipe import load_recipe
-from finetune.recipe.checks import output_in_data_problem
+from finetune.recipe.checks import output_in_data_problem, steps_per_rows
 from finetune.recipe.router_aux import check_router_aux
 from finetune.recipe.text import leading_comments
 
@@ -89,6 +89,37 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
     return "\n".join(lines)
 
 
+def _check_yaml(config_file: str) -> None:
+    """An accelerate config that is not valid YAML, in one paragraph with the line and the fix (the launcher's reader
+    gave PyYAML's own three lines, "while parsing a flow node ...", bb56). Anything else: the launcher's reader says."""
+    import yaml
+
+    from finetune.recipe.text import yaml_syntax_error
+
+    try:
+        yaml.safe_load(Path(config_file).read_text(encoding="utf-8-sig"))
+    except yaml.YAMLError as exc:
+        raise LaunchError(f"accelerate config {yaml_syntax_error(exc, config_file)}") from None
+    except (OSError, ValueError):
+        return
+
+
+def _step_rows_note(rows: int, recipe, processes: int) -> str:
+    """A note where one optimizer step takes more rows than the data holds (train.max_steps: docs/data.md's smoke run
+    of a grad_accum 32 recipe on 40 rows, which is allowed): `train.grad_accum=1000000` on 19 rows said "0 steps per
+    epoch" and "recipe OK", and its first step then went over the rows a million times (bb56). With train.num_epochs
+    the steps per epoch refuse it (data.checked_steps_per_epoch)."""
+    per_batch, accumulate = recipe.rows_per_micro_batch, recipe.train.grad_accum
+    step = per_batch * processes * accumulate
+    if recipe.train.num_epochs is not None or rows >= step:
+        return ""
+    most = max(1, rows // (per_batch * processes))
+    return (f"; note: one optimizer step takes {step:,} rows ({per_batch} per micro-batch x {processes} "
+            f"process{'es' if processes > 1 else ''} x train.grad_accum {accumulate}) of {rows:,} training rows, so each "
+            f"step goes over the same rows about {step / rows:,.0f} times; train.grad_accum={most} or less takes each "
+            "row once at most")
+
+
 def _check_split(num_processes: int, machines: int, accelerate_config) -> None:
     """accelerate starts num_processes // num_machines on each machine: a count that does not split is another run than
     the one checked (bb22: 3 over 2 machines launched 2, and hybrid shard was dropped without a word)."""
@@ -119,6 +150,8 @@ def _launch_checked(recipe_path: str, accelerate_config: str | None, num_process
     """(accelerate config, processes or None, how chosen): the launch `finetune train` makes with these flags (as
     given, else the recipe comment's launch of several processes, else this process alone: cli/library.train_launch)."""
     launch = train_launch(recipe_path, accelerate_config, num_processes)
+    if launch.config:
+        _check_yaml(launch.config)
     return launch.config, launch.num_processes, launch.how
 
 
@@ -213,11 +246,12 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
                                world_size=num_processes)
         count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
         per_epoch = count(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
-                          grad_accum=t.grad_accum)
+                          grad_accum=t.grad_accum, iterations=steps_per_rows(recipe))  # GRPO: x grpo.num_iterations
         if t.num_epochs is not None:  # the run's max_steps, which a resume compares with its checkpoint's step
             recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
         left = data.rows_left_note(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
                                    world_size=num_processes, grad_accum=t.grad_accum)
+        left += _step_rows_note(stats.train_sequences, recipe, num_processes)
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
                 f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch{left}"), stats.train_sequences, \

@@ -1,7 +1,8 @@
 """The names users bring from HF's TrainingArguments, TRL's configs and PEFT's LoraConfig (axolotl's, LLaMA-Factory's
 and Unsloth's: finetune/recipe/foreign_names.py): the recipe key each one means, or why finetune has none. The
 recipe's unknown-key error reads it ("`gradient_accumulation_steps` is `train.grad_accum` here"), ahead of any
-spelling guess, so a guess never points to a key of another meaning.
+spelling guess, so a guess never points to a key of another meaning; only the families of names by prefix
+(`eval_...`, `fsdp_...`: managed_family) come after the guess, as finetune's own keys start so too.
 
 They are not accepted as aliases: a recipe is a closed schema with one name per setting, so two recipes that say the
 same thing read the same, and a name whose meaning differs here (HF's `warmup_steps` takes a ratio below 1, ours an
@@ -48,7 +49,6 @@ MEANS: dict[str, str] = {
     "report_to": "train.trackers; tensorboard, mlflow, wandb",
     "project": "train.wandb_project or train.mlflow_experiment",
     "bf16": "model.dtype: bfloat16; `auto` picks it where the device computes it",
-    "fp16": "model.dtype: float16",
     "tf32": "model.dtype; TF32 matmuls follow torch's own setting on the GPU",
     "deepspeed": "parallel.strategy: deepspeed; with parallel.zero_stage, or its JSON file as parallel.deepspeed_config",
     "fsdp": "parallel.strategy: fsdp; with parallel.fsdp_version, reshard_after_forward and cpu_offload",
@@ -67,6 +67,7 @@ MEANS: dict[str, str] = {
     "precompute_ref_log_probs": "dpo.reference: precomputed",
     "reward_funcs": "grpo.reward_functions; `module:function`, TRL's signature",
     "use_vllm": "grpo.generation: vllm; a vLLM server with the adapter hot-loaded, TRL's server mode",
+    "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max; TRL's deprecated name of it",
     # PEFT LoraConfig
     "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout",
@@ -81,6 +82,9 @@ MEANS: dict[str, str] = {
 # name -> why there is no counterpart (what finetune does instead).
 NO_COUNTERPART: dict[str, str] = {
     "use_cpu": "a machine without a GPU runs on the CPU by itself (accelerate: ACCELERATE_USE_CPU=true)",
+    # (it pointed to model.dtype: float16, which is refused for training: bug bash bb59 #3)
+    "fp16": "float16 training with loss scaling is not built (without it LoRA gradients underflow); model.dtype: "
+            "bfloat16 (or auto, which picks it where the device computes it), float32 on GPUs without bf16",
     "hub_model_id": "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it",
     "assistant_only_loss": "chat rows always train the assistant turns only, each in its inference context",
     "completion_only_loss": "completion rows always train the completion only",
@@ -91,7 +95,10 @@ NO_COUNTERPART: dict[str, str] = {
     "evaluation_strategy": "evaluations run every train.eval_every steps (0: at the end)",
     "save_strategy": "checkpoints are written every train.save_every steps, at the end and on SIGTERM",
     "logging_strategy": "metrics are logged every train.log_every steps",
-    "push_to_hub": "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it",
+    # (hub_strategy, hub_revision: named here, not left to the hub_ family, as the near spellings of model.revision
+    # and parallel.strategy would be guessed for them first: managed_family)
+    **dict.fromkeys(("push_to_hub", "hub_strategy", "hub_revision"),
+                    "`finetune export` writes the adapter (or a merged model); `hf upload` publishes it"),
     "torch_compile": "torch.compile is not built in: compiled graphs and FSDP's per-layer wraps of 4-bit layers are "
                      "not tested together",
     "use_liger_kernel": "Liger kernels are not built in",
@@ -257,7 +264,17 @@ def foreign_name(name: str, schema_keys: dict[str, list[str]], section: str | No
         return f"`{name}` is `{key}` here{f' ({note})' if note else ''}."
     if name in NO_COUNTERPART:
         return f"`{name}` has no counterpart here: {NO_COUNTERPART[name]}."
-    if name in MANAGED or name.startswith(MANAGED_PREFIXES):
+    if name in MANAGED:
+        return f"`{name}` is {MANAGED_REASON}; leave it out."
+    return None  # (a name of a MANAGED_PREFIXES family: managed_family, asked after the near spellings of our keys)
+
+
+def managed_family(name: str) -> str | None:
+    """The answer for a name of a family of HF's or TRL's settings that finetune makes itself (MANAGED_PREFIXES:
+    `vllm_`, `eval_`, `save_` ...), or None. Asked after the near spellings of finetune's own keys, never before:
+    several of them start so too (train.eval_every, data.eval_max_rows, parallel.fsdp_version), and `eval_max_row`,
+    told "a setting of HF's Trainer ...; leave it out", lost the user's setting with it (bug bash bb56)."""
+    if name.lower().startswith(MANAGED_PREFIXES):
         return f"`{name}` is {MANAGED_REASON}; leave it out."
     return None
 

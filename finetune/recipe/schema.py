@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -325,10 +326,13 @@ def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Litera
                     trains: bool = True) -> Recipe:
     """`trains`: False for a recipe a run wrote, read to export or generate from it (no check of what only training
     needs of this machine: flash attention trained on a GPU is sdpa on a CPU, finetune/model/base.py)."""
+    booleans = booleans_at_numbers(raw, _SCHEMA_ROOT)  # listed with pydantic's problems, first
     try:
         recipe = Recipe.model_validate(raw, context={"dtype_device": dtype_device, "trains": trains})
     except ValidationError as exc:
-        raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT)) from None
+        raise RecipeError(format_errors(exc, source, root=_SCHEMA_ROOT, first=booleans)) from None
+    if booleans:
+        raise RecipeError(format_errors(None, source, root=_SCHEMA_ROOT, first=booleans))
     if _says_here():
         # stderr: `plan --json` stays JSON
         choice = recipe.dtype_choice
@@ -339,6 +343,65 @@ def validate_recipe(raw: dict, *, source: str = "<recipe>", dtype_device: Litera
         for note in recipe.notes:
             print(f"[finetune] note: {note}", file=sys.stderr, flush=True)
     return recipe
+
+
+# ------------------------------------------------------------------------------- YAML booleans at number keys
+def booleans_at_numbers(value: Any, annotation: Any, path: tuple = ()) -> list[str]:
+    """A `  key: why` line for each YAML boolean the recipe `value` gives where the schema (`annotation`: a model, a
+    section, a list of them ...) takes a number and no boolean. pydantic's lax mode reads true as 1 and false as 0, and
+    YAML 1.1 reads yes/no and on/off as booleans: `lora.r: yes` trained rank 1, `train.max_steps: true` one step,
+    `keep_last: on` kept one checkpoint, all without a word (bug bash bb56). Walked from the schema's annotations, so
+    every section is covered, those of other modules (train:, data:, the objectives') too; a field whose own `before`
+    validator reads a boolean (quantized_cache's `off`) is left to it."""
+    members = _members(annotation)
+    found: list[str] = []
+    model = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+    if isinstance(value, dict) and model is not None:
+        converted = {name for decorator in model.__pydantic_decorators__.field_validators.values()
+                     if decorator.info.mode != "after" for name in decorator.info.fields}
+        for key, item in value.items():
+            field = model.model_fields.get(key) if isinstance(key, str) else None
+            if field is None:
+                continue  # an unknown key: pydantic's error names it
+            if isinstance(item, bool) and key not in converted and _takes_number_not_bool(field.annotation):
+                found.append(_boolean_line((*path, key), item, field))
+            else:
+                found += booleans_at_numbers(item, field.annotation, (*path, key))
+    elif isinstance(value, list):
+        inner = next((get_args(m)[0] for m in members if get_origin(m) is list and get_args(m)), None)
+        for index, item in enumerate(value if inner is not None else ()):
+            if isinstance(item, bool) and _takes_number_not_bool(inner):
+                found.append(_boolean_line((*path, index), item, None))
+            else:
+                found += booleans_at_numbers(item, inner, (*path, index))
+    return found
+
+
+def _members(annotation: Any) -> list:
+    """The types an annotation admits: unions and Annotated unpacked, a Literal as its values' types."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    if origin is Literal:
+        return [type(choice) for choice in get_args(annotation)]  # Literal[1, 2]: int (True == 1 passes it)
+    return [annotation]
+
+
+def _takes_number_not_bool(annotation: Any) -> bool:
+    members = _members(annotation)
+    return any(member in (int, float) for member in members) and bool not in members and Any not in members
+
+
+def _boolean_line(path: tuple, value: bool, field) -> str:
+    key = str(path[-1])
+    default = getattr(field, "default", None)
+    example = default if isinstance(default, (int, float)) and not isinstance(default, bool) else 2
+    unset = " (or null, for none)" if field is not None and type(None) in _members(field.annotation) else ""
+    return (f"  {'.'.join(str(part) for part in path)}: expected a number, but YAML read the value as "
+            f"{str(value).lower()} (it reads yes/no, on/off and true/false as booleans), which would be taken as the "
+            f"number {int(value)}. Fix: write the number, e.g. `{key}: {example}`{unset}.")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

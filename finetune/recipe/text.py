@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 
 from finetune.chat_templates import named_templates
 from finetune.errors import DATA_PARALLEL_NAMES, RecipeError, data_parallel_refusal
-from finetune.recipe.names import UNSET, foreign_name, section_of
+from finetune.recipe.names import UNSET, foreign_name, managed_family, section_of
+from finetune.recipe_library import file_bytes
 
 
 def field_names(model: type[BaseModel]) -> list[str]:
@@ -73,16 +74,32 @@ def suggest(key: str, candidates: list[str], *, root: type[BaseModel] | None = N
     (finetune/recipe/names.py; `value`, what was written for it, picks among keys and is checked against them),
     else a near spelling of a key here (close enough to be a typo, never a key of
     another meaning: `gradient_accumulation_steps` is not `gradient_checkpointing`; case aside: `LORA` is `lora`),
+    else of another section's key, else what a family of other tools' names is (names.managed_family: `eval_*` ...),
     else the keys here. `top_level`: `key` is where the sections are (`training` is `train`)."""
-    known = foreign_name(key, section_keys(root), section, top_level=top_level, value=value,
+    sections = section_keys(root) if root is not None else {}
+    known = foreign_name(key, sections, section, top_level=top_level, value=value,
                          field=lambda dotted: field_at(root, dotted)) if root is not None else None
     if known:
         return f" {known}"
+    if close := _near(key, candidates):
+        return f" Did you mean `{close}`?"
+    # a near spelling of another section's key (`train.eval_fracton`: data.eval_fraction), then a family of HF's names
+    # by prefix (`eval_accumulation_steps`): asked after our own keys, several of which start alike (bb56)
+    elsewhere = {f"{name}.{inner}": inner for name, keys in sections.items() if "[]" not in name and name != section
+                 and not top_level and section is not None for inner in keys}
+    if (close := _near(key, list(elsewhere.values()))) is not None:
+        homes = " or ".join(f"`{dotted}`" for dotted, inner in elsewhere.items() if inner == close)
+        return f" Did you mean {homes} (another section's key: move it there)?"
+    if family := managed_family(key):
+        return f" {family}"
+    return f" Valid keys here: {', '.join(candidates)}."
+
+
+def _near(key: str, candidates: list[str]) -> str | None:
+    """The candidate close enough to `key` to be its typo (or the same key in another case), else None."""
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
     close = close or difflib.get_close_matches(key.lower(), candidates, n=1, cutoff=0.8)
-    if close:
-        return f" Did you mean `{close[0]}`?"
-    return f" Valid keys here: {', '.join(candidates)}."
+    return close[0] if close else None
 
 
 def not_text(value: Any, key: str) -> str:
@@ -105,10 +122,12 @@ def not_text(value: Any, key: str) -> str:
             f"`{key}: {example}`.")
 
 
-def format_errors(error: ValidationError, source: str, *, root: type[BaseModel]) -> str:
-    """pydantic's errors as one paragraph: the file, then each problem at its dotted key, with the nearest valid key."""
-    lines = []
-    for item in error.errors():
+def format_errors(error: ValidationError | None, source: str, *, root: type[BaseModel],
+                  first: list[str] = ()) -> str:
+    """pydantic's errors as one paragraph: the file, then each problem at its dotted key, with the nearest valid key.
+    `first`: problems found before pydantic's (`  key: why` lines), listed ahead of them."""
+    lines = list(first)
+    for item in error.errors() if error is not None else ():
         loc = tuple(p for p in item["loc"] if p not in ("function-after[_cross_field()]",))
         dotted = ".".join(str(p) for p in loc) or "(recipe)"
         asked = item.get("input")
@@ -291,8 +310,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: str | os.PathLike) -> dict:
     """A YAML file (a recipe, an accelerate config) as a dict whose every mapping and list is its own: an item written
     as an alias (`*cols`) is a copy of its anchor, so an override of one item never changes the other."""
+    if not os.fspath(path):  # Path("") is `.`, which was named as the folder not found (bb56)
+        raise RecipeError("the recipe argument is empty (''). Pass the path of a YAML recipe, or the name of a library "
+                          "recipe (e.g. quickstart): `finetune recipes` lists the library.")
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe, /dev/stdin or a FIFO is read: `<(...)` is a recipe given (bb56)
         hint = " (it is a folder)" if path.is_dir() else ""
         raise RecipeError(
             f"{path}: recipe file not found{hint}. Pass the path of a YAML recipe, or to the `finetune` verbs the name "
@@ -309,31 +331,42 @@ def read_yaml(path: str | os.PathLike) -> dict:
                           "thousand levels deep or more, further than a recipe needs or the YAML reader follows. Fix: "
                           "write that value flat (a recipe's sections nest a few levels).") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        context = getattr(exc, "context", None)
-        fix = ("Fix the YAML at that place (text that starts with [, {, %, *, &, ! or @, or holds `: ` or ` #`, "
-               "goes in quotes: `key: '...'`).")
-        if "'\\t'" in problem or "tab character" in problem:  # a tab indents a line or ends one: quotes do not help
-            problem = "a tab character, which YAML does not take for indentation or between tokens"
-            fix = "Fix: replace the tab with spaces (an editor's \"convert tabs to spaces\" does every line)."
-        elif context == "expected a single document in the stream":  # PyYAML's problem: "but found another document"
-            problem = "a second YAML document starts here (a `---` line after the first); a recipe is one document"
-            fix = "Fix: remove that `---` line, or keep one document per file."
-        elif context:
-            problem = f"{context}, {problem}"
-        raise RecipeError(f"{path}:{where}: YAML syntax error: {problem}. {fix}") from None
+        raise RecipeError(yaml_syntax_error(exc, path)) from None
+    if raw is None:
+        what = "is empty" if not decoded(path, strict=False).strip() else "holds only comments"
+        raise RecipeError(f"{path}: the file {what}: a recipe is a YAML mapping with sections model, data, "
+                          "train... Fix: `finetune recipes copy quickstart my.yaml` writes one out to edit.")
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {type(raw).__name__}.")
+        kind = "a list" if isinstance(raw, list) else f"the value {str(raw)[:40]!r}"  # not Python's type name
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping with sections model, data, train..., got {kind}.")
     return raw
+
+
+def yaml_syntax_error(exc: yaml.YAMLError, path: str | os.PathLike) -> str:
+    """PyYAML's error as one paragraph: the file, line and column, the problem in words, and the fix (a recipe's, an
+    accelerate config's: PyYAML's own three lines, "while parsing a flow node ...", said neither, bb56)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    fix = ("Fix the YAML at that place (text that starts with [, {, %, *, &, ! or @, or holds `: ` or ` #`, "
+           "goes in quotes: `key: '...'`).")
+    if "'\\t'" in problem or "tab character" in problem:  # a tab indents a line or ends one: quotes do not help
+        problem = "a tab character, which YAML does not take for indentation or between tokens"
+        fix = "Fix: replace the tab with spaces (an editor's \"convert tabs to spaces\" does every line)."
+    elif context == "expected a single document in the stream":  # PyYAML's problem: "but found another document"
+        problem = "a second YAML document starts here (a `---` line after the first); a recipe is one document"
+        fix = "Fix: remove that `---` line, or keep one document per file."
+    elif context:
+        problem = f"{context}, {problem}"
+    return f"{path}:{where}: YAML syntax error: {problem}. {fix}"
 
 
 def decoded(path: Path, *, strict: bool = True) -> str:
     """The file's text: UTF-8, or the Unicode encoding its byte-order mark names (UTF-16 is what Windows Notepad saves
     as "Unicode"). Any other encoding is refused naming the line, never a UnicodeDecodeError traceback; not `strict`:
     read as UTF-8 with the bytes that are not replaced (for a look at the comments: the loader refuses the file)."""
-    data = path.read_bytes()
+    data = file_bytes(path)
     for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
                        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
         if data.startswith(bom):

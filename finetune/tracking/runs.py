@@ -52,6 +52,11 @@ def find_stores(where: str) -> list[str]:
     if database is not None and not database.is_file():  # MLflow would create an empty one and list 0 runs
         raise RunsError(f"{where}: no such database (looked for {database.resolve()}). Fix: name the run folder or "
                         "the mlflow.db file, or the URI with the database's absolute path (sqlite:////abs/mlflow.db).")
+    if where.startswith("file:") and (folder := _file_store_folder(where)) is not None and not folder.exists():
+        # MLflow's file store creates the folder (and .trash/, 0/) when it opens it: a typo listed "0 runs" and left
+        # the folders behind, where a plain path that does not exist is refused (bb56)
+        raise RunsError(f"{where}: no such folder ({folder.absolute()}). Fix: name the run folder, or the URI of a "
+                        "store that exists (file:/abs/mlruns, sqlite:////abs/mlflow.db); listing never creates one.")
     if "://" in where or where.startswith("file:"):
         return [where]
     path = Path(where).expanduser()
@@ -64,6 +69,18 @@ def find_stores(where: str) -> list[str]:
         return list(dict.fromkeys(uri for child in sorted(path.iterdir()) if child.is_dir()
                                   for uri in [folder_store(child)] if uri))
     return []
+
+
+def _file_store_folder(uri: str) -> Path | None:
+    """The local folder of a `file:` URI (`file:/abs`, `file:///abs`, `file:rel`, percent-escapes decoded); None for
+    one that names another host (`file://host/path`)."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    parsed = urlparse(uri)
+    if parsed.netloc not in ("", "localhost"):
+        return None
+    return Path(url2pathname(parsed.path)).expanduser() if parsed.path else None
 
 
 def store_rows(uri: str) -> list[dict]:

@@ -169,9 +169,6 @@ def test_a_grpo_run_of_one_epoch_samples_every_prompt_and_logs_epoch_by_trls_cou
     assert epochs == [round(step / 20, 4) for step in range(1, 21)]
 
 
-@pytest.mark.xfail(strict=True, reason="finetune/cli/validate.py and cli/preview.py must pass "
-                   "iterations=finetune.recipe.checks.steps_per_rows(recipe) to data.steps_per_epoch (bb58 #2): "
-                   "outside this fix's files; remove this mark with that change")
 def test_finetune_data_and_validate_say_the_runs_grpo_steps_per_epoch(tiny_llama, tmp_path, capsys):
     """Found by a bug bash (bb58 #2): `finetune data` and `finetune validate` said 10 steps per epoch for a GRPO
     recipe whose run (num_iterations 2) takes 20."""

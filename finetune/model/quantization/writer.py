@@ -105,6 +105,36 @@ def overlap_problem(base: Path, out: Path) -> str | None:
             f"{base_real.parent / (base_real.name + '-nf4')}.")
 
 
+def base_config(base: Path):
+    """The bf16 base's config (AutoConfig), or a ModelLoadError in one paragraph when `base` is no model folder: a
+    file, a LoRA adapter or a run folder (no config.json of a model), a config.json that does not parse or names no
+    model_type. transformers' own OSError and ValueError ended `finetune quantize` in a traceback (bb56)."""
+    from transformers import AutoConfig
+
+    from finetune.model.sources.hub import ADAPTER_CONFIG, damaged_json
+
+    base = Path(base)
+    fix = "Fix: give the folder of a bf16 model as transformers saves it (config.json, safetensors weights, tokenizer)."
+    if base.is_file():
+        raise ModelLoadError(f"{base} is a file, not a model folder. {fix}")
+    adapter = next((folder for folder in (base, base / "adapter") if (folder / ADAPTER_CONFIG).is_file()), None)
+    if adapter is not None and not (base / "config.json").is_file():
+        try:
+            named = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        what = "a LoRA adapter" if adapter == base else f"a run folder (its LoRA adapter: {adapter})"
+        raise ModelLoadError(f"{base} is {what}, not a base model: it holds no base weights to quantize. Fix: quantize "
+                             f"the base it was trained on ({named or 'base_model_name_or_path in ' + ADAPTER_CONFIG}).")
+    try:
+        return AutoConfig.from_pretrained(base)
+    except (OSError, ValueError) as exc:
+        damaged = damaged_json(base, ("config.json",))
+        reason = f"config.json {damaged[1]}" if damaged else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        again = " Or, as config.json is cut short, copy or download it again." if damaged else ""
+        raise ModelLoadError(f"{base}: cannot read the model's config ({reason[:200]}). {fix}{again}") from None
+
+
 def _check_base(base: Path, out: Path) -> None:
     """ModelLoadError when `out` overlaps `base` (overlap_problem) or `base` is already 4-bit: before a byte is read."""
     if problem := overlap_problem(base, out):
@@ -124,13 +154,12 @@ def write_quantized(base: Path, out: Path, *, bnb_config, dtype: torch.dtype, de
     checkpoint with no quantization_config: the base a vLLM server samples with (grpo.generation vllm), so that its
     log-probs are the 4-bit trainer's, not the original base's."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig
 
     from finetune.files import atomic_dir
 
     base, out = Path(base), Path(out)
     _check_base(base, out)
-    index, names, settings = model_tensors(base, AutoConfig.from_pretrained(base), bnb_config, dtype)
+    index, names, settings = model_tensors(base, base_config(base), bnb_config, dtype)
     reader = TensorReader(index)
     weight_map, shard, shard_bytes, total, files = {}, {}, 0, 0, []
     with atomic_dir(out, replace=replace) as tmp:
