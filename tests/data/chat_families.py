@@ -76,3 +76,24 @@ def family_tokenizer(family: str, *, template: str | None = None):
     tokenizer.add_special_tokens({"eos_token": eos, **({"bos_token": bos} if bos else {})})
     tokenizer.chat_template = template if template is not None else trl_template(original)
     return tokenizer
+
+
+def llama2_like_tokenizer():
+    """A Llama 2 / Mistral v0.1 style tokenizer.json: word pieces starting with `▁`, byte fallback, normalizer
+    Prepend('▁') + Replace(' ', '▁'), no pre-tokenizer, `<s>` put first by the post-processor."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Is the sky blue? Answer: yes. Is grass red? Answer: no.", "Question: Answer: yes no maybe"] * 20
+    model = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    model.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=320, show_progress=False,
+        special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    model.pre_tokenizer = None
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    model.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                         special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -20,7 +20,7 @@ import codecs
 import json
 
 import pytest
-from chat_families import family_tokenizer
+from chat_families import family_tokenizer, llama2_like_tokenizer
 from conftest import write_jsonl
 
 from finetune import data
@@ -98,24 +98,7 @@ def test_rows_read_by_the_closing_tag_rule_are_counted_and_named(tmp_path, token
 # -------------------------------------------------------------------- 3. Llama-2-style prefix space in pairs
 @pytest.fixture(scope="module")
 def llama2_like():
-    """A Llama 2 / Mistral v0.1 style tokenizer.json: word pieces starting with `▁`, byte fallback, normalizer
-    Prepend('▁') + Replace(' ', '▁'), no pre-tokenizer, `<s>` put first by the post-processor."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = ["Is the sky blue? Answer: yes. Is grass red? Answer: no.", "Question: Answer: yes no maybe"] * 20
-    model = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    model.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=320, show_progress=False,
-        special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
-    model.pre_tokenizer = None
-    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                       decoders.Strip(" ", 1, 0)])
-    model.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                         special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return llama2_like_tokenizer()
 
 
 def trl_completion(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chat_families import family_tokenizer
+from chat_families import family_tokenizer, llama2_like_tokenizer
 from conftest import write_jsonl
 from trl.data_utils import common_prefix_length
 
@@ -34,24 +34,8 @@ ASKED = "Is the sky blue? Answer: "
 
 @pytest.fixture(scope="module")
 def llama2_like():
-    """tests/data/test_bb24_markup_and_boundaries.py's Llama 2 / Mistral v0.1 style tokenizer.json: word pieces
-    starting with `▁`, byte fallback, normalizer Prepend('▁') + Replace(' ', '▁'), `<s>` put first."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = ["Is the sky blue? Answer: yes. Is grass red? Answer: no.", "Question: Answer: yes no maybe"] * 20
-    model = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    model.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=320, show_progress=False,
-        special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
-    model.pre_tokenizer = None
-    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                       decoders.Strip(" ", 1, 0)])
-    model.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                         special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    """chat_families.llama2_like_tokenizer: a Llama 2 / Mistral v0.1 style tokenizer (`▁` prepended)."""
+    return llama2_like_tokenizer()
 
 
 def _recipe(objective: str, fmt: str, path: str = "rows.jsonl", *, max_prompt: int | None = None, **data_keys):
