@@ -127,3 +127,26 @@ def test_a_quantized_cache_entry_with_a_file_cut_short_is_rebuilt(tmp_path):
     assert "damaged (x.safetensors)" in _stale_reason(tmp_path, identity)
     (tmp_path / "x.safetensors").write_bytes(b"1234567890")  # whole: read as it is (no sampled sums recorded)
     assert _stale_reason(tmp_path, identity) is None
+
+
+def test_an_already_4bit_base_is_loaded_as_it_is_never_cached_again(tmp_path, monkeypatch):
+    """Mutation testing (round 4, QC03): with the 4-bit check gone from cached_checkpoint, a bitsandbytes 4-bit
+    checkpoint (a `finetune quantize` output, a hub NF4 upload) went to the quantized cache, to be quantized again: no
+    test gave the cache a base that is 4-bit already."""
+    import json
+
+    import torch
+
+    from finetune.model.quantization.cache import cached_checkpoint, cache_root
+    from finetune.recipe import validate_recipe
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "nf4"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}}))
+    recipe = validate_recipe({"model": {"name_or_path": str(base), "quantized_cache": "auto"},
+                              "data": {"datasets": [{"path": "rows.jsonl"}]}})
+    assert recipe.quantization.method != "none"
+    assert cached_checkpoint(recipe, base, device=torch.device("cpu")) == base
+    assert not cache_root().exists()  # nothing built, nothing locked
