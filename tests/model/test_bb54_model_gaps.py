@@ -137,7 +137,7 @@ def test_an_already_4bit_base_is_loaded_as_it_is_never_cached_again(tmp_path, mo
 
     import torch
 
-    from finetune.model.quantization.cache import cached_checkpoint, cache_root
+    from finetune.model.quantization.cache import cache_root, cached_checkpoint
     from finetune.recipe import validate_recipe
 
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
