@@ -288,8 +288,11 @@ def test_a_rank_lost_during_the_reference_precompute_is_said_in_that_phase(tiny_
                               train={"max_steps": 1, "micro_batch_size": 1}, dpo={"reference": "precomputed"})
     script = tmp_path / "dies.py"
     script.write_text(DIES_IN_THE_PRECOMPUTE)
-    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                      str(script), str(write_recipe(tmp_path / "dpo.yaml", values)), "parallel.strategy=ddp"])
+    # Cold, with torchrun checking its workers every 2 s: the warm launcher (and torchrun's 0.1 s default) SIGTERMed
+    # rank 0 as soon as rank 1 was gone, at times before rank 0 had read the lost peer (a CI run).
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=2",
+                      f"--master_port={free_port()}", str(script), str(write_recipe(tmp_path / "dpo.yaml", values)),
+                      "parallel.strategy=ddp"], warm=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "rank 0 lost a peer during the reference log-probs (dpo.reference: precomputed)" in output, output[-3000:]
