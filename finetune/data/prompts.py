@@ -88,22 +88,23 @@ _TAG, _HIDDEN_TAG = "</think>", "\ue000/think\ue000"
 
 
 def _hidden(value):
-    """`value` (a row's prompt, any depth) with `</think>` replaced by the stand-in in each text that holds one and
-    does not open with `<think>`."""
-    if isinstance(value, str):
-        return value.replace(_TAG, _HIDDEN_TAG) if _TAG in value and not value.lstrip().startswith("<think>") else value
-    if isinstance(value, list):
-        return [_hidden(item) for item in value]
-    return {key: _hidden(item) for key, item in value.items()} if isinstance(value, dict) else value
+    """`value` (a row's prompt) with `</think>` replaced by the stand-in in each text that holds one and does not open
+    with `<think>`."""
+    return _texts(value, lambda text: text.replace(_TAG, _HIDDEN_TAG) if not text.lstrip().startswith("<think>") else text)
 
 
 def _shown(value):
     """`value` (messages, or an error's text) with the stand-in put back."""
+    return _texts(value, lambda text: text.replace(_HIDDEN_TAG, _TAG))
+
+
+def _texts(value, change):
+    """`value` with `change` applied to every text in it, at any depth of lists and dicts."""
     if isinstance(value, str):
-        return value.replace(_HIDDEN_TAG, _TAG)
+        return change(value)
     if isinstance(value, list):
-        return [_shown(item) for item in value]
-    return {key: _shown(item) for key, item in value.items()} if isinstance(value, dict) else value
+        return [_texts(item, change) for item in value]
+    return {key: _texts(item, change) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def prompt_ids(text: str, tokenizer, *, chat: bool) -> list[int]:
