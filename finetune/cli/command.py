@@ -274,7 +274,8 @@ def _check_streamed_recipe(args: argparse.Namespace) -> None:
         raise FinetuneError(f"{args.recipe}: not a regular file (a pipe: process substitution `<(...)`, /dev/stdin or "
                             "a FIFO), which can be read once, and this launch starts processes that each read the "
                             "recipe again. Fix: save it to a file first (`... > my.yaml`, then `finetune train "
-                            "my.yaml`), or run it in this process (without --accelerate-config / --num-processes).")
+                            "my.yaml`), or run it in this process (without --accelerate-config / --num-processes, and "
+                            "without a leading `# accelerate config:` comment, which names a launch).")
 
 
 def _value_flags(parser: argparse.ArgumentParser) -> set[str]:

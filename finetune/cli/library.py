@@ -81,9 +81,10 @@ def named_launch(path: str | os.PathLike) -> NamedLaunch | None:
     `single_gpu.yaml (1x24 GB); fsdp2.yaml with num_processes: 2` the 2 is fsdp2's, and the launch is single_gpu's one
     process. `finetune validate` and `finetune data` both take the launch from here."""
     from finetune.recipe.text import leading_comments  # (as the loader decodes it: a BOM, UTF-16; not at import)
+    from finetune.recipe_library import streamed
 
     path = Path(path)
-    if not path.is_file():
+    if not (path.is_file() or streamed(path)):  # a pipe's comment names its launch too (its bytes are kept)
         return None
     for line in leading_comments(path):  # comments only: the recipe's own reader judges the rest
         if match := _ACCELERATE_CONFIG.search(line):

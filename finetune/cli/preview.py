@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from finetune.data import IGNORE_INDEX, Example, PreparedData, rows_left_note, steps_per_epoch
+from finetune.data import IGNORE_INDEX, Example, PreparedData, rows_left_note, step_over_rows_note, steps_per_epoch
 from finetune.data.build import cut_lines, eval_overlap, examples_said, prompt_notes, stats_counts
 from finetune.data.streaming import preview_lines
 from finetune.data.vocab import check_token_ids
@@ -246,8 +246,9 @@ def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micr
         lines.append(f"train.num_epochs: a run {at} stops at its start, an epoch holds no whole optimizer step (add "
                      "data, lower train.micro_batch_size or train.grad_accum, or set train.max_steps)")
     elif steps == 0:
-        lines.append(f"train.max_steps {train.max_steps} {at}: fewer rows than one optimizer step takes, so each step "
-                     "takes rows of more than one epoch")
+        lines.append(f"train.max_steps {train.max_steps} {at}: "
+                     + step_over_rows_note(rows, micro_batch_size=batch, world_size=processes,
+                                           grad_accum=train.grad_accum))
     elif train.num_epochs is not None:
         lines.append(f"train.num_epochs {train.num_epochs:g} = {steps_for_epochs(train.num_epochs, steps)} steps {at} "
                      "(train.max_steps = ceil(num_epochs x steps per epoch), resolved at the run's start)")

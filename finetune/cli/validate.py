@@ -104,22 +104,6 @@ def _check_yaml(config_file: str) -> None:
         return
 
 
-def _step_rows_note(rows: int, recipe, processes: int) -> str:
-    """A note where one optimizer step takes more rows than the data holds (train.max_steps: docs/data.md's smoke run
-    of a grad_accum 32 recipe on 40 rows, which is allowed): `train.grad_accum=1000000` on 19 rows said "0 steps per
-    epoch" and "recipe OK", and its first step then went over the rows a million times (bb56). With train.num_epochs
-    the steps per epoch refuse it (data.checked_steps_per_epoch)."""
-    per_batch, accumulate = recipe.rows_per_micro_batch, recipe.train.grad_accum
-    step = per_batch * processes * accumulate
-    if recipe.train.num_epochs is not None or rows >= step:
-        return ""
-    most = max(1, rows // (per_batch * processes))
-    return (f"; note: one optimizer step takes {step:,} rows ({per_batch} per micro-batch x {processes} "
-            f"process{'es' if processes > 1 else ''} x train.grad_accum {accumulate}) of {rows:,} training rows, so each "
-            f"step goes over the same rows about {step / rows:,.0f} times; train.grad_accum={most} or less takes each "
-            "row once at most")
-
-
 def _check_split(num_processes: int, machines: int, accelerate_config) -> None:
     """accelerate starts num_processes // num_machines on each machine: a count that does not split is another run than
     the one checked (bb22: 3 over 2 machines launched 2, and hybrid shard was dropped without a word)."""
@@ -251,7 +235,10 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
             recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
         left = data.rows_left_note(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
                                    world_size=num_processes, grad_accum=t.grad_accum)
-        left += _step_rows_note(stats.train_sequences, recipe, num_processes)
+        if recipe.train.num_epochs is None and (note := data.step_over_rows_note(
+                stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
+                grad_accum=t.grad_accum)):
+            left += f"; note: {note}"
         return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
                 f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch{left}"), stats.train_sequences, \

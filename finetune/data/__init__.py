@@ -55,6 +55,7 @@ from finetune.data.loader import (
     real_token_count,
     rows_fingerprint,
     rows_left_note,
+    step_over_rows_note,
     steps_per_epoch,
 )
 from finetune.data.packing import (
@@ -150,6 +151,7 @@ __all__ = [
     "set_reference_logps",
     "split_eval",
     "split_eval_indices",
+    "step_over_rows_note",
     "steps_per_epoch",
     "stream_examples",
     "stream_preview",

@@ -388,9 +388,7 @@ def _fill_stats(stats: DataStats, stores: list[TokenStore], train: ExampleView, 
 
 def _example_tokens(store: TokenStore) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, trained tokens) of each example of `store`: a pair's two sequences summed. The trained counts of
-    every sequence are the store's, stored at build (a pair's rejected ones have no reader of their own in store.py),
-    so no token file is read."""
+    every sequence are the store's, stored at build, so no token file is read."""
     if not store.pairs:
         return store.lengths(), store.trained_counts()
-    per_sequence = store._trained_counts  # (chosen, rejected, chosen, ...)
-    return store.lengths() + store.rejected_lengths(), per_sequence[::2] + per_sequence[1::2]
+    return store.lengths() + store.rejected_lengths(), store.trained_counts() + store.rejected_trained_counts()

@@ -26,6 +26,7 @@ DataError naming the row and the fix, never a silently wrong mask.
 
 from __future__ import annotations
 
+import itertools
 import re
 import weakref
 from collections import Counter
@@ -62,6 +63,14 @@ class Reasoning(int):
 
 
 REASONING = Reasoning(0)  # falsy, and equal to False: every reader of a segment's flag leaves it untrained
+
+
+def prompt_part(segments: list) -> str:
+    """The text of a rendered sequence's prompt: its segments before the first trained one or the first reasoning (the
+    model's own text, untrained under data.reasoning: context, but no prompt: a pair whose answers both reason under a
+    template that prefills `<think>` was refused as answering different prompts)."""
+    return "".join(text for text, _ in itertools.takewhile(
+        lambda segment: not segment[1] and not isinstance(segment[1], Reasoning), segments))
 
 
 @dataclass

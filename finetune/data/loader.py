@@ -128,6 +128,21 @@ def rows_left_note(rows: int, *, micro_batch_size: int, world_size: int, grad_ac
             f"{micro_batch_size * world_size * grad_accum} rows; a different {left} each epoch)")
 
 
+def step_over_rows_note(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int) -> str:
+    """"" or the words for one optimizer step that takes more rows than the data holds (train.max_steps: docs/data.md's
+    smoke run of a grad_accum 32 recipe on 40 rows, which is allowed): `train.grad_accum=1000000` on 19 rows said "0
+    steps per epoch" and "recipe OK", and its first step then went over the rows a million times (bb56). `finetune
+    validate` and `finetune data` both say it."""
+    step = micro_batch_size * world_size * grad_accum
+    if rows >= step:
+        return ""
+    most = max(1, rows // (micro_batch_size * world_size))
+    times = f"about {step / rows:,.0f} times" if rows and step >= 2 * rows else "more than once"
+    return (f"one optimizer step takes {step:,} rows ({micro_batch_size} per micro-batch x {world_size} "
+            f"process{'es' if world_size > 1 else ''} x train.grad_accum {grad_accum}) of {rows:,} training rows, so "
+            f"each step goes over the same rows {times}; train.grad_accum={most} or less takes each row once at most")
+
+
 def checked_steps_per_epoch(rows: int, *, micro_batch_size: int, world_size: int, grad_accum: int,
                             iterations: int = 1) -> int:
     """steps_per_epoch for train.num_epochs, which needs at least one whole step per epoch (DataError otherwise)."""

@@ -14,10 +14,10 @@ code path of GRPO's prompts and of `finetune generate` (finetune/cli/generate.py
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import numpy as np
 
+from finetune.data.chat import prompt_part
 from finetune.data.examples import IGNORE_INDEX, DataStats, Example, weighted_share
 from finetune.data.sources import load_rows
 from finetune.data.template_facts import note_turn_end, turn_end
@@ -146,7 +146,7 @@ def dataset_prompt_ids(prompt, spec: DatasetSpec, tokenizer, system_prompt: str 
         rendered = render_segments({**row, field: prompt, **answer}, spec.model_copy(update={"columns": {}}),
                                    tokenizer, system_prompt, where)
         segments = rendered[0] if isinstance(rendered, tuple) else rendered  # a pair's chosen, a KTO row's segments
-        prompt = "".join(text for text, _ in itertools.takewhile(lambda segment: not segment[1], segments))
+        prompt = prompt_part(segments)
     return prompt_ids(prompt, tokenizer, chat=False)
 
 

@@ -222,6 +222,10 @@ class TokenStore:
         start never read the token files."""
         return self._trained_counts[:: 2 if self.pairs else 1]
 
+    def rejected_trained_counts(self) -> np.ndarray | None:
+        """Trained tokens of each pair's rejected sequence (None when the store holds no pairs)."""
+        return self._trained_counts[1::2] if self.pairs else None
+
 
 def _mapped(path: Path, dtype, count: int) -> np.ndarray:
     if count == 0:  # a zero-length file cannot be mapped

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 from pathlib import Path
 
 import numpy as np
 
-from finetune.data.chat import chat_examples, row_template_kwargs
+from finetune.data.chat import chat_examples, prompt_part, row_template_kwargs
 from finetune.data.conversations import (
     ROLE_ALIASES,
     check_order,
@@ -425,7 +424,7 @@ def _answered(prompt, answers: tuple[tuple[str, object], ...], spec: DatasetSpec
                             "contexts, so they cannot be scored as one sequence. Give one assistant answer per "
                             "response (its history in the prompt).")
         sequences.append(examples[0])
-    prompts = {"".join(text for text, _ in itertools.takewhile(lambda s: not s[1], segments)) for segments in sequences}
+    prompts = {prompt_part(segments) for segments in sequences}
     if len(prompts) > 1:
         raise DataError(f"{where}: the answers are rendered after different prompts (the chat template prefills "
                         "`<think>` before an answer with reasoning, not before one without), so they would not answer "

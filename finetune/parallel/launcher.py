@@ -54,8 +54,10 @@ def _read_accelerate_config(path: str) -> dict:
     except FileNotFoundError:
         raise LaunchError(f"accelerate config {path}: file not found. Fix: give the path of an accelerate config file, "
                           f"or to `finetune train`/`validate` a library config by name: {library_config_names()}.") from None
-    except yaml.YAMLError as exc:
-        raise LaunchError(f"accelerate config {path}: not valid YAML ({exc}).") from None
+    except yaml.YAMLError as exc:  # one paragraph with the line and the fix, as a recipe's (not PyYAML's 3 lines, bb56)
+        from finetune.recipe.text import yaml_syntax_error
+
+        raise LaunchError(f"accelerate config {yaml_syntax_error(exc, path)}") from None
     except UnicodeDecodeError as exc:
         raise LaunchError(f"accelerate config {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at byte "
                           f"{exc.start}). Fix: save it as UTF-8 (in most editors: Save As, encoding UTF-8).") from None

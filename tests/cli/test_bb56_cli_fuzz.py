@@ -195,6 +195,23 @@ def test_a_broken_accelerate_config_is_one_paragraph_with_its_line(recipe, tmp_p
     assert "Fix the YAML at that place" in last
 
 
+
+def test_a_broken_accelerate_config_named_by_the_recipe_is_one_paragraph_in_finetune_data(recipe, tmp_path, capsys,
+                                                                                            monkeypatch):
+    """Found by the last session's note: the launcher's own reader (what `finetune data` and a launch reach through the
+    recipe's `# accelerate config:` comment, past validate's check) still printed PyYAML's text in parentheses."""
+    (tmp_path / "accelerate_configs").mkdir()
+    (tmp_path / "accelerate_configs" / "broken.yaml").write_text("a: [\n")
+    named = tmp_path / "named.yaml"
+    named.write_text("# accelerate config: accelerate_configs/broken.yaml\n" + recipe.read_text(encoding="utf-8"),
+                     encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["data", str(named)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("finetune: error: accelerate config accelerate_configs/broken.yaml: line 2, column 1: YAML "
+                           "syntax error: "), last
+    assert "Fix the YAML at that place" in last and "while parsing" in last
+
 def test_generate_refuses_a_step_with_no_adapter(tmp_path, capsys):
     """Found by a bug bash: `generate RUN --no-adapter --step 2` said the step's adapter was read from its training
     state, then generated with the base model alone: --step was passed over in silence."""

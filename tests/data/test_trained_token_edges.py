@@ -217,6 +217,31 @@ def test_a_pair_or_kto_row_cut_inside_its_reasoning_under_context_has_nothing_to
                      max_length=answer + 1).counts["truncated"] == 1  # the KTO row is the pair's chosen sequence
 
 
+@pytest.mark.parametrize("family", ["deepseek-r1", "qwen3.5"])
+def test_a_pair_whose_answers_both_reason_under_a_prefilling_template_is_scored_under_context(family):
+    """Found by a bug bash's fixer (bb60), carried until now: under a template whose generation prompt prefills
+    `<think>` (DeepSeek-R1, Qwen3.5), a pair whose two answers both reason was refused under data.reasoning: context as
+    "rendered after different prompts ... Give every answer reasoning": the untrained reasoning (falsy flag) was read
+    as prompt. Each side is now its chat row's rendering under context (the oracle: SFT's, checked against
+    apply_chat_template elsewhere), reasoning untrained; under R1 one side without reasoning is still refused."""
+    template = named_templates()["deepseek-r1"] if family == "deepseek-r1" else None
+    tokenizer = family_tokenizer(family, template=template)
+    prompt = COUNT["messages"][:1]
+    pair = {"prompt": prompt, "chosen": _answer(6, "Done."), "rejected": _answer(3, "No.")}
+    result = tokenized([pair], "preference", tokenizer, objective="dpo", reasoning="context", max_length=4096)
+    assert result.fatal is None and result.reasons == [] and len(result.examples) == 1
+    for side, answer in ((result.examples[0], pair["chosen"]), (result.examples[0].rejected, pair["rejected"])):
+        (sft,) = tokenized([{"messages": prompt + answer}], "chat", tokenizer, reasoning="context",
+                           max_length=4096).examples
+        assert side.input_ids == sft.input_ids
+        assert trained_text(side, tokenizer) == trained_text(sft, tokenizer)
+        assert answer[0]["content"] in trained_text(side, tokenizer)
+        assert answer[0]["reasoning_content"] not in trained_text(side, tokenizer)
+    if family == "deepseek-r1":  # (Qwen3.5 writes an empty think block after its prefill: one prompt either way)
+        one_sided = {**pair, "rejected": [{"role": "assistant", "content": "No."}]}
+        refused = tokenized([one_sided], "preference", tokenizer, objective="dpo", reasoning="context", max_length=4096)
+        assert refused.examples == [] and "rendered after different prompts" in refused.reasons[0]
+
 def test_finetune_generate_gives_a_text_prompt_the_bos_its_rows_trained_with():
     """`finetune generate` of a model without a chat template encoded the prompt without the tokenizer's BOS, while its
     text rows trained with it (and GRPO's text prompts have it): the model answered from a context it never saw."""

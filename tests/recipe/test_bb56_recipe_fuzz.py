@@ -171,6 +171,28 @@ def test_a_recipe_from_a_pipe_is_read_and_its_comments_too(tmp_path):
         os.close(read)
 
 
+def test_a_piped_recipes_named_launch_is_read_and_refused_for_its_processes(tmp_path, capsys):
+    """Found by the last session's note: named_launch asked Path.is_file(), false for a pipe, so `finetune train
+    <(cat r.yaml)` whose comment names fsdp2.yaml with num_processes: 2 ran one process in silence; the launch it names
+    is read from the pipe's kept bytes, and refused as a launch of processes that would each read the pipe again."""
+    from finetune import cli
+    from finetune.cli.library import named_launch
+
+    text = ("# accelerate config: accelerate_configs/fsdp2.yaml with num_processes: 2\n"
+            + write_recipe(tmp_path / "r.yaml", {**BASE, "train": {"max_steps": 7}}).read_text())
+    read, write = os.pipe()
+    os.write(write, text.encode())
+    os.close(write)
+    try:
+        path = f"/dev/fd/{read}"
+        launch = named_launch(path)
+        assert launch is not None and (launch.config, launch.num_processes) == ("accelerate_configs/fsdp2.yaml", 2)
+        assert cli.main(["train", path]) == 2
+        said = capsys.readouterr().err
+        assert "not a regular file (a pipe" in said and "`# accelerate config:` comment" in said, said
+    finally:
+        os.close(read)
+
 def test_a_fifo_is_read_even_where_its_name_is_a_library_recipes(tmp_path, monkeypatch):
     """A FIFO (mkfifo) was "not found" too; one named `quickstart` in the folder the command runs in was the library's
     quickstart (resolve_recipe_path asked is_file as well)."""

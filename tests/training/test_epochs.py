@@ -250,7 +250,10 @@ def test_finetune_data_says_steps_per_epoch_for_the_recipes_launch(tiny_llama, t
     assert "steps per epoch: 0 at 8 processes (--num-processes)" in out
     assert "train.num_epochs: a run at 8 processes stops at its start, an epoch holds no whole optimizer step" in out
     assert main(["data", str(recipe), "--rows", "0", "--num-processes", "8", "train.num_epochs=null"]) == 0
-    assert "train.max_steps 100 at 8 processes: fewer rows than one optimizer step takes" in capsys.readouterr().out
+    assert ("train.max_steps 100 at 8 processes: one optimizer step takes 32 "
+            "rows (2 per micro-batch x 8 processes x train.grad_accum 2) of 26 training rows, so each step goes over "
+            "the same rows more than once; train.grad_accum=1 or less takes each row once at most") \
+        in capsys.readouterr().out
     assert main(["data", str(recipe), "--rows", "0", "train.num_epochs=null", "train.max_steps=9"]) == 0
     assert "train.max_steps 9 = 3.00 epochs at 2 processes" in capsys.readouterr().out
     # validate takes a num_epochs recipe, and makes the run's check that the rows fill one optimizer step
