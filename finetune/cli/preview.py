@@ -171,7 +171,8 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                      f">= {prompt_limit(recipe)} tokens, dpo.max_prompt_length), {stats.response_truncated} lost the end of "
                      "their responses; only response tokens are scored (marked above)")
     trained_share = stats.trained_tokens / max(stats.total_tokens, 1)
-    lines.append(f"tokens per example: min {stats.tokens_min} / median {stats.tokens_median:g} / max {stats.tokens_max}; "
+    per = "pair (chosen + rejected, each within max_length)" if stats.pairs else "example"
+    lines.append(f"tokens per {per}: min {stats.tokens_min} / median {stats.tokens_median:g} / max {stats.tokens_max}; "
                  f"{stats.total_tokens} tokens, {stats.trained_tokens} trained ({trained_share:.1%})")
     held_out = stats.eval_examples - len(prepared.eval_files)
     eval_parts = ([f"{len(prepared.eval_files)} from data.eval_datasets"] if prepared.eval_files else []) + (

@@ -376,6 +376,7 @@ def _fill_stats(stats: DataStats, stores: list[TokenStore], train: ExampleView, 
     lengths = np.concatenate([tokens for tokens, _ in counted])
     stats.tokens_min, stats.tokens_max = int(lengths.min()), int(lengths.max())
     stats.tokens_median = float(np.median(lengths))
+    stats.pairs = any(store.pairs for store in stores)
     stats.total_tokens = int(lengths.sum())
     stats.trained_tokens = int(sum(int(trained.sum()) for _, trained in counted))
     stats.train_examples, stats.eval_examples, stats.train_sequences = len(train), len(evaluation), len(sequences)

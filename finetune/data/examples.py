@@ -50,6 +50,7 @@ class DataStats:
     skipped: int = 0
     truncated: int = 0
     dropped: int = 0
+    pairs: bool = False  # preference pairs: tokens_min/median/max count a pair's two sequences together
     prompt_truncated: int = 0  # preference pairs: pairs whose prompt lost its beginning
     response_truncated: int = 0  # preference pairs: pairs whose responses lost their ends
     train_examples: int = 0

@@ -88,9 +88,18 @@ _TAG, _HIDDEN_TAG = "</think>", "\ue000/think\ue000"
 
 
 def _hidden(value):
-    """`value` (a row's prompt) with `</think>` replaced by the stand-in in each text that holds one and does not open
-    with `<think>`."""
-    return _texts(value, lambda text: text.replace(_TAG, _HIDDEN_TAG) if not text.lstrip().startswith("<think>") else text)
+    """`value` (a row's prompt) with `</think>` replaced by the stand-in in each content that holds one and does not
+    open with `<think>`: a text, or a list of content parts read as their texts joined (a block split over two parts,
+    `<think>Calm.` then `</think>Teal.`, is one block, as convert_turns joins them; bb65)."""
+    if isinstance(value, str):
+        return value if value.lstrip().startswith("<think>") else value.replace(_TAG, _HIDDEN_TAG)
+    if isinstance(value, list) and value and all(isinstance(part, dict) and "type" in part for part in value):
+        joined = "".join(part["text"] for part in value if isinstance(part.get("text"), str))
+        if joined.lstrip().startswith("<think>"):
+            return value
+    if isinstance(value, list):
+        return [_hidden(item) for item in value]
+    return {key: _hidden(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def _shown(value):

@@ -144,6 +144,21 @@ def test_a_grpo_prompts_think_line_is_sent_as_written():
     assert "<think>\nLet me think.\n</think>" in chat and closing_tag_reads() == before + 1
 
 
+
+def test_a_grpo_prompts_think_block_split_over_content_parts_is_one_block():
+    """Found by a review (bb65): the `</think>` stand-in was chosen text by text, so a history turn given as content
+    parts, `<think>Calm tones.` then `</think>Teal.`, had its closing tag hidden and was refused as "an unbalanced
+    <think> block"; the parts are one content, read as their texts joined (as format: chat reads them)."""
+    parts = [{"type": "text", "text": "<think>Calm tones."}, {"type": "text", "text": "</think>Teal."}]
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": parts},
+                {"role": "user", "content": "Another?"}]
+    tokenizer = family_tokenizer("qwen3", template=resolve_chat_template("qwen3"))
+    texts = [prompt_text(messages, tokenizer, None, spec=DatasetSpec(path="p.jsonl", format=fmt))
+             for fmt in ("prompt", "chat")]
+    whole = [{**message, "content": "<think>Calm tones.</think>Teal."} if message["role"] == "assistant" else message
+             for message in messages]
+    assert texts == [prompt_text(whole, tokenizer, None, spec=DatasetSpec(path="p.jsonl", format="prompt"))] * 2
+
 # ---------------------------------------------------------------------- 3. what the docs say of TRL's tokenization
 def test_the_docs_say_how_trl_tokenizes_a_merged_row():
     """Found by a bug bash: docs/preference.md said a row whose answer merges with the prompt's end "is tokenized as
@@ -167,3 +182,17 @@ def test_finetune_data_counts_both_sequences_of_a_pair(tmp_path, llama2_like):
     sequences = (pair, pair.rejected)
     assert prepared.stats.total_tokens == sum(len(s.input_ids) for s in sequences) == prepared.stats.tokens_max
     assert prepared.stats.trained_tokens == sum(sum(label != IGNORE_INDEX for label in s.labels) for s in sequences)
+
+
+def test_finetune_data_says_a_pairs_tokens_are_two_sequences(tmp_path, llama2_like, capsys):
+    """Found by a review (bb65): after the fix above, `finetune data` said "4 truncated (max_length 64)" and then
+    "tokens per example: min 128 / median 128 / max 128", as if the cut had not held: the line names a pair's two
+    sequences."""
+    from finetune.cli.preview import format_stats
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "Is the sky blue? Answer:", "chosen": " yes", "rejected": " no no no no no no no no"}])
+    recipe = _recipe("dpo", "preference", str(path), max_length=64)
+    said = format_stats(data.prepare(recipe, llama2_like), recipe)
+    assert "tokens per pair (chosen + rejected, each within max_length): min " in said, said
+    assert "tokens per example" not in said
