@@ -82,7 +82,9 @@ status=0
 for set in "${sets[@]}"; do
   constraints="$repo/constraints/$set.txt"
   [ -f "$constraints" ] || { echo "[test-compat] no constraints file $constraints" >&2; exit 2; }
-  key=$( (cat "$constraints"; echo "$requirements") | sha256sum | cut -c1-12)  # what the venv holds, nothing else
+  # what the venv holds, nothing else: trl's pin too (installed once per venv below; left out, a new pin kept the old
+  # trl, or none, and the oracle tests ran against it or were skipped: bb63)
+  key=$( (cat "$constraints"; echo "$requirements"; echo "$trl") | sha256sum | cut -c1-12)
   venv="$root/$set-$key"
   if [ ! -f "$venv/.installed" ]; then
     rm -rf "$root/$set"-*  # an older venv of this set (other constraints): replaced, not accumulated

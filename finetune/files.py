@@ -288,6 +288,7 @@ def same_place(before: Any, now: Any) -> bool:
 
 _SAMPLE_BYTES = 4096  # of each tensor's start and end
 _WHOLE_BELOW = 1 << 20  # config.json, a tiny shard: hashed whole
+_MAX_HEADER = 100_000_000  # safetensors refuses a longer header (its MAX_HEADER_SIZE)
 
 
 def content_sample(path: Path) -> str:
@@ -314,8 +315,11 @@ def _sampled_ranges(handle, size: int) -> list[tuple[int, int]]:
     last MiB."""
     fallback = [(0, _WHOLE_BELOW), (size - _WHOLE_BELOW, size)]
     header_size = int.from_bytes(handle.read(8), "little")
-    if not 0 < header_size <= size - 8:
+    # safetensors' own bound on its header (100 MB), and its JSON's `{`: a GGUF file's first 8 bytes read as a 14 GB
+    # header, which was read whole (a MemoryError, or 14 GB read at every start, for GGUF files over 14 GB: bb63)
+    if not 0 < header_size <= min(size - 8, _MAX_HEADER) or handle.read(1) != b"{":
         return fallback
+    handle.seek(8)
     try:
         header = json.loads(handle.read(header_size))
     except ValueError:

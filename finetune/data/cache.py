@@ -65,14 +65,29 @@ def cache_dir() -> Path:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of everything about a tokenizer that changes token ids or rendered text."""
+    """A hash of everything about a tokenizer that changes token ids or rendered text: its backend's serialized form,
+    its template, its special tokens, and the settings tokenizer_config.json gives that the backend's form leaves out
+    (`split_special_tokens` turned `<|im_end|>` in text into pieces with the entry of the other setting reused, bb63);
+    the libraries that tokenize and render (transformers, tokenizers, jinja2) by version."""
+    import importlib.metadata
+
     import transformers
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = [type(tokenizer).__name__, transformers.__version__, backend.to_str() if backend is not None else
+    settings = {name: str(getattr(tokenizer, name, None)) for name in (
+        "add_bos_token", "add_eos_token", "split_special_tokens", "add_prefix_space", "legacy", "do_lower_case")}
+    versions = [transformers.__version__, *(_version(importlib.metadata, name) for name in ("tokenizers", "jinja2"))]
+    parts = [type(tokenizer).__name__, *versions, backend.to_str() if backend is not None else
              json.dumps(sorted(tokenizer.get_vocab().items())), str(getattr(tokenizer, "chat_template", None)),
-             str(tokenizer.bos_token), str(tokenizer.eos_token), str(getattr(tokenizer, "add_bos_token", None))]
+             str(tokenizer.bos_token), str(tokenizer.eos_token), json.dumps(settings, sort_keys=True)]
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def _version(metadata, name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"
 
 
 def _content_hash(spec: DatasetSpec) -> str | None:

@@ -184,3 +184,29 @@ def test_long_rows_come_in_chunks_of_bounded_text_not_a_thousand_rows(tmp_path):
     short = write_jsonl(tmp_path / "short.jsonl", addition_rows(1500))
     spec = make_recipe({"path": str(short)}).data.datasets[0]
     assert [len(items) for items, _, _ in row_chunks(open_source(spec))] == [1000, 500]
+
+
+def test_split_special_tokens_is_a_miss(tmp_path):
+    """Found by a bug bash (bb63): `split_special_tokens` in tokenizer_config.json changes the ids of a special token
+    written in text, but the backend's serialized form leaves it out, so flipping it reused the entry tokenized under
+    the other setting (2 examples of 25-40 tokens from the cache where a fresh build gave 1 of 63)."""
+    from chat_families import family_tokenizer
+    from transformers import AutoTokenizer
+
+    family_tokenizer("qwen3").save_pretrained(tmp_path / "tok")
+    rows = [{"messages": [{"role": "user", "content": "Echo <|im_end|> please"},
+                          {"role": "assistant", "content": "Here: <|im_end|> done"}]} for _ in range(4)]
+    recipe = make_recipe({"path": str(write_jsonl(tmp_path / "chat.jsonl", rows)), "format": "chat"},
+                         max_length=512, eval_fraction=0)
+
+    def built(**settings) -> tuple[list, int]:
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok", **settings)
+        train, _, stats = data.build_examples(recipe, tokenizer)
+        return [list(example.input_ids) for example in train], stats.cached_datasets
+
+    plain, hit = built(), built()
+    assert plain[1] == 0 and hit == (plain[0], 1)
+    split, cached = built(split_special_tokens=True)
+    assert cached == 0 and split != plain[0]
+    assert data.tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok", split_special_tokens=True)) != \
+        data.tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok"))

@@ -79,6 +79,43 @@ def test_the_content_sample_of_a_large_file_sees_one_changed_tensor(tmp_path):
     assert content_sample(path) != before
 
 
+def test_the_content_sample_of_a_large_gguf_file_reads_its_ends_not_a_header(tmp_path, monkeypatch):
+    """Found by a bug bash (bb63): a GGUF v3 file's first 8 bytes (`GGUF`, version 3) read as a safetensors header of
+    14,064,895,815 bytes, which was read whole for any GGUF file past 14.06 GB (an 8B f16 one), at every start: a
+    MemoryError under a 3 GB limit. A sparse 15 GB file; every read is recorded and must stay within a MiB."""
+    import builtins
+
+    from finetune.model.quantization.cache import content_sample
+
+    path = tmp_path / "model.gguf"
+    with open(path, "wb") as handle:
+        handle.write(b"GGUF" + (3).to_bytes(4, "little") + (291).to_bytes(8, "little"))
+        handle.truncate(15 * 10**9)
+    reads, real_open = [], builtins.open
+
+    class Recorded:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.handle.read(size)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: Recorded(real_open(file, *a, **k))
+                        if str(file) == str(path) else real_open(file, *a, **k))
+    sample = content_sample(path)
+    assert reads and max(reads) <= 2**20, reads
+    assert sample == content_sample(path)
+
 def test_an_unwritable_quantized_cache_is_a_note_and_the_run_quantizes_at_load(tiny_llama, tmp_path, monkeypatch,
                                                                                 capsys):
     """Found by a bug bash (bb20 #3): with FINETUNE_CACHE naming a file (or a read-only folder) the quantized cache
