@@ -241,7 +241,8 @@ def length_lines(rows: int, train, *, processes: int, launch: str, rows_per_micr
             f"completions / grpo.num_generations {train.micro_batch_size // batch}")
     lines = [(f"steps per epoch: {steps} {at} ({launch}): {rows} rows // ({size} x "
               f"{processes} x grad_accum {train.grad_accum}){cycles}; {per_epoch(2 * processes)} at {2 * processes} "
-              f"processes; in general rows // (micro_batch_size x processes x grad_accum){cycles}"
+              f"processes; in general rows // ({'micro_batch_size' if batch == train.micro_batch_size else 'prompts per micro-batch'}"
+              f" x processes x grad_accum){cycles}"
               f"{rows_left_note(rows, micro_batch_size=batch, world_size=processes, grad_accum=train.grad_accum)}")]
     if steps == 0 and train.num_epochs is not None:
         lines.append(f"train.num_epochs: a run {at} stops at its start, an epoch holds no whole optimizer step (add "

@@ -53,6 +53,17 @@ def test_a_grpo_micro_batch_is_said_as_prompts_of_the_recipes_completions(tmp_pa
     assert "2 rows // (1 prompt per micro-batch = micro_batch_size 2 completions / grpo.num_generations 2 x 1" in line
 
 
+def test_a_grpo_lines_general_formula_counts_prompts(tmp_path):
+    """Found by a bug bash (bb64): the same line's `in general rows // (micro_batch_size x processes x grad_accum)`
+    gave 40 // (4 x 4 x 1) = 2 steps at 4 processes where the line's own count (and the run) said 10: GRPO's
+    micro_batch_size counts completions, the formula takes prompts."""
+    from types import SimpleNamespace
+
+    train = SimpleNamespace(micro_batch_size=4, grad_accum=1, num_epochs=None, max_steps=3)
+    [line, *_] = length_lines(40, train, processes=2, launch="as given", rows_per_micro_batch=1)
+    assert "; 10 at 4 processes; in general rows // (prompts per micro-batch x processes x grad_accum)" in line, line
+
+
 def test_fewer_rows_than_a_global_micro_batch_are_refused_before_the_length_line(tmp_path, capsys):
     """Found by a bug bash (bb51 #10): with data.packing's 2 rows for a micro-batch of 4, `finetune train` said its
     length line ("each step takes rows of more than one epoch", as if it would go on), loaded the model, and only then
