@@ -107,7 +107,8 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
 
     for key, before, now in differences(saved, current):
         if _under(key, unresolved) or same_place(before, now) or _same_targets(source, key, before, now) or (
-                key == "model.adapter" and same_start_adapter(recipe)):  # the kept start-adapter/ is read (kept.py)
+                key == "model.adapter" and same_start_adapter(recipe)) or (  # the kept start-adapter/ is read (kept.py)
+                key in WHY_NOTED and _same_rates(saved, current, state["step"])):
             continue
         if key == "train.seed" and _streams(saved) and _streams(current):
             said["noted"].append(f"train.seed {_shown(before)} -> {_shown(now)} (a stream is read in its order, "
@@ -131,6 +132,8 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
         raise CheckpointError(length)
     if base.note:
         said["noted"].append(base.note)
+    if cycle := _inside_cycle(saved, state["step"]):
+        said["noted"].append(cycle)
     saved_print = (state.get("data") or {}).get("fingerprint")
     if train_fingerprint and saved_print and saved_print != train_fingerprint and train_rows == state["data"].get("rows"):
         said["noted"].append(f"the training rows (as many, other tokens: a data file, the tokenizer or a data setting "
@@ -143,6 +146,33 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
                                                       f"the new size, so {skipped} row(s) of this epoch are not trained"
                                                       if skipped else ""))
     return [f"resuming {source} with {'; '.join(items)}: {SAID[kind]}" for kind, items in said.items() if items]
+
+
+def _same_rates(saved: dict, current: dict, step: int) -> bool:
+    """Whether the steps the checkpoint trained (0 .. step - 1) had the learning rates this run's schedule gives them:
+    then a changed max_steps or warmup_steps changes nothing already trained, and the steps after follow this run's
+    schedule, as an uninterrupted run's do (a constant schedule extended: bb62, "it reshapes the schedule" was said)."""
+    from types import SimpleNamespace
+
+    from finetune.recipe.train import lr_factors
+
+    try:
+        then, now = (lr_factors(SimpleNamespace(**recipe["train"])) for recipe in (saved, current))
+        return all(then(index) == now(index) for index in range(step))
+    except (KeyError, TypeError, AttributeError, ValueError):  # a saved recipe without a key the schedule reads
+        return False
+
+
+def _inside_cycle(saved: dict, step: int) -> str | None:
+    """The note for a GRPO checkpoint that ends inside a grpo.num_iterations cycle (only a run's last step saves one:
+    save_every is a multiple, a signal finishes the cycle): the cycle's completions are not saved (bb62)."""
+    cycle = (saved.get("grpo") or {}).get("num_iterations")
+    if (saved.get("train") or {}).get("objective") != "grpo" or not isinstance(cycle, int) or cycle < 2 or (
+            step % cycle == 0):
+        return None
+    return (f"the checkpoint of step {step} ends inside a grpo.num_iterations cycle of {cycle} steps (its run's last "
+            f"step), whose completions a checkpoint does not keep: this run samples new completions at step {step + 1},"
+            " where an uninterrupted run trains that cycle's again")
 
 
 def _kind(key: str, *, same_base: bool, rows_kept: bool) -> str | None:

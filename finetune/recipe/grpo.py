@@ -359,6 +359,23 @@ def check_grpo(recipe) -> None:  # a finetune.recipe.Recipe (not imported: recip
     if problems:
         raise ValueError("train.objective grpo: " + " ".join(problems))
 
+def cut_cycle(recipe) -> str | None:
+    """A note where train.max_steps ends inside a grpo.num_iterations cycle: the final checkpoint (always written) then
+    ends inside it too, and a run extended from it samples where an uninterrupted run would not (bb62: adapters apart
+    by 0.0038, said as a reshaped schedule)."""
+    t = recipe.train
+    if t.objective != "grpo" or t.max_steps is None:
+        return None
+    cycle = recipe.grpo.num_iterations
+    if cycle < 2 or t.max_steps % cycle == 0:
+        return None
+    done, whole = t.max_steps % cycle, t.max_steps + cycle - t.max_steps % cycle
+    return (f"train.max_steps {t.max_steps} is not a multiple of grpo.num_iterations {cycle}: the last cycle trains "
+            f"{done} of its {cycle} steps, and the final checkpoint ends inside it, so a run extended from it (a higher "
+            f"train.max_steps, train.resume) samples new completions at step {t.max_steps + 1} where an uninterrupted "
+            f"run would train that cycle's again. For a run that may be extended: train.max_steps {whole}.")
+
+
 def vllm_problems(recipe) -> list[str]:
     """`_check_vllm`'s problems alone: asked again once model.adapter has filled the lora layout (a DoRA or bias
     adapter with those keys left at their defaults passed the check at load)."""

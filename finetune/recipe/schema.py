@@ -222,8 +222,10 @@ class _RecipeCore(_Section):
         return self
 
     def _fit_warmup(self) -> None:
-        if note := clamped_warmup(self.train):
-            self._notes.append(note)
+        """The notes of the run's length, once known: a warmup longer than the run, a GRPO cycle the run cuts short."""
+        from finetune.recipe.grpo import cut_cycle
+
+        self._notes += [note for note in (clamped_warmup(self.train), cut_cycle(self)) if note]
 
     def resolve_num_epochs(self, steps_per_epoch: int, *, launch: str) -> str | None:
         """train.num_epochs -> train.max_steps = ceil(num_epochs x steps_per_epoch) for the launch `launch`, then the

@@ -3,7 +3,9 @@ schedule, the cadences (logging, eval, checkpoints), resume, and the trackers.""
 
 from __future__ import annotations
 
+import math
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -115,3 +117,24 @@ class TrainSection(_Section):
         if value is not None and not value.strip():
             raise ValueError("must be `auto` or the path of a checkpoint or run folder (leave it out to start fresh)")
         return value.strip() if value is not None else None
+
+
+def lr_factors(t) -> Callable[[int], float]:
+    """The factor of the peak learning rate at each step (from 0) of a train section `t` (TrainSection, or a saved
+    recipe's train mapping read as attributes): linear warmup, then cosine (or linear / constant) decay to min_lr_ratio
+    of the peak.
+
+    Step s of w warmup steps uses (s + 1) / (w + 1) of the peak: no step runs at lr 0. transformers'
+    get_*_schedule_with_warmup uses s / w, whose first step has lr 0, and decays to 0: after the warmup the two are the
+    same only with train.min_lr_ratio 0 (its default, 0.1, ends cosine and linear at a tenth of the peak)."""
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return factor

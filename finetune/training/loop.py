@@ -38,6 +38,7 @@ from finetune.outputs import checkpoint, checkpoint_load, step_folders
 from finetune.parallel import backward, engine_optimizer, gradient_sync, optimizer_step
 from finetune.recipe import Recipe, recipe_to_yaml
 from finetune.recipe.checks import eval_every_note, steps_per_rows
+from finetune.recipe.train import lr_factors
 from finetune.tracking import Trackers, run_tags
 from finetune.training import objectives
 from finetune.training.loss import token_loss_sum
@@ -90,24 +91,9 @@ class TrainResult:
         return trained / self.step_seconds if self.step_seconds and trained else 0.0
 
 
-def lr_lambda(recipe: Recipe):
-    """Linear warmup, then cosine (or linear / constant) decay to min_lr_ratio of the peak.
-
-    Step s (from 0) of w warmup steps uses (s + 1) / (w + 1) of the peak: no step runs at lr 0. transformers'
-    get_*_schedule_with_warmup uses s / w, whose first step has lr 0, and decays to 0: after the warmup the two are the
-    same only with train.min_lr_ratio 0 (its default, 0.1, ends cosine and linear at a tenth of the peak)."""
-    t = recipe.train
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / (t.warmup_steps + 1)
-        if t.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
-
-    return factor
+def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
+    """The learning-rate factor of each step (from 0): recipe/train.py lr_factors (resume checks read it too)."""
+    return lr_factors(recipe.train)
 
 
 def resolve_max_steps(recipe: Recipe, train_rows: int, world_size: int) -> None:
