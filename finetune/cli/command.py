@@ -131,9 +131,13 @@ def _add_look_verbs(verbs) -> None:
     """plan, data: what a recipe will cost and what it trains on, before any weight loads."""
     p = verbs.add_parser("plan", help="memory plan: which strategy fits on which GPUs")
     _add_recipe_args(p)
-    p.add_argument("--gpus", default="1", help="GPUs per node (default 1)")
+    p.add_argument("--gpus", default=None, help="GPUs per node (default: the processes of the accelerate config the "
+                   "recipe names, else 1)")
     p.add_argument("--gpu-memory", default="24GiB", help="memory per GPU, e.g. 24GiB, 80GB (default 24GiB)")
-    p.add_argument("--nodes", default="1", help="number of nodes (default 1)")
+    p.add_argument("--nodes", default=None, help="number of nodes (default: the machines of the accelerate config the "
+                   "recipe names, else 1)")
+    p.add_argument("--accelerate-config", help="accelerate config (file or library name) the run will use; default: the "
+                   "one the recipe names in its `# accelerate config:` comment")
     p.add_argument("--cpu-memory", default=None, help="CPU RAM per node, e.g. 128GiB")
     p.add_argument("--read-bandwidth", default=None, help="what one node reads from the checkpoint's storage per second, "
                    "e.g. 2GB (default 2GB): the load time next to the bytes each rank and node reads")

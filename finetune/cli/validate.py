@@ -18,11 +18,12 @@ from finetune.data.tokenize import check_mapped_columns
 from finetune.data.vocab import check_token_ids
 from finetune.distributed import DistInfo
 from finetune.errors import DataError, FinetuneError, LaunchError
+from finetune.model.experts.lora import check_train_router
 from finetune.model.loading import check_lora_targets
 from finetune.model.quantization import prequantized
 from finetune.parallel.launcher import accelerate_launch_forms_group, ignored_environment_note
 from finetune.recipe import load_recipe
-from finetune.recipe.checks import output_in_data_problem, steps_per_rows
+from finetune.recipe.checks import eval_every_note, output_in_data_problem, steps_per_rows
 from finetune.recipe.router_aux import check_router_aux
 from finetune.recipe.text import leading_comments
 
@@ -76,8 +77,8 @@ def validate(recipe_path: str, overrides: list[str], *, num_processes: int | Non
 
     train_rows = fingerprint = None
     if check_data:
-        line, train_rows, fingerprint = _check_data(recipe, num_processes)
-        lines.append("  data: " + line)
+        said, train_rows, fingerprint = _check_data(recipe, num_processes)
+        lines += ["  data: " + said[0], *(f"  {line}" for line in said[1:])]
     problem = outputs.output_dir_problem(Path(recipe.output.dir), overwrite=recipe.output.overwrite,
                                             resume=recipe.train.resume)
     problem = problem or _unwritable(Path(recipe.output.dir)) or output_in_data_problem(recipe)
@@ -125,6 +126,7 @@ def _model_checked(recipe):
     if prequantized.check_local_checkpoint(recipe):
         line += "; a 4-bit checkpoint quantized as the recipe says"
     check_lora_targets(recipe, config)
+    check_train_router(recipe, config)  # lora.train_router on a model with no router: the run's refusal, from the config
     data.check_packing_model(recipe, config)
     check_router_aux(recipe, config)
     return config, line
@@ -211,17 +213,20 @@ def _data_origin(recipe_path: Path) -> str | None:
     return None
 
 
-def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None]:
+def _check_data(recipe, num_processes: int) -> tuple[list[str], int | None, str | None]:
     """Tokenize every row when the tokenizer is local (with train.num_epochs, check that an epoch holds a whole
     optimizer step and resolve max_steps, as the run's start does); otherwise check the files and columns only.
-    Returns the report line, the training rows and their data.rows_fingerprint (None when not counted)."""
+    Returns the report line and the run's warnings and notes about the same data and length (`_run_notes`), the
+    training rows and their data.rows_fingerprint (None when not counted)."""
     tokenizer_name = recipe.model.tokenizer or recipe.model.name_or_path
     if model.is_local(tokenizer_name):
         tokenizer = model.load_tokenizer(recipe)
         if recipe.data.streaming:  # the first rows of each dataset only: a stream is never read whole
-            _, _, stats = data.stream_examples(recipe, tokenizer)
+            _, evaluation, stats = data.stream_examples(recipe, tokenizer)
             check_token_ids(recipe, tokenizer)  # (a stream: against the tokenizer's size alone)
-            return data.streaming_line(stats, recipe).removeprefix("[finetune] data: "), None, None
+            note = eval_every_note(recipe, len(evaluation))
+            return ([data.streaming_line(stats, recipe).removeprefix("[finetune] data: "),
+                     *([f"note: {note}"] if note else [])], None, None)
         train, evaluation, stats = data.build_examples(recipe, tokenizer)
         check_token_ids(recipe, tokenizer, train, evaluation)  # every id has an embedding row, as the run checks
         packed = f", packed into {stats.train_sequences} rows" if recipe.data.packing else ""
@@ -231,6 +236,7 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
         count = data.checked_steps_per_epoch if t.num_epochs is not None else data.steps_per_epoch
         per_epoch = count(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
                           grad_accum=t.grad_accum, iterations=steps_per_rows(recipe))  # GRPO: x grpo.num_iterations
+        known = len(recipe.notes)
         if t.num_epochs is not None:  # the run's max_steps, which a resume compares with its checkpoint's step
             recipe.resolve_num_epochs(per_epoch, launch=f"{num_processes} process{'es' if num_processes > 1 else ''}")
         left = data.rows_left_note(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
@@ -239,10 +245,10 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
                 stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch, world_size=num_processes,
                 grad_accum=t.grad_accum)):
             left += f"; note: {note}"
-        return (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
+        line = (f"{stats.rows} rows -> {stats.train_examples} train / {stats.eval_examples} eval examples{packed} "
                 f"({stats.skipped} skipped, {stats.truncated} truncated, {stats.dropped} dropped{data.dropped_note(stats)}; "
-                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch{left}"), stats.train_sequences, \
-            data.rows_fingerprint(train)
+                f"batch efficiency {stats.batch_efficiency:.1%}); {per_epoch} steps per epoch{left}")
+        return [line, *_run_notes(recipe, stats, recipe.notes[known:])], stats.train_sequences, data.rows_fingerprint(train)
     total, hub = 0, []
     for spec in [*recipe.data.datasets, *recipe.data.eval_datasets]:
         if not Path(spec.path).expanduser().exists():
@@ -257,4 +263,18 @@ def _check_data(recipe, num_processes: int) -> tuple[str, int | None, str | None
     said = [f"{total} local rows have the fields their format needs"] if total or not hub else []
     if hub:
         said.append(f"{', '.join(hub)}: hub dataset{'s' if len(hub) > 1 else ''}, read when the run starts (not here)")
-    return "; ".join(said) + " (tokenizer not local: rows not tokenized)", None, None
+    return ["; ".join(said) + " (tokenizer not local: rows not tokenized)"], None, None
+
+
+def _run_notes(recipe, stats, length_notes: list[str]) -> list[str]:
+    """What the run prints about the same data and length before its first step, as `warning: ...` / `note: ...`
+    lines in the run's own words (bug bash bb64 #3: validate said only "recipe OK"): its data line's warnings and notes
+    (eval examples that are training examples too, truncation that cut much of the tokens, the prompts' notes:
+    data.data_line), the notes of resolving train.num_epochs (a warmup clamped to the resolved max_steps), and
+    train.eval_every with no eval examples (the loop's eval_every_note; train.keep_best too, which needs the evals)."""
+    run_lines = data.data_line(stats, recipe).splitlines()[1:]  # after its first line, the counts validate says itself
+    lines = [line.removeprefix("[finetune] ") for line in run_lines]
+    lines += [f"note: {note}" for note in length_notes]
+    if note := eval_every_note(recipe, stats.eval_examples):
+        lines.append(f"note: {note}")
+    return lines

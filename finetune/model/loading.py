@@ -31,6 +31,7 @@ from torch import nn
 from finetune import held_signals
 from finetune.distributed import print0
 from finetune.errors import ModelLoadError
+from finetune.model.experts.lora import check_train_router
 from finetune.model.experts.split import fused_expert_views
 from finetune.model.lora.attach import adapter_start, check_target_modules, lora_config
 from finetune.model.lora.init import lora_checksum
@@ -201,6 +202,7 @@ def load_model(recipe: Recipe, *, sharded: bool, device: torch.device, device_ma
         with held_signals.checks_every_rank_makes():  # a peer that fails first must not cut rank 0's paragraph short
             prequantized.check_local_checkpoint(recipe)  # transformers would use a 4-bit checkpoint's settings silently
             check_lora_targets(recipe, config)  # from_pretrained reads every weight before LoRA is attached
+            check_train_router(recipe, config)  # (lora.train_router on a model with no router: refused here, not after)
         peft_model = model_stage.build_model(recipe, device=device, device_map=device_map,
                                              gradient_checkpointing=gradient_checkpointing)
         if device_map is None:  # one device: its init-time buffers there too, whatever from_pretrained did with them

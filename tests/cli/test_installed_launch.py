@@ -92,7 +92,7 @@ def test_launch_lines_work_from_where_the_user_is(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("FINETUNE_EXPECT_WORLD_SIZE", "2")
     monkeypatch.chdir(tmp_path)  # no finetune/run.py here: the installed forms
     away = _messages()
-    assert cli.main(["plan", "llama-3.1-70b"]) == 0
+    assert cli.main(["plan", "llama-3.1-70b", "--gpus", "1"]) == 0  # (plain: the recipe's 8)
     away["plan"] = capsys.readouterr().out
     assert cli.main(["recipes", "show", "llama-3.1-70b-2x24gb"]) == 0
     away["show"] = capsys.readouterr().out

@@ -96,6 +96,27 @@ def _router_paths(model: nn.Module) -> list[str]:
     return paths
 
 
+def check_train_router(recipe, config) -> None:  # a finetune.recipe.Recipe, the model's transformers config
+    """lora.train_router against `config`'s model, built on the meta device with its experts split as the loaders
+    split them (no weight read): `_router_paths`' refusal of a model with no router to train, before any weight loads
+    (`finetune validate`, and the run's loads through `from_pretrained`, which attach LoRA only after every weight is
+    loaded and quantized). Bug bash bb64 #1: validate said "recipe OK" and the run refused it at LoRA attach."""
+    if not recipe.lora.train_router:
+        return
+    from finetune.model.classes import from_config
+    from finetune.model.experts.split import split_experts
+    from finetune.model.settings import torch_dtype
+
+    dtype = torch_dtype(recipe.model.dtype)
+    try:
+        with torch.device("meta"):
+            model = from_config(config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model only from_pretrained builds: refused at LoRA attach, after loading
+        return
+    split_experts(model, dtype=dtype, quantized=recipe.quantization.method != "none")
+    _router_paths(model)
+
+
 def router_names(model: nn.Module) -> list[str]:
     """The routers' leaf names (`gate`, `router`), one beside each layer's `RoutedExperts` (`_is_router`).
     ModelLoadError when the model has none (lora.train_router on a dense model)."""
