@@ -17,7 +17,7 @@ from finetune.data.build import cut_lines, eval_overlap, examples_said, prompt_n
 from finetune.data.streaming import preview_lines
 from finetune.data.vocab import check_token_ids
 from finetune.recipe import Recipe, steps_for_epochs
-from finetune.recipe.checks import steps_per_rows
+from finetune.recipe.checks import eval_every_note, steps_per_rows
 
 GREEN, RESET = "\033[32m", "\033[0m"
 
@@ -191,6 +191,7 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                      f"{stats.batch_efficiency:.1%} non-pad tokens")
     lines += length_lines(stats.train_sequences, recipe.train, processes=processes, launch=launch,
                           rows_per_micro_batch=recipe.rows_per_micro_batch, iterations=steps_per_rows(recipe))
+    lines += [f"note: {note}" for note in length_notes(recipe, stats, processes)]
     for reason in stats.skipped_reasons[:3]:
         lines.append(f"skipped: {reason}")
     if stats.dropped_rows:
@@ -202,6 +203,23 @@ def format_stats(prepared: PreparedData, recipe: Recipe, *, processes: int = 1, 
                "keeps them")
         lines.append(f"dropped for length: {', '.join(stats.dropped_rows)}{more}; {fix}")
     return "\n".join(lines)
+
+
+def length_notes(recipe: Recipe, stats, processes: int) -> list[str]:
+    """The notes the run prints once its length is known (bb64: validate and `finetune data` left them out): a warmup
+    clamped to the steps train.num_epochs resolves to (or a GRPO cycle it cuts), and train.eval_every with no eval
+    examples. On a copy: `finetune data` resolves nothing of the recipe it was given."""
+    notes = []
+    per_epoch = steps_per_epoch(stats.train_sequences, micro_batch_size=recipe.rows_per_micro_batch,
+                                world_size=processes, grad_accum=recipe.train.grad_accum, iterations=steps_per_rows(recipe))
+    if recipe.train.num_epochs is not None and per_epoch:
+        resolved = recipe.model_copy(deep=True)
+        known = len(resolved.notes)
+        resolved.resolve_num_epochs(per_epoch, launch=f"{processes} process{'es' if processes > 1 else ''}")
+        notes += resolved.notes[known:]
+    if note := eval_every_note(recipe, stats.eval_examples):
+        notes.append(note)
+    return notes
 
 
 def closing_tag_lines(prepared: PreparedData) -> list[str]:

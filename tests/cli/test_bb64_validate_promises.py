@@ -134,3 +134,22 @@ def test_validate_says_no_extra_notes_for_a_plain_recipe(tiny_llama, tmp_path, c
     """A recipe the run says nothing more about gets no warning or note from validate either."""
     code, out, _ = _validate(capsys, _recipe(tmp_path, tiny_llama))
     assert code == 0 and "  warning:" not in out and "  note:" not in out, out
+
+
+def test_finetune_data_says_the_length_notes_the_run_says(tiny_llama, tmp_path, capsys):
+    """Found by a bug bash (bb64 #3, its fixer's note): `finetune data` left out the notes the run prints once its
+    length is known: a warmup clamped under train.num_epochs, train.eval_every with no eval examples."""
+    from finetune import cli
+
+    values = recipe_dict(tiny_llama, write_jsonl(tmp_path / "d.jsonl", addition_rows()), tmp_path / "run",
+                         train={"num_epochs": 1, "warmup_steps": 50, "eval_every": 2},
+                         data={"eval_fraction": 0.001})
+    del values["train"]["max_steps"]
+    assert cli.main(["data", str(write_recipe(tmp_path / "r.yaml", values)), "--rows", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\nnote: train\.warmup_steps \(50\) is not below train\.max_steps \(\d+\): warming up over \d+ "
+                     r"steps instead\.\n", out), out
+    from finetune.recipe import load_recipe
+    from finetune.recipe.checks import eval_every_note
+
+    assert f"\nnote: {eval_every_note(load_recipe(str(tmp_path / 'r.yaml')), 0)}\n" in out, out
