@@ -24,10 +24,17 @@ How, and why it works under every wrapper:
     loader gives them, in host memory (`trained_positions`), and the head gathers those rows by index. A boolean mask
     applied on the device (`hidden[mask]`) or `int(count)` of a device tensor would make the host wait for the GPU
     at every micro-batch. (transformers' own mask preparation still reads one or two values per forward.)
+  * A model whose forward scales or caps the head's output (Cohere's logit_scale, Granite's logits_scaling, the
+    tanh softcap of Gemma and Mistral Large 4) would apply that to the loss: the head applies it to its chunks
+    (head_transform, read from the forward's source), and the loss is taken from the head, not the model's output
+    (to which it stays joined with weight 0, for the wrappers' hooks). A transform it does not know: the plain path.
 Outside `token_loss_sum` (evaluation scripts, generation) the head behaves exactly as before.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,8 @@ IGNORE_INDEX = -100
 # by benchmarks/memory_breakdown.py) is alive at the step's peak with every activation. 2**22 was measured too
 # (docs/benchmarks.md): peak RSS -5% unpacked, -1% packed, speed within the noise; not worth the smaller matmuls.
 _TARGETS = "_finetune_loss_targets"
+_RESULT = "_finetune_loss_result"  # the head's loss of the forward in progress
+_TRANSFORM = "_finetune_head_transform"  # head_transform of its model (None: the plain path)
 _PATCHED = "_finetune_chunked_loss"
 
 
@@ -115,7 +124,8 @@ def _chunk_loss(head_forward, hidden: torch.Tensor, targets: torch.Tensor, softc
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma 2/3: the model's own tanh cap, applied here since the model sees no logits."""
+    """The model's own tanh cap (Gemma 2/3/4, Mistral Large 4 ...: head_transform), applied here since the model sees
+    no logits."""
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
@@ -164,42 +174,97 @@ def head_loss(head_forward, hidden: torch.Tensor, positions: torch.Tensor, targe
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:
-    """The transformers causal LM inside PeftModel / DDP / FSDP wrappers (the module that owns the LM head)."""
+    """The transformers model inside PeftModel / DDP / FSDP wrappers whose own forward calls the LM head: the module
+    with the head as a child (a `*ForCausalLM`, or a multimodal `*ForConditionalGeneration` trained on its language
+    model). Before, the first module named `*ForCausalLM`: PEFT's PeftModelForCausalLM, whose config is the top-level
+    one (a text_config's softcap was missed: Mistral Large 4's loss was capped, bb66)."""
+    from transformers import PreTrainedModel
+
     for module in model.modules():
-        if type(module).__name__.endswith("ForCausalLM") and callable(getattr(module, "get_output_embeddings", None)):
-            return module
+        if isinstance(module, PreTrainedModel) and callable(getattr(module, "get_output_embeddings", None)):
+            head = module.get_output_embeddings()
+            if head is not None and any(child is head for child in module.children()):
+                return module
     return None
 
 
+_LOGITS_LINE = re.compile(r"^\s*logits\s*(?:=|\*=|/=)")
+
+
+def head_transform(lm: nn.Module) -> tuple[float, float | None] | None:
+    """What the model's forward does to the head's output before it returns it, as (scale, softcap): logits x scale,
+    then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, Gemma's, Mistral Large 4's and
+    others' `final_logit_softcapping`, from the module, its config or its text config). Read from the forward's source,
+    the lines after the head call that assign `logits`; None (the plain path, full logits) for one it does not know,
+    or a forward without a readable source. The head applies them to its chunks: the model sees no logits."""
+    cls = next((c for c in type(lm).__mro__ if c.__module__.startswith("transformers.models.")), type(lm))
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    if "lm_head(" not in source:
+        return None
+    tail = re.split(r"\n\s*(?:loss = |if labels is not None|return )", source.split("lm_head(", 1)[1], maxsplit=1)[0]
+    kinds = set()
+    for line in tail.splitlines()[1:]:
+        if not _LOGITS_LINE.match(line):
+            continue
+        kind = ("cap" if "tanh" in line or "softcap" in line else "scale" if "logit_scale" in line else
+                "divide" if "logits_scaling" in line else None)
+        if kind is None:
+            return None
+        kinds.add(kind)
+    config = lm.config
+    owners = (lm, config, config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+    def value(name: str):
+        return next((found for owner in owners if (found := getattr(owner, name, None)) is not None), None)
+
+    scale = float(value("logit_scale") or 1.0) if "scale" in kinds else 1.0
+    scale /= float(value("logits_scaling") or 1.0) if "divide" in kinds else 1.0
+    cap = value("final_logit_softcapping") if "cap" in kinds else None
+    return scale, None if cap is None else float(cap)
+
+
 def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """Patch the LM head of `model` once (idempotent); returns (causal LM, head), or None if there is no head."""
+    """Patch the LM head of `model` once (idempotent); returns (causal LM, head), or None if there is no head or its
+    model does to the head's output what head_transform does not know (then the plain path: full logits)."""
     lm = causal_lm(model)
     head = lm.get_output_embeddings() if lm is not None else None
     if head is None:
         return None
     if not getattr(head, _PATCHED, False):
-        original = head.forward
-        vocab = int(getattr(lm.config, "vocab_size", 0) or 50_000)
+        transform = head_transform(lm)
+        setattr(head, _TRANSFORM, transform)
+        if transform is None:
+            return None
+        scale, softcap = transform
+        unscaled = head.forward  # what the model's own forward gets outside a loss request
+        original = unscaled if scale == 1.0 else lambda h: unscaled(h) * scale
+        vocab = int(getattr(lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config,
+                            "vocab_size", 0) or 50_000)
         chunk = max(16, CHUNK_LOGIT_ELEMENTS // vocab)
 
         def forward(hidden_states: torch.Tensor, *args, **kwargs):
             request = head.__dict__.get(_TARGETS)
             if request is None:
-                return original(hidden_states, *args, **kwargs)
-            positions, targets, softcap, per_token, correct, temperature, entropy = request
-            head_forward = original
+                return unscaled(hidden_states, *args, **kwargs)
+            positions, targets, per_token, correct, temperature, entropy = request
+            head_forward, cap = original, softcap
             if temperature != 1.0:  # GRPO scores the tempered distribution it sampled from (as TRL): cap, then / T
-                head_forward = lambda h, cap=softcap: _capped(original(h).float(), cap) / temperature
-                softcap = None
+                head_forward = lambda h: _capped(original(h).float(), softcap) / temperature
+                cap = None
             # Layer split: the head lives on the last GPU (a device-to-device copy, no sync).
             positions, targets = (t.to(hidden_states.device, non_blocking=True) for t in (positions, targets))
             trainable = any(p.requires_grad for p in head.parameters())
-            return head_loss(head_forward, hidden_states, positions, targets, trainable_head=trainable, softcap=softcap,
+            loss = head_loss(head_forward, hidden_states, positions, targets, trainable_head=trainable, softcap=cap,
                              chunk=chunk, per_token=per_token, correct=correct, entropy=entropy)
+            head.__dict__[_RESULT] = loss  # what _forward_with_targets returns (the model may scale or cap this)
+            return loss
 
         head.forward = forward
         setattr(head, _PATCHED, True)
-    return lm, head
+    return (lm, head) if getattr(head, _TRANSFORM, None) is not None else None
 
 
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -233,7 +298,7 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     found = install(model)
-    if found is None:  # not a transformers causal LM: the plain way (ignore_index: full shapes, no sync)
+    if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way (full shapes)
         logits = model(**inputs, use_cache=False).logits[:, :-1]
         labels = batch["labels"][:, 1:]
         total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
@@ -253,20 +318,22 @@ def _forward_with_targets(model: nn.Module, found: tuple[nn.Module, nn.Module], 
     """The model's forward with the head asked for the loss at `where` (`trained_positions`, on the device): what its
     patched forward returns. With `router_aux`, the same forward returns the router load-balancing loss (of a
     mixture-of-experts model) too, which it keeps (`labels`: the batch's, for packed rows' padding tails)."""
-    lm, head = found
-    softcap = getattr(lm.config, "final_logit_softcapping", None)
-    head.__dict__[_TARGETS] = (*where, softcap, per_token, correct, temperature, entropy)
-    if softcap is not None:
-        lm.config.final_logit_softcapping = None  # applied inside the head's loss; the model must not cap the loss
+    _, head = found
+    head.__dict__[_TARGETS] = (*where, per_token, correct, temperature, entropy)
     try:
         outputs = model(**inputs, use_cache=False, **(router_aux.forward_kwargs() if router_aux is not None else {}))
         if router_aux is not None:
             router_aux.collect(outputs, inputs, labels)
-        return outputs.logits
+        loss = head.__dict__.pop(_RESULT)
+        if outputs.logits is loss:  # the model returned the head's output as it is
+            return loss
+        # The model scaled or capped the head's output (head_transform, applied inside the head already): the loss is
+        # the head's, still joined to the model's output with weight 0, so the backward hooks DDP and FSDP hang on the
+        # root's outputs fire as they do for every other model.
+        return loss + outputs.logits.float().sum() * 0.0
     finally:
         head.__dict__.pop(_TARGETS, None)
-        if softcap is not None:
-            lm.config.final_logit_softcapping = softcap
+        head.__dict__.pop(_RESULT, None)
 
 
 def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, *,
@@ -282,7 +349,7 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
     found = install(model)
-    if found is None:  # not a transformers causal LM: the plain way
+    if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way
         logits = model(**inputs, use_cache=False).logits
         token = F.cross_entropy(logits.reshape(-1, logits.size(-1)).index_select(0, positions).float(), wanted,
                                 reduction="none")
@@ -306,7 +373,7 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
               if k in ("input_ids", "attention_mask", "position_ids")}
     positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
     found = install(model)
-    if found is None:  # not a transformers causal LM: the plain way
+    if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way
         logits = model(**inputs, use_cache=False).logits.float() / temperature
         flat = logits.reshape(-1, logits.size(-1)).index_select(0, positions)
         if entropy is not None:
