@@ -202,9 +202,11 @@ def head_transform(lm: nn.Module) -> tuple[float, float | None] | None:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
-    if "lm_head(" not in source:
+    head = lm.get_output_embeddings()
+    call = next((f"self.{name}(" for name, child in lm.named_children() if child is head), "self.lm_head(")
+    if call not in source:  # (GPT-NeoX's head is `embed_out`, BioGPT's `output_projection`)
         return None
-    tail = re.split(r"\n\s*(?:loss = |if labels is not None|return )", source.split("lm_head(", 1)[1], maxsplit=1)[0]
+    tail = re.split(r"\n\s*(?:loss = |if labels is not None|return )", source.split(call, 1)[1], maxsplit=1)[0]
     kinds = set()
     for line in tail.splitlines()[1:]:
         if not _LOGITS_LINE.match(line):
