@@ -81,3 +81,13 @@ def test_a_model_that_does_what_the_head_cannot_read_takes_the_plain_path(monkey
     assert chunked.install(model) is None
     diff = compare(model, batches(vocab)["padded"])
     assert diff["loss"] < 1e-6, diff
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "cohere", "mistral_large4", "gemma2"])
+def test_the_chunked_head_is_taken_whatever_the_heads_name(model_type):
+    """The head is found by its attribute (GPT-NeoX's is `embed_out`): no model the head can serve falls back to the
+    plain path's full-vocabulary logits (the memory the chunked loss saves)."""
+    if model_type not in CASES:
+        CASES[model_type] = {}
+    model, _ = _model(model_type)
+    assert chunked.install(model) is not None
