@@ -91,3 +91,26 @@ def test_the_chunked_head_is_taken_whatever_the_heads_name(model_type):
         CASES[model_type] = {}
     model, _ = _model(model_type)
     assert chunked.install(model) is not None
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere"])
+def test_a_reward_score_is_the_score_heads_own_under_a_capped_or_scaled_head(model_type):
+    """Found beside bb66's finding: the reward objective put its score head in place of the LM head, and the model
+    then capped (Gemma) or scaled (Cohere) the score, which a sequence classifier serving the exported head does not:
+    training scored what serving would not. The oracle: the score head on the last token's final hidden state."""
+    from finetune.model.reward_head import attach_score_head
+    from finetune.training.objectives.reward import rewards
+
+    model, vocab = _model(model_type)
+    score = attach_score_head(model, seed=0, device=CPU)
+    with torch.no_grad():
+        score.weight.mul_(400.0)  # scores well past the cap of 5 (and far from x 0.0625)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        got = rewards(model, {"input_ids": ids, "attention_mask": mask}, CPU)
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states[-1]
+        want = score(hidden[:, -1]).float()[:, 0]
+    assert want.abs().max() > 10, want
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got, want)

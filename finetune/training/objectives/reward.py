@@ -50,13 +50,21 @@ def _left_padded(batch: dict[str, torch.Tensor], device: torch.device, pad_id: i
 
 
 @contextlib.contextmanager
-def _score_in_place_of_the_head(model: nn.Module) -> Iterator[None]:
-    """For the block, the LM head's output is the score head applied to the head's input (the final hidden states)."""
+def _score_in_place_of_the_head(model: nn.Module) -> Iterator[list]:
+    """For the block, the LM head's output is the score head applied to the head's input (the final hidden states);
+    each score is also put in the list the block gets: a model that scales or caps its head's output (Cohere's
+    logit_scale, Gemma's softcap: training.loss.head_transform) would do it to the score, which a sequence classifier
+    serving the exported head does not (bb66's sibling)."""
     lm = causal_lm(model)
-    head, score = lm.get_output_embeddings(), lm.score
-    handle = head.register_forward_hook(lambda module, inputs, output: score(inputs[0]))
+    head, score, taken = lm.get_output_embeddings(), lm.score, []
+
+    def hook(module, inputs, output):
+        taken.append(score(inputs[0]))
+        return taken[-1]
+
+    handle = head.register_forward_hook(hook)
     try:
-        yield
+        yield taken
     finally:
         handle.remove()
 
@@ -64,10 +72,12 @@ def _score_in_place_of_the_head(model: nn.Module) -> Iterator[None]:
 def rewards(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
             pad_id: int | None = None) -> torch.Tensor:
     """One reward per row of `batch`: the score of its last token (not counting trailing pad tokens), in fp32, with
-    the graph."""
-    with _score_in_place_of_the_head(model):
+    the graph: the score head's own output, joined with weight 0 to the model's (for the wrappers' backward hooks)
+    where the model changed it."""
+    with _score_in_place_of_the_head(model) as taken:
         out = model(**_left_padded(batch, device, pad_id), logits_to_keep=1, use_cache=False)
-    return out.logits[:, -1, 0].float()
+    scores = taken[-1][:, -1, 0].float()
+    return scores if out.logits is taken[-1] else scores + out.logits.float().sum() * 0.0
 
 
 def scored_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
