@@ -63,7 +63,7 @@ def test_per_token_and_tempered_log_probs_are_the_models_own(model_type):
             want = -F.cross_entropy(flat, wanted, reduction="none")
             got = chunked.token_logps(model, batch, CPU, temperature=temperature)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (temperature, (got - want).abs().max())
-        logps, counts = chunked.sequence_logps(model, batch, CPU)
+        logps, _ = chunked.sequence_logps(model, batch, CPU)
         rows = positions // batch["labels"].size(1)
         flat = logits.reshape(-1, logits.size(-1)).index_select(0, positions)
         want = torch.zeros(batch["labels"].size(0)).index_add(0, rows, -F.cross_entropy(flat, wanted, reduction="none"))
