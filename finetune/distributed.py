@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from finetune import rendezvous
+from finetune import rank_errors, rendezvous
 from finetune.devices import check_torch_sees_the_gpus, local_gpu_index, shared_gpu_refused
 from finetune.errors import FinetuneError, LaunchError
 
@@ -344,9 +344,10 @@ def doing(what: str) -> None:
 
 
 def is_communication_failure(exc: BaseException) -> bool:
-    """A failed collective (a peer died, stopped, or the network broke), not a bug of ours or a user mistake.
+    """A failed collective (a peer died, stopped, or the network broke), not a bug of ours, a user mistake or an error
+    of this rank's own (rank_errors.raised_by_this_rank: a peer that died of the same is not the story).
     torch.distributed.checkpoint wraps the failures of every rank in a CheckpointException (a BaseException)."""
-    if not _PEERS or len(_PEERS) < 2:
+    if not _PEERS or len(_PEERS) < 2 or rank_errors.raised_by_this_rank(exc):
         return False
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
@@ -380,25 +381,12 @@ def _elsewhere(me: int) -> list[str]:
                    if peer[0] == socket.gethostname() else peer[0] for rank, peer in enumerate(_PEERS) if rank not in local})
 
 
-_PF_EXITING = 0x4  # linux/sched.h: set on a task as it starts to exit (/proc/PID/stat, field 9)
-
-
 def peer_state(host: str, pid: int, machine: str | None = None) -> str:
-    """Alive, stopped, a zombie, gone or not checkable: a rank's process seen from here (`machine`: its machine_id)."""
+    """Alive, stopped, dead, gone, stuck or not checkable: a rank's process seen from here (`machine`: its
+    machine_id); on this host rank_errors.local_peer_state reads it (a peer in state D is watched a moment)."""
     if host != socket.gethostname() or not (machine is None or rendezvous.same_machine(machine)):
         return f"on host {host}, not checked from here"
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
-        state, flags = fields[0], int(fields[6])
-    except (OSError, IndexError, ValueError):
-        return "gone (the process died)"
-    if flags & _PF_EXITING and state != "Z":
-        # SIGKILLed (or exiting) and not yet a zombie: the kernel closes its sockets in this state, so a peer can see
-        # the broken connection before the process reads as dead (a busy CI machine named no rank without this).
-        return "dead (killed or crashed; exiting)"
-    return {"T": "stopped (SIGSTOP or a debugger: state T)", "t": "stopped by a debugger (state t)",
-            "Z": "dead (killed or crashed; not yet reaped)", "D": "stuck in the kernel (state D: I/O, e.g. a hung "
-            "network filesystem)"}.get(state, "alive")
+    return rank_errors.local_peer_state(pid)
 
 
 def _lost_peers(me: int, *, wait_s: float) -> list[str]:

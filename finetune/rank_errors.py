@@ -1,5 +1,6 @@
 """How a mistake every rank finds reaches the terminal once, whole: rank 0 prints the paragraph, the others wait
-silently until it has (the process group's store), or print it whole themselves if it never does.
+silently until it has (the process group's store), or print it whole themselves if it never does. And, for a failed
+collective, what a peer's process is (this host's /proc) and which errors are this rank's own, never a lost peer's.
 
 Why: the launchers (torchrun under accelerate, the DeepSpeed launcher) SIGTERM every survivor as soon as one rank
 exits, so the rank that finds a mistake first must not exit first; rank 0 may still be importing, or in the 4-bit
@@ -12,7 +13,9 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from finetune.held_signals import release_stop_signals
@@ -72,3 +75,57 @@ def wait_for_rank0_paragraph(timeout_s: float = 30.0, *, before_group_s: float =
         return False
     except KeyboardInterrupt:  # Ctrl-C while waiting: rank 0 got it too and says what it has to say
         return True
+
+
+# ------------------------------------------------------------------------------------------------ a peer's process
+_PF_EXITING = 0x4  # linux/sched.h: set on a task as it starts to exit (/proc/PID/stat, field 9)
+_PF_DUMPCORE = 0x200  # linux/sched.h: set on a task while it writes its core dump
+_D_SETTLE_S = 1.5  # how long a peer in state D is watched before it is called stuck
+# DDP's reducer, from this rank's own bookkeeping before any message to a peer: a parameter without a gradient.
+_OWN_ERROR_WORDS = ("expected to have finished reduction in the prior iteration",
+                    "expected to mark a variable ready only once")
+
+
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, flags) of process `pid` in this host's /proc/PID/stat; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        return fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def local_peer_state(pid: int) -> str:
+    """Alive, stopped, dead, gone or stuck in the kernel: a rank's process on this host.
+
+    State D (uninterruptible sleep, I/O) is also what a dying process shows for a moment, writing its traceback or a
+    core dump to a busy disk or flushing its files: a peer that failed at the same step as this rank read as "stuck
+    in the kernel (state D: I/O, e.g. a hung network filesystem)" with "run the same command with train.resume=auto"
+    as the fix (bug bash bb66). A peer in D is watched for up to `_D_SETTLE_S`: gone, a zombie or exiting by then, it
+    died; running again, it is alive; only one still in D is stuck."""
+    deadline = time.monotonic() + _D_SETTLE_S
+    seen = proc_state(pid)
+    while seen and seen[0] == "D" and not seen[1] & (_PF_EXITING | _PF_DUMPCORE) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = proc_state(pid)
+    if seen is None:
+        return "gone (the process died)"
+    state, flags = seen
+    if flags & _PF_EXITING and state != "Z":
+        # SIGKILLed (or exiting) and not yet a zombie: the kernel closes its sockets in this state, so a peer can see
+        # the broken connection before the process reads as dead (a busy CI machine named no rank without this).
+        return "dead (killed or crashed; exiting)"
+    if flags & _PF_DUMPCORE:
+        return "dead (crashed; writing a core dump)"
+    return {"T": "stopped (SIGSTOP or a debugger: state T)", "t": "stopped by a debugger (state t)",
+            "Z": "dead (killed or crashed; not yet reaped)",
+            "D": f"stuck in the kernel (state D for {_D_SETTLE_S:g} s and more: I/O, e.g. a hung network filesystem)",
+            }.get(state, "alive")
+
+
+def raised_by_this_rank(exc: BaseException) -> bool:
+    """An error of this rank's own, never a lost peer's doing even when a peer has died meanwhile: out of memory, and
+    DDP's reducer finding a parameter without a gradient. Every rank of such a run raises the same at the same step;
+    the one that looked second found the other dying and said "lost a peer ... run the same command with
+    train.resume=auto added" (bb66), which cannot help: the error itself is the story."""
+    return isinstance(exc, torch.OutOfMemoryError) or any(words in str(exc).lower() for words in _OWN_ERROR_WORDS)

@@ -40,18 +40,87 @@ def wrap(model: nn.Module, plan: ParallelPlan, dist: DistInfo, *,
     if materialize is not None:
         raise ValueError("a meta-device skeleton can only be built by the FSDP wrap")
     if plan.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
-        device_ids = [dist.device] if dist.device.type == "cuda" else None
-        # A multimodal checkpoint trained on text rows (Gemma 3 12B/27B): `all-linear` LoRA on its vision tower never
-        # gets a gradient, and DDP's reducer stops at the first step ("did not receive grad") unless it looks for
-        # unused parameters, which it then does at every step (a walk of the autograd graph).
-        unused = getattr(getattr(model, "config", None), "vision_config", None) is not None
-        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False, find_unused_parameters=unused)
+        return _wrap_ddp(model, plan, dist)
     if plan.strategy == "deepspeed":
         return zero.initialize(model, plan.zero, device_type=dist.device.type)  # ZeRO-3 partitions it
     return model
+
+
+def _wrap_ddp(model: nn.Module, plan: ParallelPlan, dist: DistInfo) -> nn.Module:
+    """DDP, looking for unused parameters at every step only on a model that leaves some without a gradient."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Every rank loaded the same weights and seeded the same LoRA init: no start-up broadcast needed (init_sync).
+    device_ids = [dist.device] if dist.device.type == "cuda" else None
+    # DDP's reducer waits for a gradient of every trainable parameter and stops the run at the next step ("Expected
+    # to have finished reduction in the prior iteration ... did not receive grad") when one got none on any rank,
+    # unless it looks for unused parameters, which it then does at every step (a walk of the autograd graph). Which
+    # models leave some without a gradient is decided from the model itself, by a probe step (`unused_by_a_probe`).
+    unused = unused_by_a_probe(model, dist.device)
+    if unused:
+        plan.notes.append(f"DDP looks for unused parameters at every step (a walk of the autograd graph per step): "
+                          f"{len(unused)} trainable tensors got no gradient in a probe step ({_some(unused)})")
+        print0(f"[finetune] note: {plan.notes[-1]}")
+    return DistributedDataParallel(model, device_ids=device_ids, init_sync=False, find_unused_parameters=bool(unused))
+
+
+def unused_by_a_probe(model: nn.Module, device: torch.device) -> list[str]:
+    """The trainable parameters that get no gradient from a forward and backward of a two-token text row, in training
+    mode: the ones a DDP step may leave without a gradient on some rank.
+
+    Found so: all-linear LoRA on a multimodal checkpoint's vision tower trained on text rows (Gemma 3 12B/27B);
+    DeepSeek-V4's lightning indexer, whose output is top-k indices (no gradient ever reaches its projections), and its
+    KV compressors, which compress whole windows of `compress_rates` tokens and get nothing from a shorter row. Two
+    tokens is the shortest row that trains (one input, one target), so a branch only longer rows reach is found too;
+    experts are never in the list (all of them run on every step: finetune/model/experts/routed.py). The probe leaves
+    the model as it was: gradients, training flags and the random state (dropout, router jitter) are restored, so a
+    DDP run trains the same numbers as one process.
+    """
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        return []
+    modes = [(module, module.training) for module in model.modules()]
+    grads = [p.grad for _, p in trainable]
+    ids = torch.tensor([_ordinary_token_ids(getattr(model, "config", None), 2)], device=device)
+    try:
+        model.train()
+        for _, p in trainable:
+            p.grad = None
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            outputs = model(input_ids=ids, use_cache=False)
+            logits = outputs.logits if getattr(outputs, "logits", None) is not None else outputs[0]
+            logits.float().sum().backward()
+        return [name for name, p in trainable if p.grad is None]
+    finally:
+        for (_, p), grad in zip(trainable, grads, strict=True):
+            p.grad = grad
+        for module, training in modes:
+            module.training = training
+
+
+def _ordinary_token_ids(config, count: int) -> list[int]:
+    """`count` token ids of the vocabulary that no `*token*` field of the config names (an image, audio or BOI token
+    would make a multimodal model look for pixels the probe has not got)."""
+    special, configs = set(), [config]
+    while configs:
+        current = configs.pop()
+        for key, value in (vars(current) if current is not None else {}).items():
+            if hasattr(value, "to_dict"):
+                configs.append(value)
+            elif "token" in key and isinstance(value, int):
+                special.add(value)
+            elif "token" in key and isinstance(value, list | tuple):
+                special.update(v for v in value if isinstance(v, int))
+    text = getattr(config, "text_config", None) if config is not None else None
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 1 << 16
+    return list(itertools.islice((i for i in range(1, vocab) if i not in special), count))
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """A few names, shortened to their module path without the adapter's suffix."""
+    short = [name.removeprefix("base_model.model.").split(".lora_")[0] for name in names]
+    unique = list(dict.fromkeys(short))
+    return ", ".join(unique[:shown]) + (f" and {len(unique) - shown} more modules" if len(unique) > shown else "")
 
 
 def _layer_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
