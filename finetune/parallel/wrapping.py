@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from finetune.distributed import DistInfo, any_rank, doing, print0
+from finetune.model.reward_head import SCORE
 from finetune.model.sources.shard_reads import RankShard
 from finetune.parallel import byte_guard, zero
 from finetune.parallel.decision import ParallelPlan
@@ -90,7 +91,8 @@ def unused_by_a_probe(model: nn.Module, device: torch.device) -> list[str]:
             outputs = model(input_ids=ids, use_cache=False)
             logits = outputs.logits if getattr(outputs, "logits", None) is not None else outputs[0]
             logits.float().sum().backward()
-        return [name for name, p in trainable if p.grad is None]
+        # A reward model's score head is run in place of the LM head by its objective, not by a plain forward
+        return [name for name, p in trainable if p.grad is None and name.split(".")[-2:-1] != [SCORE]]
     finally:
         for (_, p), grad in zip(trainable, grads, strict=True):
             p.grad = grad

@@ -81,3 +81,13 @@ def test_the_probe_finds_nothing_on_a_model_whose_every_lora_trains_and_leaves_t
     assert [m.training for m in model.modules()].count(True) == 1 and model.base_model.model.lm_head.training
     with one_rank_group():
         assert not wrapping.wrap(model, ParallelPlan(strategy="ddp", world_size=1), ONE_RANK).find_unused_parameters
+
+
+def test_a_reward_models_score_head_is_not_unused(tiny_llama):
+    """The reward objective runs its score head in place of the LM head, which the probe's plain forward does not:
+    the head is not a reason to walk the autograd graph at every DDP step (nor for a note naming it unused)."""
+    from finetune.model.reward_head import attach_score_head
+
+    model = _loaded(tiny_llama)
+    attach_score_head(model, seed=0, device=CPU)
+    assert wrapping.unused_by_a_probe(model, CPU) == []
