@@ -69,7 +69,6 @@ TRAINED = {
     "glm5_next": "GLM-5 (text; MoE with its own gating, linear attention; read by from_pretrained)",
     # Checkpoints whose tensors transformers splits, concatenates or transposes at load (CHECKPOINT_LAYOUTS): read by
     # transformers' from_pretrained, whole on every rank.
-    "ergo": "Ergo (MoE; read by from_pretrained)",
     "hrm_text": "HRM (text; read by from_pretrained)",
     "lara_mini": "LARA mini (gated delta net; read by from_pretrained)",
     "olmo_hybrid": "OLMo hybrid (linear attention; read by from_pretrained)",
@@ -138,6 +137,10 @@ REFUSED: dict[str, tuple[str, str]] = {
     "nemotron_h": (("finetune's loaders cannot read its experts (non-gated, 3-D in the model, per expert in the "
                     "checkpoint) with any settings; PEFT also refuses LoRA on its Mamba mixers' out_proj"),
                    "cannot read its experts"),
+    "ergo": (("its routed experts are non-gated and held whole (ErgoExperts: 3-D up_proj and down_proj), which "
+              "finetune/model/experts/ does not split: under 4 bits they would stay in model.dtype without LoRA, and "
+              "all-linear would put LoRA on its router's gate.linear (bug bash bb67: trained so in silence); trains "
+              "with quantization.method: none, the routed experts frozen"), "routed experts are non-gated"),
     "gpt2": _CONV1D, "gpt-sw3": _CONV1D,
     "openai-gpt": ((f"{_CONV1D[0]}; and no gradient checkpointing in transformers for it (the library's "
                     "train.gradient_checkpointing: true); trains with both fixes"), "Conv1D"),
@@ -167,6 +170,11 @@ FOUR_BIT_GAPS = {
     "gpt2": _CONV1D_4BIT, "openai-gpt": _CONV1D_4BIT,
     "mamba": "MambaMixer multiplies dt_proj.weight itself, which under 4 bits is the packed NF4 bytes (a shape error "
              "at the first step). Fix: set quantization.method: none",
+    "ergo": "its routed experts are non-gated and held whole (ErgoExperts: 3-D up_proj and down_proj), which "
+            "finetune/model/experts/ does not split into Linears: under 4 bits they would stay in model.dtype without "
+            "LoRA while the run said 4 bits, and all-linear put LoRA on the router's gate.linear (bug bash bb67). Fix: "
+            "set quantization.method: none (the routed experts then stay whole and frozen; LoRA trains attention, the "
+            "dense and shared MLPs)",
 }
 # model_type -> why it breaks in bf16 (tried: trains in fp32 with the library's other settings).
 BF16_GAPS = {
