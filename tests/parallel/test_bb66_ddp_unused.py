@@ -9,30 +9,15 @@ each test, so nothing else in the session sees it."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from test_mut5_wrapping_gaps import CPU, ONE_RANK, one_rank_group  # a real one-rank gloo group
 
-from finetune.distributed import DistInfo
 from finetune.model import loading
 from finetune.parallel import wrapping
 from finetune.parallel.decision import ParallelPlan
 from finetune.recipe import validate_recipe
-
-CPU = torch.device("cpu")
-ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU, backend="gloo")
-
-
-@contextlib.contextmanager
-def one_rank_group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loaded(model_dir: Path) -> torch.nn.Module:
