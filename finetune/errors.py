@@ -145,10 +145,10 @@ def exit_process(code: int) -> None:
     atexit._run_exitfuncs()
     relay = os.environ.get(EXIT_CODE_FILE)
     if relay and code not in (0, None):  # `finetune train` launched this rank: the launcher itself exits 1 for any code
-        try:
-            with open(relay, "w", encoding="utf-8") as handle:
+        try:  # the first rank to end tells: a peer the launcher then stops ends later, with a code of its own (1)
+            with open(relay, "x", encoding="utf-8") as handle:  # that overwrote the first one's 2 (a CI rehearsal)
                 handle.write(str(code))
-        except OSError:
+        except OSError:  # (FileExistsError: another rank's code is there)
             pass
     for stream in (sys.stdout, sys.stderr):
         try:
