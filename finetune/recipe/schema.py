@@ -218,10 +218,10 @@ class _RecipeCore(_Section):
         check_streaming(self)
         check_keep_best(self)
         if self.train.num_epochs is None:  # with num_epochs, once the run knows its steps (resolve_num_epochs)
-            self._fit_warmup()
+            self._length_notes()
         return self
 
-    def _fit_warmup(self) -> None:
+    def _length_notes(self) -> None:
         """The notes of the run's length, once known: a warmup longer than the run, a GRPO cycle the run cuts short."""
         from finetune.recipe.grpo import cut_cycle
 
@@ -240,7 +240,7 @@ class _RecipeCore(_Section):
                                f"steps per epoch; {launch})")
         t.num_epochs = None  # first: max_steps beside num_epochs is refused
         t.max_steps = steps
-        self._fit_warmup()
+        self._length_notes()
         return self._length_origin
 
     def __eq__(self, other: object) -> bool:

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from conftest import addition_rows, recipe_dict, write_jsonl, write_recipe
+from test_newcomer_mistakes import refused
 
 from finetune import cli
 
@@ -21,14 +22,6 @@ from finetune import cli
 def recipe(tiny_llama, tmp_path):
     return write_recipe(tmp_path / "recipe.yaml",
                         recipe_dict(tiny_llama, write_jsonl(tmp_path / "rows.jsonl", addition_rows(16)), tmp_path / "out"))
-
-
-def refused(capsys, *argv: str) -> str:
-    """The paragraph a mistake gets: exit 2 and no traceback."""
-    assert cli.main(list(argv)) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    return " ".join(err.split())
 
 
 def usage_error(capsys, *argv: str) -> str:

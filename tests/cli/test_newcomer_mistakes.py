@@ -33,7 +33,7 @@ def refused(capsys, *argv: str) -> str:
     """The paragraph a mistake gets: exit 2 and no traceback."""
     assert cli.main(list(argv)) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     return " ".join(err.split())
 
 
