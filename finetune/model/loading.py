@@ -79,7 +79,7 @@ def build_skeleton(recipe: Recipe, config, *, gradient_checkpointing: bool) -> n
         check_target_modules(recipe, base)
     model_stage.keep_4bit_weights_trainable_on_cpu(base)
     model_stage.prepare_for_kbit_training(base, gradient_checkpointing=gradient_checkpointing)
-    peft_model = get_peft_model(base, lora_config(recipe), train_router=recipe.lora.train_router,
+    peft_model = get_peft_model(base, lora_config(recipe, base), train_router=recipe.lora.train_router,
                                 low_cpu_mem_usage=True)
     if recipe.lora.fused:
         from finetune.model.lora.fused import use_fused_lora

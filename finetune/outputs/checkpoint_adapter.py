@@ -78,8 +78,9 @@ def _strategy_of(path: Path) -> str | None:
         return None
 
 
-def meta_peft_model(recipe: Recipe):
-    """The PeftModel of the recipe on the meta device (no weights): the parameter names and the PEFT config training had."""
+def meta_peft_model(recipe: Recipe, *, on_indexers: bool = False):
+    """The PeftModel of the recipe on the meta device (no weights): the parameter names and the PEFT config training had.
+    `on_indexers`: LoRA on sparse-attention indexers too, as finetune put it before 2026-12-07 (lora.attach.indexer_linears)."""
     from finetune.model import load_config, with_score_head
     from finetune.model.experts import get_peft_model
     from finetune.model.lora.attach import lora_config
@@ -95,7 +96,8 @@ def meta_peft_model(recipe: Recipe):
                               "layout cannot be known. Nothing was written. Fix: set model.name_or_path in that "
                               "recipe.yaml to the base the run trained on.") from None
     with torch.device("meta"):
-        peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
+        peft_model = get_peft_model(model, lora_config(recipe, None if on_indexers else model),
+                                    train_router=recipe.lora.train_router)
     return with_score_head(peft_model, recipe, torch.device("meta"))  # a reward model's head
 
 
@@ -109,6 +111,9 @@ def write_checkpoint_adapter(checkpoint: Path, folder: Path, *, base: str | None
     tensors = read_trainable_tensors(checkpoint)
     peft_model = meta_peft_model(recipe)
     key_map = adapter_key_map(peft_model)
+    if set(tensors) - set(key_map):  # a checkpoint of an earlier finetune, which put LoRA on indexers too
+        peft_model = meta_peft_model(recipe, on_indexers=True)
+        key_map = adapter_key_map(peft_model)
     missing, unexpected = sorted(set(key_map) - set(tensors)), sorted(set(tensors) - set(key_map))
     if missing or unexpected:
         raise CheckpointError(

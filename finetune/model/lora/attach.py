@@ -17,8 +17,10 @@ __all__ = ["adapter_start", "attach_lora", "check_adapter", "check_target_module
            "target_modules_problem"]
 
 
-def lora_config(recipe: Recipe):
+def lora_config(recipe: Recipe, model: nn.Module | None = None):
     """The LoRA layout: the recipe's lora section, or model.adapter's own (r, alpha, targets) with the recipe's dropout.
+    With `model` (the base LoRA goes on) and the recipe's own section: LoRA kept off sparse-attention indexers
+    (`indexer_linears`).
 
     init_lora_weights is finetune's own init, PEFT's default (true), also for model.adapter: the run starts from the
     adapter's tensors (`init_lora_weights` in init.py), and the adapter it writes is W + BA on the base as its
@@ -34,7 +36,7 @@ def lora_config(recipe: Recipe):
         config.eva_config = config.corda_config = config.lora_ga_config = None  # (PEFT warns of them beside true)
         config.loftq_config = {}
         return config
-    return LoraConfig(
+    config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -44,6 +46,23 @@ def lora_config(recipe: Recipe):
         bias=lora.bias,
         task_type="CAUSAL_LM",
     )
+    if model is not None and (excluded := indexer_linears(model)):
+        config.exclude_modules = excluded
+    return config
+
+
+def indexer_linears(model: nn.Module) -> list[str]:
+    """The Linear layers inside a sparse-attention indexer (DeepSeek-V3.2's and V4's, GLM-5's `glm_moe_dsa`, HY-V4's,
+    and the models built on them: a transformers module whose class name ends in `Indexer`), by full name.
+
+    An indexer scores the keys and returns the indices of the top-k each query attends to: integers, through which no
+    gradient flows, so LoRA on its projections never trains (B stays 0; measured on tiny deepseek_v32 / deepseek_v4 /
+    glm_moe_dsa / hy_v4 with all-linear: exactly the LoRA under `*Indexer` got no gradient). Left out, the adapter
+    holds no dead weights, and DDP needs no search for unused parameters at every step for them (the probe step of
+    parallel/wrapping.py found them). DeepSeek trains its indexer with a separate KL loss that finetune does not run."""
+    return sorted({f"{name}.{sub_name}" for name, module in model.named_modules()
+                   if type(module).__name__.endswith("Indexer") and type(module).__module__.startswith("transformers.")
+                   for sub_name, sub in module.named_modules() if isinstance(sub, nn.Linear)})
 
 
 def _takes_lora(module: nn.Module) -> bool:
@@ -119,7 +138,7 @@ def attach_lora(model: nn.Module, recipe: Recipe) -> nn.Module:
     from finetune.model.experts.lora import get_peft_model
 
     check_target_modules(recipe, model)  # (the loaders said it before any weight loaded: model/loading.py)
-    peft_model = get_peft_model(model, lora_config(recipe), train_router=recipe.lora.train_router)
+    peft_model = get_peft_model(model, lora_config(recipe, model), train_router=recipe.lora.train_router)
     init_lora_weights(peft_model, recipe.train.seed, start=adapter_start(recipe, model))
     if recipe.lora.fused:
         from finetune.model.lora.fused import use_fused_lora
