@@ -50,3 +50,18 @@ def test_all_linear_puts_no_lora_on_an_indexer_and_every_lora_left_trains(model_
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
                                          str(tmp_path / "adapter"))
     assert _lora_modules(reloaded) == trained
+
+
+def test_a_target_list_naming_only_indexer_layers_is_refused_with_the_linear_layers_that_train(tiny_arch):
+    """A name that matches only indexer Linears would get no LoRA: alone in the list, PEFT's "No modules were targeted"
+    traceback after loading; beside good names, dropped without a word. Refused like a misspelled name (`finetune
+    validate` says it too); a name that also matches the attention's projection (V4's `kv_proj`) is kept."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model.lora.attach import target_modules_problem
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_arch("deepseek_v32")))
+    problem = target_modules_problem(model, ["q_a_proj", "wk", "weights_proj"])
+    assert problem and "`wk`, `weights_proj` name only Linear layers of the sparse-attention indexer" in problem
+    assert "q_a_proj" in problem.split("Its Linear layers:")[1] and "wk" not in problem.split("Its Linear layers:")[1]
+    assert target_modules_problem(model, ["q_a_proj", "o_proj"]) is None

@@ -74,9 +74,10 @@ def _takes_lora(module: nn.Module) -> bool:
 
 def target_modules_problem(model: nn.Module, target_modules) -> str | None:
     """Which names of a lora.target_modules list match no module of `model` (PEFT's rule: the whole name or its last
-    parts), or a module that takes no LoRA (an attention block, a norm), with the Linear names the model has; None when
-    each names LoRA layers. PEFT itself fails only when no name matches, with a traceback: a misspelled name beside good
-    ones is dropped without a word, and training has fewer LoRAs; a block or a norm ends in PEFT's traceback."""
+    parts), or a module that takes no LoRA (an attention block, a norm, a Linear only of a sparse-attention indexer:
+    `indexer_linears`), with the Linear names the model has; None when each names LoRA layers. PEFT itself fails only
+    when no name matches, with a traceback: a misspelled name beside good ones is dropped without a word, and training
+    has fewer LoRAs; a block or a norm ends in PEFT's traceback."""
     if target_modules == "all-linear" or target_modules is None:
         return None
     from types import SimpleNamespace
@@ -88,21 +89,28 @@ def target_modules_problem(model: nn.Module, target_modules) -> str | None:
             check_expert_targets(model, SimpleNamespace(target_modules=list(target_modules), target_parameters=None))
         except ModelLoadError as exc:
             return str(exc)
-    matched = {t: [m for n, m in model.named_modules() if n == t or n.endswith("." + t)] for t in target_modules}
+    indexers = set(indexer_linears(model))
+    named = {t: [(n, m) for n, m in model.named_modules() if n == t or n.endswith("." + t)] for t in target_modules}
+    matched = {t: [m for _, m in found] for t, found in named.items()}
     missing = [t for t, modules in matched.items() if not modules]
+    on_indexers = [t for t, found in named.items() if found and all(n in indexers for n, _ in found)]
     blocks = {t: sorted({type(m).__name__ for m in modules if not _takes_lora(m)}) for t, modules in matched.items()}
     blocks = {t: kinds for t, kinds in blocks.items() if kinds}
-    if not missing and not blocks:
+    if not missing and not blocks and not on_indexers:
         return None
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, nn.Linear) and module is not model.get_output_embeddings()})
+                     if isinstance(module, nn.Linear) and module is not model.get_output_embeddings()
+                     and name not in indexers})
     said = []
     if missing:
         said.append(f"{', '.join(f'`{t}`' for t in missing)} match{'es' if len(missing) == 1 else ''} no module of "
                     f"this model, so {'it' if len(missing) == 1 else 'they'} would get no LoRA")
+    if on_indexers:
+        said.append(f"{', '.join(f'`{t}`' for t in on_indexers)} name only Linear layers of the sparse-attention "
+                    "indexer, which take no LoRA: its output is top-k indices, so no gradient reaches them")
     if blocks:
-        named = ", ".join(f"`{t}` ({'/'.join(kinds)})" for t, kinds in blocks.items())
-        said.append(f"{named} name"
+        listed = ", ".join(f"`{t}` ({'/'.join(kinds)})" for t, kinds in blocks.items())
+        said.append(f"{listed} name"
                     f"{'s' if len(blocks) == 1 else ''} modules that take no LoRA: PEFT puts LoRA on Linear layers "
                     "(and embeddings, convolutions), not on the blocks that hold them nor on norms")
     return (f"lora.target_modules: {'; '.join(said)}. Its Linear layers: {', '.join(linear)}. Fix: "
