@@ -82,7 +82,7 @@ def unused_by_a_probe(model: nn.Module, device: torch.device) -> list[str]:
         return []
     modes = [(module, module.training) for module in model.modules()]
     grads = [p.grad for _, p in trainable]
-    ids = torch.tensor([_ordinary_token_ids(getattr(model, "config", None), 2)], device=device)
+    ids = torch.tensor([ordinary_token_ids(getattr(model, "config", None), 2)], device=device)
     try:
         model.train()
         for _, p in trainable:
@@ -100,7 +100,7 @@ def unused_by_a_probe(model: nn.Module, device: torch.device) -> list[str]:
             module.training = training
 
 
-def _ordinary_token_ids(config, count: int) -> list[int]:
+def ordinary_token_ids(config, count: int) -> list[int]:
     """`count` token ids of the vocabulary that no `*token*` field of the config names (an image, audio or BOI token
     would make a multimodal model look for pixels the probe has not got)."""
     special, configs = set(), [config]

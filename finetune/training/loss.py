@@ -26,15 +26,14 @@ How, and why it works under every wrapper:
     at every micro-batch. (transformers' own mask preparation still reads one or two values per forward.)
   * A model whose forward scales or caps the head's output (Cohere's logit_scale, Granite's logits_scaling, the
     tanh softcap of Gemma and Mistral Large 4) would apply that to the loss: the head applies it to its chunks
-    (head_transform, read from the forward's source), and the loss is taken from the head, not the model's output
+    (head_transform, measured by one probe forward), and the loss is taken from the head, not the model's output
     (to which it stays joined with weight 0, for the wrappers' hooks). A transform it does not know: the plain path.
 Outside `token_loss_sum` (evaluation scripts, generation) the head behaves exactly as before.
 """
 
 from __future__ import annotations
 
-import inspect
-import re
+import math
 
 import torch
 import torch.nn.functional as F
@@ -188,55 +187,107 @@ def causal_lm(model: nn.Module) -> nn.Module | None:
     return None
 
 
-_LOGITS_LINE = re.compile(r"^\s*logits\s*(?:=|\*=|/=)")
+# The head's output is replaced, in the probe forward, by values from 1e-3 to 1e3 in size, both signs: the small ones
+# give the scale (a cap is linear there), the large ones the cap (tanh saturated); bf16 holds each to ~0.4%, and a
+# fitted value within 1% of a number of the model's config is that number (`_snapped`: the cap is 30, not 29.875).
+_PROBE_MAGNITUDES = (-3.0, 3.0)  # log10 of the smallest and largest |value|
+_FIT_TOLERANCE = 0.02
 
 
-def head_transform(lm: nn.Module) -> tuple[float, float | None] | None:
+def head_transform(model: nn.Module, head: nn.Module, device: torch.device) -> tuple[float, float | None] | None:
     """What the model's forward does to the head's output before it returns it, as (scale, softcap): logits x scale,
-    then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, Gemma's, Mistral Large 4's and
-    others' `final_logit_softcapping`, from the module, its config or its text config). Read from the forward's source,
-    the lines after the head call that assign `logits`; None (the plain path, full logits) for one it does not know,
-    or a forward without a readable source. The head applies them to its chunks: the model sees no logits."""
-    cls = next((c for c in type(lm).__mro__ if c.__module__.startswith("transformers.models.")), type(lm))
+    then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, HyperCLOVAX's x `logits_scaling`,
+    Falcon-H1's `lm_head_multiplier`, the softcap of Gemma, Mistral Large 4, RecurrentGemma ...); None (the plain path,
+    full logits) when the model does anything else to them.
+
+    Measured, not read: one no-grad forward of `model` (the root, wrapped as the run wraps it: every rank calls this
+    at the same first loss) on two ordinary tokens, with the head's output replaced by designed values X (a forward
+    hook), and the logits L it returns fitted as L = cap * tanh(scale * X / cap), or scale * X. Reading the forward's
+    source (the way before, bug bash bb69) missed a scale on the head call's own line (HyperCLOVAX, Falcon-H1), a
+    remote-code override, a variable not named `logits`, and took x for / from an attribute's name. The random state is
+    put back, so a run trains the numbers it would without the probe."""
+    from finetune.parallel.wrapping import ordinary_token_ids
+
+    lm = causal_lm(model)
+    designed: list[torch.Tensor] = []
+
+    def replace(module, args, output):
+        size = output.numel()
+        magnitude = torch.logspace(*_PROBE_MAGNITUDES, steps=max(size // 2, 1), dtype=torch.float64)
+        values = torch.cat([magnitude, -magnitude])[:size] if size > 1 else magnitude[:1]
+        designed.append(values.reshape(output.shape).to(output.dtype).to(output.device))
+        return designed[-1]
+
+    ids = torch.tensor([ordinary_token_ids(getattr(lm, "config", None), 2)], device=device)
+    handle = head.register_forward_hook(replace)
     try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            outputs = model(input_ids=ids, use_cache=False)
+    except Exception:  # noqa: BLE001 - a forward that cannot run on two tokens alone: the plain path, as before
         return None
-    head = lm.get_output_embeddings()
-    call = next((f"self.{name}(" for name, child in lm.named_children() if child is head), "self.lm_head(")
-    if call not in source:  # (GPT-NeoX's head is `embed_out`, BioGPT's `output_projection`)
+    finally:
+        handle.remove()
+    logits = outputs.logits if getattr(outputs, "logits", None) is not None else outputs[0]
+    if len(designed) != 1 or not isinstance(logits, torch.Tensor) or logits.shape != designed[0].shape:
+        return None  # the head ran twice or not at all, or its output was sliced or reshaped
+    fitted = _fitted(designed[0].double().flatten().cpu(), logits.double().flatten().cpu())
+    if fitted is None:
         return None
-    tail = re.split(r"\n\s*(?:loss = |if labels is not None|return )", source.split(call, 1)[1], maxsplit=1)[0]
-    kinds = set()
-    for line in tail.splitlines()[1:]:
-        if not _LOGITS_LINE.match(line):
-            continue
-        kind = ("cap" if "tanh" in line or "softcap" in line else "scale" if "logit_scale" in line else
-                "divide" if "logits_scaling" in line else None)
-        if kind is None:
-            return None
-        kinds.add(kind)
-    config = lm.config
-    owners = (lm, config, config.get_text_config() if hasattr(config, "get_text_config") else config)
-
-    def value(name: str):
-        return next((found for owner in owners if (found := getattr(owner, name, None)) is not None), None)
-
-    scale = float(value("logit_scale") or 1.0) if "scale" in kinds else 1.0
-    scale /= float(value("logits_scaling") or 1.0) if "divide" in kinds else 1.0
-    cap = value("final_logit_softcapping") if "cap" in kinds else None
-    return scale, None if cap is None else float(cap)
+    scale, cap = fitted
+    return _snapped(scale, lm, inverse=True), None if cap is None else _snapped(cap, lm)
 
 
-def install(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def _snapped(value: float, lm: nn.Module | None, *, inverse: bool = False) -> float:
+    """`value`, or the number of the model's config (or its text config, or a float attribute of the model or its
+    base) within 1% of it (`inverse`: of its reciprocal too, Granite's 1 / logits_scaling); 1.0 stays 1.0."""
+    if value == 1.0 or lm is None:
+        return value
+    config = getattr(lm, "config", None)
+    owners = [vars(owner) for owner in (config, getattr(config, "get_text_config", lambda: None)(), lm,
+                                        getattr(lm, getattr(lm, "base_model_prefix", ""), None)) if owner is not None]
+    numbers = {float(v) for owner in owners for v in owner.values()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and v}
+    candidates = [(n, n) for n in numbers] + ([(1.0 / n, n) for n in numbers] if inverse else [])
+    near = [(abs(c - value), c) for c, _ in candidates if abs(c - value) <= 0.01 * abs(value)]
+    return min(near)[1] if near else value
+
+
+def _fitted(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None] | None:
+    """(scale, cap) with y = cap * tanh(scale * x / cap) (or scale * x) within _FIT_TOLERANCE of |y|; None if none."""
+    small = x.abs() < 1.0
+    if not small.any() or not torch.isfinite(y).all():
+        return None
+    scale = float((y[small] / x[small]).median())
+    if not scale > 0:
+        return None
+    scale = 1.0 if abs(scale - 1.0) < 1e-3 else scale  # (bf16's rounding of x 1)
+
+    def holds(predicted: torch.Tensor) -> bool:
+        return bool(((predicted - y).abs() <= _FIT_TOLERANCE * predicted.abs() + 1e-6).all())
+
+    if holds(scale * x):
+        return scale, None
+    largest = int(x.abs().argmax())
+    reach, top = scale * abs(float(x[largest])), abs(float(y[largest]))
+    if not 0 < top < reach:
+        return None
+    low, high = top, top * 1e6  # cap * tanh(reach / cap) grows with cap from below `top` to `reach`: bisect
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if middle * math.tanh(reach / middle) < top else (low, middle)
+    cap = high
+    return (scale, cap) if holds(cap * torch.tanh(scale * x / cap)) else None
+
+
+def install(model: nn.Module, device: torch.device) -> tuple[nn.Module, nn.Module] | None:
     """Patch the LM head of `model` once (idempotent); returns (causal LM, head), or None if there is no head or its
-    model does to the head's output what head_transform does not know (then the plain path: full logits)."""
+    model does to the head's output what head_transform does not measure (then the plain path: full logits)."""
     lm = causal_lm(model)
     head = lm.get_output_embeddings() if lm is not None else None
     if head is None:
         return None
     if not getattr(head, _PATCHED, False):
-        transform = head_transform(lm)
+        transform = head_transform(model, head, device)
         setattr(head, _TRANSFORM, transform)
         if transform is None:
             return None
@@ -299,7 +350,7 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
     positions, wanted = trained_positions(batch["labels"])
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    found = install(model)
+    found = install(model, device)
     if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way (full shapes)
         logits = model(**inputs, use_cache=False).logits[:, :-1]
         labels = batch["labels"][:, 1:]
@@ -350,7 +401,7 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "reference_logps"}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
-    found = install(model)
+    found = install(model, device)
     if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way
         logits = model(**inputs, use_cache=False).logits
         token = F.cross_entropy(logits.reshape(-1, logits.size(-1)).index_select(0, positions).float(), wanted,
@@ -374,7 +425,7 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()
               if k in ("input_ids", "attention_mask", "position_ids")}
     positions, wanted = positions.to(device, non_blocking=True), wanted.to(device, non_blocking=True)
-    found = install(model)
+    found = install(model, device)
     if found is None:  # not a transformers causal LM, or an unknown head transform: the plain way
         logits = model(**inputs, use_cache=False).logits.float() / temperature
         flat = logits.reshape(-1, logits.size(-1)).index_select(0, positions)

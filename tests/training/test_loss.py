@@ -110,10 +110,13 @@ def test_a_micro_batch_loss_makes_no_host_sync(tiny_llama, monkeypatch, kind):
     tests/training/host_syncs.py): the batch's tensors are host memory, as the loader gives them, and what
     `.to(device)` returns is device memory, as on a GPU machine. Counted are the syncs finetune's code asks for;
     transformers' own mask preparation makes 1-2 per forward (`padding_mask.all()` with an attention mask,
-    `find_packed_sequence_indices` with packed position_ids), outside this module."""
+    `find_packed_sequence_indices` with packed position_ids), outside this module. The head's transform is measured
+    once per run, at its first loss (`install`: one probe forward, whose logits are read on the host), before the
+    micro-batches counted here."""
     model = lora_model(tiny_llama)
     monkeypatch.setattr(chunked, "CHUNK_LOGIT_ELEMENTS", model.config.vocab_size * 16)  # several chunks
     batch = batches(model.config.vocab_size)[kind]
+    assert chunked.install(model, CPU) is not None
     trained = int((batch["labels"][:, 1:] != -100).sum())
     with HostSyncs(host=batch.values()) as syncs:  # what the SFT objective calls: the loss and the argmax hits
         value, count, _ = chunked.token_loss_and_correct(model, batch, CPU)
