@@ -90,6 +90,15 @@ def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None,
     on_main(decide)
 
 
+def _change(key: str, before, now, recipe) -> str:
+    """A changed key as the notes say it; warmup steps resolved from the recipe's warmup_ratio are said as the ratio
+    (bug bash bb69: "train.warmup_steps 1 -> 2" for a recipe that sets only warmup_ratio, extended)."""
+    ratio = recipe.train._warmup_ratio if key == "train.warmup_steps" else None
+    shown = (f"train.warmup_ratio {ratio:g} (= {_shown(before)} -> {_shown(now)} warmup steps over the new length)"
+             if ratio is not None else f"{key} {_shown(before)} -> {_shown(now)}")
+    return shown + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else "")
+
+
 def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
                    train_fingerprint: str | None = None) -> list[str]:
     """What check_resume decides: CheckpointError for a checkpoint this run cannot continue, else the notes.
@@ -116,8 +125,7 @@ def resume_changes(source: Path, recipe, plan, *, train_rows: int | None,
         elif key in REFUSED:  # leaves, each (lora.target_modules: the modules it names, _same_targets)
             refused.append((key, before, now, REFUSED[key]))
         elif kind := _kind(key, same_base=base.same, rows_kept=rows_kept):
-            said[kind].append(f"{key} {_shown(before)} -> {_shown(now)}"
-                              + (f" ({WHY_NOTED[key]})" if key in WHY_NOTED else ""))
+            said[kind].append(_change(key, before, now, recipe))
     rows_then, rows_now = _rows_per_step(saved, state), _rows_per_step(current, None, plan.world_size)
     # train.num_epochs, once resolved, is null and max_steps set: the recipe keeps how (its resolved recipe.yaml's comment)
     by_epochs = getattr(recipe, "_length_origin", None) is not None

@@ -258,6 +258,7 @@ def clamped_warmup(train) -> str | None:  # a finetune.recipe.TrainSection
     if ratio is not None:
         steps, train.warmup_ratio = math.ceil(round(ratio * train.max_steps, 6)), None
         train.warmup_steps = steps  # after the ratio is unset: each assignment is validated (one of the two)
+        train._warmup_ratio = ratio
     if train.warmup_steps >= train.max_steps and train.warmup_steps > 0:
         asked, clamped = train.warmup_steps, train.max_steps - 1
         train.warmup_steps = clamped

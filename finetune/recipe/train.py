@@ -8,7 +8,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from finetune.recipe.checks import check_one_of_each
 from finetune.recipe.objectives import OBJECTIVES, sections
@@ -41,6 +41,8 @@ class TrainSection(_Section):
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="As HF's: warmup over this share of max_steps "
                                        "(rounded up), instead of warmup_steps; the resolved recipe says the steps. "
                                        "Warmup step s of w uses (s+1)/(w+1) of the peak (HF's: s/w, from lr 0).")
+    # The warmup_ratio warmup_steps was resolved from (checks.clamped_warmup), for the notes that name the recipe's key
+    _warmup_ratio: float | None = PrivateAttr(None)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
