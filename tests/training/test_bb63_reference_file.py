@@ -54,7 +54,7 @@ def test_a_resume_onto_pairs_with_their_sides_swapped_is_refused(tmp_path, fixed
     checkpoint = run / "checkpoints" / "step-00000002"
     checkpoint.mkdir(parents=True)
     assert _attach(_pairs(), run, checkpoint) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
-    with pytest.raises(CheckpointError, match="the pairs changed: other rows, or the same rows tokenized otherwise"):
+    with pytest.raises(CheckpointError, match="the train pairs changed: other rows, or the same rows tokenized otherwise"):
         _attach(_pairs(swapped=True), run, checkpoint)
 
 
@@ -83,3 +83,16 @@ def test_a_resume_into_another_output_dir_carries_the_file(tmp_path, fixed_refer
     later = second / "checkpoints" / "step-00000004"
     later.mkdir(parents=True)
     assert _attach(_pairs(), tmp_path / "third", later) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
+
+
+def test_a_resume_whose_eval_pairs_alone_changed_names_the_eval_split(tmp_path, fixed_reference):
+    """Bug bash bb69 #6: the refusal said "the pairs changed" when the training pairs (and their stored values) were
+    the same and only the eval pairs differed; it names the split now."""
+    run = tmp_path / "run"
+    preference.attach_reference(None, None, {"train": _pairs(), "eval": _pairs()[:2]}, _recipe(), pad_id=0,
+                                out_dir=run, resume_from=None)
+    checkpoint = run / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"\(the eval pairs changed: "):
+        preference.attach_reference(None, None, {"train": _pairs(), "eval": _pairs()}, _recipe(), pad_id=0,
+                                    out_dir=run, resume_from=checkpoint)

@@ -317,16 +317,21 @@ def _same_pairs(stored: object, fingerprint: dict) -> bool:
 
 
 def _read_stored(resume_from: Path, fingerprint: dict) -> tuple[dict, Path]:
+    changed = "the pairs changed"
     for folder in (resume_from, *resume_from.parents[:3]):
         path = folder / REFERENCE_FILE
         if path.is_file():
             stored = json.loads(path.read_text(encoding="utf-8"))
             if not _same_pairs(stored.get("fingerprint"), fingerprint):
+                saved = stored.get("fingerprint") if isinstance(stored.get("fingerprint"), dict) else {}
+                splits = [name for name in sorted({*saved, *fingerprint})  # bb69 #6: say which split's pairs
+                          if not _same_pairs({name: saved.get(name)}, {name: fingerprint.get(name, [])})]
+                changed = f"the {' and '.join(splits)} pairs changed" if splits else changed
                 break
             return stored, path
     raise CheckpointError(
         f"resume from {resume_from}: dpo.reference is precomputed, but no {REFERENCE_FILE} for these pairs is in its run "
-        "folder (the pairs changed: other rows, or the same rows tokenized otherwise; or the run was started with "
+        f"folder ({changed}: other rows, or the same rows tokenized otherwise; or the run was started with "
         "adapter_off). The reference cannot be recomputed from trained weights. Fix: resume with the data and dpo "
         "settings of the saving run, or start a new run.")
 
