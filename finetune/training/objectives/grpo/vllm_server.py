@@ -5,8 +5,10 @@ The server is vLLM's own OpenAI-compatible one (the module `vllm serve` runs), i
 transformers: `make vllm`), started by finetune for the run or given by URL (grpo.vllm_server_base_url). It is spoken
 to over HTTP with the standard library: `/v1/load_lora_adapter` (runtime LoRA loading, allowed by
 VLLM_ALLOW_RUNTIME_LORA_UPDATING), `/v1/completions` with the prompts as token ids, `n` completions per prompt, one
-seed per prompt, and each sampled token's log-prob (`--logprobs-mode processed_logprobs`: after temperature, as the
-trainer scores them, as TRL's server does). Rank 0 alone talks to it; the other ranks' prompts are gathered to it and
+seed per prompt, every sampling setting finetune does not expose sent neutral (NEUTRAL_SAMPLING), and each sampled
+token's log-prob (`--logprobs-mode processed_logprobs`: after temperature and top_p, as TRL's server reports them).
+Adapters take names of their run folder and launch (`adapter_prefix`), unique in a server that outlives a run, and
+the last one is unloaded when the run ends. Rank 0 alone talks to it; the other ranks' prompts are gathered to it and
 the completions scattered back. Every failure (no vllm, the server dies, stalls past grpo.vllm_server_timeout, refuses
 a request) is one paragraph on every rank, with the server log's last lines; never a hang.
 """
@@ -14,9 +16,11 @@ a request) is one paragraph on every rank, with the server log's last lines; nev
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +41,24 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_PORT", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "ACCELERATE_", "TORCHELASTIC_", "FINETUNE_")
 
 
+# Every vLLM sampling setting finetune does not expose, sent neutral on each request, as TRL 1.16's
+# VLLMClient.generate sends repetition_penalty 1, top_k 0 and min_p 0 (and vLLM's own defaults for the two OpenAI
+# penalties): a field a request leaves out, vLLM takes from the model's generation_config.json (`--generation-config
+# auto`, its default; an instruct model's top_k 20, repetition_penalty 1.05), so the server sampled from another
+# distribution than the one the trainer scores (bb71: top_k 3 put every completion's ratio near e^-73, no training).
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+
+
+def adapter_prefix(out_dir: Path) -> str:
+    """How the names of a run folder's adapters in a server begin: the folder's name and a digest of its path. A
+    launch adds a nonce and the step (`<prefix><nonce>-step<N>`), so runs sharing a server (a sweep, a resume after
+    a crash whose adapter stayed loaded) never ask for a name that is taken."""
+    folder = Path(out_dir).absolute()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", folder.name)[:40] or "run"
+    return f"{name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}-"
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -54,6 +76,7 @@ class Server:
 
     def __init__(self, url: str, *, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None):
         self.url, self.timeout, self.process, self.log = url.rstrip("/"), timeout, process, log
+        self.closed = False
 
     @classmethod
     def start(cls, command: list[str], model_dir: Path, *, log: Path, timeout: float, max_model_len: int,
@@ -99,15 +122,19 @@ class Server:
                                       "remove the key to let finetune start one.") if given else None)
             time.sleep(1.0)
 
-    def post(self, path: str, body: dict) -> dict | str:
+    def post(self, path: str, body: dict, *, timeout: float | None = None) -> dict | str:
         request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as reply:
                 text = reply.read().decode()
         except urllib.error.HTTPError as exc:
-            raise self._error(f"the vLLM server refused {path} (HTTP {exc.code}: "
-                              f"{exc.read().decode(errors='replace')[:300]})") from None
+            refused = (f"the vLLM server refused {path} (HTTP {exc.code}: "
+                       f"{exc.read().decode(errors='replace')[:300]})")
+            raise self._error(refused, fix=None if exc.code >= 500 else (
+                "Fix: its message says what it refused; a server given by grpo.vllm_server_base_url must run with "
+                "--enable-lora, a --max-lora-rank of at least lora.r and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and "
+                "read the run folder (adapters are loaded by path).")) from None
         except (urllib.error.URLError, OSError) as exc:
             dead = self.process is not None and self.process.poll() is not None
             what = (f"the vLLM server died (exit code {self.process.returncode})" if dead else
@@ -117,20 +144,19 @@ class Server:
             raise self._error(what) from None
         return json.loads(text) if text.startswith("{") else text
 
-    def base_model(self) -> str:
-        """The name the server gives its base model (`vllm serve` without --served-model-name: the path)."""
+    def models(self) -> list[dict]:
+        """/v1/models: the base model, and each loaded adapter (with a `parent`)."""
         try:
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=self.timeout) as reply:
-                models = json.loads(reply.read().decode())["data"]
+                return json.loads(reply.read().decode())["data"]
         except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
             raise self._error(f"the vLLM server at {self.url} did not list its models ({exc})") from None
-        return next(m["id"] for m in models if not m.get("parent"))
 
     def load_adapter(self, name: str, path: Path) -> None:
         self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.absolute())})
 
-    def unload_adapter(self, name: str) -> None:
-        self.post("/v1/unload_lora_adapter", {"lora_name": name})
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        self.post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
 
     def complete(self, prompt: list[int], *, model: str, n: int, seed: int, sampling: dict) -> list[tuple[list[int], list[float]]]:
         """n completions of one prompt: (token ids, each token's log-prob under the sampler)."""
@@ -153,13 +179,25 @@ class Server:
         return GenerationError(f"grpo.generation: vllm: {what}; the run stopped before this step's update.{tail} {fix}")
 
     def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        """The server's whole process group stopped: SIGTERM, up to 30 s for the API server to end, then SIGKILL to
+        whatever of the group is left. The group is signalled whether or not its leader still lives: an API server
+        that died (an OOM kill) leaves vLLM's EngineCore running in its group, holding its memory (bb71)."""
+        if self.process is None or self.closed:
+            return
+        self.closed = True
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        try:  # (the group's id is its leader's pid, which no other process takes while the group has a member)
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the group is gone (a zombie leader is not waited for here)
+            pass
 
 
 def sample_on_rank0(server: Server | None, requests: list[tuple[list[int], int]], *, n: int, model: str,
@@ -214,13 +252,16 @@ class VLLMGeneration:
         self.peft_config, self.key_map = peft_model.peft_config["default"], adapter_key_map(peft_model)
         self.folder, self.config = Path(out_dir) / "vllm", recipe.grpo
         self.server: Server | None = None
-        self.served: str | None = None  # the adapter's name in the server; None: the base
+        self.served: str | None = None  # the served adapter's folder under <run>/vllm (step<N>); None: the base
+        self.prefix = adapter_prefix(out_dir)
+        self.tag = self.prefix + secrets.token_hex(4)  # this launch's: its adapters are <tag>-step<N> in the server
         self.base = "base"
         self.synced_step: int | None = None
         failure = None
         if distributed.is_main():
             try:
                 self.server = self._connect(recipe, device_type)
+                atexit.register(self.close)  # (registered after the server's own close: runs before it)
             except GenerationError as exc:
                 failure = str(exc)
         failure = distributed.broadcast_object(failure)
@@ -253,7 +294,13 @@ class VLLMGeneration:
                                   memory_share=share, eager=device_type != "cuda")
         started = time.perf_counter()
         server.wait_ready()
-        self.base = server.base_model()
+        models = server.models()  # the base's name (`vllm serve` without --served-model-name: its path) and adapters
+        self.base = next(m["id"] for m in models if not m.get("parent"))
+        for stale in [m["id"] for m in models if m.get("parent") and str(m["id"]).startswith(self.prefix)]:
+            try:  # an earlier launch's of this run folder, left loaded (a crash, a kill): its files are gone
+                server.unload_adapter(stale)
+            except GenerationError:  # (unloaded meanwhile, or refused: its name is no other launch's anyway)
+                pass
         print(f"[finetune] vLLM server ready at {server.url} ({time.perf_counter() - started:.0f} s)", flush=True)
         return server
 
@@ -295,9 +342,9 @@ class VLLMGeneration:
             name = f"step{step}"
             try:
                 save_adapter(self.peft_config, self.key_map, state, self.folder / name)
-                self.server.load_adapter(name, self.folder / name)
+                self.server.load_adapter(self.served_name(name), self.folder / name)
                 if self.served is not None:
-                    self.server.unload_adapter(self.served)
+                    self.server.unload_adapter(self.served_name(self.served))
                     shutil.rmtree(self.folder / self.served, ignore_errors=True)
                 self.served = name
             except GenerationError as exc:
@@ -305,8 +352,12 @@ class VLLMGeneration:
         failure = distributed.broadcast_object(failure)
         if failure is not None:
             raise GenerationError(failure)
-        self.served, self.base = distributed.broadcast_object((self.served, self.base))
+        self.served, self.base, self.tag = distributed.broadcast_object((self.served, self.base, self.tag))
         self.synced_step = step
+
+    def served_name(self, folder: str | None) -> str:
+        """The name in the server of the adapter in <run>/vllm/<folder>; the base's for None."""
+        return f"{self.tag}-{folder}" if folder is not None else self.base
 
     def sample(self, prompts: list[list[int]], seeds: list[int], *, eos_ids: list[int],
                stop: list[str] | None = None) -> tuple[list, list]:
@@ -314,16 +365,25 @@ class VLLMGeneration:
         each prompt's group drawn from its own seed. `stop`: stop strings (a chat template's end of turn that is text
         to the tokenizer, prompts.turn_end_stops), kept in the completion as an EOS is, the builtin sampler's way."""
         g = self.config
-        sampling = {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_completion_length,
-                    "stop_token_ids": eos_ids, "skip_special_tokens": False}
+        sampling = {**NEUTRAL_SAMPLING, "temperature": g.temperature, "top_p": g.top_p,
+                    "max_tokens": g.max_completion_length, "stop_token_ids": eos_ids, "skip_special_tokens": False}
         if stop:
             sampling.update(stop=list(stop), include_stop_str_in_output=True)
         answers = sample_on_rank0(self.server, list(zip(prompts, seeds)), n=g.num_generations,
-                                  model=self.served or self.base, sampling=sampling)
+                                  model=self.served_name(self.served), sampling=sampling)
         completions = [ids for group in answers for ids, _ in group]
         logps = [values for group in answers for _, values in group]
         return completions, logps
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        """The server finetune started stopped; in a server of the user's, the last adapter unloaded (its files stay
+        with the run), so nothing of the run stays loaded there. Called again (atexit) it does nothing."""
+        if self.server is None:
+            return
+        if self.server.process is None and self.served is not None:
+            try:
+                self.server.unload_adapter(self.served_name(self.served), timeout=min(self.server.timeout, 10.0))
+            except GenerationError:  # the server is gone or refuses: the run's end is not held up for it
+                pass
+            self.served = None
+        self.server.close()
