@@ -161,6 +161,9 @@ def test_the_head_never_hands_full_vocabulary_logits_to_the_preference_loss(tiny
     peft_model = model.build_model(recipe, device=CPU, gradient_checkpointing=False)
     widest = []
     head = peft_model.get_output_embeddings()
+    from finetune.training.loss import install
+
+    install(peft_model, CPU)  # once per run, at the first loss: the probe forward that measures the head's transform
     hook = head.register_forward_hook(lambda module, args, out: widest.append(tuple(out.shape)))
     logps, counts = preference.sequence_logps(peft_model, batch, CPU)
     hook.remove()
