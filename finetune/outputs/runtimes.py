@@ -75,9 +75,10 @@ def vllm_verdict(config: dict, tensor_names: list[str]) -> Verdict:
         status = "needs" if status == "valid" else status
         reasons.append(f"rank {rank} > vLLM's default max_lora_rank {VLLM_DEFAULT_MAX_RANK}: start vLLM with "
                        f"--max-lora-rank {flag}")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        status = "needs" if status == "valid" else status
-        reasons.append("adapter bias: vLLM loads it only with bias enabled (LoRAConfig.bias_enabled, --enable-lora-bias)")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):  # (vLLM 0.32: --enable-lora-bias is gone)
+        status = "invalid"
+        reasons.append("adapter bias (lora.bias / lora_bias): vLLM refuses it (`Adapter bias is not supported.`); "
+                       "train with lora.bias: none to serve the adapter with vLLM")
     outside = [m for m in lora_modules(tensor_names) if m.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")]
     if outside:
         status = "needs" if status == "valid" else status

@@ -23,7 +23,7 @@ def held_parameter_bytes(facts: ModelFacts, *, strategy: str, world_size: int, r
     key = lambda t: "trainable_bytes" if t.trainable else "frozen_bytes"
     if strategy == "zero3" and world_size > 1:
         for t in facts.tensors:
-            whole = t.numel < persistence_threshold
+            whole = t.numel <= persistence_threshold  # DeepSpeed's rule (mark_persistent_parameters: <=)
             held[key(t)] += t.nbytes if whole else math.ceil(t.numel / world_size) * t.elem_bytes
         return held
     if strategy != "fsdp" or world_size == 1:
