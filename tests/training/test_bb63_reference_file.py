@@ -96,3 +96,25 @@ def test_a_resume_whose_eval_pairs_alone_changed_names_the_eval_split(tmp_path, 
     with pytest.raises(CheckpointError, match=r"\(the eval pairs changed: "):
         preference.attach_reference(None, None, {"train": _pairs(), "eval": _pairs()}, _recipe(), pad_id=0,
                                     out_dir=run, resume_from=checkpoint)
+
+
+def test_an_earlier_finetunes_file_is_checked_by_the_checkpoints_hash_of_its_rows(tmp_path, fixed_reference, capsys):
+    """Bug bash bb70 F1: a file of a finetune before bb63 holds counts and lengths alone, which swapping chosen and
+    rejected keeps: a resume took the old values in silence (step-4 loss 0.329 where the right reference gives 0.834).
+    The checkpoint's own hash of its training rows (trainer_state.json, data.rows_fingerprint) decides now; a
+    checkpoint without one is read with a note saying it cannot be checked."""
+    from finetune.data import rows_fingerprint
+
+    run = tmp_path / "run"
+    _attach(_pairs(), run)
+    stored = json.loads((run / preference.REFERENCE_FILE).read_text())
+    stored["fingerprint"] = {name: value[:2] for name, value in stored["fingerprint"].items()}
+    (run / preference.REFERENCE_FILE).write_text(json.dumps(stored))
+    checkpoint = run / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    assert _attach(_pairs(swapped=True), run, checkpoint) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
+    assert "keyed by the pairs' counts alone, and this checkpoint holds no hash" in capsys.readouterr().out
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"data": {"fingerprint": rows_fingerprint(_pairs())}}))
+    assert _attach(_pairs(), run, checkpoint) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
+    with pytest.raises(CheckpointError, match="the train pairs changed since the checkpoint"):
+        _attach(_pairs(swapped=True), run, checkpoint)

@@ -316,6 +316,27 @@ def _same_pairs(stored: object, fingerprint: dict) -> bool:
         for name, value in fingerprint.items())
 
 
+def _unkeyed_and_changed(stored: dict, fingerprint: dict, resume_from: Path) -> bool:
+    """Whether a file of an earlier finetune (keyed by counts and lengths alone, before bb63) belongs to other training
+    pairs than these, by the checkpoint's own hash of its training rows (trainer_state.json `data.fingerprint`,
+    data.rows_fingerprint as this run's): chosen and rejected swapped keep the counts (bug bash bb70: the old values
+    taken in silence, every reference margin of the wrong sign). A checkpoint without that hash cannot tell: noted."""
+    if stored.get("train", [None])[2:] or "train" not in fingerprint:
+        return False  # keyed by the tokens: _same_pairs compared them
+    try:
+        saved = (json.loads((resume_from / "trainer_state.json").read_text(encoding="utf-8")).get("data") or {}).get(
+            "fingerprint")
+    except (OSError, ValueError):
+        saved = None
+    if saved is None:
+        distributed.print0(f"[finetune] note: {REFERENCE_FILE} was written by an earlier finetune, keyed by the pairs' "
+                           "counts alone, and this checkpoint holds no hash of its rows: its reference log-probs are "
+                           "used as stored. If the pairs changed since (chosen and rejected swapped keep the counts), "
+                           "they are another run's: start a new run instead.")
+        return False
+    return saved != fingerprint["train"][2]
+
+
 def _read_stored(resume_from: Path, fingerprint: dict) -> tuple[dict, Path]:
     changed = "the pairs changed"
     for folder in (resume_from, *resume_from.parents[:3]):
@@ -327,6 +348,9 @@ def _read_stored(resume_from: Path, fingerprint: dict) -> tuple[dict, Path]:
                 splits = [name for name in sorted({*saved, *fingerprint})  # bb69 #6: say which split's pairs
                           if not _same_pairs({name: saved.get(name)}, {name: fingerprint.get(name, [])})]
                 changed = f"the {' and '.join(splits)} pairs changed" if splits else changed
+                break
+            if _unkeyed_and_changed(stored["fingerprint"], fingerprint, resume_from):
+                changed = "the train pairs changed since the checkpoint, as its trainer_state.json's hash of them says"
                 break
             return stored, path
     raise CheckpointError(
