@@ -135,8 +135,9 @@ def format_errors(error: ValidationError | None, source: str, *, root: type[Base
             lines.append(f"  {dotted}: {data_parallel_refusal(source, asked)}")
         elif item["type"] == "extra_forbidden":
             parent = schema_at(root, loc[:-1])
-            hint = suggest(str(loc[-1]), field_names(parent), root=root, section=section_of(loc[:-1]),
-                           top_level=len(loc) == 1, value=item.get("input", UNSET)) if parent else ""
+            hint = (f" It is a key of an earlier finetune, {REMOVED_KEYS[dotted]}: delete it." if dotted in REMOVED_KEYS
+                    else suggest(str(loc[-1]), field_names(parent), root=root, section=section_of(loc[:-1]),
+                                 top_level=len(loc) == 1, value=item.get("input", UNSET)) if parent else "")
             lines.append(f"  {dotted}: unknown key.{hint}")
         elif item["type"] == "missing":
             lines.append(f"  {dotted}: required key is missing.")
@@ -265,9 +266,8 @@ def locale_path_problem(value: str) -> str | None:
     return None
 
 
-# Keys a later finetune removed without a rename, and what removed them. A recipe a run wrote (its recipe.yaml, a
-# checkpoint's) is read back without them, with a note (`drop_removed_keys`): it was valid for the finetune that wrote
-# it. A recipe the user writes now that sets one is still refused as an unknown key.
+# Keys a later finetune removed without a rename, and why. A recipe a run wrote is read back without them, with a note
+# (`drop_removed_keys`); one the user writes now that sets one is refused, saying so (format_errors; bb70 F4).
 REMOVED_KEYS = {
     "data.num_workers": "removed in e1c0ecd: rows are tokenized in data.num_proc processes",
 }
