@@ -50,17 +50,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _said_next(code: int, recipe: str, overrides: list[str]) -> int:
-    """After a run that ended well, the commands that use its adapter (its JSON `done:` line said nothing of them)."""
+    """After a run that ended well, the commands that use its adapter (its JSON `done:` line said nothing of them). A
+    reward model's adapter generates no text and is not merged here (both refused, bb68): its export, and GRPO's
+    grpo.reward_models, which scores with it (docs/reward.md)."""
     from finetune.recipe import announcements_muted, load_recipe
+    from finetune.recipe.objectives import spec_of
 
     if code == 0:
         try:
             with announcements_muted():  # the run said its dtype line and notes: not twice (a launched run's test)
-                out = load_recipe(recipe, list(overrides)).output.dir
+                loaded = load_recipe(recipe, list(overrides))
         except Exception:  # noqa: BLE001 - a recipe edited since the run started: nothing to add
             return code
-        print(f"[finetune] next: finetune generate {out} --prompt '...'   |   finetune export {out} {out}-merged "
-              "--merge", flush=True)
+        out = loaded.output.dir
+        if spec_of(loaded.train.objective).head == "score":
+            print(f"[finetune] next: finetune export {out} {out}-adapter (a sequence classifier's adapter: "
+                  f"docs/reward.md loads it)   |   grpo.reward_models: [{out}] in a GRPO recipe", flush=True)
+        else:
+            print(f"[finetune] next: finetune generate {out} --prompt '...'   |   finetune export {out} {out}-merged "
+                  "--merge", flush=True)
     return code
 
 

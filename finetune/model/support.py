@@ -19,6 +19,7 @@ from finetune.errors import ModelLoadError
 from finetune.model import matrix
 from finetune.model.classes import causal_lm_class
 from finetune.recipe.checks import checkpointing
+from finetune.recipe.objectives import spec_of
 
 # model_type -> a name users know. Trained single-process by the matrix.
 TRAINED = {
@@ -75,6 +76,8 @@ TRAINED = {
     "param2moe": "Param-2 MoE (read by from_pretrained)",
     "sarvam_moe": "Sarvam MoE (read by from_pretrained)",
 }
+# Bases named in the fix of a reward model's refusal (sequence_classifier_problem), those transformers maps.
+REWARD_BASES = {"llama": "Llama 3.x", "qwen3": "Qwen3", "qwen2": "Qwen2.5", "gemma3_text": "Gemma 3", "mistral": "Mistral"}
 # model_type -> the model keys it needs besides the library's defaults (the matrix trains it with them).
 MODEL_SETTINGS = {
     "gemma2": {"attn_implementation": "eager"},  # logit soft-capping: transformers refuses sdpa for it
@@ -289,6 +292,8 @@ def check_supported(config, recipe) -> None:
                        attn_implementation=recipe.model.attn_implementation,
                        gradient_checkpointing=checkpointing(recipe),
                        lora_targets=recipe.lora.target_modules, dtype=recipe.model.dtype)
+    if spec_of(recipe.train.objective).head == "score" and (problem := sequence_classifier_problem(config)):
+        reasons.append(problem)  # a reward model: its adapter loads on the base's sequence classifier alone
     if not reasons and config.model_type not in _WARNED and (warning := matrix.failed_warning(config.model_type)):
         _WARNED.add(config.model_type)  # load_config runs this at every stage that reads the config: say it once
         print0(f"[finetune] warning: {warning}", file=sys.stderr)
@@ -300,6 +305,23 @@ def check_supported(config, recipe) -> None:
         raise ModelLoadError(
             f"model.name_or_path `{recipe.model.name_or_path}` is a {config.model_type} model, which finetune cannot "
             f"train with these settings: {'; '.join(reasons)}. (`finetune models` lists the architectures checked.)")
+
+
+def sequence_classifier_problem(config) -> str | None:
+    """Why nothing can load a reward model's adapter (task_type SEQ_CLS) of `config`'s model: transformers maps no
+    AutoModelForSequenceClassification for its config (nor its remote code's auto_map), the class docs/reward.md,
+    grpo.reward_models and `finetune export` load it on (bb68: cohere2, granite, Gemma 4, Llama 4 trained, then
+    export crashed). None when it can."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as classifiers
+
+    if config.model_type in classifiers or "AutoModelForSequenceClassification" in (getattr(config, "auto_map", {}) or {}):
+        return None
+    bases = ", ".join(name for model_type, name in REWARD_BASES.items() if model_type in classifiers)
+    return (f"train.objective: reward trains a sequence classifier's adapter (task_type SEQ_CLS, docs/reward.md), and "
+            f"transformers has no sequence classifier for {config.model_type} (AutoModelForSequenceClassification "
+            f"maps no {type(config).__name__}): nothing could load the trained adapter, not PEFT onto "
+            "AutoModelForSequenceClassification, not grpo.reward_models, not `finetune export`. Fix: train the "
+            f"reward model from a base of a family that has one, e.g. {bases}")
 
 
 def _position_problems(config, recipe) -> list[str]:
@@ -338,6 +360,8 @@ def _beyond_context(config, recipe) -> str | None:
 
 def support_rows() -> list[tuple[str, str, str]]:
     """(model_type, name, status) for the docs and `finetune models`: trained, trained + FSDP, or refused + why."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as classifiers
+
     rows = []
     for model_type, name in sorted(TRAINED.items()):
         status = ("trained; FSDP2 and FSDP1 launched" if model_type in SHARDED else "trained; FSDP2 launched"
@@ -345,6 +369,8 @@ def support_rows() -> list[tuple[str, str, str]]:
         status += "".join(f"; needs model.{key}: {value}" for key, value in MODEL_SETTINGS.get(model_type, {}).items())
         if model_type in ADAPTER_GAPS:
             status += "; its exported adapter does not load in plain PEFT yet"
+        if model_type not in classifiers:
+            status += "; no reward model (transformers has no sequence classifier for it)"
         rows.append((model_type, name, status))
     for model_type in sorted(REFUSED):
         rows.append((model_type, KNOWN_NAMES.get(model_type, model_type), f"refused: {REFUSED[model_type][0]}"))

@@ -202,8 +202,13 @@ def expected_adapter_shapes(config, adapter_dir: Path) -> dict[str, tuple[int, .
         from peft import get_peft_model as plain_get_peft_model
         from transformers import AutoModelForSequenceClassification
 
+        from finetune.model.support import sequence_classifier_problem
+
         config = copy.deepcopy(config)
         config.num_labels = 1
+        if problem := sequence_classifier_problem(config):  # a reward run made before `finetune train` refused it
+            raise ExportError(f"{adapter_dir}: a reward model's adapter that cannot be exported: {problem}. Nothing "
+                              "was written.")
         with torch.device("meta"):
             classifier = AutoModelForSequenceClassification.from_config(config)
             peft_model = plain_get_peft_model(classifier, peft_config)

@@ -1,12 +1,13 @@
 """A reward model (train.objective: reward): the Bradley-Terry loss of TRL's RewardTrainer on preference pairs.
 
 The model is the 4-bit causal LM with LoRA and a scalar head `score` (model/reward_head.py). A sequence's reward is
-the head applied to the final hidden state of its last token, as transformers' *ForSequenceClassification models read
-it: the rows are left-padded here so that the last position is every row's last token, and the forward asks the LM
-head for that position only (`logits_to_keep=1`), where a hook puts the score head in the LM head's place. So the
-head runs inside the model's forward, which every wrapper (DDP, FSDP1/2, ZeRO) sees, and no vocabulary-wide logits
-are made. Per pair: -log sigmoid(r_chosen - r_rejected), plus center_rewards_coefficient x (r_chosen + r_rejected)^2,
-averaged over the step's pairs on every rank. TRL's metrics: accuracy, margin, mean_reward, min_reward, max_reward.
+the head applied to the final hidden state of its last token (the decoder's output), as transformers'
+*ForSequenceClassification models read it: the rows are left-padded here so that the last position is every row's
+last token, and the forward asks the LM head for that position only (`logits_to_keep=1`), where a hook puts the score
+head in the LM head's place. So the head runs inside the model's forward, which every wrapper (DDP, FSDP1/2, ZeRO)
+sees, and no vocabulary-wide logits are made. Per pair: -log sigmoid(r_chosen - r_rejected), plus
+center_rewards_coefficient x (r_chosen + r_rejected)^2, averaged over the step's pairs on every rank. TRL's metrics:
+accuracy, margin, mean_reward, min_reward, max_reward.
 """
 
 from __future__ import annotations
@@ -49,24 +50,46 @@ def _left_padded(batch: dict[str, torch.Tensor], device: torch.device, pad_id: i
     return {"input_ids": ids.to(device), "attention_mask": left.to(device), "position_ids": positions.to(device)}
 
 
+def _decoder(lm: nn.Module) -> nn.Module | None:
+    """The module whose output transformers' *ForSequenceClassification scores: its base model (`base_model_prefix`,
+    as GenericForSequenceClassification calls it), else the causal LM's decoder; None where neither is a child."""
+    base = getattr(lm, getattr(lm, "base_model_prefix", "") or "", None)
+    if isinstance(base, nn.Module) and base is not lm:
+        return base
+    decoder = lm.get_decoder() if callable(getattr(lm, "get_decoder", None)) else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not lm else None
+
+
 @contextlib.contextmanager
 def _score_in_place_of_the_head(model: nn.Module) -> Iterator[list]:
-    """For the block, the LM head's output is the score head applied to the head's input (the final hidden states);
-    each score is also put in the list the block gets: a model that scales or caps its head's output (Cohere's
-    logit_scale, Gemma's softcap: training.loss.head_transform) would do it to the score, which a sequence classifier
-    serving the exported head does not (bb66's sibling)."""
+    """For the block, the LM head's output is the score head applied to the decoder's output (its last hidden state,
+    the positions the head is given: the last one under logits_to_keep=1), as a sequence classifier serving the
+    exported head scores it; each score is also put in the list the block gets. Not the head's input: a model may
+    change the hidden state on its way to the head (MiniCPM3 divides it by logits_scaling, bb68), which the
+    classifier does not. Nor the head's output: a model that scales or caps it (Cohere's logit_scale, Gemma's
+    softcap: training.loss.head_transform) would do it to the score (bb66's sibling). A model whose decoder is not
+    found scores the head's input."""
     lm = causal_lm(model)
-    head, score, taken = lm.get_output_embeddings(), lm.score, []
+    head, score, decoder, taken, decoded = lm.get_output_embeddings(), lm.score, _decoder(lm), [], []
+
+    def keep(module, inputs, output):
+        decoded[:] = [getattr(output, "last_hidden_state", None) if not isinstance(output, tuple) else output[0]]
 
     def hook(module, inputs, output):
-        taken.append(score(inputs[0]))
+        hidden, last = inputs[0], decoded[-1] if decoded else None
+        if last is not None and last.dim() == hidden.dim() == 3 and last.shape[-1] == hidden.shape[-1]:
+            hidden = last[:, -hidden.shape[1]:]  # sliced as the head's input is
+        taken.append(score(hidden))
         return taken[-1]
 
-    handle = head.register_forward_hook(hook)
+    handles = [head.register_forward_hook(hook)]
+    if decoder is not None:
+        handles.append(decoder.register_forward_hook(keep))
     try:
         yield taken
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def rewards(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
