@@ -35,9 +35,11 @@ def checkpoint_recipe(checkpoint: Path) -> Recipe:
         return saved_recipe(checkpoint / "recipe.yaml")
     except RecipeError as exc:  # the whole paragraph: every problem, each at its key (not only its first line)
         raise CheckpointError(f"checkpoint {checkpoint}: its recipe.yaml is not a valid recipe for this finetune, so "
-                              f"the LoRA layout cannot be known. {exc}\nFix: correct those keys in "
-                              f"{checkpoint / 'recipe.yaml'} (the recipe the checkpoint was written with), then run the "
-                              "command again.") from None
+                              f"the LoRA layout cannot be known. {exc}\nNothing was written. Fix: run the same command "
+                              "with the finetune that wrote the checkpoint (its manifest.json's `finetune` names it), or "
+                              "export the run's finished adapter/ (without --step), or start a new run. Do not edit "
+                              "that recipe.yaml: the checkpoint's manifest checks it, and an edited checkpoint is "
+                              "damaged for every later resume and export.") from None
 
 
 def read_trainable_tensors(path: Path) -> dict[str, torch.Tensor]:

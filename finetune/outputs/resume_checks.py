@@ -10,9 +10,12 @@ later is noted by default rather than forgotten. `finetune validate` runs the sa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,6 @@ from finetune import distributed
 from finetune.errors import CheckpointError
 from finetune.files import on_main, same_place
 from finetune.outputs.base_record import compare_base
-from finetune.outputs.run_folder import finetune_version
 from finetune.outputs.step_folders import (
     MANIFEST,
     TRAINER_STATE,
@@ -29,6 +31,7 @@ from finetune.outputs.step_folders import (
     list_checkpoints,
     read_dcp_metadata,
 )
+from finetune.rendezvous import DIGEST, code_facts, digests
 
 # Changes that leave the checkpoint unusable by this run, and why; the fix is the checkpoint's value.
 REFUSED = {
@@ -73,6 +76,28 @@ SAID = {"noted": "the run will differ from an uninterrupted one",
         "same_base": "the same base model (config.json and every weight file as the checkpoint recorded them), so the "
                      "training does not change",
         "evaluation": "the evaluation differs, the training does not"}
+
+
+@functools.cache
+def finetune_version() -> str:
+    """This finetune as a checkpoint's manifest records it: `0.1.0 (code 1a2b3c4d5e6f)`, the code a digest of every
+    file of the package (rendezvous.code_facts), with the commit when it runs from a git checkout (an editable install:
+    `0.1.0 (git 89f920a0c1d2, code 1a2b3c4d5e6f)`). A resume compares it with the checkpoint's, so that tokens changed
+    by an upgrade are not blamed on the user's data (resume_checks.py). Installed from a wheel, it said `0.1.0` for
+    every finetune, whose upgrades then went unnamed (bug bash bb70)."""
+    # finetune.__version__: the package is loaded before any of its modules (an import of it here would be a stage
+    # importing the top-level package, the CLI's room: tests/test_architecture.py)
+    __version__ = sys.modules["finetune"].__version__
+    code = "code " + digests({"finetune": code_facts()})["finetune"].removeprefix(DIGEST)[:12]
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():  # an installed wheel: its files say it (and no enclosing repository is asked)
+        return f"{__version__} ({code})"
+    try:
+        found = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                               text=True, timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    return f"{__version__} (git {found}, {code})" if found else f"{__version__} ({code})"
 
 
 def check_resume(source: Path | None, recipe, plan, *, train_rows: int | None,

@@ -8,13 +8,10 @@ cleared only when training is about to start (begin_outputs), so a run failing o
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,32 +24,14 @@ from finetune.errors import CheckpointError
 from finetune.files import _write_text_atomic, on_main, remove_path
 from finetune.model.lora.kept import keep_start, use_kept
 from finetune.outputs.adapter_files import ADAPTER_WEIGHTS, AS_TRAINED
-from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, list_checkpoints, resume_source
+from finetune.outputs.resume_checks import finetune_version  # noqa: F401 (re-exported for checkpoint.py)
+from finetune.outputs.step_folders import CHECKPOINTS, MANIFEST, checkpoint_problem, list_checkpoints, resume_source
 from finetune.recipe.checks import output_in_data_problem
 
 LOCK_FILE = ".finetune.lock"
 
 
 # ------------------------------------------------------------------------------------ what wrote a run folder
-@functools.cache
-def finetune_version() -> str:
-    """This finetune as a checkpoint's manifest records it: `0.1.0`, with the commit when it runs from a git checkout
-    (an editable install: `0.1.0 (git 89f920a0c1d2)`). A resume compares it with the checkpoint's, so that tokens
-    changed by an upgrade are not blamed on the user's data (resume_checks.py)."""
-    # finetune.__version__: the package is loaded before any of its modules (an import of it here would be a stage
-    # importing the top-level package, the CLI's room: tests/test_architecture.py)
-    __version__ = sys.modules["finetune"].__version__
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists():  # an installed wheel: the version says it (and no enclosing repository is asked)
-        return __version__
-    try:
-        found = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                               text=True, timeout=5, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        found = ""
-    return f"{__version__} (git {found})" if found else __version__
-
-
 def saved_recipe(path: Path):
     """A recipe.yaml a run wrote (a run folder's, a checkpoint's), read by this finetune. Keys a later finetune removed
     (recipe/text.py REMOVED_KEYS) are dropped with a one-line note: the recipe was valid for the finetune that wrote
@@ -305,6 +284,29 @@ def release_output_dir(out_dir: Path, *, remove_if_empty: bool = False) -> None:
             out_dir.rmdir()  # only succeeds when empty: a run that failed before writing anything leaves no trace
 
 
+def edited_recipe_problem(out_dir: Path) -> str | None:
+    """train.resume=auto: the paragraph for a checkpoint newer than the newest intact one whose files all match its
+    manifest but recipe.yaml (edited since: an older finetune's refusal told to). Skipped as damaged, it had the run
+    start over from step 0 and write its checkpoints over the folder's (bug bash bb70)."""
+    from finetune.files import _sha256
+
+    for _, path in reversed(list_checkpoints(out_dir)):
+        if (problem := checkpoint_problem(path)) is None:
+            return None
+        files = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["files"] if problem.startswith(
+            "recipe.yaml ") else {}
+        if files and all((path / name).is_file() and _sha256(path / name) == entry["sha256"]
+                         for name, entry in files.items() if name != "recipe.yaml"):
+            run = out_dir / "recipe.yaml"  # the run's own: the checkpoint's as written, unless the recipe changed since
+            back = (f"put it back (`cp {run} {path / 'recipe.yaml'}`: the run's recipe.yaml is the one the manifest "
+                    "checks)" if run.is_file() and _sha256(run) == files["recipe.yaml"]["sha256"] else "undo that edit")
+            return (f"train.resume=auto: checkpoint {path} matches its manifest in every file but recipe.yaml "
+                    f"({problem}), so the recipe it was written with was changed since; starting over from step 0 "
+                    "would write over this run's checkpoints. Nothing was loaded or written. Fix: "
+                    f"{back}, then run the same command again; or start a new run (another output.dir).")
+    return None
+
+
 @dataclass
 class RunFolder:
     """The claimed output folder and the checkpoint this run resumes from (None: a fresh start)."""
@@ -324,7 +326,8 @@ def claim_output_dir(recipe) -> Iterator[RunFolder]:
 
     def decide() -> tuple[str | None, bool]:
         problem = (output_dir_problem(out_dir, overwrite=recipe.output.overwrite, resume=recipe.train.resume)
-                   or output_in_data_problem(recipe))
+                   or output_in_data_problem(recipe) or (recipe.train.resume == "auto" and not recipe.output.overwrite
+                                                         and edited_recipe_problem(out_dir)))
         if problem:
             raise CheckpointError(problem)
         source = resume_source(recipe)

@@ -8,7 +8,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from finetune.recipe.checks import check_one_of_each
 from finetune.recipe.objectives import OBJECTIVES, sections
@@ -52,8 +52,8 @@ class TrainSection(_Section):
         "load-balancing loss (transformers' aux_loss) added to the loss, as TRL's router_aux_loss_coef. null: the "
         "model config's own router_aux_loss_coef (Mixtral-8x7B 0.02); 0: off. Refused on a model whose forward "
         "returns no such loss, and with train.objective reward (docs/recipes.md, Mixture-of-experts).")
-    seed: int = Field(42, ge=0, lt=2**63, description="Seeds the shuffle, the eval hold-out, LoRA's init and dropout. "
-                      "Below 2**63: torch takes seeds below 2**64, and epochs and ranks are added to it.")
+    seed: int = Field(42, description="Seeds the shuffle, the eval hold-out, LoRA's init and dropout. 0 to 2**63 - 1: "
+                      "torch takes seeds below 2**64, and epochs and ranks are added to it.")
     gradient_checkpointing: bool = True
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0: evaluate only at the end. With no eval rows (GRPO's, or "
@@ -112,6 +112,20 @@ class TrainSection(_Section):
     def _one_run_length(self) -> TrainSection:
         check_one_of_each(self)  # max_steps or num_epochs, warmup_steps or warmup_ratio
         return self
+
+    @model_validator(mode="after")
+    def _seed_a_new_run_takes(self, info: ValidationInfo) -> TrainSection:
+        # A seed that finetune before 60aa010 trained with, as torch.manual_seed takes it (-2**63 .. 2**64 - 1), is
+        # kept as written in a recipe a run wrote (trains False: read to export or generate) and in a resume, so the
+        # numbers are those of then: -1 is torch's 2**64 - 1 but Python random's 1, so no seed of 0 .. 2**63 - 1
+        # stands for it (bug bash bb70: a -1 run could be neither resumed nor exported). A new run is refused it.
+        new_run = self.resume is None and (info.context or {}).get("trains", True)
+        if (0 if new_run else -(2**63)) <= self.seed <= (2**63 - 1 if new_run else 2**64 - 1):
+            return self
+        raise ValueError(f"train.seed {self.seed} is outside {'0 .. 2**63 - 1' if new_run else '-2**63 .. 2**64 - 1'} (torch "
+                         "takes seeds from -2**63 to 2**64 - 1, and epochs and ranks are added to it). Fix: a seed from "
+                         "0 to 2**63 - 1." + (" (A run an older finetune trained with a seed below 0 resumes with it: "
+                                              "add train.resume=auto.)" if new_run and self.seed < 0 else ""))
 
     @field_validator("resume")
     @classmethod
