@@ -20,7 +20,8 @@ def test_an_old_run_reads_in_todays_names(tmp_path):
            {"step": 3, "skipped": "non-finite loss or gradient", "loss": "nan", "grad_norm": "nan"},
            {"step": 4, "loss": 1.8, "lr": 3e-4, "grad_norm": 0.8, "tokens": 90}]
     records = read_records(write(tmp_path / "metrics.jsonl", old, tail='{"step": 5, "lo'))  # a cut-off last line
-    assert [r.get("learning_rate") for r in records] == [1e-4, 2e-4, None, None, 3e-4]
+    # an old `lr` is the next step's rate (bb70 F5): step 2 trained at step 1's line's lr; after the gap, none
+    assert [r.get("learning_rate") for r in records] == [None, 1e-4, None, None, None]
     assert [r.get("num_tokens") for r in records] == [100, 220, None, None, 310]  # a skipped step trains no token
     assert not any("lr" in r or "tokens" in r for r in records)
 
@@ -29,7 +30,7 @@ def test_old_tokens_with_gaps_stay_as_written(tmp_path):
     """log_every 2: the steps between are not in the file, so no running count can be made of `tokens`."""
     old = [{"step": 2, "loss": 2.0, "lr": 1e-4, "tokens": 100}, {"step": 4, "loss": 1.9, "lr": 1e-4, "tokens": 100}]
     records = read_records(write(tmp_path / "metrics.jsonl", old))
-    assert [(r["learning_rate"], r["tokens"], "num_tokens" in r) for r in records] == [(1e-4, 100, False)] * 2
+    assert [(r.get("learning_rate"), r["tokens"], "num_tokens" in r) for r in records] == [(None, 100, False)] * 2
 
 
 def test_todays_run_and_an_old_run_resumed_today(tmp_path):
@@ -39,4 +40,4 @@ def test_todays_run_and_an_old_run_resumed_today(tmp_path):
     resumed = [{"step": 1, "loss": 2.0, "lr": 1e-4, "tokens": 100}, {"step": 2, "loss": 1.9, "lr": 2e-4, "tokens": 120},
                {"step": 3, "loss": 1.8, "learning_rate": 3e-4, "num_tokens": 300}]  # the checkpoint's running count
     records = read_records(write(tmp_path / "resumed.jsonl", resumed))
-    assert [(r["learning_rate"], r["num_tokens"]) for r in records] == [(1e-4, 100), (2e-4, 220), (3e-4, 300)]
+    assert [(r.get("learning_rate"), r["num_tokens"]) for r in records] == [(None, 100), (1e-4, 220), (3e-4, 300)]

@@ -21,8 +21,9 @@ def fake_run(folder, *, steps: int = 30, scale: float = 1.0, old_names: bool = F
     lines = []
     for step in range(1, steps + 1):
         lr = 2e-4 * min(1.0, step / 5)
+        next_lr = 2e-4 * min(1.0, (step + 1) / 5)  # an old `lr` was the next step's rate (read after the scheduler's step)
         lines.append({"step": step, "loss": scale * (3.0 / step**0.5),
-                      **({"lr": lr, "tokens": 512} if old_names else {"learning_rate": lr, "num_tokens": 512 * step})})
+                      **({"lr": next_lr, "tokens": 512} if old_names else {"learning_rate": lr, "num_tokens": 512 * step})})
         if step % 10 == 0:
             lines.append({"step": step, "eval_loss": scale * (3.2 / step**0.5)})
     text = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 31, "lo'  # a cut-off last line
@@ -47,10 +48,12 @@ def test_plot_run_writes_png(tmp_path):
 
 @pytest.mark.parametrize("old_names", [False, True])
 def test_read_run_series(tmp_path, old_names):
-    """A run of today and one written before the HF/TRL names (`lr`) give the same learning-rate series."""
+    """A run of today and one written before the HF/TRL names (`lr`, the next step's rate) give the same learning-rate
+    series: each step's own rate (an old run's step 1 has none)."""
     series = plot.read_run(fake_run(tmp_path / "run", old_names=old_names))
     assert len(series["loss"]) == 30 and [s for s, _ in series["eval_loss"]] == [10, 20, 30]
-    assert series["learning_rate"][0] == (1, pytest.approx(4e-5)) and len(series["learning_rate"]) == 30
+    first = (2, pytest.approx(8e-5)) if old_names else (1, pytest.approx(4e-5))
+    assert series["learning_rate"][0] == first and len(series["learning_rate"]) == 30 - old_names
 
 
 def test_cli_compares_runs(tmp_path, capsys):
