@@ -110,6 +110,11 @@ def resolve_source(path: str | Path) -> Source:
         fix = (f"it keeps the checkpoints of step{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}: add "
                f"--step {kept[-1]} to use the newest, or finish the run (train.resume=auto)" if kept else
                "point at a finished run folder or an adapter folder (a checkpoint's adapter works too)")
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) and not kept:
+            raise ExportError(  # bug bash bb73: a merged export, said to be a run that "did not finish"
+                f"{folder}: holds a whole model (config.json and its weights: a merged export, or a base), not an "
+                "adapter. Fix: to generate with it, take it as the base without an adapter: `finetune generate RUN "
+                f"--no-adapter --base {folder}` (RUN: the run it came from, whose recipe gives the chat template).")
         raise ExportError(
             f"{folder}: holds no adapter (looked for {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in {folder}/adapter and "
             f"{folder}). The run did not finish or saved nothing. Fix: {fix}."
