@@ -58,8 +58,9 @@ def test_a_resume_onto_pairs_with_their_sides_swapped_is_refused(tmp_path, fixed
         _attach(_pairs(swapped=True), run, checkpoint)
 
 
-def test_a_file_written_before_the_tokens_were_keyed_is_still_read(tmp_path, fixed_reference):
-    """A run folder of an earlier finetune holds the count and length alone: its resume keeps working."""
+def _an_earlier_finetunes_run(tmp_path):
+    """A run folder whose reference file holds each split's count and length alone, as finetune wrote it before
+    bb63, and a checkpoint folder in it (no trainer_state.json)."""
     run = tmp_path / "run"
     _attach(_pairs(), run)
     stored = json.loads((run / preference.REFERENCE_FILE).read_text())
@@ -67,6 +68,12 @@ def test_a_file_written_before_the_tokens_were_keyed_is_still_read(tmp_path, fix
     (run / preference.REFERENCE_FILE).write_text(json.dumps(stored))
     checkpoint = run / "checkpoints" / "step-00000002"
     checkpoint.mkdir(parents=True)
+    return run, checkpoint
+
+
+def test_a_file_written_before_the_tokens_were_keyed_is_still_read(tmp_path, fixed_reference):
+    """A run folder of an earlier finetune holds the count and length alone: its resume keeps working."""
+    run, checkpoint = _an_earlier_finetunes_run(tmp_path)
     assert _attach(_pairs(), run, checkpoint) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
 
 
@@ -105,13 +112,7 @@ def test_an_earlier_finetunes_file_is_checked_by_the_checkpoints_hash_of_its_row
     checkpoint without one is read with a note saying it cannot be checked."""
     from finetune.data import rows_fingerprint
 
-    run = tmp_path / "run"
-    _attach(_pairs(), run)
-    stored = json.loads((run / preference.REFERENCE_FILE).read_text())
-    stored["fingerprint"] = {name: value[:2] for name, value in stored["fingerprint"].items()}
-    (run / preference.REFERENCE_FILE).write_text(json.dumps(stored))
-    checkpoint = run / "checkpoints" / "step-00000002"
-    checkpoint.mkdir(parents=True)
+    run, checkpoint = _an_earlier_finetunes_run(tmp_path)
     assert _attach(_pairs(swapped=True), run, checkpoint) == [(-1.0, -2.0), (-2.0, -3.0), (-3.0, -4.0)]
     assert "keyed by the pairs' counts alone, and this checkpoint holds no hash" in capsys.readouterr().out
     (checkpoint / "trainer_state.json").write_text(json.dumps({"data": {"fingerprint": rows_fingerprint(_pairs())}}))
