@@ -194,9 +194,9 @@ _PROBE_MAGNITUDES = (-3.0, 3.0)  # log10 of the smallest and largest |value|
 _FIT_TOLERANCE = 0.02
 
 
-def head_transform(model: nn.Module, head: nn.Module, device: torch.device) -> tuple[float, float | None] | None:
-    """What the model's forward does to the head's output before it returns it, as (scale, softcap): logits x scale,
-    then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, HyperCLOVAX's x `logits_scaling`,
+def head_transform(model: nn.Module, lm: nn.Module, device: torch.device) -> tuple[float, float | None] | None:
+    """What the forward of `model` (`lm`: its causal LM, causal_lm) does to the head's output, as (scale, softcap):
+    logits x scale, then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, HyperCLOVAX's x `logits_scaling`,
     Falcon-H1's `lm_head_multiplier`, the softcap of Gemma, Mistral Large 4, RecurrentGemma ...); None (the plain path,
     full logits) when the model does anything else to them.
 
@@ -208,7 +208,7 @@ def head_transform(model: nn.Module, head: nn.Module, device: torch.device) -> t
     put back, so a run trains the numbers it would without the probe."""
     from finetune.parallel.wrapping import ordinary_token_ids
 
-    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
     designed: list[torch.Tensor] = []
 
     def replace(module, args, output):
@@ -287,7 +287,7 @@ def install(model: nn.Module, device: torch.device) -> tuple[nn.Module, nn.Modul
     if head is None:
         return None
     if not getattr(head, _PATCHED, False):
-        transform = head_transform(model, head, device)
+        transform = head_transform(model, lm, device)
         setattr(head, _TRANSFORM, transform)
         if transform is None:
             return None

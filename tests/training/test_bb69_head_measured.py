@@ -53,7 +53,7 @@ def test_the_measured_transform_is_the_models_and_the_loss_its_own(model_type):
     values, targets, transform = CASES[model_type]
     model, vocab = _model(model_type, values, targets)
     assert chunked.install(model, CPU) is not None
-    assert chunked.head_transform(model, chunked.causal_lm(model).get_output_embeddings(), CPU) == transform
+    assert chunked.head_transform(model, chunked.causal_lm(model), CPU) == transform
     diff = compare(model, batches(vocab)["padded"])
     assert diff["loss"] < 1e-5 and diff["eval"] < 1e-5 and diff["grad"] < 1e-4, diff
 
@@ -71,7 +71,7 @@ def test_a_remote_code_subclass_that_scales_its_logits_is_measured():
             return outputs
 
     model, vocab = _model("llama", {}, "all-linear", model_class=ScaledLlama)
-    scale, cap = chunked.head_transform(model, chunked.causal_lm(model).get_output_embeddings(), CPU)
+    scale, cap = chunked.head_transform(model, chunked.causal_lm(model), CPU)
     assert scale == pytest.approx(0.2, rel=1e-6) and cap is None
     diff = compare(model, batches(vocab)["padded"])
     assert diff["loss"] < 1e-5 and diff["eval"] < 1e-5 and diff["grad"] < 1e-4, diff
@@ -83,6 +83,6 @@ def test_the_probe_leaves_the_random_state_and_the_head_as_they_were():
     model, _ = _model("hyperclovax", {"logits_scaling": 0.125}, "all-linear")
     head = chunked.causal_lm(model).get_output_embeddings()
     state = torch.random.get_rng_state()
-    chunked.head_transform(model, head, CPU)
+    chunked.head_transform(model, chunked.causal_lm(model), CPU)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert not head._forward_hooks and all(p.grad is None for p in model.parameters())
