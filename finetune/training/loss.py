@@ -196,9 +196,9 @@ _FIT_TOLERANCE = 0.02
 
 def head_transform(model: nn.Module, lm: nn.Module, device: torch.device) -> tuple[float, float | None] | None:
     """What the forward of `model` (`lm`: its causal LM, causal_lm) does to the head's output, as (scale, softcap):
-    logits x scale, then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, HyperCLOVAX's x `logits_scaling`,
-    Falcon-H1's `lm_head_multiplier`, the softcap of Gemma, Mistral Large 4, RecurrentGemma ...); None (the plain path,
-    full logits) when the model does anything else to them.
+    logits x scale, then the tanh cap (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, HyperCLOVAX's x
+    `logits_scaling`, Falcon-H1's `lm_head_multiplier`, the softcap of Gemma, Mistral Large 4, RecurrentGemma ...);
+    None (the plain path, full logits) when the model does anything else to them.
 
     Measured, not read: one no-grad forward of `model` (the root, wrapped as the run wraps it: every rank calls this
     at the same first loss) on two ordinary tokens, with the head's output replaced by designed values X (a forward
